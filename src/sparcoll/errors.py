@@ -1,0 +1,29 @@
+"""One exception hierarchy, so callers can catch everything sparcoll raises with one clause."""
+
+
+class SparcollError(RuntimeError):
+    """Root of every error sparcoll raises on purpose."""
+
+
+class ProtocolError(SparcollError):
+    """A peer sent a message that breaks the protocol (malformed, out of order, over its credits)."""
+
+
+class MismatchError(SparcollError):
+    """Ranks called the same collective with different arguments (numel, dtype, op, block size)."""
+
+
+class PeerError(SparcollError):
+    """A peer (worker or aggregator) died, closed its connection or reported a failure."""
+
+
+class AuthenticationError(SparcollError):
+    """A connection failed the HMAC handshake."""
+
+
+class CollectiveTimeout(SparcollError, TimeoutError):
+    """A blocking step did not finish before its deadline."""
+
+
+class PoisonedError(SparcollError):
+    """The communicator had a failed collective; it must be re-created."""

@@ -1,0 +1,249 @@
+"""The batched OmniReduce protocol as sans-IO state machines: messages in, messages out.
+
+No sockets, threads or clocks live here, so tests can drive workers and aggregators in memory through
+any delivery order. The block index space of a tensor is split into (aggregator, stream) ranges; for
+each range every worker runs a `WorkerStream` and the owning aggregator an `AggregatorStream`.
+
+A worker streams its non-zero blocks in index order, at most `message_blocks` per message, each message
+carrying p: "I have sent every non-zero block below p". The aggregator keeps p per worker; every block
+below c = min_w p[w] is final, so it sums those blocks and sends (indices, sums, c) to every worker.
+A worker may have at most `credits` messages not yet covered by a result, which bounds the aggregator's
+pending blocks by workers x credits x message_blocks, whatever the tensor size.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import MismatchError, ProtocolError
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How a tensor's blocks are split over aggregators (contiguous shards) and streams within a shard."""
+    nblocks: int
+    num_aggs: int
+    streams: int
+
+    def range(self, agg: int, stream: int) -> tuple[int, int]:
+        shard_lo = agg * self.nblocks // self.num_aggs
+        shard_hi = (agg + 1) * self.nblocks // self.num_aggs
+        width = shard_hi - shard_lo
+        return (shard_lo + stream * width // self.streams,
+                shard_lo + (stream + 1) * width // self.streams)
+
+    def ranges(self) -> list[tuple[int, int, int, int]]:
+        """(aggregator, stream, lo, hi) for every range, also the empty ones: every worker sends to every
+        range at least once per collective, so every aggregator sees every rank's descriptor."""
+        return [(a, s, *self.range(a, s)) for a in range(self.num_aggs) for s in range(self.streams)]
+
+
+@dataclass(frozen=True)
+class Send:
+    """A contribution the worker should send: its non-zero blocks indices[start:stop], and p."""
+    seq: int
+    start: int
+    stop: int
+    progress: int
+
+
+@dataclass
+class Result:
+    """Final sums of the blocks `indices` (sorted), every block below `progress` (c) being final."""
+    seq: int
+    progress: int
+    indices: torch.Tensor
+    rows: torch.Tensor
+
+
+def check_indices(indices: torch.Tensor, floor: int, ceiling: int, what: str) -> None:
+    """Block indices must be strictly increasing and inside [floor, ceiling)."""
+    if indices.numel() == 0:
+        return
+    first, last = int(indices[0]), int(indices[-1])
+    if first < floor or last >= ceiling:
+        raise ProtocolError(f"{what}: block indices [{first}, {last}] outside [{floor}, {ceiling})")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise ProtocolError(f"{what}: block indices not strictly increasing")
+
+
+class WorkerStream:
+    """One worker's side of one (aggregator, stream) range: what to send next, what results to accept."""
+
+    def __init__(self, lo: int, hi: int, indices: torch.Tensor, message_blocks: int, credits: int):
+        self.lo, self.hi = lo, hi
+        self.indices = indices
+        self.message_blocks = message_blocks
+        self.credits = credits
+        self.progress = lo - 1          # c of the last accepted result
+        self._sent = 0                  # how many of `indices` were handed out
+        self._seq = 0
+        self._result_seq = 0
+        self._unacked: deque[int] = deque()   # p of each message not yet covered by a result
+
+    @property
+    def done(self) -> bool:
+        return self.progress == self.hi
+
+    def next_sends(self) -> list[Send]:
+        """Contributions that credits allow now; the first call always yields at least one."""
+        sends = []
+        n = self.indices.numel()
+        while len(self._unacked) < self.credits and (self._sent < n or self._seq == 0):
+            stop = min(self._sent + self.message_blocks, n)
+            progress = int(self.indices[stop]) if stop < n else self.hi
+            sends.append(Send(self._seq, self._sent, stop, progress))
+            self._unacked.append(progress)
+            self._sent = stop
+            self._seq += 1
+        return sends
+
+    def on_result(self, seq: int, progress: int, indices: torch.Tensor) -> None:
+        """Accept a result's metadata (before its data is written anywhere) or raise ProtocolError."""
+        if seq != self._result_seq:
+            raise ProtocolError(f"result seq {seq}, expected {self._result_seq}")
+        reported = self._unacked[-1] if self._unacked else self.progress
+        if not self.progress < progress <= min(reported, self.hi):
+            raise ProtocolError(f"result progress {progress} not in ({self.progress}, "
+                                f"{min(reported, self.hi)}]")
+        check_indices(indices, max(self.progress, self.lo), progress, "result")
+        mine = self.indices[(self.indices >= max(self.progress, self.lo)) & (self.indices < progress)]
+        if mine.numel() and not bool(torch.isin(mine, indices).all()):
+            raise ProtocolError("result omits blocks this worker contributed")
+        self._result_seq += 1
+        self.progress = progress
+        while self._unacked and self._unacked[0] <= progress:
+            self._unacked.popleft()
+
+
+@dataclass
+class _Pending:
+    indices: torch.Tensor
+    rows: torch.Tensor
+    token: Any
+
+
+@dataclass
+class Step:
+    """What an aggregator's input produced: a result to send to every worker (or None), and the tokens
+    of contributions whose data is no longer needed (their buffers can be reused)."""
+    result: Result | None = None
+    released: list = field(default_factory=list)
+
+
+class AggregatorStream:
+    """The aggregator's side of one range for one collective: accumulate, finalize below c, emit."""
+
+    def __init__(self, lo: int, hi: int, workers: int, descriptor: tuple[int, int, int, int],
+                 dtype: torch.dtype, acc_dtype: torch.dtype, average: bool, message_blocks: int,
+                 credits: int):
+        self.lo, self.hi = lo, hi
+        self.workers = workers
+        self.descriptor = descriptor
+        self.block_size = descriptor[1]
+        self.dtype, self.acc_dtype, self.average = dtype, acc_dtype, average
+        self.message_blocks, self.credits = message_blocks, credits
+        self.progress = lo - 1
+        self._reported = [lo - 1] * workers        # p per worker
+        self._seq = [0] * workers
+        self._inflight = [deque() for _ in range(workers)]   # p of messages not yet covered by c
+        self._pending: list[deque[_Pending]] = [deque() for _ in range(workers)]
+        self._result_seq = 0
+
+    @property
+    def done(self) -> bool:
+        return self.progress == self.hi
+
+    @property
+    def pending_blocks(self) -> int:
+        return sum(p.indices.numel() for q in self._pending for p in q)
+
+    def on_contribution(self, worker: int, seq: int, progress: int, descriptor: tuple,
+                        indices: torch.Tensor, rows: torch.Tensor, token: Any = None) -> Step:
+        """Take a worker's message (indices int64, rows (m, block) in the tensor dtype)."""
+        if not 0 <= worker < self.workers:
+            raise ProtocolError(f"contribution from unknown worker {worker}")
+        if descriptor != self.descriptor:
+            raise MismatchError(_describe_mismatch(worker, descriptor, self.descriptor))
+        if seq != self._seq[worker]:
+            raise ProtocolError(f"worker {worker}: message seq {seq}, expected {self._seq[worker]}")
+        previous = self._reported[worker]
+        if not previous < progress <= self.hi:
+            raise ProtocolError(f"worker {worker}: progress {progress} not in ({previous}, {self.hi}]")
+        if len(self._inflight[worker]) >= self.credits:
+            raise ProtocolError(f"worker {worker} exceeded its {self.credits} credits")
+        count = indices.numel()
+        if count > self.message_blocks:
+            raise ProtocolError(f"worker {worker}: {count} blocks in a message, limit "
+                                f"{self.message_blocks}")
+        check_indices(indices, max(previous, self.lo), progress, f"worker {worker}")
+        if rows.shape != (count, self.block_size) or rows.dtype != self.dtype:
+            raise ProtocolError(f"worker {worker}: data of shape {tuple(rows.shape)} {rows.dtype}, "
+                                f"expected ({count}, {self.block_size}) {self.dtype}")
+        self._seq[worker] += 1
+        self._reported[worker] = progress
+        self._inflight[worker].append(progress)
+        step = Step()
+        if count:
+            self._pending[worker].append(_Pending(indices, rows, token))
+        else:
+            step.released.append(token)
+        final = min(self._reported)
+        if final > self.progress:
+            step.result = self._finalize(final, step.released)
+        return step
+
+    def _finalize(self, final: int, released: list) -> Result:
+        chunks = []
+        for queue in self._pending:
+            while queue:
+                head = queue[0]
+                cut = int(torch.searchsorted(head.indices, final))
+                if cut == 0:
+                    break
+                chunks.append((head.indices[:cut], head.rows[:cut]))
+                if cut < head.indices.numel():
+                    head.indices, head.rows = head.indices[cut:], head.rows[cut:]
+                    break
+                queue.popleft()
+                released.append(head.token)
+        for inflight in self._inflight:
+            while inflight and inflight[0] <= final:
+                inflight.popleft()
+        indices, sums = self._sum(chunks)
+        result = Result(self._result_seq, final, indices, sums)
+        self._result_seq += 1
+        self.progress = final
+        return result
+
+    def _sum(self, chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not chunks:
+            return (torch.empty(0, dtype=torch.int64),
+                    torch.empty(0, self.block_size, dtype=self.dtype))
+        first_idx, first_rows = chunks[0]
+        if all(torch.equal(idx, first_idx) for idx, _ in chunks[1:]):
+            # Every contributor sent the same blocks (the dense case): plain adds, no index work.
+            indices = first_idx
+            sums = first_rows.to(self.acc_dtype, copy=True)
+            for _, rows in chunks[1:]:
+                sums.add_(rows)
+        else:
+            indices, inverse = torch.unique(torch.cat([idx for idx, _ in chunks]), sorted=True,
+                                            return_inverse=True)
+            sums = torch.zeros(indices.numel(), self.block_size, dtype=self.acc_dtype)
+            offset = 0
+            for idx, rows in chunks:
+                sums.index_add_(0, inverse[offset:offset + idx.numel()], rows.to(self.acc_dtype))
+                offset += idx.numel()
+        if self.average:
+            sums.div_(self.workers)
+        return indices, sums.to(self.dtype)
+
+
+def _describe_mismatch(worker: int, got: tuple, expected: tuple) -> str:
+    names = ("numel", "block_size", "dtype", "op")
+    diffs = ", ".join(f"{n} {g} vs {e}" for n, g, e in zip(names, got, expected) if g != e)
+    return f"ranks disagree on the collective: rank {worker} has {diffs} of another rank"

@@ -1,0 +1,216 @@
+"""Message layouts: a fixed header, then block indices, then block data. Pure bytes, no sockets.
+
+Every message starts with the same 56-byte header so a receiver can validate it completely before it
+reads (or allocates for) a single payload byte. Data messages carry the collective's descriptor
+(numel, block size, dtype, op) so an aggregator can detect ranks that disagree about the collective.
+
+    CONTRIBUTE  worker -> aggregator   count int32 block indices, then count blocks of data
+    RESULT      aggregator -> worker   same layout; `progress` is c, "every block below c is final"
+    ERROR       either way             count bytes of UTF-8 text; fails the named collective
+    BYE         worker -> aggregator   the worker is leaving the job on purpose
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ProtocolError
+
+MAGIC = b"SPCL"
+VERSION = 1
+INDEX_DTYPE = torch.int32
+INDEX_BYTES = 4
+MAX_BLOCK_SIZE = 1 << 16
+MAX_ERROR_BYTES = 1 << 16
+
+
+class Kind(enum.IntEnum):
+    CONTRIBUTE = 1
+    RESULT = 2
+    ERROR = 3
+    BYE = 4
+
+
+class Op(enum.IntEnum):
+    SUM = 0
+    AVG = 1
+
+
+# dtype code -> (torch dtype, accumulation dtype). Half types accumulate in float32.
+DTYPES: dict[int, tuple[torch.dtype, torch.dtype]] = {
+    0: (torch.float32, torch.float32),
+    1: (torch.float16, torch.float32),
+    2: (torch.bfloat16, torch.float32),
+    3: (torch.float64, torch.float64),
+}
+DTYPE_CODES = {dt: code for code, (dt, _) in DTYPES.items()}
+
+_HEADER = struct.Struct("<4sBBHQQIIQQIBBH")
+HEADER_BYTES = _HEADER.size
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: Kind
+    stream: int = 0
+    job: int = 0
+    collective: int = 0
+    seq: int = 0
+    count: int = 0          # blocks (CONTRIBUTE/RESULT) or bytes of text (ERROR)
+    progress: int = 0       # p (worker) or c (aggregator), a block index
+    numel: int = 0
+    block_size: int = 0
+    dtype: int = 0
+    op: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def descriptor(self) -> tuple[int, int, int, int]:
+        return (self.numel, self.block_size, self.dtype, self.op)
+
+    def payload_sizes(self) -> tuple[int, int]:
+        """(index bytes, data bytes) that follow this header on the wire."""
+        if self.kind in (Kind.CONTRIBUTE, Kind.RESULT):
+            itemsize = self.torch_dtype.itemsize
+            return self.count * INDEX_BYTES, self.count * self.block_size * itemsize
+        if self.kind is Kind.ERROR:
+            return 0, self.count
+        return 0, 0
+
+
+def encode_header(h: Header) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, h.kind, h.stream, h.job, h.collective, h.seq, h.count,
+                        h.progress, h.numel, h.block_size, h.dtype, h.op, 0)
+
+
+def decode_header(buf, max_blocks: int) -> Header:
+    """Parse and validate a header; `max_blocks` bounds what a peer may make us allocate."""
+    if len(buf) != HEADER_BYTES:
+        raise ProtocolError(f"truncated header: {len(buf)} of {HEADER_BYTES} bytes")
+    (magic, version, kind, stream, job, collective, seq, count, progress, numel, block_size,
+     dtype, op, _reserved) = _HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this is {VERSION})")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {kind}") from None
+    h = Header(kind, stream, job, collective, seq, count, progress, numel, block_size, dtype, op)
+    if kind in (Kind.CONTRIBUTE, Kind.RESULT):
+        if dtype not in DTYPES:
+            raise ProtocolError(f"unknown dtype code {dtype}")
+        if op not in Op._value2member_map_:
+            raise ProtocolError(f"unknown op code {op}")
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ProtocolError(f"block size {block_size} out of range")
+        if count > max_blocks:
+            raise ProtocolError(f"message declares {count} blocks, limit is {max_blocks}")
+        nblocks = -(-numel // block_size)
+        if progress > nblocks:
+            raise ProtocolError(f"progress {progress} beyond the {nblocks} blocks of the tensor")
+    elif kind is Kind.ERROR and count > MAX_ERROR_BYTES:
+        raise ProtocolError(f"error text of {count} bytes exceeds {MAX_ERROR_BYTES}")
+    return h
+
+
+def data_header(kind: Kind, *, stream: int, job: int, collective: int, seq: int, count: int,
+                progress: int, descriptor: tuple[int, int, int, int]) -> bytes:
+    numel, block_size, dtype, op = descriptor
+    return encode_header(Header(kind, stream, job, collective, seq, count, progress, numel,
+                                block_size, dtype, op))
+
+
+def error_message(job: int, collective: int, text: str) -> list[bytes]:
+    raw = text.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
+    return [encode_header(Header(Kind.ERROR, job=job, collective=collective, count=len(raw))), raw]
+
+
+# ---- handshake -----------------------------------------------------------------------------------
+# client -> server  HELLO   job, rank, world, aggregator index, aggregator count, client nonce
+# server -> client  CHALLENGE  server nonce, MAC proving the server holds the secret
+# client -> server  PROOF   MAC proving the client holds the secret
+# server -> client  VERDICT  0 = welcome, else a reason text follows
+NONCE_BYTES = 32
+MAC_BYTES = 32
+_HELLO = struct.Struct("<4sBBQIIHH32s")
+_CHALLENGE = struct.Struct("<4sB32s32s")
+_PROOF = struct.Struct("<4sB32s")
+_VERDICT = struct.Struct("<4sBH")
+HELLO_BYTES, CHALLENGE_BYTES, PROOF_BYTES, VERDICT_BYTES = (
+    _HELLO.size, _CHALLENGE.size, _PROOF.size, _VERDICT.size)
+
+
+@dataclass(frozen=True)
+class Hello:
+    job: int
+    rank: int
+    world: int
+    agg_index: int
+    num_aggs: int
+    nonce: bytes
+
+    def encode(self) -> bytes:
+        return _HELLO.pack(MAGIC, VERSION, 0, self.job, self.rank, self.world, self.agg_index,
+                           self.num_aggs, self.nonce)
+
+    @staticmethod
+    def decode(buf) -> "Hello":
+        magic, version, _, job, rank, world, agg_index, num_aggs, nonce = _HELLO.unpack(buf)
+        _check_magic(magic, version)
+        if world < 1 or rank >= world or num_aggs < 1 or agg_index >= num_aggs:
+            raise ProtocolError(f"inconsistent hello: rank {rank} of {world}, "
+                                f"aggregator {agg_index} of {num_aggs}")
+        return Hello(job, rank, world, agg_index, num_aggs, nonce)
+
+
+def _check_magic(magic: bytes, version: int) -> None:
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r} in handshake")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this is {VERSION})")
+
+
+def mac(secret: bytes, role: bytes, hello: Hello, server_nonce: bytes) -> bytes:
+    """HMAC-SHA256 binding both nonces, the role and every HELLO field, so nothing can be replayed."""
+    return hmac.new(secret, role + hello.encode() + server_nonce, hashlib.sha256).digest()
+
+
+def encode_challenge(server_nonce: bytes, server_mac: bytes) -> bytes:
+    return _CHALLENGE.pack(MAGIC, VERSION, server_nonce, server_mac)
+
+
+def decode_challenge(buf) -> tuple[bytes, bytes]:
+    magic, version, nonce, server_mac = _CHALLENGE.unpack(buf)
+    _check_magic(magic, version)
+    return nonce, server_mac
+
+
+def encode_proof(client_mac: bytes) -> bytes:
+    return _PROOF.pack(MAGIC, VERSION, client_mac)
+
+
+def decode_proof(buf) -> bytes:
+    magic, version, client_mac = _PROOF.unpack(buf)
+    _check_magic(magic, version)
+    return client_mac
+
+
+def encode_verdict(reason: str = "") -> bytes:
+    raw = reason.encode("utf-8", "replace")[:1024]
+    return _VERDICT.pack(MAGIC, VERSION, len(raw)) + raw
+
+
+def decode_verdict_length(buf) -> int:
+    magic, version, length = _VERDICT.unpack(buf)
+    _check_magic(magic, version)
+    return length

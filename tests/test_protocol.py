@@ -1,0 +1,188 @@
+"""The sans-IO protocol driven in memory: random workers, ranges, sparsity and delivery orders."""
+import random
+from collections import deque
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st, HealthCheck
+
+from sparcoll.errors import MismatchError, ProtocolError
+from sparcoll.protocol import AggregatorStream, Geometry, WorkerStream
+
+
+def block_sparse(rng: torch.Generator, nblocks, block_size, density):
+    """Integer-valued data (sums are exact in any order) with a random set of non-zero blocks."""
+    data = torch.randint(-4, 5, (nblocks, block_size), generator=rng).float()
+    data[data == 0] = 1.0
+    keep = torch.rand(nblocks, generator=rng) < density
+    data[~keep] = 0.0
+    return data, keep.nonzero().squeeze(1)
+
+
+def run_allreduce(inputs, nonzero, num_aggs, streams, message_blocks, credits, seed,
+                  average=False, dtype=torch.float32, acc=torch.float32):
+    """Run one collective through the state machines; return (outputs, pending peak, sent indices)."""
+    workers = len(inputs)
+    nblocks, block_size = inputs[0].shape
+    geometry = Geometry(nblocks, num_aggs, streams)
+    descriptor = (nblocks * block_size, block_size, 0, int(average))
+    outputs = [torch.zeros_like(x) for x in inputs]
+    rnd = random.Random(seed)
+    wstreams, astreams, channels = {}, {}, {}
+    for agg, stream, lo, hi in geometry.ranges():
+        astreams[agg, stream] = AggregatorStream(lo, hi, workers, descriptor, dtype, acc, average,
+                                                 message_blocks, credits)
+        for w in range(workers):
+            mine = nonzero[w][(nonzero[w] >= lo) & (nonzero[w] < hi)]
+            wstreams[w, agg, stream] = WorkerStream(lo, hi, mine, message_blocks, credits)
+    # One FIFO per direction per (worker, aggregator) pair, as TCP gives; interleaving is random.
+    for w in range(workers):
+        for agg in range(num_aggs):
+            channels["up", w, agg] = deque()
+            channels["down", w, agg] = deque()
+
+    def post_sends(w, agg, stream):
+        ws = wstreams[w, agg, stream]
+        for s in ws.next_sends():
+            idx = ws.indices[s.start:s.stop]
+            channels["up", w, agg].append((stream, s.seq, s.progress, idx, inputs[w][idx]))
+
+    for (w, agg, stream) in wstreams:
+        post_sends(w, agg, stream)
+    sent = [set() for _ in range(workers)]
+    peak = 0
+    while any(channels.values()):
+        key = rnd.choice([k for k, q in channels.items() if q])
+        direction, w, agg = key
+        msg = channels[key].popleft()
+        if direction == "up":
+            stream, seq, progress, idx, rows = msg
+            sent[w].update(idx.tolist())
+            a = astreams[agg, stream]
+            step = a.on_contribution(w, seq, progress, descriptor, idx, rows)
+            peak = max(peak, a.pending_blocks)
+            if step.result is not None:
+                for v in range(workers):
+                    channels["down", v, agg].append((stream, step.result))
+        else:
+            stream, result = msg
+            wstreams[w, agg, stream].on_result(result.seq, result.progress, result.indices)
+            outputs[w][result.indices] = result.rows
+            post_sends(w, agg, stream)
+    assert all(ws.done for ws in wstreams.values())
+    assert all(a.done and a.pending_blocks == 0 for a in astreams.values())
+    return outputs, peak, sent
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workers=st.integers(1, 8), num_aggs=st.integers(1, 4), streams=st.integers(1, 3),
+       nblocks=st.integers(0, 80), block_size=st.sampled_from([1, 3, 4, 16]),
+       density=st.sampled_from([0.0, 0.05, 0.3, 0.7, 1.0]), message_blocks=st.integers(1, 9),
+       credits=st.integers(1, 4), average=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_result_is_dense_sum_in_any_delivery_order(workers, num_aggs, streams, nblocks, block_size,
+                                                   density, message_blocks, credits, average, seed):
+    rng = torch.Generator().manual_seed(seed)
+    inputs, nonzero = zip(*(block_sparse(rng, nblocks, block_size, density) for _ in range(workers)))
+    outputs, peak, sent = run_allreduce(list(inputs), list(nonzero), num_aggs, streams,
+                                        message_blocks, credits, seed, average=average)
+    reference = torch.stack(inputs).double().sum(0)
+    if average:
+        reference /= workers
+    for out in outputs:
+        assert torch.equal(out.double(), reference.float().double())
+    for w in range(workers):   # only this worker's non-zero blocks ever left it
+        assert sent[w] == set(nonzero[w].tolist())
+    # Pending state is bounded by workers x credits x message_blocks per (aggregator, stream).
+    assert peak <= workers * credits * message_blocks
+
+
+def test_union_zero_blocks_are_never_in_results():
+    rng = torch.Generator().manual_seed(1)
+    inputs, nonzero = zip(*(block_sparse(rng, 200, 8, 0.05) for _ in range(3)))
+    union = set().union(*(set(n.tolist()) for n in nonzero))
+    results = []
+    geometry = Geometry(200, 2, 2)
+    desc = (1600, 8, 0, 0)
+    for agg, stream, lo, hi in geometry.ranges():
+        a = AggregatorStream(lo, hi, 3, desc, torch.float32, torch.float32, False, 4, 2)
+        ws = [WorkerStream(lo, hi, n[(n >= lo) & (n < hi)], 4, 2) for n in nonzero]
+        while not a.done:
+            for w, s in enumerate(ws):
+                for send in s.next_sends():
+                    idx = s.indices[send.start:send.stop]
+                    step = a.on_contribution(w, send.seq, send.progress, desc, idx, inputs[w][idx])
+                    if step.result is not None:
+                        results.append(step.result)
+                        for v in ws:
+                            v.on_result(step.result.seq, step.result.progress, step.result.indices)
+    got = set()
+    for r in results:
+        got.update(r.indices.tolist())
+    assert got == union
+
+
+def test_half_precision_accumulates_in_float32():
+    # 2048 copies of 1.0 in float16 summed pairwise-in-float16 would stall at 2048; float32 does not.
+    workers = 4
+    x = torch.full((1, 4), 1000.0, dtype=torch.float16)
+    inputs = [x.clone() for _ in range(workers)]
+    inputs[0][0, 0] = 0.25
+    nonzero = [torch.tensor([0])] * workers
+    outputs, _, _ = run_allreduce(inputs, nonzero, 1, 1, 4, 2, 0, dtype=torch.float16, acc=torch.float32)
+    expected = torch.stack([i.float() for i in inputs]).sum(0).half()
+    assert torch.equal(outputs[0], expected)
+
+
+def test_nan_and_inf_propagate_like_a_dense_sum():
+    inputs = [torch.zeros(3, 2), torch.zeros(3, 2)]
+    inputs[0][0, 0] = float("nan")
+    inputs[1][1, 1] = float("inf")
+    inputs[0][1, 0] = 1.0
+    nonzero = [torch.tensor([0, 1]), torch.tensor([1])]
+    outputs, _, _ = run_allreduce(inputs, nonzero, 1, 1, 4, 2, 0)
+    torch.testing.assert_close(outputs[1], inputs[0] + inputs[1], equal_nan=True)
+
+
+def make_stream(workers=2, credits=2, message_blocks=4):
+    return AggregatorStream(0, 10, workers, (40, 4, 0, 0), torch.float32, torch.float32, False,
+                            message_blocks, credits)
+
+
+def test_aggregator_rejects_bad_messages():
+    rows = torch.ones(2, 4)
+    desc = (40, 4, 0, 0)
+    with pytest.raises(MismatchError, match="numel 80 vs 40"):
+        make_stream().on_contribution(0, 0, 5, (80, 4, 0, 0), torch.tensor([1, 2]), rows)
+    with pytest.raises(ProtocolError, match="not strictly increasing"):
+        make_stream().on_contribution(0, 0, 5, desc, torch.tensor([2, 2]), rows)
+    with pytest.raises(ProtocolError, match="outside"):
+        make_stream().on_contribution(0, 0, 5, desc, torch.tensor([3, 7]), rows)
+    with pytest.raises(ProtocolError, match="seq 1, expected 0"):
+        make_stream().on_contribution(0, 1, 5, desc, torch.tensor([1, 2]), rows)
+    with pytest.raises(ProtocolError, match="unknown worker"):
+        make_stream().on_contribution(5, 0, 5, desc, torch.tensor([1, 2]), rows)
+    with pytest.raises(ProtocolError, match="blocks in a message"):
+        make_stream(message_blocks=1).on_contribution(0, 0, 5, desc, torch.tensor([1, 2]), rows)
+    with pytest.raises(ProtocolError, match="data of shape"):
+        make_stream().on_contribution(0, 0, 5, desc, torch.tensor([1, 2]), torch.ones(2, 3))
+    a = make_stream(credits=1)
+    a.on_contribution(0, 0, 3, desc, torch.tensor([1, 2]), rows)
+    with pytest.raises(ProtocolError, match="credits"):
+        a.on_contribution(0, 1, 5, desc, torch.tensor([3, 4]), rows)
+    a = make_stream()
+    a.on_contribution(0, 0, 3, desc, torch.tensor([1, 2]), rows)
+    with pytest.raises(ProtocolError, match="outside"):   # re-sends a block below its own p
+        a.on_contribution(0, 1, 5, desc, torch.tensor([2, 4]), rows)
+
+
+def test_worker_rejects_results_that_break_the_rules():
+    ws = WorkerStream(0, 10, torch.tensor([1, 5]), 1, 1)   # one credit: sends [1], p=5
+    ws.next_sends()
+    with pytest.raises(ProtocolError, match="progress"):
+        ws.on_result(0, 9, torch.tensor([1]))          # beyond what this worker reported
+    with pytest.raises(ProtocolError, match="omits"):
+        ws.on_result(0, 5, torch.tensor([2]))
+    with pytest.raises(ProtocolError, match="seq"):
+        ws.on_result(3, 5, torch.tensor([1]))
+    ws.on_result(0, 5, torch.tensor([1, 3]))
+    assert ws.next_sends()[0].start == 1
