@@ -1,0 +1,1 @@
+"""Benchmark support code (emulated networks, measurement helpers)."""
