@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .errors import MismatchError, ProtocolError
+from .wire import DTYPES, Op
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,13 @@ class AggregatorStream:
 
 
 def _describe_mismatch(worker: int, got: tuple, expected: tuple) -> str:
+    def show(name, value):
+        if name == "dtype":
+            return str(DTYPES[value][0]) if value in DTYPES else f"code {value}"
+        if name == "op":
+            return Op(value).name.lower() if value in Op._value2member_map_ else f"code {value}"
+        return str(value)
     names = ("numel", "block_size", "dtype", "op")
-    diffs = ", ".join(f"{n} {g} vs {e}" for n, g, e in zip(names, got, expected) if g != e)
-    return f"ranks disagree on the collective: rank {worker} has {diffs} of another rank"
+    diffs = ", ".join(f"{n} {show(n, g)} where another rank has {show(n, e)}"
+                      for n, g, e in zip(names, got, expected) if g != e)
+    return f"ranks disagree on the collective: rank {worker} has {diffs}"

@@ -27,6 +27,7 @@ INDEX_DTYPE = torch.int32
 INDEX_BYTES = 4
 MAX_BLOCK_SIZE = 1 << 16
 MAX_ERROR_BYTES = 1 << 16
+MAX_MESSAGE_BYTES = 64 << 20    # largest contribution an aggregator will allocate for
 
 
 class Kind(enum.IntEnum):
@@ -39,6 +40,14 @@ class Kind(enum.IntEnum):
 class Op(enum.IntEnum):
     SUM = 0
     AVG = 1
+
+
+class ErrorCode(enum.IntEnum):
+    """Carried in an ERROR message's `op` field so the receiver raises the right exception type."""
+    GENERIC = 0
+    MISMATCH = 1
+    PEER = 2
+    PROTOCOL = 3
 
 
 # dtype code -> (torch dtype, accumulation dtype). Half types accumulate in float32.
@@ -91,7 +100,7 @@ def encode_header(h: Header) -> bytes:
                         h.progress, h.numel, h.block_size, h.dtype, h.op, 0)
 
 
-def decode_header(buf, max_blocks: int) -> Header:
+def decode_header(buf, max_blocks: int, expected_job: int) -> Header:
     """Parse and validate a header; `max_blocks` bounds what a peer may make us allocate."""
     if len(buf) != HEADER_BYTES:
         raise ProtocolError(f"truncated header: {len(buf)} of {HEADER_BYTES} bytes")
@@ -115,11 +124,16 @@ def decode_header(buf, max_blocks: int) -> Header:
             raise ProtocolError(f"block size {block_size} out of range")
         if count > max_blocks:
             raise ProtocolError(f"message declares {count} blocks, limit is {max_blocks}")
+        if kind is Kind.CONTRIBUTE and count * block_size * DTYPES[dtype][0].itemsize > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"message of {count} blocks of {block_size} elements exceeds "
+                                f"{MAX_MESSAGE_BYTES} bytes")
         nblocks = -(-numel // block_size)
         if progress > nblocks:
             raise ProtocolError(f"progress {progress} beyond the {nblocks} blocks of the tensor")
     elif kind is Kind.ERROR and count > MAX_ERROR_BYTES:
         raise ProtocolError(f"error text of {count} bytes exceeds {MAX_ERROR_BYTES}")
+    if job != expected_job:
+        raise ProtocolError(f"message for job {job:#x} on a connection of job {expected_job:#x}")
     return h
 
 
@@ -130,9 +144,14 @@ def data_header(kind: Kind, *, stream: int, job: int, collective: int, seq: int,
                                 block_size, dtype, op))
 
 
-def error_message(job: int, collective: int, text: str) -> list[bytes]:
+def error_message(job: int, collective: int, text: str, code: ErrorCode) -> list[bytes]:
     raw = text.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
-    return [encode_header(Header(Kind.ERROR, job=job, collective=collective, count=len(raw))), raw]
+    return [encode_header(Header(Kind.ERROR, job=job, collective=collective, count=len(raw),
+                                 op=code)), raw]
+
+
+def bye_message(job: int) -> bytes:
+    return encode_header(Header(Kind.BYE, job=job))
 
 
 # ---- handshake -----------------------------------------------------------------------------------
@@ -142,7 +161,7 @@ def error_message(job: int, collective: int, text: str) -> list[bytes]:
 # server -> client  VERDICT  0 = welcome, else a reason text follows
 NONCE_BYTES = 32
 MAC_BYTES = 32
-_HELLO = struct.Struct("<4sBBQIIHH32s")
+_HELLO = struct.Struct("<4sBBQIIHHHHI32s")
 _CHALLENGE = struct.Struct("<4sB32s32s")
 _PROOF = struct.Struct("<4sB32s")
 _VERDICT = struct.Struct("<4sBH")
@@ -151,26 +170,45 @@ HELLO_BYTES, CHALLENGE_BYTES, PROOF_BYTES, VERDICT_BYTES = (
 
 
 @dataclass(frozen=True)
+class JobConfig:
+    """What every connection of a job must agree on; the aggregator sizes its state from it."""
+    world: int
+    num_aggs: int
+    streams: int
+    credits: int
+    message_blocks: int
+
+    def check(self) -> None:
+        limits = dict(world=4096, num_aggs=4096, streams=64, credits=64, message_blocks=1 << 16)
+        for name, limit in limits.items():
+            if not 1 <= getattr(self, name) <= limit:
+                raise ProtocolError(f"{name}={getattr(self, name)} outside [1, {limit}]")
+
+
+@dataclass(frozen=True)
 class Hello:
     job: int
     rank: int
-    world: int
     agg_index: int
-    num_aggs: int
+    config: JobConfig
     nonce: bytes
 
     def encode(self) -> bytes:
-        return _HELLO.pack(MAGIC, VERSION, 0, self.job, self.rank, self.world, self.agg_index,
-                           self.num_aggs, self.nonce)
+        c = self.config
+        return _HELLO.pack(MAGIC, VERSION, 0, self.job, self.rank, c.world, self.agg_index,
+                           c.num_aggs, c.streams, c.credits, c.message_blocks, self.nonce)
 
     @staticmethod
     def decode(buf) -> "Hello":
-        magic, version, _, job, rank, world, agg_index, num_aggs, nonce = _HELLO.unpack(buf)
+        (magic, version, _, job, rank, world, agg_index, num_aggs, streams, credits, message_blocks,
+         nonce) = _HELLO.unpack(buf)
         _check_magic(magic, version)
-        if world < 1 or rank >= world or num_aggs < 1 or agg_index >= num_aggs:
+        config = JobConfig(world, num_aggs, streams, credits, message_blocks)
+        config.check()
+        if rank >= world or agg_index >= num_aggs:
             raise ProtocolError(f"inconsistent hello: rank {rank} of {world}, "
                                 f"aggregator {agg_index} of {num_aggs}")
-        return Hello(job, rank, world, agg_index, num_aggs, nonce)
+        return Hello(job, rank, agg_index, config, nonce)
 
 
 def _check_magic(magic: bytes, version: int) -> None:

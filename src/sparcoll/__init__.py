@@ -1,0 +1,40 @@
+"""sparcoll: block-sparse streaming AllReduce (OmniReduce) for data-parallel PyTorch.
+
+    import sparcoll
+    comm = sparcoll.init()          # after torch.distributed.init_process_group("gloo")
+    comm.allreduce(tensor)          # in place; only non-zero blocks cross the network
+"""
+from __future__ import annotations
+
+import collections
+
+from .communicator import Communicator, Stats, Work
+from .errors import (AuthenticationError, CollectiveTimeout, MismatchError, PeerError,
+                     PoisonedError, ProtocolError, SparcollError)
+
+__version__ = "0.1.0"
+__all__ = ["init", "Communicator", "Stats", "Work", "SparcollError", "ProtocolError",
+           "MismatchError", "PeerError", "AuthenticationError", "CollectiveTimeout", "PoisonedError"]
+
+_inits_per_group: collections.Counter = collections.Counter()
+
+
+def init(group=None, **options) -> Communicator:
+    """A Communicator over a torch.distributed group (default: the whole job).
+
+    Rendezvous goes through the group's torch.distributed Store, so torchrun's is the only one.
+    Options: block_size (elements, default 256 or $SPARCOLL_BLOCK_SIZE), aggregators (None:
+    colocated, one per rank; or ["host:port", ...] of `sparcoll aggregator` processes, default
+    $SPARCOLL_AGGREGATORS), streams, message_blocks, credits, timeout (seconds), host.
+    Every rank of the group must call init, in the same order as other inits on that group."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        raise SparcollError("call torch.distributed.init_process_group before sparcoll.init")
+    group = group if group is not None else dist.group.WORLD
+    name = c10d._get_process_group_name(group)
+    _inits_per_group[name] += 1
+    store = dist.PrefixStore(f"sparcoll/{name}/{_inits_per_group[name]}/",
+                             c10d._get_default_store())
+    return Communicator(store, dist.get_rank(group), dist.get_world_size(group), **options)

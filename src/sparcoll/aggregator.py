@@ -1,0 +1,321 @@
+"""Aggregators: sum one shard of every collective of a job and stream the results back to its workers.
+
+An `AggregatorServer` listens on a TCP port and serves jobs. Each `AggregatorJob` drives the sans-IO
+`AggregatorStream`s of its collectives. A colocated aggregator is a server inside a worker process that
+serves that worker's job only (its own worker talks to it by direct calls, no socket); a dedicated one
+(`sparcoll aggregator`) serves every job that authenticates with its secret, each isolated.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import socket
+import threading
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+from . import transport, wire
+from .blocks import as_bytes
+from .errors import MismatchError, PeerError, ProtocolError, SparcollError
+from .protocol import AggregatorStream, Geometry, Result
+
+log = logging.getLogger("sparcoll.aggregator")
+
+FAILED_MEMORY = 64          # failed collective ids remembered per job, to drop their late messages
+HANDSHAKE_TIMEOUT = 10.0
+
+
+class BufferPool:
+    """Receive buffers reused across messages: fresh large allocations cost page faults."""
+
+    def __init__(self, keep: int):
+        self._free: list[torch.Tensor] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= nbytes:
+                    return self._free.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(buf)
+
+
+class _RemoteWorker:
+    """A worker reached over TCP: results and errors are queued on its connection."""
+
+    def __init__(self, conn: transport.Connection):
+        self.conn = conn
+
+    def send_result(self, h: wire.Header, header: bytes, indices: torch.Tensor,
+                    result: Result) -> None:
+        self.conn.send([header, as_bytes(indices), as_bytes(result.rows)],
+                       blocks=result.indices.numel())
+
+    def send_error(self, job: int, collective: int, code: wire.ErrorCode, text: str) -> None:
+        self.conn.send(wire.error_message(job, collective, text, code))
+
+
+class LocalWorker:
+    """The worker living in the aggregator's own process: events go to its queue, no bytes move."""
+
+    def __init__(self, deliver: Callable[[tuple], None]):
+        self.deliver = deliver
+
+    def send_result(self, h: wire.Header, header: bytes, indices: torch.Tensor,
+                    result: Result) -> None:
+        self.deliver(("result", h.collective, h.stream, result))
+
+    def send_error(self, job: int, collective: int, code: wire.ErrorCode, text: str) -> None:
+        self.deliver(("error", collective, code, text))
+
+
+class _Collective:
+    def __init__(self, descriptor: tuple[int, int, int, int], job: "AggregatorJob"):
+        numel, block_size, dtype_code, op = descriptor
+        dtype, acc = wire.DTYPES[dtype_code]
+        config = job.config
+        geometry = Geometry(-(-numel // block_size), config.num_aggs, config.streams)
+        self.descriptor = descriptor
+        self.lock = threading.Lock()
+        self.streams = [AggregatorStream(*geometry.range(job.agg_index, s), config.world, descriptor,
+                                         dtype, acc, op == wire.Op.AVG, config.message_blocks,
+                                         config.credits)
+                        for s in range(config.streams)]
+        self.finished = 0
+
+
+class AggregatorJob:
+    """One job's state on one aggregator: its workers and the collectives in progress."""
+
+    def __init__(self, job: int, agg_index: int, config: wire.JobConfig):
+        self.job = job
+        self.agg_index = agg_index
+        self.config = config
+        self.workers: dict[int, _RemoteWorker | LocalWorker] = {}
+        self._collectives: dict[int, _Collective] = {}
+        self._failed: OrderedDict[int, tuple[wire.ErrorCode, str]] = OrderedDict()
+        self._broken: tuple[wire.ErrorCode, str] | None = None
+        self._lock = threading.Lock()
+
+    def admit(self, hello: wire.Hello) -> None:
+        if hello.config != self.config or hello.agg_index != self.agg_index:
+            raise ProtocolError(f"rank {hello.rank} joins job {self.job:#x} with {hello.config}, "
+                                f"aggregator {hello.agg_index}; the job has {self.config}, "
+                                f"aggregator {self.agg_index}")
+        if hello.rank in self.workers:
+            raise ProtocolError(f"rank {hello.rank} of job {self.job:#x} is already connected")
+
+    def attach(self, rank: int, worker: _RemoteWorker | LocalWorker) -> None:
+        with self._lock:
+            self.workers[rank] = worker
+
+    def contribute(self, rank: int, header: wire.Header, indices: torch.Tensor, rows: torch.Tensor,
+                   token: Callable[[], None] | None = None) -> None:
+        """Feed one contribution to its collective; results and errors go out to every worker."""
+        state = self._state(header)
+        if state is None:
+            _release(token)
+            return
+        if header.stream >= len(state.streams):
+            _release(token)
+            raise ProtocolError(f"rank {rank}: stream {header.stream} of {len(state.streams)}")
+        with state.lock:
+            stream = state.streams[header.stream]
+            try:
+                step = stream.on_contribution(rank, header.seq, header.progress, header.descriptor,
+                                              indices, rows, token)
+            except MismatchError as exc:
+                _release(token)
+                self.fail(header.collective, wire.ErrorCode.MISMATCH, str(exc))
+                return
+            except ProtocolError as exc:
+                _release(token)
+                self.fail(header.collective, wire.ErrorCode.PROTOCOL, f"rank {rank}: {exc}")
+                raise
+            for released in step.released:
+                _release(released)
+            if step.result is not None:
+                self._broadcast(header, step.result)
+            if stream.done:
+                state.finished += 1
+                if state.finished == len(state.streams):
+                    with self._lock:
+                        self._collectives.pop(header.collective, None)
+
+    def _state(self, header: wire.Header) -> _Collective | None:
+        with self._lock:
+            failure = self._broken or self._failed.get(header.collective)
+            state = self._collectives.get(header.collective)
+            if failure is None and state is None:
+                state = self._collectives[header.collective] = _Collective(header.descriptor, self)
+        if failure is not None:
+            if header.collective not in self._failed:
+                self.fail(header.collective, *failure)
+            return None
+        return state
+
+    def _broadcast(self, h: wire.Header, result: Result) -> None:
+        header = wire.data_header(wire.Kind.RESULT, stream=h.stream, job=self.job,
+                                  collective=h.collective, seq=result.seq,
+                                  count=result.indices.numel(), progress=result.progress,
+                                  descriptor=h.descriptor)
+        indices = result.indices.to(wire.INDEX_DTYPE)
+        # Remote workers first: once the local worker has its last result it may close this
+        # aggregator, and every result queued before that is still flushed.
+        workers = sorted(self.workers.values(), key=lambda w: isinstance(w, LocalWorker))
+        for worker in workers:
+            worker.send_result(h, header, indices, result)
+
+    def fail(self, collective: int, code: wire.ErrorCode, text: str) -> None:
+        """Fail one collective on every worker; its late messages are then dropped."""
+        with self._lock:
+            if collective in self._failed:
+                return
+            self._failed[collective] = (code, text)
+            while len(self._failed) > FAILED_MEMORY:
+                self._failed.popitem(last=False)
+            self._collectives.pop(collective, None)
+            workers = list(self.workers.values())
+        log.warning("job %#x collective %d failed: %s", self.job, collective, text)
+        for worker in workers:
+            worker.send_error(self.job, collective, code, text)
+
+    def detach(self, rank: int, reason: str | None) -> None:
+        """A worker left (reason None: on purpose). Every collective now in progress or started
+        later fails, since it can never complete without that worker."""
+        with self._lock:
+            self.workers.pop(rank, None)
+            self._broken = self._broken or (wire.ErrorCode.PEER,
+                                            reason or f"rank {rank} left the job")
+            active = list(self._collectives)
+        for collective in active:
+            self.fail(collective, *self._broken)
+
+
+def _release(token: Callable[[], None] | None) -> None:
+    if token is not None:
+        token()
+
+
+class AggregatorServer:
+    """Accepts authenticated connections and serves each on its own receiver thread.
+
+    `secret` authenticates clients; `only_job`, when set, restricts the server to that one job
+    (a colocated aggregator)."""
+
+    def __init__(self, host: str, port: int, secret: bytes, only_job: int | None = None):
+        self.secret = secret
+        self.only_job = only_job
+        self.jobs: dict[int, AggregatorJob] = {}
+        self._lock = threading.Lock()
+        self._connections: set[transport.Connection] = set()
+        self._closed = False
+        self.sock = socket.create_server((host, port), backlog=256)
+        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        self.stats = transport.TrafficStats()   # of connections already closed
+        self._accepter = threading.Thread(target=self._accept_loop, name="sparcoll-accept",
+                                          daemon=True)
+        self._accepter.start()
+
+    def add_job(self, job: int, agg_index: int, config: wire.JobConfig) -> AggregatorJob:
+        with self._lock:
+            state = self.jobs[job] = AggregatorJob(job, agg_index, config)
+        return state
+
+    def traffic(self) -> transport.TrafficStats:
+        total = transport.TrafficStats()
+        total.add(self.stats)
+        for conn in list(self._connections):
+            total.add(conn.stats)
+        return total
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), name="sparcoll-agg-recv",
+                             daemon=True).start()
+
+    def _admit(self, hello: wire.Hello) -> None:
+        if self.only_job is not None and hello.job != self.only_job:
+            raise ProtocolError(f"this aggregator serves job {self.only_job:#x} only")
+        with self._lock:
+            job = self.jobs.get(hello.job)
+            if job is None:
+                job = self.jobs[hello.job] = AggregatorJob(hello.job, hello.agg_index, hello.config)
+            job.admit(hello)
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            hello = transport.accept(sock, lambda hello: self.secret, self._admit, HANDSHAKE_TIMEOUT)
+        except (SparcollError, OSError) as exc:
+            log.warning("refused a connection: %s", exc)
+            sock.close()
+            return
+        job = self.jobs[hello.job]
+        conn = transport.Connection(sock, f"rank {hello.rank} of job {hello.job:#x}",
+                                    lambda exc: None)
+        with self._lock:
+            self._connections.add(conn)
+        job.attach(hello.rank, _RemoteWorker(conn))
+        reason = self._receive(conn, job, hello.rank)
+        job.detach(hello.rank, reason)
+        conn.close()
+        with self._lock:
+            self._connections.discard(conn)
+            self.stats.add(conn.stats)
+            if not job.workers and self.only_job is None:
+                self.jobs.pop(job.job, None)
+
+    def _receive(self, conn: transport.Connection, job: AggregatorJob, rank: int) -> str | None:
+        """Read and dispatch a worker's messages until it leaves; returns why it left (None: BYE)."""
+        pool = BufferPool(keep=2 * job.config.streams * job.config.credits)
+        try:
+            while True:
+                h = conn.recv_header(job.config.message_blocks, job.job)
+                if h.kind is wire.Kind.CONTRIBUTE:
+                    indices = torch.empty(h.count, dtype=wire.INDEX_DTYPE)
+                    conn.recv_into(as_bytes(indices))
+                    nbytes = h.payload_sizes()[1]
+                    buf = pool.take(nbytes)
+                    conn.recv_into(as_bytes(buf)[:nbytes])
+                    rows = buf[:nbytes].view(h.torch_dtype).view(h.count, h.block_size)
+                    conn.stats.blocks_received += h.count
+                    job.contribute(rank, h, indices.long(), rows, functools.partial(pool.give, buf))
+                elif h.kind is wire.Kind.ERROR:
+                    text = bytearray(h.count)
+                    conn.recv_into(memoryview(text))
+                    job.fail(h.collective, wire.ErrorCode(h.op) if h.op in wire.ErrorCode._value2member_map_
+                             else wire.ErrorCode.GENERIC,
+                             f"rank {rank}: {text.decode('utf-8', 'replace')}")
+                elif h.kind is wire.Kind.BYE:
+                    return None
+                else:
+                    raise ProtocolError(f"unexpected {h.kind.name} message from a worker")
+        except ProtocolError as exc:
+            log.warning("closing %s: %s", conn.peer, exc)
+            return f"rank {rank} sent a malformed message ({exc})"
+        except (PeerError, OSError) as exc:
+            if self._closed:
+                return "the aggregator is shutting down"
+            return f"rank {rank} disconnected ({exc})"
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        for conn in list(self._connections):
+            conn.close()

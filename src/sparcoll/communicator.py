@@ -1,0 +1,518 @@
+"""The worker side: a Communicator runs block-sparse allreduces through colocated or dedicated aggregators.
+
+Data flow of one allreduce (see docs/architecture.md):
+  caller thread  validates the tensor and queues the collective (ranks call collectives in one order)
+  engine thread  scans the tensor for non-zero blocks, sends each (aggregator, stream) range's first
+                 contributions, then waits for completion or the deadline
+  receiver threads (one per remote aggregator) read results straight into the tensor and send the
+                 next contributions that the freed credits allow
+  local thread   does the same for results of this process's own (colocated) aggregator
+Only one collective per communicator is in flight, so its memory and the aggregators' stay bounded.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+from . import transport, wire
+from .aggregator import AggregatorJob, AggregatorServer, LocalWorker
+from .blocks import BlockTensor, as_bytes, runs
+from .errors import (CollectiveTimeout, MismatchError, PeerError, PoisonedError, ProtocolError,
+                     SparcollError)
+from .protocol import Geometry, WorkerStream
+
+RUN_LIMIT = 32          # more runs than this in a message: gather/scatter through one buffer instead
+DEFAULT_BLOCK_SIZE = 256
+ERROR_TYPES = {wire.ErrorCode.MISMATCH: MismatchError, wire.ErrorCode.PEER: PeerError,
+               wire.ErrorCode.PROTOCOL: ProtocolError, wire.ErrorCode.GENERIC: SparcollError}
+OPS = {"sum": wire.Op.SUM, "avg": wire.Op.AVG}
+
+
+@dataclass
+class Stats(transport.TrafficStats):
+    """Traffic this process's transport wrote and read on the worker's behalf, and collectives run."""
+    collectives: int = 0
+
+
+class Work:
+    """Handle of an asynchronous allreduce."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[["Work"], None]] = []
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """Block until done; return the tensor or raise the collective's error."""
+        if not self._event.wait(timeout):
+            raise CollectiveTimeout(f"allreduce not finished after {timeout:g} s")
+        if self._error is not None:
+            raise self._error
+        return self.tensor
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[["Work"], None]) -> None:
+        """Call fn(work) once done (at once if already done); used to complete torch futures."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            self._error = error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+
+class _Collective:
+    """Worker-side state of one allreduce."""
+
+    def __init__(self, cid: int, tensor: torch.Tensor, descriptor: tuple, work: Work,
+                 timeout: float):
+        self.id = cid
+        self.tensor = tensor
+        self.descriptor = descriptor
+        self.work = work
+        self.timeout = timeout
+        self.streams: dict[tuple[int, int], WorkerStream] = {}
+        self.stream_locks: dict[tuple[int, int], threading.Lock] = {}
+        self.bt: BlockTensor | None = None
+        self.flat: torch.Tensor | None = None
+        self.lock = threading.Lock()
+        self.remaining = 0
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            if self.error is None and not self.done.is_set():
+                self.error = error
+        self.done.set()
+
+    def stream_done(self) -> None:
+        with self.lock:
+            self.remaining -= 1
+            if self.remaining:
+                return
+            self.bt.finish()
+            if not self.tensor.is_contiguous():     # we worked on a contiguous copy
+                self.tensor.copy_(self.flat.view_as(self.tensor))
+        self.done.set()
+
+
+def _env_default(value, name: str, parse: Callable, default):
+    if value is not None:
+        return value
+    raw = os.environ.get(name)
+    return parse(raw) if raw else default
+
+
+def _parse_aggregators(text: str) -> list[str]:
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    for address in addresses:
+        transport.parse_address(address)
+    return addresses
+
+
+def local_host() -> str:
+    """The address peers can reach this process at: SPARCOLL_HOST, else the interface that routes
+    to MASTER_ADDR (no packet is sent), else loopback."""
+    if os.environ.get("SPARCOLL_HOST"):
+        return os.environ["SPARCOLL_HOST"]
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+class Communicator:
+    """Block-sparse allreduce for one group of `world` ranks, bootstrapped through `store`."""
+
+    def __init__(self, store, rank: int, world: int, *, block_size: int | None = None,
+                 aggregators: list[str] | None = None, streams: int = 1, message_blocks: int = 1024,
+                 credits: int = 4, timeout: float = 60.0, host: str | None = None):
+        self.rank, self.world = rank, world
+        self.block_size = int(_env_default(block_size, "SPARCOLL_BLOCK_SIZE", int,
+                                           DEFAULT_BLOCK_SIZE))
+        aggregators = _env_default(aggregators, "SPARCOLL_AGGREGATORS", _parse_aggregators, None)
+        if not 1 <= self.block_size <= wire.MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size {self.block_size} outside [1, {wire.MAX_BLOCK_SIZE}]")
+        if message_blocks * self.block_size * 8 > wire.MAX_MESSAGE_BYTES:
+            raise ValueError(f"message_blocks x block_size x 8 bytes exceeds "
+                             f"{wire.MAX_MESSAGE_BYTES} bytes")
+        self.timeout = float(timeout)
+        self.aggregators = list(aggregators) if aggregators else None
+        num_aggs = len(self.aggregators) if self.aggregators else world
+        self.config = wire.JobConfig(world, num_aggs, streams, credits, message_blocks)
+        self.config.check()
+        self._closed = False
+        self._poison: BaseException | None = None
+        self._active: _Collective | None = None
+        self._next_id = 1
+        self._last_started = 0
+        self._early_errors: dict[int, BaseException] = {}
+        self._state_lock = threading.Lock()
+        self._connections: dict[int, transport.Connection] = {}
+        self._threads: list[threading.Thread] = []
+        self._server: AggregatorServer | None = None
+        self._local_job: AggregatorJob | None = None
+        self._local_index: int | None = None
+        self._local_events: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._collectives_done = 0
+        self._engine: threading.Thread | None = None
+        try:
+            self._bootstrap(store, host)
+        except BaseException:
+            self.close()
+            raise
+        self._engine = self._spawn(self._engine_loop, "sparcoll-engine")
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def _bootstrap(self, store, host: str | None) -> None:
+        deadline = time.monotonic() + self.timeout
+        if self.rank == 0:
+            store.set("job", secrets.token_bytes(8 + 32))
+        self._store_wait(store, ["job"], deadline)
+        blob = store.get("job")
+        self.job, job_secret = int.from_bytes(blob[:8], "little"), blob[8:]
+        if self.aggregators is None:
+            self._server = AggregatorServer(host or local_host(), 0, job_secret, only_job=self.job)
+            self._local_index = self.rank
+            self._local_job = self._server.add_job(self.job, self.rank, self.config)
+            self._local_job.attach(self.rank, LocalWorker(self._local_events.put))
+            store.set(f"aggregator/{self.rank}", self._server.address)
+            keys = [f"aggregator/{r}" for r in range(self.world)]
+            self._store_wait(store, keys, deadline)
+            addresses = [store.get(k).decode() for k in keys]
+            secret = job_secret
+            self._spawn(self._local_loop, "sparcoll-local")
+        else:
+            addresses = self.aggregators
+            secret = os.environ.get("SPARCOLL_SECRET", "").encode()
+        self.addresses = addresses
+        for index, address in enumerate(addresses):
+            if index == self._local_index:
+                continue
+            hello = wire.Hello(self.job, self.rank, index, self.config, os.urandom(wire.NONCE_BYTES))
+            sock = transport.connect(address, hello, secret, max(0.1, deadline - time.monotonic()))
+            conn = transport.Connection(sock, f"aggregator {index} at {address}",
+                                        lambda exc, i=index: self._broken(i, exc))
+            self._connections[index] = conn
+            self._spawn(lambda i=index, c=conn: self._receive_loop(i, c), f"sparcoll-recv-{index}")
+
+    def _store_wait(self, store, keys: list[str], deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        try:
+            store.wait(keys, timedelta(seconds=max(0.1, remaining)))
+        except Exception as exc:   # torch raises a plain RuntimeError/DistStoreError on timeout
+            raise CollectiveTimeout(f"rank {self.rank}: peers did not publish {keys} in the "
+                                    f"store within {self.timeout:g} s ({exc})") from None
+
+    def _spawn(self, target: Callable, name: str) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return thread
+
+    # ---- public API ----------------------------------------------------------------------------
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False,
+                  timeout: float | None = None):
+        """Sum (op="sum") or average (op="avg") `tensor` over all ranks, in place.
+        Returns the tensor, or a Work handle with async_op=True."""
+        with self._state_lock:
+            if self._closed:
+                raise SparcollError("communicator is closed")
+            cid = self._next_id
+            self._next_id += 1
+            poison = self._poison
+        if poison is not None:
+            raise PoisonedError(f"an earlier collective failed ({poison}); create a new "
+                                f"communicator") from poison
+        try:
+            descriptor = self._describe(tensor, op)
+        except (TypeError, ValueError) as exc:
+            self._requests.put(("abort", cid, f"rejected its input: {exc}"))
+            self._set_poison(exc)
+            raise
+        work = Work(tensor)
+        self._requests.put(("run", _Collective(cid, tensor, descriptor, work,
+                                               self.timeout if timeout is None else timeout)))
+        return work if async_op else work.wait()
+
+    def _describe(self, tensor, op) -> tuple[int, int, int, int]:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"allreduce takes a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.layout != torch.strided:
+            raise TypeError(f"allreduce takes dense tensors, got layout {tensor.layout}")
+        if tensor.dtype not in wire.DTYPE_CODES:
+            raise TypeError(f"sparcoll does not support dtype {tensor.dtype}; supported: "
+                            + ", ".join(str(d) for d, _ in wire.DTYPES.values()))
+        if tensor.device.type != "cpu":
+            raise ValueError(f"tensor on device {tensor.device}: sparcoll supports CPU tensors")
+        op_name = op if isinstance(op, str) else getattr(op, "name", str(op)).lower()
+        if op_name not in OPS:
+            raise ValueError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
+        return (tensor.numel(), self.block_size, wire.DTYPE_CODES[tensor.dtype], OPS[op_name])
+
+    @property
+    def stats(self) -> Stats:
+        total = Stats(collectives=self._collectives_done)
+        for conn in self._connections.values():
+            total.add(conn.stats)
+        return total
+
+    @property
+    def aggregator_stats(self) -> transport.TrafficStats:
+        """Traffic of this process's colocated aggregator (zero with dedicated aggregators)."""
+        return self._server.traffic() if self._server else transport.TrafficStats()
+
+    def close(self) -> None:
+        """Leave the job and stop every thread; always returns."""
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._requests.put(None)
+        coll = self._active
+        if coll is not None:
+            coll.fail(SparcollError("the communicator was closed during the collective"))
+        if self._engine is not None and self._engine is not threading.current_thread():
+            self._engine.join(timeout=5.0)   # it sends what is queued, e.g. an abort
+        for conn in self._connections.values():
+            conn.send([wire.bye_message(self.job)])
+            conn.close()
+        if self._server is not None:
+            self._server.close()
+        self._local_events.put(None)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5.0)
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- engine --------------------------------------------------------------------------------
+    def _engine_loop(self) -> None:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            if request[0] == "abort":
+                self._abort(request[1], request[2])
+                continue
+            coll = request[1]
+            error = self._poison and PoisonedError(f"an earlier collective failed ({self._poison})")
+            if error is None:
+                error = self._run(coll)
+            if error is not None:
+                self._set_poison(error)
+            else:
+                self._collectives_done += 1
+            coll.work._finish(error)
+
+    def _run(self, coll: _Collective) -> BaseException | None:
+        tensor = coll.tensor
+        coll.flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        coll.bt = BlockTensor(coll.flat, self.block_size)
+        nonzero = coll.bt.nonzero()
+        geometry = Geometry(coll.bt.nblocks, self.config.num_aggs, self.config.streams)
+        for agg, stream, lo, hi in geometry.ranges():
+            lo_i, hi_i = torch.searchsorted(nonzero, torch.tensor([lo, hi])).tolist()
+            coll.streams[agg, stream] = WorkerStream(lo, hi, nonzero[lo_i:hi_i],
+                                                     self.config.message_blocks, self.config.credits)
+            coll.stream_locks[agg, stream] = threading.Lock()
+        coll.remaining = len(coll.streams)
+        with self._state_lock:
+            self._active = coll
+            self._last_started = coll.id
+            early = self._early_errors.pop(coll.id, None)
+        if early is not None:
+            coll.fail(early)
+        try:
+            for agg, stream in coll.streams:
+                self._advance(coll, agg, stream)
+        except SparcollError as exc:
+            coll.fail(exc)
+        if not coll.done.wait(coll.timeout):
+            coll.fail(CollectiveTimeout(self._describe_stall(coll)))
+        with self._state_lock:
+            self._active = None
+        return coll.error
+
+    def _describe_stall(self, coll: _Collective) -> str:
+        waiting = sorted({agg for (agg, _), ws in coll.streams.items() if not ws.done})
+        who = ", ".join(f"aggregator {a} at {self.addresses[a]}" for a in waiting)
+        return (f"rank {self.rank}: allreduce {coll.id} not finished after {coll.timeout:g} s; "
+                f"still waiting for {who} (a peer may be dead, stuck, or calling other collectives)")
+
+    def _advance(self, coll: _Collective, agg: int, stream: int, result=None) -> None:
+        """Accept a result's metadata (if any), then send what the credits allow. Serialized per
+        stream: the engine's first sends and a receiver's next ones must not interleave."""
+        ws = coll.streams[agg, stream]
+        with coll.stream_locks[agg, stream]:
+            if result is not None:
+                ws.on_result(*result)
+            self._transmit(coll, agg, stream, ws.next_sends())
+
+    def _transmit(self, coll: _Collective, agg: int, stream: int, sends) -> None:
+        """Send contributions: direct calls to the local aggregator, zero-copy views to remote ones."""
+        ws = coll.streams[agg, stream]
+        for send in sends:
+            indices = ws.indices[send.start:send.stop]
+            if agg == self._local_index:
+                header = wire.Header(wire.Kind.CONTRIBUTE, stream, self.job, coll.id, send.seq,
+                                     indices.numel(), send.progress, *coll.descriptor)
+                self._local_job.contribute(self.rank, header, indices, coll.bt.rows_of(indices))
+                continue
+            header = wire.data_header(wire.Kind.CONTRIBUTE, stream=stream, job=self.job,
+                                      collective=coll.id, seq=send.seq, count=indices.numel(),
+                                      progress=send.progress, descriptor=coll.descriptor)
+            spans = runs(indices, RUN_LIMIT)
+            if spans is None:
+                payload = [as_bytes(coll.bt.gather(indices))]
+            else:
+                payload = [as_bytes(v) for start, stop in spans for v in coll.bt.views(start, stop)]
+            self._connections[agg].send([header, as_bytes(indices.to(wire.INDEX_DTYPE)), *payload],
+                                        blocks=indices.numel())
+
+    # ---- results -------------------------------------------------------------------------------
+    def _current(self, cid: int) -> _Collective | None:
+        coll = self._active
+        return coll if coll is not None and coll.id == cid else None
+
+    def _receive_loop(self, agg: int, conn: transport.Connection) -> None:
+        max_blocks = self.world * self.config.credits * self.config.message_blocks
+        staging = torch.empty(0, dtype=torch.uint8)
+        try:
+            while True:
+                h = conn.recv_header(max_blocks, self.job)
+                if h.kind is wire.Kind.ERROR:
+                    text = bytearray(h.count)
+                    conn.recv_into(memoryview(text))
+                    self._collective_error(h.collective, h.op, text.decode("utf-8", "replace"))
+                    continue
+                if h.kind is not wire.Kind.RESULT:
+                    raise ProtocolError(f"unexpected {h.kind.name} message from an aggregator")
+                indices = torch.empty(h.count, dtype=wire.INDEX_DTYPE)
+                conn.recv_into(as_bytes(indices))
+                nbytes = h.payload_sizes()[1]
+                coll = self._current(h.collective)
+                if coll is None:    # a collective that already failed here: drop its results
+                    if staging.numel() < nbytes:
+                        staging = torch.empty(nbytes, dtype=torch.uint8)
+                    conn.recv_into(as_bytes(staging)[:nbytes])
+                    continue
+                staging = self._on_result(coll, agg, conn, h, indices.long(), staging)
+        except (SparcollError, OSError) as exc:
+            if not self._closed:
+                self._broken(agg, exc)
+
+    def _on_result(self, coll: _Collective, agg: int, conn: transport.Connection, h: wire.Header,
+                   indices: torch.Tensor, staging: torch.Tensor) -> torch.Tensor:
+        if h.descriptor != coll.descriptor or (agg, h.stream) not in coll.streams:
+            raise ProtocolError(f"result for stream {h.stream} with descriptor {h.descriptor} does "
+                                f"not match collective {coll.id}")
+        ws = coll.streams[agg, h.stream]
+        self._advance(coll, agg, h.stream, (h.seq, h.progress, indices))
+        spans = runs(indices, RUN_LIMIT)
+        if spans is not None:
+            for start, stop in spans:
+                for view in coll.bt.views(start, stop):
+                    conn.recv_into(as_bytes(view))
+        else:
+            nbytes = h.payload_sizes()[1]
+            if staging.numel() < nbytes:
+                staging = torch.empty(nbytes, dtype=torch.uint8)
+            conn.recv_into(as_bytes(staging)[:nbytes])
+            rows = staging[:nbytes].view(coll.tensor.dtype).view(h.count, self.block_size)
+            coll.bt.scatter(indices, rows)
+        conn.stats.blocks_received += h.count
+        if ws.done:
+            coll.stream_done()
+        return staging
+
+    def _local_loop(self) -> None:
+        """Results and errors from this process's own aggregator (delivered without sockets)."""
+        while True:
+            event = self._local_events.get()
+            if event is None:
+                return
+            if event[0] == "error":
+                _, cid, code, text = event
+                self._collective_error(cid, code, text)
+                continue
+            _, cid, stream, result = event
+            coll = self._current(cid)
+            if coll is None:
+                continue
+            try:
+                ws = coll.streams[self._local_index, stream]
+                self._advance(coll, self._local_index, stream,
+                              (result.seq, result.progress, result.indices))
+                coll.bt.scatter(result.indices, result.rows)
+                if ws.done:
+                    coll.stream_done()
+            except SparcollError as exc:
+                coll.fail(exc)
+
+    # ---- failures ------------------------------------------------------------------------------
+    def _collective_error(self, cid: int, code: int, text: str) -> None:
+        error = ERROR_TYPES.get(code, SparcollError)(text)
+        with self._state_lock:
+            coll = self._current(cid)
+            if coll is None and cid > self._last_started:
+                # A peer failed a collective this rank has queued but not started yet.
+                self._early_errors[cid] = error
+        if coll is not None:
+            coll.fail(error)
+
+    def _broken(self, agg: int, exc: BaseException) -> None:
+        """A connection to an aggregator failed: every later collective fails, and so does the
+        current one if it still needs that aggregator (a peer that finished first may leave)."""
+        error = exc if isinstance(exc, PeerError) else PeerError(
+            f"connection to aggregator {agg} at {self.addresses[agg]} failed: {exc}")
+        self._set_poison(error)
+        coll = self._active
+        if coll is not None and any(not ws.done for (a, _), ws in coll.streams.items() if a == agg):
+            coll.fail(error)
+
+    def _set_poison(self, error: BaseException) -> None:
+        with self._state_lock:
+            if self._poison is None:
+                self._poison = error
+
+    def _abort(self, cid: int, text: str) -> None:
+        """Tell every aggregator that this rank gives up collective `cid`, so no peer waits for it."""
+        for index in range(self.config.num_aggs):
+            if index == self._local_index:
+                self._local_job.fail(cid, wire.ErrorCode.GENERIC, f"rank {self.rank}: {text}")
+            else:
+                self._connections[index].send(wire.error_message(self.job, cid, text,
+                                                                 wire.ErrorCode.GENERIC))

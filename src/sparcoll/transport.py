@@ -1,0 +1,210 @@
+"""TCP connections: authenticated handshake, framed sends from a queue, exact receives into given memory.
+
+Each connection has one sender thread fed by a queue, so no thread ever blocks in a send while holding a
+lock (two hosts whose TCP buffers are both full would otherwise deadlock). Receives are done by the
+owner's receiver thread straight into memory it chooses (often the user's tensor).
+"""
+from __future__ import annotations
+
+import hmac
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from . import wire
+from .errors import AuthenticationError, CollectiveTimeout, PeerError, ProtocolError
+
+RECV_SLICE = 256 * 1024   # recv_into in slices: measured faster than one huge recv_into here
+IOV_MAX = 512
+
+
+@dataclass
+class TrafficStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    blocks_sent: int = 0
+    blocks_received: int = 0
+
+    def add(self, other: "TrafficStats") -> None:
+        for name in other.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"aggregator address {text!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def _sendmsg_all(sock: socket.socket, buffers: list) -> int:
+    views = [memoryview(b).cast("B") for b in buffers]
+    views = [v for v in views if len(v)]
+    total = sum(len(v) for v in views)
+    while views:
+        sent = sock.sendmsg(views[:IOV_MAX])
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+    return total
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, peer: str) -> None:
+    got, size = 0, len(view)
+    while got < size:
+        n = sock.recv_into(view[got:got + RECV_SLICE])
+        if n == 0:
+            raise PeerError(f"{peer} closed the connection")
+        got += n
+
+
+class Connection:
+    """One authenticated TCP connection. `send` queues, a sender thread writes; `recv_*` block."""
+
+    def __init__(self, sock: socket.socket, peer: str, on_failure: Callable[[Exception], None]):
+        self.sock = sock
+        self.peer = peer
+        self.stats = TrafficStats()
+        self._on_failure = on_failure
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._header = bytearray(wire.HEADER_BYTES)
+        self._closed = False
+        self._sender = threading.Thread(target=self._send_loop, name=f"sparcoll-send-{peer}",
+                                        daemon=True)
+        self._sender.start()
+
+    def send(self, buffers: list, blocks: int = 0) -> None:
+        """Queue one message (a list of buffers sent back to back); never blocks."""
+        self._queue.put((buffers, blocks))
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            buffers, blocks = item
+            try:
+                self.stats.bytes_sent += _sendmsg_all(self.sock, buffers)
+            except OSError as exc:
+                if not self._closed:
+                    self._on_failure(PeerError(f"sending to {self.peer} failed: {exc}"))
+                return
+            self.stats.messages_sent += 1
+            self.stats.blocks_sent += blocks
+
+    def recv_header(self, max_blocks: int, job: int) -> wire.Header:
+        view = memoryview(self._header)
+        _recv_exact(self.sock, view, self.peer)
+        self.stats.bytes_received += wire.HEADER_BYTES
+        self.stats.messages_received += 1
+        return wire.decode_header(self._header, max_blocks, job)
+
+    def recv_into(self, view: memoryview) -> None:
+        _recv_exact(self.sock, view, self.peer)
+        self.stats.bytes_received += len(view)
+
+    def close(self) -> None:
+        """Stop the sender after what is queued, and wake a receiver blocked on this socket."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._sender.join(timeout=5.0)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _configure(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+
+
+def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float) -> socket.socket:
+    """Connect and authenticate both ways; retries refused connections until the deadline."""
+    host, port = parse_address(address)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
+            break
+        except (ConnectionRefusedError, socket.timeout, OSError) as exc:
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeout(f"could not connect to aggregator {address} within "
+                                        f"{timeout:g} s: {exc}") from None
+            time.sleep(0.05)
+    try:
+        _configure(sock)
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        sock.sendall(hello.encode())
+        buf = bytearray(wire.CHALLENGE_BYTES)
+        _recv_exact(sock, memoryview(buf), f"aggregator {address}")
+        server_nonce, server_mac = wire.decode_challenge(buf)
+        if not hmac.compare_digest(server_mac, wire.mac(secret, b"server", hello, server_nonce)):
+            raise AuthenticationError(f"aggregator {address} failed authentication (wrong secret?)")
+        sock.sendall(wire.encode_proof(wire.mac(secret, b"client", hello, server_nonce)))
+        buf = bytearray(wire.VERDICT_BYTES)
+        _recv_exact(sock, memoryview(buf), f"aggregator {address}")
+        length = wire.decode_verdict_length(buf)
+        if length:
+            reason = bytearray(length)
+            _recv_exact(sock, memoryview(reason), f"aggregator {address}")
+            raise AuthenticationError(f"aggregator {address} refused the connection: "
+                                      f"{reason.decode('utf-8', 'replace')}")
+        sock.settimeout(None)
+        return sock
+    except socket.timeout:
+        sock.close()
+        raise CollectiveTimeout(f"handshake with aggregator {address} timed out") from None
+    except BaseException:
+        sock.close()
+        raise
+
+
+def accept(sock: socket.socket, secret_for: Callable[[wire.Hello], bytes],
+           admit: Callable[[wire.Hello], None], timeout: float) -> wire.Hello:
+    """Server side of the handshake. `secret_for(hello)` gives the secret to check the client against;
+    `admit(hello)` runs only once the client proved it holds that secret and may refuse it by raising
+    ProtocolError, whose text is sent back. Nothing the client sends later is read before this returns."""
+    peer = "client"
+    try:
+        peer = "client %s:%d" % sock.getpeername()[:2]
+        _configure(sock)
+        sock.settimeout(timeout)
+        buf = bytearray(wire.HELLO_BYTES)
+        _recv_exact(sock, memoryview(buf), peer)
+        hello = wire.Hello.decode(buf)
+        secret = secret_for(hello)
+        server_nonce = os.urandom(wire.NONCE_BYTES)
+        sock.sendall(wire.encode_challenge(server_nonce, wire.mac(secret, b"server", hello,
+                                                                  server_nonce)))
+        buf = bytearray(wire.PROOF_BYTES)
+        _recv_exact(sock, memoryview(buf), peer)
+        if not hmac.compare_digest(wire.decode_proof(buf),
+                                   wire.mac(secret, b"client", hello, server_nonce)):
+            sock.sendall(wire.encode_verdict("authentication failed"))
+            raise AuthenticationError(f"{peer} failed authentication for job {hello.job:#x}")
+        admit(hello)
+        sock.sendall(wire.encode_verdict())
+        sock.settimeout(None)
+        return hello
+    except socket.timeout:
+        raise CollectiveTimeout(f"handshake with {peer} timed out") from None
+    except ProtocolError as exc:
+        try:
+            sock.sendall(wire.encode_verdict(str(exc)))
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,221 @@
+"""Collectives run inside spawned ranks. Every rank rebuilds every rank's input from seeds, so each can
+compute the dense reference (and the expected traffic) independently of sparcoll."""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64}
+HEADER = 56
+INDEX = 4
+
+
+def make_input(seed: int, rank: int, shape, dtype, density: float, block_size: int,
+               transposed: bool = False) -> torch.Tensor:
+    """Small integers (exact sums in any order and dtype) in a random set of non-zero blocks."""
+    numel = math.prod(shape)
+    nblocks = -(-numel // block_size)
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    values = torch.randint(1, 9, (nblocks, block_size), generator=g).double()
+    values *= torch.randint(0, 2, (nblocks, block_size), generator=g).double() * 2 - 1
+    values[torch.rand(nblocks, generator=g) >= density] = 0.0
+    flat = values.view(-1)[:numel].to(dtype)
+    if transposed:
+        return flat.view(shape[1], shape[0]).t()
+    return flat.view(shape).clone()
+
+
+def reference(seed, world, shape, dtype, density, block_size, op, transposed=False):
+    total = sum(make_input(seed, r, shape, torch.float64, density, block_size, transposed)
+                for r in range(world))
+    if op == "avg":
+        total = total / world
+    return total.to(dtype)
+
+
+def correctness_cases(world: int) -> list[dict]:
+    """Named cases: every dtype and op, awkward sizes, densities from 0 to 1."""
+    cases = []
+    shapes = [(0,), (1,), (255,), (256,), (1000,), (3, 333), (64, 1024), (1 << 18,)]
+    for i, shape in enumerate(shapes):
+        for dtype in DTYPES:
+            for op in ("sum", "avg"):
+                density = [0.0, 0.05, 0.5, 1.0][(i + len(cases)) % 4]
+                cases.append(dict(name=f"w{world}-{'x'.join(map(str, shape))}-{dtype}-{op}-d{density}",
+                                  shape=shape, dtype=dtype, op=op, density=density,
+                                  transposed=len(shape) == 2 and shape[0] == 3,
+                                  seed=len(cases)))
+    return cases
+
+
+def run_correctness(rank: int, world: int, cases: list[dict], block_size: int = 256,
+                    async_batch: int = 4, **options) -> dict:
+    """Run every case (some as async batches on one communicator); return name -> error or None."""
+    import sparcoll
+
+    outcome = {}
+    with sparcoll.init(block_size=block_size, timeout=30, **options) as comm:
+        pending = []
+        for case in cases:
+            args = (case["seed"], case["shape"], DTYPES[case["dtype"]], case["density"], block_size)
+            tensor = make_input(case["seed"], rank, case["shape"], DTYPES[case["dtype"]],
+                                case["density"], block_size, case["transposed"])
+            work = comm.allreduce(tensor, op=case["op"], async_op=True)
+            pending.append((case, args, work))
+            if len(pending) == async_batch or case is cases[-1]:
+                for case_, args_, work_ in pending:
+                    seed, shape, dtype, density, bs = args_
+                    expected = reference(seed, world, shape, dtype, density, bs, case_["op"],
+                                         case_["transposed"])
+                    got = work_.wait(timeout=60)
+                    ok = got.shape == expected.shape and got.dtype == expected.dtype and \
+                        torch.equal(got, expected)
+                    outcome[case_["name"]] = None if ok else (
+                        f"max abs error {(got.double() - expected.double()).abs().max():g}")
+                pending = []
+        outcome["stats"] = comm.stats
+    return outcome
+
+
+def run_float_sums(rank: int, world: int, numel: int, **options) -> float:
+    """Random normal float32 (inexact sums): the error against a float64 reference, in units of
+    float32 epsilon times the sum of magnitudes (float summation's own error bound is world - 1)."""
+    import sparcoll
+
+    def make(r):
+        return torch.randn(numel, generator=torch.Generator().manual_seed(r))
+
+    with sparcoll.init(timeout=30, **options) as comm:
+        x = make(rank)
+        comm.allreduce(x)
+    ref = sum(make(r).double() for r in range(world))
+    magnitude = sum(make(r).double().abs() for r in range(world))
+    return float(((x.double() - ref).abs() / magnitude).max() / torch.finfo(torch.float32).eps)
+
+
+def run_special_values(rank: int, world: int) -> dict:
+    """NaN and Inf propagate like a dense sum; blocks of -0.0 count as zero and are not sent."""
+    import sparcoll
+
+    with sparcoll.init(timeout=30) as comm:
+        x = torch.zeros(4096)
+        if rank == 0:
+            x[5] = float("nan")
+            x[3000] = 1.0
+        else:
+            x[300] = float("inf")
+            x[3001] = -2.0
+        expected = torch.zeros(4096)
+        expected[5], expected[300], expected[3000], expected[3001] = float("nan"), float("inf"), 1, -2
+        comm.allreduce(x)
+        special = torch.equal(torch.nan_to_num(x, nan=7.0), torch.nan_to_num(expected, nan=7.0))
+        before = comm.stats.blocks_sent + comm.aggregator_stats.blocks_sent
+        comm.allreduce(torch.full((8192,), -0.0))
+        after = comm.stats.blocks_sent + comm.aggregator_stats.blocks_sent
+    return {"special": special, "negative_zero_blocks_sent": after - before}
+
+
+def run_byte_accounting(rank: int, world: int, densities, numel: int, message_blocks: int) -> list:
+    """For one collective per density: this rank's measured traffic next to the formula's."""
+    import sparcoll
+    import torch.distributed as dist
+    from sparcoll.protocol import Geometry
+
+    block_size, itemsize = 256, 4
+    block_bytes = block_size * itemsize
+    report = []
+    with sparcoll.init(block_size=block_size, message_blocks=message_blocks, timeout=30) as comm:
+        for i, density in enumerate(densities):
+            inputs = [make_input(100 + i, r, (numel,), torch.float32, density, block_size)
+                      for r in range(world)]
+            nonzero = [set(x.view(-1, block_size).ne(0).any(1).nonzero().squeeze(1).tolist())
+                       for x in inputs]
+            union = set().union(*nonzero)
+            geometry = Geometry(numel // block_size, world, 1)
+            expected_sent = expected_union = 0
+            agg_in = agg_out_union = 0
+            for agg, _, lo, hi in geometry.ranges():
+                mine = sum(lo <= b < hi for b in nonzero[rank])
+                union_here = sum(lo <= b < hi for b in union)
+                if agg != rank:
+                    messages = max(1, math.ceil(mine / message_blocks))
+                    expected_sent += mine * (block_bytes + INDEX) + messages * HEADER
+                    expected_union += union_here * (block_bytes + INDEX)
+                else:
+                    for w in range(world):
+                        if w != rank:
+                            theirs = sum(lo <= b < hi for b in nonzero[w])
+                            agg_in += theirs * (block_bytes + INDEX) + \
+                                max(1, math.ceil(theirs / message_blocks)) * HEADER
+                    agg_out_union = union_here * (block_bytes + INDEX) * (world - 1)
+            s0, a0 = comm.stats, comm.aggregator_stats
+            dist.barrier()      # every rank has read its counters before any traffic starts
+            x = inputs[rank].clone()
+            comm.allreduce(x)
+            dist.barrier()      # every rank has all its results
+            # A sender thread counts its bytes once its send call returns, which can be just after
+            # the receiver already has them: give the counters a moment to settle.
+            deadline = time.monotonic() + 5
+
+            def agg_sent_data():
+                a = comm.aggregator_stats
+                return (a.bytes_sent - a0.bytes_sent) - HEADER * (a.messages_sent - a0.messages_sent)
+
+            while agg_sent_data() < agg_out_union and time.monotonic() < deadline:
+                time.sleep(0.01)
+            s1, a1 = comm.stats, comm.aggregator_stats
+            assert torch.equal(x, sum(inputs)), "wrong sum"
+            report.append(dict(
+                density=density, own_blocks=len(nonzero[rank]),
+                sent=s1.bytes_sent - s0.bytes_sent, expected_sent=expected_sent,
+                received_data=(s1.bytes_received - s0.bytes_received)
+                - HEADER * (s1.messages_received - s0.messages_received),
+                expected_received_data=expected_union,
+                agg_received=a1.bytes_received - a0.bytes_received, expected_agg_received=agg_in,
+                agg_sent_data=(a1.bytes_sent - a0.bytes_sent)
+                - HEADER * (a1.messages_sent - a0.messages_sent),
+                expected_agg_sent_data=agg_out_union,
+                messages_sent=s1.messages_sent - s0.messages_sent))
+    return report
+
+
+def _expect_error(fn, types, timeout):
+    start = time.monotonic()
+    try:
+        fn()
+    except types as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    except Exception as exc:   # the wrong kind of error is reported, not swallowed
+        return f"UNEXPECTED {type(exc).__name__}", str(exc), time.monotonic() - start
+    return "NO ERROR", "", time.monotonic() - start
+
+
+def run_bad_inputs(rank: int, world: int) -> dict:
+    """Each case on a fresh communicator (a failed collective poisons its communicator)."""
+    import sparcoll
+
+    good = torch.ones(1000)
+    cases = {
+        "int64_on_rank0": lambda: torch.ones(1000, dtype=torch.int64) if rank == 0 else good.clone(),
+        "complex_everywhere": lambda: torch.ones(10, dtype=torch.complex64),
+        "bool_everywhere": lambda: torch.ones(10, dtype=torch.bool),
+        "numel_mismatch": lambda: torch.ones(1000 + 300 * rank),
+        "dtype_mismatch": lambda: torch.ones(1000, dtype=torch.float64 if rank else torch.float32),
+        "meta_device_on_rank1": lambda: torch.empty(1000, device="meta") if rank == 1 else good.clone(),
+        "sparse_on_rank0": lambda: torch.ones(1000).to_sparse() if rank == 0 else good.clone(),
+    }
+    outcome = {}
+    for name, make in cases.items():
+        with sparcoll.init(timeout=20) as comm:
+            outcome[name] = _expect_error(lambda: comm.allreduce(make()),
+                                          (sparcoll.SparcollError, TypeError, ValueError), 20)
+            outcome[name + "/then"] = _expect_error(lambda: comm.allreduce(good.clone()),
+                                                    (sparcoll.SparcollError,), 20)
+    with sparcoll.init(timeout=20) as comm:
+        op = "max" if rank == 0 else "sum"
+        outcome["op_max_on_rank0"] = _expect_error(lambda: comm.allreduce(good.clone(), op=op),
+                                                   (sparcoll.SparcollError, ValueError), 20)
+    return outcome

@@ -1,0 +1,167 @@
+"""sparcoll.allreduce across real processes over TCP on loopback, against independent dense references."""
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import scenarios
+from ranks import run_ranks
+
+TIMEOUT = 240
+
+
+def start_aggregator():
+    """A dedicated aggregator process on a free loopback port; returns (process, "host:port")."""
+    proc = subprocess.Popen([sys.executable, "-m", "sparcoll", "aggregator", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    if not line or "listening on" not in line[0]:
+        proc.kill()
+        raise RuntimeError(f"aggregator did not start: {line}")
+    return proc, line[0].split()[-1]
+
+
+@pytest.fixture(scope="module")
+def dedicated():
+    procs = []
+    try:
+        for _ in range(2):
+            procs.append(start_aggregator())
+        yield [address for _, address in procs]
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def check_outcome(outcomes, cases):
+    failures = {}
+    for rank, outcome in enumerate(outcomes):
+        for case in cases:
+            if outcome.get(case["name"], "missing") is not None:
+                failures[f"rank {rank} {case['name']}"] = outcome.get(case["name"], "missing")
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_colocated_every_dtype_op_shape_density(world):
+    cases = scenarios.correctness_cases(world)
+    outcomes = run_ranks(scenarios.run_correctness, world, timeout=TIMEOUT, cases=cases)
+    check_outcome(outcomes, cases)
+    assert all(o["stats"].collectives == len(cases) for o in outcomes)
+
+
+def test_colocated_small_blocks_many_messages_and_streams():
+    cases = scenarios.correctness_cases(2)[::3]
+    outcomes = run_ranks(scenarios.run_correctness, 2, timeout=TIMEOUT, cases=cases, block_size=7,
+                         streams=3, message_blocks=5, credits=2)
+    check_outcome(outcomes, cases)
+
+
+def test_dedicated_aggregators_via_environment(dedicated):
+    cases = scenarios.correctness_cases(2)[::2]
+    outcomes = run_ranks(scenarios.run_correctness, 2, timeout=TIMEOUT, cases=cases,
+                         env={"SPARCOLL_AGGREGATORS": ",".join(dedicated)})
+    check_outcome(outcomes, cases)
+
+
+def test_dedicated_aggregator_serves_two_jobs_at_once(dedicated):
+    cases = scenarios.correctness_cases(2)[1::4]
+    results, errors = {}, []
+
+    def job(name, world):
+        try:
+            results[name] = run_ranks(scenarios.run_correctness, world, timeout=TIMEOUT,
+                                      cases=cases, aggregators=dedicated)
+        except BaseException as exc:   # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=job, args=(n, w)) for n, w in (("a", 2), ("b", 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=TIMEOUT + 30)
+    assert not errors, errors
+    for outcomes in results.values():
+        check_outcome(outcomes, cases)
+
+
+def test_random_float_sums_within_float_tolerance():
+    errors = run_ranks(scenarios.run_float_sums, 4, timeout=TIMEOUT, numel=300_001)
+    assert max(errors) <= 4 - 1
+
+
+def test_nan_inf_and_negative_zero():
+    for outcome in run_ranks(scenarios.run_special_values, 2, timeout=TIMEOUT):
+        assert outcome["special"]
+        assert outcome["negative_zero_blocks_sent"] == 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_on_the_wire_match_the_formula(world):
+    reports = run_ranks(scenarios.run_byte_accounting, world, timeout=TIMEOUT,
+                        densities=[0.01, 0.1, 1.0], numel=1 << 20, message_blocks=64)
+    for rank, report in enumerate(reports):
+        for row in report:
+            assert row["sent"] == row["expected_sent"], (rank, row)
+            assert row["received_data"] == row["expected_received_data"], (rank, row)
+            assert row["agg_received"] == row["expected_agg_received"], (rank, row)
+            assert row["agg_sent_data"] == row["expected_agg_sent_data"], (rank, row)
+            payload = row["own_blocks"] * (world - 1) / world * 1024
+            # Metadata beyond the fixed per-message header: 4 index bytes per 1 KiB block (0.4%).
+            metadata = row["sent"] - row["own_blocks"] * 1024 - 56 * row["messages_sent"]
+            assert metadata <= 0.02 * max(payload, 1) + 0.02 * row["own_blocks"] * 1024
+
+
+def test_bad_input_raises_on_every_rank_quickly():
+    outcomes = run_ranks(scenarios.run_bad_inputs, 2, timeout=TIMEOUT)
+    for rank, outcome in enumerate(outcomes):
+        for name, (kind, text, elapsed) in outcome.items():
+            assert not kind.startswith(("UNEXPECTED", "NO ERROR")), (rank, name, kind, text)
+            assert elapsed < 10, (rank, name, elapsed)
+            if name.endswith("/then"):
+                assert kind == "PoisonedError", (rank, name, kind)
+    r0, r1 = outcomes
+    assert r0["int64_on_rank0"][0] == "TypeError" and "torch.int64" in r0["int64_on_rank0"][1]
+    assert "torch.int64" in r1["int64_on_rank0"][1]
+    for rank in (r0, r1):
+        assert rank["complex_everywhere"][0] == "TypeError"
+        assert rank["bool_everywhere"][0] == "TypeError"
+        assert rank["numel_mismatch"][0] == "MismatchError" and "numel" in rank["numel_mismatch"][1]
+        assert rank["dtype_mismatch"][0] == "MismatchError" and "dtype" in rank["dtype_mismatch"][1]
+    assert r1["meta_device_on_rank1"][0] == "ValueError" and "meta" in r1["meta_device_on_rank1"][1]
+    assert "meta" in r0["meta_device_on_rank1"][1]
+    assert r0["sparse_on_rank0"][0] == "TypeError"
+    assert r0["op_max_on_rank0"][0] == "ValueError" and "max" in r0["op_max_on_rank0"][1]
+    assert "max" in r1["op_max_on_rank0"][1]
+
+
+def _unreachable(rank, world, address):
+    import sparcoll
+    start = time.monotonic()
+    try:
+        sparcoll.init(aggregators=[address], timeout=2)
+    except sparcoll.CollectiveTimeout as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def test_unreachable_dedicated_aggregator_fails_within_timeout():
+    import socket
+    with socket.socket() as s:     # a port that was free a moment ago and has no listener now
+        s.bind(("127.0.0.1", 0))
+        address = "127.0.0.1:%d" % s.getsockname()[1]
+    (text, elapsed), = run_ranks(_unreachable, 1, timeout=60, address=address)
+    assert address in text and elapsed < 6
