@@ -1,1 +1,2 @@
-"""Benchmark support code (emulated networks, measurement helpers)."""
+"""Benchmarks: the `sparcoll bench` command (command.py) and its parts: emulated networks (netem), inputs
+(patterns), the algorithms compared, worker processes and their launcher, lower bounds, records and plots."""

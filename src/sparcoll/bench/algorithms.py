@@ -1,0 +1,173 @@
+"""The allreduce algorithms under test, as a registry: (name, input kind) -> Algorithm.
+
+Every algorithm is an in-place sum over the default torch.distributed (gloo) group, split in three so the
+harness times only the collective:
+- prepare(ctx, inputs): outside the timed region, a fresh payload for one repetition (from the worker's
+  untouched input: every allreduce here overwrites its payload);
+- run(ctx, payload): the timed allreduce;
+- result(ctx, payload): outside, the payload's sum as a flat dense tensor, for the correctness check.
+
+`--algos NAME` selects every variant registered under NAME, e.g. agsparse from a dense tensor and from a
+COO tensor. A new variant (e.g. sparcoll from COO) is one more `register(Algorithm(...))`.
+
+Parameter server ("ps") design: the tensor is cut into n contiguous shards and rank r serves shard r, so
+the servers are colocated with the workers, as in Poseidon's sharded PS. Each rank pushes shard s of its
+tensor to rank s (gloo isend, tag PUSH), receives shard r from every other rank into preallocated buffers,
+sums them into its own shard in place, sends the sum back to every rank (tag PULL) and receives every
+other shard's sum straight into its tensor. All transfers are posted at once, so the pushes to different
+servers and the pulls proceed concurrently, as in a real PS.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from sparcoll.blocks import nonzero_mask
+
+PUSH, PULL = 1, 2
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One worker's input. Never modified: payloads are copies."""
+    dense: torch.Tensor    # flat float32
+    indices: torch.Tensor  # sorted int64 ids of the non-zero blocks
+    values: torch.Tensor   # (len(indices), block_size)
+
+
+@dataclass
+class Context:
+    """What an algorithm may use besides its payload: the group, geometry, reusable buffers."""
+    rank: int
+    world: int
+    numel: int
+    block_size: int
+    comm: Any = None  # the sparcoll Communicator, when a sparcoll variant is selected
+    _buffers: dict = field(default_factory=dict)
+
+    @property
+    def nblocks(self) -> int:
+        return self.numel // self.block_size
+
+    def buffer(self, name: str, numel: int) -> torch.Tensor:
+        """A float32 buffer reused across repetitions (a fresh 64 MB allocation costs page faults)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() != numel:
+            buf = self._buffers[name] = torch.empty(numel, dtype=torch.float32)
+        return buf
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    input: str  # "dense" or "coo": what the timed region starts from (and ends with)
+    prepare: Callable[[Context, Inputs], Any]
+    run: Callable[[Context, Any], None]
+    result: Callable[[Context, Any], torch.Tensor]
+    # Cumulative (bytes sent, bytes received) by this algorithm's own transport, when it counts them.
+    counters: Callable[[Context], tuple[int, int]] | None = None
+    needs_communicator: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.name if self.input == "dense" else f"{self.name} ({self.input})"
+
+
+REGISTRY: dict[tuple[str, str], Algorithm] = {}
+
+
+def register(algo: Algorithm) -> Algorithm:
+    REGISTRY[(algo.name, algo.input)] = algo
+    return algo
+
+
+def select(names: list[str]) -> list[Algorithm]:
+    """Every registered variant of each name, in the order given."""
+    known = list(dict.fromkeys(name for name, _ in REGISTRY))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown algorithm(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return [a for n in names for a in REGISTRY.values() if a.name == n]
+
+
+# ---- payloads -----------------------------------------------------------------------------------
+
+def dense_payload(ctx: Context, inputs: Inputs) -> torch.Tensor:
+    work = ctx.buffer("dense", ctx.numel)
+    work.copy_(inputs.dense)
+    return work
+
+
+def dense_result(ctx: Context, payload: torch.Tensor) -> torch.Tensor:
+    return payload
+
+
+def coo_payload(ctx: Context, inputs: Inputs) -> torch.Tensor:
+    """Row-sparse COO: rows are blocks, shape (nblocks, block_size), one index per non-zero block."""
+    return torch.sparse_coo_tensor(inputs.indices.unsqueeze(0).clone(), inputs.values.clone(),
+                                   (ctx.nblocks, ctx.block_size), is_coalesced=True,
+                                   check_invariants=False)
+
+
+def coo_result(ctx: Context, payload: torch.Tensor) -> torch.Tensor:
+    return payload.to_dense().view(-1)
+
+
+# ---- algorithms ---------------------------------------------------------------------------------
+
+def ring_allreduce(ctx: Context, tensor: torch.Tensor) -> None:
+    dist.all_reduce(tensor)
+
+
+def agsparse_from_dense(ctx: Context, tensor: torch.Tensor) -> None:
+    """Dense in, dense out: the block scan, the COO build and the scatter back are part of the cost.
+    The result's rows cover every block this rank had non-zero, so no block needs zeroing."""
+    rows = tensor.view(ctx.nblocks, ctx.block_size)
+    indices = nonzero_mask(rows).nonzero().squeeze(1)
+    coo = torch.sparse_coo_tensor(indices.unsqueeze(0), rows.index_select(0, indices), rows.shape,
+                                  is_coalesced=True, check_invariants=False)
+    dist.all_reduce(coo)
+    rows.index_copy_(0, coo._indices()[0], coo._values())
+
+
+def agsparse_from_coo(ctx: Context, coo: torch.Tensor) -> None:
+    dist.all_reduce(coo)
+
+
+def ps_allreduce(ctx: Context, tensor: torch.Tensor) -> None:
+    shards = torch.tensor_split(tensor, ctx.world)
+    mine = shards[ctx.rank]
+    others = [r for r in range(ctx.world) if r != ctx.rank]
+    pushes = [dist.isend(shards[r], r, tag=PUSH) for r in others]
+    incoming = [(ctx.buffer(f"ps{r}", mine.numel()), r) for r in others]
+    arrivals = [dist.irecv(buf, r, tag=PUSH) for buf, r in incoming]
+    pulls = [dist.irecv(shards[r], r, tag=PULL) for r in others]
+    for (buf, _), arrival in zip(incoming, arrivals):
+        arrival.wait()
+        mine.add_(buf)
+    replies = [dist.isend(mine, r, tag=PULL) for r in others]
+    for work in pushes + pulls + replies:
+        work.wait()
+
+
+def sparcoll_allreduce(ctx: Context, tensor: torch.Tensor) -> None:
+    ctx.comm.allreduce(tensor)
+
+
+def sparcoll_counters(ctx: Context) -> tuple[int, int]:
+    """The worker's traffic plus its colocated aggregator's: both cross this host's link."""
+    worker, aggregator = ctx.comm.stats, ctx.comm.aggregator_stats
+    return (worker.bytes_sent + aggregator.bytes_sent, worker.bytes_received + aggregator.bytes_received)
+
+
+register(Algorithm("sparcoll", "dense", dense_payload, sparcoll_allreduce, dense_result,
+                   counters=sparcoll_counters, needs_communicator=True))
+# sparcoll from COO (the core team's): Algorithm("sparcoll", "coo", coo_payload, <its run>, coo_result,
+# counters=sparcoll_counters, needs_communicator=True); `--algos sparcoll` then runs both variants.
+register(Algorithm("ring", "dense", dense_payload, ring_allreduce, dense_result))
+register(Algorithm("agsparse", "dense", dense_payload, agsparse_from_dense, dense_result))
+register(Algorithm("agsparse", "coo", coo_payload, agsparse_from_coo, coo_result))
+register(Algorithm("ps", "dense", dense_payload, ps_allreduce, dense_result))

@@ -1,0 +1,67 @@
+"""Physical lower bounds: the bytes each algorithm's data must put on the busiest link direction.
+
+All links are full duplex at the same rate (what the emulated network shapes), N is the tensor's size in
+bytes, n the number of workers, d the block density of each worker, d_u the density of the union of all
+workers' non-zero blocks. Headers, indices of the sparcoll protocol and latency are ignored, so a
+measured time can approach but not beat `bytes * 8 / rate`.
+
+- ring (gloo dense all_reduce): reduce-scatter + all-gather, 2(n-1)/n * N per direction.
+- agsparse (gloo sparse all_reduce = an AllGather of every worker's COO rows): each worker must receive
+  the other workers' rows, (n-1) * d * (N + 8 * nblocks) (values plus one int64 index per row).
+- ps (parameter servers sharded over the workers, shard 1/n each): a host's uplink carries its pushes to
+  the n-1 other servers, (n-1)/n * N, plus its own server's sum sent back to n-1 workers, (n-1)/n * N:
+  2(n-1)/n * N per direction, the same as the ring (each way (n-1)/n*N pushed and (n-1)/n*N pulled).
+- sparcoll colocated (an aggregator in every worker, shard 1/n): up, the worker's blocks of the other
+  shards, (n-1)/n * d * N, plus its shard's results to n-1 workers, (n-1)/n * d_u * N; down the same:
+  (n-1)/n * (d + d_u) * N.
+- sparcoll dedicated (A aggregators on their own hosts): a worker link carries d*N up and d_u*N down:
+  max(d, d_u) * N; an aggregator link n/A times that. The busiest is max(1, n/A) * max(d, d_u) * N.
+
+For the gloo baselines these are also their actual traffic per worker (their traffic is symmetric), which
+is what the benchmark reports as bytes sent when it cannot read interface counters.
+"""
+from __future__ import annotations
+
+INDEX_BYTES = 8  # gloo's sparse all_reduce sends int64 row indices
+
+
+def ring(n: int, nbytes: float) -> float:
+    return 2 * (n - 1) / n * nbytes
+
+
+def agsparse(n: int, nbytes: float, density: float, nblocks: int) -> float:
+    return (n - 1) * density * (nbytes + INDEX_BYTES * nblocks)
+
+
+def ps(n: int, nbytes: float) -> float:
+    return 2 * (n - 1) / n * nbytes
+
+
+def sparcoll_colocated(n: int, nbytes: float, density: float, union_density: float) -> float:
+    return (n - 1) / n * (density + union_density) * nbytes
+
+
+def sparcoll_dedicated(n: int, nbytes: float, density: float, union_density: float,
+                       aggregators: int) -> float:
+    return max(1.0, n / aggregators) * max(density, union_density) * nbytes
+
+
+def link_bytes(algo: str, *, workers: int, nbytes: float, density: float, union_density: float,
+               nblocks: int, aggregators: str | None = None, num_aggregators: int | None = None) -> float:
+    """Bytes on the busiest link direction for `algo` (ring, agsparse, ps, sparcoll)."""
+    if algo == "ring":
+        return ring(workers, nbytes)
+    if algo == "agsparse":
+        return agsparse(workers, nbytes, density, nblocks)
+    if algo == "ps":
+        return ps(workers, nbytes)
+    if algo == "sparcoll" and aggregators == "dedicated":
+        return sparcoll_dedicated(workers, nbytes, density, union_density, num_aggregators)
+    if algo == "sparcoll":
+        return sparcoll_colocated(workers, nbytes, density, union_density)
+    raise ValueError(f"no lower bound for algorithm {algo!r}")
+
+
+def seconds(nbytes: float, rate_bps: int) -> float:
+    """Time to push `nbytes` through a link of `rate_bps` bit/s."""
+    return nbytes * 8 / rate_bps

@@ -1,0 +1,154 @@
+"""`sparcoll bench`: time allreduce algorithms on the same inputs, on an emulated network or on loopback.
+
+    sparcoll bench --workers 4 --numel 16M --density 0.01,0.1,1 --algos sparcoll,ring,agsparse,ps \\
+                   --network 1gbit --repeat 10 --json results.json --plot results.png
+
+One job per worker count (`--workers 2,4,8` sweeps): a process per worker, each on its own host of an
+emulated network whose links are shaped to `--network` in both directions (root and iproute2 needed), or
+all on 127.0.0.1 with `--network none`. Every repetition of every algorithm is checked against the exact
+sum; a wrong sum fails the run. See worker.py for how time and traffic are measured, bounds.py for the
+lower bounds, report.py for the reported quantities.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from sparcoll.bench import algorithms
+from sparcoll.bench.launch import BenchError, Job, run_job
+from sparcoll.bench.netem import NetemError, netem_available, parse_rate
+from sparcoll.bench.patterns import InputSpec
+from sparcoll.bench.progress import Progress
+from sparcoll.bench.report import Setup, add_speedups, make_record, table, title, write_json
+from sparcoll.bench.sizes import parse_count
+
+
+def _comma_list(convert: Callable) -> Callable[[str], list]:
+    def parse(text: str) -> list:
+        try:
+            items = [convert(item.strip()) for item in text.split(",") if item.strip()]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"invalid list {text!r}: {exc}") from None
+        if not items:
+            raise argparse.ArgumentTypeError("empty list")
+        return items
+    return parse
+
+
+def _count(text: str) -> int:
+    try:
+        return parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `bench` options to `parser` (the project CLI's subcommand, or python -m sparcoll.bench)."""
+    parser.add_argument("--workers", type=_comma_list(int), default=[4],
+                        help="number of workers, or a comma list to sweep (e.g. 2,4,8); default 4")
+    parser.add_argument("--numel", type=_count, default=parse_count("16M"),
+                        help="elements of the float32 tensor: 16M, 1M, 65536 ... (default 16M)")
+    parser.add_argument("--block-size", type=int, default=256, help="elements per block (default 256)")
+    parser.add_argument("--density", type=_comma_list(float), default=[0.01, 0.1, 1.0],
+                        help="block densities in (0, 1], comma separated (default 0.01,0.1,1)")
+    parser.add_argument("--algos", type=_comma_list(str), default=["sparcoll", "ring", "agsparse", "ps"],
+                        help="algorithms, comma separated, from: " + ", ".join(
+                            dict.fromkeys(name for name, _ in algorithms.REGISTRY)))
+    parser.add_argument("--aggregators", choices=["colocated", "dedicated"], default="colocated",
+                        help="sparcoll's aggregators: a thread in each worker, or processes on their own hosts")
+    parser.add_argument("--num-aggregators", type=int, default=None,
+                        help="dedicated aggregators (default: as many as workers)")
+    parser.add_argument("--network", default="1gbit", type=lambda text: text.strip().lower(),
+                        help="link rate of the emulated network (1gbit, 10gbit, 100mbit ...; needs root), "
+                             "or none: all processes on loopback (default 1gbit)")
+    parser.add_argument("--repeat", type=int, default=10, help="timed repetitions per point (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
+    parser.add_argument("--overlap", type=float, default=0.0,
+                        help="fraction of each worker's non-zero blocks drawn from a pattern shared by all "
+                             "workers (default 0: independent patterns)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the input patterns and values")
+    parser.add_argument("--json", metavar="PATH", help="write one record per result row to PATH")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG figure to PATH")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds without progress before a job is declared hung (default 600)")
+
+
+def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
+    """The selected algorithm variants and the link rate (None on loopback); ValueError if invalid."""
+    algos = algorithms.select(list(dict.fromkeys(args.algos)))
+    if min(args.workers) < 2:
+        raise ValueError("--workers: an allreduce needs 2 workers at least")
+    if args.block_size < 1 or args.numel % args.block_size:
+        raise ValueError(f"--numel {args.numel} must be a multiple of --block-size {args.block_size}")
+    if not all(0 < d <= 1 for d in args.density):
+        raise ValueError("--density values must be in (0, 1]")
+    if not 0 <= args.overlap <= 1:
+        raise ValueError("--overlap must be in [0, 1]")
+    if args.repeat < 1 or args.warmup < 0 or args.timeout <= 0:
+        raise ValueError("--repeat must be >= 1, --warmup >= 0, --timeout > 0")
+    if args.num_aggregators is not None and args.num_aggregators < 1:
+        raise ValueError("--num-aggregators must be >= 1")
+    if args.network == "none":
+        return algos, None
+    ok, reason = netem_available()
+    if not ok:
+        raise ValueError(reason)
+    return algos, parse_rate(args.network)
+
+
+def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int | None,
+                 progress: Progress) -> list[dict]:
+    """One job with `n` workers: every density and algorithm; returns its records."""
+    num_aggregators = args.num_aggregators or n
+    dedicated = args.aggregators == "dedicated" and any(a.needs_communicator for a in algos)
+    setup = Setup(args.network, rate_bps, args.aggregators, num_aggregators)
+    specs = {d: InputSpec(args.numel, args.block_size, n, d, args.overlap, args.seed) for d in args.density}
+    unions = {d: spec.union_density() for d, spec in specs.items()}
+    config = {"numel": args.numel, "block_size": args.block_size, "densities": args.density,
+              "overlap": args.overlap, "seed": args.seed, "algos": [[a.name, a.input] for a in algos],
+              "warmup": args.warmup, "repeat": args.repeat, "timeout": args.timeout}
+    records = []
+
+    def on_event(event: dict) -> None:
+        if event["event"] == "rep":
+            algo = algorithms.REGISTRY[(event["algo"], event["input"])]
+            progress.advance(f"{n} workers, {algo.label}, density {event['density']:g}")
+        elif event["event"] == "result":
+            density = event["density"]
+            records.append(make_record(event, specs[density], setup, unions[density]))
+
+    run_job(Job(n, args.network, num_aggregators if dedicated else 0, config, args.timeout), on_event)
+    return records
+
+
+def run(args) -> int:
+    """Run the benchmark described by parsed `args`; 0 on success, 1 if it failed, 2 on bad arguments."""
+    try:
+        algos, rate_bps = _validate(args)
+    except ValueError as exc:
+        print(f"sparcoll bench: error: {exc}", file=sys.stderr)
+        return 2
+    progress = Progress(len(args.workers) * len(args.density) * len(algos) * (args.warmup + args.repeat))
+    records = []
+    try:
+        for n in args.workers:
+            records += _run_workers(n, args, algos, rate_bps, progress)
+    except (BenchError, NetemError) as exc:
+        progress.close()
+        print(f"sparcoll bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # the launcher has stopped every child and removed the network
+        progress.close()
+        print("sparcoll bench: interrupted", file=sys.stderr)
+        return 130
+    progress.close()
+    add_speedups(records)
+    print(title(records))
+    print(table(records))
+    if args.json:
+        write_json(records, args.json)
+    if args.plot:
+        from sparcoll.bench.plot import plot  # matplotlib only when a figure is asked for
+        plot(records, args.plot)
+    return 0

@@ -1,0 +1,190 @@
+"""Run one benchmark job: the worker processes (one per host) and any dedicated aggregators, on loopback
+or on an EmulatedNetwork, streaming rank 0's events back to the caller.
+
+Every child is stopped on every way out (success, error, timeout, Ctrl-C): terminated, then killed. Each
+child also gets SIGKILL from the kernel if the launcher dies without cleaning up (PR_SET_PDEATHSIG, kept
+across the `ip netns exec` exec). A job fails as soon as a child exits with an error, rank 0 reports an
+error, or no event arrives for `timeout` seconds; the failure names the culprit and shows its log's tail.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from sparcoll.bench.netem import EmulatedNetwork
+from sparcoll.bench.worker import EVENT_PREFIX
+
+# In a namespace of our own nothing else listens, so fixed ports cannot collide there.
+NETNS_MASTER_PORT = 29500
+NETNS_AGGREGATOR_PORT = 29600
+EXIT_GRACE = 30.0   # seconds the workers get to exit after rank 0 said it is done
+LOG_TAIL = 20       # lines of a child's log shown in a failure
+
+
+class BenchError(RuntimeError):
+    """The benchmark job failed (wrong result, crashed or hung child); the message says where."""
+
+
+@dataclass(frozen=True)
+class Job:
+    workers: int
+    network: str               # "none" (loopback) or a tc rate such as "1gbit"
+    dedicated_aggregators: int  # 0: none started
+    config: dict               # the workers' configuration (see worker.py), minus the network parts
+    timeout: float             # seconds without an event before the job is declared hung
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen
+    log: str
+
+
+def _die_with_parent() -> None:
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free TCP ports on 127.0.0.1 (held together while probing, so distinct)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def _stop(children: list[_Child]) -> None:
+    running = [c.proc for c in children if c.proc.poll() is None]
+    for p in running:
+        p.terminate()
+    deadline = time.monotonic() + 3.0
+    for p in running:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5.0)
+    for c in children:
+        if c.proc.stdout:
+            c.proc.stdout.close()
+
+
+def _tails(children: list[_Child]) -> str:
+    parts = []
+    for c in children:
+        with open(c.log, errors="replace") as f:
+            lines = f.read().splitlines()[-LOG_TAIL:]
+        if lines:
+            parts.append(f"--- {c.name} (last lines of its output) ---\n" + "\n".join(lines))
+    return "\n".join(parts)
+
+
+def _describe_exit(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+
+
+def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
+    """Run `job`, passing every event of rank 0 but the last ("done") to `on_event`; raise BenchError."""
+    children: list[_Child] = []
+    with tempfile.TemporaryDirectory(prefix="sparcoll-bench-") as tmp, contextlib.ExitStack() as stack:
+        total = job.workers + job.dedicated_aggregators
+        if job.network == "none":
+            hosts = ["127.0.0.1"] * total
+            master_port, *agg_ports = free_ports(1 + job.dedicated_aggregators)
+            interface, counted_interface = "lo", None  # loopback counters mix every process's traffic
+
+            def spawn(host: int, argv: list[str], **kw) -> subprocess.Popen:
+                return subprocess.Popen(argv, **kw)
+        else:
+            net = stack.enter_context(EmulatedNetwork(total, job.network))
+            hosts = net.addresses
+            master_port, agg_ports = NETNS_MASTER_PORT, [NETNS_AGGREGATOR_PORT] * job.dedicated_aggregators
+            interface = counted_interface = net.interface
+            spawn = net.popen
+        stack.callback(_stop, children)  # runs before the network is torn down
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": interface,
+               "SPARCOLL_SECRET": secrets.token_hex(16), "MASTER_ADDR": hosts[0],
+               "MASTER_PORT": str(master_port), "WORLD_SIZE": str(job.workers)}
+
+        def start(name: str, host: int, argv: list[str], extra_env: dict, stdout=None) -> subprocess.Popen:
+            log = os.path.join(tmp, f"{name.replace(' ', '')}.log")
+            with open(log, "wb") as f:
+                proc = spawn(host, argv, env={**env, **extra_env}, stdin=subprocess.DEVNULL,
+                             stdout=stdout or f, stderr=f, preexec_fn=_die_with_parent)
+            children.append(_Child(name, proc, log))
+            return proc
+
+        aggregators = [f"{hosts[job.workers + a]}:{agg_ports[a]}" for a in range(job.dedicated_aggregators)]
+        for a, address in enumerate(aggregators):
+            host, port = address.rsplit(":", 1)
+            start(f"aggregator {a}", job.workers + a,
+                  [sys.executable, "-m", "sparcoll", "aggregator", "--host", host, "--port", port], {})
+
+        config = os.path.join(tmp, "config.json")
+        with open(config, "w") as f:
+            json.dump({**job.config, "interface": counted_interface, "aggregators": aggregators or None}, f)
+        workers = [start(f"worker {rank}", rank, [sys.executable, "-m", "sparcoll.bench.worker", config],
+                         {"RANK": str(rank)}, stdout=subprocess.PIPE if rank == 0 else None)
+                   for rank in range(job.workers)]
+        _follow(workers[0], children, job, on_event)
+        _await_workers(children[job.dedicated_aggregators:])
+
+
+def _follow(rank0: subprocess.Popen, children: list[_Child], job: Job, on_event: Callable[[dict], None]) -> None:
+    """Read rank 0's events until "done"; fail on an error event, a failed child or a silence."""
+    fd, pending, last = rank0.stdout.fileno(), b"", time.monotonic()
+    while True:
+        if select.select([fd], [], [], 0.5)[0]:
+            chunk = os.read(fd, 1 << 16)
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if not line.startswith(EVENT_PREFIX.encode()):
+                    continue
+                event, last = json.loads(line[len(EVENT_PREFIX):]), time.monotonic()
+                if event["event"] == "error":
+                    time.sleep(1.0)  # let the other ranks write their side of the story
+                    raise BenchError(f"the benchmark failed: {event['message']}\n{_tails(children)}")
+                if event["event"] == "done":
+                    return
+                on_event(event)
+            if not chunk:
+                raise BenchError(f"worker 0 exited ({_describe_exit(rank0.wait(5))}) before finishing\n"
+                                 f"{_tails(children)}")
+        for c in children:
+            code = c.proc.poll()
+            if code is not None and (code != 0 or c.name.startswith("aggregator")):
+                raise BenchError(f"{c.name} exited with {_describe_exit(code)}\n{_tails(children)}")
+        if time.monotonic() - last > job.timeout:
+            raise BenchError(f"no progress for {job.timeout:g} s: the job looks hung\n{_tails(children)}")
+
+
+def _await_workers(workers: list[_Child]) -> None:
+    """Workers exit after "done". A crash at exit (a rare SIGABRT of gloo in this torch build) is
+    reported but does not void results the workers already checked and reported."""
+    deadline = time.monotonic() + EXIT_GRACE
+    for c in workers:
+        try:
+            code = c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"warning: {c.name} did not exit within {EXIT_GRACE:g} s of finishing; killed",
+                  file=sys.stderr)
+            continue
+        if code != 0:
+            print(f"warning: {c.name} exited with {_describe_exit(code)} after reporting its results",
+                  file=sys.stderr)

@@ -1,0 +1,118 @@
+"""Benchmark records (one per worker count, algorithm variant and density), their table and JSON file.
+
+Bandwidths follow nccl-tests for allreduce, in GB/s (1e9 bytes/s): algbw = N / time with N = numel x
+itemsize; busbw = algbw x 2(n-1)/n, the per-link rate a ring would need, comparable across algorithms
+and worker counts.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparcoll.bench import bounds
+from sparcoll.bench.netem import tbf_burst_bytes
+from sparcoll.bench.patterns import InputSpec
+from sparcoll.bench.sizes import format_count
+
+ITEMSIZE = 4  # float32
+#: Where algorithms other than sparcoll reduce (sparcoll follows --aggregators).
+FIXED_AGGREGATORS = {"ps": "colocated"}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Run-wide parameters of one worker count."""
+    network: str            # "none" or a tc rate
+    rate_bps: int | None    # None on loopback
+    aggregators: str        # colocated or dedicated (sparcoll)
+    num_aggregators: int    # dedicated aggregators (sparcoll)
+
+
+def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: float) -> dict:
+    """The record of one result event of a worker (see worker.py); speedup_vs_ring is added later."""
+    n, times = spec.workers, result["times_s"]
+    nbytes = spec.numel * ITEMSIZE
+    median = statistics.median(times)
+    p10, p90 = np.percentile(times, [10, 90]).tolist()
+    algo = result["algo"]
+    if algo == "sparcoll":
+        aggregators = setup.aggregators
+        num_aggregators = setup.num_aggregators if aggregators == "dedicated" else n
+    else:
+        aggregators = FIXED_AGGREGATORS.get(algo)
+        num_aggregators = n if aggregators else None
+    density = spec.blocks_per_worker / spec.nblocks
+    bound = bounds.link_bytes(algo, workers=n, nbytes=nbytes, density=density, union_density=union_density,
+                              nblocks=spec.nblocks, aggregators=aggregators, num_aggregators=num_aggregators)
+    if result["bytes_source"]:
+        source = result["bytes_source"]
+        sent = statistics.mean(result["bytes_sent"])
+        received = statistics.mean(result["bytes_received"])
+    else:  # a gloo baseline on loopback: its known, symmetric traffic
+        source, sent, received = "model", bound, bound
+    bound_s = None if setup.rate_bps is None else bounds.seconds(bound, setup.rate_bps)
+    algbw = nbytes / median / 1e9
+    return {
+        "algo": algo, "input": result["input"], "workers": n, "aggregators": aggregators,
+        "num_aggregators": num_aggregators, "numel": spec.numel, "block_size": spec.block_size,
+        "dtype": "float32", "density": spec.density, "density_actual": density, "union_density": union_density,
+        "overlap": spec.overlap, "network": setup.network, "seed": spec.seed, "repeat": len(times),
+        "median_s": median, "p10_s": p10, "p90_s": p90, "times_s": times,
+        "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (n - 1) / n,
+        "bytes_sent_per_worker": sent, "bytes_received_per_worker": received, "bytes_source": source,
+        "lower_bound_bytes": bound, "lower_bound_s": bound_s,
+        # tbf lets this many bytes through at once: transfers of about this size can beat the bound
+        "link_burst_bytes": None if setup.rate_bps is None else tbf_burst_bytes(setup.rate_bps),
+        "ratio_to_bound": None if bound_s is None else median / bound_s,
+        "speedup_vs_ring": None,
+    }
+
+
+def add_speedups(records: list[dict]) -> None:
+    """speedup_vs_ring = the ring's median / this median, at the same worker count and density."""
+    ring = {(r["workers"], r["density"]): r["median_s"] for r in records if r["algo"] == "ring"}
+    for r in records:
+        base = ring.get((r["workers"], r["density"]))
+        r["speedup_vs_ring"] = None if base is None else base / r["median_s"]
+
+
+def label(record: dict) -> str:
+    return record["algo"] if record["input"] == "dense" else f"{record['algo']} ({record['input']})"
+
+
+def table(records: list[dict]) -> str:
+    """A fixed-width text table of the records."""
+    def num(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    header = ("algo", "workers", "density", "median ms", "p10 ms", "p90 ms", "algbw GB/s", "busbw GB/s",
+              "MB sent/wkr", "bound ms", "x bound", "vs ring")
+    rows = [(label(r), str(r["workers"]), f"{r['density']:g}", num(r["median_s"] * 1e3, ".2f"),
+             num(r["p10_s"] * 1e3, ".2f"), num(r["p90_s"] * 1e3, ".2f"), num(r["algbw_gbps"], ".3f"),
+             num(r["busbw_gbps"], ".3f"), num(r["bytes_sent_per_worker"] / 1e6, ".3f"),
+             num(r["lower_bound_s"] and r["lower_bound_s"] * 1e3, ".2f"), num(r["ratio_to_bound"], ".2f"),
+             num(r["speedup_vs_ring"], ".2f")) for r in records]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in [header, *rows]]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def title(records: list[dict]) -> str:
+    """What the records have in common, for table and plot titles."""
+    first = records[0]
+    workers = ",".join(str(w) for w in sorted({r["workers"] for r in records}))
+    aggregators = "" if not any(r["algo"] == "sparcoll" for r in records) else \
+        f", sparcoll aggregators {next(r['aggregators'] for r in records if r['algo'] == 'sparcoll')}"
+    return (f"workers={workers}, network={first['network']}, numel={format_count(first['numel'])} float32\n"
+            f"block {first['block_size']}, overlap {first['overlap']:g}{aggregators}")
+
+
+def write_json(records: list[dict], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+        f.write("\n")

@@ -1,0 +1,23 @@
+"""Element counts as people write them: 16M, 1M, 64K, 65536 (binary multiples, as tensor sizes are)."""
+from __future__ import annotations
+
+import re
+
+_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_COUNT_RE = re.compile(r"^\s*(\d+)\s*([KMG]?)\s*$", re.IGNORECASE)
+
+
+def parse_count(text: str) -> int:
+    """'16M' -> 16777216, '64k' -> 65536, '65536' -> 65536. Raises ValueError otherwise."""
+    m = _COUNT_RE.match(text)
+    if not m or int(m.group(1)) == 0:
+        raise ValueError(f"invalid count {text!r}: expected a positive integer with an optional K, M or G suffix")
+    return int(m.group(1)) * _SUFFIXES[m.group(2).upper()]
+
+
+def format_count(n: int) -> str:
+    """The shortest exact form: 16777216 -> '16M', 4096 -> '4K', 1000 -> '1000'."""
+    for suffix in ("G", "M", "K"):
+        if n % _SUFFIXES[suffix] == 0:
+            return f"{n // _SUFFIXES[suffix]}{suffix}"
+    return str(n)

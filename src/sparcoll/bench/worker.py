@@ -1,0 +1,141 @@
+"""One benchmark worker process: times every (density, algorithm) series on the gloo group.
+
+Started by `launch.py`, one per host, as `python -m sparcoll.bench.worker CONFIG.json` with RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment. Rank 0 reports to the launcher with JSON
+lines on stdout, prefixed with EVENT_PREFIX so that stray library output cannot be mistaken for them.
+
+Timing, the same for every algorithm: the payload is prepared (a fresh copy of the input) outside the
+timed region; a gloo barrier is the common start; each rank times from the barrier's return to its own
+completion; after the correctness check, an all_reduce(MAX) over ranks gives the repetition's time, the
+time of the last rank to finish. Ranks leave a barrier a few ms apart on an oversubscribed machine, so
+this slightly overestimates, never underestimates, the collective.
+
+Traffic, per rank and repetition: on an emulated network the byte counters of the namespace's interface
+(`/proc/self/net/dev` reads the reader's namespace), sampled before the barrier and after the
+all_reduce(MAX), so they include the headers, ACKs and the two small synchronization collectives; on
+loopback, the algorithm's own counters when it has some (sparcoll), otherwise nothing (the report uses the
+algorithm's known traffic).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import sparcoll
+from sparcoll.bench.algorithms import REGISTRY, Algorithm, Context, Inputs
+from sparcoll.bench.patterns import InputSpec, check
+
+EVENT_PREFIX = "@sparcoll-bench "
+
+
+class WrongResult(RuntimeError):
+    """An algorithm returned a sum that is not the sum: the run fails, it is not a data point."""
+
+
+def emit(event: dict) -> None:
+    print(EVENT_PREFIX + json.dumps(event), flush=True)
+
+
+def interface_counters(name: str) -> tuple[int, int]:
+    """(tx_bytes, rx_bytes) of interface `name` in this process's network namespace."""
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            iface, _, data = line.partition(":")
+            if iface.strip() == name:
+                fields = data.split()
+                return int(fields[8]), int(fields[0])
+    raise RuntimeError(f"interface {name!r} not found in /proc/self/net/dev")
+
+
+def run_series(ctx: Context, algo: Algorithm, inputs: Inputs, spec: InputSpec, expected: torch.Tensor,
+               tolerance: torch.Tensor, cfg: dict) -> dict:
+    """Warm-up and timed repetitions of one algorithm on one input; returns rank 0's result event."""
+    if cfg["interface"]:
+        counters, source = (lambda: interface_counters(cfg["interface"])), "interface"
+    elif algo.counters:
+        counters, source = (lambda: algo.counters(ctx)), algo.name
+    else:
+        counters, source = (lambda: (0, 0)), None
+    warmup, repeat = cfg["warmup"], cfg["repeat"]
+    times, traffic = [], []
+    for rep in range(warmup + repeat):
+        payload = algo.prepare(ctx, inputs)
+        before = counters()
+        dist.barrier()
+        start = time.perf_counter()
+        algo.run(ctx, payload)
+        elapsed = time.perf_counter() - start
+        ok, error = check(algo.result(ctx, payload), expected, tolerance)
+        summary = torch.tensor([elapsed, float(not ok), error], dtype=torch.float64)
+        dist.all_reduce(summary, op=dist.ReduceOp.MAX)
+        after = counters()
+        if summary[1] > 0:
+            if not ok:
+                print(f"rank {ctx.rank}: wrong result, largest error {error:.3g}", file=sys.stderr)
+            raise WrongResult(f"{algo.label} at density {spec.density} returned a wrong sum in repetition "
+                              f"{rep} (largest error {float(summary[2]):.3g}, beyond the float32 "
+                              f"summation tolerance)")
+        if rep >= warmup:
+            times.append(float(summary[0]))
+            traffic.append((after[0] - before[0], after[1] - before[1]))
+        if ctx.rank == 0:
+            emit({"event": "rep", "algo": algo.name, "input": algo.input, "density": spec.density,
+                  "rep": rep, "warmup": rep < warmup})
+    per_rank = torch.tensor(traffic, dtype=torch.float64)
+    dist.all_reduce(per_rank)
+    mean = (per_rank / ctx.world).tolist()
+    return {"event": "result", "algo": algo.name, "input": algo.input, "density": spec.density,
+            "times_s": times, "bytes_source": source,
+            "bytes_sent": [s for s, _ in mean] if source else None,
+            "bytes_received": [r for _, r in mean] if source else None}
+
+
+def bench(cfg: dict, rank: int, world: int) -> None:
+    algos = [REGISTRY[(name, kind)] for name, kind in cfg["algos"]]
+    ctx = Context(rank, world, cfg["numel"], cfg["block_size"])
+    if any(a.needs_communicator for a in algos):
+        ctx.comm = sparcoll.init(block_size=cfg["block_size"], aggregators=cfg["aggregators"],
+                                 timeout=cfg["timeout"])
+    try:
+        for density in cfg["densities"]:
+            spec = InputSpec(cfg["numel"], cfg["block_size"], world, density, cfg["overlap"], cfg["seed"])
+            indices, values = spec.blocks(rank)
+            inputs = Inputs(spec.to_dense(indices, values), indices, values)
+            expected, tolerance = spec.expected()
+            for algo in algos:
+                result = run_series(ctx, algo, inputs, spec, expected, tolerance, cfg)
+                if rank == 0:
+                    emit(result)
+    finally:
+        if ctx.comm is not None:
+            ctx.comm.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        cfg = json.load(f)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
+    try:
+        bench(cfg, rank, world)
+        if rank == 0:
+            emit({"event": "done"})
+    except Exception as exc:
+        if rank == 0:
+            emit({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
+        raise
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
