@@ -164,7 +164,9 @@ def run_byte_accounting(rank: int, world: int, densities, numel: int, message_bl
                 a = comm.aggregator_stats
                 return (a.bytes_sent - a0.bytes_sent) - HEADER * (a.messages_sent - a0.messages_sent)
 
-            while agg_sent_data() < agg_out_union and time.monotonic() < deadline:
+            while (agg_sent_data() < agg_out_union or
+                   comm.stats.bytes_sent - s0.bytes_sent < expected_sent) and \
+                    time.monotonic() < deadline:
                 time.sleep(0.01)
             s1, a1 = comm.stats, comm.aggregator_stats
             assert torch.equal(x, sum(inputs)), "wrong sum"

@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 from typing import Callable
 
+import numpy as np
 import torch
 
 from . import transport, wire
@@ -24,6 +25,10 @@ from .protocol import AggregatorStream, Geometry, Result
 log = logging.getLogger("sparcoll.aggregator")
 
 FAILED_MEMORY = 64          # failed collective ids remembered per job, to drop their late messages
+# Collectives of one job in progress at once. Honest ranks have at most two here (a rank can start
+# collective k+1 only once every aggregator finished k), plus a few that timed out and were abandoned;
+# without a cap one client could open collective ids without end, each holding its buffered blocks.
+MAX_ACTIVE_COLLECTIVES = 16
 HANDSHAKE_TIMEOUT = 10.0
 
 
@@ -54,10 +59,10 @@ class _RemoteWorker:
     def __init__(self, conn: transport.Connection):
         self.conn = conn
 
-    def send_result(self, h: wire.Header, header: bytes, indices: torch.Tensor,
+    def send_result(self, h: wire.Header, header: bytes, indices: np.ndarray,
                     result: Result) -> None:
         self.conn.send([header, as_bytes(indices), as_bytes(result.rows)],
-                       blocks=result.indices.numel())
+                       blocks=result.indices.size)
 
     def send_error(self, job: int, collective: int, code: wire.ErrorCode, text: str) -> None:
         self.conn.send(wire.error_message(job, collective, text, code))
@@ -69,7 +74,7 @@ class LocalWorker:
     def __init__(self, deliver: Callable[[tuple], None]):
         self.deliver = deliver
 
-    def send_result(self, h: wire.Header, header: bytes, indices: torch.Tensor,
+    def send_result(self, h: wire.Header, header: bytes, indices: np.ndarray,
                     result: Result) -> None:
         self.deliver(("result", h.collective, h.stream, result))
 
@@ -117,10 +122,14 @@ class AggregatorJob:
         with self._lock:
             self.workers[rank] = worker
 
-    def contribute(self, rank: int, header: wire.Header, indices: torch.Tensor, rows: torch.Tensor,
+    def contribute(self, rank: int, header: wire.Header, indices: np.ndarray, rows: torch.Tensor,
                    token: Callable[[], None] | None = None) -> None:
         """Feed one contribution to its collective; results and errors go out to every worker."""
-        state = self._state(header)
+        try:
+            state = self._state(header)
+        except ProtocolError:
+            _release(token)
+            raise
         if state is None:
             _release(token)
             return
@@ -155,6 +164,10 @@ class AggregatorJob:
             failure = self._broken or self._failed.get(header.collective)
             state = self._collectives.get(header.collective)
             if failure is None and state is None:
+                if len(self._collectives) >= MAX_ACTIVE_COLLECTIVES:
+                    raise ProtocolError(f"collective {header.collective} would be the "
+                                        f"{len(self._collectives) + 1}th in progress in job "
+                                        f"{self.job:#x}; the limit is {MAX_ACTIVE_COLLECTIVES}")
                 state = self._collectives[header.collective] = _Collective(header.descriptor, self)
         if failure is not None:
             if header.collective not in self._failed:
@@ -165,9 +178,9 @@ class AggregatorJob:
     def _broadcast(self, h: wire.Header, result: Result) -> None:
         header = wire.data_header(wire.Kind.RESULT, stream=h.stream, job=self.job,
                                   collective=h.collective, seq=result.seq,
-                                  count=result.indices.numel(), progress=result.progress,
+                                  count=result.indices.size, progress=result.progress,
                                   descriptor=h.descriptor)
-        indices = result.indices.to(wire.INDEX_DTYPE)
+        indices = result.indices.astype(wire.INDEX_DTYPE)
         # Remote workers first: once the local worker has its last result it may close this
         # aggregator, and every result queued before that is still flushed.
         workers = sorted(self.workers.values(), key=lambda w: isinstance(w, LocalWorker))
@@ -256,18 +269,35 @@ class AggregatorServer:
             job.admit(hello)
 
     def _serve(self, sock: socket.socket) -> None:
+        admitted: list[wire.Hello] = []
+
+        def admit(hello: wire.Hello) -> None:
+            self._admit(hello)
+            admitted.append(hello)
+
         try:
-            hello = transport.accept(sock, lambda hello: self.secret, self._admit, HANDSHAKE_TIMEOUT)
+            hello = transport.accept(sock, lambda hello: self.secret, admit, HANDSHAKE_TIMEOUT)
         except (SparcollError, OSError) as exc:
             log.warning("refused a connection: %s", exc)
             sock.close()
+            if admitted:    # admitted, then lost before the verdict: don't keep an empty job
+                self._forget_if_empty(admitted[0].job)
             return
-        job = self.jobs[hello.job]
         conn = transport.Connection(sock, f"rank {hello.rank} of job {hello.job:#x}",
                                     lambda exc: None)
+        # Admission and attachment are two steps: check again, atomically, that the job still exists
+        # (its last worker may have left meanwhile) and that no other connection took this rank.
         with self._lock:
-            self._connections.add(conn)
-        job.attach(hello.rank, _RemoteWorker(conn))
+            job = self.jobs.get(hello.job)
+            attached = job is not None and hello.rank not in job.workers
+            if attached:
+                self._connections.add(conn)
+                job.attach(hello.rank, _RemoteWorker(conn))
+        if not attached:
+            log.warning("dropped rank %d of job %#x: the job ended or the rank connected twice",
+                        hello.rank, hello.job)
+            conn.close()
+            return
         reason = self._receive(conn, job, hello.rank)
         job.detach(hello.rank, reason)
         conn.close()
@@ -277,6 +307,12 @@ class AggregatorServer:
             if not job.workers and self.only_job is None:
                 self.jobs.pop(job.job, None)
 
+    def _forget_if_empty(self, job_id: int) -> None:
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is not None and not job.workers and self.only_job is None:
+                self.jobs.pop(job_id, None)
+
     def _receive(self, conn: transport.Connection, job: AggregatorJob, rank: int) -> str | None:
         """Read and dispatch a worker's messages until it leaves; returns why it left (None: BYE)."""
         pool = BufferPool(keep=2 * job.config.streams * job.config.credits)
@@ -284,14 +320,15 @@ class AggregatorServer:
             while True:
                 h = conn.recv_header(job.config.message_blocks, job.job)
                 if h.kind is wire.Kind.CONTRIBUTE:
-                    indices = torch.empty(h.count, dtype=wire.INDEX_DTYPE)
+                    indices = np.empty(h.count, dtype=wire.INDEX_DTYPE)
                     conn.recv_into(as_bytes(indices))
                     nbytes = h.payload_sizes()[1]
                     buf = pool.take(nbytes)
                     conn.recv_into(as_bytes(buf)[:nbytes])
                     rows = buf[:nbytes].view(h.torch_dtype).view(h.count, h.block_size)
                     conn.stats.blocks_received += h.count
-                    job.contribute(rank, h, indices.long(), rows, functools.partial(pool.give, buf))
+                    job.contribute(rank, h, indices.astype(np.int64), rows,
+                                   functools.partial(pool.give, buf))
                 elif h.kind is wire.Kind.ERROR:
                     text = bytearray(h.count)
                     conn.recv_into(memoryview(text))
@@ -309,6 +346,9 @@ class AggregatorServer:
             if self._closed:
                 return "the aggregator is shutting down"
             return f"rank {rank} disconnected ({exc})"
+        except Exception as exc:    # a bug costs this connection, never the thread's clean-up
+            log.exception("closing %s after an internal error", conn.peer)
+            return f"rank {rank}: internal error in the aggregator ({type(exc).__name__}: {exc})"
 
     def close(self) -> None:
         self._closed = True

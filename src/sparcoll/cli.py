@@ -60,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     dem = sub.add_parser("demo", help="4 local workers: sparse allreduce vs gloo at several densities")
     demo.add_arguments(dem)
     dem.set_defaults(func=demo.run)
+    from .train import command as train_command
+    train = sub.add_parser("train", help="train a workload data-parallel on sparcoll, gloo DDP, the hook or "
+                                         "sparse AllGather, on loopback or an emulated network")
+    train_command.add_arguments(train)
+    train.set_defaults(func=train_command.run)
     args = parser.parse_args(argv)
     return args.func(args)
 

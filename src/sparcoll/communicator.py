@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
+import numpy as np
 import torch
 
 from . import transport, wire
@@ -152,7 +153,7 @@ class Communicator:
     """Block-sparse allreduce for one group of `world` ranks, bootstrapped through `store`."""
 
     def __init__(self, store, rank: int, world: int, *, block_size: int | None = None,
-                 aggregators: list[str] | None = None, streams: int = 1, message_blocks: int = 1024,
+                 aggregators: list[str] | None = None, streams: int = 1, message_blocks: int = 2048,
                  credits: int = 4, timeout: float = 60.0, host: str | None = None):
         self.rank, self.world = rank, world
         self.block_size = int(_env_default(block_size, "SPARCOLL_BLOCK_SIZE", int,
@@ -223,6 +224,9 @@ class Communicator:
                                         lambda exc, i=index: self._broken(i, exc))
             self._connections[index] = conn
             self._spawn(lambda i=index, c=conn: self._receive_loop(i, c), f"sparcoll-recv-{index}")
+        # No rank leaves init (and so can close its aggregator) before every rank is connected.
+        store.set(f"ready/{self.rank}", b"1")
+        self._store_wait(store, [f"ready/{r}" for r in range(self.world)], deadline)
 
     def _store_wait(self, store, keys: list[str], deadline: float) -> None:
         remaining = deadline - time.monotonic()
@@ -344,7 +348,7 @@ class Communicator:
         nonzero = coll.bt.nonzero()
         geometry = Geometry(coll.bt.nblocks, self.config.num_aggs, self.config.streams)
         for agg, stream, lo, hi in geometry.ranges():
-            lo_i, hi_i = torch.searchsorted(nonzero, torch.tensor([lo, hi])).tolist()
+            lo_i, hi_i = np.searchsorted(nonzero, [lo, hi]).tolist()
             coll.streams[agg, stream] = WorkerStream(lo, hi, nonzero[lo_i:hi_i],
                                                      self.config.message_blocks, self.config.credits)
             coll.stream_locks[agg, stream] = threading.Lock()
@@ -388,19 +392,19 @@ class Communicator:
             indices = ws.indices[send.start:send.stop]
             if agg == self._local_index:
                 header = wire.Header(wire.Kind.CONTRIBUTE, stream, self.job, coll.id, send.seq,
-                                     indices.numel(), send.progress, *coll.descriptor)
+                                     indices.size, send.progress, *coll.descriptor)
                 self._local_job.contribute(self.rank, header, indices, coll.bt.rows_of(indices))
                 continue
             header = wire.data_header(wire.Kind.CONTRIBUTE, stream=stream, job=self.job,
-                                      collective=coll.id, seq=send.seq, count=indices.numel(),
+                                      collective=coll.id, seq=send.seq, count=indices.size,
                                       progress=send.progress, descriptor=coll.descriptor)
             spans = runs(indices, RUN_LIMIT)
             if spans is None:
                 payload = [as_bytes(coll.bt.gather(indices))]
             else:
                 payload = [as_bytes(v) for start, stop in spans for v in coll.bt.views(start, stop)]
-            self._connections[agg].send([header, as_bytes(indices.to(wire.INDEX_DTYPE)), *payload],
-                                        blocks=indices.numel())
+            self._connections[agg].send([header, as_bytes(indices.astype(wire.INDEX_DTYPE)), *payload],
+                                        blocks=indices.size)
 
     # ---- results -------------------------------------------------------------------------------
     def _current(self, cid: int) -> _Collective | None:
@@ -420,7 +424,7 @@ class Communicator:
                     continue
                 if h.kind is not wire.Kind.RESULT:
                     raise ProtocolError(f"unexpected {h.kind.name} message from an aggregator")
-                indices = torch.empty(h.count, dtype=wire.INDEX_DTYPE)
+                indices = np.empty(h.count, dtype=wire.INDEX_DTYPE)
                 conn.recv_into(as_bytes(indices))
                 nbytes = h.payload_sizes()[1]
                 coll = self._current(h.collective)
@@ -429,13 +433,13 @@ class Communicator:
                         staging = torch.empty(nbytes, dtype=torch.uint8)
                     conn.recv_into(as_bytes(staging)[:nbytes])
                     continue
-                staging = self._on_result(coll, agg, conn, h, indices.long(), staging)
+                staging = self._on_result(coll, agg, conn, h, indices.astype(np.int64), staging)
         except (SparcollError, OSError) as exc:
             if not self._closed:
                 self._broken(agg, exc)
 
     def _on_result(self, coll: _Collective, agg: int, conn: transport.Connection, h: wire.Header,
-                   indices: torch.Tensor, staging: torch.Tensor) -> torch.Tensor:
+                   indices: np.ndarray, staging: torch.Tensor) -> torch.Tensor:
         if h.descriptor != coll.descriptor or (agg, h.stream) not in coll.streams:
             raise ProtocolError(f"result for stream {h.stream} with descriptor {h.descriptor} does "
                                 f"not match collective {coll.id}")

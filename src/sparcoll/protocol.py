@@ -9,6 +9,9 @@ carrying p: "I have sent every non-zero block below p". The aggregator keeps p p
 below c = min_w p[w] is final, so it sums those blocks and sends (indices, sums, c) to every worker.
 A worker may have at most `credits` messages not yet covered by a result, which bounds the aggregator's
 pending blocks by workers x credits x message_blocks, whatever the tensor size.
+
+Block indices are numpy int64 arrays: the per-message bookkeeping is many small operations, and numpy's
+per-call cost is a fraction of torch's. Block data are torch tensors (any dtype, any device).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import MismatchError, ProtocolError
@@ -56,25 +60,25 @@ class Result:
     """Final sums of the blocks `indices` (sorted), every block below `progress` (c) being final."""
     seq: int
     progress: int
-    indices: torch.Tensor
+    indices: np.ndarray
     rows: torch.Tensor
 
 
-def check_indices(indices: torch.Tensor, floor: int, ceiling: int, what: str) -> None:
+def check_indices(indices: np.ndarray, floor: int, ceiling: int, what: str) -> None:
     """Block indices must be strictly increasing and inside [floor, ceiling)."""
-    if indices.numel() == 0:
+    if indices.size == 0:
         return
     first, last = int(indices[0]), int(indices[-1])
     if first < floor or last >= ceiling:
         raise ProtocolError(f"{what}: block indices [{first}, {last}] outside [{floor}, {ceiling})")
-    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+    if indices.size > 1 and not (np.diff(indices) > 0).all():
         raise ProtocolError(f"{what}: block indices not strictly increasing")
 
 
 class WorkerStream:
     """One worker's side of one (aggregator, stream) range: what to send next, what results to accept."""
 
-    def __init__(self, lo: int, hi: int, indices: torch.Tensor, message_blocks: int, credits: int):
+    def __init__(self, lo: int, hi: int, indices: np.ndarray, message_blocks: int, credits: int):
         self.lo, self.hi = lo, hi
         self.indices = indices
         self.message_blocks = message_blocks
@@ -92,7 +96,7 @@ class WorkerStream:
     def next_sends(self) -> list[Send]:
         """Contributions that credits allow now; the first call always yields at least one."""
         sends = []
-        n = self.indices.numel()
+        n = self.indices.size
         while len(self._unacked) < self.credits and (self._sent < n or self._seq == 0):
             stop = min(self._sent + self.message_blocks, n)
             progress = int(self.indices[stop]) if stop < n else self.hi
@@ -102,7 +106,7 @@ class WorkerStream:
             self._seq += 1
         return sends
 
-    def on_result(self, seq: int, progress: int, indices: torch.Tensor) -> None:
+    def on_result(self, seq: int, progress: int, indices: np.ndarray) -> None:
         """Accept a result's metadata (before its data is written anywhere) or raise ProtocolError."""
         if seq != self._result_seq:
             raise ProtocolError(f"result seq {seq}, expected {self._result_seq}")
@@ -110,9 +114,12 @@ class WorkerStream:
         if not self.progress < progress <= min(reported, self.hi):
             raise ProtocolError(f"result progress {progress} not in ({self.progress}, "
                                 f"{min(reported, self.hi)}]")
-        check_indices(indices, max(self.progress, self.lo), progress, "result")
-        mine = self.indices[(self.indices >= max(self.progress, self.lo)) & (self.indices < progress)]
-        if mine.numel() and not bool(torch.isin(mine, indices).all()):
+        floor = max(self.progress, self.lo)
+        check_indices(indices, floor, progress, "result")
+        mine = self.indices[np.searchsorted(self.indices, floor):np.searchsorted(self.indices, progress)]
+        if mine.size and (mine.size > indices.size or
+                          not np.array_equal(indices[np.searchsorted(indices, mine).clip(
+                              max=indices.size - 1)], mine)):
             raise ProtocolError("result omits blocks this worker contributed")
         self._result_seq += 1
         self.progress = progress
@@ -122,7 +129,7 @@ class WorkerStream:
 
 @dataclass
 class _Pending:
-    indices: torch.Tensor
+    indices: np.ndarray
     rows: torch.Tensor
     token: Any
 
@@ -160,10 +167,10 @@ class AggregatorStream:
 
     @property
     def pending_blocks(self) -> int:
-        return sum(p.indices.numel() for q in self._pending for p in q)
+        return sum(p.indices.size for q in self._pending for p in q)
 
     def on_contribution(self, worker: int, seq: int, progress: int, descriptor: tuple,
-                        indices: torch.Tensor, rows: torch.Tensor, token: Any = None) -> Step:
+                        indices: np.ndarray, rows: torch.Tensor, token: Any = None) -> Step:
         """Take a worker's message (indices int64, rows (m, block) in the tensor dtype)."""
         if not 0 <= worker < self.workers:
             raise ProtocolError(f"contribution from unknown worker {worker}")
@@ -176,7 +183,7 @@ class AggregatorStream:
             raise ProtocolError(f"worker {worker}: progress {progress} not in ({previous}, {self.hi}]")
         if len(self._inflight[worker]) >= self.credits:
             raise ProtocolError(f"worker {worker} exceeded its {self.credits} credits")
-        count = indices.numel()
+        count = indices.size
         if count > self.message_blocks:
             raise ProtocolError(f"worker {worker}: {count} blocks in a message, limit "
                                 f"{self.message_blocks}")
@@ -202,11 +209,11 @@ class AggregatorStream:
         for queue in self._pending:
             while queue:
                 head = queue[0]
-                cut = int(torch.searchsorted(head.indices, final))
+                cut = int(np.searchsorted(head.indices, final))
                 if cut == 0:
                     break
                 chunks.append((head.indices[:cut], head.rows[:cut]))
-                if cut < head.indices.numel():
+                if cut < head.indices.size:
                     head.indices, head.rows = head.indices[cut:], head.rows[cut:]
                     break
                 queue.popleft()
@@ -220,25 +227,30 @@ class AggregatorStream:
         self.progress = final
         return result
 
-    def _sum(self, chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sum(self, chunks: list[tuple[np.ndarray, torch.Tensor]]) -> tuple[np.ndarray, torch.Tensor]:
         if not chunks:
-            return (torch.empty(0, dtype=torch.int64),
+            return (np.empty(0, dtype=np.int64),
                     torch.empty(0, self.block_size, dtype=self.dtype))
         first_idx, first_rows = chunks[0]
-        if all(torch.equal(idx, first_idx) for idx, _ in chunks[1:]):
-            # Every contributor sent the same blocks (the dense case): plain adds, no index work.
+        if all(np.array_equal(idx, first_idx) for idx, _ in chunks[1:]):
+            # Every contributor sent the same blocks (the dense case): plain adds, no index work,
+            # and the first add writes the new buffer (no separate copy pass).
             indices = first_idx
-            sums = first_rows.to(self.acc_dtype, copy=True)
-            for _, rows in chunks[1:]:
+            if len(chunks) == 1:
+                sums = first_rows.to(self.acc_dtype, copy=True)
+            else:
+                sums = torch.add(first_rows.to(self.acc_dtype), chunks[1][1])
+            for _, rows in chunks[2:]:
                 sums.add_(rows)
         else:
-            indices, inverse = torch.unique(torch.cat([idx for idx, _ in chunks]), sorted=True,
-                                            return_inverse=True)
-            sums = torch.zeros(indices.numel(), self.block_size, dtype=self.acc_dtype)
+            indices, inverse = np.unique(np.concatenate([idx for idx, _ in chunks]),
+                                         return_inverse=True)
+            inverse = torch.from_numpy(inverse)
+            sums = torch.zeros(indices.size, self.block_size, dtype=self.acc_dtype)
             offset = 0
             for idx, rows in chunks:
-                sums.index_add_(0, inverse[offset:offset + idx.numel()], rows.to(self.acc_dtype))
-                offset += idx.numel()
+                sums.index_add_(0, inverse[offset:offset + idx.size], rows.to(self.acc_dtype))
+                offset += idx.size
         if self.average:
             sums.div_(self.workers)
         return indices, sums.to(self.dtype)

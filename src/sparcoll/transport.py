@@ -168,6 +168,11 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float) -> s
     except socket.timeout:
         sock.close()
         raise CollectiveTimeout(f"handshake with aggregator {address} timed out") from None
+    except OSError as exc:
+        # A reset during the handshake (the aggregator died, or closed with our bytes unread) is a
+        # peer failure like any other: callers are promised SparcollError, never a bare OSError.
+        sock.close()
+        raise PeerError(f"handshake with aggregator {address} failed: {exc}") from exc
     except BaseException:
         sock.close()
         raise

@@ -17,13 +17,14 @@ import hmac
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import ProtocolError
 
 MAGIC = b"SPCL"
 VERSION = 1
-INDEX_DTYPE = torch.int32
+INDEX_DTYPE = np.int32
 INDEX_BYTES = 4
 MAX_BLOCK_SIZE = 1 << 16
 MAX_ERROR_BYTES = 1 << 16
@@ -200,6 +201,8 @@ class Hello:
 
     @staticmethod
     def decode(buf) -> "Hello":
+        if len(buf) != HELLO_BYTES:
+            raise ProtocolError(f"truncated hello: {len(buf)} of {HELLO_BYTES} bytes")
         (magic, version, _, job, rank, world, agg_index, num_aggs, streams, credits, message_blocks,
          nonce) = _HELLO.unpack(buf)
         _check_magic(magic, version)

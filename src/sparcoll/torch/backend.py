@@ -1,0 +1,154 @@
+"""The "sparcoll" torch.distributed backend: a process group whose dense SUM/AVG all_reduce runs on
+sparcoll, so `DistributedDataParallel` uses sparcoll unchanged.
+
+    import sparcoll.torch
+    dist.init_process_group("sparcoll")       # or dist.new_group(backend="sparcoll")
+
+Every other collective, and what sparcoll cannot reduce (other ops, dtypes or devices, several tensors
+at once), is delegated to an inner gloo group built on the same store, so nothing is unimplemented.
+Sparse COO all_reduce goes through `sparse.allreduce_coo`. The communicator takes its options from the
+environment (SPARCOLL_BLOCK_SIZE, SPARCOLL_AGGREGATORS, SPARCOLL_HOST) and the group's timeout.
+
+Errors: a failed sparcoll collective raises its own exception (e.g. MismatchError) from `wait()`, and
+fails the work's future as a real error, so DDP's backward raises a RuntimeError instead of crashing.
+The sparcoll and gloo parts each keep their own order; as with any backend, a tensor must not be passed
+to another collective before the work that writes it has completed. After a sparcoll failure the
+communicator is poisoned: later sparcoll collectives of the group fail too (recreate the group).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from sparcoll.communicator import Communicator
+from sparcoll.errors import CollectiveTimeout
+from sparcoll.wire import DTYPE_CODES
+
+from . import sparse
+from .futures import Completion
+
+NAME = "sparcoll"
+OPS = {dist.ReduceOp.RedOpType.SUM: "sum", dist.ReduceOp.RedOpType.AVG: "avg"}
+
+# Our method -> the gloo method it forwards to (gloo names some tensor-in/tensor-out forms differently).
+DELEGATED = {
+    "allgather": "allgather", "allgather_coalesced": "allgather_coalesced",
+    "all_gather_single": "_allgather_base", "_allgather_base": "_allgather_base",
+    "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_single": "_reduce_scatter_base", "_reduce_scatter_base": "_reduce_scatter_base",
+    "alltoall": "alltoall", "all_to_all_single": "alltoall_base", "alltoall_base": "alltoall_base",
+    "allreduce_coalesced": "allreduce_coalesced", "monitored_barrier": "monitored_barrier",
+    "send": "send", "recv": "recv", "recv_anysource": "recv_anysource",
+}
+
+
+def _seconds(timeout: timedelta | None) -> float | None:
+    """A torch timeout in seconds; None when unset (torch uses -1 ms or 0 for "none given")."""
+    if timeout is None or timeout <= timedelta(0):
+        return None
+    return timeout.total_seconds()
+
+
+class SparcollWork(dist.Work):
+    """Handle of a collective that sparcoll (at least partly) runs, backed by a Completion."""
+
+    def __init__(self, completion: Completion):
+        super().__init__()
+        self._completion = completion
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until done; raise the collective's own error (not wrapped)."""
+        seconds = _seconds(timeout)
+        if not self._completion.done.wait(seconds):
+            raise CollectiveTimeout(f"collective not finished after {seconds:g} s")
+        if self._completion.error is not None:
+            raise self._completion.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._completion.done.is_set()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._completion.error is None
+
+    def exception(self) -> BaseException | None:
+        return self._completion.error
+
+    def get_future(self) -> torch.futures.Future:
+        return self._completion.future
+
+
+def _delegate(gloo_name: str):
+    def method(self, *args):
+        return getattr(self.gloo, gloo_name)(*args)
+    method.__name__ = gloo_name
+    method.__doc__ = f"Delegated to the inner gloo group's {gloo_name}."
+    return method
+
+
+class ProcessGroupSparcoll(dist.ProcessGroup):
+    """A process group whose dense SUM/AVG all_reduce is a sparcoll allreduce."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, timeout: timedelta):
+        super().__init__(rank, world)
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world, timeout)
+        self.comm = Communicator(dist.PrefixStore("sparcoll", store), rank, world,
+                                 timeout=timeout.total_seconds())
+
+    def getBackendName(self) -> str:
+        return NAME
+
+    # The C++ base keeps name and description in its backends, and a Python group has none.
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def _accelerated(self, tensors: list[torch.Tensor], op) -> bool:
+        return (len(tensors) == 1 and op in OPS and tensors[0].layout == torch.strided
+                and tensors[0].device.type == "cpu" and tensors[0].dtype in DTYPE_CODES)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+        """Dense float SUM/AVG on sparcoll, one sparse COO tensor via sparse.allreduce_coo, the rest
+        on gloo."""
+        op = opts.reduceOp.op
+        if self._accelerated(tensors, op):
+            return SparcollWork(Completion.start(tensors, lambda: [self.comm.allreduce(
+                tensors[0], op=OPS[op], async_op=True, timeout=_seconds(opts.timeout))]))
+        if len(tensors) == 1 and tensors[0].layout == torch.sparse_coo and op in OPS:
+            return SparcollWork(Completion.start(tensors, lambda: [sparse.allreduce_coo(
+                tensors[0], OPS[op], self.gloo)]))
+        return self.gloo.allreduce(tensors, opts)
+
+    def barrier(self, opts) -> dist.Work:
+        """Done when every rank has issued all earlier collectives of both parts: a one-element
+        sparcoll allreduce queues behind this rank's earlier sparcoll work, gloo's barrier behind
+        gloo's."""
+        return SparcollWork(Completion.start([], lambda: [
+            self.comm.allreduce(torch.ones(1), async_op=True, timeout=_seconds(opts.timeout)),
+            self.gloo.barrier(opts)]))
+
+    def shutdown(self) -> None:
+        self.comm.close()
+
+    abort = shutdown
+
+
+for _name, _target in DELEGATED.items():
+    setattr(ProcessGroupSparcoll, _name, _delegate(_target))
+
+
+def register() -> None:
+    """Make "sparcoll" a torch.distributed backend (idempotent)."""
+    if NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(NAME, ProcessGroupSparcoll, devices=["cpu"])

@@ -1,0 +1,152 @@
+"""One worker process of `sparcoll train`: DDP training of a workload with one communication mode.
+
+Started by command.py as `python -m sparcoll.train.worker CONFIG.json` with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set. Rank 0 reports every step to the launcher as an event line (the bench
+harness's format, so its launcher follows the job).
+
+Modes (the same model, seeds and per-step global batches, so loss curves compare):
+  ddp       DDP on gloo
+  sparcoll  DDP on the "sparcoll" backend (sparcoll.torch)
+  hook      DDP on gloo with sparcoll.torch.allreduce_hook
+  agsparse  DDP on gloo with sparse embedding gradients (gloo's AllGather-based sparse all_reduce)
+
+A step is timed from the forward to the end of the optimizer step. Its communication time is the part
+that did not overlap computation: from the moment the last local gradient was computed (DDP then hands
+over the last bucket) to the end of backward, which waits for every bucket. The rest is computation.
+The gradient probes run inside backward; their time is left out of the step. Per step, rank 0 reports
+the mean loss over ranks (the full global batch's loss), the slowest rank's times, the block density of
+the local gradients (mean over ranks) and of the reduced gradient: the fraction of `block_size`-element
+blocks of all gradients, flattened in parameter order, that hold a non-zero element.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import sparcoll
+import sparcoll.torch  # registers the "sparcoll" backend
+from sparcoll.bench.worker import emit
+from sparcoll.workloads import get_workload
+
+MODES = ("sparcoll", "ddp", "hook", "agsparse")
+
+
+def nonzero_elements(grad: torch.Tensor) -> torch.Tensor:
+    """Flat bool mask of the non-zero elements of a dense or sparse COO gradient (-0.0 is zero)."""
+    if grad.layout == torch.sparse_coo:
+        grad = grad.coalesce()
+        marks = torch.zeros(grad.shape, dtype=torch.bool)
+        marks[tuple(grad.indices())] = grad.values() != 0
+        return marks.view(-1)
+    return (grad != 0).reshape(-1)
+
+
+def block_density(marks: list[torch.Tensor], block_size: int) -> float:
+    """Fraction of the blocks of the concatenated masks that hold a True."""
+    flat = torch.cat(marks)
+    padded = torch.zeros(-(-flat.numel() // block_size) * block_size, dtype=torch.bool)
+    padded[:flat.numel()] = flat
+    return padded.view(-1, block_size).any(1).float().mean().item()
+
+
+class GradientProbe:
+    """Sees each parameter's local gradient as autograd computes it, before DDP reduces it: records
+    its non-zero mask and the time of the last one, and how long the probing itself took."""
+
+    def __init__(self, params: list[nn.Parameter], block_size: int):
+        self.params, self.block_size = params, block_size
+        for index, param in enumerate(params):
+            param.register_hook(functools.partial(self._seen, index))
+        self.reset()
+
+    def reset(self) -> None:
+        self.marks: list[torch.Tensor | None] = [None] * len(self.params)
+        self.last_gradient = None
+        self.overhead = 0.0
+
+    def _seen(self, index: int, grad: torch.Tensor) -> None:
+        start = time.perf_counter()
+        self.marks[index] = nonzero_elements(grad)
+        self.last_gradient = time.perf_counter()
+        self.overhead += self.last_gradient - start
+
+    def local_density(self) -> float:
+        return block_density([torch.zeros(p.numel(), dtype=torch.bool) if m is None else m
+                              for p, m in zip(self.params, self.marks)], self.block_size)
+
+    def reduced_density(self) -> float:
+        return block_density([torch.zeros(p.numel(), dtype=torch.bool) if p.grad is None
+                              else nonzero_elements(p.grad) for p in self.params], self.block_size)
+
+
+def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) -> None:
+    mode = cfg["comm"]
+    workload = get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"],
+                            sparse_embeddings=mode == "agsparse", **cfg["options"])
+    model = DistributedDataParallel(workload.model)
+    if mode == "hook":
+        model.register_comm_hook(sparcoll.torch.HookState(comm), sparcoll.torch.allreduce_hook)
+    params = list(workload.model.parameters())
+    optimizer = torch.optim.SGD(params, lr=cfg["lr"])
+    probe = GradientProbe(params, cfg["block_size"])
+    batches = workload.batches(cfg["batch_size"], rank, world, cfg["seed"])
+    for step in range(cfg["steps"]):
+        batch = next(batches)
+        optimizer.zero_grad()
+        probe.reset()
+        start = time.perf_counter()
+        loss = workload.loss(model, batch)
+        loss.backward()
+        backward_end = time.perf_counter()
+        optimizer.step()
+        step_s = time.perf_counter() - start - probe.overhead
+        comm_s = max(0.0, backward_end - probe.last_gradient) if probe.last_gradient else 0.0
+        row = torch.tensor([loss.item(), step_s, comm_s, probe.local_density()], dtype=torch.float64)
+        rows = [torch.empty_like(row) for _ in range(world)]
+        dist.all_gather(rows, row)
+        if rank == 0:
+            table = torch.stack(rows)
+            slowest = table[table[:, 1].argmax()]
+            emit({"event": "step", "step": step, "loss": table[:, 0].mean().item(),
+                  "step_s": slowest[1].item(), "comm_s": slowest[2].item(),
+                  "compute_s": (slowest[1] - slowest[2]).item(),
+                  "density_local": table[:, 3].mean().item(), "density_union": probe.reduced_density()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        cfg = json.load(f)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("sparcoll" if cfg["comm"] == "sparcoll" else "gloo",
+                            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
+    comm = None
+    try:
+        if cfg["comm"] == "hook":
+            comm = sparcoll.init(timeout=cfg["timeout"])
+        train(cfg, rank, world, comm)
+        if rank == 0:
+            emit({"event": "done"})
+    except Exception as exc:
+        if rank == 0:
+            emit({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
+        raise
+    finally:
+        if comm is not None:
+            comm.close()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The block view of a tensor: scan, runs, gather/scatter and the padded last block."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from sparcoll.blocks import SCAN_ROWS, BlockTensor, nonzero_mask, runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_scan_matches_elementwise_definition(dtype):
+    g = torch.Generator().manual_seed(0)
+    rows = torch.zeros(SCAN_ROWS * 2 + 17, 8, dtype=dtype)
+    picks = torch.randint(0, rows.numel(), (200,), generator=g)
+    rows.view(-1)[picks] = torch.randn(200, generator=g).to(dtype)
+    rows[3, 2] = -0.0                       # -0.0 alone: a zero block
+    rows[5, 1], rows[7, 7] = float("nan"), float("-inf")
+    rows[9, 0] = torch.finfo(dtype).tiny / 4 if dtype != torch.bfloat16 else 1e-40   # subnormal
+    expected = (rows.double() != 0).any(1) | rows.double().isnan().any(1)
+    assert np.array_equal(nonzero_mask(rows), expected.numpy())
+    assert not nonzero_mask(rows)[3] and nonzero_mask(rows)[5] and nonzero_mask(rows)[7]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 60), unique=True, max_size=40), st.integers(1, 8))
+def test_runs_cover_exactly_the_indices(values, limit):
+    indices = np.array(sorted(values), dtype=np.int64)
+    spans = runs(indices, limit)
+    covered = [i for start, stop in (spans or []) for i in range(start, stop)]
+    if spans is None:
+        assert len(np.flatnonzero(np.diff(indices) != 1)) + 1 > limit
+    else:
+        assert covered == indices.tolist() and len(spans) <= max(limit, 1)
+
+
+@pytest.mark.parametrize("numel", [0, 5, 16, 21])
+def test_padded_last_block_round_trip(numel):
+    flat = torch.arange(1, numel + 1, dtype=torch.float32)
+    bt = BlockTensor(flat, 8)
+    assert bt.nblocks == -(-numel // 8)
+    everything = np.arange(bt.nblocks)
+    assert np.array_equal(bt.nonzero(), everything)
+    gathered = bt.gather(everything)
+    assert torch.equal(gathered.reshape(-1)[:numel], flat)
+    bt.scatter(everything, gathered * 2)
+    bt.finish()
+    assert torch.equal(flat, 2 * torch.arange(1, numel + 1, dtype=torch.float32))
+    views = bt.views(0, bt.nblocks)
+    assert sum(v.numel() for v in views) == bt.nblocks * 8
