@@ -221,3 +221,33 @@ def run_bad_inputs(rank: int, world: int) -> dict:
         outcome["op_max_on_rank0"] = _expect_error(lambda: comm.allreduce(good.clone(), op=op),
                                                    (sparcoll.SparcollError, ValueError), 20)
     return outcome
+
+
+def make_coo(seed: int, rank: int, shape, entries: int, dtype=torch.float32) -> torch.Tensor:
+    """An uncoalesced row-sparse COO tensor (repeated rows, as embedding gradients have)."""
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    rows = torch.randint(0, shape[0], (1, entries), generator=g)
+    values = torch.randint(-4, 5, (entries, *shape[1:]), generator=g).to(dtype)
+    return torch.sparse_coo_tensor(rows, values, shape, check_invariants=True)
+
+
+def run_coo(rank: int, world: int, cases) -> dict:
+    """allreduce_coo against the dense sum of every rank's COO input, and its traffic."""
+    import sparcoll
+
+    outcome = {}
+    with sparcoll.init(timeout=30) as comm:
+        for name, shape, entries, op in cases:
+            inputs = [make_coo(len(outcome), r, shape, entries) for r in range(world)]
+            expected = sum(x.to_dense().double() for x in inputs)
+            if op == "avg":
+                expected = expected / world
+            before = comm.stats.blocks_sent
+            got = comm.allreduce_coo(inputs[rank], op=op)
+            touched = int(inputs[rank].coalesce().indices().numel())   # rows stored here
+            outcome[name] = dict(
+                layout=str(got.layout), shape=tuple(got.shape),
+                exact=torch.equal(got.to_dense(), expected.float()),
+                blocks_sent=comm.stats.blocks_sent - before,
+                max_blocks=touched * (-(-math.prod(shape[1:]) // 256) + 1))
+    return outcome

@@ -67,8 +67,11 @@ class BlockTensor:
     """A flat contiguous CPU tensor as (nblocks, block_size) rows. A last, partial block is kept padded
     with zeros in a one-row side buffer, copied back by `finish()`."""
 
+    direct = True           # results can be received straight into the tensor's memory
+
     def __init__(self, flat: torch.Tensor, block_size: int):
         self.flat = flat
+        self.dtype = flat.dtype
         self.block_size = block_size
         self.full = flat.numel() // block_size
         self.nblocks = -(-flat.numel() // block_size)
@@ -122,8 +125,87 @@ class BlockTensor:
         elif n:
             self.rows.index_copy_(0, torch.from_numpy(indices), rows)
 
-    def finish(self) -> None:
-        """Copy the padded last block back into the tensor."""
+    def finish(self) -> torch.Tensor:
+        """Copy the padded last block back into the tensor; return the flat tensor."""
         if self.tail is not None:
             start = self.full * self.block_size
             self.flat[start:].copy_(self.tail[0, : self.flat.numel() - start])
+        return self.flat
+
+
+class SparseBlocks:
+    """A sparse COO tensor (e.g. an nn.Embedding(sparse=True) gradient) as the blocks of the dense
+    tensor it stands for, without ever allocating that dense tensor: the blocks its stored entries touch
+    are the non-zero blocks (no scan needed). Results are collected per message and assembled into a
+    coalesced COO tensor of the same shape and sparse dims by `finish()`."""
+
+    direct = False          # results arrive through a staging buffer, then `scatter`
+
+    def __init__(self, coo: torch.Tensor, block_size: int):
+        coo = coo.coalesce()
+        self.shape, self.dtype, self.block_size = coo.shape, coo.dtype, block_size
+        self.sparse_dim = coo.sparse_dim()
+        self.width = int(np.prod(coo.shape[self.sparse_dim:], dtype=np.int64))  # elements per entry
+        self.numel = int(np.prod(coo.shape, dtype=np.int64))
+        self.nblocks = -(-self.numel // block_size)
+        positions = self._positions(coo.indices())
+        blocks = positions // block_size
+        self.indices, inverse = np.unique(blocks.numpy(), return_inverse=True)
+        self.data = torch.zeros(self.indices.size, block_size, dtype=self.dtype)
+        slots = torch.from_numpy(inverse) * block_size + positions % block_size
+        self.data.view(-1)[slots] = coo.values().reshape(-1)
+        self._results: list[tuple[np.ndarray, torch.Tensor]] = []
+
+    def _positions(self, sparse_indices: torch.Tensor) -> torch.Tensor:
+        """Dense element offsets of every element of every stored entry, entry by entry."""
+        linear = torch.zeros(sparse_indices.shape[1], dtype=torch.int64)
+        for dim in range(self.sparse_dim):        # a handful of dims, not elements
+            linear = linear * self.shape[dim] + sparse_indices[dim]
+        return (linear[:, None] * self.width + torch.arange(self.width)).reshape(-1)
+
+    def nonzero(self) -> np.ndarray:
+        return self.indices
+
+    def _slots(self, indices: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.indices, indices)
+
+    def rows_of(self, indices: np.ndarray) -> torch.Tensor:
+        slots = self._slots(indices)
+        if slots.size and slots[-1] - slots[0] + 1 == slots.size:
+            return self.data[int(slots[0]):int(slots[-1]) + 1]
+        return self.data.index_select(0, torch.from_numpy(slots))
+
+    gather = rows_of
+
+    def views(self, start: int, stop: int) -> list[torch.Tensor]:
+        """The present blocks [start, stop): consecutive in `data` since both are sorted."""
+        slot = int(self._slots(np.array([start]))[0])
+        return [self.data[slot:slot + stop - start]]
+
+    def scatter(self, indices: np.ndarray, rows: torch.Tensor) -> None:
+        self._results.append((indices.copy(), rows.clone()))
+
+    def finish(self) -> torch.Tensor:
+        """The summed blocks as a coalesced COO tensor shaped like the input."""
+        dense_shape = self.shape[self.sparse_dim:]
+        if self._results:
+            indices = np.concatenate([i for i, _ in self._results])
+            rows = torch.cat([r for _, r in self._results])
+        else:
+            indices, rows = np.empty(0, dtype=np.int64), torch.empty(0, self.block_size,
+                                                                      dtype=self.dtype)
+        positions = (torch.from_numpy(indices)[:, None] * self.block_size
+                     + torch.arange(self.block_size)).reshape(-1)
+        values = rows.reshape(-1)
+        inside = positions < self.numel                   # drop the padding of the last block
+        positions, values = positions[inside], values[inside]
+        entries, inverse = torch.unique(positions // self.width, return_inverse=True)
+        out = torch.zeros(entries.numel(), self.width, dtype=self.dtype)
+        out.view(-1)[inverse * self.width + positions % self.width] = values
+        coords = []
+        for dim in reversed(range(self.sparse_dim)):
+            coords.append(entries % self.shape[dim])
+            entries = entries // self.shape[dim]
+        coords = torch.stack(coords[::-1]) if coords else torch.zeros(0, out.shape[0], dtype=torch.int64)
+        return torch.sparse_coo_tensor(coords, out.reshape(-1, *dense_shape), self.shape,
+                                       is_coalesced=True)

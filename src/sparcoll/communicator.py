@@ -26,7 +26,7 @@ import torch
 
 from . import transport, wire
 from .aggregator import AggregatorJob, AggregatorServer, LocalWorker
-from .blocks import BlockTensor, as_bytes, runs
+from .blocks import BlockTensor, SparseBlocks, as_bytes, runs
 from .errors import (CollectiveTimeout, MismatchError, PeerError, PoisonedError, ProtocolError,
                      SparcollError)
 from .protocol import Geometry, WorkerStream
@@ -86,19 +86,19 @@ class Work:
 
 
 class _Collective:
-    """Worker-side state of one allreduce."""
+    """Worker-side state of one allreduce: of a dense tensor (in place) or of a sparse COO tensor."""
 
     def __init__(self, cid: int, tensor: torch.Tensor, descriptor: tuple, work: Work,
                  timeout: float):
         self.id = cid
         self.tensor = tensor
+        self.sparse = tensor.layout == torch.sparse_coo
         self.descriptor = descriptor
         self.work = work
         self.timeout = timeout
         self.streams: dict[tuple[int, int], WorkerStream] = {}
         self.stream_locks: dict[tuple[int, int], threading.Lock] = {}
-        self.bt: BlockTensor | None = None
-        self.flat: torch.Tensor | None = None
+        self.blocks: BlockTensor | SparseBlocks | None = None
         self.lock = threading.Lock()
         self.remaining = 0
         self.done = threading.Event()
@@ -115,10 +115,21 @@ class _Collective:
             self.remaining -= 1
             if self.remaining:
                 return
-            self.bt.finish()
-            if not self.tensor.is_contiguous():     # we worked on a contiguous copy
-                self.tensor.copy_(self.flat.view_as(self.tensor))
+            result = self.blocks.finish()
+            if self.sparse:
+                self.work.tensor = result
+            elif not self.tensor.is_contiguous():     # we worked on a contiguous copy
+                self.tensor.copy_(result.view_as(self.tensor))
         self.done.set()
+
+    def prepare(self, block_size: int) -> None:
+        """Find the non-zero blocks (a scan for dense tensors; the stored entries for COO)."""
+        if self.sparse:
+            self.blocks = SparseBlocks(self.tensor, block_size)
+        else:
+            t = self.tensor
+            self.blocks = BlockTensor(t.view(-1) if t.is_contiguous() else t.contiguous().view(-1),
+                                      block_size)
 
 
 def _env_default(value, name: str, parse: Callable, default):
@@ -247,6 +258,16 @@ class Communicator:
                   timeout: float | None = None):
         """Sum (op="sum") or average (op="avg") `tensor` over all ranks, in place.
         Returns the tensor, or a Work handle with async_op=True."""
+        return self._submit(tensor, torch.strided, op, async_op, timeout)
+
+    def allreduce_coo(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False,
+                      timeout: float | None = None):
+        """Sum or average a sparse COO tensor (such as an nn.Embedding(sparse=True) gradient) over all
+        ranks without densifying it: only the blocks its entries touch are sent. Returns a new
+        coalesced COO tensor (or a Work whose wait() returns it); ranks may store different entries."""
+        return self._submit(tensor, torch.sparse_coo, op, async_op, timeout)
+
+    def _submit(self, tensor, layout, op, async_op, timeout):
         with self._state_lock:
             if self._closed:
                 raise SparcollError("communicator is closed")
@@ -257,7 +278,7 @@ class Communicator:
             raise PoisonedError(f"an earlier collective failed ({poison}); create a new "
                                 f"communicator") from poison
         try:
-            descriptor = self._describe(tensor, op)
+            descriptor = self._describe(tensor, layout, op)
         except (TypeError, ValueError) as exc:
             self._requests.put(("abort", cid, f"rejected its input: {exc}"))
             self._set_poison(exc)
@@ -267,11 +288,12 @@ class Communicator:
                                                self.timeout if timeout is None else timeout)))
         return work if async_op else work.wait()
 
-    def _describe(self, tensor, op) -> tuple[int, int, int, int]:
+    def _describe(self, tensor, layout, op) -> tuple[int, int, int, int]:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"allreduce takes a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.layout != torch.strided:
-            raise TypeError(f"allreduce takes dense tensors, got layout {tensor.layout}")
+        if tensor.layout != layout:
+            hint = " (use allreduce_coo for sparse COO tensors)" if layout == torch.strided else ""
+            raise TypeError(f"expected layout {layout}, got {tensor.layout}{hint}")
         if tensor.dtype not in wire.DTYPE_CODES:
             raise TypeError(f"sparcoll does not support dtype {tensor.dtype}; supported: "
                             + ", ".join(str(d) for d, _ in wire.DTYPES.values()))
@@ -342,11 +364,9 @@ class Communicator:
             coll.work._finish(error)
 
     def _run(self, coll: _Collective) -> BaseException | None:
-        tensor = coll.tensor
-        coll.flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        coll.bt = BlockTensor(coll.flat, self.block_size)
-        nonzero = coll.bt.nonzero()
-        geometry = Geometry(coll.bt.nblocks, self.config.num_aggs, self.config.streams)
+        coll.prepare(self.block_size)
+        nonzero = coll.blocks.nonzero()
+        geometry = Geometry(coll.blocks.nblocks, self.config.num_aggs, self.config.streams)
         for agg, stream, lo, hi in geometry.ranges():
             lo_i, hi_i = np.searchsorted(nonzero, [lo, hi]).tolist()
             coll.streams[agg, stream] = WorkerStream(lo, hi, nonzero[lo_i:hi_i],
@@ -393,16 +413,18 @@ class Communicator:
             if agg == self._local_index:
                 header = wire.Header(wire.Kind.CONTRIBUTE, stream, self.job, coll.id, send.seq,
                                      indices.size, send.progress, *coll.descriptor)
-                self._local_job.contribute(self.rank, header, indices, coll.bt.rows_of(indices))
+                self._local_job.contribute(self.rank, header, indices,
+                                           coll.blocks.rows_of(indices))
                 continue
             header = wire.data_header(wire.Kind.CONTRIBUTE, stream=stream, job=self.job,
                                       collective=coll.id, seq=send.seq, count=indices.size,
                                       progress=send.progress, descriptor=coll.descriptor)
             spans = runs(indices, RUN_LIMIT)
             if spans is None:
-                payload = [as_bytes(coll.bt.gather(indices))]
+                payload = [as_bytes(coll.blocks.gather(indices))]
             else:
-                payload = [as_bytes(v) for start, stop in spans for v in coll.bt.views(start, stop)]
+                payload = [as_bytes(v) for start, stop in spans
+                           for v in coll.blocks.views(start, stop)]
             self._connections[agg].send([header, as_bytes(indices.astype(wire.INDEX_DTYPE)), *payload],
                                         blocks=indices.size)
 
@@ -445,18 +467,18 @@ class Communicator:
                                 f"not match collective {coll.id}")
         ws = coll.streams[agg, h.stream]
         self._advance(coll, agg, h.stream, (h.seq, h.progress, indices))
-        spans = runs(indices, RUN_LIMIT)
+        spans = runs(indices, RUN_LIMIT) if coll.blocks.direct else None
         if spans is not None:
             for start, stop in spans:
-                for view in coll.bt.views(start, stop):
+                for view in coll.blocks.views(start, stop):
                     conn.recv_into(as_bytes(view))
         else:
             nbytes = h.payload_sizes()[1]
             if staging.numel() < nbytes:
                 staging = torch.empty(nbytes, dtype=torch.uint8)
             conn.recv_into(as_bytes(staging)[:nbytes])
-            rows = staging[:nbytes].view(coll.tensor.dtype).view(h.count, self.block_size)
-            coll.bt.scatter(indices, rows)
+            rows = staging[:nbytes].view(coll.blocks.dtype).view(h.count, self.block_size)
+            coll.blocks.scatter(indices, rows)
         conn.stats.blocks_received += h.count
         if ws.done:
             coll.stream_done()
@@ -480,7 +502,7 @@ class Communicator:
                 ws = coll.streams[self._local_index, stream]
                 self._advance(coll, self._local_index, stream,
                               (result.seq, result.progress, result.indices))
-                coll.bt.scatter(result.indices, result.rows)
+                coll.blocks.scatter(result.indices, result.rows)
                 if ws.done:
                     coll.stream_done()
             except SparcollError as exc:
