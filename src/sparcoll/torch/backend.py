@@ -94,6 +94,7 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, world: int, timeout: timedelta):
         super().__init__(rank, world)
+        self._group_name = self._group_desc = ""
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world, timeout)
         self.comm = Communicator(dist.PrefixStore("sparcoll", store), rank, world,
                                  timeout=timeout.total_seconds())
@@ -140,6 +141,7 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         self.comm.close()
+        self.gloo.shutdown()
 
     abort = shutdown
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import sparcoll
 
+
 def _future_error(future: torch.futures.Future) -> BaseException | None:
     try:
         future.value()   # completed: raises its error without blocking

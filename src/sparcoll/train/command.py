@@ -29,6 +29,7 @@ from sparcoll.train.worker import MODES
 from sparcoll.workloads import WORKLOADS
 
 COMPARED = ("sparcoll", "ddp")
+CURVE_POINTS = 8        # steps of the loss curve printed (the JSON report has every step)
 # Every mode must be able to run the same model, so that loss curves compare: a tied softmax cannot
 # have sparse embeddings (agsparse).
 COMMON_OPTIONS = {"lstm": {"tie_weights": False}}
@@ -64,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="link rate of the emulated network (1gbit, 10gbit ...; needs root), or none: "
                              "loopback (default 1gbit)")
     parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
-    parser.add_argument("--batch-size", type=int, default=256, help="samples per worker and step (default 256)")
+    parser.add_argument("--batch-size", type=int, default=256,
+                        help="samples per worker and step (default 256)")
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the batches (default 0)")
     parser.add_argument("--block-size", type=int, default=256,
@@ -151,8 +153,12 @@ def report(runs: list[dict], args) -> str:
     for r in runs:
         lines.append(f"{r['comm']:<9} {r['samples_per_s']:>10.1f} {1e3 * r['step_s']:>8.1f} "
                      f"{1e3 * r['compute_s']:>10.1f} {1e3 * r['comm_s']:>8.1f} "
-                     f"{r['density_local']:>10.4f} / {r['density_union']:.4f}  "
+                     f"{r['density_local']:>11.4f} / {r['density_union']:.4f}  "
                      f"{r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}")
+    for r in runs:
+        loss = r["loss"]
+        shown = sorted({round(i * (len(loss) - 1) / (CURVE_POINTS - 1)) for i in range(CURVE_POINTS)})
+        lines.append(f"loss curve, {r['comm']}: " + ", ".join(f"{i + 1}: {loss[i]:.4f}" for i in shown))
     return "\n".join(lines)
 
 
