@@ -169,6 +169,7 @@ def run_byte_accounting(rank: int, world: int, densities, numel: int, message_bl
                     time.monotonic() < deadline:
                 time.sleep(0.01)
             s1, a1 = comm.stats, comm.aggregator_stats
+            dist.barrier()      # no rank closes (a BYE message) before every rank has read
             assert torch.equal(x, sum(inputs)), "wrong sum"
             report.append(dict(
                 density=density, own_blocks=len(nonzero[rank]),
@@ -180,7 +181,9 @@ def run_byte_accounting(rank: int, world: int, densities, numel: int, message_bl
                 agg_sent_data=(a1.bytes_sent - a0.bytes_sent)
                 - HEADER * (a1.messages_sent - a0.messages_sent),
                 expected_agg_sent_data=agg_out_union,
-                messages_sent=s1.messages_sent - s0.messages_sent))
+                messages_sent=s1.messages_sent - s0.messages_sent,
+                messages_received=s1.messages_received - s0.messages_received,
+                bytes_received=s1.bytes_received - s0.bytes_received))
     return report
 
 

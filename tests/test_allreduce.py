@@ -116,7 +116,8 @@ def test_bytes_on_the_wire_match_the_formula(world):
     for rank, report in enumerate(reports):
         for row in report:
             assert row["sent"] == row["expected_sent"], (rank, row)
-            assert row["received_data"] == row["expected_received_data"], (rank, row)
+            assert row["received_data"] == row["expected_received_data"], \
+                (rank, sorted(row.items()))
             assert row["agg_received"] == row["expected_agg_received"], (rank, row)
             assert row["agg_sent_data"] == row["expected_agg_sent_data"], (rank, row)
             payload = row["own_blocks"] * (world - 1) / world * 1024

@@ -326,7 +326,7 @@ class AggregatorServer:
                     buf = pool.take(nbytes)
                     conn.recv_into(as_bytes(buf)[:nbytes])
                     rows = buf[:nbytes].view(h.torch_dtype).view(h.count, h.block_size)
-                    conn.stats.blocks_received += h.count
+                    conn.count(blocks_received=h.count)
                     job.contribute(rank, h, indices.astype(np.int64), rows,
                                    functools.partial(pool.give, buf))
                 elif h.kind is wire.Kind.ERROR:

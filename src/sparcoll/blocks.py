@@ -133,35 +133,18 @@ class BlockTensor:
         return self.flat
 
 
-class SparseBlocks:
-    """A sparse COO tensor (e.g. an nn.Embedding(sparse=True) gradient) as the blocks of the dense
-    tensor it stands for, without ever allocating that dense tensor: the blocks its stored entries touch
-    are the non-zero blocks (no scan needed). Results are collected per message and assembled into a
-    coalesced COO tensor of the same shape and sparse dims by `finish()`."""
+class CompactBlocks:
+    """Only the non-zero blocks, packed in one host buffer (`data`, rows in index order). Results come in
+    through a staging buffer and are collected; subclasses turn them into the output in `finish()`."""
 
     direct = False          # results arrive through a staging buffer, then `scatter`
 
-    def __init__(self, coo: torch.Tensor, block_size: int):
-        coo = coo.coalesce()
-        self.shape, self.dtype, self.block_size = coo.shape, coo.dtype, block_size
-        self.sparse_dim = coo.sparse_dim()
-        self.width = int(np.prod(coo.shape[self.sparse_dim:], dtype=np.int64))  # elements per entry
-        self.numel = int(np.prod(coo.shape, dtype=np.int64))
-        self.nblocks = -(-self.numel // block_size)
-        positions = self._positions(coo.indices())
-        blocks = positions // block_size
-        self.indices, inverse = np.unique(blocks.numpy(), return_inverse=True)
-        self.data = torch.zeros(self.indices.size, block_size, dtype=self.dtype)
-        slots = torch.from_numpy(inverse) * block_size + positions % block_size
-        self.data.view(-1)[slots] = coo.values().reshape(-1)
+    def __init__(self, indices: np.ndarray, data: torch.Tensor, numel: int, block_size: int):
+        self.indices, self.data = indices, data
+        self.dtype, self.block_size = data.dtype, block_size
+        self.numel = numel
+        self.nblocks = -(-numel // block_size)
         self._results: list[tuple[np.ndarray, torch.Tensor]] = []
-
-    def _positions(self, sparse_indices: torch.Tensor) -> torch.Tensor:
-        """Dense element offsets of every element of every stored entry, entry by entry."""
-        linear = torch.zeros(sparse_indices.shape[1], dtype=torch.int64)
-        for dim in range(self.sparse_dim):        # a handful of dims, not elements
-            linear = linear * self.shape[dim] + sparse_indices[dim]
-        return (linear[:, None] * self.width + torch.arange(self.width)).reshape(-1)
 
     def nonzero(self) -> np.ndarray:
         return self.indices
@@ -185,17 +168,64 @@ class SparseBlocks:
     def scatter(self, indices: np.ndarray, rows: torch.Tensor) -> None:
         self._results.append((indices.copy(), rows.clone()))
 
+    def results(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All result blocks: (indices int64, rows)."""
+        if not self._results:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, self.block_size, dtype=self.dtype)
+        return (torch.from_numpy(np.concatenate([i for i, _ in self._results])),
+                torch.cat([r for _, r in self._results]))
+
+
+class StagedBlocks(CompactBlocks):
+    """A tensor that cannot be worked on in place (on an accelerator, or not contiguous): it is scanned
+    where it lives and only its non-zero blocks are copied to the host; results are written back into
+    it by `finish()`. Blocks outside the union are zero everywhere, so they need no write."""
+
+    def __init__(self, tensor: torch.Tensor, block_size: int):
+        numel = tensor.numel()
+        nblocks = -(-numel // block_size)
+        padded = torch.zeros(nblocks, block_size, dtype=tensor.dtype, device=tensor.device)
+        padded.view(-1)[:numel] = tensor.reshape(-1)
+        indices = np.flatnonzero(nonzero_mask(padded))
+        data = padded[torch.from_numpy(indices).to(tensor.device)].cpu()
+        super().__init__(indices, data, numel, block_size)
+        self.tensor, self.padded = tensor, padded
+
     def finish(self) -> torch.Tensor:
-        """The summed blocks as a coalesced COO tensor shaped like the input."""
-        dense_shape = self.shape[self.sparse_dim:]
-        if self._results:
-            indices = np.concatenate([i for i, _ in self._results])
-            rows = torch.cat([r for _, r in self._results])
-        else:
-            indices, rows = np.empty(0, dtype=np.int64), torch.empty(0, self.block_size,
-                                                                      dtype=self.dtype)
-        positions = (torch.from_numpy(indices)[:, None] * self.block_size
-                     + torch.arange(self.block_size)).reshape(-1)
+        indices, rows = self.results()
+        device = self.padded.device
+        self.padded.index_copy_(0, indices.to(device), rows.to(device))
+        self.tensor.copy_(self.padded.view(-1)[:self.numel].view_as(self.tensor))
+        return self.tensor
+
+
+class SparseBlocks(CompactBlocks):
+    """A sparse COO tensor (e.g. an nn.Embedding(sparse=True) gradient) as the blocks of the dense
+    tensor it stands for, without ever allocating that dense tensor: the blocks its stored entries touch
+    are the non-zero blocks (no scan needed). `finish()` assembles the summed blocks into a coalesced COO
+    tensor of the same shape and sparse dims."""
+
+    def __init__(self, coo: torch.Tensor, block_size: int):
+        coo = coo.coalesce()
+        self.shape, self.sparse_dim = coo.shape, coo.sparse_dim()
+        self.width = int(np.prod(coo.shape[self.sparse_dim:], dtype=np.int64))  # elements per entry
+        positions = self._positions(coo.indices())
+        indices, inverse = np.unique((positions // block_size).numpy(), return_inverse=True)
+        data = torch.zeros(indices.size, block_size, dtype=coo.dtype)
+        slots = torch.from_numpy(inverse) * block_size + positions % block_size
+        data.view(-1)[slots] = coo.values().reshape(-1)
+        super().__init__(indices, data, int(np.prod(coo.shape, dtype=np.int64)), block_size)
+
+    def _positions(self, sparse_indices: torch.Tensor) -> torch.Tensor:
+        """Dense element offsets of every element of every stored entry, entry by entry."""
+        linear = torch.zeros(sparse_indices.shape[1], dtype=torch.int64)
+        for dim in range(self.sparse_dim):        # a handful of dims, not elements
+            linear = linear * self.shape[dim] + sparse_indices[dim]
+        return (linear[:, None] * self.width + torch.arange(self.width)).reshape(-1)
+
+    def finish(self) -> torch.Tensor:
+        indices, rows = self.results()
+        positions = (indices[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
         values = rows.reshape(-1)
         inside = positions < self.numel                   # drop the padding of the last block
         positions, values = positions[inside], values[inside]
@@ -206,6 +236,6 @@ class SparseBlocks:
         for dim in reversed(range(self.sparse_dim)):
             coords.append(entries % self.shape[dim])
             entries = entries // self.shape[dim]
-        coords = torch.stack(coords[::-1]) if coords else torch.zeros(0, out.shape[0], dtype=torch.int64)
-        return torch.sparse_coo_tensor(coords, out.reshape(-1, *dense_shape), self.shape,
+        return torch.sparse_coo_tensor(torch.stack(coords[::-1]),
+                                       out.reshape(-1, *self.shape[self.sparse_dim:]), self.shape,
                                        is_coalesced=True)

@@ -11,6 +11,7 @@ Only one collective per communicator is in flight, so its memory and the aggrega
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import secrets
@@ -26,13 +27,15 @@ import torch
 
 from . import transport, wire
 from .aggregator import AggregatorJob, AggregatorServer, LocalWorker
-from .blocks import BlockTensor, SparseBlocks, as_bytes, runs
+from .blocks import BlockTensor, CompactBlocks, SparseBlocks, StagedBlocks, as_bytes, runs
 from .errors import (CollectiveTimeout, MismatchError, PeerError, PoisonedError, ProtocolError,
                      SparcollError)
 from .protocol import Geometry, WorkerStream
 
+log = logging.getLogger("sparcoll")
 RUN_LIMIT = 32          # more runs than this in a message: gather/scatter through one buffer instead
 DEFAULT_BLOCK_SIZE = 256
+DISCARD_BYTES = 1 << 20  # results of a collective this rank gave up are read through this much
 ERROR_TYPES = {wire.ErrorCode.MISMATCH: MismatchError, wire.ErrorCode.PEER: PeerError,
                wire.ErrorCode.PROTOCOL: ProtocolError, wire.ErrorCode.GENERIC: SparcollError}
 OPS = {"sum": wire.Op.SUM, "avg": wire.Op.AVG}
@@ -82,7 +85,10 @@ class Work:
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
-            fn(self)
+            try:
+                fn(self)
+            except Exception:   # a caller's callback must not take the engine thread down
+                log.exception("a done-callback of an allreduce raised")
 
 
 class _Collective:
@@ -98,7 +104,7 @@ class _Collective:
         self.timeout = timeout
         self.streams: dict[tuple[int, int], WorkerStream] = {}
         self.stream_locks: dict[tuple[int, int], threading.Lock] = {}
-        self.blocks: BlockTensor | SparseBlocks | None = None
+        self.blocks: BlockTensor | CompactBlocks | None = None
         self.lock = threading.Lock()
         self.remaining = 0
         self.done = threading.Event()
@@ -118,18 +124,18 @@ class _Collective:
             result = self.blocks.finish()
             if self.sparse:
                 self.work.tensor = result
-            elif not self.tensor.is_contiguous():     # we worked on a contiguous copy
-                self.tensor.copy_(result.view_as(self.tensor))
         self.done.set()
 
     def prepare(self, block_size: int) -> None:
-        """Find the non-zero blocks (a scan for dense tensors; the stored entries for COO)."""
+        """Find the non-zero blocks: the stored entries of a COO tensor; a scan in place for a
+        contiguous CPU tensor; a scan where it lives, then a copy of the non-zero blocks, otherwise."""
+        t = self.tensor
         if self.sparse:
-            self.blocks = SparseBlocks(self.tensor, block_size)
+            self.blocks = SparseBlocks(t, block_size)
+        elif t.device.type == "cpu" and t.is_contiguous():
+            self.blocks = BlockTensor(t.view(-1), block_size)
         else:
-            t = self.tensor
-            self.blocks = BlockTensor(t.view(-1) if t.is_contiguous() else t.contiguous().view(-1),
-                                      block_size)
+            self.blocks = StagedBlocks(t, block_size)
 
 
 def _env_default(value, name: str, parse: Callable, default):
@@ -273,16 +279,17 @@ class Communicator:
                 raise SparcollError("communicator is closed")
             cid = self._next_id
             self._next_id += 1
-            poison = self._poison
-        if poison is not None:
-            raise PoisonedError(f"an earlier collective failed ({poison}); create a new "
-                                f"communicator") from poison
-        try:
+        try:    # a bad input is reported as such, poisoned communicator or not
             descriptor = self._describe(tensor, layout, op)
         except (TypeError, ValueError) as exc:
             self._requests.put(("abort", cid, f"rejected its input: {exc}"))
             self._set_poison(exc)
             raise
+        with self._state_lock:   # a peer's own report of this collective beats our poison
+            poison = None if cid in self._early_errors else self._poison
+        if poison is not None:
+            raise PoisonedError(f"an earlier collective failed ({poison}); create a new "
+                                f"communicator") from poison
         work = Work(tensor)
         self._requests.put(("run", _Collective(cid, tensor, descriptor, work,
                                                self.timeout if timeout is None else timeout)))
@@ -297,8 +304,8 @@ class Communicator:
         if tensor.dtype not in wire.DTYPE_CODES:
             raise TypeError(f"sparcoll does not support dtype {tensor.dtype}; supported: "
                             + ", ".join(str(d) for d, _ in wire.DTYPES.values()))
-        if tensor.device.type != "cpu":
-            raise ValueError(f"tensor on device {tensor.device}: sparcoll supports CPU tensors")
+        if tensor.device.type == "meta":
+            raise ValueError(f"tensor on device {tensor.device} holds no data to reduce")
         op_name = op if isinstance(op, str) else getattr(op, "name", str(op)).lower()
         if op_name not in OPS:
             raise ValueError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
@@ -354,7 +361,11 @@ class Communicator:
                 self._abort(request[1], request[2])
                 continue
             coll = request[1]
-            error = self._poison and PoisonedError(f"an earlier collective failed ({self._poison})")
+            with self._state_lock:   # a peer's own report of this collective beats our poison
+                error = self._early_errors.pop(coll.id, None)
+                self._last_started = coll.id
+            if error is None and self._poison is not None:
+                error = PoisonedError(f"an earlier collective failed ({self._poison})")
             if error is None:
                 error = self._run(coll)
             if error is not None:
@@ -375,8 +386,7 @@ class Communicator:
         coll.remaining = len(coll.streams)
         with self._state_lock:
             self._active = coll
-            self._last_started = coll.id
-            early = self._early_errors.pop(coll.id, None)
+            early = self._early_errors.pop(coll.id, None)   # arrived while we were scanning
         if early is not None:
             coll.fail(early)
         try:
@@ -436,6 +446,7 @@ class Communicator:
     def _receive_loop(self, agg: int, conn: transport.Connection) -> None:
         max_blocks = self.world * self.config.credits * self.config.message_blocks
         staging = torch.empty(0, dtype=torch.uint8)
+        discard = torch.empty(DISCARD_BYTES, dtype=torch.uint8)
         try:
             while True:
                 h = conn.recv_header(max_blocks, self.job)
@@ -449,11 +460,13 @@ class Communicator:
                 indices = np.empty(h.count, dtype=wire.INDEX_DTYPE)
                 conn.recv_into(as_bytes(indices))
                 nbytes = h.payload_sizes()[1]
+                if h.block_size != self.block_size:
+                    raise ProtocolError(f"result with block size {h.block_size}, this job uses "
+                                        f"{self.block_size}")
                 coll = self._current(h.collective)
                 if coll is None:    # a collective that already failed here: drop its results
-                    if staging.numel() < nbytes:
-                        staging = torch.empty(nbytes, dtype=torch.uint8)
-                    conn.recv_into(as_bytes(staging)[:nbytes])
+                    for offset in range(0, nbytes, DISCARD_BYTES):
+                        conn.recv_into(as_bytes(discard)[:min(DISCARD_BYTES, nbytes - offset)])
                     continue
                 staging = self._on_result(coll, agg, conn, h, indices.astype(np.int64), staging)
         except (SparcollError, OSError) as exc:
@@ -479,7 +492,7 @@ class Communicator:
             conn.recv_into(as_bytes(staging)[:nbytes])
             rows = staging[:nbytes].view(coll.blocks.dtype).view(h.count, self.block_size)
             coll.blocks.scatter(indices, rows)
-        conn.stats.blocks_received += h.count
+        conn.count(blocks_received=h.count)
         if ws.done:
             coll.stream_done()
         return staging

@@ -6,6 +6,7 @@ owner's receiver thread straight into memory it chooses (often the user's tensor
 """
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import os
 import queue
@@ -73,7 +74,8 @@ class Connection:
     def __init__(self, sock: socket.socket, peer: str, on_failure: Callable[[Exception], None]):
         self.sock = sock
         self.peer = peer
-        self.stats = TrafficStats()
+        self._stats = TrafficStats()
+        self._stats_lock = threading.Lock()
         self._on_failure = on_failure
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._header = bytearray(wire.HEADER_BYTES)
@@ -93,24 +95,34 @@ class Connection:
                 return
             buffers, blocks = item
             try:
-                self.stats.bytes_sent += _sendmsg_all(self.sock, buffers)
+                sent = _sendmsg_all(self.sock, buffers)
             except OSError as exc:
                 if not self._closed:
                     self._on_failure(PeerError(f"sending to {self.peer} failed: {exc}"))
                 return
-            self.stats.messages_sent += 1
-            self.stats.blocks_sent += blocks
+            self.count(bytes_sent=sent, messages_sent=1, blocks_sent=blocks)
+
+    def count(self, **deltas: int) -> None:
+        """Add to the traffic counters (one lock, so a snapshot is never half-updated)."""
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    @property
+    def stats(self) -> TrafficStats:
+        """A consistent copy of this connection's counters."""
+        with self._stats_lock:
+            return dataclasses.replace(self._stats)
 
     def recv_header(self, max_blocks: int, job: int) -> wire.Header:
         view = memoryview(self._header)
         _recv_exact(self.sock, view, self.peer)
-        self.stats.bytes_received += wire.HEADER_BYTES
-        self.stats.messages_received += 1
+        self.count(bytes_received=wire.HEADER_BYTES, messages_received=1)
         return wire.decode_header(self._header, max_blocks, job)
 
     def recv_into(self, view: memoryview) -> None:
         _recv_exact(self.sock, view, self.peer)
-        self.stats.bytes_received += len(view)
+        self.count(bytes_received=len(view))
 
     def close(self) -> None:
         """Stop the sender after what is queued, and wake a receiver blocked on this socket."""

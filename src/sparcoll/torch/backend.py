@@ -6,7 +6,7 @@ sparcoll, so `DistributedDataParallel` uses sparcoll unchanged.
 
 Every other collective, and what sparcoll cannot reduce (other ops, dtypes or devices, several tensors
 at once), is delegated to an inner gloo group built on the same store, so nothing is unimplemented.
-Sparse COO all_reduce goes through `sparse.allreduce_coo`. The communicator takes its options from the
+Sparse COO all_reduce runs on sparcoll too (`sparse.allreduce_coo`: block-sparse, never densified). The communicator takes its options from the
 environment (SPARCOLL_BLOCK_SIZE, SPARCOLL_AGGREGATORS, SPARCOLL_HOST) and the group's timeout.
 
 Errors: a failed sparcoll collective raises its own exception (e.g. MismatchError) from `wait()`, and
@@ -128,7 +128,7 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
                 tensors[0], op=OPS[op], async_op=True, timeout=_seconds(opts.timeout))]))
         if len(tensors) == 1 and tensors[0].layout == torch.sparse_coo and op in OPS:
             return SparcollWork(Completion.start(tensors, lambda: [sparse.allreduce_coo(
-                tensors[0], OPS[op], self.gloo)]))
+                tensors[0], OPS[op], self.comm)]))
         return self.gloo.allreduce(tensors, opts)
 
     def barrier(self, opts) -> dist.Work:

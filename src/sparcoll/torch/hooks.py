@@ -22,10 +22,9 @@ from .futures import Completion
 
 @dataclass
 class HookState:
-    """comm: a sparcoll Communicator over DDP's group (sparcoll.init). group: the gloo group that
-    reduces sparse COO buckets (default: the whole job), until sparcoll reduces COO natively."""
+    """comm: a sparcoll Communicator over DDP's group (sparcoll.init); it reduces dense and sparse
+    COO buckets alike."""
     comm: Communicator
-    group: dist.ProcessGroup | None = None
 
 
 def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -34,7 +33,7 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
 
     def issue() -> list:
         if buffer.layout == torch.sparse_coo:
-            return [sparse.allreduce_coo(buffer, "avg", state.group or dist.group.WORLD)]
+            return [sparse.allreduce_coo(buffer, "avg", state.comm)]
         return [state.comm.allreduce(buffer, op="avg", async_op=True)]
 
     return Completion.start(buffer, issue).future

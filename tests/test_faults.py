@@ -1,0 +1,841 @@
+"""Fault injection with real processes: SIGKILL a worker or a dedicated aggregator at chosen points.
+
+Every episode is one small job: worker processes (and dedicated aggregator processes) forked from a fork
+server that has torch and sparcoll imported already (12 ms a process instead of 1.4 s), rendezvous through
+a TCPStore the test hosts, each reporting through its own pipe. The victim kills itself with SIGKILL at
+a deterministic point, chosen by a hook the test installs inside the victim (a counter wrapped around a
+transport, aggregator or scan function; communicator.py is never modified), by a timer, or by the test
+between two collectives. The survivors report what they raised, how long it took, whether every finished
+collective was exact, what a later call raised, and how long close() took. Episodes run a few at a time;
+every wait is bounded and every process is killed in the end.
+
+Mismatch and poisoning tests at the end run in-process (Communicators in threads over a HashStore).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sparcoll
+from sparcoll import aggregator as aggregator_module
+from sparcoll.communicator import Communicator
+
+NUMEL = 1 << 19            # 2048 blocks of 256 floats
+TIMEOUT = 5.0              # init(timeout=...) of every worker
+SLACK = 4.0                # scheduling slack on 2 shared cores, on top of the deadline
+CLOSE_LIMIT = 8.0          # close() must return within this
+OPTIONS = dict(message_blocks=8, credits=2, timeout=TIMEOUT)   # many messages per collective
+EPISODE_LIMIT = 45.0       # hard bound of one episode; processes are killed after it
+PARALLEL = 4               # episodes at a time (most of an episode is waiting)
+SURVIVOR_ERRORS = {"PeerError", "CollectiveTimeout", "PoisonedError", "ProtocolError",
+                   "AuthenticationError"}
+
+_CTX = None
+_CTX_LOCK = threading.Lock()
+
+
+def _ctx():
+    global _CTX
+    with _CTX_LOCK:
+        return _CTX or _start_fork_server()
+
+
+def _start_fork_server():
+    global _CTX
+    if _CTX is None:
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"      # the fork server's environment is the children's
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "numpy", "sparcoll", "sparcoll.communicator",
+                                    "sparcoll.aggregator", __name__])
+        r, w = ctx.Pipe(duplex=False)            # start the fork server now, with that environment
+        p = ctx.Process(target=_noop, args=(w,))
+        p.start()
+        w.close()
+        r.poll(60)
+        p.join(30)
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+        _CTX = ctx
+    return _CTX
+
+
+def _noop(conn):
+    conn.send(os.getpid())
+    conn.close()
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+def make_input(k: int, rank: int, numel: int = NUMEL) -> torch.Tensor:
+    """Small integers (exact sums) in about half of the blocks, a different pattern per (k, rank)."""
+    g = torch.Generator().manual_seed(1000 * k + rank)
+    nblocks = -(-numel // 256)
+    x = torch.randint(-4, 5, (nblocks, 256), generator=g).float()
+    x[torch.rand(nblocks, generator=g) < 0.5] = 0.0
+    return x.view(-1)[:numel].clone()
+
+
+def expected(k: int, world: int, numel: int = NUMEL) -> torch.Tensor:
+    return sum(make_input(k, r, numel) for r in range(world))
+
+
+# ---- what runs inside the victim -----------------------------------------------------------------
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def _counter(n: int):
+    """A thread-safe 'is this the n-th call?'."""
+    lock = threading.Lock()
+    state = [0]
+
+    def hit() -> bool:
+        with lock:
+            state[0] += 1
+            return state[0] == n
+    return hit
+
+
+def _kind(buffers) -> int:
+    return bytes(memoryview(buffers[0]).cast("B")[5:6])[0]
+
+
+def install_kill(point: str, n: int = 1, own_rank: int | None = None, delay: float = 0.0) -> None:
+    """Make this process SIGKILL itself at `point`, the n-th time it is reached."""
+    from sparcoll import aggregator, communicator, transport, wire
+
+    hit = _counter(n)
+    if point == "connect":                  # about to connect to an aggregator (init)
+        original = transport.connect
+
+        def connect(*args, **kwargs):
+            if hit():
+                die()
+            return original(*args, **kwargs)
+        transport.connect = connect
+    elif point == "proof":                  # got the aggregator's challenge, proof not sent (init)
+        original_proof = wire.encode_proof
+
+        def encode_proof(*args):
+            if hit():
+                die()
+            return original_proof(*args)
+        wire.encode_proof = encode_proof
+    elif point == "accept":                 # server side of the n-th handshake
+        original_accept = transport.accept
+
+        def accept(sock, *args):
+            if hit():
+                die()
+            return original_accept(sock, *args)
+        transport.accept = accept
+    elif point == "scan":                   # the engine scans the tensor of the n-th collective
+        class KillingBlockTensor(communicator.BlockTensor):
+            def nonzero(self):
+                if hit():
+                    die()
+                return super().nonzero()
+        communicator.BlockTensor = KillingBlockTensor
+    elif point == "send":                   # the n-th contribution is about to be queued
+        original_send = transport.Connection.send
+
+        def send(self, buffers, blocks=0):
+            if _kind(buffers) == wire.Kind.CONTRIBUTE and hit():
+                die()
+            return original_send(self, buffers, blocks)
+        transport.Connection.send = send
+    elif point.startswith("partial"):       # the n-th contribution is half written to the socket
+        fraction = {"partial-header": 20, "partial-payload": None}[point]
+        original_sendmsg = transport._sendmsg_all
+
+        def sendmsg_all(sock, buffers):
+            if _kind(buffers) == wire.Kind.CONTRIBUTE and hit():
+                raw = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+                cut = fraction if fraction is not None else wire.HEADER_BYTES + (len(raw) - wire.HEADER_BYTES) // 2
+                sock.sendall(raw[:cut])
+                time.sleep(0.05)
+                die()
+            return original_sendmsg(sock, buffers)
+        transport._sendmsg_all = sendmsg_all
+    elif point == "agg-contribute":         # this process's aggregator got a peer's n-th contribution
+        original_contribute = aggregator.AggregatorJob.contribute
+
+        def contribute(self, rank, *args, **kwargs):
+            if rank != own_rank and hit():
+                die()
+            return original_contribute(self, rank, *args, **kwargs)
+        aggregator.AggregatorJob.contribute = contribute
+    elif point == "agg-broadcast":          # this process's aggregator is about to send its n-th result
+        original_broadcast = aggregator.AggregatorJob._broadcast
+
+        def broadcast(self, *args):
+            if hit():
+                die()
+            return original_broadcast(self, *args)
+        aggregator.AggregatorJob._broadcast = broadcast
+    elif point == "recv-result":            # the worker read the header of its n-th remote result
+        original_recv = transport.Connection.recv_header
+
+        def recv_header(self, *args):
+            h = original_recv(self, *args)
+            if h.kind is wire.Kind.RESULT and hit():
+                die()
+            return h
+        transport.Connection.recv_header = recv_header
+    elif point == "close":                  # inside Communicator.close(), after the BYE was queued
+        original_close = transport.Connection.close
+
+        def close(self):
+            if hit():
+                time.sleep(0.02)
+                die()
+            return original_close(self)
+        transport.Connection.close = close
+    elif point == "timer":
+        threading.Timer(delay, die).start()
+    elif point in ("now", "between", "after-init", "none"):
+        pass                                # handled by the worker loop
+    else:
+        raise ValueError(point)
+
+
+# ---- child processes -----------------------------------------------------------------------------
+def _chain(exc: BaseException) -> str:
+    parts = []
+    while exc is not None and len(parts) < 5:
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return " <- ".join(parts)
+
+
+def run_worker(rank: int, world: int, store, spec: dict) -> dict:
+    """One rank of an episode: init, a series of exact-checked collectives, then close."""
+    opts = dict(OPTIONS, **spec.get("options", {}))
+    victim = rank in spec.get("victims", ())
+    kill = spec.get("kill", ("none", 0))
+    collectives = spec.get("collectives", 6)
+    if victim and kill[0] == "close":
+        collectives = spec.get("victim_collectives", collectives)
+    res = dict(rank=rank, completed=0, error=None, msg="", error_s=None, then=None, then_s=None,
+               close_s=None, exact=True, step="init")
+    comm = None
+    started = time.monotonic()
+    t = time.monotonic()
+    try:
+        if victim and kill[0] == "now":
+            die()
+        comm = Communicator(dist.PrefixStore("c1/", store), rank, world, **opts)
+        if victim and kill[0] in ("timer", "after-init"):
+            install_kill("timer", delay=kill[1] if kill[0] == "timer" else 0.0)
+        res["step"] = "collectives"
+        k = 0
+        while k < collectives and time.monotonic() - started < 20:
+            if k in spec.get("pause_before", ()):
+                store.set(f"paused/{k}/{rank}", "1")
+                store.wait([f"go/{k}"], timedelta(seconds=30))
+            if victim and kill[0] == "between" and kill[1] == k:
+                die()
+            x = make_input(k, rank)
+            t = time.monotonic()
+            if spec.get("async"):
+                works = [comm.allreduce(make_input(k + i, rank), async_op=True)
+                         for i in range(spec["async"])]
+                for i, work in enumerate(works):
+                    t = time.monotonic()
+                    try:
+                        got = work.wait(timeout=3 * TIMEOUT)
+                    except sparcoll.SparcollError as exc:
+                        res.setdefault("async_errors", []).append(
+                            (type(exc).__name__, time.monotonic() - t))
+                        if res["error"] is None:
+                            res.update(error=type(exc).__name__, msg=_chain(exc),
+                                       error_s=time.monotonic() - t)
+                        continue
+                    res["exact"] &= torch.equal(got, expected(k + i, world))
+                    res["completed"] += 1
+                if res["error"] is not None:
+                    raise _Done()
+                k += spec["async"]
+                continue
+            comm.allreduce(x)
+            res["exact"] &= torch.equal(x, expected(k, world))
+            res["completed"] += 1
+            k += 1
+    except _Done:
+        pass
+    except sparcoll.SparcollError as exc:
+        res.update(error=type(exc).__name__, msg=_chain(exc), error_s=time.monotonic() - t)
+    except BaseException:
+        res.update(error="UNEXPECTED", msg=traceback.format_exc())
+    if res["error"] is not None and comm is not None:
+        t = time.monotonic()            # a failed communicator is poisoned: later calls raise at once
+        try:
+            comm.allreduce(torch.ones(300))
+            res["then"] = "NO ERROR"
+        except sparcoll.SparcollError as exc:
+            res["then"] = type(exc).__name__
+        except BaseException as exc:
+            res["then"] = f"UNEXPECTED {type(exc).__name__}: {exc}"
+        res["then_s"] = time.monotonic() - t
+    if comm is not None:
+        t = time.monotonic()
+        comm.close()
+        res["close_s"] = time.monotonic() - t
+    if victim:
+        die()       # a victim whose kill point was never reached must not pass for one that was
+    return res
+
+
+class _Done(Exception):
+    pass
+
+
+def _worker_child(rank, world, port, conn, spec):
+    try:
+        torch.set_num_threads(1)
+        for key, value in spec.get("env", {}).items():
+            os.environ[key] = value
+        if rank in spec.get("victims", ()) and spec["kill"][0] not in (
+                "now", "between", "after-init", "timer", "none"):
+            install_kill(spec["kill"][0], spec["kill"][1], own_rank=rank)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30))
+        result = run_worker(rank, world, store, spec)
+    except BaseException:
+        result = dict(rank=rank, error="HARNESS", msg=traceback.format_exc())
+    conn.send(result)
+    conn.close()
+
+
+def _aggregator_child(conn, spec):
+    """A dedicated aggregator (the same server `sparcoll aggregator` runs), maybe with a kill hook."""
+    try:
+        torch.set_num_threads(1)
+        if spec.get("kill"):
+            install_kill(*spec["kill"])
+        server = aggregator_module.AggregatorServer("127.0.0.1", 0, spec.get("secret", b""))
+        conn.send(server.address)
+    except BaseException:
+        conn.send("HARNESS " + traceback.format_exc())
+    time.sleep(EPISODE_LIMIT + 30)      # killed by the test long before
+    os._exit(0)
+
+
+# ---- the episode runner (parent side) ------------------------------------------------------------
+def run_episode(spec: dict) -> dict:
+    """Run one job; return {"workers": {rank: result or None}, "exitcodes": {...}, "aggs": [...]}."""
+    ctx = _ctx()
+    world = spec.get("world", 2)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    procs, agg_procs, pipes, out = {}, [], {}, {"workers": {}, "exitcodes": {}, "aggs": []}
+    deadline = time.monotonic() + EPISODE_LIMIT
+    try:
+        spec = dict(spec)
+        agg_specs = spec.get("aggregators", [])
+        addresses = []
+        for agg_spec in agg_specs:
+            r, w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_aggregator_child, args=(w, agg_spec), daemon=True)
+            p.start()
+            w.close()
+            if not r.poll(30):
+                raise AssertionError("dedicated aggregator did not start")
+            address = r.recv()
+            assert not address.startswith("HARNESS"), address
+            agg_procs.append(p)
+            addresses.append(address)
+        out["aggs"] = addresses
+        if addresses:
+            spec["options"] = dict(spec.get("options", {}), aggregators=addresses)
+        if spec.get("kill_aggregator_first"):
+            agg_procs[0].kill()
+            agg_procs[0].join(10)
+        for rank in range(world):
+            r, w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker_child, args=(rank, world, store.port, w, spec), daemon=True)
+            p.start()
+            w.close()
+            procs[rank], pipes[rank] = p, r
+        if "parent_kill" in spec:       # the test kills a process while every worker is paused
+            target, k = spec["parent_kill"]
+            store.wait([f"paused/{k}/{r}" for r in range(world)], timedelta(seconds=30))
+            victim_proc = agg_procs[0] if target == "aggregator" else procs[target]
+            victim_proc.kill()
+            victim_proc.join(10)
+            time.sleep(0.2)             # let the survivors notice, as they would between steps
+            store.set(f"go/{k}", "1")
+        for rank, r in pipes.items():
+            if r.poll(max(0.0, deadline - time.monotonic())):
+                try:
+                    out["workers"][rank] = r.recv()
+                except EOFError:        # the process died without reporting (a victim)
+                    out["workers"][rank] = None
+            else:
+                out["workers"][rank] = "MISSING (hung past the episode limit)"
+        for rank, p in procs.items():
+            p.join(max(0.1, min(10.0, deadline - time.monotonic())))
+            out["exitcodes"][rank] = p.exitcode
+        for i, p in enumerate(agg_procs):
+            out["exitcodes"][f"agg{i}"] = p.exitcode
+        out["seconds"] = EPISODE_LIMIT - (deadline - time.monotonic())
+        out["addresses"] = {}
+        for rank in range(world):
+            key = f"c1/aggregator/{rank}"
+            if store.check([key]):
+                out["addresses"][rank] = store.get(key).decode()
+        return out
+    finally:
+        for p in list(procs.values()) + agg_procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+        del store
+
+
+def names_peer(msg: str, peers: list[str]) -> bool:
+    return any(p in msg for p in peers)
+
+
+def check_survivors(point: str, spec: dict, out: dict) -> list[str]:
+    """Every survivor raised a documented error in time (naming the peer), then stayed poisoned,
+    and close() returned; the victim really died at its kill point."""
+    problems = []
+    world = spec.get("world", 2)
+    victims = spec.get("victims", ())
+    for v in victims:
+        if out["exitcodes"].get(v) != -signal.SIGKILL:
+            problems.append(f"victim rank {v} exit code {out['exitcodes'].get(v)}: kill point "
+                            f"not reached; its report: {out['workers'].get(v)}")
+    if spec.get("aggregator_victim") is not None:
+        code = out["exitcodes"].get(f"agg{spec['aggregator_victim']}")
+        if code != -signal.SIGKILL:
+            problems.append(f"aggregator exit code {code}: kill point not reached")
+    peers = []
+    for v in victims:
+        peers += [f"rank {v}", f"aggregator {v}", f"aggregator/{v}"]
+        if v in out.get("addresses", {}):
+            peers.append(out["addresses"][v])
+    if spec.get("aggregator_victim") is not None:
+        a = spec["aggregator_victim"]
+        peers += [f"aggregator {a}", out["aggs"][a]]
+    for rank in range(world):
+        if rank in victims:
+            continue
+        res = out["workers"].get(rank)
+        if not isinstance(res, dict):
+            problems.append(f"survivor rank {rank}: {res}")
+            continue
+        where = f"survivor rank {rank}"
+        if res["error"] not in SURVIVOR_ERRORS:
+            problems.append(f"{where} raised {res['error']}: {res['msg']}")
+            continue
+        if res["error_s"] > TIMEOUT + SLACK:
+            problems.append(f"{where}: {res['error']} after {res['error_s']:.1f} s > deadline")
+        # In a cascade another survivor may give up first and leave; then this one may be told
+        # "rank S left the job" before it hears of the dead peer (see docs/reliability.md).
+        cascade = [f"rank {s} left the job" for s in range(world) if s not in victims and s != rank]
+        if res["error"] != "CollectiveTimeout" and not names_peer(res["msg"], peers + cascade):
+            problems.append(f"{where}: {res['error']} does not name the peer {peers}: {res['msg']}")
+        if not res["exact"]:
+            problems.append(f"{where}: a collective that completed was not exact")
+        if res["then"] is not None and (res["then"] != "PoisonedError" or res["then_s"] > 1.0):
+            problems.append(f"{where}: the next call gave {res['then']} after {res['then_s']:.2f} s")
+        if res["close_s"] is not None and res["close_s"] > CLOSE_LIMIT:
+            problems.append(f"{where}: close() took {res['close_s']:.1f} s")
+        for name, seconds in res.get("async_errors", []):
+            if name not in SURVIVOR_ERRORS or seconds > TIMEOUT + SLACK:
+                problems.append(f"{where}: async work raised {name} after {seconds:.1f} s")
+    return problems
+
+
+# ---- kill points ---------------------------------------------------------------------------------
+def _w(kill, victims=(1,), **extra):
+    return dict(kill=kill, victims=victims, **extra)
+
+
+COLOCATED = {
+    # init (a shorter deadline: these survivors may have to wait it out)
+    "worker-before-init": _w(("now", 0), options=dict(timeout=3.0)),
+    "rank0-before-init-no-job-key": _w(("now", 0), victims=(0,), options=dict(timeout=3.0)),
+    "worker-at-first-connect": _w(("connect", 1), options=dict(timeout=3.0)),
+    "worker-mid-handshake": _w(("proof", 1), options=dict(timeout=3.0)),
+    "worker-right-after-init": _w(("after-init", 0)),
+    # first collective
+    "worker-during-scan": _w(("scan", 1)),
+    "worker-first-contribution": _w(("send", 1)),
+    "worker-mid-collective-1": _w(("send", 25)),
+    "worker-half-written-header": _w(("partial-header", 5)),
+    "worker-half-written-payload": _w(("partial-payload", 7)),
+    "agg-first-peer-contribution": _w(("agg-contribute", 1)),
+    "agg-third-result": _w(("agg-broadcast", 3)),
+    "worker-first-remote-result": _w(("recv-result", 1)),
+    # later collectives
+    "worker-mid-collective-3": _w(("send", 150)),
+    "agg-peer-contribution-100": _w(("agg-contribute", 100)),
+    "agg-result-120": _w(("agg-broadcast", 120)),
+    "worker-remote-result-100": _w(("recv-result", 100)),
+    "worker-scan-of-collective-3": _w(("scan", 3)),
+    "between-collectives-2-3": _w(("between", 2)),
+    "test-kills-worker-between-collectives": _w(("none", 0), parent_kill=(1, 2), pause_before=(2,)),
+    "timer-150ms": _w(("timer", 0.15), collectives=150),
+    "timer-500ms": _w(("timer", 0.5), collectives=150),
+    "worker-during-close": _w(("close", 1), victim_collectives=2, collectives=4),
+    "async-ops-queued": _w(("between", 3), **{"async": 3}, collectives=9),
+    "3-ranks-rank2-mid-collective": _w(("send", 20), victims=(2,), world=3),
+    "3-ranks-rank0-mid-collective": _w(("send", 40), victims=(0,), world=3),
+    "3-streams-1-credit": _w(("send", 30), options=dict(streams=3, credits=1)),
+    "two-victims-of-4": _w(("send", 15), victims=(1, 3), world=4, collectives=3),
+}
+
+SECRET = b"test-fault-secret"
+_DED = dict(env={"SPARCOLL_SECRET": SECRET.decode()})
+
+
+def _a(kill=None, **extra):
+    return dict(aggregators=[dict(secret=SECRET, kill=kill)], aggregator_victim=0, **_DED, **extra)
+
+
+DEDICATED = {
+    "aggregator-dead-before-init": _a(kill_aggregator_first=True, options=dict(timeout=3.0)),
+    "aggregator-second-handshake": _a(("accept", 2), options=dict(timeout=3.0)),
+    "aggregator-first-contribution": _a(("agg-contribute", 1)),
+    "aggregator-mid-collective-1": _a(("agg-contribute", 40)),
+    "aggregator-mid-collective-2": _a(("agg-contribute", 300)),
+    "aggregator-fifth-result": _a(("agg-broadcast", 5)),
+    "test-kills-aggregator-between-collectives": _a(parent_kill=("aggregator", 2),
+                                                    pause_before=(2,)),
+    "one-of-two-aggregators": dict(aggregators=[dict(secret=SECRET),
+                                                dict(secret=SECRET, kill=("agg-contribute", 30))],
+                                   aggregator_victim=1, **_DED),
+    "worker-on-dedicated-mid-collective": dict(aggregators=[dict(secret=SECRET)],
+                                               **_w(("send", 30)), **_DED),
+    "worker-on-dedicated-at-init": dict(aggregators=[dict(secret=SECRET)],
+                                        **_w(("after-init", 0)), **_DED),
+}
+
+
+def _run_all(table: dict) -> dict:
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        futures = {name: pool.submit(run_episode, spec) for name, spec in table.items()}
+        out = {}
+        for name, future in futures.items():
+            try:
+                out[name] = future.result(timeout=EPISODE_LIMIT * len(table))
+            except BaseException:
+                out[name] = {"harness": traceback.format_exc()}
+        return out
+
+
+@pytest.fixture(scope="module")
+def colocated_outcomes():
+    return _run_all(COLOCATED)
+
+
+@pytest.fixture(scope="module")
+def dedicated_outcomes():
+    return _run_all(DEDICATED)
+
+
+@pytest.mark.parametrize("point", list(COLOCATED))
+def test_worker_killed_colocated(point, colocated_outcomes):
+    out = colocated_outcomes[point]
+    assert "harness" not in out, out.get("harness")
+    problems = check_survivors(point, COLOCATED[point], out)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("point", list(DEDICATED))
+def test_killed_with_dedicated_aggregator(point, dedicated_outcomes):
+    out = dedicated_outcomes[point]
+    assert "harness" not in out, out.get("harness")
+    problems = check_survivors(point, DEDICATED[point], out)
+    assert not problems, "\n".join(problems)
+
+
+def test_dedicated_aggregator_keeps_serving_other_jobs():
+    """Job A loses a worker mid-collective while job B runs on the same aggregator: B is exact and
+    complete, A's survivor gets a PeerError; then a new job C on that aggregator is exact too."""
+    ctx = _ctx()
+    r, w = ctx.Pipe(duplex=False)
+    agg = ctx.Process(target=_aggregator_child, args=(w, dict(secret=SECRET)), daemon=True)
+    agg.start()
+    w.close()
+    try:
+        assert r.poll(30)
+        address = r.recv()
+        shared = dict(options=dict(aggregators=[address]), **_DED)
+        job_a = dict(shared, **_w(("send", 60)), collectives=8)
+        job_b = dict(shared, collectives=8)
+        with ThreadPoolExecutor(2) as pool:
+            fa, fb = pool.submit(run_episode, job_a), pool.submit(run_episode, job_b)
+            out_a, out_b = fa.result(timeout=2 * EPISODE_LIMIT), fb.result(timeout=2 * EPISODE_LIMIT)
+        problems = check_survivors("job A", job_a, out_a)
+        assert not problems, "\n".join(problems)
+        for rank, res in out_b["workers"].items():
+            assert isinstance(res, dict) and res["error"] is None, (rank, res)
+            assert res["completed"] == 8 and res["exact"], (rank, res)
+        out_c = run_episode(dict(shared, collectives=2, world=3))
+        for rank, res in out_c["workers"].items():
+            assert isinstance(res, dict) and res["error"] is None, (rank, res)
+            assert res["completed"] == 2 and res["exact"], (rank, res)
+        assert agg.is_alive()
+    finally:
+        agg.kill()
+        agg.join(10)
+
+
+# ---- in-process: mismatches, poisoning, timeouts -------------------------------------------------
+def in_threads(world: int, target, join_timeout: float = 30.0, **options) -> list:
+    """Run target(comm, rank) on `world` in-process Communicators sharing a HashStore."""
+    store = dist.HashStore()
+    results: list = [None] * world
+
+    def run(rank):
+        comm = None
+        try:
+            comm = Communicator(dist.PrefixStore("m/", store), rank, world,
+                                **dict(dict(timeout=5.0), **options))
+            results[rank] = target(comm, rank)
+        except BaseException as exc:
+            results[rank] = exc
+        finally:
+            if comm is not None:
+                t = time.monotonic()
+                comm.close()
+                assert time.monotonic() - t < CLOSE_LIMIT
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_timeout)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results
+
+
+def _outcome(fn):
+    t = time.monotonic()
+    try:
+        fn()
+    except sparcoll.SparcollError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t
+    except Exception as exc:
+        return f"UNEXPECTED {type(exc).__name__}", str(exc), time.monotonic() - t
+    return "NO ERROR", "", time.monotonic() - t
+
+
+@pytest.fixture(scope="module")
+def dedicated_in_process():
+    server = aggregator_module.AggregatorServer("127.0.0.1", 0, b"")
+    yield [server.address]
+    server.close()
+
+
+@pytest.mark.parametrize("mode", ["colocated", "dedicated"])
+def test_calls_in_different_order_raise_on_every_rank_then_poison(mode, request):
+    """Rank 0 reduces A (1000 elements) then B (5000); rank 1 B then A: the first collective is a
+    mismatch on both ranks, and every later call raises PoisonedError at once."""
+    options = {}
+    if mode == "dedicated":
+        options["aggregators"] = request.getfixturevalue("dedicated_in_process")
+
+    def target(comm, rank):
+        sizes = [1000, 5000] if rank == 0 else [5000, 1000]
+        first = _outcome(lambda: comm.allreduce(torch.ones(sizes[0])))
+        second = _outcome(lambda: comm.allreduce(torch.ones(sizes[1])))
+        third = _outcome(lambda: comm.allreduce(torch.ones(10), async_op=True).wait(10))
+        return first, second, third
+
+    for rank, (first, second, third) in enumerate(in_threads(2, target, **options)):
+        assert first[0] == "MismatchError" and "numel" in first[1], (rank, first)
+        assert first[2] < TIMEOUT, (rank, first)
+        for later in (second, third):
+            assert later[0] == "PoisonedError" and later[2] < 1.0, (rank, later)
+
+
+def test_async_calls_in_different_order_raise_on_every_rank():
+    def target(comm, rank):
+        sizes = [1000, 3000] if rank == 0 else [3000, 1000]
+        works = [comm.allreduce(torch.ones(n), async_op=True) for n in sizes]
+        return [_outcome(lambda w=w: w.wait(10)) for w in works]
+
+    for rank, (first, second) in enumerate(in_threads(2, target)):
+        assert first[0] == "MismatchError", (rank, first)
+        assert second[0] == "PoisonedError", (rank, second)
+
+
+@pytest.mark.parametrize("what", ["op", "dtype", "block_size", "numel_same_blocks"])
+def test_mismatched_descriptor_raises_on_every_rank(what):
+    def target(comm, rank):
+        x = torch.ones(4096, dtype=torch.float64 if (what == "dtype" and rank) else torch.float32)
+        if what == "numel_same_blocks":   # 4000 and 4096 elements: both 16 blocks of 256
+            x = torch.ones(4000 if rank else 4096)
+        op = "avg" if (what == "op" and rank) else "sum"
+        return _outcome(lambda: comm.allreduce(x, op=op))
+
+    if what == "block_size":
+        store = dist.HashStore()
+        results = [None, None]
+
+        def run(rank):
+            with Communicator(dist.PrefixStore("b/", store), rank, 2, timeout=5.0,
+                              block_size=256 if rank == 0 else 128) as comm:
+                results[rank] = target(comm, rank)
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    else:
+        results = in_threads(2, target)
+    for rank, outcome in enumerate(results):
+        assert outcome[0] == "MismatchError", (what, rank, outcome)
+        assert outcome[2] < TIMEOUT, (what, rank, outcome)
+
+
+def test_mismatched_init_options_refused_on_every_rank():
+    """Ranks that disagree on the job's configuration (here message_blocks) fail at init."""
+    store = dist.HashStore()
+    results = [None, None]
+
+    def run(rank):
+        results[rank] = _outcome(lambda: Communicator(
+            dist.PrefixStore("o/", store), rank, 2, timeout=5.0,
+            message_blocks=64 if rank == 0 else 128).close())
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for rank, outcome in enumerate(results):
+        assert outcome[0] == "AuthenticationError" and "message_blocks" in outcome[1], outcome
+        assert outcome[2] < TIMEOUT
+
+
+def test_missing_call_times_out_naming_the_peer_then_poisons():
+    done = threading.Event()
+
+    def target(comm, rank):
+        if rank == 1:                       # rank 1 stays in the job but never calls the collective
+            done.wait(20)
+            return None
+        try:
+            first = _outcome(lambda: comm.allreduce(torch.ones(1000)))
+            second = _outcome(lambda: comm.allreduce(torch.ones(1000)))
+        finally:
+            done.set()
+        return first, second
+
+    (first, second), _ = in_threads(2, target, timeout=1.5)
+    assert first[0] == "CollectiveTimeout" and "aggregator 1" in first[1], first
+    assert 1.4 < first[2] < 1.5 + SLACK, first
+    assert second[0] == "PoisonedError" and second[2] < 1.0, second
+
+
+def test_close_during_collective_returns_and_fails_it():
+    done = threading.Event()
+
+    def target(comm, rank):
+        if rank == 1:                       # never calls: rank 0's collective stays in flight
+            done.wait(20)
+            return None
+        try:
+            work = comm.allreduce(torch.ones(1000), async_op=True)
+            time.sleep(0.2)
+            t = time.monotonic()
+            comm.close()
+            closed_in = time.monotonic() - t
+            return _outcome(lambda: work.wait(5)), closed_in, _outcome(lambda: comm.allreduce(
+                torch.ones(10)))
+        finally:
+            done.set()
+
+    (during, closed_in, after), _ = in_threads(2, target, timeout=30.0)
+    assert during[0] == "SparcollError" and "closed" in during[1], during
+    assert closed_in < CLOSE_LIMIT
+    assert after[0] == "SparcollError" and "closed" in after[1], after
+
+
+def test_recreated_communicator_works_after_poisoning():
+    store = dist.HashStore()
+    results = [None, None]
+
+    def run(rank):
+        with Communicator(dist.PrefixStore("p1/", store), rank, 2, timeout=5.0) as comm:
+            bad = _outcome(lambda: comm.allreduce(torch.ones(1000 + rank)))
+            poisoned = _outcome(lambda: comm.allreduce(torch.ones(1000)))
+        with Communicator(dist.PrefixStore("p2/", store), rank, 2, timeout=5.0) as comm:
+            x = make_input(0, rank, 5000)
+            comm.allreduce(x)
+            results[rank] = bad, poisoned, torch.equal(x, expected(0, 2, 5000))
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for bad, poisoned, exact in results:
+        assert bad[0] == "MismatchError" and poisoned[0] == "PoisonedError" and exact
+
+
+def test_peer_rejects_input_and_leaves_before_this_rank_starts():
+    store = dist.HashStore()
+    results = [None, None]
+    left = threading.Event()
+
+    def run(rank):
+        with Communicator(dist.PrefixStore("e/", store), rank, 2, timeout=5.0) as comm:
+            if rank == 1:
+                results[1] = _outcome(lambda: comm.allreduce(torch.empty(1000, device="meta")))
+            else:
+                left.wait(10)
+                time.sleep(0.3)             # rank 1's ERROR and its connection's end have arrived
+                results[0] = _outcome(lambda: comm.allreduce(torch.ones(1000)))
+        if rank == 1:
+            left.set()
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results[1][0] == "ValueError" or "meta" in results[1][1], results[1]
+    assert "meta" in results[0][1], results[0]
+
+
+def test_internal_error_in_the_aggregator_fails_the_job_fast(monkeypatch, dedicated_in_process):
+    """An unexpected exception while serving a connection (here injected into contribute) closes that
+    connection with a logged reason; every rank then raises a PeerError at once instead of waiting for
+    its deadline, and the aggregator keeps serving new jobs."""
+    original = aggregator_module.AggregatorJob.contribute
+
+    def broken(self, rank, *args, **kwargs):
+        if rank == 1:
+            raise RuntimeError("injected bug")
+        return original(self, rank, *args, **kwargs)
+
+    monkeypatch.setattr(aggregator_module.AggregatorJob, "contribute", broken)
+    results = in_threads(2, lambda comm, rank: _outcome(lambda: comm.allreduce(torch.ones(4096))),
+                         aggregators=dedicated_in_process, timeout=10.0)
+    for rank, (kind, text, seconds) in enumerate(results):
+        # rank 0 learns which peer failed; rank 1 sees the aggregator close its connection
+        assert kind == "PeerError" and ("rank 1" if rank == 0 else "aggregator 0") in text, \
+            (rank, kind, text)
+        assert seconds < 5.0, (rank, seconds)
+    monkeypatch.undo()
+
+    def exact(comm, rank):
+        x = make_input(0, rank, 5000)
+        comm.allreduce(x)
+        return torch.equal(x, expected(0, 2, 5000))
+    assert in_threads(2, exact, aggregators=dedicated_in_process) == [True, True]

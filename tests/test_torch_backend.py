@@ -1,0 +1,262 @@
+"""The "sparcoll" torch.distributed backend on 2 spawned ranks: collectives against expected values,
+errors raised in the caller, and DDP on it against a single-process full-batch reference.
+
+The DDP cases and their reference are also used by test_hooks.py.
+"""
+import copy
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ranks import run_ranks
+
+TIMEOUT = 90
+WORLD = 2
+STEPS = 4
+ROWS = 6          # per rank and step
+TOLERANCE = 1e-5
+
+
+# ---- DDP cases: a model, its global batches and DDP options ------------------------------------
+class Embedded(nn.Module):
+    """Embedding + linear; with a dense embedding most 256-element gradient blocks are zero."""
+
+    def __init__(self, sparse: bool):
+        super().__init__()
+        self.embedding = nn.Embedding(600, 8, sparse=sparse)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.out(self.embedding(ids).sum(1)).squeeze(1)
+
+
+class WithUnused(nn.Module):
+    """A branch that takes no part in the loss: DDP needs find_unused_parameters=True."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(8, 1)
+        self.unused = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.used(x).squeeze(1)
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1),
+                         nn.Flatten(0))
+
+
+def dense_inputs(g, n):
+    return torch.randn(n, 8, generator=g)
+
+
+def id_inputs(g, n):
+    return torch.randint(0, 600, (n, 3), generator=g)
+
+
+CASES = {   # name: (model factory, input factory, DDP options)
+    "dense-mlp": (mlp, dense_inputs, {}),
+    "dense-embedding": (lambda: Embedded(sparse=False), id_inputs, {}),
+    "sparse-embedding": (lambda: Embedded(sparse=True), id_inputs, {}),
+    "many-buckets": (mlp, dense_inputs, {"bucket_cap_mb": 0.002}),
+    "unused-parameters": (WithUnused, dense_inputs, {"find_unused_parameters": True}),
+}
+
+
+def global_batch(case: str, step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    inputs = CASES[case][1](g, ROWS * WORLD)
+    return inputs, torch.randn(ROWS * WORLD, generator=g)
+
+
+def ddp_error_vs_reference(rank: int, world: int, case: str, wrap) -> float:
+    """Train `case` for STEPS steps with DDP (made by wrap(model, ddp_options)) on this rank's slice
+    of each global batch, and a single-process copy on the whole batch; the largest parameter
+    difference seen after any step, relative to the parameter's scale (at least 1)."""
+    make_model, _, options = CASES[case]
+    torch.manual_seed(0)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    ddp = wrap(model, options)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    worst = 0.0
+    for step in range(STEPS):
+        inputs, targets = global_batch(case, step)
+        for net, x, y, opt in ((ddp, inputs[rows], targets[rows], optimizers[0]),
+                               (reference, inputs, targets, optimizers[1])):
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+        worst = max(worst, max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item()
+                               for a, b in zip(model.parameters(), reference.parameters())))
+    return worst
+
+
+def all_cases_vs_reference(rank: int, world: int, wrap) -> dict:
+    return {case: ddp_error_vs_reference(rank, world, case, wrap) for case in CASES}
+
+
+def assert_all_match(outcomes: list[dict]) -> None:
+    for rank, errors in enumerate(outcomes):
+        assert set(errors) == set(CASES)
+        for case, error in errors.items():
+            assert error < TOLERANCE, (rank, case, error)
+
+
+# ---- rank bodies -------------------------------------------------------------------------------
+def sparcoll_group(timeout: float = 60.0):
+    import sparcoll.torch  # noqa: F401  (registers the backend)
+    return dist.new_group(backend="sparcoll", timeout=timedelta(seconds=timeout))
+
+
+def ddp_on_sparcoll_group(rank: int, world: int) -> dict:
+    pg = sparcoll_group()
+    try:
+        return all_cases_vs_reference(rank, world, lambda m, opts: DDP(m, process_group=pg, **opts))
+    finally:
+        dist.destroy_process_group(pg)
+
+
+def ddp_on_default_sparcoll_group(rank: int, world: int) -> dict:
+    """Replace run_ranks's gloo default group by init_process_group(backend="sparcoll")."""
+    import sparcoll.torch  # noqa: F401
+    from torch.distributed import distributed_c10d as c10d
+
+    store = dist.PrefixStore("again", c10d._get_default_store())
+    dist.destroy_process_group()
+    dist.init_process_group("sparcoll", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    assert dist.get_backend() == "sparcoll"
+    errors = all_cases_vs_reference(rank, world, lambda m, opts: DDP(m, **opts))
+    out = torch.full((2,), float(rank))
+    dist.all_reduce(out)
+    return {**errors, "sum": out.tolist()}
+
+
+def collectives(rank: int, world: int) -> dict:
+    pg = sparcoll_group()
+    out = {}
+    t = torch.arange(1000.0) * (rank + 1)
+    dist.all_reduce(t, group=pg)
+    out["sum"] = torch.equal(t, torch.arange(1000.0) * 3)
+    t = torch.full((300,), float(rank + 1), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
+    out["avg"] = torch.equal(t, torch.full((300,), 1.5, dtype=torch.float64))
+    t = torch.full((3,), rank + 1)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)                      # delegated to gloo
+    out["max_int"] = t.tolist()
+    s = torch.sparse_coo_tensor([[rank, 2]], [1.0, 2.0], (4,))
+    dist.all_reduce(s, group=pg)
+    out["sparse_sum"] = s.to_dense().tolist()
+    s = torch.sparse_coo_tensor([[rank, 2]], [1.0, 2.0], (4,))
+    dist.all_reduce(s, op=dist.ReduceOp.AVG, group=pg)
+    out["sparse_avg"] = s.to_dense().tolist()
+    t = torch.full((3,), float(rank))
+    dist.broadcast(t, 1, group=pg)
+    out["broadcast"] = t.tolist()
+    parts = [torch.empty(2) for _ in range(world)]
+    dist.all_gather(parts, torch.full((2,), float(rank)), group=pg)
+    out["all_gather"] = [p.tolist() for p in parts]
+    whole = torch.empty(2 * world)
+    dist.all_gather_into_tensor(whole, torch.full((2,), float(rank)), group=pg)
+    out["all_gather_into_tensor"] = whole.tolist()
+    part = torch.empty(2)
+    dist.reduce_scatter_tensor(part, torch.arange(2.0 * world) + rank, group=pg)
+    out["reduce_scatter_tensor"] = part.tolist()
+    work = dist.all_reduce(torch.ones(10), group=pg, async_op=True)
+    work.wait()
+    out["async_future"] = work.get_future().value()[0].tolist()
+    if rank == 1:
+        time.sleep(1.0)
+    start = time.monotonic()
+    dist.barrier(group=pg)
+    out["barrier_waited"] = time.monotonic() - start
+    dist.destroy_process_group(pg)
+    return out
+
+
+def mismatch(rank: int, world: int) -> dict:
+    """Ranks all_reduce different sizes: both must raise, quickly; the group is then poisoned."""
+    pg = sparcoll_group()
+    out = {}
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(7 + rank), group=pg)
+        out["error"] = None
+    except Exception as exc:
+        out["error"] = type(exc).__name__
+    out["elapsed"] = time.monotonic() - start
+    work = dist.all_reduce(torch.ones(4), group=pg, async_op=True)
+    try:
+        work.wait()
+        out["after"] = None
+    except Exception as exc:
+        out["after"] = type(exc).__name__
+    out["exception"] = type(work.exception()).__name__
+    dist.destroy_process_group(pg)
+    return out
+
+
+def ddp_backward_fails(rank: int, world: int) -> dict:
+    """Rank 0 runs DDP's backward while rank 1 all_reduces another size: rank 0's backward must raise
+    (not crash the process), rank 1's all_reduce too."""
+    pg = sparcoll_group()
+    torch.manual_seed(0)
+    model = DDP(mlp(), process_group=pg)
+    out = {}
+    try:
+        if rank == 0:
+            model(torch.randn(4, 8)).sum().backward()
+        else:
+            dist.all_reduce(torch.ones(5), group=pg)
+        out["error"] = None
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    dist.destroy_process_group(pg)
+    return out
+
+
+# ---- tests -------------------------------------------------------------------------------------
+def test_collectives_against_expected_values():
+    outcomes = run_ranks(collectives, WORLD, timeout=TIMEOUT)
+    for rank, out in enumerate(outcomes):
+        assert out["sum"] and out["avg"], out
+        assert out["max_int"] == [2, 2, 2]
+        assert out["sparse_sum"] == [1.0, 1.0, 4.0, 0.0]
+        assert out["sparse_avg"] == [0.5, 0.5, 2.0, 0.0]
+        assert out["broadcast"] == [1.0, 1.0, 1.0]
+        assert out["all_gather"] == [[0.0, 0.0], [1.0, 1.0]]
+        assert out["all_gather_into_tensor"] == [0.0, 0.0, 1.0, 1.0]
+        assert out["reduce_scatter_tensor"] == [[1.0, 3.0], [5.0, 7.0]][rank]
+        assert out["async_future"] == [2.0] * 10
+    assert outcomes[0]["barrier_waited"] > 0.5     # rank 1 came to the barrier 1 s late
+
+
+def test_mismatched_all_reduce_raises_in_every_caller():
+    for out in run_ranks(mismatch, WORLD, timeout=TIMEOUT):
+        assert out["error"] == "MismatchError", out
+        assert out["elapsed"] < 10, out
+        assert out["after"] == "PoisonedError" and out["exception"] == "PoisonedError", out
+
+
+def test_failed_allreduce_in_ddp_backward_raises_runtime_error():
+    rank0, rank1 = run_ranks(ddp_backward_fails, WORLD, timeout=TIMEOUT)
+    assert rank0["error"].startswith("RuntimeError") and "MismatchError" in rank0["error"], rank0
+    assert rank1["error"].startswith("MismatchError"), rank1
+
+
+def test_ddp_on_new_group_matches_full_batch_reference():
+    assert_all_match(run_ranks(ddp_on_sparcoll_group, WORLD, timeout=TIMEOUT))
+
+
+def test_ddp_on_default_group_matches_full_batch_reference():
+    outcomes = run_ranks(ddp_on_default_sparcoll_group, WORLD, timeout=TIMEOUT)
+    for out in outcomes:
+        assert out.pop("sum") == [1.0, 1.0]
+    assert_all_match(outcomes)

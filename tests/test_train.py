@@ -1,0 +1,87 @@
+"""`sparcoll train`: short runs of every workload and mode on loopback, checked through the JSON report,
+and --compare's loss curves; plus the option parsing and the density measure."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparcoll.cli import main
+from sparcoll.train.command import _option, workload_options
+from sparcoll.train.worker import block_density, nonzero_elements
+
+TIMEOUT = 150
+TINY = ["--workers", "2", "--network", "none", "--batch-size", "8", "--workload-option", "tiny=true"]
+
+
+def train(tmp_path, *argv: str) -> dict:
+    """Run the command in a child process; return its JSON report."""
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "sparcoll", "train", *argv, "--json", str(out)],
+                          capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def check_run(run: dict, comm: str, steps: int) -> None:
+    assert run["comm"] == comm
+    assert len(run["loss"]) == steps and all(math.isfinite(x) for x in run["loss"])
+    assert run["timed_steps"] == steps - 1 and run["samples_per_s"] > 0
+    assert run["step_s"] == pytest.approx(run["compute_s"] + run["comm_s"])
+    assert 0 <= run["comm_s"] <= run["step_s"]
+    assert all(0 < d <= 1 for d in run["per_step"]["density_local"] + run["per_step"]["density_union"])
+
+
+# ncf runs in the --compare test; cnn on the sparcoll backend also exercises the per-forward broadcast
+# of BatchNorm buffers.
+@pytest.mark.parametrize("workload, comm", [("deeplight", "agsparse"), ("lstm", "hook"), ("cnn", "sparcoll")])
+def test_each_workload_trains(tmp_path, workload, comm):
+    report = train(tmp_path, "--workload", workload, "--comm", comm, "--steps", "3", *TINY)
+    assert report["workload"] == workload
+    (run,) = report["runs"]
+    check_run(run, comm, 3)
+
+
+def test_compare_runs_sparcoll_and_ddp_to_the_same_losses(tmp_path):
+    report = train(tmp_path, "--workload", "ncf", "--compare", "--steps", "4", *TINY,
+                   "--workload-option", "num_users=3000", "--workload-option", "num_items=1000")
+    sparcoll_run, ddp_run = report["runs"]
+    check_run(sparcoll_run, "sparcoll", 4)
+    check_run(ddp_run, "ddp", 4)
+    assert sparcoll_run["density_union"] < 0.5          # block-sparse: the embedding rows looked up
+    assert sparcoll_run["density_local"] <= sparcoll_run["density_union"]
+    assert sparcoll_run["loss"] == pytest.approx(ddp_run["loss"], abs=1e-5)
+    assert report["compare"]["max_loss_difference"] < 1e-5
+    assert report["compare"]["speedup"] == pytest.approx(ddp_run["step_s"] / sparcoll_run["step_s"])
+
+
+def test_bad_arguments_exit_with_2(capsys):
+    assert main(["train", "--steps", "0", "--network", "none"]) == 2
+    assert "--steps" in capsys.readouterr().err
+
+
+def test_workload_options():
+    assert _option("hidden=64,32") == ("hidden", (64, 32))
+    assert _option("hidden=16,") == ("hidden", (16,))
+    assert _option("tiny=true") == ("tiny", True)
+    assert _option("zipf_exponent=1.2") == ("zipf_exponent", 1.2)
+    assert _option("name=abc") == ("name", "abc")
+    lstm = workload_options("lstm", [("embed_dim", 32)])
+    assert lstm["tie_weights"] is False and lstm["vocab_size"] == 10_000 and lstm["embed_dim"] == 32
+    assert "vocab_size" not in workload_options("lstm", [("tiny", True)])
+    assert workload_options("ncf", []) == {}
+
+
+def test_density_counts_blocks_with_a_nonzero_element():
+    dense = torch.zeros(10)
+    dense[7] = -2.0
+    dense[9] = -0.0
+    assert nonzero_elements(dense).nonzero().flatten().tolist() == [7]
+    rows = torch.sparse_coo_tensor([[3, 1, 3]], torch.ones(3, 2), (5, 2), check_invariants=True)
+    assert nonzero_elements(rows).nonzero().flatten().tolist() == [2, 3, 6, 7]
+    # 20 elements in blocks of 4: element 7 (dense), then 12, 13, 16, 17 (rows) -> blocks 1, 3 and 4
+    assert block_density([nonzero_elements(dense), nonzero_elements(rows)], 4) == pytest.approx(3 / 5)
