@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -46,6 +47,7 @@ class Context:
     numel: int
     block_size: int
     comm: Any = None  # the sparcoll Communicator, when a sparcoll variant is selected
+    outputs: dict = field(default_factory=dict)   # results of algorithms that are not in place
     _buffers: dict = field(default_factory=dict)
 
     @property
@@ -126,7 +128,7 @@ def agsparse_from_dense(ctx: Context, tensor: torch.Tensor) -> None:
     """Dense in, dense out: the block scan, the COO build and the scatter back are part of the cost.
     The result's rows cover every block this rank had non-zero, so no block needs zeroing."""
     rows = tensor.view(ctx.nblocks, ctx.block_size)
-    indices = nonzero_mask(rows).nonzero().squeeze(1)
+    indices = torch.from_numpy(np.flatnonzero(nonzero_mask(rows)))
     coo = torch.sparse_coo_tensor(indices.unsqueeze(0), rows.index_select(0, indices), rows.shape,
                                   is_coalesced=True, check_invariants=False)
     dist.all_reduce(coo)
@@ -157,6 +159,15 @@ def sparcoll_allreduce(ctx: Context, tensor: torch.Tensor) -> None:
     ctx.comm.allreduce(tensor)
 
 
+def sparcoll_from_coo(ctx: Context, coo: torch.Tensor) -> None:
+    """COO in, COO out, as nn.Embedding(sparse=True) gradients are: no scan, nothing densified."""
+    ctx.outputs["sparcoll coo"] = ctx.comm.allreduce_coo(coo)
+
+
+def sparcoll_coo_result(ctx: Context, payload: torch.Tensor) -> torch.Tensor:
+    return ctx.outputs.pop("sparcoll coo").to_dense().view(-1)
+
+
 def sparcoll_counters(ctx: Context) -> tuple[int, int]:
     """The worker's traffic plus its colocated aggregator's: both cross this host's link."""
     worker, aggregator = ctx.comm.stats, ctx.comm.aggregator_stats
@@ -165,8 +176,8 @@ def sparcoll_counters(ctx: Context) -> tuple[int, int]:
 
 register(Algorithm("sparcoll", "dense", dense_payload, sparcoll_allreduce, dense_result,
                    counters=sparcoll_counters, needs_communicator=True))
-# sparcoll from COO (the core team's): Algorithm("sparcoll", "coo", coo_payload, <its run>, coo_result,
-# counters=sparcoll_counters, needs_communicator=True); `--algos sparcoll` then runs both variants.
+register(Algorithm("sparcoll", "coo", coo_payload, sparcoll_from_coo, sparcoll_coo_result,
+                   counters=sparcoll_counters, needs_communicator=True))
 register(Algorithm("ring", "dense", dense_payload, ring_allreduce, dense_result))
 register(Algorithm("agsparse", "dense", dense_payload, agsparse_from_dense, dense_result))
 register(Algorithm("agsparse", "coo", coo_payload, agsparse_from_coo, coo_result))
