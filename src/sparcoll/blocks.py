@@ -169,11 +169,13 @@ class CompactBlocks:
         self._results.append((indices.copy(), rows.clone()))
 
     def results(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All result blocks: (indices int64, rows)."""
-        if not self._results:
+        """All result blocks in ascending index order: (indices int64, rows). Each message's blocks
+        are sorted and ranges are disjoint, so ordering the messages by first index suffices."""
+        chunks = sorted((c for c in self._results if c[0].size), key=lambda c: int(c[0][0]))
+        if not chunks:
             return torch.empty(0, dtype=torch.int64), torch.empty(0, self.block_size, dtype=self.dtype)
-        return (torch.from_numpy(np.concatenate([i for i, _ in self._results])),
-                torch.cat([r for _, r in self._results]))
+        return (torch.from_numpy(np.concatenate([i for i, _ in chunks])),
+                torch.cat([r for _, r in chunks]))
 
 
 class StagedBlocks(CompactBlocks):
@@ -203,39 +205,62 @@ class SparseBlocks(CompactBlocks):
     """A sparse COO tensor (e.g. an nn.Embedding(sparse=True) gradient) as the blocks of the dense
     tensor it stands for, without ever allocating that dense tensor: the blocks its stored entries touch
     are the non-zero blocks (no scan needed). `finish()` assembles the summed blocks into a coalesced COO
-    tensor of the same shape and sparse dims."""
+    tensor of the same shape and sparse dims.
+
+    An entry is one index of the sparse dims (a row of an embedding table) with `width` elements. When
+    entries and blocks tile each other (width a multiple of the block size, or the reverse) all the
+    work is per entry or per block, and the values are used as they are; otherwise it is per element."""
 
     def __init__(self, coo: torch.Tensor, block_size: int):
         coo = coo.coalesce()
         self.shape, self.sparse_dim = coo.shape, coo.sparse_dim()
-        self.width = int(np.prod(coo.shape[self.sparse_dim:], dtype=np.int64))  # elements per entry
-        positions = self._positions(coo.indices())
-        indices, inverse = np.unique((positions // block_size).numpy(), return_inverse=True)
-        data = torch.zeros(indices.size, block_size, dtype=coo.dtype)
-        slots = torch.from_numpy(inverse) * block_size + positions % block_size
-        data.view(-1)[slots] = coo.values().reshape(-1)
-        super().__init__(indices, data, int(np.prod(coo.shape, dtype=np.int64)), block_size)
+        self.width = width = int(np.prod(coo.shape[self.sparse_dim:], dtype=np.int64))
+        numel = int(np.prod(coo.shape, dtype=np.int64))
+        entries = self._linear(coo.indices()).numpy()       # ascending: coalesced entries are sorted
+        values = coo.values().reshape(-1, width)
+        b = block_size
+        if width % b == 0:                 # each entry is width/b whole blocks
+            per = width // b
+            indices = (entries[:, None] * per + np.arange(per)).reshape(-1)
+            data = values.reshape(-1, b)
+        elif b % width == 0:               # each block holds b/width entries
+            per = b // width
+            indices, inverse = np.unique(entries // per, return_inverse=True)
+            data = torch.zeros(indices.size, per, width, dtype=coo.dtype)
+            data[torch.from_numpy(inverse), torch.from_numpy(entries % per)] = values
+            data = data.view(-1, b)
+        else:
+            positions = (entries[:, None] * width + np.arange(width)).reshape(-1)
+            indices, inverse = np.unique(positions // b, return_inverse=True)
+            data = torch.zeros(indices.size, b, dtype=coo.dtype)
+            data.view(-1)[torch.from_numpy(inverse * b + positions % b)] = values.reshape(-1)
+        super().__init__(indices, data.contiguous(), numel, block_size)
 
-    def _positions(self, sparse_indices: torch.Tensor) -> torch.Tensor:
-        """Dense element offsets of every element of every stored entry, entry by entry."""
+    def _linear(self, sparse_indices: torch.Tensor) -> torch.Tensor:
+        """Row-major index of each entry among all entries of the dense tensor."""
         linear = torch.zeros(sparse_indices.shape[1], dtype=torch.int64)
         for dim in range(self.sparse_dim):        # a handful of dims, not elements
             linear = linear * self.shape[dim] + sparse_indices[dim]
-        return (linear[:, None] * self.width + torch.arange(self.width)).reshape(-1)
+        return linear
 
     def finish(self) -> torch.Tensor:
         indices, rows = self.results()
-        positions = (indices[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
-        values = rows.reshape(-1)
-        inside = positions < self.numel                   # drop the padding of the last block
-        positions, values = positions[inside], values[inside]
-        entries, inverse = torch.unique(positions // self.width, return_inverse=True)
-        out = torch.zeros(entries.numel(), self.width, dtype=self.dtype)
-        out.view(-1)[inverse * self.width + positions % self.width] = values
-        coords = []
-        for dim in reversed(range(self.sparse_dim)):
-            coords.append(entries % self.shape[dim])
-            entries = entries // self.shape[dim]
-        return torch.sparse_coo_tensor(torch.stack(coords[::-1]),
-                                       out.reshape(-1, *self.shape[self.sparse_dim:]), self.shape,
-                                       is_coalesced=True)
+        indices, b, width = indices.numpy(), self.block_size, self.width
+        if width % b == 0:                 # every touched entry came back whole
+            per = width // b
+            entries, values = indices[::per] // per, rows.reshape(-1, width)
+        elif b % width == 0:               # every entry of a returned block
+            per = b // width
+            entries = (indices[:, None] * per + np.arange(per)).reshape(-1)
+            values = rows.reshape(-1, width)
+        else:
+            positions = (indices[:, None] * b + np.arange(b)).reshape(-1)
+            entries, inverse = np.unique(positions // width, return_inverse=True)
+            values = torch.zeros(entries.size, width, dtype=self.dtype)
+            values.view(-1)[torch.from_numpy(inverse * width + positions % width)] = rows.reshape(-1)
+        total = int(np.prod(self.shape[:self.sparse_dim], dtype=np.int64))
+        keep = entries < total                         # the padding of the last block
+        entries, values = entries[keep], values[torch.from_numpy(keep)]
+        coords = np.stack(np.unravel_index(entries, self.shape[:self.sparse_dim]))
+        return torch.sparse_coo_tensor(torch.from_numpy(coords), values.reshape(-1, *self.shape[self.sparse_dim:]),
+                                       self.shape, is_coalesced=True)

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from sparcoll.bench.netem import EmulatedNetwork
@@ -44,6 +44,8 @@ class Job:
     dedicated_aggregators: int  # 0: none started
     config: dict               # the workers' configuration (see worker.py), minus the network parts
     timeout: float             # seconds without an event before the job is declared hung
+    worker: str = "sparcoll.bench.worker"   # the module each worker process runs with the config
+    env: dict = field(default_factory=dict)  # extra environment of the workers
 
 
 @dataclass
@@ -138,8 +140,8 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
         config = os.path.join(tmp, "config.json")
         with open(config, "w") as f:
             json.dump({**job.config, "interface": counted_interface, "aggregators": aggregators or None}, f)
-        workers = [start(f"worker {rank}", rank, [sys.executable, "-m", "sparcoll.bench.worker", config],
-                         {"RANK": str(rank)}, stdout=subprocess.PIPE if rank == 0 else None)
+        workers = [start(f"worker {rank}", rank, [sys.executable, "-m", job.worker, config],
+                         {**job.env, "RANK": str(rank)}, stdout=subprocess.PIPE if rank == 0 else None)
                    for rank in range(job.workers)]
         _follow(workers[0], children, job, on_event)
         _await_workers(children[job.dedicated_aggregators:])
@@ -159,7 +161,7 @@ def _follow(rank0: subprocess.Popen, children: list[_Child], job: Job, on_event:
                 event, last = json.loads(line[len(EVENT_PREFIX):]), time.monotonic()
                 if event["event"] == "error":
                     time.sleep(1.0)  # let the other ranks write their side of the story
-                    raise BenchError(f"the benchmark failed: {event['message']}\n{_tails(children)}")
+                    raise BenchError(f"the job failed: {event['message']}\n{_tails(children)}")
                 if event["event"] == "done":
                     return
                 on_event(event)

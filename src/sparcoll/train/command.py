@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 
-from sparcoll.bench.launch import (NETNS_MASTER_PORT, BenchError, Job, _Child, _await_workers,
-                                   _die_with_parent, _follow, _stop, free_ports)
-from sparcoll.bench.netem import EmulatedNetwork, NetemError, netem_available, parse_rate
+from sparcoll.bench.launch import BenchError, Job, run_job
+from sparcoll.bench.netem import NetemError, netem_available, parse_rate
 from sparcoll.bench.progress import Progress
 from sparcoll.train.worker import MODES
 from sparcoll.workloads import WORKLOADS
@@ -100,32 +95,9 @@ def _validate(args) -> None:
 
 
 def launch(config: dict, workers: int, network: str, timeout: float, on_event) -> None:
-    """Run the workers of one training job (see bench.launch.run_job, whose helpers do the work)."""
-    children: list[_Child] = []
-    with tempfile.TemporaryDirectory(prefix="sparcoll-train-") as tmp, contextlib.ExitStack() as stack:
-        if network == "none":
-            hosts, port, interface = ["127.0.0.1"] * workers, free_ports(1)[0], "lo"
-            spawn = lambda host, argv, **kw: subprocess.Popen(argv, **kw)  # noqa: E731
-        else:
-            net = stack.enter_context(EmulatedNetwork(workers, network))
-            hosts, port, interface, spawn = net.addresses, NETNS_MASTER_PORT, net.interface, net.popen
-        stack.callback(_stop, children)
-        path = os.path.join(tmp, "config.json")
-        with open(path, "w") as f:
-            json.dump(config, f)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": interface,
-               "MASTER_ADDR": hosts[0], "MASTER_PORT": str(port), "WORLD_SIZE": str(workers),
-               "SPARCOLL_BLOCK_SIZE": str(config["block_size"])}
-        for rank in range(workers):
-            log = os.path.join(tmp, f"worker{rank}.log")
-            with open(log, "wb") as f:
-                proc = spawn(rank, [sys.executable, "-m", "sparcoll.train.worker", path],
-                             env={**env, "RANK": str(rank)}, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE if rank == 0 else f, stderr=f,
-                             preexec_fn=_die_with_parent)
-            children.append(_Child(f"worker {rank}", proc, log))
-        _follow(children[0].proc, children, Job(workers, network, 0, config, timeout), on_event)
-        _await_workers(children)
+    """Run the workers of one training job with the bench harness's launcher."""
+    run_job(Job(workers, network, 0, config, timeout, worker="sparcoll.train.worker",
+                env={"SPARCOLL_BLOCK_SIZE": str(config["block_size"])}), on_event)
 
 
 def summarize(mode: str, steps: list[dict], args) -> dict:
