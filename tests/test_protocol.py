@@ -21,7 +21,7 @@ def block_sparse(rng: torch.Generator, nblocks, block_size, density):
 
 
 def run_allreduce(inputs, nonzero, num_aggs, streams, message_blocks, credits, seed,
-                  average=False, dtype=torch.float32, acc=torch.float32, ramp_blocks=64):
+                  average=False, dtype=torch.float32, acc=torch.float32):
     """Run one collective through the state machines; return (outputs, pending peak, sent indices)."""
     workers = len(inputs)
     nblocks, block_size = inputs[0].shape
@@ -35,8 +35,7 @@ def run_allreduce(inputs, nonzero, num_aggs, streams, message_blocks, credits, s
                                                  message_blocks, credits)
         for w in range(workers):
             mine = nonzero[w][(nonzero[w] >= lo) & (nonzero[w] < hi)]
-            wstreams[w, agg, stream] = WorkerStream(lo, hi, mine, message_blocks, credits,
-                                                    ramp_blocks)
+            wstreams[w, agg, stream] = WorkerStream(lo, hi, mine, message_blocks, credits)
     # One FIFO per direction per (worker, aggregator) pair, as TCP gives; interleaving is random.
     for w in range(workers):
         for agg in range(num_aggs):
@@ -81,16 +80,13 @@ def run_allreduce(inputs, nonzero, num_aggs, streams, message_blocks, credits, s
 @given(workers=st.integers(1, 8), num_aggs=st.integers(1, 4), streams=st.integers(1, 3),
        nblocks=st.integers(0, 80), block_size=st.sampled_from([1, 3, 4, 16]),
        density=st.sampled_from([0.0, 0.05, 0.3, 0.7, 1.0]), message_blocks=st.integers(1, 9),
-       credits=st.integers(1, 4), ramp_blocks=st.integers(1, 4), average=st.booleans(),
-       seed=st.integers(0, 2**31 - 1))
+       credits=st.integers(1, 4), average=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_result_is_dense_sum_in_any_delivery_order(workers, num_aggs, streams, nblocks, block_size,
-                                                   density, message_blocks, credits, ramp_blocks,
-                                                   average, seed):
+                                                   density, message_blocks, credits, average, seed):
     rng = torch.Generator().manual_seed(seed)
     inputs, nonzero = zip(*(block_sparse(rng, nblocks, block_size, density) for _ in range(workers)))
     outputs, peak, sent = run_allreduce(list(inputs), list(nonzero), num_aggs, streams,
-                                        message_blocks, credits, seed, average=average,
-                                        ramp_blocks=ramp_blocks)
+                                        message_blocks, credits, seed, average=average)
     reference = torch.stack(inputs).double().sum(0)
     if average:
         reference /= workers
@@ -194,12 +190,3 @@ def test_worker_rejects_results_that_break_the_rules():
     ws.on_result(0, 5, np.array([1, 3]))
     assert ws.next_sends()[0].start == 1
 
-
-def test_long_streams_ramp_message_sizes_up_and_down():
-    ws = WorkerStream(0, 100, np.arange(100), 16, 100, ramp_blocks=2)
-    sizes = [s.stop - s.start for s in ws.next_sends()]
-    assert sum(sizes) == 100 and max(sizes) == 16
-    tail = sizes[sizes.index(16, 4) + 1:]
-    assert sizes[:4] == [2, 4, 8, 16] and tail == sorted(tail, reverse=True) and tail[-1] <= 2
-    short = WorkerStream(0, 100, np.arange(20), 16, 100, ramp_blocks=2)
-    assert [s.stop - s.start for s in short.next_sends()] == [16, 4]

@@ -26,9 +26,6 @@ from .errors import MismatchError, ProtocolError
 from .wire import DTYPES, Op
 
 
-RAMP_BLOCKS = 64     # size of the first and last messages of a long stream
-
-
 @dataclass(frozen=True)
 class Geometry:
     """How a tensor's blocks are split over aggregators (contiguous shards) and streams within a shard."""
@@ -81,12 +78,10 @@ def check_indices(indices: np.ndarray, floor: int, ceiling: int, what: str) -> N
 class WorkerStream:
     """One worker's side of one (aggregator, stream) range: what to send next, what results to accept."""
 
-    def __init__(self, lo: int, hi: int, indices: np.ndarray, message_blocks: int, credits: int,
-                 ramp_blocks: int = RAMP_BLOCKS):
+    def __init__(self, lo: int, hi: int, indices: np.ndarray, message_blocks: int, credits: int):
         self.lo, self.hi = lo, hi
         self.indices = indices
         self.message_blocks = message_blocks
-        self.ramp_blocks = ramp_blocks
         self.credits = credits
         self.progress = lo - 1          # c of the last accepted result
         self._sent = 0                  # how many of `indices` were handed out
@@ -103,25 +98,13 @@ class WorkerStream:
         sends = []
         n = self.indices.size
         while len(self._unacked) < self.credits and (self._sent < n or self._seq == 0):
-            stop = self._sent + self._message_size(n - self._sent)
+            stop = min(self._sent + self.message_blocks, n)
             progress = int(self.indices[stop]) if stop < n else self.hi
             sends.append(Send(self._seq, self._sent, stop, progress))
             self._unacked.append(progress)
             self._sent = stop
             self._seq += 1
         return sends
-
-    def _message_size(self, remaining: int) -> int:
-        """Full messages, except on a stream of more than two: there the first messages grow from
-        ramp_blocks and the last ones shrink towards it, so results start flowing back early and the
-        final round trip (during which only results move) carries little. On a bandwidth-bound link
-        this removes most of the pipeline's fill and drain time."""
-        full = self.message_blocks
-        if self.indices.size <= 2 * full:
-            return min(full, remaining)
-        ramp_up = self.ramp_blocks << min(self._seq, 30)
-        ramp_down = max(self.ramp_blocks, remaining // 2)
-        return min(full, ramp_up, ramp_down, remaining)
 
     def on_result(self, seq: int, progress: int, indices: np.ndarray) -> None:
         """Accept a result's metadata (before its data is written anywhere) or raise ProtocolError."""
