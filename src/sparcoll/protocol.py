@@ -10,6 +10,12 @@ below c = min_w p[w] is final, so it sums those blocks and sends (indices, sums,
 A worker may have at most `credits` messages not yet covered by a result, which bounds the aggregator's
 pending blocks by workers x credits x message_blocks, whatever the tensor size.
 
+Over a lossy transport (`lossy=True`, e.g. a future UDP transport) the same machines tolerate loss,
+duplication and reordering: messages carry sequence numbers, anything but the next expected message is
+dropped (so nothing is counted twice), a worker retransmits its unacknowledged messages and asks again
+for results after a timeout of its driver, and an aggregator keeps each result until every worker has
+acknowledged it. Over TCP (the default) anything out of sequence is a protocol error instead.
+
 Block indices are numpy int64 arrays: the per-message bookkeeping is many small operations, and numpy's
 per-call cost is a fraction of torch's. Block data are torch tensors (any dtype, any device).
 """
@@ -78,16 +84,18 @@ def check_indices(indices: np.ndarray, floor: int, ceiling: int, what: str) -> N
 class WorkerStream:
     """One worker's side of one (aggregator, stream) range: what to send next, what results to accept."""
 
-    def __init__(self, lo: int, hi: int, indices: np.ndarray, message_blocks: int, credits: int):
+    def __init__(self, lo: int, hi: int, indices: np.ndarray, message_blocks: int, credits: int,
+                 lossy: bool = False):
         self.lo, self.hi = lo, hi
         self.indices = indices
         self.message_blocks = message_blocks
         self.credits = credits
+        self.lossy = lossy
         self.progress = lo - 1          # c of the last accepted result
+        self.next_result = 0            # seq of the next result to accept; sent back as the ack
         self._sent = 0                  # how many of `indices` were handed out
         self._seq = 0
-        self._result_seq = 0
-        self._unacked: deque[int] = deque()   # p of each message not yet covered by a result
+        self._unacked: deque[Send] = deque()   # messages not yet covered by a result
 
     @property
     def done(self) -> bool:
@@ -101,16 +109,25 @@ class WorkerStream:
             stop = min(self._sent + self.message_blocks, n)
             progress = int(self.indices[stop]) if stop < n else self.hi
             sends.append(Send(self._seq, self._sent, stop, progress))
-            self._unacked.append(progress)
+            self._unacked.append(sends[-1])
             self._sent = stop
             self._seq += 1
         return sends
 
-    def on_result(self, seq: int, progress: int, indices: np.ndarray) -> None:
-        """Accept a result's metadata (before its data is written anywhere) or raise ProtocolError."""
-        if seq != self._result_seq:
-            raise ProtocolError(f"result seq {seq}, expected {self._result_seq}")
-        reported = self._unacked[-1] if self._unacked else self.progress
+    def retransmit(self) -> list[Send]:
+        """After a timeout on a lossy transport: every message not yet covered by a result, in order
+        (the aggregator drops those it already has). With none, the driver sends just its ack."""
+        return list(self._unacked)
+
+    def on_result(self, seq: int, progress: int, indices: np.ndarray) -> bool:
+        """Accept a result's metadata (before its data is written anywhere): True if its data is to be
+        written. A lossy transport's duplicates and out-of-order results give False; over TCP they,
+        like any result that breaks the rules, raise ProtocolError."""
+        if seq != self.next_result:
+            if self.lossy:
+                return False
+            raise ProtocolError(f"result seq {seq}, expected {self.next_result}")
+        reported = self._unacked[-1].progress if self._unacked else self.progress
         if not self.progress < progress <= min(reported, self.hi):
             raise ProtocolError(f"result progress {progress} not in ({self.progress}, "
                                 f"{min(reported, self.hi)}]")
@@ -121,10 +138,11 @@ class WorkerStream:
                           not np.array_equal(indices[np.searchsorted(indices, mine).clip(
                               max=indices.size - 1)], mine)):
             raise ProtocolError("result omits blocks this worker contributed")
-        self._result_seq += 1
+        self.next_result += 1
         self.progress = progress
-        while self._unacked and self._unacked[0] <= progress:
+        while self._unacked and self._unacked[0].progress <= progress:
             self._unacked.popleft()
+        return True
 
 
 @dataclass
@@ -136,10 +154,13 @@ class _Pending:
 
 @dataclass
 class Step:
-    """What an aggregator's input produced: a result to send to every worker (or None), and the tokens
-    of contributions whose data is no longer needed (their buffers can be reused)."""
+    """What an aggregator's input produced: a result to send to every worker (or None), the tokens
+    of contributions whose data is no longer needed (their buffers can be reused), whether the message
+    was taken (a lossy transport's duplicates are not), and results to send again to its sender only."""
     result: Result | None = None
     released: list = field(default_factory=list)
+    accepted: bool = True
+    resend: list = field(default_factory=list)
 
 
 class AggregatorStream:
@@ -147,8 +168,11 @@ class AggregatorStream:
 
     def __init__(self, lo: int, hi: int, workers: int, descriptor: tuple[int, int, int, int],
                  dtype: torch.dtype, acc_dtype: torch.dtype, average: bool, message_blocks: int,
-                 credits: int):
+                 credits: int, lossy: bool = False):
         self.lo, self.hi = lo, hi
+        self.lossy = lossy
+        self._kept: deque[Result] = deque()        # lossy: results some worker has not acked
+        self._acked = [0] * workers                 # lossy: next result seq each worker expects
         self.workers = workers
         self.descriptor = descriptor
         self.block_size = descriptor[1]
@@ -169,15 +193,37 @@ class AggregatorStream:
     def pending_blocks(self) -> int:
         return sum(p.indices.size for q in self._pending for p in q)
 
+    @property
+    def finished(self) -> bool:
+        """Done, and (lossy) every worker has acknowledged every result: the state can go."""
+        return self.done and not self._kept
+
+    def on_ack(self, worker: int, ack: int) -> Step:
+        """A worker expects result `ack` next (lossy transports): forget what everyone has, and send
+        that worker again what it lacks."""
+        if not 0 <= worker < self.workers or not 0 <= ack <= self._result_seq:
+            raise ProtocolError(f"worker {worker}: ack {ack} of {self._result_seq} results")
+        self._acked[worker] = max(self._acked[worker], ack)
+        while self._kept and self._kept[0].seq < min(self._acked):
+            self._kept.popleft()
+        return Step(accepted=False, resend=[r for r in self._kept if r.seq >= ack])
+
     def on_contribution(self, worker: int, seq: int, progress: int, descriptor: tuple,
-                        indices: np.ndarray, rows: torch.Tensor, token: Any = None) -> Step:
-        """Take a worker's message (indices int64, rows (m, block) in the tensor dtype)."""
+                        indices: np.ndarray, rows: torch.Tensor, token: Any = None,
+                        ack: int = 0) -> Step:
+        """Take a worker's message (indices int64, rows (m, block) in the tensor dtype); `ack` is the
+        next result seq the worker expects (lossy transports piggyback it on every message)."""
         if not 0 <= worker < self.workers:
             raise ProtocolError(f"contribution from unknown worker {worker}")
         if descriptor != self.descriptor:
             raise MismatchError(_describe_mismatch(worker, descriptor, self.descriptor))
         if seq != self._seq[worker]:
-            raise ProtocolError(f"worker {worker}: message seq {seq}, expected {self._seq[worker]}")
+            if not self.lossy:
+                raise ProtocolError(f"worker {worker}: message seq {seq}, expected "
+                                    f"{self._seq[worker]}")
+            step = self.on_ack(worker, ack)     # a duplicate, or one after a lost message
+            step.released.append(token)
+            return step
         previous = self._reported[worker]
         if not previous < progress <= self.hi:
             raise ProtocolError(f"worker {worker}: progress {progress} not in ({previous}, {self.hi}]")
@@ -202,6 +248,10 @@ class AggregatorStream:
         final = min(self._reported)
         if final > self.progress:
             step.result = self._finalize(final, step.released)
+            if self.lossy:
+                self._kept.append(step.result)
+        if self.lossy:
+            self.on_ack(worker, ack)
         return step
 
     def _finalize(self, final: int, released: list) -> Result:
