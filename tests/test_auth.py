@@ -93,7 +93,7 @@ def hello_for(job: int, rank: int = 1, config=CFG, agg_index: int = 0) -> wire.H
 
 def refused(address: str, hello: wire.Hello, secret: bytes) -> str:
     with pytest.raises(AuthenticationError) as info:
-        transport.connect(address, hello, secret, 5.0)
+        transport.connect(address, hello, secret, 5.0, wire.job_token(secret))
     return str(info.value)
 
 
@@ -293,22 +293,26 @@ def test_client_of_job_a_cannot_touch_job_b_through_its_own_connection():
         server.close()
 
 
-@pytest.mark.xfail(strict=True, reason="threat model gap (docs/reliability.md): on a dedicated "
-                   "aggregator every job shares one secret, so a client holding it that learns "
-                   "job B's 64-bit id and configuration can take a rank slot of B that is still free "
-                   "and then read B's results and write into B's sums; per-job keys would close it")
 def test_secret_holder_cannot_join_a_free_rank_of_another_job():
+    """Every job shares a dedicated aggregator's secret, so that secret cannot tell jobs apart: the job
+    token (derived from the job's own Store secret) does. An intruder that knows the aggregator secret,
+    job B's id and configuration, but not B's Store secret, is refused the free rank of B."""
     server = aggregator.AggregatorServer("127.0.0.1", 0, b"k")
     try:
         # job B has world 2; only its rank 0 has connected so far
         job_b = 0x1234_5678_9ABC_DEF0
         config = wire.JobConfig(2, 1, 1, 4, 2048)
-        honest = transport.connect(server.address, hello_for(job_b, rank=0, config=config), b"k", 5)
+        token_b = wire.job_token(b"job B's store secret")
+        honest = transport.connect(server.address, hello_for(job_b, rank=0, config=config), b"k", 5,
+                                   token_b)
         try:
-            with pytest.raises(AuthenticationError):
+            with pytest.raises(AuthenticationError, match="job token"):
                 intruder = transport.connect(server.address, hello_for(job_b, rank=1, config=config),
-                                             b"k", 5)
+                                             b"k", 5, wire.job_token(b"a guess"))
                 intruder.close()
+            rank1 = transport.connect(server.address, hello_for(job_b, rank=1, config=config),
+                                      b"k", 5, token_b)      # B's real rank 1 still gets in
+            rank1.close()
         finally:
             honest.close()
     finally:
@@ -379,8 +383,8 @@ def test_two_connections_racing_for_one_rank_attach_only_one(monkeypatch):
     original = aggregator.AggregatorServer._admit
     barrier = threading.Barrier(2, timeout=10)
 
-    def admit(self, hello):
-        original(self, hello)       # checks under the server's lock that the rank is free
+    def admit(self, hello, token):
+        original(self, hello, token)    # checks under the server's lock that the rank is free
         barrier.wait()              # both are admitted before either is attached
 
     monkeypatch.setattr(aggregator.AggregatorServer, "_admit", admit)

@@ -134,7 +134,7 @@ class FakeAggregator:
         except OSError:
             return
         try:
-            hello = transport.accept(conn, lambda h: SECRET, lambda h: None, 5.0)
+            hello = transport.accept(conn, lambda h: SECRET, lambda h, token: None, 5.0)
             conn.settimeout(10)
             buf = bytearray(wire.HEADER_BYTES)
             transport._recv_exact(conn, memoryview(buf), "worker")
@@ -579,11 +579,12 @@ def test_authenticated_client_sending_garbage(live, messages):
 
 def test_client_of_one_job_cannot_take_a_rank_of_the_honest_job(live):
     server, honest, watch = live
+    # It holds the aggregator's secret and knows the job id, but not the job's token.
     for rank in (0, 1):
-        with pytest.raises(SparcollError, match="already connected"):
+        with pytest.raises(SparcollError, match="job token"):
             handshake(server.address, honest.job, rank=rank,
                       config=wire.JobConfig(2, 1, 1, 4, 16))
-    with pytest.raises(SparcollError, match="joins job"):
+    with pytest.raises(SparcollError, match="job token"):
         handshake(server.address, honest.job, rank=1, config=wire.JobConfig(2, 1, 1, 4, 64))
 
 

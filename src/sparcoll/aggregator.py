@@ -8,6 +8,7 @@ serves that worker's job only (its own worker talks to it by direct calls, no so
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import socket
 import threading
@@ -100,17 +101,21 @@ class _Collective:
 class AggregatorJob:
     """One job's state on one aggregator: its workers and the collectives in progress."""
 
-    def __init__(self, job: int, agg_index: int, config: wire.JobConfig):
+    def __init__(self, job: int, agg_index: int, config: wire.JobConfig, token: bytes):
         self.job = job
         self.agg_index = agg_index
         self.config = config
+        self.token = token       # the job token of its first rank: every later rank must show it
         self.workers: dict[int, _RemoteWorker | LocalWorker] = {}
         self._collectives: dict[int, _Collective] = {}
         self._failed: OrderedDict[int, tuple[wire.ErrorCode, str]] = OrderedDict()
         self._broken: tuple[wire.ErrorCode, str] | None = None
         self._lock = threading.Lock()
 
-    def admit(self, hello: wire.Hello) -> None:
+    def admit(self, hello: wire.Hello, token: bytes) -> None:
+        if not hmac.compare_digest(token, self.token):
+            raise ProtocolError(f"rank {hello.rank} does not hold the job token of job "
+                                f"{self.job:#x}")
         if hello.config != self.config or hello.agg_index != self.agg_index:
             raise ProtocolError(f"rank {hello.rank} joins job {self.job:#x} with {hello.config}, "
                                 f"aggregator {hello.agg_index}; the job has {self.config}, "
@@ -238,9 +243,10 @@ class AggregatorServer:
                                           daemon=True)
         self._accepter.start()
 
-    def add_job(self, job: int, agg_index: int, config: wire.JobConfig) -> AggregatorJob:
+    def add_job(self, job: int, agg_index: int, config: wire.JobConfig,
+                token: bytes) -> AggregatorJob:
         with self._lock:
-            state = self.jobs[job] = AggregatorJob(job, agg_index, config)
+            state = self.jobs[job] = AggregatorJob(job, agg_index, config, token)
         return state
 
     def traffic(self) -> transport.TrafficStats:
@@ -259,20 +265,21 @@ class AggregatorServer:
             threading.Thread(target=self._serve, args=(sock,), name="sparcoll-agg-recv",
                              daemon=True).start()
 
-    def _admit(self, hello: wire.Hello) -> None:
+    def _admit(self, hello: wire.Hello, token: bytes) -> None:
         if self.only_job is not None and hello.job != self.only_job:
             raise ProtocolError(f"this aggregator serves job {self.only_job:#x} only")
         with self._lock:
             job = self.jobs.get(hello.job)
-            if job is None:
-                job = self.jobs[hello.job] = AggregatorJob(hello.job, hello.agg_index, hello.config)
-            job.admit(hello)
+            if job is None:     # the first rank to arrive sets the job's token
+                job = self.jobs[hello.job] = AggregatorJob(hello.job, hello.agg_index, hello.config,
+                                                           token)
+            job.admit(hello, token)
 
     def _serve(self, sock: socket.socket) -> None:
         admitted: list[wire.Hello] = []
 
-        def admit(hello: wire.Hello) -> None:
-            self._admit(hello)
+        def admit(hello: wire.Hello, token: bytes) -> None:
+            self._admit(hello, token)
             admitted.append(hello)
 
         try:

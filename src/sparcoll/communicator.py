@@ -217,10 +217,11 @@ class Communicator:
         self._store_wait(store, ["job"], deadline)
         blob = store.get("job")
         self.job, job_secret = int.from_bytes(blob[:8], "little"), blob[8:]
+        token = wire.job_token(job_secret)
         if self.aggregators is None:
             self._server = AggregatorServer(host or local_host(), 0, job_secret, only_job=self.job)
             self._local_index = self.rank
-            self._local_job = self._server.add_job(self.job, self.rank, self.config)
+            self._local_job = self._server.add_job(self.job, self.rank, self.config, token)
             self._local_job.attach(self.rank, LocalWorker(self._local_events.put))
             store.set(f"aggregator/{self.rank}", self._server.address)
             keys = [f"aggregator/{r}" for r in range(self.world)]
@@ -236,7 +237,8 @@ class Communicator:
             if index == self._local_index:
                 continue
             hello = wire.Hello(self.job, self.rank, index, self.config, os.urandom(wire.NONCE_BYTES))
-            sock = transport.connect(address, hello, secret, max(0.1, deadline - time.monotonic()))
+            sock = transport.connect(address, hello, secret, max(0.1, deadline - time.monotonic()),
+                                     token)
             conn = transport.Connection(sock, f"aggregator {index} at {address}",
                                         lambda exc, i=index: self._broken(i, exc))
             self._connections[index] = conn

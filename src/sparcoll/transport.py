@@ -144,8 +144,10 @@ def _configure(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
 
 
-def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float) -> socket.socket:
-    """Connect and authenticate both ways; retries refused connections until the deadline."""
+def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
+            token: bytes = bytes(wire.MAC_BYTES)) -> socket.socket:
+    """Connect and authenticate both ways (and show the job token); retries refused connections
+    until the deadline."""
     host, port = parse_address(address)
     deadline = time.monotonic() + timeout
     while True:
@@ -166,7 +168,7 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float) -> s
         server_nonce, server_mac = wire.decode_challenge(buf)
         if not hmac.compare_digest(server_mac, wire.mac(secret, b"server", hello, server_nonce)):
             raise AuthenticationError(f"aggregator {address} failed authentication (wrong secret?)")
-        sock.sendall(wire.encode_proof(wire.mac(secret, b"client", hello, server_nonce)))
+        sock.sendall(wire.encode_proof(wire.mac(secret, b"client", hello, server_nonce), token))
         buf = bytearray(wire.VERDICT_BYTES)
         _recv_exact(sock, memoryview(buf), f"aggregator {address}")
         length = wire.decode_verdict_length(buf)
@@ -191,10 +193,11 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float) -> s
 
 
 def accept(sock: socket.socket, secret_for: Callable[[wire.Hello], bytes],
-           admit: Callable[[wire.Hello], None], timeout: float) -> wire.Hello:
+           admit: Callable[[wire.Hello, bytes], None], timeout: float) -> wire.Hello:
     """Server side of the handshake. `secret_for(hello)` gives the secret to check the client against;
-    `admit(hello)` runs only once the client proved it holds that secret and may refuse it by raising
-    ProtocolError, whose text is sent back. Nothing the client sends later is read before this returns."""
+    `admit(hello, job_token)` runs only once the client proved it holds that secret and may refuse it
+    by raising ProtocolError, whose text is sent back. Nothing the client sends later is read before
+    this returns."""
     peer = "client"
     try:
         peer = "client %s:%d" % sock.getpeername()[:2]
@@ -209,11 +212,11 @@ def accept(sock: socket.socket, secret_for: Callable[[wire.Hello], bytes],
                                                                   server_nonce)))
         buf = bytearray(wire.PROOF_BYTES)
         _recv_exact(sock, memoryview(buf), peer)
-        if not hmac.compare_digest(wire.decode_proof(buf),
-                                   wire.mac(secret, b"client", hello, server_nonce)):
+        client_mac, token = wire.decode_proof(buf)
+        if not hmac.compare_digest(client_mac, wire.mac(secret, b"client", hello, server_nonce)):
             sock.sendall(wire.encode_verdict("authentication failed"))
             raise AuthenticationError(f"{peer} failed authentication for job {hello.job:#x}")
-        admit(hello)
+        admit(hello, token)
         sock.sendall(wire.encode_verdict())
         sock.settimeout(None)
         return hello

@@ -158,13 +158,13 @@ def bye_message(job: int) -> bytes:
 # ---- handshake -----------------------------------------------------------------------------------
 # client -> server  HELLO   job, rank, world, aggregator index, aggregator count, client nonce
 # server -> client  CHALLENGE  server nonce, MAC proving the server holds the secret
-# client -> server  PROOF   MAC proving the client holds the secret
+# client -> server  PROOF   MAC proving the client holds the secret, and the job token
 # server -> client  VERDICT  0 = welcome, else a reason text follows
 NONCE_BYTES = 32
 MAC_BYTES = 32
 _HELLO = struct.Struct("<4sBBQIIHHHHI32s")
 _CHALLENGE = struct.Struct("<4sB32s32s")
-_PROOF = struct.Struct("<4sB32s")
+_PROOF = struct.Struct("<4sB32s32s")
 _VERDICT = struct.Struct("<4sBH")
 HELLO_BYTES, CHALLENGE_BYTES, PROOF_BYTES, VERDICT_BYTES = (
     _HELLO.size, _CHALLENGE.size, _PROOF.size, _VERDICT.size)
@@ -236,14 +236,23 @@ def decode_challenge(buf) -> tuple[bytes, bytes]:
     return nonce, server_mac
 
 
-def encode_proof(client_mac: bytes) -> bytes:
-    return _PROOF.pack(MAGIC, VERSION, client_mac)
+def job_token(job_secret: bytes) -> bytes:
+    """What a job's ranks show an aggregator besides the aggregator's own secret: derived from the job
+    secret in the job's Store, so another job holding the same aggregator secret cannot join it."""
+    return hmac.new(job_secret, b"sparcoll job token", hashlib.sha256).digest()
 
 
-def decode_proof(buf) -> bytes:
-    magic, version, client_mac = _PROOF.unpack(buf)
+def encode_proof(client_mac: bytes, token: bytes = bytes(MAC_BYTES)) -> bytes:
+    return _PROOF.pack(MAGIC, VERSION, client_mac, token)
+
+
+def decode_proof(buf) -> tuple[bytes, bytes]:
+    """(client MAC, job token)."""
+    if len(buf) != PROOF_BYTES:
+        raise ProtocolError(f"proof of {len(buf)} bytes, expected {PROOF_BYTES}")
+    magic, version, client_mac, token = _PROOF.unpack(buf)
     _check_magic(magic, version)
-    return client_mac
+    return client_mac, token
 
 
 def encode_verdict(reason: str = "") -> bytes:
