@@ -81,12 +81,13 @@ class BlockTensor:
             self.tail = torch.zeros(1, block_size, dtype=flat.dtype)
             self.tail[0, : flat.numel() - self.full * block_size] = flat[self.full * block_size:]
 
-    def nonzero(self) -> np.ndarray:
-        """Indices (int64, sorted) of the non-zero blocks."""
-        mask = nonzero_mask(self.rows)
-        if self.tail is not None:
+    def nonzero(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Indices (int64, sorted) of the non-zero blocks in [lo, hi): the scan."""
+        hi = self.nblocks if hi is None else hi
+        mask = nonzero_mask(self.rows[lo:min(hi, self.full)])
+        if self.tail is not None and hi > self.full:
             mask = np.concatenate([mask, nonzero_mask(self.tail)])
-        return np.flatnonzero(mask)
+        return np.flatnonzero(mask) + lo
 
     def views(self, start: int, stop: int) -> list[torch.Tensor]:
         """The blocks [start, stop) as one or two views of the tensor's memory (two when the run
@@ -146,8 +147,10 @@ class CompactBlocks:
         self.nblocks = -(-numel // block_size)
         self._results: list[tuple[np.ndarray, torch.Tensor]] = []
 
-    def nonzero(self) -> np.ndarray:
-        return self.indices
+    def nonzero(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Indices of the present blocks in [lo, hi)."""
+        hi = self.nblocks if hi is None else hi
+        return self.indices[np.searchsorted(self.indices, lo):np.searchsorted(self.indices, hi)]
 
     def _slots(self, indices: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.indices, indices)

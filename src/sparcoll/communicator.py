@@ -102,7 +102,7 @@ class _Collective:
         self.descriptor = descriptor
         self.work = work
         self.timeout = timeout
-        self.streams: dict[tuple[int, int], WorkerStream] = {}
+        self.streams: dict[tuple[int, int], WorkerStream | None] = {}   # None: not started yet
         self.stream_locks: dict[tuple[int, int], threading.Lock] = {}
         self.blocks: BlockTensor | CompactBlocks | None = None
         self.lock = threading.Lock()
@@ -378,21 +378,24 @@ class Communicator:
 
     def _run(self, coll: _Collective) -> BaseException | None:
         coll.prepare(self.block_size)
-        nonzero = coll.blocks.nonzero()
         geometry = Geometry(coll.blocks.nblocks, self.config.num_aggs, self.config.streams)
-        for agg, stream, lo, hi in geometry.ranges():
-            lo_i, hi_i = np.searchsorted(nonzero, [lo, hi]).tolist()
-            coll.streams[agg, stream] = WorkerStream(lo, hi, nonzero[lo_i:hi_i],
-                                                     self.config.message_blocks, self.config.credits)
+        # Remote ranges first, the own aggregator's last: a range's messages travel while the next
+        # range is scanned, and peers' aggregators get this rank's blocks as early as possible.
+        ranges = sorted(geometry.ranges(), key=lambda r: r[0] == self._local_index)
+        for agg, stream, _, _ in ranges:    # every key now: other threads iterate this dict
+            coll.streams[agg, stream] = None
             coll.stream_locks[agg, stream] = threading.Lock()
-        coll.remaining = len(coll.streams)
+        coll.remaining = len(ranges)
         with self._state_lock:
             self._active = coll
             early = self._early_errors.pop(coll.id, None)   # arrived while we were scanning
         if early is not None:
             coll.fail(early)
         try:
-            for agg, stream in coll.streams:
+            for agg, stream, lo, hi in ranges:
+                coll.streams[agg, stream] = WorkerStream(lo, hi, coll.blocks.nonzero(lo, hi),
+                                                         self.config.message_blocks,
+                                                         self.config.credits)
                 self._advance(coll, agg, stream)
         except SparcollError as exc:
             coll.fail(exc)
@@ -403,7 +406,7 @@ class Communicator:
         return coll.error
 
     def _describe_stall(self, coll: _Collective) -> str:
-        waiting = sorted({agg for (agg, _), ws in coll.streams.items() if not ws.done})
+        waiting = sorted({agg for (agg, _), ws in coll.streams.items() if ws is None or not ws.done})
         who = ", ".join(f"aggregator {a} at {self.addresses[a]}" for a in waiting)
         return (f"rank {self.rank}: allreduce {coll.id} not finished after {coll.timeout:g} s; "
                 f"still waiting for {who} (a peer may be dead, stuck, or calling other collectives)")
@@ -477,7 +480,7 @@ class Communicator:
 
     def _on_result(self, coll: _Collective, agg: int, conn: transport.Connection, h: wire.Header,
                    indices: np.ndarray, staging: torch.Tensor) -> torch.Tensor:
-        if h.descriptor != coll.descriptor or (agg, h.stream) not in coll.streams:
+        if h.descriptor != coll.descriptor or coll.streams.get((agg, h.stream)) is None:
             raise ProtocolError(f"result for stream {h.stream} with descriptor {h.descriptor} does "
                                 f"not match collective {coll.id}")
         ws = coll.streams[agg, h.stream]
@@ -541,7 +544,8 @@ class Communicator:
             f"connection to aggregator {agg} at {self.addresses[agg]} failed: {exc}")
         self._set_poison(error)
         coll = self._active
-        if coll is not None and any(not ws.done for (a, _), ws in coll.streams.items() if a == agg):
+        if coll is not None and any(ws is None or not ws.done
+                                    for (a, _), ws in coll.streams.items() if a == agg):
             coll.fail(error)
 
     def _set_poison(self, error: BaseException) -> None:
