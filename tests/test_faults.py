@@ -144,10 +144,10 @@ def install_kill(point: str, n: int = 1, own_rank: int | None = None, delay: flo
         transport.accept = accept
     elif point == "scan":                   # the engine scans the tensor of the n-th collective
         class KillingBlockTensor(communicator.BlockTensor):
-            def nonzero(self):
-                if hit():
+            def nonzero(self, lo=0, hi=None):   # ranges are scanned one by one: count the first
+                if lo == 0 and hit():
                     die()
-                return super().nonzero()
+                return super().nonzero(lo, hi)
         communicator.BlockTensor = KillingBlockTensor
     elif point == "send":                   # the n-th contribution is about to be queued
         original_send = transport.Connection.send

@@ -365,7 +365,6 @@ class Communicator:
             coll = request[1]
             with self._state_lock:   # a peer's own report of this collective beats our poison
                 error = self._early_errors.pop(coll.id, None)
-                self._last_started = coll.id
             if error is None and self._poison is not None:
                 error = PoisonedError(f"an earlier collective failed ({self._poison})")
             if error is None:
@@ -388,7 +387,8 @@ class Communicator:
         coll.remaining = len(ranges)
         with self._state_lock:
             self._active = coll
-            early = self._early_errors.pop(coll.id, None)   # arrived while we were scanning
+            self._last_started = coll.id
+            early = self._early_errors.pop(coll.id, None)   # arrived since the engine took it
         if early is not None:
             coll.fail(early)
         try:

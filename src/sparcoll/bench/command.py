@@ -16,8 +16,8 @@ import sys
 from typing import Callable
 
 from sparcoll.bench import algorithms
-from sparcoll.bench.launch import BenchError, Job, run_job
-from sparcoll.bench.netem import NetemError, netem_available, parse_rate
+from sparcoll.bench.launch import Job, run_job, run_jobs
+from sparcoll.bench.netem import netem_available, parse_rate
 from sparcoll.bench.patterns import InputSpec
 from sparcoll.bench.progress import Progress
 from sparcoll.bench.report import Setup, add_speedups, make_record, table, title, write_json
@@ -131,18 +131,14 @@ def run(args) -> int:
         return 2
     progress = Progress(len(args.workers) * len(args.density) * len(algos) * (args.warmup + args.repeat))
     records = []
-    try:
+
+    def body() -> None:
         for n in args.workers:
-            records += _run_workers(n, args, algos, rate_bps, progress)
-    except (BenchError, NetemError) as exc:
-        progress.close()
-        print(f"sparcoll bench: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # the launcher has stopped every child and removed the network
-        progress.close()
-        print("sparcoll bench: interrupted", file=sys.stderr)
-        return 130
-    progress.close()
+            records.extend(_run_workers(n, args, algos, rate_bps, progress))
+
+    status = run_jobs("bench", progress, body)
+    if status:
+        return status
     add_speedups(records)
     print(title(records))
     print(table(records))

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sparcoll.bench.netem import EmulatedNetwork
+from sparcoll.bench.netem import EmulatedNetwork, NetemError
 from sparcoll.bench.worker import EVENT_PREFIX
 
 # In a namespace of our own nothing else listens, so fixed ports cannot collide there.
@@ -190,3 +190,21 @@ def _await_workers(workers: list[_Child]) -> None:
         if code != 0:
             print(f"warning: {c.name} exited with {_describe_exit(code)} after reporting its results",
                   file=sys.stderr)
+
+
+def run_jobs(command: str, progress, body: Callable[[], None]) -> int:
+    """Run body() (which runs jobs) under `progress`; the exit status of `sparcoll <command>`: 0, or 1
+    with the reason printed when a job failed, or 130 when interrupted (the launcher has already
+    stopped every child and removed the network)."""
+    try:
+        body()
+    except (BenchError, NetemError) as exc:
+        status, message = 1, str(exc)
+    except KeyboardInterrupt:
+        status, message = 130, "interrupted"
+    else:
+        status, message = 0, ""
+    progress.close()
+    if status:
+        print(f"sparcoll {command}: {message}", file=sys.stderr)
+    return status

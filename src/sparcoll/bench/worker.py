@@ -18,6 +18,7 @@ algorithm's known traffic).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -40,6 +41,20 @@ class WrongResult(RuntimeError):
 
 def emit(event: dict) -> None:
     print(EVENT_PREFIX + json.dumps(event), flush=True)
+
+
+@contextlib.contextmanager
+def reporting(rank: int):
+    """Rank 0 tells the launcher how the job ended: a "done" event, or an "error" event (then the
+    exception goes on, so the process fails too)."""
+    try:
+        yield
+    except Exception as exc:
+        if rank == 0:
+            emit({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
+        raise
+    if rank == 0:
+        emit({"event": "done"})
 
 
 def interface_counters(name: str) -> tuple[int, int]:
@@ -125,13 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
     try:
-        bench(cfg, rank, world)
-        if rank == 0:
-            emit({"event": "done"})
-    except Exception as exc:
-        if rank == 0:
-            emit({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
-        raise
+        with reporting(rank):
+            bench(cfg, rank, world)
     finally:
         dist.destroy_process_group()
     return 0

@@ -17,8 +17,8 @@ import json
 import statistics
 import sys
 
-from sparcoll.bench.launch import BenchError, Job, run_job
-from sparcoll.bench.netem import NetemError, netem_available, parse_rate
+from sparcoll.bench.launch import Job, run_job, run_jobs
+from sparcoll.bench.netem import netem_available, parse_rate
 from sparcoll.bench.progress import Progress
 from sparcoll.train.worker import MODES
 from sparcoll.workloads import WORKLOADS
@@ -148,7 +148,8 @@ def run(args) -> int:
               "block_size": args.block_size, "timeout": args.timeout}
     progress = Progress(args.steps * len(modes))
     runs = []
-    try:
+
+    def body() -> None:
         for mode in modes:
             steps: list[dict] = []
 
@@ -158,15 +159,10 @@ def run(args) -> int:
 
             launch({**config, "comm": mode}, args.workers, args.network, args.timeout, on_event)
             runs.append(summarize(mode, steps, args))
-    except (BenchError, NetemError) as exc:
-        progress.close()
-        print(f"sparcoll train: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:   # the launcher has stopped every worker and removed the network
-        progress.close()
-        print("sparcoll train: interrupted", file=sys.stderr)
-        return 130
-    progress.close()
+
+    status = run_jobs("train", progress, body)
+    if status:
+        return status
     print(report(runs, args))
     result = {**config, "workers": args.workers, "network": args.network, "runs": runs}
     if args.compare:

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import sparcoll
 import sparcoll.torch  # registers the "sparcoll" backend
-from sparcoll.bench.worker import emit
+from sparcoll.bench.worker import emit, reporting
 from sparcoll.workloads import get_workload
 
 MODES = ("sparcoll", "ddp", "hook", "agsparse")
@@ -135,15 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                             rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
     comm = None
     try:
-        if cfg["comm"] == "hook":
-            comm = sparcoll.init(timeout=cfg["timeout"])
-        train(cfg, rank, world, comm)
-        if rank == 0:
-            emit({"event": "done"})
-    except Exception as exc:
-        if rank == 0:
-            emit({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
-        raise
+        with reporting(rank):
+            if cfg["comm"] == "hook":
+                comm = sparcoll.init(timeout=cfg["timeout"])
+            train(cfg, rank, world, comm)
     finally:
         if comm is not None:
             comm.close()
