@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from sparcoll.blocks import SCAN_ROWS, BlockTensor, nonzero_mask, runs
+from sparcoll.blocks import SCAN_ROWS, BlockTensor, SparseBlocks, nonzero_mask, runs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
@@ -47,3 +47,28 @@ def test_padded_last_block_round_trip(numel):
     assert torch.equal(flat, 2 * torch.arange(1, numel + 1, dtype=torch.float32))
     views = bt.views(0, bt.nblocks)
     assert sum(v.numel() for v in views) == bt.nblocks * 8
+
+
+@pytest.mark.parametrize("shape, entries", [((40, 256), 10), ((10, 512), 4), ((7, 64), 3),
+                                            ((1000, 3), 50), ((333, 7), 50), ((50, 600), 7),
+                                            ((6, 5, 4), 9), ((300,), 20)])
+def test_sparse_blocks_round_trip_every_tiling(shape, entries):
+    """Rows wider than, narrower than, or not tiling the block; several sparse dims; 1-D COO."""
+    g = torch.Generator().manual_seed(sum(shape))
+    sparse_dims = 2 if len(shape) == 3 else 1
+    coords = torch.stack([torch.randint(0, shape[d], (entries,), generator=g) for d in range(sparse_dims)])
+    coo = torch.sparse_coo_tensor(coords, torch.randint(-3, 4, (entries, *shape[sparse_dims:]),
+                                                        generator=g).float(), shape,
+                                  check_invariants=True)
+    sb = SparseBlocks(coo, 256)
+    dense = torch.zeros(sb.nblocks * 256)
+    dense[:coo.numel()] = coo.to_dense().reshape(-1)
+    assert torch.equal(dense.view(-1, 256)[torch.from_numpy(sb.indices)], sb.data)
+    assert not dense.view(-1, 256)[torch.from_numpy(np.setdiff1d(np.arange(sb.nblocks),
+                                                                 sb.indices))].any()
+    halves = np.array_split(np.arange(sb.indices.size), 2)[::-1]      # results in any order
+    for part in halves:
+        sb.scatter(sb.indices[part], sb.data[torch.from_numpy(part)])
+    out = sb.finish()
+    assert out.is_coalesced() and out.shape == coo.shape and out.sparse_dim() == sparse_dims
+    assert torch.equal(out.to_dense(), coo.to_dense())

@@ -134,6 +134,18 @@ class BlockTensor:
         return self.flat
 
 
+def _retile(ids: np.ndarray, units: torch.Tensor, width: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Units of a flat index space (`units[k]` is unit `ids[k]`, sorted, of units.shape[1] elements)
+    regrouped into units of `width` elements: (their ids, their data, zero where nothing was given).
+    Element by element: only for widths that do not tile each other."""
+    size = units.shape[1]
+    positions = (ids[:, None] * size + np.arange(size)).reshape(-1)
+    out_ids, inverse = np.unique(positions // width, return_inverse=True)
+    out = torch.zeros(out_ids.size, width, dtype=units.dtype)
+    out.view(-1)[torch.from_numpy(inverse * width + positions % width)] = units.reshape(-1)
+    return out_ids, out
+
+
 class CompactBlocks:
     """Only the non-zero blocks, packed in one host buffer (`data`, rows in index order). Results come in
     through a staging buffer and are collected; subclasses turn them into the output in `finish()`."""
@@ -233,10 +245,7 @@ class SparseBlocks(CompactBlocks):
             data[torch.from_numpy(inverse), torch.from_numpy(entries % per)] = values
             data = data.view(-1, b)
         else:
-            positions = (entries[:, None] * width + np.arange(width)).reshape(-1)
-            indices, inverse = np.unique(positions // b, return_inverse=True)
-            data = torch.zeros(indices.size, b, dtype=coo.dtype)
-            data.view(-1)[torch.from_numpy(inverse * b + positions % b)] = values.reshape(-1)
+            indices, data = _retile(entries, values, b)
         super().__init__(indices, data.contiguous(), numel, block_size)
 
     def _linear(self, sparse_indices: torch.Tensor) -> torch.Tensor:
@@ -257,10 +266,7 @@ class SparseBlocks(CompactBlocks):
             entries = (indices[:, None] * per + np.arange(per)).reshape(-1)
             values = rows.reshape(-1, width)
         else:
-            positions = (indices[:, None] * b + np.arange(b)).reshape(-1)
-            entries, inverse = np.unique(positions // width, return_inverse=True)
-            values = torch.zeros(entries.size, width, dtype=self.dtype)
-            values.view(-1)[torch.from_numpy(inverse * width + positions % width)] = rows.reshape(-1)
+            entries, values = _retile(indices, rows, width)
         total = int(np.prod(self.shape[:self.sparse_dim], dtype=np.int64))
         keep = entries < total                         # the padding of the last block
         entries, values = entries[keep], values[torch.from_numpy(keep)]
