@@ -113,7 +113,10 @@ elif mode == "send":
     s.recv(1)  # wait for the receiver to close: all bytes delivered
     s.close()
 elif mode == "hold":
-    # Create a network, report it, then sleep until killed.
+    # Create a network, report it, then sleep until killed. A shell that starts the suite in the
+    # background ignores SIGINT, and children inherit that: restore Python's Ctrl-C handling.
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from sparcoll.bench.netem import EmulatedNetwork
     net = EmulatedNetwork(int(sys.argv[3]), "none", prefix=sys.argv[2]).__enter__()
     print(json.dumps([net.bridge_namespace, *net.namespaces]), flush=True)
