@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 import scenarios
 from ranks import run_ranks

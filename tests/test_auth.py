@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from sparcoll import aggregator, cli, transport, wire
 from sparcoll.communicator import Communicator
-from sparcoll.errors import AuthenticationError, CollectiveTimeout, SparcollError
+from sparcoll.errors import AuthenticationError, CollectiveTimeout
 
 CFG = wire.JobConfig(world=2, num_aggs=2, streams=1, credits=4, message_blocks=2048)
 

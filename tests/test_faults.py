@@ -45,7 +45,6 @@ _CTX_LOCK = threading.Lock()
 
 
 def _ctx():
-    global _CTX
     with _CTX_LOCK:
         return _CTX or _start_fork_server()
 

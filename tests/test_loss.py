@@ -4,7 +4,6 @@ contribution may be counted twice."""
 import random
 from collections import Counter
 
-import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
