@@ -271,5 +271,7 @@ class SparseBlocks(CompactBlocks):
         keep = entries < total                         # the padding of the last block
         entries, values = entries[keep], values[torch.from_numpy(keep)]
         coords = np.stack(np.unravel_index(entries, self.shape[:self.sparse_dim]))
-        return torch.sparse_coo_tensor(torch.from_numpy(coords), values.reshape(-1, *self.shape[self.sparse_dim:]),
-                                       self.shape, is_coalesced=True)
+        # Sorted, distinct, in-range coordinates by construction: torch need not check them.
+        return torch.sparse_coo_tensor(torch.from_numpy(coords),
+                                       values.reshape(-1, *self.shape[self.sparse_dim:]), self.shape,
+                                       is_coalesced=True, check_invariants=False)
