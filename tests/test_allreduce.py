@@ -1,7 +1,4 @@
 """sparcoll.allreduce across real processes over TCP on loopback, against independent dense references."""
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -9,23 +6,9 @@ import pytest
 
 import scenarios
 from ranks import run_ranks
+from support import start_aggregator, stop
 
 TIMEOUT = 240
-
-
-def start_aggregator():
-    """A dedicated aggregator process on a free loopback port; returns (process, "host:port")."""
-    proc = subprocess.Popen([sys.executable, "-m", "sparcoll", "aggregator", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    line = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout=60)
-    if not line or "listening on" not in line[0]:
-        proc.kill()
-        raise RuntimeError(f"aggregator did not start: {line}")
-    return proc, line[0].split()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +20,7 @@ def dedicated():
         yield [address for _, address in procs]
     finally:
         for proc, _ in procs:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+            stop(proc)
 
 
 def check_outcome(outcomes, cases):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from sparcoll import aggregator, cli, transport, wire
 from sparcoll.communicator import Communicator
 from sparcoll.errors import AuthenticationError, CollectiveTimeout
+from support import on_threads, start_aggregator, stop, wait_for
 
 CFG = wire.JobConfig(world=2, num_aggs=2, streams=1, credits=4, message_blocks=2048)
 
@@ -34,20 +35,11 @@ class ColocatedJob:
     def __init__(self, prefix: str, store=None, **options):
         self.store = store or dist.HashStore()
         self.comms: list[Communicator | None] = [None, None]
-        errors = []
 
         def make(rank):
-            try:
-                self.comms[rank] = Communicator(dist.PrefixStore(prefix, self.store), rank, 2,
-                                                timeout=10.0, **options)
-            except BaseException as exc:
-                errors.append(exc)
-        threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert not errors, errors
+            self.comms[rank] = Communicator(dist.PrefixStore(prefix, self.store), rank, 2,
+                                            timeout=10.0, **options)
+        on_threads(make, 2)
         blob = dist.PrefixStore(prefix, self.store).get("job")
         self.job, self.secret = int.from_bytes(blob[:8], "little"), blob[8:]
         self.server = self.comms[0]._server
@@ -56,19 +48,7 @@ class ColocatedJob:
 
     def check_exact(self, k: int = 0) -> None:
         xs = [torch.arange(5000, dtype=torch.float32) * (r + 1 + k) for r in range(2)]
-        errors = []
-
-        def run(rank):
-            try:
-                self.comms[rank].allreduce(xs[rank])
-            except BaseException as exc:
-                errors.append(exc)
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert not errors, errors
+        on_threads(lambda rank: self.comms[rank].allreduce(xs[rank]), 2)
         want = torch.arange(5000, dtype=torch.float32) * (3 + 2 * k)
         assert all(torch.equal(x, want) for x in xs)
 
@@ -129,15 +109,6 @@ def test_right_secret_but_wrong_job_or_taken_rank_or_other_config(job_pair):
                                      a.secret)
     assert state_of(a.server) == before
     a.check_exact(2)
-
-
-def wait_for(predicate, limit=5.0) -> bool:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def raw_handshake_start(address: str, hello: wire.Hello) -> tuple[socket.socket, bytes, bytes]:
@@ -264,11 +235,7 @@ def test_client_of_job_a_cannot_touch_job_b_through_its_own_connection():
             comms[rank] = Communicator(dist.PrefixStore("b/", store), rank, 2,
                                        aggregators=[server.address], timeout=5.0)
         with secret_env("k"):
-            threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(30)
+            on_threads(make, 2)
         job_b = comms[0].job
         job_a = job_b ^ 0xFF
         sock = transport.connect(server.address, hello_for(job_a, rank=0,
@@ -281,11 +248,7 @@ def test_client_of_job_a_cannot_touch_job_b_through_its_own_connection():
         sock.close()
         assert wait_for(lambda: job_a not in server.jobs)
         xs = [torch.full((1000,), float(r + 1)) for r in range(2)]
-        threads = [threading.Thread(target=comms[r].allreduce, args=(xs[r],)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        on_threads(lambda r: comms[r].allreduce(xs[r]), 2)
         assert all(torch.equal(x, torch.full((1000,), 3.0)) for x in xs)
         for comm in comms:
             comm.close()
@@ -342,27 +305,15 @@ def test_cli_on_loopback_with_a_secret_file(tmp_path):
     secret_file = tmp_path / "secret"
     secret_file.write_bytes(b"file-secret\n")
     env = {k: v for k, v in os.environ.items() if k != "SPARCOLL_SECRET"}
-    proc = subprocess.Popen([sys.executable, "-m", "sparcoll", "aggregator", "--port", "0",
-                             "--secret-file", str(secret_file)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
+    proc, address = start_aggregator("--secret-file", str(secret_file), env=env)
     try:
-        line = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(60)
-        assert line and "listening on 127.0.0.1:" in line[0], line
-        address = line[0].split()[-1]
+        assert address.startswith("127.0.0.1:"), address
         assert "failed authentication" in refused(address, hello_for(5, rank=0), b"wrong")
         sock = transport.connect(address, hello_for(5, rank=0), b"file-secret", 5.0)
         sock.sendall(wire.bye_message(5))
         sock.close()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc)
 
 
 def test_colocated_aggregators_bind_loopback_by_default(monkeypatch):

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from sparcoll import aggregator, transport, wire
 from sparcoll.communicator import Communicator
 from sparcoll.errors import ProtocolError, SparcollError
+from support import wait_for
 
 SECRET = b"fuzz-secret"
 CFG = wire.JobConfig(world=2, num_aggs=1, streams=2, credits=2, message_blocks=64)
@@ -410,15 +411,6 @@ def send_and_drain(sock: socket.socket, payload: bytes, limit: float = 5.0) -> t
 
 def port_of(server) -> int:
     return int(server.address.rsplit(":", 1)[1])
-
-
-def wait_for(predicate, limit=5.0) -> bool:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def only_honest_left(server, honest) -> bool:

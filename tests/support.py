@@ -1,0 +1,62 @@
+"""Small waits and launches several test files need: polling with a deadline, a function on a few
+threads, a dedicated aggregator process."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+
+def wait_for(predicate, limit: float = 5.0) -> bool:
+    """Poll `predicate` until it holds or `limit` seconds pass; its last value."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def on_threads(fn, count: int, timeout: float = 30.0) -> None:
+    """fn(i) for i in range(count), each on its own thread (in-process ranks); every thread is joined
+    with a deadline and any exception is raised here."""
+    errors = []
+
+    def run(i):
+        try:
+            fn(i)
+        except BaseException as exc:   # reported in the test's thread below
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout} s"
+    assert not errors, errors
+
+
+def start_aggregator(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`sparcoll aggregator --port 0 ARGS` as a process; returns it and the address it printed."""
+    proc = subprocess.Popen([sys.executable, "-m", "sparcoll", "aggregator", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"})
+    line = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    if not line or "listening on" not in line[0]:
+        stop(proc)
+        raise RuntimeError(f"aggregator did not start: {line}")
+    return proc, line[0].split()[-1]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
