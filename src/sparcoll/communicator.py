@@ -340,6 +340,13 @@ class Communicator:
         for conn in self._connections.values():
             conn.send([wire.bye_message(self.job)])
             conn.close()
+        if self._local_job is not None:
+            # Peers still waiting on this aggregator learn why it leaves (a cascade then names the
+            # peer that failed first) before its connections close.
+            with self._state_lock:
+                poison = self._poison
+            self._local_job.detach(self.rank, None if poison is None else
+                                   f"rank {self.rank} left the job after an error: {poison}")
         if self._server is not None:
             self._server.close()
         self._local_events.put(None)

@@ -44,10 +44,13 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _sendmsg_all(sock: socket.socket, buffers: list) -> int:
+def _byte_views(buffers: list) -> list:
+    """Flat byte views of a message's non-empty buffers."""
     views = [memoryview(b).cast("B") for b in buffers]
-    views = [v for v in views if len(v)]
-    total = sum(len(v) for v in views)
+    return [v for v in views if len(v)]
+
+
+def _sendmsg_all(sock: socket.socket, views: list) -> None:
     while views:
         sent = sock.sendmsg(views[:IOV_MAX])
         while sent:
@@ -56,7 +59,6 @@ def _sendmsg_all(sock: socket.socket, buffers: list) -> int:
             else:
                 views[0] = views[0][sent:]
                 sent = 0
-    return total
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, peer: str) -> None:
@@ -94,13 +96,16 @@ class Connection:
             if item is None:
                 return
             buffers, blocks = item
+            # Counted before the write: once a peer holds these bytes (and may answer, completing a
+            # collective) the counters already include them. A failed write fails the connection.
+            views = _byte_views(buffers)
+            self.count(bytes_sent=sum(len(v) for v in views), messages_sent=1, blocks_sent=blocks)
             try:
-                sent = _sendmsg_all(self.sock, buffers)
+                _sendmsg_all(self.sock, views)
             except OSError as exc:
                 if not self._closed:
                     self._on_failure(PeerError(f"sending to {self.peer} failed: {exc}"))
                 return
-            self.count(bytes_sent=sent, messages_sent=1, blocks_sent=blocks)
 
     def count(self, **deltas: int) -> None:
         """Add to the traffic counters (one lock, so a snapshot is never half-updated)."""
