@@ -139,13 +139,14 @@ def run_byte_accounting(rank: int, world: int, densities, numel: int, message_bl
                        for x in inputs]
             union = set().union(*nonzero)
             geometry = Geometry(numel // block_size, world, 1)
-            expected_sent = expected_union = 0
+            expected_sent = expected_union = remote_blocks = 0
             agg_in = agg_out_union = 0
             for agg, _, lo, hi in geometry.ranges():
                 mine = sum(lo <= b < hi for b in nonzero[rank])
                 union_here = sum(lo <= b < hi for b in union)
                 if agg != rank:
                     messages = max(1, math.ceil(mine / message_blocks))
+                    remote_blocks += mine
                     expected_sent += mine * (block_bytes + INDEX) + messages * HEADER
                     expected_union += union_here * (block_bytes + INDEX)
                 else:
@@ -164,7 +165,7 @@ def run_byte_accounting(rank: int, world: int, densities, numel: int, message_bl
             dist.barrier()      # no rank closes (a BYE message) before every rank has read
             assert torch.equal(x, sum(inputs)), "wrong sum"
             report.append(dict(
-                density=density, own_blocks=len(nonzero[rank]),
+                density=density, remote_blocks=remote_blocks,
                 sent=s1.bytes_sent - s0.bytes_sent, expected_sent=expected_sent,
                 received_data=(s1.bytes_received - s0.bytes_received)
                 - HEADER * (s1.messages_received - s0.messages_received),

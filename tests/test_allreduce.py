@@ -97,10 +97,10 @@ def test_bytes_on_the_wire_match_the_formula(world):
                 (rank, sorted(row.items()))
             assert row["agg_received"] == row["expected_agg_received"], (rank, row)
             assert row["agg_sent_data"] == row["expected_agg_sent_data"], (rank, row)
-            payload = row["own_blocks"] * (world - 1) / world * 1024
             # Metadata beyond the fixed per-message header: 4 index bytes per 1 KiB block (0.4%).
-            metadata = row["sent"] - row["own_blocks"] * 1024 - 56 * row["messages_sent"]
-            assert metadata <= 0.02 * max(payload, 1) + 0.02 * row["own_blocks"] * 1024
+            payload = row["remote_blocks"] * 1024
+            metadata = row["sent"] - payload - 56 * row["messages_sent"]
+            assert 0 <= metadata <= 0.02 * payload, (rank, row)
 
 
 def test_bad_input_raises_on_every_rank_quickly():
@@ -157,3 +157,19 @@ def test_sparse_coo_allreduce_without_densifying():
             # Only blocks that this rank's entries touch leave it (a table of 32M elements
             # would be 125000 blocks dense).
             assert row["blocks_sent"] <= row["max_blocks"], (rank, name, row)
+
+
+def test_message_size_fits_the_measured_link_rate():
+    from sparcoll.communicator import MESSAGE_SECONDS, fit_message_blocks
+    kib = 1024
+    # A 1 Gbit/s link (at most 125 MB/s) gets 256 KiB messages, loopback-like rates the limit.
+    assert fit_message_blocks(110e6, kib, 2048) == 256
+    assert fit_message_blocks(800e6, kib, 2048) == 2048
+    assert fit_message_blocks(1e3, kib, 2048) == 256        # never below limit / 8
+    assert fit_message_blocks(1e3, 4, 4) == 1
+    previous = 0
+    for rate in [10 ** (e / 4) for e in range(16, 44)]:       # 10 kB/s .. 10 GB/s
+        size = fit_message_blocks(rate, kib, 2048)
+        assert size & (size - 1) == 0 and 256 <= size <= 2048 and size >= previous
+        assert size == 256 or size * kib <= rate * MESSAGE_SECONDS   # no message over its time
+        previous = size

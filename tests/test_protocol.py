@@ -21,9 +21,12 @@ def block_sparse(rng: torch.Generator, nblocks, block_size, density):
 
 
 def run_allreduce(inputs, nonzero, num_aggs, streams, message_blocks, credits, seed,
-                  average=False, dtype=torch.float32, acc=torch.float32):
-    """Run one collective through the state machines; return (outputs, pending peak, sent indices)."""
+                  average=False, dtype=torch.float32, acc=torch.float32, worker_blocks=None):
+    """Run one collective through the state machines; return (outputs, pending peak, sent indices).
+    `worker_blocks`: each worker's own message size (at most message_blocks), as workers that
+    adapt their messages to the links they measure may differ."""
     workers = len(inputs)
+    worker_blocks = worker_blocks or [message_blocks] * workers
     nblocks, block_size = inputs[0].shape
     geometry = Geometry(nblocks, num_aggs, streams)
     descriptor = (nblocks * block_size, block_size, 0, int(average))
@@ -35,7 +38,7 @@ def run_allreduce(inputs, nonzero, num_aggs, streams, message_blocks, credits, s
                                                  message_blocks, credits)
         for w in range(workers):
             mine = nonzero[w][(nonzero[w] >= lo) & (nonzero[w] < hi)]
-            wstreams[w, agg, stream] = WorkerStream(lo, hi, mine, message_blocks, credits)
+            wstreams[w, agg, stream] = WorkerStream(lo, hi, mine, worker_blocks[w], credits)
     # One FIFO per direction per (worker, aggregator) pair, as TCP gives; interleaving is random.
     for w in range(workers):
         for agg in range(num_aggs):
@@ -80,13 +83,20 @@ def run_allreduce(inputs, nonzero, num_aggs, streams, message_blocks, credits, s
 @given(workers=st.integers(1, 8), num_aggs=st.integers(1, 4), streams=st.integers(1, 3),
        nblocks=st.integers(0, 80), block_size=st.sampled_from([1, 3, 4, 16]),
        density=st.sampled_from([0.0, 0.05, 0.3, 0.7, 1.0]), message_blocks=st.integers(1, 9),
-       credits=st.integers(1, 4), average=st.booleans(), seed=st.integers(0, 2**31 - 1))
+       credits=st.integers(1, 4), average=st.booleans(), uneven=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
 def test_result_is_dense_sum_in_any_delivery_order(workers, num_aggs, streams, nblocks, block_size,
-                                                   density, message_blocks, credits, average, seed):
+                                                   density, message_blocks, credits, average,
+                                                   uneven, seed):
     rng = torch.Generator().manual_seed(seed)
     inputs, nonzero = zip(*(block_sparse(rng, nblocks, block_size, density) for _ in range(workers)))
+    # uneven: every worker cuts its messages at its own size (dense data then takes the
+    # aggregator's gapless-runs path), else all the same size (its equal-indices path)
+    worker_blocks = [random.Random(seed + w).randint(1, message_blocks) for w in range(workers)] \
+        if uneven else None
     outputs, peak, sent = run_allreduce(list(inputs), list(nonzero), num_aggs, streams,
-                                        message_blocks, credits, seed, average=average)
+                                        message_blocks, credits, seed, average=average,
+                                        worker_blocks=worker_blocks)
     reference = torch.stack(inputs).double().sum(0)
     if average:
         reference /= workers

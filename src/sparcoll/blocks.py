@@ -181,7 +181,17 @@ class CompactBlocks:
         return [self.data[slot:slot + stop - start]]
 
     def scatter(self, indices: np.ndarray, rows: torch.Tensor) -> None:
+        """Collect a result whose rows stay the sender's (copied)."""
         self._results.append((indices.copy(), rows.clone()))
+
+    def receive_buffer(self, count: int) -> torch.Tensor:
+        """A new buffer for a result's rows, to be received into and handed to `keep`: the only
+        copy a remote result takes on its way to the output is the final concatenation."""
+        return torch.empty(count, self.block_size, dtype=self.dtype)
+
+    def keep(self, indices: np.ndarray, rows: torch.Tensor) -> None:
+        """Collect a result whose arrays now belong to this object (no copy)."""
+        self._results.append((indices, rows))
 
     def results(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All result blocks in ascending index order: (indices int64, rows). Each message's blocks
@@ -268,8 +278,8 @@ class SparseBlocks(CompactBlocks):
         else:
             entries, values = _retile(indices, rows, width)
         total = int(np.prod(self.shape[:self.sparse_dim], dtype=np.int64))
-        keep = entries < total                         # the padding of the last block
-        entries, values = entries[keep], values[torch.from_numpy(keep)]
+        kept = int(np.searchsorted(entries, total))    # sorted: drop the last block's padding
+        entries, values = entries[:kept], values[:kept]
         coords = np.stack(np.unravel_index(entries, self.shape[:self.sparse_dim]))
         # Sorted, distinct, in-range coordinates by construction: torch need not check them.
         return torch.sparse_coo_tensor(torch.from_numpy(coords),

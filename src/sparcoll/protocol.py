@@ -292,6 +292,15 @@ class AggregatorStream:
                 sums = torch.add(first_rows.to(self.acc_dtype), chunks[1][1])
             for _, rows in chunks[2:]:
                 sums.add_(rows)
+        elif (span := _gapless_span(chunks)) is not None:
+            # Every chunk is a run of consecutive blocks and together they cover [lo, hi) (dense
+            # data cut into messages at different points): add slices, no index work either.
+            lo, hi = span
+            indices = np.arange(lo, hi, dtype=np.int64)
+            sums = torch.zeros(hi - lo, self.block_size, dtype=self.acc_dtype)
+            for idx, rows in chunks:
+                start = int(idx[0]) - lo
+                sums[start:start + idx.size].add_(rows)
         else:
             indices, inverse = np.unique(np.concatenate([idx for idx, _ in chunks]),
                                          return_inverse=True)
@@ -304,6 +313,23 @@ class AggregatorStream:
         if self.average:
             sums.div_(self.workers)
         return indices, sums.to(self.dtype)
+
+
+def _gapless_span(chunks: list[tuple[np.ndarray, torch.Tensor]]) -> tuple[int, int] | None:
+    """[lo, hi) if every chunk's indices are one run of consecutive blocks and the runs leave no
+    gap between lo and hi; else None. One step per chunk, none per block."""
+    spans = []
+    for idx, _ in chunks:
+        if idx.size == 0 or int(idx[-1]) - int(idx[0]) + 1 != idx.size:
+            return None
+        spans.append((int(idx[0]), int(idx[-1]) + 1))
+    spans.sort()
+    lo, hi = spans[0]
+    for start, stop in spans[1:]:
+        if start > hi:
+            return None
+        hi = max(hi, stop)
+    return lo, hi
 
 
 def _describe_mismatch(worker: int, got: tuple, expected: tuple) -> str:

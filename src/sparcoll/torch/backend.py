@@ -7,7 +7,8 @@ sparcoll, so `DistributedDataParallel` uses sparcoll unchanged.
 Every other collective, and what sparcoll cannot reduce (other ops, dtypes or devices, several tensors
 at once), is delegated to an inner gloo group built on the same store, so nothing is unimplemented.
 Sparse COO all_reduce runs on sparcoll too (`sparse.allreduce_coo`: block-sparse, never densified). The communicator takes its options from the
-environment (SPARCOLL_BLOCK_SIZE, SPARCOLL_AGGREGATORS, SPARCOLL_HOST) and the group's timeout.
+environment (SPARCOLL_BLOCK_SIZE, SPARCOLL_AGGREGATORS, SPARCOLL_HOST, SPARCOLL_STREAMS,
+SPARCOLL_MESSAGE_BLOCKS, SPARCOLL_CREDITS) and the group's timeout.
 
 Errors: a failed sparcoll collective raises its own exception (e.g. MismatchError) from `wait()`, and
 fails the work's future as a real error, so DDP's backward raises a RuntimeError instead of crashing.
