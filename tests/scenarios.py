@@ -96,6 +96,38 @@ def run_float_sums(rank: int, world: int, numel: int, **options) -> float:
     return float(((x.double() - ref).abs() / magnitude).max() / torch.finfo(torch.float32).eps)
 
 
+def run_overwrite_after_return(rank: int, world: int, rounds: int, numel: int) -> list:
+    """Rank 0 scribbles over its tensor the moment allreduce returns, as a training step reusing its
+    gradient buffer would. Its own aggregator sums its shard in that tensor and sends the peers
+    their results from there, so returning before those sends finished would hand the peers
+    garbage. Rank 0's sends of results are slowed down, so that window is wide open. Returns, per
+    round, whether this rank's result was exact (rank 0: not checked)."""
+    import sparcoll
+    from sparcoll import transport, wire
+
+    if rank == 0:
+        original = transport._sendmsg_all
+
+        def slow_results(sock, views):
+            if views[0][5] == wire.Kind.RESULT:
+                time.sleep(0.02)
+            return original(sock, views)
+        transport._sendmsg_all = slow_results
+    exact = []
+    with sparcoll.init(timeout=30) as comm:
+        x = torch.empty(numel)
+        for i in range(rounds):
+            inputs = [make_input(500 + i, r, (numel,), torch.float32, 1.0, 256)
+                      for r in range(world)]
+            x.copy_(inputs[rank])
+            comm.allreduce(x)
+            if rank == 0:
+                x.fill_(float("nan"))
+            else:
+                exact.append(torch.equal(x, sum(inputs)))
+    return exact
+
+
 def run_special_values(rank: int, world: int) -> dict:
     """NaN and Inf propagate like a dense sum; blocks of -0.0 count as zero and are not sent."""
     import sparcoll

@@ -103,6 +103,13 @@ def test_bytes_on_the_wire_match_the_formula(world):
             assert 0 <= metadata <= 0.02 * payload, (rank, row)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensor_reused_right_after_return_leaves_peers_exact(world):
+    for rank, exact in enumerate(run_ranks(scenarios.run_overwrite_after_return, world,
+                                           timeout=TIMEOUT, rounds=6, numel=1 << 20)):
+        assert all(exact), (rank, exact)
+
+
 def test_bad_input_raises_on_every_rank_quickly():
     outcomes = run_ranks(scenarios.run_bad_inputs, 2, timeout=TIMEOUT)
     for rank, outcome in enumerate(outcomes):

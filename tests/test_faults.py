@@ -151,10 +151,10 @@ def install_kill(point: str, n: int = 1, own_rank: int | None = None, delay: flo
     elif point == "send":                   # the n-th contribution is about to be queued
         original_send = transport.Connection.send
 
-        def send(self, buffers, blocks=0):
+        def send(self, buffers, blocks=0, on_sent=None):
             if _kind(buffers) == wire.Kind.CONTRIBUTE and hit():
                 die()
-            return original_send(self, buffers, blocks)
+            return original_send(self, buffers, blocks, on_sent)
         transport.Connection.send = send
     elif point.startswith("partial"):       # the n-th contribution is half written to the socket
         fraction = {"partial-header": 20, "partial-payload": None}[point]

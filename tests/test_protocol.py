@@ -20,13 +20,26 @@ def block_sparse(rng: torch.Generator, nblocks, block_size, density):
     return data, np.flatnonzero(keep.numpy())
 
 
+GARBAGE = 12345.0
+
+
 def run_allreduce(inputs, nonzero, num_aggs, streams, message_blocks, credits, seed,
-                  average=False, dtype=torch.float32, acc=torch.float32, worker_blocks=None):
+                  average=False, dtype=torch.float32, acc=torch.float32, worker_blocks=None,
+                  reuse=None):
     """Run one collective through the state machines; return (outputs, pending peak, sent indices).
     `worker_blocks`: each worker's own message size (at most message_blocks), as workers that
-    adapt their messages to the links they measure may differ."""
+    adapt their messages to the links they measure may differ. `reuse`: per worker, whether the
+    aggregator may sum into its messages' memory. A buffer is overwritten with garbage the moment
+    its token is released (as a reused receive buffer would be), a result's token once every worker
+    has taken that result, so a buffer released while still read shows up as a wrong sum."""
     workers = len(inputs)
     worker_blocks = worker_blocks or [message_blocks] * workers
+    reuse = reuse or [0] * workers
+    buffers, released, result_readers = {}, [], {}
+
+    def release(token):
+        released.append(token)
+        buffers[token].fill_(GARBAGE)
     nblocks, block_size = inputs[0].shape
     geometry = Geometry(nblocks, num_aggs, streams)
     descriptor = (nblocks * block_size, block_size, 0, int(average))
@@ -64,18 +77,34 @@ def run_allreduce(inputs, nonzero, num_aggs, streams, message_blocks, credits, s
             stream, seq, progress, idx, rows = msg
             sent[w].update(idx.tolist())
             a = astreams[agg, stream]
-            step = a.on_contribution(w, seq, progress, descriptor, idx, rows)
+            token = (w, agg, stream, seq)
+            buffers[token] = rows
+            step = a.on_contribution(w, seq, progress, descriptor, idx, rows, token,
+                                     reuse=reuse[w])
+            for token in step.released:
+                release(token)
             peak = max(peak, a.pending_blocks)
             if step.result is not None:
+                if step.result.token is not None:
+                    held = buffers[step.result.token]     # the sums live in that buffer
+                    offset = step.result.rows.data_ptr() - held.data_ptr()
+                    assert 0 <= offset <= held.numel() * held.element_size() - \
+                        step.result.rows.numel() * step.result.rows.element_size()
+                    result_readers[id(step.result)] = workers
                 for v in range(workers):
                     channels["down", v, agg].append((stream, step.result))
         else:
             stream, result = msg
             wstreams[w, agg, stream].on_result(result.seq, result.progress, result.indices)
             outputs[w][torch.from_numpy(result.indices)] = result.rows
+            if result.token is not None:
+                result_readers[id(result)] -= 1
+                if result_readers[id(result)] == 0:
+                    release(result.token)
             post_sends(w, agg, stream)
     assert all(ws.done for ws in wstreams.values())
     assert all(a.done and a.pending_blocks == 0 for a in astreams.values())
+    assert sorted(released) == sorted(buffers), "every message's buffer released exactly once"
     return outputs, peak, sent
 
 
@@ -94,9 +123,10 @@ def test_result_is_dense_sum_in_any_delivery_order(workers, num_aggs, streams, n
     # aggregator's gapless-runs path), else all the same size (its equal-indices path)
     worker_blocks = [random.Random(seed + w).randint(1, message_blocks) for w in range(workers)] \
         if uneven else None
+    reuse = [random.Random(seed - w).randint(0, 2) for w in range(workers)]
     outputs, peak, sent = run_allreduce(list(inputs), list(nonzero), num_aggs, streams,
                                         message_blocks, credits, seed, average=average,
-                                        worker_blocks=worker_blocks)
+                                        worker_blocks=worker_blocks, reuse=reuse)
     reference = torch.stack(inputs).double().sum(0)
     if average:
         reference /= workers

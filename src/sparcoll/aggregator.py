@@ -60,10 +60,10 @@ class _RemoteWorker:
     def __init__(self, conn: transport.Connection):
         self.conn = conn
 
-    def send_result(self, h: wire.Header, header: bytes, indices: np.ndarray,
-                    result: Result) -> None:
+    def send_result(self, h: wire.Header, header: bytes, indices: np.ndarray, result: Result,
+                    done: Callable[[], None] | None) -> None:
         self.conn.send([header, as_bytes(indices), as_bytes(result.rows)],
-                       blocks=result.indices.size)
+                       blocks=result.indices.size, on_sent=done)
 
     def send_error(self, job: int, collective: int, code: wire.ErrorCode, text: str) -> None:
         self.conn.send(wire.error_message(job, collective, text, code))
@@ -75,9 +75,9 @@ class LocalWorker:
     def __init__(self, deliver: Callable[[tuple], None]):
         self.deliver = deliver
 
-    def send_result(self, h: wire.Header, header: bytes, indices: np.ndarray,
-                    result: Result) -> None:
-        self.deliver(("result", h.collective, h.stream, result))
+    def send_result(self, h: wire.Header, header: bytes, indices: np.ndarray, result: Result,
+                    done: Callable[[], None] | None) -> None:
+        self.deliver(("result", h.collective, h.stream, result, done))
 
     def send_error(self, job: int, collective: int, code: wire.ErrorCode, text: str) -> None:
         self.deliver(("error", collective, code, text))
@@ -128,8 +128,10 @@ class AggregatorJob:
             self.workers[rank] = worker
 
     def contribute(self, rank: int, header: wire.Header, indices: np.ndarray, rows: torch.Tensor,
-                   token: Callable[[], None] | None = None) -> None:
-        """Feed one contribution to its collective; results and errors go out to every worker."""
+                   token: Callable[[], None] | None = None, reuse: int = 0) -> None:
+        """Feed one contribution to its collective; results and errors go out to every worker.
+        `token` is called once `rows` are no longer needed; with `reuse` > 0 the sums may be
+        accumulated in `rows` (see AggregatorStream.on_contribution)."""
         try:
             state = self._state(header)
         except ProtocolError:
@@ -145,7 +147,7 @@ class AggregatorJob:
             stream = state.streams[header.stream]
             try:
                 step = stream.on_contribution(rank, header.seq, header.progress, header.descriptor,
-                                              indices, rows, token)
+                                              indices, rows, token, reuse=reuse)
             except MismatchError as exc:
                 _release(token)
                 self.fail(header.collective, wire.ErrorCode.MISMATCH, str(exc))
@@ -189,8 +191,14 @@ class AggregatorJob:
         # Remote workers first: once the local worker has its last result it may close this
         # aggregator, and every result queued before that is still flushed.
         workers = sorted(self.workers.values(), key=lambda w: isinstance(w, LocalWorker))
+        # Sums kept in a contribution's memory: release it once every worker has been given them.
+        done = None
+        if result.token is not None:
+            done = _Countdown(len(workers), result.token)
+            if not workers:
+                _release(result.token)
         for worker in workers:
-            worker.send_result(h, header, indices, result)
+            worker.send_result(h, header, indices, result, done)
 
     def fail(self, collective: int, code: wire.ErrorCode, text: str) -> None:
         """Fail one collective on every worker; its late messages are then dropped."""
@@ -221,6 +229,21 @@ class AggregatorJob:
 def _release(token: Callable[[], None] | None) -> None:
     if token is not None:
         token()
+
+
+class _Countdown:
+    """Calls `token` when it has been called `count` times (from any threads)."""
+
+    def __init__(self, count: int, token: Callable[[], None] | None):
+        self._count, self._token = count, token
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._count -= 1
+            last = self._count == 0
+        if last:
+            _release(self._token)
 
 
 class AggregatorServer:
@@ -335,7 +358,7 @@ class AggregatorServer:
                     rows = buf[:nbytes].view(h.torch_dtype).view(h.count, h.block_size)
                     conn.count(blocks_received=h.count)
                     job.contribute(rank, h, indices.astype(np.int64), rows,
-                                   functools.partial(pool.give, buf))
+                                   functools.partial(pool.give, buf), reuse=1)
                 elif h.kind is wire.Kind.ERROR:
                     text = bytearray(h.count)
                     conn.recv_into(memoryview(text))

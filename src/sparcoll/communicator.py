@@ -120,6 +120,24 @@ class _Collective:
         self.remaining = 0
         self.done = threading.Event()
         self.error: BaseException | None = None
+        # Contributions to the own aggregator whose memory (the tensor) it may still read or sum
+        # into: the collective completes only once it has let go of all of them.
+        self._holds = 0
+        self.unheld = threading.Event()
+        self.unheld.set()
+
+    def hold(self) -> Callable[[], None]:
+        """Count one contribution lent to the own aggregator; returns its release."""
+        with self.lock:
+            self._holds += 1
+            self.unheld.clear()
+        return self._release
+
+    def _release(self) -> None:
+        with self.lock:
+            self._holds -= 1
+            if self._holds == 0:
+                self.unheld.set()
 
     def fail(self, error: BaseException) -> None:
         with self.lock:
@@ -437,8 +455,16 @@ class Communicator:
                 self._advance(coll, agg, stream)
         except SparcollError as exc:
             coll.fail(exc)
+        deadline = time.monotonic() + coll.timeout
         if not coll.done.wait(coll.timeout):
             coll.fail(CollectiveTimeout(self._describe_stall(coll)))
+        # Peers may still be sent the own shard's sums from the tensor: finish after that. (Not
+        # after a failure: the aggregator then dropped the collective and its peers fail it too.)
+        if coll.error is None and not coll.unheld.wait(max(0.0, deadline - time.monotonic())):
+            with coll.lock:
+                coll.error = CollectiveTimeout(
+                    f"rank {self.rank}: allreduce {coll.id}: its aggregator could not send the "
+                    f"results to every peer within {coll.timeout:g} s")
         with self._state_lock:
             self._active = None
         received = self._bytes_received() - received
@@ -469,10 +495,13 @@ class Communicator:
         for send in sends:
             indices = ws.indices[send.start:send.stop]
             if agg == self._local_index:
+                # In place, the own aggregator may sum straight into the tensor (its result
+                # then needs no copy, and is sent to the peers from there).
                 header = wire.Header(wire.Kind.CONTRIBUTE, stream, self.job, coll.id, send.seq,
                                      indices.size, send.progress, *coll.descriptor)
                 self._local_job.contribute(self.rank, header, indices,
-                                           coll.blocks.rows_of(indices))
+                                           coll.blocks.rows_of(indices), coll.hold(),
+                                           reuse=2 if coll.blocks.direct else 0)
                 continue
             header = wire.data_header(wire.Kind.CONTRIBUTE, stream=stream, job=self.job,
                                       collective=coll.id, seq=send.seq, count=indices.size,
@@ -559,19 +588,26 @@ class Communicator:
                 _, cid, code, text = event
                 self._collective_error(cid, code, text)
                 continue
-            _, cid, stream, result = event
-            coll = self._current(cid)
-            if coll is None:
-                continue
+            _, cid, stream, result, taken = event
             try:
-                ws = coll.streams[self._local_index, stream]
-                self._advance(coll, self._local_index, stream,
-                              (result.seq, result.progress, result.indices))
-                coll.blocks.scatter(result.indices, result.rows)
-                if ws.done:
-                    coll.stream_done()
-            except SparcollError as exc:
-                coll.fail(exc)
+                self._on_local_result(cid, stream, result)
+            finally:
+                if taken is not None:
+                    taken()     # the aggregator may reuse the result's memory now
+
+    def _on_local_result(self, cid: int, stream: int, result) -> None:
+        coll = self._current(cid)
+        if coll is None:
+            return
+        try:
+            ws = coll.streams[self._local_index, stream]
+            self._advance(coll, self._local_index, stream,
+                          (result.seq, result.progress, result.indices))
+            coll.blocks.scatter(result.indices, result.rows)   # no copy when summed in place
+            if ws.done:
+                coll.stream_done()
+        except SparcollError as exc:
+            coll.fail(exc)
 
     # ---- failures ------------------------------------------------------------------------------
     def _collective_error(self, cid: int, code: int, text: str) -> None:

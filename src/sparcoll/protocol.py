@@ -63,11 +63,14 @@ class Send:
 
 @dataclass
 class Result:
-    """Final sums of the blocks `indices` (sorted), every block below `progress` (c) being final."""
+    """Final sums of the blocks `indices` (sorted), every block below `progress` (c) being final.
+    `token`: of the writable contribution the sums were accumulated in; its memory is `rows`, so the
+    driver releases it only once every worker has been given the result."""
     seq: int
     progress: int
     indices: np.ndarray
     rows: torch.Tensor
+    token: Any = None
 
 
 def check_indices(indices: np.ndarray, floor: int, ceiling: int, what: str) -> None:
@@ -150,6 +153,7 @@ class _Pending:
     indices: np.ndarray
     rows: torch.Tensor
     token: Any
+    reuse: int
 
 
 @dataclass
@@ -210,9 +214,13 @@ class AggregatorStream:
 
     def on_contribution(self, worker: int, seq: int, progress: int, descriptor: tuple,
                         indices: np.ndarray, rows: torch.Tensor, token: Any = None,
-                        ack: int = 0) -> Step:
+                        ack: int = 0, reuse: int = 0) -> Step:
         """Take a worker's message (indices int64, rows (m, block) in the tensor dtype); `ack` is the
-        next result seq the worker expects (lossy transports piggyback it on every message)."""
+        next result seq the worker expects (lossy transports piggyback it on every message).
+        `reuse` > 0: the sums may be accumulated in `rows` (then the result carries `token`); the
+        highest `reuse` among a result's contributions is chosen (a worker's own tensor, whose result
+        then needs no copy, before a receive buffer). Not over a lossy transport, which keeps results
+        for retransmission."""
         if not 0 <= worker < self.workers:
             raise ProtocolError(f"contribution from unknown worker {worker}")
         if descriptor != self.descriptor:
@@ -242,7 +250,7 @@ class AggregatorStream:
         self._inflight[worker].append(progress)
         step = Step()
         if count:
-            self._pending[worker].append(_Pending(indices, rows, token))
+            self._pending[worker].append(_Pending(indices, rows, token, 0 if self.lossy else reuse))
         else:
             step.released.append(token)
         final = min(self._reported)
@@ -256,6 +264,7 @@ class AggregatorStream:
 
     def _finalize(self, final: int, released: list) -> Result:
         chunks = []
+        spare = None    # (chunk, token, reuse) of a whole message taken now whose memory may hold the sums
         for queue in self._pending:
             while queue:
                 head = queue[0]
@@ -267,31 +276,49 @@ class AggregatorStream:
                     head.indices, head.rows = head.indices[cut:], head.rows[cut:]
                     break
                 queue.popleft()
-                released.append(head.token)
+                if head.reuse > (spare[2] if spare else 0) and head.rows.dtype == self.acc_dtype:
+                    if spare is not None:
+                        released.append(spare[1])
+                    spare = (len(chunks) - 1, head.token, head.reuse)
+                else:
+                    released.append(head.token)
         for inflight in self._inflight:
             while inflight and inflight[0] <= final:
                 inflight.popleft()
-        indices, sums = self._sum(chunks)
-        result = Result(self._result_seq, final, indices, sums)
+        indices, sums, used = self._sum(chunks, None if spare is None else spare[0])
+        token = None
+        if spare is not None:
+            if used:
+                token = spare[1]
+            else:
+                released.append(spare[1])
+        result = Result(self._result_seq, final, indices, sums, token)
         self._result_seq += 1
         self.progress = final
         return result
 
-    def _sum(self, chunks: list[tuple[np.ndarray, torch.Tensor]]) -> tuple[np.ndarray, torch.Tensor]:
+    def _sum(self, chunks: list[tuple[np.ndarray, torch.Tensor]],
+             spare: int | None) -> tuple[np.ndarray, torch.Tensor, bool]:
+        """(indices, sums, whether the sums were accumulated in chunk `spare`'s own rows)."""
         if not chunks:
             return (np.empty(0, dtype=np.int64),
-                    torch.empty(0, self.block_size, dtype=self.dtype))
-        first_idx, first_rows = chunks[0]
+                    torch.empty(0, self.block_size, dtype=self.dtype), False)
+        first_idx = chunks[0][0]
+        in_place = False
         if all(np.array_equal(idx, first_idx) for idx, _ in chunks[1:]):
-            # Every contributor sent the same blocks (the dense case): plain adds, no index work,
-            # and the first add writes the new buffer (no separate copy pass).
+            # Every contributor sent the same blocks (the dense case): plain adds, no index work.
+            # Into a writable contribution when there is one (no new buffer, no copy pass), else
+            # the first add writes a new buffer.
             indices = first_idx
-            if len(chunks) == 1:
-                sums = first_rows.to(self.acc_dtype, copy=True)
+            rows = [r for _, r in chunks]
+            if spare is not None:
+                sums, in_place = rows.pop(spare), True
+            elif len(rows) == 1:
+                sums = rows.pop().to(self.acc_dtype, copy=True)
             else:
-                sums = torch.add(first_rows.to(self.acc_dtype), chunks[1][1])
-            for _, rows in chunks[2:]:
-                sums.add_(rows)
+                sums = torch.add(rows.pop(0).to(self.acc_dtype), rows.pop(0))
+            for r in rows:
+                sums.add_(r)
         elif (span := _gapless_span(chunks)) is not None:
             # Every chunk is a run of consecutive blocks and together they cover [lo, hi) (dense
             # data cut into messages at different points): add slices, no index work either.
@@ -312,7 +339,7 @@ class AggregatorStream:
                 offset += idx.size
         if self.average:
             sums.div_(self.workers)
-        return indices, sums.to(self.dtype)
+        return indices, sums.to(self.dtype), in_place
 
 
 def _gapless_span(chunks: list[tuple[np.ndarray, torch.Tensor]]) -> tuple[int, int] | None:

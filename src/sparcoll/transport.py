@@ -70,6 +70,11 @@ def _recv_exact(sock: socket.socket, view: memoryview, peer: str) -> None:
         got += n
 
 
+def _call(callback: Callable[[], None] | None) -> None:
+    if callback is not None:
+        callback()
+
+
 class Connection:
     """One authenticated TCP connection. `send` queues, a sender thread writes; `recv_*` block."""
 
@@ -80,22 +85,30 @@ class Connection:
         self._stats_lock = threading.Lock()
         self._on_failure = on_failure
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue_lock = threading.Lock()
+        self._stopped = False       # the sender is gone: `on_sent` callbacks run at once
         self._header = bytearray(wire.HEADER_BYTES)
         self._closed = False
         self._sender = threading.Thread(target=self._send_loop, name=f"sparcoll-send-{peer}",
                                         daemon=True)
         self._sender.start()
 
-    def send(self, buffers: list, blocks: int = 0) -> None:
-        """Queue one message (a list of buffers sent back to back); never blocks."""
-        self._queue.put((buffers, blocks))
+    def send(self, buffers: list, blocks: int = 0,
+             on_sent: Callable[[], None] | None = None) -> None:
+        """Queue one message (a list of buffers sent back to back); never blocks. `on_sent` runs
+        once the buffers are no longer needed: written, or dropped because the connection failed."""
+        with self._queue_lock:
+            if not self._stopped:
+                self._queue.put((buffers, blocks, on_sent))
+                return
+        _call(on_sent)
 
     def _send_loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
-                return
-            buffers, blocks = item
+                break
+            buffers, blocks, on_sent = item
             # Counted before the write: once a peer holds these bytes (and may answer, completing a
             # collective) the counters already include them. A failed write fails the connection.
             views = _byte_views(buffers)
@@ -103,9 +116,24 @@ class Connection:
             try:
                 _sendmsg_all(self.sock, views)
             except OSError as exc:
+                _call(on_sent)
                 if not self._closed:
                     self._on_failure(PeerError(f"sending to {self.peer} failed: {exc}"))
+                break
+            _call(on_sent)
+        self._stop()
+
+    def _stop(self) -> None:
+        """No more sends: release what is still queued."""
+        with self._queue_lock:
+            self._stopped = True
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
                 return
+            if item is not None:
+                _call(item[2])
 
     def count(self, **deltas: int) -> None:
         """Add to the traffic counters (one lock, so a snapshot is never half-updated)."""
