@@ -19,6 +19,8 @@ def _is_loopback(host: str) -> bool:
 
 def run_aggregator(args: argparse.Namespace) -> int:
     """Serve jobs until SIGINT/SIGTERM. Prints its address once listening (port 0 picks one)."""
+    import torch
+
     from .aggregator import AggregatorServer
 
     if args.secret_file:
@@ -32,6 +34,11 @@ def run_aggregator(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # One torch thread: each message's sum is small (at most a few MiB) and the receiver threads
+    # (one per worker connection) already add in parallel, with the GIL released. An OpenMP team per
+    # add costs more than it saves: measured on 2 cores, 2 workers, 2 aggregators, 256 KiB messages,
+    # aggregator CPU over 23 allreduces of 16M float32 2.8 -> 1.8 s.
+    torch.set_num_threads(1)
     server = AggregatorServer(args.host, args.port, secret)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
