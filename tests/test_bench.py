@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -330,3 +331,38 @@ def test_end_to_end_emulated_network(tmp_path):
         assert r["bytes_sent_per_worker"] > 0.9 * r["lower_bound_bytes"] or r["algo"] == "sparcoll"
     ring = [r for r in records if r["algo"] == "ring"]
     assert all(r["bytes_sent_per_worker"] < 1.2 * r["lower_bound_bytes"] + 20e3 for r in ring)
+
+
+def test_terminated_bench_cleans_up_like_an_interrupted_one(tmp_path):
+    """SIGTERM (a scheduler's stop) stops the workers and removes the temporary files, exit 130."""
+    import signal
+    proc = subprocess.Popen([sys.executable, "-m", "sparcoll", "bench", "--workers", "2", "--numel", "1M",
+                             "--network", "none", "--algos", "sparcoll", "--density", "1",
+                             "--repeat", "100000", "--timeout", "60"],
+                            env={**_env(), "TMPDIR": str(tmp_path)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT   # until the workers run (progress shows)
+        seen = ""
+        while "2 workers" not in seen and time.monotonic() < deadline:
+            seen += proc.stderr.read(1)
+        assert "2 workers" in seen, seen
+        assert list(tmp_path.glob("sparcoll-bench-*")), "the run's directory should exist by now"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert not list(tmp_path.glob("sparcoll-bench-*"))
+    leftovers = [p for p in os.listdir("/proc") if p.isdigit() and str(tmp_path) in _cmdline(p)]
+    assert not leftovers
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""

@@ -73,7 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     train_command.add_arguments(train)
     train.set_defaults(func=train_command.run)
     args = parser.parse_args(argv)
+    if args.command != "aggregator":
+        # Terminated like interrupted: the launcher's clean-up (children, network, temporary
+        # files) runs as it does on Ctrl-C.
+        signal.signal(signal.SIGTERM, _interrupt)
     return args.func(args)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
