@@ -548,20 +548,21 @@ def dedicated_outcomes():
     return _run_all(DEDICATED)
 
 
+def _assert_survivors_report(point: str, episodes: dict, outcomes: dict) -> None:
+    out = outcomes[point]
+    assert "harness" not in out, out.get("harness")
+    problems = check_survivors(point, episodes[point], out)
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.parametrize("point", list(COLOCATED))
 def test_worker_killed_colocated(point, colocated_outcomes):
-    out = colocated_outcomes[point]
-    assert "harness" not in out, out.get("harness")
-    problems = check_survivors(point, COLOCATED[point], out)
-    assert not problems, "\n".join(problems)
+    _assert_survivors_report(point, COLOCATED, colocated_outcomes)
 
 
 @pytest.mark.parametrize("point", list(DEDICATED))
 def test_killed_with_dedicated_aggregator(point, dedicated_outcomes):
-    out = dedicated_outcomes[point]
-    assert "harness" not in out, out.get("harness")
-    problems = check_survivors(point, DEDICATED[point], out)
-    assert not problems, "\n".join(problems)
+    _assert_survivors_report(point, DEDICATED, dedicated_outcomes)
 
 
 def test_dedicated_aggregator_keeps_serving_other_jobs():

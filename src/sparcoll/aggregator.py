@@ -192,11 +192,7 @@ class AggregatorJob:
         # aggregator, and every result queued before that is still flushed.
         workers = sorted(self.workers.values(), key=lambda w: isinstance(w, LocalWorker))
         # Sums kept in a contribution's memory: release it once every worker has been given them.
-        done = None
-        if result.token is not None:
-            done = _Countdown(len(workers), result.token)
-            if not workers:
-                _release(result.token)
+        done = _Countdown(len(workers), result.token) if result.token is not None else None
         for worker in workers:
             worker.send_result(h, header, indices, result, done)
 
@@ -232,11 +228,14 @@ def _release(token: Callable[[], None] | None) -> None:
 
 
 class _Countdown:
-    """Calls `token` when it has been called `count` times (from any threads)."""
+    """Calls `token` when it has been called `count` times (from any threads), or at once when
+    `count` is 0."""
 
     def __init__(self, count: int, token: Callable[[], None] | None):
         self._count, self._token = count, token
         self._lock = threading.Lock()
+        if count == 0:
+            _release(token)
 
     def __call__(self) -> None:
         with self._lock:

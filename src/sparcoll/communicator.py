@@ -172,7 +172,7 @@ def fit_message_blocks(rate: float, block_bytes: int, limit: int) -> int:
     message takes at most MESSAGE_SECONDS, kept within [limit / 8, limit] (rounding down to a power
     of two keeps ranks that measure slightly different rates on the same size)."""
     fit = rate * MESSAGE_SECONDS / block_bytes
-    size = 1 << max(0, math.floor(math.log2(fit))) if fit >= 1 else 1
+    size = 1 << math.floor(math.log2(fit)) if fit >= 1 else 1
     return max(1, limit >> 3, min(limit, size))
 
 

@@ -264,7 +264,7 @@ class AggregatorStream:
 
     def _finalize(self, final: int, released: list) -> Result:
         chunks = []
-        spare = None    # (chunk, token, reuse) of a whole message taken now whose memory may hold the sums
+        whole = []      # (chunk index, pending) of the messages taken whole now
         for queue in self._pending:
             while queue:
                 head = queue[0]
@@ -276,23 +276,18 @@ class AggregatorStream:
                     head.indices, head.rows = head.indices[cut:], head.rows[cut:]
                     break
                 queue.popleft()
-                if head.reuse > (spare[2] if spare else 0) and head.rows.dtype == self.acc_dtype:
-                    if spare is not None:
-                        released.append(spare[1])
-                    spare = (len(chunks) - 1, head.token, head.reuse)
-                else:
-                    released.append(head.token)
+                whole.append((len(chunks) - 1, head))
         for inflight in self._inflight:
             while inflight and inflight[0] <= final:
                 inflight.popleft()
+        # The sums may go into the memory of a whole message that allows it (the highest reuse).
+        spare = max(((i, p) for i, p in whole if p.reuse and p.rows.dtype == self.acc_dtype),
+                    key=lambda entry: entry[1].reuse, default=None)
         indices, sums, used = self._sum(chunks, None if spare is None else spare[0])
-        token = None
-        if spare is not None:
-            if used:
-                token = spare[1]
-            else:
-                released.append(spare[1])
-        result = Result(self._result_seq, final, indices, sums, token)
+        kept = spare[1] if used else None
+        released.extend(p.token for _, p in whole if p is not kept)
+        result = Result(self._result_seq, final, indices, sums,
+                        None if kept is None else kept.token)
         self._result_seq += 1
         self.progress = final
         return result

@@ -116,11 +116,11 @@ class Connection:
             try:
                 _sendmsg_all(self.sock, views)
             except OSError as exc:
-                _call(on_sent)
                 if not self._closed:
                     self._on_failure(PeerError(f"sending to {self.peer} failed: {exc}"))
                 break
-            _call(on_sent)
+            finally:
+                _call(on_sent)
         self._stop()
 
     def _stop(self) -> None:
