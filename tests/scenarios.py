@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import time
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
@@ -59,18 +61,19 @@ def run_correctness(rank: int, world: int, cases: list[dict], block_size: int = 
     outcome = {}
     with sparcoll.init(block_size=block_size, timeout=30, **options) as comm:
         pending = []
-        for case in cases:
+        for i, case in enumerate(cases):
             args = (case["seed"], case["shape"], DTYPES[case["dtype"]], case["density"], block_size)
             tensor = make_input(case["seed"], rank, case["shape"], DTYPES[case["dtype"]],
                                 case["density"], block_size, case["transposed"])
-            work = comm.allreduce(tensor, op=case["op"], async_op=True)
+            # Every third call blocks: queued behind async ones still pending, or run on this thread.
+            work = comm.allreduce(tensor, op=case["op"], async_op=i % 3 != 2)
             pending.append((case, args, work))
             if len(pending) == async_batch or case is cases[-1]:
                 for case_, args_, work_ in pending:
                     seed, shape, dtype, density, bs = args_
                     expected = reference(seed, world, shape, dtype, density, bs, case_["op"],
                                          case_["transposed"])
-                    got = work_.wait(timeout=60)
+                    got = work_.wait(timeout=60) if hasattr(work_, "wait") else work_
                     ok = got.shape == expected.shape and got.dtype == expected.dtype and \
                         torch.equal(got, expected)
                     outcome[case_["name"]] = None if ok else (
@@ -248,6 +251,44 @@ def run_bad_inputs(rank: int, world: int) -> dict:
         op = "max" if rank == 0 else "sum"
         outcome["op_max_on_rank0"] = _expect_error(lambda: comm.allreduce(good.clone(), op=op),
                                                    (sparcoll.SparcollError, ValueError), 20)
+    return outcome
+
+
+def run_interrupted(rank: int, world: int) -> dict:
+    """Rank 0's blocking allreduce (run on its own thread) is interrupted by Ctrl-C while rank 1
+    has not called it yet: rank 0 sees the KeyboardInterrupt, its communicator is poisoned, and
+    rank 1 is told at once instead of waiting out its timeout."""
+    import signal
+
+    import sparcoll
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    outcome = {}
+    store = dist.distributed_c10d._get_default_store()
+    with sparcoll.init(timeout=20) as comm:
+        comm.allreduce(torch.ones(1000))     # both ranks up and connected
+        if rank == 0:
+            signal.signal(signal.SIGALRM, interrupt)
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+            start = time.monotonic()
+            try:
+                comm.allreduce(torch.ones(1 << 16))
+                outcome["interrupted"] = ("NO ERROR", "", time.monotonic() - start)
+            except KeyboardInterrupt:
+                outcome["interrupted"] = ("KeyboardInterrupt", "", time.monotonic() - start)
+            finally:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            # Stay in the job until rank 1 has its answer: it must come from the interruption,
+            # not from this rank leaving.
+            store.wait(["interrupted/1"], timedelta(seconds=30))
+        else:
+            time.sleep(1.5)
+            outcome["interrupted"] = _expect_error(lambda: comm.allreduce(torch.ones(1 << 16)),
+                                                   (sparcoll.SparcollError,), 20)
+            store.set("interrupted/1", "1")
+        outcome["then"] = _expect_error(lambda: comm.allreduce(torch.ones(10)),
+                                        (sparcoll.SparcollError,), 20)
     return outcome
 
 

@@ -133,6 +133,14 @@ def test_bad_input_raises_on_every_rank_quickly():
     assert "max" in r1["op_max_on_rank0"][1]
 
 
+def test_interrupted_blocking_allreduce_fails_the_peers_at_once():
+    r0, r1 = run_ranks(scenarios.run_interrupted, 2, timeout=TIMEOUT)
+    assert r0["interrupted"][0] == "KeyboardInterrupt" and r0["interrupted"][2] < 5, r0
+    kind, text, elapsed = r1["interrupted"]
+    assert kind != "NO ERROR" and "interrupted" in text and elapsed < 5, r1
+    assert r0["then"][0] == "PoisonedError" and r1["then"][0] == "PoisonedError", (r0, r1)
+
+
 def _unreachable(rank, world, address):
     import sparcoll
     start = time.monotonic()

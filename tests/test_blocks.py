@@ -7,10 +7,11 @@ from hypothesis import given, settings, strategies as st
 from sparcoll.blocks import SCAN_ROWS, BlockTensor, SparseBlocks, nonzero_mask, runs
 
 
+@pytest.mark.parametrize("width", [8, 9, 10, 12, 256])    # words of 8, 1, 2, 4, 8 bytes per OR
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_scan_matches_elementwise_definition(dtype):
+def test_scan_matches_elementwise_definition(dtype, width):
     g = torch.Generator().manual_seed(0)
-    rows = torch.zeros(SCAN_ROWS * 2 + 17, 8, dtype=dtype)
+    rows = torch.zeros(SCAN_ROWS * 2 + 17, width, dtype=dtype)
     picks = torch.randint(0, rows.numel(), (200,), generator=g)
     rows.view(-1)[picks] = torch.randn(200, generator=g).to(dtype)
     rows[3, 2] = -0.0                       # -0.0 alone: a zero block
@@ -19,6 +20,20 @@ def test_scan_matches_elementwise_definition(dtype):
     expected = (rows.double() != 0).any(1) | rows.double().isnan().any(1)
     assert np.array_equal(nonzero_mask(rows), expected.numpy())
     assert not nonzero_mask(rows)[3] and nonzero_mask(rows)[5] and nonzero_mask(rows)[7]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2 * SCAN_ROWS + 3), st.integers(1, 20), st.data())
+def test_scan_of_any_shape(nrows, width, data):
+    """Every row count and width, including chunk edges and widths that no word size tiles."""
+    rows = torch.zeros(nrows, width)
+    if rows.numel():
+        picks = data.draw(st.lists(st.integers(0, rows.numel() - 1), max_size=30))
+        values = data.draw(st.lists(st.sampled_from([1.0, -2.5, -0.0, float("nan"), 1e-45]),
+                                    min_size=len(picks), max_size=len(picks)))
+        rows.view(-1)[torch.tensor(picks, dtype=torch.int64)] = torch.tensor(values)
+    expected = (rows != 0).any(1) | rows.isnan().any(1)
+    assert np.array_equal(nonzero_mask(rows), expected.numpy())
 
 
 @settings(max_examples=100, deadline=None)

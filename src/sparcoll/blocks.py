@@ -11,33 +11,42 @@ import numpy as np
 import torch
 
 
-SCAN_ROWS = 2048      # rows per scan chunk: the comparison's scratch stays in cache
+SCAN_ROWS = 1024      # rows per scan chunk: the comparison's scratch stays in cache
 _scratch = threading.local()
 
 
 def nonzero_mask(rows: torch.Tensor) -> np.ndarray:
     """Which rows hold a non-zero element. -0.0 counts as zero; NaN and Inf count as non-zero.
 
-    Chunked `!= 0` then an OR-reduction per row, through reused scratch: one pass over the data and
-    no large temporary, the fastest correct form measured here (amax/amin: two passes). bfloat16,
-    which numpy lacks, is compared as int16 with the sign bit masked off."""
+    Chunked `!= 0` into reused scratch flags, then an OR over each row's flags read as the widest
+    unsigned words that tile a row (reduceat over the flat words: numpy reduces a long contiguous
+    array far faster than many short rows): one pass over the data and no large temporary.
+    Measured on 16M float32 (one core): 5.7 ms, against 6.9 ms for logical_or.reduce(axis=1) and
+    5.1 ms for the comparison alone. bfloat16, which numpy lacks, is compared as int16 with the
+    sign bit masked off."""
     if rows.device.type != "cpu":
         return ((rows.amax(1) != 0) | (rows.amin(1) != 0)).cpu().numpy()
     nrows, width = rows.shape
     bf16 = rows.dtype == torch.bfloat16
     data = (rows.view(torch.int16) if bf16 else rows).numpy()
     if getattr(_scratch, "width", None) != width:
-        _scratch.width = width
+        word = next(w for w in (np.uint64, np.uint32, np.uint16, np.uint8)
+                    if width % np.dtype(w).itemsize == 0)
+        _scratch.width, _scratch.word = width, word
         _scratch.flags = np.empty((SCAN_ROWS, width), dtype=bool)
         _scratch.bits = np.empty((SCAN_ROWS, width), dtype=np.int16)
+        _scratch.starts = np.arange(SCAN_ROWS) * (width // np.dtype(word).itemsize)
     mask = np.empty(nrows, dtype=bool)
     for start in range(0, nrows, SCAN_ROWS):
         chunk = data[start:start + SCAN_ROWS]
-        flags = _scratch.flags[:len(chunk)]
+        count = len(chunk)
+        flags = _scratch.flags[:count]
         if bf16:
-            chunk = np.bitwise_and(chunk, 0x7FFF, out=_scratch.bits[:len(chunk)])
+            chunk = np.bitwise_and(chunk, 0x7FFF, out=_scratch.bits[:count])
         np.not_equal(chunk, 0, out=flags)
-        np.logical_or.reduce(flags, axis=1, out=mask[start:start + SCAN_ROWS])
+        words = flags.reshape(-1).view(_scratch.word)
+        np.not_equal(np.bitwise_or.reduceat(words, _scratch.starts[:count]), 0,
+                     out=mask[start:start + count])
     return mask
 
 

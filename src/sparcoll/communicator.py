@@ -1,7 +1,8 @@
 """The worker side: a Communicator runs block-sparse allreduces through colocated or dedicated aggregators.
 
 Data flow of one allreduce (see docs/architecture.md):
-  caller thread  validates the tensor and queues the collective (ranks call collectives in one order)
+  caller thread  validates the tensor; a blocking call with nothing queued then runs the collective
+                 itself, as the engine would; anything else is queued (ranks call collectives in one order)
   engine thread  scans the tensor for non-zero blocks, sends each (aggregator, stream) range's first
                  contributions, then waits for completion or the deadline
   receiver threads (one per remote aggregator) read results straight into the tensor and send the
@@ -244,6 +245,8 @@ class Communicator:
         self._local_index: int | None = None
         self._local_events: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._queued = 0                        # requests put for the engine and not yet started
+        self._running = threading.Lock()        # held by whichever thread runs a collective
         self._collectives_done = 0
         self._engine: threading.Thread | None = None
         try:
@@ -328,7 +331,7 @@ class Communicator:
         try:    # a bad input is reported as such, poisoned communicator or not
             descriptor = self._describe(tensor, layout, op)
         except (TypeError, ValueError) as exc:
-            self._requests.put(("abort", cid, f"rejected its input: {exc}"))
+            self._queue(("abort", cid, f"rejected its input: {exc}"))
             self._set_poison(exc)
             raise
         with self._state_lock:   # a peer's own report of this collective beats our poison
@@ -337,9 +340,25 @@ class Communicator:
             raise PoisonedError(f"an earlier collective failed ({poison}); create a new "
                                 f"communicator") from poison
         work = Work(tensor)
-        self._requests.put(("run", _Collective(cid, tensor, descriptor, work,
-                                               self.timeout if timeout is None else timeout)))
+        coll = _Collective(cid, tensor, descriptor, work, self.timeout if timeout is None else timeout)
+        # A blocking call with nothing queued before it runs on the caller's thread: two thread
+        # hand-offs less per collective (about 1 ms of a 12 ms sparse allreduce on 2 busy cores).
+        if not async_op and self._running.acquire(blocking=False):
+            try:
+                with self._state_lock:
+                    idle = self._queued == 0
+                if idle:
+                    work._finish(self._execute(coll))
+            finally:
+                self._running.release()
+        if not work.is_completed():
+            self._queue(("run", coll))
         return work if async_op else work.wait()
+
+    def _queue(self, request: tuple) -> None:
+        with self._state_lock:
+            self._queued += 1
+        self._requests.put(request)
 
     def _describe(self, tensor, layout, op) -> tuple[int, int, int, int]:
         if not isinstance(tensor, torch.Tensor):
@@ -414,21 +433,34 @@ class Communicator:
             request = self._requests.get()
             if request is None:
                 return
-            if request[0] == "abort":
-                self._abort(request[1], request[2])
-                continue
-            coll = request[1]
-            with self._state_lock:   # a peer's own report of this collective beats our poison
-                error = self._early_errors.pop(coll.id, None)
-            if error is None and self._poison is not None:
-                error = PoisonedError(f"an earlier collective failed ({self._poison})")
-            if error is None:
+            with self._running:
+                with self._state_lock:
+                    self._queued -= 1
+                if request[0] == "abort":
+                    self._abort(request[1], request[2])
+                    continue
+                coll = request[1]
+                error = self._execute(coll)
+            coll.work._finish(error)    # outside the lock: a done-callback may start the next one
+
+    def _execute(self, coll: _Collective) -> BaseException | None:
+        """Run one collective, in submission order, on the engine or a blocking caller's thread."""
+        with self._state_lock:   # a peer's own report of this collective beats our poison
+            error = self._early_errors.pop(coll.id, None)
+        if error is None and self._poison is not None:
+            error = PoisonedError(f"an earlier collective failed ({self._poison})")
+        if error is None:
+            try:
                 error = self._run(coll)
-            if error is not None:
-                self._set_poison(error)
-            else:
-                self._collectives_done += 1
-            coll.work._finish(error)
+            except BaseException as exc:    # e.g. Ctrl-C in a caller's thread: peers must not wait
+                self._set_poison(SparcollError(f"allreduce {coll.id} was interrupted ({exc!r})"))
+                self._abort(coll.id, f"allreduce {coll.id} was interrupted")
+                raise
+        if error is not None:
+            self._set_poison(error)
+        else:
+            self._collectives_done += 1
+        return error
 
     def _run(self, coll: _Collective) -> BaseException | None:
         start, received = time.monotonic(), self._bytes_received()
@@ -448,6 +480,20 @@ class Communicator:
         if early is not None:
             coll.fail(early)
         try:
+            self._drive(coll, ranges)
+        finally:
+            with self._state_lock:
+                self._active = None
+        received = self._bytes_received() - received
+        if coll.error is None and received >= ADAPT_MIN_BYTES:
+            rate = received / max(time.monotonic() - start, 1e-6)
+            block_bytes = self.block_size * coll.tensor.element_size()
+            self.message_blocks = fit_message_blocks(rate, block_bytes, self.config.message_blocks)
+        return coll.error
+
+    def _drive(self, coll: _Collective, ranges: list) -> None:
+        """Send the first contributions of every range, then wait for the results or the deadline."""
+        try:
             for agg, stream, lo, hi in ranges:
                 coll.streams[agg, stream] = WorkerStream(lo, hi, coll.blocks.nonzero(lo, hi),
                                                          self.message_blocks,
@@ -465,14 +511,6 @@ class Communicator:
                 coll.error = CollectiveTimeout(
                     f"rank {self.rank}: allreduce {coll.id}: its aggregator could not send the "
                     f"results to every peer within {coll.timeout:g} s")
-        with self._state_lock:
-            self._active = None
-        received = self._bytes_received() - received
-        if coll.error is None and received >= ADAPT_MIN_BYTES:
-            rate = received / max(time.monotonic() - start, 1e-6)
-            block_bytes = self.block_size * coll.tensor.element_size()
-            self.message_blocks = fit_message_blocks(rate, block_bytes, self.config.message_blocks)
-        return coll.error
 
     def _describe_stall(self, coll: _Collective) -> str:
         waiting = sorted({agg for (agg, _), ws in coll.streams.items() if ws is None or not ws.done})
