@@ -160,14 +160,14 @@ def install_kill(point: str, n: int = 1, own_rank: int | None = None, delay: flo
         fraction = {"partial-header": 20, "partial-payload": None}[point]
         original_sendmsg = transport._sendmsg_all
 
-        def sendmsg_all(sock, buffers):
+        def sendmsg_all(sock, buffers, *flags):
             if _kind(buffers) == wire.Kind.CONTRIBUTE and hit():
                 raw = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
                 cut = fraction if fraction is not None else wire.HEADER_BYTES + (len(raw) - wire.HEADER_BYTES) // 2
                 sock.sendall(raw[:cut])
                 time.sleep(0.05)
                 die()
-            return original_sendmsg(sock, buffers)
+            return original_sendmsg(sock, buffers, *flags)
         transport._sendmsg_all = sendmsg_all
     elif point == "agg-contribute":         # this process's aggregator got a peer's n-th contribution
         original_contribute = aggregator.AggregatorJob.contribute

@@ -26,7 +26,7 @@ def init(group=None, **options) -> Communicator:
     Options: block_size (elements, default 256 or $SPARCOLL_BLOCK_SIZE), aggregators (None:
     colocated, one per rank; or ["host:port", ...] of `sparcoll aggregator` processes, default
     $SPARCOLL_AGGREGATORS), streams (1), message_blocks (2048: the most blocks per message; each
-    rank sizes its messages down to 1/8 of that on slow links), credits (4) (or $SPARCOLL_STREAMS,
+    rank sizes its messages down to 1/8 of that on slow links), credits (2) (or $SPARCOLL_STREAMS,
     $SPARCOLL_MESSAGE_BLOCKS, $SPARCOLL_CREDITS), timeout (seconds), host.
     Every rank of the group must call init, in the same order as other inits on that group."""
     import torch.distributed as dist

@@ -158,13 +158,15 @@ class AggregatorJob:
                 raise
             for released in step.released:
                 _release(released)
-            if step.result is not None:
-                self._broadcast(header, step.result)
+            # Finished before the last result goes out: a worker that has it may leave at once,
+            # and its leaving must not fail a collective that is only still being broadcast.
             if stream.done:
                 state.finished += 1
                 if state.finished == len(state.streams):
                     with self._lock:
                         self._collectives.pop(header.collective, None)
+            if step.result is not None:
+                self._broadcast(header, step.result)
 
     def _state(self, header: wire.Header) -> _Collective | None:
         with self._lock:

@@ -39,7 +39,7 @@ RUN_LIMIT = 32          # more runs than this in a message: gather/scatter throu
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_STREAMS = 1
 DEFAULT_MESSAGE_BLOCKS = 2048
-DEFAULT_CREDITS = 4
+DEFAULT_CREDITS = 2     # messages in flight per stream; more only queue up in the links (see docs/benchmarks.md)
 # Message size adapts to the link: a message should take about MESSAGE_SECONDS on the wire. On a
 # slow link big messages make every aggregator wait longer for the slowest worker's next message
 # (measured at 1 Gbit/s: 2 MiB messages 10-15% slower than 256 KiB ones); on a fast one each

@@ -1,8 +1,10 @@
 """TCP connections: authenticated handshake, framed sends from a queue, exact receives into given memory.
 
-Each connection has one sender thread fed by a queue, so no thread ever blocks in a send while holding a
-lock (two hosts whose TCP buffers are both full would otherwise deadlock). Receives are done by the
-owner's receiver thread straight into memory it chooses (often the user's tensor).
+A message is written at once by the thread that sends it when nothing is queued before it and the
+socket's buffer takes it without waiting (the common case: it saves a thread hand-off per message);
+whatever does not fit goes to the connection's sender thread, so no thread ever blocks in a send (two
+hosts whose TCP buffers are both full would otherwise deadlock). Receives are done by the owner's
+receiver thread straight into memory it chooses (often the user's tensor).
 """
 from __future__ import annotations
 
@@ -50,15 +52,21 @@ def _byte_views(buffers: list) -> list:
     return [v for v in views if len(v)]
 
 
-def _sendmsg_all(sock: socket.socket, views: list) -> None:
+def _sendmsg_all(sock: socket.socket, views: list, flags: int = 0) -> list:
+    """Write `views` in order; returns what is left unwritten, which is nothing unless `flags` has
+    MSG_DONTWAIT and the socket's buffer filled up."""
     while views:
-        sent = sock.sendmsg(views[:IOV_MAX])
+        try:
+            sent = sock.sendmsg(views[:IOV_MAX], (), flags)
+        except BlockingIOError:
+            return views
         while sent:
             if sent >= len(views[0]):
                 sent -= len(views.pop(0))
             else:
                 views[0] = views[0][sent:]
                 sent = 0
+    return views
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, peer: str) -> None:
@@ -76,7 +84,8 @@ def _call(callback: Callable[[], None] | None) -> None:
 
 
 class Connection:
-    """One authenticated TCP connection. `send` queues, a sender thread writes; `recv_*` block."""
+    """One authenticated TCP connection. `send` writes what the socket takes at once and queues the
+    rest for a sender thread; `recv_*` block."""
 
     def __init__(self, sock: socket.socket, peer: str, on_failure: Callable[[Exception], None]):
         self.sock = sock
@@ -86,6 +95,7 @@ class Connection:
         self._on_failure = on_failure
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._queue_lock = threading.Lock()
+        self._backlog = 0           # messages queued or being written by the sender thread
         self._stopped = False       # the sender is gone: `on_sent` callbacks run at once
         self._header = bytearray(wire.HEADER_BYTES)
         self._closed = False
@@ -95,31 +105,48 @@ class Connection:
 
     def send(self, buffers: list, blocks: int = 0,
              on_sent: Callable[[], None] | None = None) -> None:
-        """Queue one message (a list of buffers sent back to back); never blocks. `on_sent` runs
-        once the buffers are no longer needed: written, or dropped because the connection failed."""
+        """Send one message (a list of buffers sent back to back); never blocks on the network.
+        Written here if nothing is queued before it, as far as the socket takes it without waiting;
+        the rest is queued for the sender thread. `on_sent` runs once the buffers are no longer
+        needed: written, or dropped because the connection failed."""
         with self._queue_lock:
-            if not self._stopped:
-                self._queue.put((buffers, blocks, on_sent))
-                return
+            if self._stopped:
+                views = []
+            else:
+                views = self._counted_views(buffers, blocks)
+                if self._backlog == 0 and not self._closed:
+                    try:   # under the lock, so nothing queued meanwhile can overtake the rest
+                        views = _sendmsg_all(self.sock, views, socket.MSG_DONTWAIT)
+                    except OSError:
+                        pass    # the sender thread meets the error again and reports it
+                if views:
+                    self._backlog += 1
+                    self._queue.put((views, on_sent))
+                    return
         _call(on_sent)
+
+    def _counted_views(self, buffers: list, blocks: int) -> list:
+        """The message's byte views, counted before any write: once a peer holds these bytes (and
+        may answer, completing a collective) the counters already include them."""
+        views = _byte_views(buffers)
+        self.count(bytes_sent=sum(len(v) for v in views), messages_sent=1, blocks_sent=blocks)
+        return views
 
     def _send_loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 break
-            buffers, blocks, on_sent = item
-            # Counted before the write: once a peer holds these bytes (and may answer, completing a
-            # collective) the counters already include them. A failed write fails the connection.
-            views = _byte_views(buffers)
-            self.count(bytes_sent=sum(len(v) for v in views), messages_sent=1, blocks_sent=blocks)
+            views, on_sent = item
             try:
                 _sendmsg_all(self.sock, views)
-            except OSError as exc:
+            except OSError as exc:     # a failed write fails the connection
                 if not self._closed:
                     self._on_failure(PeerError(f"sending to {self.peer} failed: {exc}"))
                 break
             finally:
+                with self._queue_lock:
+                    self._backlog -= 1
                 _call(on_sent)
         self._stop()
 
@@ -133,7 +160,7 @@ class Connection:
             except queue.Empty:
                 return
             if item is not None:
-                _call(item[2])
+                _call(item[1])
 
     def count(self, **deltas: int) -> None:
         """Add to the traffic counters (one lock, so a snapshot is never half-updated)."""

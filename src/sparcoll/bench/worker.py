@@ -6,9 +6,10 @@ lines on stdout, prefixed with EVENT_PREFIX so that stray library output cannot 
 
 Timing, the same for every algorithm: the payload is prepared (a fresh copy of the input) outside the
 timed region; a gloo barrier is the common start; each rank times from the barrier's return to its own
-completion; after the correctness check, an all_reduce(MAX) over ranks gives the repetition's time, the
-time of the last rank to finish. Ranks leave a barrier a few ms apart on an oversubscribed machine, so
-this slightly overestimates, never underestimates, the collective.
+completion; an all_reduce(MAX) over ranks then gives the repetition's time, the time of the last rank to
+finish, and only after it does any rank check its result (a rank that finished first would otherwise
+take CPU from those still running: here all hosts share two cores). Ranks leave a barrier a few ms
+apart on an oversubscribed machine, so this slightly overestimates, never underestimates, the collective.
 
 Traffic, per rank and repetition: on an emulated network the byte counters of the namespace's interface
 (`/proc/self/net/dev` reads the reader's namespace), sampled before the barrier and after the
@@ -85,19 +86,22 @@ def run_series(ctx: Context, algo: Algorithm, inputs: Inputs, spec: InputSpec, e
         dist.barrier()
         start = time.perf_counter()
         algo.run(ctx, payload)
-        elapsed = time.perf_counter() - start
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        # Every rank is done before any checks: a rank that finished first must not take CPU
+        # from those still running (on one machine the hosts share the cores).
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         ok, error = check(algo.result(ctx, payload), expected, tolerance)
-        summary = torch.tensor([elapsed, float(not ok), error], dtype=torch.float64)
+        summary = torch.tensor([float(not ok), error], dtype=torch.float64)
         dist.all_reduce(summary, op=dist.ReduceOp.MAX)
         after = counters()
-        if summary[1] > 0:
+        if summary[0] > 0:
             if not ok:
                 print(f"rank {ctx.rank}: wrong result, largest error {error:.3g}", file=sys.stderr)
             raise WrongResult(f"{algo.label} at density {spec.density} returned a wrong sum in repetition "
-                              f"{rep} (largest error {float(summary[2]):.3g}, beyond the float32 "
+                              f"{rep} (largest error {float(summary[1]):.3g}, beyond the float32 "
                               f"summation tolerance)")
         if rep >= warmup:
-            times.append(float(summary[0]))
+            times.append(float(elapsed))
             traffic.append((after[0] - before[0], after[1] - before[1]))
         if ctx.rank == 0:
             emit({"event": "rep", "algo": algo.name, "input": algo.input, "density": spec.density,
