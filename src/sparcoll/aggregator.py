@@ -55,7 +55,7 @@ class BufferPool:
 
 
 class _RemoteWorker:
-    """A worker reached over TCP: results and errors are queued on its connection."""
+    """A worker reached over TCP: results and errors are sent on its connection."""
 
     def __init__(self, conn: transport.Connection):
         self.conn = conn

@@ -1,4 +1,4 @@
-"""TCP connections: authenticated handshake, framed sends from a queue, exact receives into given memory.
+"""TCP connections: authenticated handshake, framed sends (inline or by a sender thread), exact receives.
 
 A message is written at once by the thread that sends it when nothing is queued before it and the
 socket's buffer takes it without waiting (the common case: it saves a thread hand-off per message);

@@ -1,0 +1,121 @@
+"""Connection.send: written inline when nothing is queued, the rest by the sender thread. Messages from
+several threads must arrive whole and in each thread's order, and every `on_sent` must run exactly once,
+only after its bytes are written (a buffer scribbled over in `on_sent` must not reach the peer)."""
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from sparcoll import transport
+from sparcoll.errors import PeerError
+from support import wait_for
+
+FRAME = struct.Struct("<IHI")     # payload bytes, thread, seq
+
+
+def _pair(sndbuf: int) -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sndbuf)
+    return a, b
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise EOFError
+        out += chunk
+    return bytes(out)
+
+
+def test_messages_from_threads_arrive_whole_in_order_and_released_after_writing():
+    threads, per_thread = 4, 60
+    a, b = _pair(64 * 1024)          # small buffers: most messages are partly written inline
+    failures, released = [], []
+    conn = transport.Connection(a, "test peer", failures.append)
+    received: list[tuple[int, int, bytes]] = []
+    reader_go = threading.Event()
+
+    def reader():
+        reader_go.wait(10)           # let the writers fill the socket buffer first
+        b.settimeout(30)
+        for _ in range(threads * per_thread):
+            size, thread, seq = FRAME.unpack(_read_exact(b, FRAME.size))
+            received.append((thread, seq, _read_exact(b, size)))
+
+    def payload(thread: int, seq: int) -> np.ndarray:
+        size = int(np.random.default_rng(thread * 1000 + seq).integers(1, 300_000))
+        return np.full(size, (thread * 31 + seq) % 251, dtype=np.uint8)
+
+    def writer(thread: int):
+        for seq in range(per_thread):
+            data = payload(thread, seq)
+            header = np.frombuffer(FRAME.pack(data.size, thread, seq), dtype=np.uint8).copy()
+
+            def scribble(data=data, header=header):
+                released.append(1)
+                data.fill(255)        # the peer must never see this
+                header.fill(255)
+            conn.send([header, data], on_sent=scribble)
+    read = threading.Thread(target=reader, daemon=True)
+    read.start()
+    writers = [threading.Thread(target=writer, args=(t,), daemon=True) for t in range(threads)]
+    for w in writers:
+        w.start()
+    reader_go.set()
+    for w in writers:
+        w.join(30)
+    read.join(30)
+    try:
+        assert not read.is_alive() and not any(w.is_alive() for w in writers)
+        assert len(received) == threads * per_thread and not failures
+        for thread in range(threads):
+            seqs = [seq for t, seq, _ in received if t == thread]
+            assert seqs == list(range(per_thread)), thread
+        for thread, seq, data in received:
+            assert data == payload(thread, seq).tobytes(), (thread, seq)
+        assert len(released) == threads * per_thread
+        assert conn.stats.messages_sent == threads * per_thread
+    finally:
+        conn.close()
+        b.close()
+
+
+def test_broken_peer_fails_the_connection_and_releases_every_message():
+    a, b = _pair(64 * 1024)
+    failures, released = [], []
+    conn = transport.Connection(a, "test peer", failures.append)
+    try:
+        b.close()
+        for _ in range(20):
+            conn.send([np.zeros(200_000, dtype=np.uint8)], on_sent=lambda: released.append(1))
+        assert wait_for(lambda: failures and len(released) == 20, 10), (failures, len(released))
+        assert isinstance(failures[0], PeerError) and "test peer" in str(failures[0])
+        conn.send([np.zeros(10, dtype=np.uint8)], on_sent=lambda: released.append(1))
+        assert len(released) == 21      # a stopped connection releases at once
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("flags", [0, socket.MSG_DONTWAIT])
+def test_sendmsg_all_returns_what_is_left(flags):
+    a, b = _pair(64 * 1024)
+    try:
+        a.setblocking(flags == 0)
+        views = [memoryview(bytes(100_000)), memoryview(bytes(100_000))]
+        if flags:
+            left = transport._sendmsg_all(a, list(views), flags)
+            assert 0 < sum(len(v) for v in left) < 200_000   # the buffer took part of it
+        else:
+            reader = threading.Thread(target=lambda: _read_exact(b, 200_000), daemon=True)
+            reader.start()
+            assert transport._sendmsg_all(a, list(views)) == []
+            reader.join(10)
+            assert not reader.is_alive()
+    finally:
+        a.close()
+        b.close()
