@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -722,6 +723,21 @@ def test_mismatched_init_options_refused_on_every_rank():
     for rank, outcome in enumerate(results):
         assert outcome[0] == "AuthenticationError" and "message_blocks" in outcome[1], outcome
         assert outcome[2] < TIMEOUT
+
+
+def test_peer_that_gave_up_init_is_named_with_its_reason():
+    """A rank that fails init closes its aggregator; a peer that finds it gone reports that rank's
+    reason (announced in the Store) at once, not a refused connection after the whole timeout."""
+    store = dist.PrefixStore("g/", dist.HashStore())
+    with socket.socket() as probe:          # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{probe.getsockname()[1]}"
+    store.set("aggregator/1", gone)
+    store.set("init-failed/1", "AuthenticationError\nhandshake refused: message_blocks differ")
+    outcome = _outcome(lambda: Communicator(store, 0, 2, timeout=20.0).close())
+    assert outcome[0] == "AuthenticationError", outcome
+    assert "rank 1 gave up init" in outcome[1] and "message_blocks" in outcome[1], outcome
+    assert outcome[2] < 5.0, outcome
 
 
 def test_missing_call_times_out_naming_the_peer_then_poisons():

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import transport, wire
+from . import errors, transport, wire
 from .aggregator import AggregatorJob, AggregatorServer, LocalWorker
 from .blocks import BlockTensor, CompactBlocks, SparseBlocks, StagedBlocks, as_bytes, runs
 from .errors import (CollectiveTimeout, MismatchError, PeerError, PoisonedError, ProtocolError,
@@ -251,7 +251,8 @@ class Communicator:
         self._engine: threading.Thread | None = None
         try:
             self._bootstrap(store, host)
-        except BaseException:
+        except BaseException as exc:
+            self._announce_init_failure(store, exc)
             self.close()
             raise
         self._engine = self._spawn(self._engine_loop, "sparcoll-engine")
@@ -284,8 +285,12 @@ class Communicator:
             if index == self._local_index:
                 continue
             hello = wire.Hello(self.job, self.rank, index, self.config, os.urandom(wire.NONCE_BYTES))
-            sock = transport.connect(address, hello, secret, max(0.1, deadline - time.monotonic()),
-                                     token)
+            try:
+                sock = transport.connect(address, hello, secret,
+                                         max(0.1, deadline - time.monotonic()), token,
+                                         abandon=lambda i=index: self._init_failure_of(store, i))
+            except (PeerError, CollectiveTimeout) as exc:
+                raise self._init_failure_of(store, index) or exc
             conn = transport.Connection(sock, f"aggregator {index} at {address}",
                                         lambda exc, i=index: self._broken(i, exc))
             self._connections[index] = conn
@@ -293,6 +298,31 @@ class Communicator:
         # No rank leaves init (and so can close its aggregator) before every rank is connected.
         store.set(f"ready/{self.rank}", b"1")
         self._store_wait(store, [f"ready/{r}" for r in range(self.world)], deadline)
+
+    def _announce_init_failure(self, store, exc: BaseException) -> None:
+        """Tell the peers why this rank gives up init: its aggregator closes now, and a peer that
+        finds it gone should report this reason, not a refused connection or a timeout."""
+        try:
+            store.set(f"init-failed/{self.rank}", f"{type(exc).__name__}\n{exc}")
+        except Exception:   # best effort: the Store itself may be what failed
+            pass
+
+    def _init_failure_of(self, store, index: int) -> SparcollError | None:
+        """The error rank `index` announced when it gave up init, if it did (colocated aggregators
+        only: a dedicated aggregator is not a rank)."""
+        if self._local_index is None:
+            return None
+        key = f"init-failed/{index}"
+        try:
+            if not store.check([key]):
+                return None
+            kind, _, text = store.get(key).decode("utf-8", "replace").partition("\n")
+        except Exception:
+            return None
+        cls = getattr(errors, kind, None)
+        if not (isinstance(cls, type) and issubclass(cls, SparcollError)):
+            cls = PeerError
+        return cls(f"rank {index} gave up init: {text}")
 
     def _store_wait(self, store, keys: list[str], deadline: float) -> None:
         remaining = deadline - time.monotonic()

@@ -205,9 +205,10 @@ def _configure(sock: socket.socket) -> None:
 
 
 def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
-            token: bytes = bytes(wire.MAC_BYTES)) -> socket.socket:
+            token: bytes = bytes(wire.MAC_BYTES),
+            abandon: Callable[[], BaseException | None] | None = None) -> socket.socket:
     """Connect and authenticate both ways (and show the job token); retries refused connections
-    until the deadline."""
+    until the deadline, or until `abandon()` returns an error to raise instead."""
     host, port = parse_address(address)
     deadline = time.monotonic() + timeout
     while True:
@@ -218,6 +219,9 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
             if time.monotonic() >= deadline:
                 raise CollectiveTimeout(f"could not connect to aggregator {address} within "
                                         f"{timeout:g} s: {exc}") from None
+            reason = abandon() if abandon is not None else None
+            if reason is not None:
+                raise reason from None
             time.sleep(0.05)
     try:
         _configure(sock)
