@@ -292,6 +292,33 @@ def run_interrupted(rank: int, world: int) -> dict:
     return outcome
 
 
+def run_blocking_call_in_done_callback(rank: int, world: int) -> dict:
+    """A done-callback (it runs on the engine thread) makes a blocking allreduce while another
+    collective is still queued: the engine thread serves the queue in order instead of waiting for
+    itself. Rank 1 starts late, so rank 0's callback surely runs on its engine thread."""
+    import threading
+
+    import sparcoll
+
+    outcome = {}
+    with sparcoll.init(timeout=20) as comm:
+        if rank == 1:
+            time.sleep(0.5)
+        first = comm.allreduce(torch.ones(100_000), async_op=True)
+        second = comm.allreduce(torch.full((3000,), 2.0), async_op=True)
+
+        def callback(work):
+            outcome["thread"] = threading.current_thread().name
+            outcome["inner"] = float(comm.allreduce(torch.full((5000,), float(rank + 1))).max())
+        first.add_done_callback(callback)
+        outcome["first"] = float(first.wait(30).min())
+        outcome["second"] = float(second.wait(30).min())
+        deadline = time.monotonic() + 30
+        while "inner" not in outcome and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return outcome
+
+
 def make_coo(seed: int, rank: int, shape, entries: int, dtype=torch.float32) -> torch.Tensor:
     """An uncoalesced row-sparse COO tensor (repeated rows, as embedding gradients have)."""
     g = torch.Generator().manual_seed(seed * 7919 + rank)

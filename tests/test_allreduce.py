@@ -141,6 +141,13 @@ def test_interrupted_blocking_allreduce_fails_the_peers_at_once():
     assert r0["then"][0] == "PoisonedError" and r1["then"][0] == "PoisonedError", (r0, r1)
 
 
+def test_blocking_allreduce_inside_a_done_callback_with_work_queued():
+    r0, r1 = run_ranks(scenarios.run_blocking_call_in_done_callback, 2, timeout=TIMEOUT)
+    assert r0["thread"] == "sparcoll-engine", r0
+    for outcome in (r0, r1):
+        assert (outcome["first"], outcome["second"], outcome.get("inner")) == (2.0, 4.0, 3.0), outcome
+
+
 def _unreachable(rank, world, address):
     import sparcoll
     start = time.monotonic()

@@ -383,6 +383,13 @@ class Communicator:
                 self._running.release()
         if not work.is_completed():
             self._queue(("run", coll))
+            if not async_op and threading.current_thread() is self._engine:
+                # Called from a done-callback on the engine thread: nobody else would serve the
+                # queue, so this thread serves it (in order) up to and including this collective.
+                while not work.is_completed():
+                    if not self._serve(self._requests.get()):
+                        self._requests.put(None)      # closing: the engine loop stops on it
+                        work._finish(SparcollError("the communicator was closed"))
         return work if async_op else work.wait()
 
     def _queue(self, request: tuple) -> None:
@@ -459,19 +466,23 @@ class Communicator:
 
     # ---- engine --------------------------------------------------------------------------------
     def _engine_loop(self) -> None:
-        while True:
-            request = self._requests.get()
-            if request is None:
-                return
-            with self._running:
-                with self._state_lock:
-                    self._queued -= 1
-                if request[0] == "abort":
-                    self._abort(request[1], request[2])
-                    continue
-                coll = request[1]
-                error = self._execute(coll)
-            coll.work._finish(error)    # outside the lock: a done-callback may start the next one
+        while self._serve(self._requests.get()):
+            pass
+
+    def _serve(self, request: tuple | None) -> bool:
+        """Carry out one queued request; False for the stop request (None)."""
+        if request is None:
+            return False
+        with self._running:
+            with self._state_lock:
+                self._queued -= 1
+            if request[0] == "abort":
+                self._abort(request[1], request[2])
+                return True
+            coll = request[1]
+            error = self._execute(coll)
+        coll.work._finish(error)    # outside the lock: a done-callback may start the next one
+        return True
 
     def _execute(self, coll: _Collective) -> BaseException | None:
         """Run one collective, in submission order, on the engine or a blocking caller's thread."""
