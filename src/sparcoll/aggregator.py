@@ -135,13 +135,13 @@ class AggregatorJob:
         try:
             state = self._state(header)
         except ProtocolError:
-            _release(token)
+            transport.release(token)
             raise
         if state is None:
-            _release(token)
+            transport.release(token)
             return
         if header.stream >= len(state.streams):
-            _release(token)
+            transport.release(token)
             raise ProtocolError(f"rank {rank}: stream {header.stream} of {len(state.streams)}")
         with state.lock:
             stream = state.streams[header.stream]
@@ -149,15 +149,15 @@ class AggregatorJob:
                 step = stream.on_contribution(rank, header.seq, header.progress, header.descriptor,
                                               indices, rows, token, reuse=reuse)
             except MismatchError as exc:
-                _release(token)
+                transport.release(token)
                 self.fail(header.collective, wire.ErrorCode.MISMATCH, str(exc))
                 return
             except ProtocolError as exc:
-                _release(token)
+                transport.release(token)
                 self.fail(header.collective, wire.ErrorCode.PROTOCOL, f"rank {rank}: {exc}")
                 raise
             for released in step.released:
-                _release(released)
+                transport.release(released)
             # Finished before the last result goes out: a worker that has it may leave at once,
             # and its leaving must not fail a collective that is only still being broadcast.
             if stream.done:
@@ -224,11 +224,6 @@ class AggregatorJob:
             self.fail(collective, *self._broken)
 
 
-def _release(token: Callable[[], None] | None) -> None:
-    if token is not None:
-        token()
-
-
 class _Countdown:
     """Calls `token` when it has been called `count` times (from any threads), or at once when
     `count` is 0."""
@@ -237,14 +232,14 @@ class _Countdown:
         self._count, self._token = count, token
         self._lock = threading.Lock()
         if count == 0:
-            _release(token)
+            transport.release(token)
 
     def __call__(self) -> None:
         with self._lock:
             self._count -= 1
             last = self._count == 0
         if last:
-            _release(self._token)
+            transport.release(self._token)
 
 
 class AggregatorServer:

@@ -671,8 +671,7 @@ class Communicator:
             try:
                 self._on_local_result(cid, stream, result)
             finally:
-                if taken is not None:
-                    taken()     # the aggregator may reuse the result's memory now
+                transport.release(taken)    # the aggregator may reuse the result's memory now
 
     def _on_local_result(self, cid: int, stream: int, result) -> None:
         coll = self._current(cid)

@@ -78,7 +78,8 @@ def _recv_exact(sock: socket.socket, view: memoryview, peer: str) -> None:
         got += n
 
 
-def _call(callback: Callable[[], None] | None) -> None:
+def release(callback: Callable[[], None] | None) -> None:
+    """Run a buffer's release callback, if it has one (`on_sent`, an aggregator's token)."""
     if callback is not None:
         callback()
 
@@ -123,7 +124,7 @@ class Connection:
                     self._backlog += 1
                     self._queue.put((views, on_sent))
                     return
-        _call(on_sent)
+        release(on_sent)
 
     def _counted_views(self, buffers: list, blocks: int) -> list:
         """The message's byte views, counted before any write: once a peer holds these bytes (and
@@ -147,7 +148,7 @@ class Connection:
             finally:
                 with self._queue_lock:
                     self._backlog -= 1
-                _call(on_sent)
+                release(on_sent)
         self._stop()
 
     def _stop(self) -> None:
@@ -160,7 +161,7 @@ class Connection:
             except queue.Empty:
                 return
             if item is not None:
-                _call(item[1])
+                release(item[1])
 
     def count(self, **deltas: int) -> None:
         """Add to the traffic counters (one lock, so a snapshot is never half-updated)."""
