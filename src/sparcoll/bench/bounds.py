@@ -22,7 +22,7 @@ is what the benchmark reports as bytes sent when it cannot read interface counte
 """
 from __future__ import annotations
 
-INDEX_BYTES = 8  # gloo's sparse all_reduce sends int64 row indices
+GLOO_INDEX_BYTES = 8  # gloo's sparse all_reduce sends int64 row indices (sparcoll's are wire.INDEX_BYTES)
 
 
 def ring(n: int, nbytes: float) -> float:
@@ -30,7 +30,7 @@ def ring(n: int, nbytes: float) -> float:
 
 
 def agsparse(n: int, nbytes: float, density: float, nblocks: int) -> float:
-    return (n - 1) * density * (nbytes + INDEX_BYTES * nblocks)
+    return (n - 1) * density * (nbytes + GLOO_INDEX_BYTES * nblocks)
 
 
 def ps(n: int, nbytes: float) -> float:
