@@ -1,13 +1,15 @@
-"""The `sparcoll` command: `aggregator` (a dedicated aggregator), `bench` and `demo`."""
+"""The `sparcoll` command: `aggregator` (a dedicated aggregator), `bench`, `demo` and `train`."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import ipaddress
 import logging
 import os
 import signal
 import sys
 import threading
+from typing import Callable
 
 
 def _is_loopback(host: str) -> bool:
@@ -49,30 +51,56 @@ def run_aggregator(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .bench import command as bench_command
-    from . import demo
+def add_aggregator_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="port to bind (default: any free one)")
+    parser.add_argument("--secret-file", help="file holding the shared secret (else $SPARCOLL_SECRET)")
 
+
+#: A subcommand's loader: returns its add_arguments(parser) and run(args), importing what they need.
+Loader = Callable[[], tuple[Callable, Callable]]
+
+
+def _entry(module: str) -> Loader:
+    """The loader of `module`'s add_arguments and run: the module is imported only when it is called."""
+    def load() -> tuple[Callable, Callable]:
+        loaded = importlib.import_module(module)
+        return loaded.add_arguments, loaded.run
+    return load
+
+
+#: name -> (summary, loader). Only the chosen subcommand's loader runs: `sparcoll aggregator` does not
+#: load the benchmarks, the training workloads or the torch backend.
+COMMANDS: dict[str, tuple[str, Loader]] = {
+    "aggregator": ("run a dedicated aggregator serving any number of jobs",
+                   lambda: (add_aggregator_arguments, run_aggregator)),
+    "bench": ("compare sparcoll with gloo ring, sparse AllGather and a parameter server, on loopback or "
+              "an emulated network", _entry("sparcoll.bench.command")),
+    "demo": ("4 local workers: sparse allreduce vs gloo at several densities", _entry("sparcoll.demo")),
+    "train": ("train a workload data-parallel on sparcoll, gloo DDP, the hook or sparse AllGather, on "
+              "loopback or an emulated network", _entry("sparcoll.train.command")),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser for `argv`, with the arguments of the subcommand it names (the others are listed
+    by name only). The top-level parser has no option taking a value, so the first word of `argv`
+    that is not an option is the subcommand."""
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="sparcoll", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    agg = sub.add_parser("aggregator", help="run a dedicated aggregator serving any number of jobs")
-    agg.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    agg.add_argument("--port", type=int, default=0, help="port to bind (default: any free one)")
-    agg.add_argument("--secret-file", help="file holding the shared secret (else $SPARCOLL_SECRET)")
-    agg.set_defaults(func=run_aggregator)
-    bench = sub.add_parser("bench", help="compare sparcoll with gloo ring, sparse AllGather and a "
-                                         "parameter server, on loopback or an emulated network")
-    bench_command.add_arguments(bench)
-    bench.set_defaults(func=bench_command.run)
-    dem = sub.add_parser("demo", help="4 local workers: sparse allreduce vs gloo at several densities")
-    demo.add_arguments(dem)
-    dem.set_defaults(func=demo.run)
-    from .train import command as train_command
-    train = sub.add_parser("train", help="train a workload data-parallel on sparcoll, gloo DDP, the hook or "
-                                         "sparse AllGather, on loopback or an emulated network")
-    train_command.add_arguments(train)
-    train.set_defaults(func=train_command.run)
-    args = parser.parse_args(argv)
+    for name, (summary, load) in COMMANDS.items():
+        command = sub.add_parser(name, help=summary)
+        if name == chosen:
+            add_arguments, run = load()
+            add_arguments(command)
+            command.set_defaults(func=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     if args.command != "aggregator":
         # Terminated like interrupted: the launcher's clean-up (children, network, temporary
         # files) runs as it does on Ctrl-C.

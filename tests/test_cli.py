@@ -1,0 +1,70 @@
+"""The `sparcoll` command line: each subcommand loads only its own modules, and every --help works."""
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from sparcoll.cli import COMMANDS, main
+
+TIMEOUT = 120
+# What `sparcoll aggregator` must not load: the training workloads, the benchmark workers and the torch
+# backend (which registers itself with torch.distributed on import).
+NOT_FOR_AGGREGATOR = ("sparcoll.train", "sparcoll.workloads", "sparcoll.bench.worker", "sparcoll.torch")
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_aggregator_parsing_loads_no_other_subcommand():
+    script = (
+        "import sys\n"
+        "from sparcoll.cli import build_parser\n"
+        "argv = ['aggregator', '--port', '0']\n"
+        "args = build_parser(argv).parse_args(argv)\n"
+        "assert args.func.__name__ == 'run_aggregator' and args.port == 0, args\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({NOT_FOR_AGGREGATOR!r})))\n"
+    )
+    cp = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True,
+                        timeout=TIMEOUT)
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.strip() == "[]"
+
+
+def test_running_aggregator_loads_no_other_subcommand(tmp_path):
+    """The whole command, until it listens: -X importtime lists every module it imported."""
+    imports = tmp_path / "imports.txt"
+    with open(imports, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "sparcoll", "aggregator", "--port", "0"],
+                                env=_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        line = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(TIMEOUT)
+        assert line and "listening on" in line[0], line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    modules = [row.rsplit("|", 1)[-1].strip() for row in imports.read_text().splitlines() if "|" in row]
+    assert "sparcoll.aggregator" in modules
+    assert not [m for m in modules if m.startswith(NOT_FOR_AGGREGATOR)]
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_subcommand_help(name, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main([name, "--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: sparcoll {name} [-h]") and "--" in out.split("options:", 1)[1]
+
+
+def test_top_level_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in COMMANDS)
