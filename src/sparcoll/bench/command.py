@@ -19,7 +19,6 @@ from sparcoll.bench import algorithms
 from sparcoll.bench.launch import Job, run_job, run_jobs
 from sparcoll.bench.netem import netem_available, parse_rate
 from sparcoll.bench.patterns import InputSpec
-from sparcoll.bench.progress import Progress
 from sparcoll.bench.report import Setup, add_speedups, make_record, table, title, write_json
 from sparcoll.bench.sizes import parse_count
 
@@ -98,8 +97,9 @@ def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
 
 
 def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int | None,
-                 progress: Progress) -> list[dict]:
-    """One job with `n` workers: every density and algorithm; returns its records."""
+                 advance: Callable[[str], None]) -> list[dict]:
+    """One job with `n` workers: every density and algorithm; returns its records. advance(what)
+    counts each finished repetition."""
     num_aggregators = args.num_aggregators or n
     dedicated = args.aggregators == "dedicated" and any(a.needs_communicator for a in algos)
     setup = Setup(args.network, rate_bps, args.aggregators, num_aggregators)
@@ -113,7 +113,7 @@ def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int 
     def on_event(event: dict) -> None:
         if event["event"] == "rep":
             algo = algorithms.REGISTRY[(event["algo"], event["input"])]
-            progress.advance(f"{n} workers, {algo.label}, density {event['density']:g}")
+            advance(f"{n} workers, {algo.label}, density {event['density']:g}")
         elif event["event"] == "result":
             density = event["density"]
             records.append(make_record(event, specs[density], setup, unions[density]))
@@ -129,14 +129,14 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"sparcoll bench: error: {exc}", file=sys.stderr)
         return 2
-    progress = Progress(len(args.workers) * len(args.density) * len(algos) * (args.warmup + args.repeat))
+    steps = len(args.workers) * len(args.density) * len(algos) * (args.warmup + args.repeat)
     records = []
 
-    def body() -> None:
+    def body(advance: Callable[[str], None]) -> None:
         for n in args.workers:
-            records.extend(_run_workers(n, args, algos, rate_bps, progress))
+            records.extend(_run_workers(n, args, algos, rate_bps, advance))
 
-    status = run_jobs("bench", progress, body)
+    status = run_jobs("bench", steps, body)
     if status:
         return status
     add_speedups(records)

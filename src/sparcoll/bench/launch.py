@@ -5,6 +5,9 @@ Every child is stopped on every way out (success, error, timeout, Ctrl-C): termi
 child also gets SIGKILL from the kernel if the launcher dies without cleaning up (PR_SET_PDEATHSIG, kept
 across the `ip netns exec` exec). A job fails as soon as a child exits with an error, rank 0 reports an
 error, or no event arrives for `timeout` seconds; the failure names the culprit and shows its log's tail.
+
+`run_jobs` runs a command's jobs under a progress bar (rich) on stderr: redrawn in place on a terminal;
+elsewhere (CI logs, pipes) one line per new kind of step and one at the end, so logs stay short.
 """
 from __future__ import annotations
 
@@ -23,14 +26,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Column
+
+from sparcoll.bench.events import decode
 from sparcoll.bench.netem import EmulatedNetwork, NetemError
-from sparcoll.bench.worker import EVENT_PREFIX
 
 # In a namespace of our own nothing else listens, so fixed ports cannot collide there.
 NETNS_MASTER_PORT = 29500
 NETNS_AGGREGATOR_PORT = 29600
 EXIT_GRACE = 30.0   # seconds the workers get to exit after rank 0 said it is done
 LOG_TAIL = 20       # lines of a child's log shown in a failure
+LOG_WIDTH = 200     # columns of a progress line off a terminal (rich assumes 80 there)
 
 
 class BenchError(RuntimeError):
@@ -156,9 +164,10 @@ def _follow(rank0: subprocess.Popen, children: list[_Child], job: Job, on_event:
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                if not line.startswith(EVENT_PREFIX.encode()):
+                event = decode(line)
+                if event is None:
                     continue
-                event, last = json.loads(line[len(EVENT_PREFIX):]), time.monotonic()
+                last = time.monotonic()
                 if event["event"] == "error":
                     time.sleep(1.0)  # let the other ranks write their side of the story
                     raise BenchError(f"the job failed: {event['message']}\n{_tails(children)}")
@@ -192,19 +201,46 @@ def _await_workers(workers: list[_Child]) -> None:
                   file=sys.stderr)
 
 
-def run_jobs(command: str, progress, body: Callable[[], None]) -> int:
-    """Run body() (which runs jobs) under `progress`; the exit status of `sparcoll <command>`: 0, or 1
-    with the reason printed when a job failed, or 130 when interrupted (the launcher has already
-    stopped every child and removed the network)."""
-    try:
-        body()
-    except (BenchError, NetemError) as exc:
-        status, message = 1, str(exc)
-    except KeyboardInterrupt:
-        status, message = 130, "interrupted"
-    else:
-        status, message = 0, ""
-    progress.close()
+@contextlib.contextmanager
+def _progress_bar(steps: int):
+    """A progress bar of `steps` steps on stderr; yields advance(what), which counts one finished step
+    of `what`. It redraws only when a step finishes (no refresh thread: the processes being timed
+    share the machine's cores). Off a terminal nothing is redrawn: a line is printed per new `what`
+    and at the end."""
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        console.width = LOG_WIDTH   # a log line is not cut to a screen's width
+    # On a terminal the description takes what the other columns leave and is cut to fit one line.
+    description = Column(ratio=1, no_wrap=True, overflow="ellipsis")
+    columns = (BarColumn(bar_width=30), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.description}", table_column=description))
+    with Progress(*columns, console=console, auto_refresh=False, expand=console.is_terminal,
+                  disable=not console.is_terminal) as bar:
+        task = bar.add_task("", total=steps)
+        (state,) = bar.tasks
+
+        def advance(what: str) -> None:
+            new = what != state.description
+            bar.update(task, advance=1, description=what, refresh=True)
+            if not console.is_terminal and (new or state.finished):
+                console.print(bar.get_renderable())
+        yield advance
+
+
+def run_jobs(command: str, steps: int, body: Callable[[Callable[[str], None]], None]) -> int:
+    """Run body(advance) (which runs jobs and calls advance(what) per finished step) under a progress
+    bar of `steps` steps; the exit status of `sparcoll <command>`: 0, or 1 with the reason printed when
+    a job failed, or 130 when interrupted (the launcher has already stopped every child and removed
+    the network)."""
+    with _progress_bar(steps) as advance:
+        try:
+            body(advance)
+        except (BenchError, NetemError) as exc:
+            status, message = 1, str(exc)
+        except KeyboardInterrupt:
+            status, message = 130, "interrupted"
+        else:
+            status, message = 0, ""
     if status:
         print(f"sparcoll {command}: {message}", file=sys.stderr)
     return status

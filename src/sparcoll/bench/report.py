@@ -6,11 +6,15 @@ and worker counts.
 """
 from __future__ import annotations
 
+import io
 import json
 import statistics
 from dataclasses import dataclass
 
 import numpy as np
+from rich import box
+from rich.console import Console
+from rich.table import Table
 
 from sparcoll.bench import bounds
 from sparcoll.bench.netem import tbf_burst_bytes
@@ -20,6 +24,9 @@ from sparcoll.bench.sizes import format_count
 ITEMSIZE = 4  # float32
 #: Where algorithms other than sparcoll reduce (sparcoll follows --aggregators).
 FIXED_AGGREGATORS = {"ps": "colocated"}
+#: rich's SIMPLE_HEAD (only a rule under the header) in ASCII: the table goes to logs and files of any
+#: encoding.
+HEADER_RULE = box.Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,7 @@ def label(record: dict) -> str:
 
 
 def table(records: list[dict]) -> str:
-    """A fixed-width text table of the records."""
+    """A fixed-width text table of the records (plain text, at its natural width)."""
     def num(value, fmt):
         return "-" if value is None else format(value, fmt)
 
@@ -95,11 +102,16 @@ def table(records: list[dict]) -> str:
              num(r["busbw_gbps"], ".3f"), num(r["bytes_sent_per_worker"] / 1e6, ".3f"),
              num(r["lower_bound_s"] and r["lower_bound_s"] * 1e3, ".2f"), num(r["ratio_to_bound"], ".2f"),
              num(r["speedup_vs_ring"], ".2f")) for r in records]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in [header, *rows]]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    grid = Table(box=HEADER_RULE, show_edge=False, pad_edge=False)
+    for i, name in enumerate(header):
+        grid.add_column(name, justify="right" if i else "left")
+    for row in rows:
+        grid.add_row(*row)
+    # Cells as they are (no markup, no emoji codes), no styles whatever the environment asks of rich,
+    # wide enough never to wrap a cell.
+    console = Console(file=io.StringIO(), width=1 << 16, color_system=None, markup=False, emoji=False)
+    console.print(grid)
+    return console.file.getvalue().rstrip("\n")
 
 
 def title(records: list[dict]) -> str:

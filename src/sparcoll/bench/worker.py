@@ -1,8 +1,8 @@
 """One benchmark worker process: times every (density, algorithm) series on the gloo group.
 
 Started by `launch.py`, one per host, as `python -m sparcoll.bench.worker CONFIG.json` with RANK,
-WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment. Rank 0 reports to the launcher with JSON
-lines on stdout, prefixed with EVENT_PREFIX so that stray library output cannot be mistaken for them.
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment. Rank 0 reports to the launcher with event
+lines on stdout (events.py).
 
 Timing, the same for every algorithm: the payload is prepared (a fresh copy of the input) outside the
 timed region; a gloo barrier is the common start; each rank times from the barrier's return to its own
@@ -19,7 +19,6 @@ algorithm's known traffic).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -31,31 +30,12 @@ import torch.distributed as dist
 
 import sparcoll
 from sparcoll.bench.algorithms import REGISTRY, Algorithm, Context, Inputs
+from sparcoll.bench.events import emit, reporting
 from sparcoll.bench.patterns import InputSpec, check
-
-EVENT_PREFIX = "@sparcoll-bench "
 
 
 class WrongResult(RuntimeError):
     """An algorithm returned a sum that is not the sum: the run fails, it is not a data point."""
-
-
-def emit(event: dict) -> None:
-    print(EVENT_PREFIX + json.dumps(event), flush=True)
-
-
-@contextlib.contextmanager
-def reporting(rank: int):
-    """Rank 0 tells the launcher how the job ended: a "done" event, or an "error" event (then the
-    exception goes on, so the process fails too)."""
-    try:
-        yield
-    except Exception as exc:
-        if rank == 0:
-            emit({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
-        raise
-    if rank == 0:
-        emit({"event": "done"})
 
 
 def interface_counters(name: str) -> tuple[int, int]:

@@ -19,7 +19,6 @@ import sys
 
 from sparcoll.bench.launch import Job, run_job, run_jobs
 from sparcoll.bench.netem import netem_available, parse_rate
-from sparcoll.bench.progress import Progress
 from sparcoll.train.worker import MODES
 from sparcoll.workloads import WORKLOADS
 
@@ -146,21 +145,20 @@ def run(args) -> int:
                   args.workload, args.workload_option),
               "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
               "block_size": args.block_size, "timeout": args.timeout}
-    progress = Progress(args.steps * len(modes))
     runs = []
 
-    def body() -> None:
+    def body(advance) -> None:
         for mode in modes:
             steps: list[dict] = []
 
             def on_event(event: dict) -> None:
                 steps.append(event)
-                progress.advance(f"{mode}: step {event['step'] + 1}, loss {event['loss']:.4f}")
+                advance(f"{mode}: step {event['step'] + 1}, loss {event['loss']:.4f}")
 
             launch({**config, "comm": mode}, args.workers, args.network, args.timeout, on_event)
             runs.append(summarize(mode, steps, args))
 
-    status = run_jobs("train", progress, body)
+    status = run_jobs("train", args.steps * len(modes), body)
     if status:
         return status
     print(report(runs, args))

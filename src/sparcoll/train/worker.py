@@ -34,7 +34,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import sparcoll
 import sparcoll.torch  # registers the "sparcoll" backend
-from sparcoll.bench.worker import emit, reporting
+from sparcoll.bench.events import emit, reporting
+from sparcoll.blocks import BlockTensor
 from sparcoll.workloads import get_workload
 
 MODES = ("sparcoll", "ddp", "hook", "agsparse")
@@ -51,11 +52,9 @@ def nonzero_elements(grad: torch.Tensor) -> torch.Tensor:
 
 
 def block_density(marks: list[torch.Tensor], block_size: int) -> float:
-    """Fraction of the blocks of the concatenated masks that hold a True."""
-    flat = torch.cat(marks)
-    padded = torch.zeros(-(-flat.numel() // block_size) * block_size, dtype=torch.bool)
-    padded[:flat.numel()] = flat
-    return padded.view(-1, block_size).any(1).float().mean().item()
+    """Fraction of the blocks of the concatenated masks that hold a True (sparcoll's own scan)."""
+    blocks = BlockTensor(torch.cat(marks), block_size)
+    return blocks.nonzero().size / blocks.nblocks
 
 
 class GradientProbe:
