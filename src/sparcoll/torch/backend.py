@@ -25,13 +25,14 @@ import torch.distributed as dist
 
 from sparcoll.communicator import Communicator
 from sparcoll.errors import CollectiveTimeout
-from sparcoll.wire import DTYPE_CODES
+from sparcoll.wire import DTYPE_CODES, OPS as SPARCOLL_OPS
 
 from . import sparse
 from .futures import Completion
 
 NAME = "sparcoll"
-OPS = {dist.ReduceOp.RedOpType.SUM: "sum", dist.ReduceOp.RedOpType.AVG: "avg"}
+# The torch reduce ops sparcoll runs, to sparcoll's op names: torch names them alike (SUM: "sum").
+OPS = {getattr(dist.ReduceOp.RedOpType, name.upper()): name for name in SPARCOLL_OPS}
 
 # Our method -> the gloo method it forwards to (gloo names some tensor-in/tensor-out forms differently).
 DELEGATED = {

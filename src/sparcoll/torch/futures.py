@@ -1,9 +1,10 @@
 """Turn the completion of sparcoll and torch collectives into torch Futures that C++ callers can read.
 
 `torch.futures.Future.set_exception` does not fail a future: it stores the exception as the future's
-value and only Python unwraps it, so DDP's reducer (C++) takes it for a tensor list and crashes
-(SIGSEGV, see PLATFORM.md). An exception raised inside a `then` callback does fail the chained future
-for C++ readers too, so every future handed out here is a `then` of the one completed internally.
+value and only Python unwraps it, so DDP's reducer (C++) takes it for a tensor list: in torch 2.13 a
+future completed that way inside DDP's backward crashed the process with SIGSEGV. An exception raised
+inside a `then` callback does fail the chained future for C++ readers too, so every future handed out
+here is a `then` of the one completed internally.
 """
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ import torch
 
 import sparcoll
 from sparcoll.communicator import Communicator
-
-OPS = ("sum", "avg")
+from sparcoll.wire import OPS
 
 
 def allreduce_coo(tensor: torch.Tensor, op: str, comm: Communicator) -> sparcoll.Work:
