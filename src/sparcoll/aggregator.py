@@ -21,6 +21,7 @@ import torch
 from . import transport, wire
 from .blocks import as_bytes
 from .errors import MismatchError, PeerError, ProtocolError, SparcollError
+from .lease import Lease, give_back
 from .protocol import AggregatorStream, Geometry, Result
 
 log = logging.getLogger("sparcoll.aggregator")
@@ -31,6 +32,7 @@ FAILED_MEMORY = 64          # failed collective ids remembered per job, to drop 
 # without a cap one client could open collective ids without end, each holding its buffered blocks.
 MAX_ACTIVE_COLLECTIVES = 16
 HANDSHAKE_TIMEOUT = 10.0
+FROM_WORKERS = frozenset({wire.Kind.CONTRIBUTE, wire.Kind.ERROR, wire.Kind.BYE})
 
 
 class BufferPool:
@@ -61,34 +63,36 @@ class _RemoteWorker:
         self.conn = conn
 
     def send_result(self, h: wire.Header, header: bytes, indices: np.ndarray, result: Result,
-                    done: Callable[[], None] | None) -> None:
+                    lease: Lease | None) -> None:
         self.conn.send([header, as_bytes(indices), as_bytes(result.rows)],
-                       blocks=result.indices.size, on_sent=done)
+                       blocks=result.indices.size, lease=lease)
 
     def send_error(self, job: int, collective: int, code: wire.ErrorCode, text: str) -> None:
         self.conn.send(wire.error_message(job, collective, text, code))
 
 
 class LocalWorker:
-    """The worker living in the aggregator's own process: events go to its queue, no bytes move."""
+    """The worker living in the aggregator's own process: messages go to its queue, no bytes move."""
 
-    def __init__(self, deliver: Callable[[tuple], None]):
+    def __init__(self, deliver: Callable[[wire.LocalResult | wire.Failure], None]):
         self.deliver = deliver
 
     def send_result(self, h: wire.Header, header: bytes, indices: np.ndarray, result: Result,
-                    done: Callable[[], None] | None) -> None:
-        self.deliver(("result", h.collective, h.stream, result, done))
+                    lease: Lease | None) -> None:
+        self.deliver(wire.LocalResult(h.collective, h.stream, result, lease))
 
     def send_error(self, job: int, collective: int, code: wire.ErrorCode, text: str) -> None:
-        self.deliver(("error", collective, code, text))
+        self.deliver(wire.Failure(collective, code, text))
 
 
-class _Collective:
+class CollectiveShard:
+    """This aggregator's part of one collective: the AggregatorStream of each of its ranges."""
+
     def __init__(self, descriptor: tuple[int, int, int, int], job: "AggregatorJob"):
         numel, block_size, dtype_code, op = descriptor
         dtype, acc = wire.DTYPES[dtype_code]
         config = job.config
-        geometry = Geometry(-(-numel // block_size), config.num_aggs, config.streams)
+        geometry = Geometry(wire.block_count(numel, block_size), config.num_aggs, config.streams)
         self.descriptor = descriptor
         self.lock = threading.Lock()
         self.streams = [AggregatorStream(*geometry.range(job.agg_index, s), config.world, descriptor,
@@ -101,23 +105,23 @@ class _Collective:
 class AggregatorJob:
     """One job's state on one aggregator: its workers and the collectives in progress."""
 
-    def __init__(self, job: int, agg_index: int, config: wire.JobConfig, token: bytes):
+    def __init__(self, job: int, agg_index: int, config: wire.JobConfig, job_token: bytes):
         self.job = job
         self.agg_index = agg_index
         self.config = config
-        self.token = token       # the job token of its first rank: every later rank must show it
+        self.job_token = job_token   # of its first rank: every later rank must show the same
         self.workers: dict[int, _RemoteWorker | LocalWorker] = {}
-        self._collectives: dict[int, _Collective] = {}
+        self._collectives: dict[int, CollectiveShard] = {}
         self._failed: OrderedDict[int, tuple[wire.ErrorCode, str]] = OrderedDict()
         self._broken: tuple[wire.ErrorCode, str] | None = None
         self._lock = threading.Lock()
 
-    def admit(self, hello: wire.Hello, token: bytes) -> None:
-        if not hmac.compare_digest(token, self.token):
+    def admit(self, hello: wire.Hello, job_token: bytes) -> None:
+        if not hmac.compare_digest(job_token, self.job_token):
             raise ProtocolError(f"rank {hello.rank} does not hold the job token of job "
                                 f"{self.job:#x}")
         if hello.config != self.config or hello.agg_index != self.agg_index:
-            raise ProtocolError(f"rank {hello.rank} joins job {self.job:#x} with {hello.config}, "
+            raise MismatchError(f"rank {hello.rank} joins job {self.job:#x} with {hello.config}, "
                                 f"aggregator {hello.agg_index}; the job has {self.config}, "
                                 f"aggregator {self.agg_index}")
         if hello.rank in self.workers:
@@ -128,36 +132,36 @@ class AggregatorJob:
             self.workers[rank] = worker
 
     def contribute(self, rank: int, header: wire.Header, indices: np.ndarray, rows: torch.Tensor,
-                   token: Callable[[], None] | None = None, reuse: int = 0) -> None:
+                   lease: Lease | None = None, reuse: int = 0) -> None:
         """Feed one contribution to its collective; results and errors go out to every worker.
-        `token` is called once `rows` are no longer needed; with `reuse` > 0 the sums may be
-        accumulated in `rows` (see AggregatorStream.on_contribution)."""
+        `lease` (on the memory of `rows`) goes back once they are no longer needed; with
+        `reuse` > 0 the sums may be accumulated in `rows` (see AggregatorStream.on_contribution)."""
         try:
             state = self._state(header)
         except ProtocolError:
-            transport.release(token)
+            give_back(lease)
             raise
         if state is None:
-            transport.release(token)
+            give_back(lease)
             return
         if header.stream >= len(state.streams):
-            transport.release(token)
+            give_back(lease)
             raise ProtocolError(f"rank {rank}: stream {header.stream} of {len(state.streams)}")
         with state.lock:
             stream = state.streams[header.stream]
             try:
                 step = stream.on_contribution(rank, header.seq, header.progress, header.descriptor,
-                                              indices, rows, token, reuse=reuse)
+                                              indices, rows, lease, reuse=reuse)
             except MismatchError as exc:
-                transport.release(token)
+                give_back(lease)
                 self.fail(header.collective, wire.ErrorCode.MISMATCH, str(exc))
                 return
             except ProtocolError as exc:
-                transport.release(token)
+                give_back(lease)
                 self.fail(header.collective, wire.ErrorCode.PROTOCOL, f"rank {rank}: {exc}")
                 raise
             for released in step.released:
-                transport.release(released)
+                give_back(released)
             # Finished before the last result goes out: a worker that has it may leave at once,
             # and its leaving must not fail a collective that is only still being broadcast.
             if stream.done:
@@ -168,7 +172,7 @@ class AggregatorJob:
             if step.result is not None:
                 self._broadcast(header, step.result)
 
-    def _state(self, header: wire.Header) -> _Collective | None:
+    def _state(self, header: wire.Header) -> CollectiveShard | None:
         with self._lock:
             failure = self._broken or self._failed.get(header.collective)
             state = self._collectives.get(header.collective)
@@ -177,7 +181,8 @@ class AggregatorJob:
                     raise ProtocolError(f"collective {header.collective} would be the "
                                         f"{len(self._collectives) + 1}th in progress in job "
                                         f"{self.job:#x}; the limit is {MAX_ACTIVE_COLLECTIVES}")
-                state = self._collectives[header.collective] = _Collective(header.descriptor, self)
+                state = self._collectives[header.collective] = CollectiveShard(header.descriptor,
+                                                                               self)
         if failure is not None:
             if header.collective not in self._failed:
                 self.fail(header.collective, *failure)
@@ -193,10 +198,10 @@ class AggregatorJob:
         # Remote workers first: once the local worker has its last result it may close this
         # aggregator, and every result queued before that is still flushed.
         workers = sorted(self.workers.values(), key=lambda w: isinstance(w, LocalWorker))
-        # Sums kept in a contribution's memory: release it once every worker has been given them.
-        done = _Countdown(len(workers), result.token) if result.token is not None else None
+        # Sums kept in a contribution's memory: its lease goes back once every worker had them.
+        shared = Lease.shared(result.lease, len(workers))
         for worker in workers:
-            worker.send_result(h, header, indices, result, done)
+            worker.send_result(h, header, indices, result, shared)
 
     def fail(self, collective: int, code: wire.ErrorCode, text: str) -> None:
         """Fail one collective on every worker; its late messages are then dropped."""
@@ -224,24 +229,6 @@ class AggregatorJob:
             self.fail(collective, *self._broken)
 
 
-class _Countdown:
-    """Calls `token` when it has been called `count` times (from any threads), or at once when
-    `count` is 0."""
-
-    def __init__(self, count: int, token: Callable[[], None] | None):
-        self._count, self._token = count, token
-        self._lock = threading.Lock()
-        if count == 0:
-            transport.release(token)
-
-    def __call__(self) -> None:
-        with self._lock:
-            self._count -= 1
-            last = self._count == 0
-        if last:
-            transport.release(self._token)
-
-
 class AggregatorServer:
     """Accepts authenticated connections and serves each on its own receiver thread.
 
@@ -263,9 +250,9 @@ class AggregatorServer:
         self._accepter.start()
 
     def add_job(self, job: int, agg_index: int, config: wire.JobConfig,
-                token: bytes) -> AggregatorJob:
+                job_token: bytes) -> AggregatorJob:
         with self._lock:
-            state = self.jobs[job] = AggregatorJob(job, agg_index, config, token)
+            state = self.jobs[job] = AggregatorJob(job, agg_index, config, job_token)
         return state
 
     def traffic(self) -> transport.TrafficStats:
@@ -284,21 +271,21 @@ class AggregatorServer:
             threading.Thread(target=self._serve, args=(sock,), name="sparcoll-agg-recv",
                              daemon=True).start()
 
-    def _admit(self, hello: wire.Hello, token: bytes) -> None:
+    def _admit(self, hello: wire.Hello, job_token: bytes) -> None:
         if self.only_job is not None and hello.job != self.only_job:
             raise ProtocolError(f"this aggregator serves job {self.only_job:#x} only")
         with self._lock:
             job = self.jobs.get(hello.job)
-            if job is None:     # the first rank to arrive sets the job's token
+            if job is None:     # the first rank to arrive sets the job token
                 job = self.jobs[hello.job] = AggregatorJob(hello.job, hello.agg_index, hello.config,
-                                                           token)
-            job.admit(hello, token)
+                                                           job_token)
+            job.admit(hello, job_token)
 
     def _serve(self, sock: socket.socket) -> None:
         admitted: list[wire.Hello] = []
 
-        def admit(hello: wire.Hello, token: bytes) -> None:
-            self._admit(hello, token)
+        def admit(hello: wire.Hello, job_token: bytes) -> None:
+            self._admit(hello, job_token)
             admitted.append(hello)
 
         try:
@@ -342,29 +329,27 @@ class AggregatorServer:
     def _receive(self, conn: transport.Connection, job: AggregatorJob, rank: int) -> str | None:
         """Read and dispatch a worker's messages until it leaves; returns why it left (None: BYE)."""
         pool = BufferPool(keep=2 * job.config.streams * job.config.credits)
+        landed: list[torch.Tensor] = []
+
+        def place(h: wire.Header, indices: np.ndarray) -> list[memoryview]:
+            nbytes = h.payload_sizes()[1]
+            landed.append(pool.take(nbytes))
+            return [as_bytes(landed[-1])[:nbytes]]
+
         try:
             while True:
                 h = conn.recv_header(job.config.message_blocks, job.job)
-                if h.kind is wire.Kind.CONTRIBUTE:
-                    indices = np.empty(h.count, dtype=wire.INDEX_DTYPE)
-                    conn.recv_into(as_bytes(indices))
-                    nbytes = h.payload_sizes()[1]
-                    buf = pool.take(nbytes)
-                    conn.recv_into(as_bytes(buf)[:nbytes])
-                    rows = buf[:nbytes].view(h.torch_dtype).view(h.count, h.block_size)
+                message = wire.read_body(h, conn.recv_into, FROM_WORKERS, place)
+                if isinstance(message, wire.Blocks):
+                    buf = landed.pop()
+                    rows = buf[:h.payload_sizes()[1]].view(h.torch_dtype).view(h.count, h.block_size)
                     conn.count(blocks_received=h.count)
-                    job.contribute(rank, h, indices.astype(np.int64), rows,
-                                   functools.partial(pool.give, buf), reuse=1)
-                elif h.kind is wire.Kind.ERROR:
-                    text = bytearray(h.count)
-                    conn.recv_into(memoryview(text))
-                    job.fail(h.collective, wire.ErrorCode(h.op) if h.op in wire.ErrorCode._value2member_map_
-                             else wire.ErrorCode.GENERIC,
-                             f"rank {rank}: {text.decode('utf-8', 'replace')}")
-                elif h.kind is wire.Kind.BYE:
-                    return None
+                    job.contribute(rank, h, message.indices, rows,
+                                   Lease(functools.partial(pool.give, buf)), reuse=1)
+                elif isinstance(message, wire.Failure):
+                    job.fail(message.collective, message.code, f"rank {rank}: {message.text}")
                 else:
-                    raise ProtocolError(f"unexpected {h.kind.name} message from a worker")
+                    return None
         except ProtocolError as exc:
             log.warning("closing %s: %s", conn.peer, exc)
             return f"rank {rank} sent a malformed message ({exc})"

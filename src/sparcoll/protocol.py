@@ -10,11 +10,8 @@ below c = min_w p[w] is final, so it sums those blocks and sends (indices, sums,
 A worker may have at most `credits` messages not yet covered by a result, which bounds the aggregator's
 pending blocks by workers x credits x message_blocks, whatever the tensor size.
 
-Over a lossy transport (`lossy=True`, e.g. a future UDP transport) the same machines tolerate loss,
-duplication and reordering: messages carry sequence numbers, anything but the next expected message is
-dropped (so nothing is counted twice), a worker retransmits its unacknowledged messages and asks again
-for results after a timeout of its driver, and an aggregator keeps each result until every worker has
-acknowledged it. Over TCP (the default) anything out of sequence is a protocol error instead.
+The machines assume a reliable, ordered transport (TCP): anything out of sequence is a protocol
+error. `lossy.py` extends them for a transport that may lose, duplicate or reorder messages.
 
 Block indices are numpy int64 arrays: the per-message bookkeeping is many small operations, and numpy's
 per-call cost is a fraction of torch's. Block data are torch tensors (any dtype, any device).
@@ -23,12 +20,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
 import torch
 
 from .errors import MismatchError, ProtocolError
+from .lease import Lease
 from .wire import DTYPES, Op
 
 
@@ -64,13 +60,13 @@ class Send:
 @dataclass
 class Result:
     """Final sums of the blocks `indices` (sorted), every block below `progress` (c) being final.
-    `token`: of the writable contribution the sums were accumulated in; its memory is `rows`, so the
-    driver releases it only once every worker has been given the result."""
+    `lease`: of the contribution the sums were accumulated in (its memory is `rows`): the driver
+    gives it back only once every worker has been given the result."""
     seq: int
     progress: int
     indices: np.ndarray
     rows: torch.Tensor
-    token: Any = None
+    lease: Lease | None = None
 
 
 def check_indices(indices: np.ndarray, floor: int, ceiling: int, what: str) -> None:
@@ -87,13 +83,11 @@ def check_indices(indices: np.ndarray, floor: int, ceiling: int, what: str) -> N
 class WorkerStream:
     """One worker's side of one (aggregator, stream) range: what to send next, what results to accept."""
 
-    def __init__(self, lo: int, hi: int, indices: np.ndarray, message_blocks: int, credits: int,
-                 lossy: bool = False):
+    def __init__(self, lo: int, hi: int, indices: np.ndarray, message_blocks: int, credits: int):
         self.lo, self.hi = lo, hi
         self.indices = indices
         self.message_blocks = message_blocks
         self.credits = credits
-        self.lossy = lossy
         self.progress = lo - 1          # c of the last accepted result
         self.next_result = 0            # seq of the next result to accept; sent back as the ack
         self._sent = 0                  # how many of `indices` were handed out
@@ -117,19 +111,11 @@ class WorkerStream:
             self._seq += 1
         return sends
 
-    def retransmit(self) -> list[Send]:
-        """After a timeout on a lossy transport: every message not yet covered by a result, in order
-        (the aggregator drops those it already has). With none, the driver sends just its ack."""
-        return list(self._unacked)
-
     def on_result(self, seq: int, progress: int, indices: np.ndarray) -> bool:
         """Accept a result's metadata (before its data is written anywhere): True if its data is to be
-        written. A lossy transport's duplicates and out-of-order results give False; over TCP they,
-        like any result that breaks the rules, raise ProtocolError."""
+        written. A result that breaks the rules raises ProtocolError."""
         if seq != self.next_result:
-            if self.lossy:
-                return False
-            raise ProtocolError(f"result seq {seq}, expected {self.next_result}")
+            return self._out_of_sequence(seq)
         reported = self._unacked[-1].progress if self._unacked else self.progress
         if not self.progress < progress <= min(reported, self.hi):
             raise ProtocolError(f"result progress {progress} not in ({self.progress}, "
@@ -147,24 +133,28 @@ class WorkerStream:
             self._unacked.popleft()
         return True
 
+    def _out_of_sequence(self, seq: int) -> bool:
+        raise ProtocolError(f"result seq {seq}, expected {self.next_result}")
+
 
 @dataclass
 class _Pending:
     indices: np.ndarray
     rows: torch.Tensor
-    token: Any
+    lease: Lease | None
     reuse: int
 
 
 @dataclass
 class Step:
-    """What an aggregator's input produced: a result to send to every worker (or None), the tokens
-    of contributions whose data is no longer needed (their buffers can be reused), whether the message
-    was taken (a lossy transport's duplicates are not), and results to send again to its sender only."""
+    """What an aggregator's input produced: a result to send to every worker (or None), the leases
+    of contributions whose memory is no longer needed (for the driver to give back), whether the
+    message was taken (a lossy transport's duplicates are not), and results to send again to its
+    sender only (lossy transports)."""
     result: Result | None = None
-    released: list = field(default_factory=list)
+    released: list[Lease | None] = field(default_factory=list)
     accepted: bool = True
-    resend: list = field(default_factory=list)
+    resend: list[Result] = field(default_factory=list)
 
 
 class AggregatorStream:
@@ -172,11 +162,8 @@ class AggregatorStream:
 
     def __init__(self, lo: int, hi: int, workers: int, descriptor: tuple[int, int, int, int],
                  dtype: torch.dtype, acc_dtype: torch.dtype, average: bool, message_blocks: int,
-                 credits: int, lossy: bool = False):
+                 credits: int):
         self.lo, self.hi = lo, hi
-        self.lossy = lossy
-        self._kept: deque[Result] = deque()        # lossy: results some worker has not acked
-        self._acked = [0] * workers                 # lossy: next result seq each worker expects
         self.workers = workers
         self.descriptor = descriptor
         self.block_size = descriptor[1]
@@ -197,41 +184,27 @@ class AggregatorStream:
     def pending_blocks(self) -> int:
         return sum(p.indices.size for q in self._pending for p in q)
 
-    @property
-    def finished(self) -> bool:
-        """Done, and (lossy) every worker has acknowledged every result: the state can go."""
-        return self.done and not self._kept
-
-    def on_ack(self, worker: int, ack: int) -> Step:
-        """A worker expects result `ack` next (lossy transports): forget what everyone has, and send
-        that worker again what it lacks."""
-        if not 0 <= worker < self.workers or not 0 <= ack <= self._result_seq:
-            raise ProtocolError(f"worker {worker}: ack {ack} of {self._result_seq} results")
-        self._acked[worker] = max(self._acked[worker], ack)
-        while self._kept and self._kept[0].seq < min(self._acked):
-            self._kept.popleft()
-        return Step(accepted=False, resend=[r for r in self._kept if r.seq >= ack])
-
     def on_contribution(self, worker: int, seq: int, progress: int, descriptor: tuple,
-                        indices: np.ndarray, rows: torch.Tensor, token: Any = None,
-                        ack: int = 0, reuse: int = 0) -> Step:
-        """Take a worker's message (indices int64, rows (m, block) in the tensor dtype); `ack` is the
-        next result seq the worker expects (lossy transports piggyback it on every message).
-        `reuse` > 0: the sums may be accumulated in `rows` (then the result carries `token`); the
-        highest `reuse` among a result's contributions is chosen (a worker's own tensor, whose result
-        then needs no copy, before a receive buffer). Not over a lossy transport, which keeps results
-        for retransmission."""
+                        indices: np.ndarray, rows: torch.Tensor, lease: Lease | None = None,
+                        reuse: int = 0) -> Step:
+        """Take a worker's message (indices int64, rows (m, block) in the tensor dtype); `lease`
+        covers the memory of `rows`. `reuse` > 0: the sums may be accumulated in `rows` (then the
+        result carries `lease`); the highest `reuse` among a result's contributions is chosen (a
+        worker's own tensor, whose result then needs no copy, before a receive buffer)."""
+        self._check_sender(worker, descriptor)
+        if seq != self._seq[worker]:
+            raise ProtocolError(f"worker {worker}: message seq {seq}, expected {self._seq[worker]}")
+        return self._take(worker, progress, indices, rows, lease, reuse)
+
+    def _check_sender(self, worker: int, descriptor: tuple) -> None:
         if not 0 <= worker < self.workers:
             raise ProtocolError(f"contribution from unknown worker {worker}")
         if descriptor != self.descriptor:
             raise MismatchError(_describe_mismatch(worker, descriptor, self.descriptor))
-        if seq != self._seq[worker]:
-            if not self.lossy:
-                raise ProtocolError(f"worker {worker}: message seq {seq}, expected "
-                                    f"{self._seq[worker]}")
-            step = self.on_ack(worker, ack)     # a duplicate, or one after a lost message
-            step.released.append(token)
-            return step
+
+    def _take(self, worker: int, progress: int, indices: np.ndarray, rows: torch.Tensor,
+              lease: Lease | None, reuse: int) -> Step:
+        """Accept the worker's next message in sequence; finalize what became final."""
         previous = self._reported[worker]
         if not previous < progress <= self.hi:
             raise ProtocolError(f"worker {worker}: progress {progress} not in ({previous}, {self.hi}]")
@@ -250,16 +223,12 @@ class AggregatorStream:
         self._inflight[worker].append(progress)
         step = Step()
         if count:
-            self._pending[worker].append(_Pending(indices, rows, token, 0 if self.lossy else reuse))
+            self._pending[worker].append(_Pending(indices, rows, lease, reuse))
         else:
-            step.released.append(token)
+            step.released.append(lease)
         final = min(self._reported)
         if final > self.progress:
             step.result = self._finalize(final, step.released)
-            if self.lossy:
-                self._kept.append(step.result)
-        if self.lossy:
-            self.on_ack(worker, ack)
         return step
 
     def _finalize(self, final: int, released: list) -> Result:
@@ -285,9 +254,9 @@ class AggregatorStream:
                     key=lambda entry: entry[1].reuse, default=None)
         indices, sums, used = self._sum(chunks, None if spare is None else spare[0])
         kept = spare[1] if used else None
-        released.extend(p.token for _, p in whole if p is not kept)
+        released.extend(p.lease for _, p in whole if p is not kept)
         result = Result(self._result_seq, final, indices, sums,
-                        None if kept is None else kept.token)
+                        None if kept is None else kept.lease)
         self._result_seq += 1
         self.progress = final
         return result

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import wire
-from .errors import AuthenticationError, CollectiveTimeout, PeerError, ProtocolError
+from .errors import (AuthenticationError, CollectiveTimeout, MismatchError, PeerError,
+                     ProtocolError)
+from .lease import Lease, give_back
 
 RECV_SLICE = 256 * 1024   # recv_into in slices: measured faster than one huge recv_into here
 IOV_MAX = 512
@@ -78,12 +80,6 @@ def _recv_exact(sock: socket.socket, view: memoryview, peer: str) -> None:
         got += n
 
 
-def release(callback: Callable[[], None] | None) -> None:
-    """Run a buffer's release callback, if it has one (`on_sent`, an aggregator's token)."""
-    if callback is not None:
-        callback()
-
-
 class Connection:
     """One authenticated TCP connection. `send` writes what the socket takes at once and queues the
     rest for a sender thread; `recv_*` block."""
@@ -97,19 +93,18 @@ class Connection:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._queue_lock = threading.Lock()
         self._backlog = 0           # messages queued or being written by the sender thread
-        self._stopped = False       # the sender is gone: `on_sent` callbacks run at once
+        self._stopped = False       # the sender is gone: leases go back at once
         self._header = bytearray(wire.HEADER_BYTES)
         self._closed = False
         self._sender = threading.Thread(target=self._send_loop, name=f"sparcoll-send-{peer}",
                                         daemon=True)
         self._sender.start()
 
-    def send(self, buffers: list, blocks: int = 0,
-             on_sent: Callable[[], None] | None = None) -> None:
+    def send(self, buffers: list, blocks: int = 0, lease: Lease | None = None) -> None:
         """Send one message (a list of buffers sent back to back); never blocks on the network.
         Written here if nothing is queued before it, as far as the socket takes it without waiting;
-        the rest is queued for the sender thread. `on_sent` runs once the buffers are no longer
-        needed: written, or dropped because the connection failed."""
+        the rest is queued for the sender thread. `lease` (on the buffers' memory) goes back once
+        they are no longer needed: written, or dropped because the connection failed."""
         with self._queue_lock:
             if self._stopped:
                 views = []
@@ -122,9 +117,9 @@ class Connection:
                         pass    # the sender thread meets the error again and reports it
                 if views:
                     self._backlog += 1
-                    self._queue.put((views, on_sent))
+                    self._queue.put((views, lease))
                     return
-        release(on_sent)
+        give_back(lease)
 
     def _counted_views(self, buffers: list, blocks: int) -> list:
         """The message's byte views, counted before any write: once a peer holds these bytes (and
@@ -138,7 +133,7 @@ class Connection:
             item = self._queue.get()
             if item is None:
                 break
-            views, on_sent = item
+            views, lease = item
             try:
                 _sendmsg_all(self.sock, views)
             except OSError as exc:     # a failed write fails the connection
@@ -148,7 +143,7 @@ class Connection:
             finally:
                 with self._queue_lock:
                     self._backlog -= 1
-                release(on_sent)
+                give_back(lease)
         self._stop()
 
     def _stop(self) -> None:
@@ -161,7 +156,7 @@ class Connection:
             except queue.Empty:
                 return
             if item is not None:
-                release(item[1])
+                give_back(item[1])
 
     def count(self, **deltas: int) -> None:
         """Add to the traffic counters (one lock, so a snapshot is never half-updated)."""
@@ -206,7 +201,7 @@ def _configure(sock: socket.socket) -> None:
 
 
 def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
-            token: bytes = bytes(wire.MAC_BYTES),
+            job_token: bytes = bytes(wire.MAC_BYTES),
             abandon: Callable[[], BaseException | None] | None = None) -> socket.socket:
     """Connect and authenticate both ways (and show the job token); retries refused connections
     until the deadline, or until `abandon()` returns an error to raise instead."""
@@ -233,15 +228,15 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
         server_nonce, server_mac = wire.decode_challenge(buf)
         if not hmac.compare_digest(server_mac, wire.mac(secret, b"server", hello, server_nonce)):
             raise AuthenticationError(f"aggregator {address} failed authentication (wrong secret?)")
-        sock.sendall(wire.encode_proof(wire.mac(secret, b"client", hello, server_nonce), token))
+        sock.sendall(wire.encode_proof(wire.mac(secret, b"client", hello, server_nonce), job_token))
         buf = bytearray(wire.VERDICT_BYTES)
         _recv_exact(sock, memoryview(buf), f"aggregator {address}")
-        length = wire.decode_verdict_length(buf)
+        code, length = wire.decode_verdict(buf)
         if length:
             reason = bytearray(length)
             _recv_exact(sock, memoryview(reason), f"aggregator {address}")
-            raise AuthenticationError(f"aggregator {address} refused the connection: "
-                                      f"{reason.decode('utf-8', 'replace')}")
+            raise wire.Failure(0, code, f"aggregator {address} refused the connection: "
+                                        f"{reason.decode('utf-8', 'replace')}").exception()
         sock.settimeout(None)
         return sock
     except socket.timeout:
@@ -261,7 +256,8 @@ def accept(sock: socket.socket, secret_for: Callable[[wire.Hello], bytes],
            admit: Callable[[wire.Hello, bytes], None], timeout: float) -> wire.Hello:
     """Server side of the handshake. `secret_for(hello)` gives the secret to check the client against;
     `admit(hello, job_token)` runs only once the client proved it holds that secret and may refuse it
-    by raising ProtocolError, whose text is sent back. Nothing the client sends later is read before
+    by raising ProtocolError (the client raises AuthenticationError) or MismatchError (the client's
+    job options disagree: it raises MismatchError); the text is sent back. Nothing the client sends later is read before
     this returns."""
     peer = "client"
     try:
@@ -277,19 +273,20 @@ def accept(sock: socket.socket, secret_for: Callable[[wire.Hello], bytes],
                                                                   server_nonce)))
         buf = bytearray(wire.PROOF_BYTES)
         _recv_exact(sock, memoryview(buf), peer)
-        client_mac, token = wire.decode_proof(buf)
+        client_mac, job_token = wire.decode_proof(buf)
         if not hmac.compare_digest(client_mac, wire.mac(secret, b"client", hello, server_nonce)):
             sock.sendall(wire.encode_verdict("authentication failed"))
             raise AuthenticationError(f"{peer} failed authentication for job {hello.job:#x}")
-        admit(hello, token)
+        admit(hello, job_token)
         sock.sendall(wire.encode_verdict())
         sock.settimeout(None)
         return hello
     except socket.timeout:
         raise CollectiveTimeout(f"handshake with {peer} timed out") from None
-    except ProtocolError as exc:
+    except (ProtocolError, MismatchError) as exc:
+        code = wire.code_of(exc) if isinstance(exc, MismatchError) else wire.ErrorCode.AUTHENTICATION
         try:
-            sock.sendall(wire.encode_verdict(str(exc)))
+            sock.sendall(wire.encode_verdict(str(exc), code))
         except OSError:
             pass
         raise

@@ -8,6 +8,11 @@ reads (or allocates for) a single payload byte. Data messages carry the collecti
     RESULT      aggregator -> worker   same layout; `progress` is c, "every block below c is final"
     ERROR       either way             count bytes of UTF-8 text; fails the named collective
     BYE         worker -> aggregator   the worker is leaving the job on purpose
+
+A receiver decodes the header (`decode_header`), then `read_body` reads what the header announces
+and returns it as one of the message types below; the caller chooses where block data lands, so
+receives stay zero-copy. The same types carry messages inside a process (a colocated aggregator and
+its own worker), where no bytes move.
 """
 from __future__ import annotations
 
@@ -16,11 +21,13 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from .errors import ProtocolError
+from .errors import (AuthenticationError, MismatchError, PeerError, ProtocolError,
+                     SparcollError)
 
 MAGIC = b"SPCL"
 VERSION = 1
@@ -43,12 +50,40 @@ class Op(enum.IntEnum):
     AVG = 1
 
 
+OPS = {"sum": Op.SUM, "avg": Op.AVG}   # the reduction ops sparcoll offers, by their API names
+
+
 class ErrorCode(enum.IntEnum):
-    """Carried in an ERROR message's `op` field so the receiver raises the right exception type."""
+    """Carried in an ERROR message's `op` field (and a handshake's verdict) so the receiver raises
+    the right exception type."""
     GENERIC = 0
     MISMATCH = 1
     PEER = 2
     PROTOCOL = 3
+    AUTHENTICATION = 4
+
+
+_ERROR_TYPES = {ErrorCode.GENERIC: SparcollError, ErrorCode.MISMATCH: MismatchError,
+                ErrorCode.PEER: PeerError, ErrorCode.PROTOCOL: ProtocolError,
+                ErrorCode.AUTHENTICATION: AuthenticationError}
+
+
+def error_code(raw: int) -> ErrorCode:
+    """A received error code; codes this version does not know read as GENERIC."""
+    return ErrorCode(raw) if raw in ErrorCode._value2member_map_ else ErrorCode.GENERIC
+
+
+def code_of(exc: BaseException) -> ErrorCode:
+    """The code that makes a peer raise the same kind of error as `exc`."""
+    for code, cls in reversed(_ERROR_TYPES.items()):
+        if isinstance(exc, cls):
+            return code
+    return ErrorCode.GENERIC
+
+
+def block_count(numel: int, block_size: int) -> int:
+    """Blocks of `block_size` elements that hold `numel` elements (the last one may be partial)."""
+    return -(-numel // block_size)
 
 
 # dtype code -> (torch dtype, accumulation dtype). Half types accumulate in float32.
@@ -128,7 +163,7 @@ def decode_header(buf, max_blocks: int, expected_job: int) -> Header:
         if kind is Kind.CONTRIBUTE and count * block_size * DTYPES[dtype][0].itemsize > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"message of {count} blocks of {block_size} elements exceeds "
                                 f"{MAX_MESSAGE_BYTES} bytes")
-        nblocks = -(-numel // block_size)
+        nblocks = block_count(numel, block_size)
         if progress > nblocks:
             raise ProtocolError(f"progress {progress} beyond the {nblocks} blocks of the tensor")
     elif kind is Kind.ERROR and count > MAX_ERROR_BYTES:
@@ -136,6 +171,74 @@ def decode_header(buf, max_blocks: int, expected_job: int) -> Header:
     if job != expected_job:
         raise ProtocolError(f"message for job {job:#x} on a connection of job {expected_job:#x}")
     return h
+
+
+# ---- messages ----------------------------------------------------------------------------------
+DATA_KINDS = frozenset({Kind.CONTRIBUTE, Kind.RESULT})
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A CONTRIBUTE or RESULT message: its header and block indices (int64, as sent: sorted). Its
+    data went where the reader's caller placed it."""
+    header: Header
+    indices: np.ndarray
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An ERROR message: collective `collective` failed, for the reason `text`."""
+    collective: int
+    code: ErrorCode
+    text: str
+
+    def exception(self) -> SparcollError:
+        return _ERROR_TYPES[self.code](self.text)
+
+
+@dataclass(frozen=True)
+class Bye:
+    """A BYE message: the worker leaves the job on purpose."""
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    """A result handed by a colocated aggregator to its own worker (no bytes move): `result` is a
+    protocol Result; `lease` goes back once the worker is done reading its rows."""
+    collective: int
+    stream: int
+    result: Any
+    lease: Any
+
+
+Message = Blocks | Failure | Bye
+
+
+def read_body(h: Header, recv_into: Callable[[memoryview], None], expected: frozenset,
+              place: Callable[[Header, np.ndarray], list[memoryview]]) -> Message:
+    """Read the body that follows header `h`. `recv_into(view)` fills a view exactly (a socket, or
+    bytes in memory). For block messages, `place(h, indices)` is called once the indices are in
+    and returns where the data goes: views whose lengths add up to the data bytes. Kinds outside
+    `expected` raise ProtocolError before anything is read."""
+    if h.kind not in expected:
+        raise ProtocolError(f"unexpected {h.kind.name} message")
+    index_bytes, data_bytes = h.payload_sizes()
+    if h.kind in DATA_KINDS:
+        raw = np.empty(h.count, dtype=INDEX_DTYPE)
+        recv_into(memoryview(raw).cast("B"))
+        indices = raw.astype(np.int64)
+        views = place(h, indices)
+        if sum(len(v) for v in views) != data_bytes:
+            raise AssertionError(f"place() gave {sum(len(v) for v in views)} bytes of room for "
+                                 f"{data_bytes} data bytes")
+        for view in views:
+            recv_into(view)
+        return Blocks(h, indices)
+    if h.kind is Kind.ERROR:
+        text = bytearray(data_bytes)
+        recv_into(memoryview(text))
+        return Failure(h.collective, error_code(h.op), text.decode("utf-8", "replace"))
+    return Bye()
 
 
 def data_header(kind: Kind, *, stream: int, job: int, collective: int, seq: int, count: int,
@@ -159,13 +262,13 @@ def bye_message(job: int) -> bytes:
 # client -> server  HELLO   job, rank, world, aggregator index, aggregator count, client nonce
 # server -> client  CHALLENGE  server nonce, MAC proving the server holds the secret
 # client -> server  PROOF   MAC proving the client holds the secret, and the job token
-# server -> client  VERDICT  0 = welcome, else a reason text follows
+# server -> client  VERDICT  an error code and a reason length (0 = welcome), then the reason text
 NONCE_BYTES = 32
 MAC_BYTES = 32
 _HELLO = struct.Struct("<4sBBQIIHHHHI32s")
 _CHALLENGE = struct.Struct("<4sB32s32s")
 _PROOF = struct.Struct("<4sB32s32s")
-_VERDICT = struct.Struct("<4sBH")
+_VERDICT = struct.Struct("<4sBBH")
 HELLO_BYTES, CHALLENGE_BYTES, PROOF_BYTES, VERDICT_BYTES = (
     _HELLO.size, _CHALLENGE.size, _PROOF.size, _VERDICT.size)
 
@@ -179,11 +282,14 @@ class JobConfig:
     credits: int
     message_blocks: int
 
+    LIMITS = dict(world=4096, num_aggs=4096, streams=64, credits=64, message_blocks=1 << 16)
+
     def check(self) -> None:
-        limits = dict(world=4096, num_aggs=4096, streams=64, credits=64, message_blocks=1 << 16)
-        for name, limit in limits.items():
+        """ValueError naming the first field outside its limits (a caller's own option; a peer's
+        HELLO with such a field is refused as a ProtocolError by Hello.decode)."""
+        for name, limit in self.LIMITS.items():
             if not 1 <= getattr(self, name) <= limit:
-                raise ProtocolError(f"{name}={getattr(self, name)} outside [1, {limit}]")
+                raise ValueError(f"{name}={getattr(self, name)} outside [1, {limit}]")
 
 
 @dataclass(frozen=True)
@@ -207,7 +313,10 @@ class Hello:
          nonce) = _HELLO.unpack(buf)
         _check_magic(magic, version)
         config = JobConfig(world, num_aggs, streams, credits, message_blocks)
-        config.check()
+        try:
+            config.check()
+        except ValueError as exc:
+            raise ProtocolError(f"hello with {exc}") from None
         if rank >= world or agg_index >= num_aggs:
             raise ProtocolError(f"inconsistent hello: rank {rank} of {world}, "
                                 f"aggregator {agg_index} of {num_aggs}")
@@ -231,6 +340,9 @@ def encode_challenge(server_nonce: bytes, server_mac: bytes) -> bytes:
 
 
 def decode_challenge(buf) -> tuple[bytes, bytes]:
+    """(server nonce, server MAC)."""
+    if len(buf) != CHALLENGE_BYTES:
+        raise ProtocolError(f"challenge of {len(buf)} bytes, expected {CHALLENGE_BYTES}")
     magic, version, nonce, server_mac = _CHALLENGE.unpack(buf)
     _check_magic(magic, version)
     return nonce, server_mac
@@ -255,12 +367,16 @@ def decode_proof(buf) -> tuple[bytes, bytes]:
     return client_mac, token
 
 
-def encode_verdict(reason: str = "") -> bytes:
+def encode_verdict(reason: str = "", code: ErrorCode = ErrorCode.AUTHENTICATION) -> bytes:
+    """Welcome (no reason), or a refusal: `code` says which error the client raises."""
     raw = reason.encode("utf-8", "replace")[:1024]
-    return _VERDICT.pack(MAGIC, VERSION, len(raw)) + raw
+    return _VERDICT.pack(MAGIC, VERSION, code, len(raw)) + raw
 
 
-def decode_verdict_length(buf) -> int:
-    magic, version, length = _VERDICT.unpack(buf)
+def decode_verdict(buf) -> tuple[ErrorCode, int]:
+    """(the refusal's error code, the length of the reason text that follows; 0: welcome)."""
+    if len(buf) != VERDICT_BYTES:
+        raise ProtocolError(f"verdict of {len(buf)} bytes, expected {VERDICT_BYTES}")
+    magic, version, code, length = _VERDICT.unpack(buf)
     _check_magic(magic, version)
-    return length
+    return error_code(code), length

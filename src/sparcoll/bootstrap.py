@@ -1,0 +1,103 @@
+"""Rendezvous through the torch.distributed Store: job identity, aggregator addresses, connections.
+
+Keys under the communicator's Store prefix:
+  job                 rank 0's random 64-bit job id and 32-byte job secret
+  aggregator/<rank>   host:port of a rank's colocated aggregator
+  init-failed/<rank>  why a rank gave up init (its aggregator is going away)
+  ready/<rank>        the rank connected to every aggregator
+"""
+from __future__ import annotations
+
+import secrets
+import socket
+import os
+import time
+from datetime import timedelta
+
+from . import errors, transport, wire
+from .errors import CollectiveTimeout, PeerError, SparcollError
+
+
+def local_host() -> str:
+    """The address peers can reach this process at: SPARCOLL_HOST, else the interface that routes
+    to MASTER_ADDR (no packet is sent), else loopback."""
+    if os.environ.get("SPARCOLL_HOST"):
+        return os.environ["SPARCOLL_HOST"]
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+class Rendezvous:
+    """One rank's steps of init, each bounded by one deadline."""
+
+    def __init__(self, store, rank: int, world: int, timeout: float):
+        self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
+        self.deadline = time.monotonic() + timeout
+
+    def job(self) -> tuple[int, bytes]:
+        """(job id, job secret), chosen by rank 0."""
+        if self.rank == 0:
+            self.store.set("job", secrets.token_bytes(8 + 32))
+        self._wait(["job"])
+        blob = self.store.get("job")
+        return int.from_bytes(blob[:8], "little"), blob[8:]
+
+    def colocated_addresses(self, own: str) -> list[str]:
+        """Publish this rank's aggregator address; every rank's, once all are published."""
+        self.store.set(f"aggregator/{self.rank}", own)
+        keys = [f"aggregator/{r}" for r in range(self.world)]
+        self._wait(keys)
+        return [self.store.get(k).decode() for k in keys]
+
+    def connect(self, index: int, address: str, hello: wire.Hello, secret: bytes,
+                job_token: bytes, colocated: bool) -> socket.socket:
+        """An authenticated connection to aggregator `index`. With colocated aggregators, a rank
+        that gave up init is reported with its own reason, not as a refused connection."""
+        abandon = (lambda: self._failure_of(index)) if colocated else None
+        try:
+            return transport.connect(address, hello, secret, self.remaining(), job_token,
+                                     abandon=abandon)
+        except (PeerError, CollectiveTimeout) as exc:
+            raise (abandon() if abandon else None) or exc
+
+    def ready(self) -> None:
+        """No rank leaves init (and so can close its aggregator) before every rank is connected."""
+        self.store.set(f"ready/{self.rank}", b"1")
+        self._wait([f"ready/{r}" for r in range(self.world)])
+
+    def announce_failure(self, exc: BaseException) -> None:
+        """Tell the peers why this rank gives up init: its aggregator closes now, and a peer that
+        finds it gone should report this reason, not a refused connection or a timeout."""
+        try:
+            self.store.set(f"init-failed/{self.rank}", f"{type(exc).__name__}\n{exc}")
+        except Exception:   # best effort: the Store itself may be what failed
+            pass
+
+    def remaining(self) -> float:
+        return max(0.1, self.deadline - time.monotonic())
+
+    def _failure_of(self, index: int) -> SparcollError | None:
+        """The error rank `index` announced when it gave up init, if it did."""
+        key = f"init-failed/{index}"
+        try:
+            if not self.store.check([key]):
+                return None
+            kind, _, text = self.store.get(key).decode("utf-8", "replace").partition("\n")
+        except Exception:
+            return None
+        cls = getattr(errors, kind, None)
+        if not (isinstance(cls, type) and issubclass(cls, SparcollError)):
+            cls = PeerError
+        return cls(f"rank {index} gave up init: {text}")
+
+    def _wait(self, keys: list[str]) -> None:
+        try:
+            self.store.wait(keys, timedelta(seconds=self.remaining()))
+        except Exception as exc:   # torch raises a plain RuntimeError/DistStoreError on timeout
+            raise CollectiveTimeout(f"rank {self.rank}: peers did not publish {keys} in the "
+                                    f"store within {self.timeout:g} s ({exc})") from None

@@ -1,0 +1,87 @@
+"""A communicator's options: the caller's arguments, else the environment, else the defaults.
+
+Checked before anything is built: a bad option is the caller's own mistake, so it raises ValueError
+naming the option (errors that peers cause are SparcollErrors).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from . import transport, wire
+
+DEFAULT_BLOCK_SIZE = 256
+DEFAULT_STREAMS = 1
+DEFAULT_MESSAGE_BLOCKS = 2048
+DEFAULT_CREDITS = 2     # messages in flight per stream; more only queue up in the links (docs/benchmarks.md)
+DEFAULT_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class Options:
+    block_size: int                     # elements per block
+    aggregators: tuple[str, ...] | None  # host:port of dedicated aggregators; None: colocated
+    streams: int                        # ranges per aggregator shard
+    message_blocks: int                 # the most blocks per message (each rank adapts below it)
+    credits: int                        # messages in flight per stream
+    timeout: float                      # seconds for init and for every collective
+    host: str | None                    # address peers reach this rank's aggregator at
+
+    @classmethod
+    def resolve(cls, *, block_size: int | None = None, aggregators: list[str] | None = None,
+                streams: int | None = None, message_blocks: int | None = None,
+                credits: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+                host: str | None = None) -> "Options":
+        options = cls(
+            block_size=_given_or_env(block_size, "SPARCOLL_BLOCK_SIZE", _integer, DEFAULT_BLOCK_SIZE),
+            aggregators=_given_or_env(aggregators, "SPARCOLL_AGGREGATORS", _addresses, None),
+            streams=_given_or_env(streams, "SPARCOLL_STREAMS", _integer, DEFAULT_STREAMS),
+            message_blocks=_given_or_env(message_blocks, "SPARCOLL_MESSAGE_BLOCKS", _integer,
+                                         DEFAULT_MESSAGE_BLOCKS),
+            credits=_given_or_env(credits, "SPARCOLL_CREDITS", _integer, DEFAULT_CREDITS),
+            timeout=timeout, host=host)
+        options._check()
+        return options
+
+    def _check(self) -> None:
+        if not 1 <= self.block_size <= wire.MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size {self.block_size} outside [1, {wire.MAX_BLOCK_SIZE}]")
+        if self.message_blocks * self.block_size * 8 > wire.MAX_MESSAGE_BYTES:
+            raise ValueError(f"message_blocks x block_size x 8 bytes exceeds "
+                             f"{wire.MAX_MESSAGE_BYTES} bytes")
+        if not isinstance(self.timeout, (int, float)) or not math.isfinite(self.timeout) \
+                or self.timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if self.aggregators is not None and not self.aggregators:
+            raise ValueError("aggregators is an empty list; pass None for colocated aggregators")
+
+    def job_config(self, world: int) -> wire.JobConfig:
+        """What every rank and aggregator of the job must agree on (ValueError if out of range)."""
+        num_aggs = len(self.aggregators) if self.aggregators else world
+        config = wire.JobConfig(world, num_aggs, self.streams, self.credits, self.message_blocks)
+        config.check()
+        return config
+
+
+def _given_or_env(value, name: str, parse: Callable, default):
+    if value is not None:
+        return parse(value, name)
+    raw = os.environ.get(name, "").strip()
+    return parse(raw, f"${name}") if raw else default
+
+
+def _integer(value, name: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _addresses(value, name: str) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    addresses = tuple(a.strip() for a in items if a.strip())
+    for address in addresses:
+        transport.parse_address(address)
+    return addresses

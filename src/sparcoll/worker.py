@@ -1,0 +1,425 @@
+"""The worker side of a job: drives one WorkerStream per (aggregator, stream) range of a collective.
+
+The mirror of `aggregator.AggregatorJob`. `WorkerJob.run` scans the tensor, sends each range's first
+contributions, then waits; results arrive on receiver threads (one per remote aggregator) and on the
+local thread (results of this process's own colocated aggregator, no socket), which place them in the
+tensor and send the next contributions that the freed credits allow.
+
+A collective moves through named states (`CollectiveState`), changed only by `WorkerCollective`:
+  QUEUED -> STREAMING    the engine starts it: scan, first sends
+  STREAMING -> DRAINING  every range has its results; the own aggregator may still be sending peers
+                         sums from the tensor (leases out on it, see lease.py)
+  DRAINING -> DONE       every lease on the tensor is back
+  QUEUED | STREAMING | DRAINING -> FAILED   an error, a peer's report, or the deadline
+"""
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import transport, wire
+from .aggregator import AggregatorJob, AggregatorServer
+from .blocks import BlockTensor, CompactBlocks, SparseBlocks, StagedBlocks, as_bytes, runs
+from .errors import CollectiveTimeout, PeerError, ProtocolError, SparcollError
+from .lease import Loans, give_back
+from .lifecycle import Lifecycle
+from .message_size import MessageSizePolicy
+from .protocol import Geometry, WorkerStream
+
+RUN_LIMIT = 32          # more runs than this in a message: gather/scatter through one buffer instead
+DISCARD_BYTES = 1 << 20  # results of a collective this rank gave up are read through this much
+FROM_AGGREGATORS = frozenset({wire.Kind.RESULT, wire.Kind.ERROR})
+
+
+class CollectiveState(enum.Enum):
+    QUEUED = "queued"
+    STREAMING = "streaming"
+    DRAINING = "draining"
+    DONE = "done"
+    FAILED = "failed"
+
+
+_MOVES = {
+    CollectiveState.QUEUED: frozenset({CollectiveState.STREAMING, CollectiveState.FAILED}),
+    CollectiveState.STREAMING: frozenset({CollectiveState.DRAINING, CollectiveState.FAILED}),
+    CollectiveState.DRAINING: frozenset({CollectiveState.DONE, CollectiveState.FAILED}),
+}
+
+
+class WorkerCollective:
+    """Worker-side state of one allreduce: of a dense tensor (in place) or of a sparse COO tensor."""
+
+    def __init__(self, cid: int, tensor: torch.Tensor, descriptor: tuple, timeout: float):
+        self.id = cid
+        self.tensor = tensor            # the input; for a COO tensor, replaced by the result
+        self.sparse = tensor.layout == torch.sparse_coo
+        self.descriptor = descriptor
+        self.timeout = timeout
+        self.streams: dict[tuple[int, int], WorkerStream | None] = {}   # None: not started yet
+        self.stream_locks: dict[tuple[int, int], threading.Lock] = {}
+        self.blocks: BlockTensor | CompactBlocks | None = None
+        self.lock = threading.Lock()
+        self.state = Lifecycle(f"allreduce {cid}", CollectiveState.QUEUED, _MOVES)
+        self.remaining = 0              # ranges still waiting for results
+        self.settled = threading.Event()    # left STREAMING
+        self.error: BaseException | None = None
+        # The tensor lent to the own aggregator (it may read or sum into it, and send peers sums
+        # from it): the collective is DONE only once every lease is back.
+        self.loans = Loans()
+
+    def start(self, block_size: int, ranges: list) -> None:
+        """QUEUED -> STREAMING: find the non-zero blocks (the stored entries of a COO tensor; a scan
+        in place for a contiguous CPU tensor; a scan where it lives, then a copy of the non-zero
+        blocks, otherwise) and make room for every range's stream."""
+        with self.lock:
+            self.state.move(CollectiveState.STREAMING)
+        t = self.tensor
+        if self.sparse:
+            self.blocks = SparseBlocks(t, block_size)
+        elif t.device.type == "cpu" and t.is_contiguous():
+            self.blocks = BlockTensor(t.view(-1), block_size)
+        else:
+            self.blocks = StagedBlocks(t, block_size)
+        for agg, stream, _, _ in ranges:    # every key now: other threads iterate this dict
+            self.streams[agg, stream] = None
+            self.stream_locks[agg, stream] = threading.Lock()
+        self.remaining = len(ranges)
+
+    def fail(self, error: BaseException) -> None:
+        """Fail it with `error`, unless it already has all its results (a late report changes
+        nothing) or failed before."""
+        with self.lock:
+            if self.state.is_(CollectiveState.QUEUED, CollectiveState.STREAMING):
+                self.error = error
+                self.state.move(CollectiveState.FAILED)
+        self.settled.set()
+
+    def stream_done(self) -> None:
+        """One more range has all its results; after the last, STREAMING -> DRAINING."""
+        with self.lock:
+            self.remaining -= 1
+            if self.remaining or not self.state.is_(CollectiveState.STREAMING):
+                return
+            result = self.blocks.finish()
+            if self.sparse:
+                self.tensor = result
+            self.state.move(CollectiveState.DRAINING)
+        self.settled.set()
+
+    def drain(self, deadline: float, rank: int) -> None:
+        """DRAINING -> DONE once every lease on the tensor is back, or FAILED at the deadline.
+        (After a failure the aggregator dropped the collective and its peers fail it too.)"""
+        if not self.state.is_(CollectiveState.DRAINING):
+            return
+        back = self.loans.wait(max(0.0, deadline - time.monotonic()))
+        with self.lock:
+            if back:
+                self.state.move(CollectiveState.DONE)
+            else:
+                self.error = CollectiveTimeout(
+                    f"rank {rank}: allreduce {self.id}: its aggregator could not send the "
+                    f"results to every peer within {self.timeout:g} s")
+                self.state.move(CollectiveState.FAILED)
+
+    def unfinished(self, agg: int) -> bool:
+        """Whether a range of aggregator `agg` still waits for results."""
+        return any(ws is None or not ws.done for (a, _), ws in self.streams.items() if a == agg)
+
+
+class WorkerJob:
+    """This rank's side of a job: its connections to the aggregators, the collective in progress,
+    and the threads that receive results. `on_poison(error)` is told of failures that end the
+    communicator (a broken connection)."""
+
+    def __init__(self, rank: int, job: int, config: wire.JobConfig, block_size: int,
+                 addresses: list[str], on_poison: Callable[[BaseException], None],
+                 server: AggregatorServer | None = None, local_job: AggregatorJob | None = None):
+        self.rank, self.job, self.config, self.block_size = rank, job, config, block_size
+        self.addresses = addresses
+        self.server = server                  # the colocated aggregator, if any
+        self.local_job = local_job
+        self.local_index = rank if local_job is not None else None
+        self.message_size = MessageSizePolicy(config.message_blocks)
+        self.connections: dict[int, transport.Connection] = {}
+        self._on_poison = on_poison
+        self._threads: list[threading.Thread] = []
+        self._local_messages: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._active: WorkerCollective | None = None
+        self._last_started = 0
+        self._early_errors: dict[int, BaseException] = {}  # reported before this rank started it
+        self._closed = False
+
+    def local_inbox(self) -> Callable[[wire.LocalResult | wire.Failure], None]:
+        """Where the own aggregator delivers; starts the thread that reads it."""
+        self._spawn(self._local_loop, "sparcoll-local")
+        return self._local_messages.put
+
+    def add_connection(self, index: int, sock) -> None:
+        conn = transport.Connection(sock, f"aggregator {index} at {self.addresses[index]}",
+                                    lambda exc: self.broken(index, exc))
+        self.connections[index] = conn
+        self._spawn(lambda: self._receive_results(index, conn), f"sparcoll-recv-{index}")
+
+    def _spawn(self, target: Callable, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def bytes_received(self) -> int:
+        """Bytes this process read from the network so far, for its worker and its aggregator."""
+        total = sum(conn.stats.bytes_received for conn in self.connections.values())
+        return total + (self.server.traffic().bytes_received if self.server else 0)
+
+    # ---- one collective -------------------------------------------------------------------------
+    def take_early_error(self, cid: int) -> BaseException | None:
+        with self._lock:
+            return self._early_errors.pop(cid, None)
+
+    def has_early_error(self, cid: int) -> bool:
+        with self._lock:
+            return cid in self._early_errors
+
+    def run(self, coll: WorkerCollective) -> BaseException | None:
+        """Run one collective to its end; returns its error (None: done)."""
+        start, received = time.monotonic(), self.bytes_received()
+        geometry = Geometry(wire.block_count(coll.descriptor[0], self.block_size),
+                            self.config.num_aggs, self.config.streams)
+        # Remote ranges first, the own aggregator's last: a range's messages travel while the next
+        # range is scanned, and peers' aggregators get this rank's blocks as early as possible.
+        ranges = sorted(geometry.ranges(), key=lambda r: r[0] == self.local_index)
+        coll.start(self.block_size, ranges)
+        with self._lock:
+            self._active = coll
+            self._last_started = coll.id
+            early = self._early_errors.pop(coll.id, None)   # arrived since the engine took it
+        if early is not None:
+            coll.fail(early)
+        try:
+            self._stream(coll, ranges)
+        finally:
+            with self._lock:
+                self._active = None
+        if coll.error is None:
+            self.message_size.observe(self.bytes_received() - received, time.monotonic() - start)
+        return coll.error
+
+    def _stream(self, coll: WorkerCollective, ranges: list) -> None:
+        """Send the first contributions of every range, then wait for the results or the deadline."""
+        message_blocks = self.message_size.blocks(self.block_size * coll.tensor.element_size())
+        try:
+            for agg, stream, lo, hi in ranges:
+                coll.streams[agg, stream] = WorkerStream(lo, hi, coll.blocks.nonzero(lo, hi),
+                                                         message_blocks, self.config.credits)
+                self._advance(coll, agg, stream)
+        except SparcollError as exc:
+            coll.fail(exc)
+        deadline = time.monotonic() + coll.timeout
+        if not coll.settled.wait(coll.timeout):
+            coll.fail(CollectiveTimeout(self._describe_stall(coll)))
+        coll.drain(deadline, self.rank)
+
+    def _describe_stall(self, coll: WorkerCollective) -> str:
+        waiting = sorted({agg for (agg, _), ws in coll.streams.items() if ws is None or not ws.done})
+        who = ", ".join(f"aggregator {a} at {self.addresses[a]}" for a in waiting)
+        return (f"rank {self.rank}: allreduce {coll.id} not finished after {coll.timeout:g} s; "
+                f"still waiting for {who} (a peer may be dead, stuck, or calling other collectives)")
+
+    def _advance(self, coll: WorkerCollective, agg: int, stream: int, result=None) -> None:
+        """Accept a result's metadata (if any), then send what the credits allow. Serialized per
+        stream: the engine's first sends and a receiver's next ones must not interleave."""
+        ws = coll.streams[agg, stream]
+        with coll.stream_locks[agg, stream]:
+            if result is not None:
+                ws.on_result(*result)
+            self._transmit(coll, agg, stream, ws.next_sends())
+
+    def _transmit(self, coll: WorkerCollective, agg: int, stream: int, sends) -> None:
+        """Send contributions: direct calls to the local aggregator, zero-copy views to remote ones."""
+        ws = coll.streams[agg, stream]
+        for send in sends:
+            indices = ws.indices[send.start:send.stop]
+            if agg == self.local_index:
+                # In place, the own aggregator may sum straight into the tensor (its result
+                # then needs no copy, and is sent to the peers from there).
+                header = wire.Header(wire.Kind.CONTRIBUTE, stream, self.job, coll.id, send.seq,
+                                     indices.size, send.progress, *coll.descriptor)
+                self.local_job.contribute(self.rank, header, indices,
+                                          coll.blocks.rows_of(indices), coll.loans.lend(),
+                                          reuse=2 if coll.blocks.direct else 0)
+                continue
+            header = wire.data_header(wire.Kind.CONTRIBUTE, stream=stream, job=self.job,
+                                      collective=coll.id, seq=send.seq, count=indices.size,
+                                      progress=send.progress, descriptor=coll.descriptor)
+            spans = runs(indices, RUN_LIMIT)
+            if spans is None:
+                payload = [as_bytes(coll.blocks.gather(indices))]
+            else:
+                payload = [as_bytes(v) for start, stop in spans
+                           for v in coll.blocks.views(start, stop)]
+            self.connections[agg].send([header, as_bytes(indices.astype(wire.INDEX_DTYPE)),
+                                        *payload], blocks=indices.size)
+
+    # ---- results --------------------------------------------------------------------------------
+    def _current(self, cid: int) -> WorkerCollective | None:
+        coll = self._active
+        return coll if coll is not None and coll.id == cid else None
+
+    def _receive_results(self, agg: int, conn: transport.Connection) -> None:
+        """Receiver thread of one remote aggregator's results, placed straight in the tensor."""
+        placement = _ResultPlacement(self, agg, conn)
+        max_blocks = self.config.world * self.config.credits * self.config.message_blocks
+        try:
+            while True:
+                h = conn.recv_header(max_blocks, self.job)
+                message = wire.read_body(h, conn.recv_into, FROM_AGGREGATORS, placement.place)
+                if isinstance(message, wire.Failure):
+                    self.collective_error(message)
+                    continue
+                placement.finish(message)
+        except (SparcollError, OSError) as exc:
+            if not self._closed:
+                self.broken(agg, exc)
+
+    def _local_loop(self) -> None:
+        """Results and errors from this process's own aggregator (delivered without sockets)."""
+        while True:
+            message = self._local_messages.get()
+            if message is None:
+                return
+            if isinstance(message, wire.Failure):
+                self.collective_error(message)
+                continue
+            try:
+                self._on_local_result(message)
+            finally:
+                give_back(message.lease)    # the aggregator may reuse the result's memory now
+
+    def _on_local_result(self, message: wire.LocalResult) -> None:
+        coll = self._current(message.collective)
+        if coll is None:
+            return
+        result = message.result
+        try:
+            ws = coll.streams[self.local_index, message.stream]
+            self._advance(coll, self.local_index, message.stream,
+                          (result.seq, result.progress, result.indices))
+            coll.blocks.scatter(result.indices, result.rows)   # no copy when summed in place
+            if ws.done:
+                coll.stream_done()
+        except SparcollError as exc:
+            coll.fail(exc)
+
+    # ---- failures -------------------------------------------------------------------------------
+    def collective_error(self, failure: wire.Failure) -> None:
+        """A peer or an aggregator failed collective `failure.collective`."""
+        error = failure.exception()
+        with self._lock:
+            coll = self._current(failure.collective)
+            if coll is None and failure.collective > self._last_started:
+                # A peer failed a collective this rank has queued but not started yet.
+                self._early_errors[failure.collective] = error
+        if coll is not None:
+            coll.fail(error)
+
+    def broken(self, agg: int, exc: BaseException) -> None:
+        """A connection to an aggregator failed: every later collective fails, and so does the
+        current one if it still needs that aggregator (a peer that finished first may leave)."""
+        error = exc if isinstance(exc, PeerError) else PeerError(
+            f"connection to aggregator {agg} at {self.addresses[agg]} failed: {exc}")
+        self._on_poison(error)
+        coll = self._active
+        if coll is not None and coll.unfinished(agg):
+            coll.fail(error)
+
+    def fail_active(self, error: BaseException) -> None:
+        coll = self._active
+        if coll is not None:
+            coll.fail(error)
+
+    def abort(self, cid: int, text: str) -> None:
+        """Tell every aggregator that this rank gives up collective `cid`, so no peer waits for it."""
+        for index in range(self.config.num_aggs):
+            if index == self.local_index:
+                self.local_job.fail(cid, wire.ErrorCode.GENERIC, f"rank {self.rank}: {text}")
+            else:
+                self.connections[index].send(wire.error_message(self.job, cid, text,
+                                                                wire.ErrorCode.GENERIC))
+
+    def close(self, poison: BaseException | None) -> None:
+        """Leave the job: BYE to every aggregator, then stop every thread."""
+        self._closed = True
+        for conn in self.connections.values():
+            conn.send([wire.bye_message(self.job)])
+            conn.close()
+        if self.local_job is not None:
+            # Peers still waiting on this aggregator learn why it leaves (a cascade then names the
+            # peer that failed first) before its connections close.
+            self.local_job.detach(self.rank, None if poison is None else
+                                  f"rank {self.rank} left the job after an error: {poison}")
+        if self.server is not None:
+            self.server.close()
+        self._local_messages.put(None)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5.0)
+
+
+class _ResultPlacement:
+    """Where a remote aggregator's result data lands, for one receiver thread: straight into the
+    tensor's runs of blocks; into a compact tensor's receive buffer; else through one staging
+    buffer and a scatter. Results of a collective this rank no longer runs are read and dropped."""
+
+    def __init__(self, job: WorkerJob, agg: int, conn: transport.Connection):
+        self.job, self.agg, self.conn = job, agg, conn
+        self.staging = torch.empty(0, dtype=torch.uint8)
+        self.discard = torch.empty(DISCARD_BYTES, dtype=torch.uint8)
+        self._coll: WorkerCollective | None = None
+        self._after: Callable[[np.ndarray], None] | None = None
+
+    def place(self, h: wire.Header, indices: np.ndarray) -> list[memoryview]:
+        nbytes = h.payload_sizes()[1]
+        job = self.job
+        if h.block_size != job.block_size:
+            raise ProtocolError(f"result with block size {h.block_size}, this job uses "
+                                f"{job.block_size}")
+        coll = self._coll = job._current(h.collective)
+        self._after = None
+        if coll is None:    # a collective that already failed here: drop its results
+            return [as_bytes(self.discard)[:min(DISCARD_BYTES, nbytes - offset)]
+                    for offset in range(0, nbytes, DISCARD_BYTES)]
+        if h.descriptor != coll.descriptor or coll.streams.get((self.agg, h.stream)) is None:
+            raise ProtocolError(f"result for stream {h.stream} with descriptor {h.descriptor} does "
+                                f"not match collective {coll.id}")
+        job._advance(coll, self.agg, h.stream, (h.seq, h.progress, indices))
+        blocks = coll.blocks
+        spans = runs(indices, RUN_LIMIT) if blocks.direct else None
+        if spans is not None:
+            return [as_bytes(view) for start, stop in spans for view in blocks.views(start, stop)]
+        if not blocks.direct:
+            rows = blocks.receive_buffer(h.count)
+            self._after = lambda idx: blocks.keep(idx, rows)
+            return [as_bytes(rows)]
+        if self.staging.numel() < nbytes:
+            self.staging = torch.empty(nbytes, dtype=torch.uint8)
+        rows = self.staging[:nbytes].view(blocks.dtype).view(h.count, job.block_size)
+        self._after = lambda idx: blocks.scatter(idx, rows)
+        return [as_bytes(self.staging)[:nbytes]]
+
+    def finish(self, message: wire.Blocks) -> None:
+        """The data is in: scatter or keep it, and count the range done if it is."""
+        coll, after = self._coll, self._after
+        self._coll = self._after = None
+        if coll is None:
+            return
+        if after is not None:
+            after(message.indices)
+        self.conn.count(blocks_received=message.header.count)   # before the collective may end
+        if coll.streams[self.agg, message.header.stream].done:
+            coll.stream_done()
