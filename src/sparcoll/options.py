@@ -35,12 +35,12 @@ class Options:
                 credits: int | None = None, timeout: float = DEFAULT_TIMEOUT,
                 host: str | None = None) -> "Options":
         options = cls(
-            block_size=_given_or_env(block_size, "SPARCOLL_BLOCK_SIZE", _integer, DEFAULT_BLOCK_SIZE),
-            aggregators=_given_or_env(aggregators, "SPARCOLL_AGGREGATORS", _addresses, None),
-            streams=_given_or_env(streams, "SPARCOLL_STREAMS", _integer, DEFAULT_STREAMS),
-            message_blocks=_given_or_env(message_blocks, "SPARCOLL_MESSAGE_BLOCKS", _integer,
+            block_size=_given_or_env("block_size", block_size, _integer, DEFAULT_BLOCK_SIZE),
+            aggregators=_given_or_env("aggregators", aggregators, _addresses, None),
+            streams=_given_or_env("streams", streams, _integer, DEFAULT_STREAMS),
+            message_blocks=_given_or_env("message_blocks", message_blocks, _integer,
                                          DEFAULT_MESSAGE_BLOCKS),
-            credits=_given_or_env(credits, "SPARCOLL_CREDITS", _integer, DEFAULT_CREDITS),
+            credits=_given_or_env("credits", credits, _integer, DEFAULT_CREDITS),
             timeout=timeout, host=host)
         options._check()
         return options
@@ -65,11 +65,13 @@ class Options:
         return config
 
 
-def _given_or_env(value, name: str, parse: Callable, default):
+def _given_or_env(option: str, value, parse: Callable, default):
+    """The argument if given, else $SPARCOLL_<OPTION> if set, else the default."""
     if value is not None:
-        return parse(value, name)
-    raw = os.environ.get(name, "").strip()
-    return parse(raw, f"${name}") if raw else default
+        return parse(value, option)
+    variable = f"SPARCOLL_{option.upper()}"
+    raw = os.environ.get(variable, "").strip()
+    return parse(raw, f"${variable}") if raw else default
 
 
 def _integer(value, name: str) -> int:

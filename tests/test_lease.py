@@ -1,0 +1,130 @@
+"""Buffer lifetimes and state changes, without sockets: a Lease comes back exactly once, Loans wait
+for every lease, and a worker's collective moves only along its allowed states."""
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from sparcoll.collective import CollectiveState, WorkerCollective
+from sparcoll.errors import CollectiveTimeout, PeerError
+from sparcoll.lease import Lease, Loans, give_back
+from sparcoll.lifecycle import IllegalTransition
+
+
+def test_lease_returns_once_after_every_holder_from_many_threads():
+    returned = []
+    lease = Lease(lambda: returned.append(1), count=64)
+    barrier = threading.Barrier(8)
+
+    def holders():
+        barrier.wait(10)
+        for _ in range(8):
+            lease.give_back()
+    threads = [threading.Thread(target=holders) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert returned == [1]
+    lease.give_back()                       # one too many: ignored, never a second return
+    assert returned == [1]
+
+
+def test_lease_for_no_holders_returns_at_once_and_shared_leases_chain():
+    returned = []
+    Lease(lambda: returned.append("empty"), count=0)
+    assert returned == ["empty"]
+    inner = Lease(lambda: returned.append("inner"))
+    shared = Lease.shared(inner, 3)
+    for _ in range(2):
+        shared.give_back()
+    assert returned == ["empty"]            # two of three holders are done: not yet
+    shared.give_back()
+    assert returned == ["empty", "inner"]
+    assert Lease.shared(None, 3) is None    # memory lent without a lease needs none shared
+    give_back(None)
+
+
+def test_loans_wait_until_every_lease_is_back():
+    loans = Loans()
+    assert loans.wait(0)                    # nothing lent
+    first, second = loans.lend(), loans.lend()
+    assert not loans.wait(0)
+    first.give_back()
+    assert not loans.wait(0)
+    waiter_saw = []
+    waiter = threading.Thread(target=lambda: waiter_saw.append(loans.wait(30)))
+    waiter.start()
+    second.give_back()
+    waiter.join(30)
+    assert waiter_saw == [True]
+
+
+def collective(numel=1000, timeout=5.0):
+    return WorkerCollective(1, torch.ones(numel), (numel, 256, 0, 0), timeout)
+
+
+RANGES = [(0, 0, 0, 2), (1, 0, 2, 4)]   # (aggregator, stream, lo, hi)
+
+
+def test_collective_states_from_queued_to_done():
+    coll = collective()
+    assert coll.state.state is CollectiveState.QUEUED
+    coll.start(256, RANGES)
+    assert coll.state.state is CollectiveState.STREAMING and not coll.settled.is_set()
+    lease = coll.loans.lend()               # the own aggregator still holds the tensor
+    coll.stream_done()
+    assert coll.state.state is CollectiveState.STREAMING
+    coll.stream_done()
+    assert coll.state.state is CollectiveState.DRAINING and coll.settled.is_set()
+    coll.fail(PeerError("late report"))     # all results are in: a late report changes nothing
+    assert coll.state.state is CollectiveState.DRAINING and coll.error is None
+    lease.give_back()
+    coll.drain(time.monotonic() + 5, rank=0)
+    assert coll.state.state is CollectiveState.DONE and coll.error is None
+
+
+def test_collective_fails_once_and_drain_times_out_into_failed():
+    coll = collective()
+    coll.start(256, RANGES)
+    first, second = PeerError("first"), PeerError("second")
+    coll.fail(first)
+    coll.fail(second)
+    assert coll.state.state is CollectiveState.FAILED and coll.error is first
+    coll.stream_done()
+    coll.stream_done()                      # results after a failure do not revive it
+    assert coll.state.state is CollectiveState.FAILED
+
+    stuck = collective(timeout=0.01)
+    stuck.start(256, RANGES)
+    stuck.loans.lend()                      # never given back
+    stuck.stream_done()
+    stuck.stream_done()
+    stuck.drain(time.monotonic(), rank=3)
+    assert stuck.state.state is CollectiveState.FAILED
+    assert isinstance(stuck.error, CollectiveTimeout) and "rank 3" in str(stuck.error)
+
+
+def test_illegal_moves_are_refused():
+    coll = collective()
+    with pytest.raises(IllegalTransition, match="QUEUED -> DONE"):
+        coll.state.move(CollectiveState.DONE)
+    coll.start(256, RANGES)
+    with pytest.raises(IllegalTransition, match="STREAMING -> STREAMING"):
+        coll.start(256, RANGES)
+    coll.fail(PeerError("x"))
+    for state in CollectiveState:
+        with pytest.raises(IllegalTransition):   # FAILED is final
+            coll.state.move(state)
+
+
+def test_sparse_collective_result_replaces_the_tensor():
+    coo = torch.sparse_coo_tensor(torch.tensor([[3, 700]]), torch.tensor([1.0, 2.0]), (1000,),
+                                  check_invariants=True)
+    coll = WorkerCollective(1, coo, (1000, 256, 0, 0), 5.0)
+    coll.start(256, [(0, 0, 0, 4)])
+    assert np.array_equal(coll.blocks.nonzero(0, 4), [0, 2])
+    coll.stream_done()
+    assert coll.tensor.layout == torch.sparse_coo and coll.tensor is not coo

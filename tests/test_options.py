@@ -1,0 +1,75 @@
+"""Whose fault: a caller's own bad option is a ValueError naming it, raised before anything is built
+(no Store key, no socket, no thread); the same values arriving from a peer are a ProtocolError. And
+the message-size policy, driven with measured rates instead of sockets."""
+import os
+import threading
+
+import pytest
+
+from sparcoll import wire
+from sparcoll.communicator import Communicator
+from sparcoll.errors import ProtocolError
+from sparcoll.message_size import ADAPT_MIN_BYTES, MessageSizePolicy
+from sparcoll.options import Options
+
+
+class UntouchableStore:
+    """Fails the test if anything reads or writes it."""
+    def __getattr__(self, name):
+        raise AssertionError(f"the Store was used ({name}) although an option was bad")
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(block_size=0), "block_size"),
+    (dict(block_size=wire.MAX_BLOCK_SIZE + 1), "block_size"),
+    (dict(block_size="wide"), "block_size"),
+    (dict(message_blocks=1 << 20), "message_blocks"),
+    (dict(streams=65), "streams"),
+    (dict(credits=0), "credits"),
+    (dict(timeout=0), "timeout"),
+    (dict(timeout=-1.0), "timeout"),
+    (dict(timeout=None), "timeout"),
+    (dict(timeout=float("nan")), "timeout"),
+    (dict(aggregators=[]), "aggregators"),
+    (dict(aggregators=["no-port"]), "host:port"),
+])
+def test_bad_options_are_value_errors_before_anything_is_built(options, named):
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match=named):
+        Communicator(UntouchableStore(), 0, 2, **options)
+    assert threading.active_count() == threads
+
+
+def test_bad_environment_values_name_the_variable(monkeypatch):
+    monkeypatch.setenv("SPARCOLL_CREDITS", "two")
+    with pytest.raises(ValueError, match=r"\$SPARCOLL_CREDITS must be an integer, got 'two'"):
+        Options.resolve()
+    monkeypatch.setenv("SPARCOLL_CREDITS", "3")
+    monkeypatch.setenv("SPARCOLL_AGGREGATORS", " a:1, b:2 ,")
+    options = Options.resolve()
+    assert options.credits == 3 and options.aggregators == ("a:1", "b:2")
+    assert Options.resolve(credits=5).credits == 5        # an argument beats the environment
+
+
+def test_the_same_values_from_a_peer_are_protocol_errors():
+    bad = wire.JobConfig(world=2, num_aggs=1, streams=65, credits=2, message_blocks=64)
+    hello = wire.Hello(1, 0, 0, bad, os.urandom(wire.NONCE_BYTES))
+    with pytest.raises(ValueError, match="streams=65"):
+        bad.check()
+    with pytest.raises(ProtocolError, match="streams=65"):
+        wire.Hello.decode(hello.encode())
+
+
+def test_message_size_policy_follows_the_observed_rate():
+    kib = 256 * 4
+    policy = MessageSizePolicy(limit=2048)
+    assert policy.blocks(kib) == 2048                     # nothing measured yet: the limit
+    policy.observe(ADAPT_MIN_BYTES - 1, 1.0)              # too little to say anything
+    assert policy.rate is None and policy.blocks(kib) == 2048
+    policy.observe(110_000_000, 1.0)                      # about 1 Gbit/s
+    assert policy.blocks(kib) == 256
+    assert policy.blocks(2 * kib) == 256                  # never below limit / 8
+    policy.observe(2_000_000_000, 1.0)                    # loopback-like
+    assert policy.blocks(kib) == 2048
+    policy.observe(ADAPT_MIN_BYTES, 0.0)                  # an instant collective: no division error
+    assert policy.blocks(kib) == 2048
