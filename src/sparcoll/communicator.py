@@ -15,10 +15,11 @@ import torch
 from . import transport, wire
 from .aggregator import AggregatorServer, LocalWorker
 from .bootstrap import Rendezvous, local_host
+from .collective import WorkerCollective
 from .engine import Engine, Work
 from .errors import SparcollError
 from .options import Options
-from .worker import WorkerCollective, WorkerJob
+from .worker import WorkerJob
 
 __all__ = ["Communicator", "Stats", "Work"]
 

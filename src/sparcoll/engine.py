@@ -23,9 +23,10 @@ from typing import Callable
 
 import torch
 
+from .collective import WorkerCollective
 from .errors import CollectiveTimeout, PoisonedError, SparcollError
 from .lifecycle import Lifecycle
-from .worker import WorkerCollective, WorkerJob
+from .worker import WorkerJob
 
 log = logging.getLogger("sparcoll")
 

@@ -1,0 +1,117 @@
+"""A collective's state on the worker: its tensor seen as blocks, its streams, and where it is.
+
+A collective moves through named states, changed only by `WorkerCollective`'s methods:
+  QUEUED -> STREAMING    the engine starts it: scan, first sends
+  STREAMING -> DRAINING  every range has its results; the own aggregator may still be sending peers
+                         sums from the tensor (leases out on it, see lease.py)
+  DRAINING -> DONE       every lease on the tensor is back
+  QUEUED | STREAMING | DRAINING -> FAILED   an error, a peer's report, or the deadline
+"""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+
+import torch
+
+from .blocks import BlockTensor, CompactBlocks, SparseBlocks, StagedBlocks
+from .errors import CollectiveTimeout
+from .lease import Loans
+from .lifecycle import Lifecycle
+from .protocol import WorkerStream
+
+
+class CollectiveState(enum.Enum):
+    QUEUED = "queued"
+    STREAMING = "streaming"
+    DRAINING = "draining"
+    DONE = "done"
+    FAILED = "failed"
+
+
+_MOVES = {
+    CollectiveState.QUEUED: frozenset({CollectiveState.STREAMING, CollectiveState.FAILED}),
+    CollectiveState.STREAMING: frozenset({CollectiveState.DRAINING, CollectiveState.FAILED}),
+    CollectiveState.DRAINING: frozenset({CollectiveState.DONE, CollectiveState.FAILED}),
+}
+
+
+class WorkerCollective:
+    """Worker-side state of one allreduce: of a dense tensor (in place) or of a sparse COO tensor."""
+
+    def __init__(self, cid: int, tensor: torch.Tensor, descriptor: tuple, timeout: float):
+        self.id = cid
+        self.tensor = tensor            # the input; for a COO tensor, replaced by the result
+        self.sparse = tensor.layout == torch.sparse_coo
+        self.descriptor = descriptor
+        self.timeout = timeout
+        self.streams: dict[tuple[int, int], WorkerStream | None] = {}   # None: not started yet
+        self.stream_locks: dict[tuple[int, int], threading.Lock] = {}
+        self.blocks: BlockTensor | CompactBlocks | None = None
+        self.lock = threading.Lock()
+        self.state = Lifecycle(f"allreduce {cid}", CollectiveState.QUEUED, _MOVES)
+        self.remaining = 0              # ranges still waiting for results
+        self.settled = threading.Event()    # left STREAMING
+        self.error: BaseException | None = None
+        # The tensor lent to the own aggregator (it may read or sum into it, and send peers sums
+        # from it): the collective is DONE only once every lease is back.
+        self.loans = Loans()
+
+    def start(self, block_size: int, ranges: list) -> None:
+        """QUEUED -> STREAMING: find the non-zero blocks (the stored entries of a COO tensor; a scan
+        in place for a contiguous CPU tensor; a scan where it lives, then a copy of the non-zero
+        blocks, otherwise) and make room for every range's stream."""
+        with self.lock:
+            self.state.move(CollectiveState.STREAMING)
+        t = self.tensor
+        if self.sparse:
+            self.blocks = SparseBlocks(t, block_size)
+        elif t.device.type == "cpu" and t.is_contiguous():
+            self.blocks = BlockTensor(t.view(-1), block_size)
+        else:
+            self.blocks = StagedBlocks(t, block_size)
+        for agg, stream, _, _ in ranges:    # every key now: other threads iterate this dict
+            self.streams[agg, stream] = None
+            self.stream_locks[agg, stream] = threading.Lock()
+        self.remaining = len(ranges)
+
+    def fail(self, error: BaseException) -> None:
+        """Fail it with `error`, unless it already has all its results (a late report changes
+        nothing) or failed before."""
+        with self.lock:
+            if self.state.is_(CollectiveState.QUEUED, CollectiveState.STREAMING):
+                self.error = error
+                self.state.move(CollectiveState.FAILED)
+        self.settled.set()
+
+    def stream_done(self) -> None:
+        """One more range has all its results; after the last, STREAMING -> DRAINING."""
+        with self.lock:
+            self.remaining -= 1
+            if self.remaining or not self.state.is_(CollectiveState.STREAMING):
+                return
+            result = self.blocks.finish()
+            if self.sparse:
+                self.tensor = result
+            self.state.move(CollectiveState.DRAINING)
+        self.settled.set()
+
+    def drain(self, deadline: float, rank: int) -> None:
+        """DRAINING -> DONE once every lease on the tensor is back, or FAILED at the deadline.
+        (After a failure the aggregator dropped the collective and its peers fail it too.)"""
+        if not self.state.is_(CollectiveState.DRAINING):
+            return
+        back = self.loans.wait(max(0.0, deadline - time.monotonic()))
+        with self.lock:
+            if back:
+                self.state.move(CollectiveState.DONE)
+            else:
+                self.error = CollectiveTimeout(
+                    f"rank {rank}: allreduce {self.id}: its aggregator could not send the "
+                    f"results to every peer within {self.timeout:g} s")
+                self.state.move(CollectiveState.FAILED)
+
+    def unfinished(self, agg: int) -> bool:
+        """Whether a range of aggregator `agg` still waits for results."""
+        return any(ws is None or not ws.done for (a, _), ws in self.streams.items() if a == agg)
