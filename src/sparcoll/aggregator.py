@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import transport, wire
-from .blocks import as_bytes
+from .blocks import as_bytes, block_count
 from .errors import MismatchError, PeerError, ProtocolError, SparcollError
 from .lease import Lease, give_back
 from .protocol import AggregatorStream, Geometry, Result
@@ -92,7 +92,7 @@ class CollectiveShard:
         numel, block_size, dtype_code, op = descriptor
         dtype, acc = wire.DTYPES[dtype_code]
         config = job.config
-        geometry = Geometry(wire.block_count(numel, block_size), config.num_aggs, config.streams)
+        geometry = Geometry(block_count(numel, block_size), config.num_aggs, config.streams)
         self.descriptor = descriptor
         self.lock = threading.Lock()
         self.streams = [AggregatorStream(*geometry.range(job.agg_index, s), config.world, descriptor,

@@ -10,9 +10,13 @@ import threading
 import numpy as np
 import torch
 
-
 SCAN_ROWS = 1024      # rows per scan chunk: the comparison's scratch stays in cache
 _scratch = threading.local()
+
+
+def block_count(numel: int, block_size: int) -> int:
+    """Blocks of `block_size` elements that hold `numel` elements (the last one may be partial)."""
+    return -(-numel // block_size)
 
 
 def nonzero_mask(rows: torch.Tensor) -> np.ndarray:
@@ -83,7 +87,7 @@ class BlockTensor:
         self.dtype = flat.dtype
         self.block_size = block_size
         self.full = flat.numel() // block_size
-        self.nblocks = -(-flat.numel() // block_size)
+        self.nblocks = block_count(flat.numel(), block_size)
         self.rows = flat[: self.full * block_size].view(self.full, block_size)
         self.tail = None
         if self.nblocks > self.full:
@@ -165,7 +169,7 @@ class CompactBlocks:
         self.indices, self.data = indices, data
         self.dtype, self.block_size = data.dtype, block_size
         self.numel = numel
-        self.nblocks = -(-numel // block_size)
+        self.nblocks = block_count(numel, block_size)
         self._results: list[tuple[np.ndarray, torch.Tensor]] = []
 
     def nonzero(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
@@ -219,7 +223,7 @@ class StagedBlocks(CompactBlocks):
 
     def __init__(self, tensor: torch.Tensor, block_size: int):
         numel = tensor.numel()
-        nblocks = -(-numel // block_size)
+        nblocks = block_count(numel, block_size)
         padded = torch.zeros(nblocks, block_size, dtype=tensor.dtype, device=tensor.device)
         padded.view(-1)[:numel] = tensor.reshape(-1)
         indices = np.flatnonzero(nonzero_mask(padded))

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .blocks import block_count
 from .errors import (AuthenticationError, MismatchError, PeerError, ProtocolError,
                      SparcollError)
 
@@ -81,9 +82,6 @@ def code_of(exc: BaseException) -> ErrorCode:
     return ErrorCode.GENERIC
 
 
-def block_count(numel: int, block_size: int) -> int:
-    """Blocks of `block_size` elements that hold `numel` elements (the last one may be partial)."""
-    return -(-numel // block_size)
 
 
 # dtype code -> (torch dtype, accumulation dtype). Half types accumulate in float32.

@@ -18,7 +18,7 @@ import torch
 
 from . import transport, wire
 from .aggregator import AggregatorJob, AggregatorServer
-from .blocks import as_bytes, runs
+from .blocks import as_bytes, block_count, runs
 from .collective import WorkerCollective
 from .errors import CollectiveTimeout, PeerError, ProtocolError, SparcollError
 from .lease import give_back
@@ -87,7 +87,7 @@ class WorkerJob:
     def run(self, coll: WorkerCollective) -> BaseException | None:
         """Run one collective to its end; returns its error (None: done)."""
         start, received = time.monotonic(), self.bytes_received()
-        geometry = Geometry(wire.block_count(coll.descriptor[0], self.block_size),
+        geometry = Geometry(block_count(coll.descriptor[0], self.block_size),
                             self.config.num_aggs, self.config.streams)
         # Remote ranges first, the own aggregator's last: a range's messages travel while the next
         # range is scanned, and peers' aggregators get this rank's blocks as early as possible.
