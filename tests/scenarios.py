@@ -1,13 +1,17 @@
 """Collectives run inside spawned ranks. Every rank rebuilds every rank's input from seeds, so each can
-compute the dense reference (and the expected traffic) independently of sparcoll."""
+compute the dense reference (and the expected traffic) independently of sparcoll. The DDP cases at the
+end (test_torch_backend.py, test_hooks.py) compare DDP on a rank's slice of each batch with a
+single-process model trained on the whole batch."""
 from __future__ import annotations
 
+import copy
 import math
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
@@ -279,11 +283,12 @@ def run_interrupted(rank: int, world: int) -> dict:
                 outcome["interrupted"] = ("KeyboardInterrupt", "", time.monotonic() - start)
             finally:
                 signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                store.set("interrupted/0", "1")
             # Stay in the job until rank 1 has its answer: it must come from the interruption,
             # not from this rank leaving.
             store.wait(["interrupted/1"], timedelta(seconds=30))
         else:
-            time.sleep(1.5)
+            store.wait(["interrupted/0"], timedelta(seconds=30))   # call only after rank 0's is over
             outcome["interrupted"] = _expect_error(lambda: comm.allreduce(torch.ones(1 << 16)),
                                                    (sparcoll.SparcollError,), 20)
             store.set("interrupted/1", "1")
@@ -295,15 +300,17 @@ def run_interrupted(rank: int, world: int) -> dict:
 def run_blocking_call_in_done_callback(rank: int, world: int) -> dict:
     """A done-callback (it runs on the engine thread) makes a blocking allreduce while another
     collective is still queued: the engine thread serves the queue in order instead of waiting for
-    itself. Rank 1 starts late, so rank 0's callback surely runs on its engine thread."""
+    itself. Rank 1 starts only once rank 0 has added its callback, so rank 0's first collective
+    cannot have finished by then and its callback surely runs on its engine thread."""
     import threading
 
     import sparcoll
 
     outcome = {}
+    store = dist.distributed_c10d._get_default_store()
     with sparcoll.init(timeout=20) as comm:
         if rank == 1:
-            time.sleep(0.5)
+            store.wait(["callback-added/0"], timedelta(seconds=30))
         first = comm.allreduce(torch.ones(100_000), async_op=True)
         second = comm.allreduce(torch.full((3000,), 2.0), async_op=True)
 
@@ -311,6 +318,8 @@ def run_blocking_call_in_done_callback(rank: int, world: int) -> dict:
             outcome["thread"] = threading.current_thread().name
             outcome["inner"] = float(comm.allreduce(torch.full((5000,), float(rank + 1))).max())
         first.add_done_callback(callback)
+        if rank == 0:
+            store.set("callback-added/0", "1")
         outcome["first"] = float(first.wait(30).min())
         outcome["second"] = float(second.wait(30).min())
         deadline = time.monotonic() + 30
@@ -347,3 +356,97 @@ def run_coo(rank: int, world: int, cases) -> dict:
                 blocks_sent=comm.stats.blocks_sent - before,
                 max_blocks=touched * (-(-math.prod(shape[1:]) // 256) + 1))
     return outcome
+
+
+# ---- DDP cases: a model, its global batches and DDP options ------------------------------------
+DDP_STEPS = 4
+DDP_ROWS = 6          # per rank and step
+DDP_TOLERANCE = 1e-5
+
+
+class Embedded(nn.Module):
+    """Embedding + linear; with a dense embedding most 256-element gradient blocks are zero."""
+
+    def __init__(self, sparse: bool):
+        super().__init__()
+        self.embedding = nn.Embedding(600, 8, sparse=sparse)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.out(self.embedding(ids).sum(1)).squeeze(1)
+
+
+class WithUnused(nn.Module):
+    """A branch that takes no part in the loss: DDP needs find_unused_parameters=True."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(8, 1)
+        self.unused = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.used(x).squeeze(1)
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1),
+                         nn.Flatten(0))
+
+
+def dense_inputs(g, n):
+    return torch.randn(n, 8, generator=g)
+
+
+def id_inputs(g, n):
+    return torch.randint(0, 600, (n, 3), generator=g)
+
+
+DDP_CASES = {   # name: (model factory, input factory, DDP options)
+    "dense-mlp": (mlp, dense_inputs, {}),
+    "dense-embedding": (lambda: Embedded(sparse=False), id_inputs, {}),
+    "sparse-embedding": (lambda: Embedded(sparse=True), id_inputs, {}),
+    "many-buckets": (mlp, dense_inputs, {"bucket_cap_mb": 0.002}),
+    "unused-parameters": (WithUnused, dense_inputs, {"find_unused_parameters": True}),
+}
+
+
+def global_batch(case: str, step: int, world: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    inputs = DDP_CASES[case][1](g, DDP_ROWS * world)
+    return inputs, torch.randn(DDP_ROWS * world, generator=g)
+
+
+def ddp_error_vs_reference(rank: int, world: int, case: str, wrap) -> float:
+    """Train `case` for DDP_STEPS steps with DDP (made by wrap(model, ddp_options)) on this rank's
+    slice of each global batch, and a single-process copy on the whole batch; the largest parameter
+    difference seen after any step, relative to the parameter's scale (at least 1)."""
+    make_model, _, options = DDP_CASES[case]
+    torch.manual_seed(0)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    ddp = wrap(model, options)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
+    rows = slice(rank * DDP_ROWS, (rank + 1) * DDP_ROWS)
+    worst = 0.0
+    for step in range(DDP_STEPS):
+        inputs, targets = global_batch(case, step, world)
+        for net, x, y, opt in ((ddp, inputs[rows], targets[rows], optimizers[0]),
+                               (reference, inputs, targets, optimizers[1])):
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+        worst = max(worst, max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item()
+                               for a, b in zip(model.parameters(), reference.parameters())))
+    return worst
+
+
+def all_cases_vs_reference(rank: int, world: int, wrap) -> dict:
+    return {case: ddp_error_vs_reference(rank, world, case, wrap) for case in DDP_CASES}
+
+
+def assert_all_match(outcomes: list[dict]) -> None:
+    """(In the test's process) every rank ran every DDP case within DDP_TOLERANCE of its reference."""
+    for rank, errors in enumerate(outcomes):
+        assert set(errors) == set(DDP_CASES)
+        for case, error in errors.items():
+            assert error < DDP_TOLERANCE, (rank, case, error)

@@ -1,5 +1,6 @@
-"""Small waits and launches several test files need: polling with a deadline, a function on a few
-threads, a dedicated aggregator process."""
+"""Plain helpers several test files need: polling with a deadline, a function on a few threads, a
+dedicated aggregator process, block-sparse test data. (Fixtures are in conftest.py; what spawned ranks
+run is in scenarios.py.)"""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,9 @@ import subprocess
 import sys
 import threading
 import time
+
+import numpy as np
+import torch
 
 
 def wait_for(predicate, limit: float = 5.0) -> bool:
@@ -60,3 +64,13 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def block_sparse(rng: torch.Generator, nblocks, block_size, density):
+    """Integer-valued data (sums are exact in any order) with a random set of non-zero blocks; the
+    data, shape (nblocks, block_size), and the indices of its non-zero blocks."""
+    data = torch.randint(-4, 5, (nblocks, block_size), generator=rng).float()
+    data[data == 0] = 1.0
+    keep = torch.rand(nblocks, generator=rng) < density
+    data[~keep] = 0.0
+    return data, np.flatnonzero(keep.numpy())

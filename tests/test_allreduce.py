@@ -6,21 +6,8 @@ import pytest
 
 import scenarios
 from ranks import run_ranks
-from support import start_aggregator, stop
 
 TIMEOUT = 240
-
-
-@pytest.fixture(scope="module")
-def dedicated():
-    procs = []
-    try:
-        for _ in range(2):
-            procs.append(start_aggregator())
-        yield [address for _, address in procs]
-    finally:
-        for proc, _ in procs:
-            stop(proc)
 
 
 def check_outcome(outcomes, cases):
@@ -47,21 +34,21 @@ def test_colocated_small_blocks_many_messages_and_streams():
     check_outcome(outcomes, cases)
 
 
-def test_dedicated_aggregators_via_environment(dedicated):
+def test_dedicated_aggregators_via_environment(dedicated_processes):
     cases = scenarios.correctness_cases(2)[::2]
     outcomes = run_ranks(scenarios.run_correctness, 2, timeout=TIMEOUT, cases=cases,
-                         env={"SPARCOLL_AGGREGATORS": ",".join(dedicated)})
+                         env={"SPARCOLL_AGGREGATORS": ",".join(dedicated_processes)})
     check_outcome(outcomes, cases)
 
 
-def test_dedicated_aggregator_serves_two_jobs_at_once(dedicated):
+def test_dedicated_aggregator_serves_two_jobs_at_once(dedicated_processes):
     cases = scenarios.correctness_cases(2)[1::4]
     results, errors = {}, []
 
     def job(name, world):
         try:
             results[name] = run_ranks(scenarios.run_correctness, world, timeout=TIMEOUT,
-                                      cases=cases, aggregators=dedicated)
+                                      cases=cases, aggregators=dedicated_processes)
         except BaseException as exc:   # reported below, in the test's thread
             errors.append(exc)
 
@@ -148,11 +135,14 @@ def test_blocking_allreduce_inside_a_done_callback_with_work_queued():
         assert (outcome["first"], outcome["second"], outcome.get("inner")) == (2.0, 4.0, 3.0), outcome
 
 
+UNREACHABLE_TIMEOUT = 2.0
+
+
 def _unreachable(rank, world, address):
     import sparcoll
     start = time.monotonic()
     try:
-        sparcoll.init(aggregators=[address], timeout=2)
+        sparcoll.init(aggregators=[address], timeout=UNREACHABLE_TIMEOUT)
     except sparcoll.CollectiveTimeout as exc:
         return str(exc), time.monotonic() - start
     return "no error", time.monotonic() - start
@@ -164,7 +154,8 @@ def test_unreachable_dedicated_aggregator_fails_within_timeout():
         s.bind(("127.0.0.1", 0))
         address = "127.0.0.1:%d" % s.getsockname()[1]
     (text, elapsed), = run_ranks(_unreachable, 1, timeout=60, address=address)
-    assert address in text and elapsed < 6
+    # Its own 2 s deadline, not the 60 s default: a bound loose enough for a loaded machine.
+    assert address in text and elapsed < 10 * UNREACHABLE_TIMEOUT, (text, elapsed)
 
 
 def test_sparse_coo_allreduce_without_densifying():
@@ -182,7 +173,7 @@ def test_sparse_coo_allreduce_without_densifying():
 
 
 def test_message_size_fits_the_measured_link_rate():
-    from sparcoll.communicator import MESSAGE_SECONDS, fit_message_blocks
+    from sparcoll.message_size import MESSAGE_SECONDS, fit_message_blocks
     kib = 1024
     # A 1 Gbit/s link (at most 125 MB/s) gets 256 KiB messages, loopback-like rates the limit.
     assert fit_message_blocks(110e6, kib, 2048) == 256

@@ -8,7 +8,10 @@ import pytest
 import sparcoll
 import sparcoll.torch
 from ranks import run_ranks
-from test_torch_backend import TIMEOUT, WORLD, all_cases_vs_reference, assert_all_match, mlp
+from scenarios import all_cases_vs_reference, assert_all_match, mlp
+
+TIMEOUT = 90
+WORLD = 2
 
 
 class FakeBucket:

@@ -7,8 +7,9 @@ from collections import Counter
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from sparcoll.protocol import AggregatorStream, Geometry, WorkerStream
-from test_protocol import block_sparse
+from sparcoll.lossy import LossyAggregatorStream, LossyWorkerStream
+from sparcoll.protocol import Geometry
+from support import block_sparse
 
 MAX_EVENTS = 200_000
 
@@ -21,11 +22,11 @@ def run_lossy(inputs, nonzero, num_aggs, message_blocks, credits, loss, duplicat
     outputs = [torch.zeros_like(x) for x in inputs]
     aggs, wss = {}, {}
     for agg, _, lo, hi in Geometry(nblocks, num_aggs, 1).ranges():
-        aggs[agg] = AggregatorStream(lo, hi, workers, descriptor, torch.float32, torch.float32,
-                                     False, message_blocks, credits, lossy=True)
+        aggs[agg] = LossyAggregatorStream(lo, hi, workers, descriptor, torch.float32,
+                                          torch.float32, False, message_blocks, credits)
         for w in range(workers):
             mine = nonzero[w][(nonzero[w] >= lo) & (nonzero[w] < hi)]
-            wss[w, agg] = WorkerStream(lo, hi, mine, message_blocks, credits, lossy=True)
+            wss[w, agg] = LossyWorkerStream(lo, hi, mine, message_blocks, credits)
     flight = []          # (destination kind, worker, aggregator, payload): any order, any loss
     counted = Counter()  # (worker, block) -> times the aggregator accumulated it
     written = Counter()  # (worker, block) -> times a result was applied at the worker

@@ -70,11 +70,12 @@ elif mode == "echo-client":
     s.sendall(sys.argv[4].encode())
     print(s.recv(1024).decode(), flush=True)
 elif mode == "recv":
-    # Accept n connections, read each to EOF; rate measured from first to last byte.
+    # Accept n connections, tell every sender to start, read each to EOF; reports the bytes and
+    # when the last one arrived.
     srv = listener(int(sys.argv[2]))
     n = int(sys.argv[3])
     lock = threading.Lock()
-    stats = {"first": None, "last": None, "bytes": 0, "per_conn": []}
+    stats = {"last": None, "bytes": 0, "per_conn": []}
     def drain(conn):
         conn.settimeout(10)
         buf = bytearray(1 << 16)
@@ -86,31 +87,34 @@ elif mode == "recv":
                 break
             got += k
             with lock:
-                if stats["first"] is None:
-                    stats["first"] = now
                 stats["last"] = now
         with lock:
             stats["bytes"] += got
             stats["per_conn"].append(got)
         conn.close()
+    conns = [srv.accept()[0] for _ in range(n)]
+    for conn in conns:   # all connected: the senders start together, however late one launched
+        conn.sendall(b"g")
     threads = []
-    for _ in range(n):
-        conn, _ = srv.accept()
+    for conn in conns:
         t = threading.Thread(target=drain, args=(conn,))
         t.start()
         threads.append(t)
     for t in threads:
         t.join(15)
-    seconds = stats["last"] - stats["first"]
-    print(json.dumps({"bytes": stats["bytes"], "seconds": seconds, "per_conn": stats["per_conn"],
-                      "bps": stats["bytes"] * 8 / seconds}), flush=True)
+    print(json.dumps({"bytes": stats["bytes"], "last": stats["last"], "per_conn": stats["per_conn"]}),
+          flush=True)
 elif mode == "send":
+    # Reports when it started sending (CLOCK_MONOTONIC is one clock for every network namespace).
     s = connect(sys.argv[2], int(sys.argv[3]), time.monotonic() + 5)
     payload = memoryview(bytearray(int(sys.argv[4])))
+    assert s.recv(1) == b"g"  # the receiver's go
+    start = time.monotonic()
     s.sendall(payload)
     s.shutdown(socket.SHUT_WR)
     s.recv(1)  # wait for the receiver to close: all bytes delivered
     s.close()
+    print(start, flush=True)
 elif mode == "hold":
     # Create a network, report it, then sleep until killed. A shell that starts the suite in the
     # background ignores SIGINT, and children inherit that: restore Python's Ctrl-C handling.
@@ -324,21 +328,36 @@ def test_half_way_failure_cleans_up(monkeypatch):
 
 
 def _measure(net: EmulatedNetwork, senders: list[int], receiver: int, nbytes: int) -> dict:
+    """The receiver's rate from the moment the first sender started sending (before any byte could
+    pass the shaper) to the last byte's arrival. A late or slow receiver under load cannot make that
+    window shorter than the shaper allows, so the rate cannot come out above the shaped rate
+    (plus one burst)."""
     procs = []
     try:
         recv = net.popen(receiver, _helper("recv", PORT, len(senders)), stdout=subprocess.PIPE, text=True)
         procs.append(recv)
         assert _readline(recv, CHILD_TIMEOUT).strip() == "READY"
         for s in senders:
-            procs.append(net.popen(s, _helper("send", net.addresses[receiver], PORT, nbytes)))
+            procs.append(net.popen(s, _helper("send", net.addresses[receiver], PORT, nbytes),
+                                   stdout=subprocess.PIPE, text=True))
         out, _ = recv.communicate(timeout=CHILD_TIMEOUT)
+        starts = []
         for p in procs[1:]:
-            assert p.wait(timeout=CHILD_TIMEOUT) == 0
+            sent, _ = p.communicate(timeout=CHILD_TIMEOUT)
+            assert p.returncode == 0
+            starts.append(float(sent))
         result = json.loads(out)
         assert result["bytes"] == nbytes * len(senders)
+        result["seconds"] = result["last"] - min(starts)
+        result["bps"] = result["bytes"] * 8 / result["seconds"]
         return result
     finally:
         _kill(procs)
+
+
+# Above 1.3 the shaper lets too much through: that cannot race (see _measure). Below, only a loaded
+# machine or a far too low rate (a unit error, say) can bring it: so the lower bound is loose.
+LOWEST_RATIO = 0.1
 
 
 @needs_netem
@@ -347,7 +366,7 @@ def test_rate_limits_a_single_flow():
         result = _measure(net, senders=[0], receiver=1, nbytes=6_000_000)
     ratio = result["bps"] / net.rate_bps
     print(f"single flow at 100mbit: {result['bps'] / 1e6:.1f} Mbit/s ({ratio:.2f}x) in {result['seconds']:.3f} s")
-    assert 0.5 < ratio < 1.3, result
+    assert LOWEST_RATIO < ratio < 1.3, result
 
 
 @needs_netem
@@ -358,7 +377,7 @@ def test_incast_limited_by_receiver_downlink():
     ratio = result["bps"] / net.rate_bps
     print(f"2-to-1 incast at 100mbit: {result['bps'] / 1e6:.1f} Mbit/s total ({ratio:.2f}x) "
           f"in {result['seconds']:.3f} s, per flow {result['per_conn']}")
-    assert 0.5 < ratio < 1.3, result
+    assert LOWEST_RATIO < ratio < 1.3, result
 
 
 @needs_netem

@@ -9,15 +9,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 
 from sparcoll.errors import MismatchError, ProtocolError
 from sparcoll.protocol import AggregatorStream, Geometry, WorkerStream
-
-
-def block_sparse(rng: torch.Generator, nblocks, block_size, density):
-    """Integer-valued data (sums are exact in any order) with a random set of non-zero blocks."""
-    data = torch.randint(-4, 5, (nblocks, block_size), generator=rng).float()
-    data[data == 0] = 1.0
-    keep = torch.rand(nblocks, generator=rng) < density
-    data[~keep] = 0.0
-    return data, np.flatnonzero(keep.numpy())
+from support import block_sparse
 
 
 GARBAGE = 12345.0
@@ -30,16 +22,17 @@ def run_allreduce(inputs, nonzero, num_aggs, streams, message_blocks, credits, s
     `worker_blocks`: each worker's own message size (at most message_blocks), as workers that
     adapt their messages to the links they measure may differ. `reuse`: per worker, whether the
     aggregator may sum into its messages' memory. A buffer is overwritten with garbage the moment
-    its token is released (as a reused receive buffer would be), a result's token once every worker
-    has taken that result, so a buffer released while still read shows up as a wrong sum."""
+    its lease is given back (as a reused receive buffer would be), a result's lease once every
+    worker has taken that result, so a buffer given back while still read shows up as a wrong sum.
+    (The protocol only passes leases through: any object serves as one here.)"""
     workers = len(inputs)
     worker_blocks = worker_blocks or [message_blocks] * workers
     reuse = reuse or [0] * workers
     buffers, released, result_readers = {}, [], {}
 
-    def release(token):
-        released.append(token)
-        buffers[token].fill_(GARBAGE)
+    def release(lease):
+        released.append(lease)
+        buffers[lease].fill_(GARBAGE)
     nblocks, block_size = inputs[0].shape
     geometry = Geometry(nblocks, num_aggs, streams)
     descriptor = (nblocks * block_size, block_size, 0, int(average))
@@ -77,16 +70,16 @@ def run_allreduce(inputs, nonzero, num_aggs, streams, message_blocks, credits, s
             stream, seq, progress, idx, rows = msg
             sent[w].update(idx.tolist())
             a = astreams[agg, stream]
-            token = (w, agg, stream, seq)
-            buffers[token] = rows
-            step = a.on_contribution(w, seq, progress, descriptor, idx, rows, token,
+            lease = (w, agg, stream, seq)
+            buffers[lease] = rows
+            step = a.on_contribution(w, seq, progress, descriptor, idx, rows, lease,
                                      reuse=reuse[w])
-            for token in step.released:
-                release(token)
+            for lease in step.released:
+                release(lease)
             peak = max(peak, a.pending_blocks)
             if step.result is not None:
-                if step.result.token is not None:
-                    held = buffers[step.result.token]     # the sums live in that buffer
+                if step.result.lease is not None:
+                    held = buffers[step.result.lease]     # the sums live in that buffer
                     offset = step.result.rows.data_ptr() - held.data_ptr()
                     assert 0 <= offset <= held.numel() * held.element_size() - \
                         step.result.rows.numel() * step.result.rows.element_size()
@@ -97,10 +90,10 @@ def run_allreduce(inputs, nonzero, num_aggs, streams, message_blocks, credits, s
             stream, result = msg
             wstreams[w, agg, stream].on_result(result.seq, result.progress, result.indices)
             outputs[w][torch.from_numpy(result.indices)] = result.rows
-            if result.token is not None:
+            if result.lease is not None:
                 result_readers[id(result)] -= 1
                 if result_readers[id(result)] == 0:
-                    release(result.token)
+                    release(result.lease)
             post_sends(w, agg, stream)
     assert all(ws.done for ws in wstreams.values())
     assert all(a.done and a.pending_blocks == 0 for a in astreams.values())

@@ -1,112 +1,20 @@
 """The "sparcoll" torch.distributed backend on 2 spawned ranks: collectives against expected values,
-errors raised in the caller, and DDP on it against a single-process full-batch reference.
-
-The DDP cases and their reference are also used by test_hooks.py.
+errors raised in the caller, and DDP on it against a single-process full-batch reference (the DDP
+cases are in scenarios.py, shared with test_hooks.py).
 """
-import copy
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ranks import run_ranks
+from scenarios import all_cases_vs_reference, assert_all_match, mlp
 
 TIMEOUT = 90
 WORLD = 2
-STEPS = 4
-ROWS = 6          # per rank and step
-TOLERANCE = 1e-5
-
-
-# ---- DDP cases: a model, its global batches and DDP options ------------------------------------
-class Embedded(nn.Module):
-    """Embedding + linear; with a dense embedding most 256-element gradient blocks are zero."""
-
-    def __init__(self, sparse: bool):
-        super().__init__()
-        self.embedding = nn.Embedding(600, 8, sparse=sparse)
-        self.out = nn.Linear(8, 1)
-
-    def forward(self, ids):
-        return self.out(self.embedding(ids).sum(1)).squeeze(1)
-
-
-class WithUnused(nn.Module):
-    """A branch that takes no part in the loss: DDP needs find_unused_parameters=True."""
-
-    def __init__(self):
-        super().__init__()
-        self.used = nn.Linear(8, 1)
-        self.unused = nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.used(x).squeeze(1)
-
-
-def mlp():
-    return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1),
-                         nn.Flatten(0))
-
-
-def dense_inputs(g, n):
-    return torch.randn(n, 8, generator=g)
-
-
-def id_inputs(g, n):
-    return torch.randint(0, 600, (n, 3), generator=g)
-
-
-CASES = {   # name: (model factory, input factory, DDP options)
-    "dense-mlp": (mlp, dense_inputs, {}),
-    "dense-embedding": (lambda: Embedded(sparse=False), id_inputs, {}),
-    "sparse-embedding": (lambda: Embedded(sparse=True), id_inputs, {}),
-    "many-buckets": (mlp, dense_inputs, {"bucket_cap_mb": 0.002}),
-    "unused-parameters": (WithUnused, dense_inputs, {"find_unused_parameters": True}),
-}
-
-
-def global_batch(case: str, step: int):
-    g = torch.Generator().manual_seed(1000 + step)
-    inputs = CASES[case][1](g, ROWS * WORLD)
-    return inputs, torch.randn(ROWS * WORLD, generator=g)
-
-
-def ddp_error_vs_reference(rank: int, world: int, case: str, wrap) -> float:
-    """Train `case` for STEPS steps with DDP (made by wrap(model, ddp_options)) on this rank's slice
-    of each global batch, and a single-process copy on the whole batch; the largest parameter
-    difference seen after any step, relative to the parameter's scale (at least 1)."""
-    make_model, _, options = CASES[case]
-    torch.manual_seed(0)
-    model = make_model()
-    reference = copy.deepcopy(model)
-    ddp = wrap(model, options)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
-    rows = slice(rank * ROWS, (rank + 1) * ROWS)
-    worst = 0.0
-    for step in range(STEPS):
-        inputs, targets = global_batch(case, step)
-        for net, x, y, opt in ((ddp, inputs[rows], targets[rows], optimizers[0]),
-                               (reference, inputs, targets, optimizers[1])):
-            opt.zero_grad()
-            nn.functional.mse_loss(net(x), y).backward()
-            opt.step()
-        worst = max(worst, max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item()
-                               for a, b in zip(model.parameters(), reference.parameters())))
-    return worst
-
-
-def all_cases_vs_reference(rank: int, world: int, wrap) -> dict:
-    return {case: ddp_error_vs_reference(rank, world, case, wrap) for case in CASES}
-
-
-def assert_all_match(outcomes: list[dict]) -> None:
-    for rank, errors in enumerate(outcomes):
-        assert set(errors) == set(CASES)
-        for case, error in errors.items():
-            assert error < TOLERANCE, (rank, case, error)
+LATE = 1.0        # seconds rank 1 comes late to the barrier
 
 
 # ---- rank bodies -------------------------------------------------------------------------------
@@ -172,11 +80,18 @@ def collectives(rank: int, world: int) -> dict:
     work = dist.all_reduce(torch.ones(10), group=pg, async_op=True)
     work.wait()
     out["async_future"] = work.get_future().value()[0].tolist()
-    if rank == 1:
-        time.sleep(1.0)
-    start = time.monotonic()
-    dist.barrier(group=pg)
-    out["barrier_waited"] = time.monotonic() - start
+    # Rank 1 comes to the barrier LATE seconds after rank 0 is known to have started waiting (the
+    # default group's Store tells it so): rank 0's barrier cannot return sooner, however loaded.
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        start = time.monotonic()
+        store.set("barrier/0-waiting", "1")
+        dist.barrier(group=pg)
+        out["barrier_waited"] = time.monotonic() - start
+    else:
+        store.wait(["barrier/0-waiting"], timedelta(seconds=60))
+        time.sleep(LATE)
+        dist.barrier(group=pg)
     dist.destroy_process_group(pg)
     return out
 
@@ -235,7 +150,7 @@ def test_collectives_against_expected_values():
         assert out["all_gather_into_tensor"] == [0.0, 0.0, 1.0, 1.0]
         assert out["reduce_scatter_tensor"] == [[1.0, 3.0], [5.0, 7.0]][rank]
         assert out["async_future"] == [2.0] * 10
-    assert outcomes[0]["barrier_waited"] > 0.5     # rank 1 came to the barrier 1 s late
+    assert outcomes[0]["barrier_waited"] >= LATE     # rank 1 came to the barrier LATE s late
 
 
 def test_mismatched_all_reduce_raises_in_every_caller():

@@ -1,6 +1,7 @@
 """Connection.send: written inline when nothing is queued, the rest by the sender thread. Messages from
-several threads must arrive whole and in each thread's order, and every `on_sent` must run exactly once,
-only after its bytes are written (a buffer scribbled over in `on_sent` must not reach the peer)."""
+several threads must arrive whole and in each thread's order, and every message's lease must come back
+exactly once, only after its bytes are written (a buffer scribbled over when its lease comes back must not
+reach the peer)."""
 import socket
 import struct
 import threading
@@ -10,6 +11,7 @@ import pytest
 
 from sparcoll import transport
 from sparcoll.errors import PeerError
+from sparcoll.lease import Lease
 from support import wait_for
 
 FRAME = struct.Struct("<IHI")     # payload bytes, thread, seq
@@ -60,7 +62,7 @@ def test_messages_from_threads_arrive_whole_in_order_and_released_after_writing(
                 released.append(1)
                 data.fill(255)        # the peer must never see this
                 header.fill(255)
-            conn.send([header, data], on_sent=scribble)
+            conn.send([header, data], lease=Lease(scribble))
     read = threading.Thread(target=reader, daemon=True)
     read.start()
     writers = [threading.Thread(target=writer, args=(t,), daemon=True) for t in range(threads)]
@@ -92,10 +94,10 @@ def test_broken_peer_fails_the_connection_and_releases_every_message():
     try:
         b.close()
         for _ in range(20):
-            conn.send([np.zeros(200_000, dtype=np.uint8)], on_sent=lambda: released.append(1))
+            conn.send([np.zeros(200_000, dtype=np.uint8)], lease=Lease(lambda: released.append(1)))
         assert wait_for(lambda: failures and len(released) == 20, 10), (failures, len(released))
         assert isinstance(failures[0], PeerError) and "test peer" in str(failures[0])
-        conn.send([np.zeros(10, dtype=np.uint8)], on_sent=lambda: released.append(1))
+        conn.send([np.zeros(10, dtype=np.uint8)], lease=Lease(lambda: released.append(1)))
         assert len(released) == 21      # a stopped connection releases at once
     finally:
         conn.close()
