@@ -75,9 +75,11 @@ def test_collective_states_from_queued_to_done():
     coll.start(256, RANGES)
     assert coll.state.state is CollectiveState.STREAMING and not coll.settled.is_set()
     lease = coll.loans.lend()               # the own aggregator still holds the tensor
-    coll.stream_done()
-    assert coll.state.state is CollectiveState.STREAMING
-    coll.stream_done()
+    assert coll.waiting_for() == [0, 1]
+    coll.stream_done((0, 0))
+    assert coll.state.state is CollectiveState.STREAMING and coll.waiting_for() == [1]
+    coll.stream_done((1, 0))
+    assert coll.waiting_for() == []
     assert coll.state.state is CollectiveState.DRAINING and coll.settled.is_set()
     coll.fail(PeerError("late report"))     # all results are in: a late report changes nothing
     assert coll.state.state is CollectiveState.DRAINING and coll.error is None
@@ -93,15 +95,15 @@ def test_collective_fails_once_and_drain_times_out_into_failed():
     coll.fail(first)
     coll.fail(second)
     assert coll.state.state is CollectiveState.FAILED and coll.error is first
-    coll.stream_done()
-    coll.stream_done()                      # results after a failure do not revive it
+    coll.stream_done((0, 0))
+    coll.stream_done((1, 0))                # results after a failure do not revive it
     assert coll.state.state is CollectiveState.FAILED
 
     stuck = collective(timeout=0.01)
     stuck.start(256, RANGES)
     stuck.loans.lend()                      # never given back
-    stuck.stream_done()
-    stuck.stream_done()
+    stuck.stream_done((0, 0))
+    stuck.stream_done((1, 0))
     stuck.drain(time.monotonic(), rank=3)
     assert stuck.state.state is CollectiveState.FAILED
     assert isinstance(stuck.error, CollectiveTimeout) and "rank 3" in str(stuck.error)
@@ -126,5 +128,5 @@ def test_sparse_collective_result_replaces_the_tensor():
     coll = WorkerCollective(1, coo, (1000, 256, 0, 0), 5.0)
     coll.start(256, [(0, 0, 0, 4)])
     assert np.array_equal(coll.blocks.nonzero(0, 4), [0, 2])
-    coll.stream_done()
+    coll.stream_done((0, 0))
     assert coll.tensor.layout == torch.sparse_coo and coll.tensor is not coo

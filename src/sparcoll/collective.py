@@ -52,6 +52,7 @@ class WorkerCollective:
         self.lock = threading.Lock()
         self.state = Lifecycle(f"allreduce {cid}", CollectiveState.QUEUED, _MOVES)
         self.remaining = 0              # ranges still waiting for results
+        self._finished: set[tuple[int, int]] = set()  # ranges whose last result's data is in
         self.settled = threading.Event()    # left STREAMING
         self.error: BaseException | None = None
         # The tensor lent to the own aggregator (it may read or sum into it, and send peers sums
@@ -85,9 +86,11 @@ class WorkerCollective:
                 self.state.move(CollectiveState.FAILED)
         self.settled.set()
 
-    def stream_done(self) -> None:
-        """One more range has all its results; after the last, STREAMING -> DRAINING."""
+    def stream_done(self, key: tuple[int, int]) -> None:
+        """Range `key` (aggregator, stream) has all its results, data included; after the last,
+        STREAMING -> DRAINING."""
         with self.lock:
+            self._finished.add(key)
             self.remaining -= 1
             if self.remaining or not self.state.is_(CollectiveState.STREAMING):
                 return
@@ -112,6 +115,9 @@ class WorkerCollective:
                     f"results to every peer within {self.timeout:g} s")
                 self.state.move(CollectiveState.FAILED)
 
-    def unfinished(self, agg: int) -> bool:
-        """Whether a range of aggregator `agg` still waits for results."""
-        return any(ws is None or not ws.done for (a, _), ws in self.streams.items() if a == agg)
+    def waiting_for(self) -> list[int]:
+        """The aggregators with a range still waiting for results (or for the data of its last
+        one: a stream is done once it accepted a result's header, before the data arrived)."""
+        with self.lock:
+            return sorted({agg for agg, stream in self.streams
+                           if (agg, stream) not in self._finished})

@@ -124,8 +124,7 @@ class WorkerJob:
         coll.drain(deadline, self.rank)
 
     def _describe_stall(self, coll: WorkerCollective) -> str:
-        waiting = sorted({agg for (agg, _), ws in coll.streams.items() if ws is None or not ws.done})
-        who = ", ".join(f"aggregator {a} at {self.addresses[a]}" for a in waiting)
+        who = ", ".join(f"aggregator {a} at {self.addresses[a]}" for a in coll.waiting_for())
         return (f"rank {self.rank}: allreduce {coll.id} not finished after {coll.timeout:g} s; "
                 f"still waiting for {who} (a peer may be dead, stuck, or calling other collectives)")
 
@@ -210,7 +209,7 @@ class WorkerJob:
                           (result.seq, result.progress, result.indices))
             coll.blocks.scatter(result.indices, result.rows)   # no copy when summed in place
             if ws.done:
-                coll.stream_done()
+                coll.stream_done((self.local_index, message.stream))
         except SparcollError as exc:
             coll.fail(exc)
 
@@ -233,7 +232,7 @@ class WorkerJob:
             f"connection to aggregator {agg} at {self.addresses[agg]} failed: {exc}")
         self._on_poison(error)
         coll = self._active
-        if coll is not None and coll.unfinished(agg):
+        if coll is not None and agg in coll.waiting_for():
             coll.fail(error)
 
     def fail_active(self, error: BaseException) -> None:
@@ -320,4 +319,4 @@ class _ResultPlacement:
             after(message.indices)
         self.conn.count(blocks_received=message.header.count)   # before the collective may end
         if coll.streams[self.agg, message.header.stream].done:
-            coll.stream_done()
+            coll.stream_done((self.agg, message.header.stream))
