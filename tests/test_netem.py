@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from sparcoll.bench import netem
+from sparcoll.bench import netns
 from sparcoll.bench.netem import (
     EmulatedNetwork,
     NetemError,
@@ -228,7 +228,7 @@ def test_constructor_rates_and_names():
 
 
 def test_unavailable_without_root(monkeypatch):
-    monkeypatch.setattr(netem.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     ok, reason = netem_available()
     assert not ok and "root" in reason and "--network none" in reason
     with pytest.raises(NetemUnavailable, match="--network none") as info:
@@ -237,7 +237,7 @@ def test_unavailable_without_root(monkeypatch):
 
 
 def test_unavailable_without_iproute2(monkeypatch):
-    monkeypatch.setattr(netem.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None)
     ok, reason = netem_available()
     assert not ok and "iproute2" in reason and "ip and tc not found" in reason
     with pytest.raises(NetemUnavailable, match="iproute2"):
@@ -309,14 +309,14 @@ def test_popen_children_stopped_at_teardown():
 
 @needs_netem
 def test_half_way_failure_cleans_up(monkeypatch):
-    real_run = netem._run
+    real_run = netns.run
 
-    def failing_run(argv, timeout=netem.COMMAND_TIMEOUT):
+    def failing_run(argv, timeout=netns.COMMAND_TIMEOUT):
         if argv[0] == "tc":  # the bridge and the first host exist by now
             return real_run(["tc", "qdisc", "add", "dev", "no-such-dev0", "root", "tbf"], timeout)
         return real_run(argv, timeout)
 
-    monkeypatch.setattr(netem, "_run", failing_run)
+    monkeypatch.setattr(netns, "run", failing_run)
     net = EmulatedNetwork(2, "1gbit", prefix=PREFIX)
     with pytest.raises(NetemError) as info:
         with net:
@@ -387,9 +387,9 @@ def test_cleanup_stale_spares_live_network():
         deleted = cleanup_stale(PREFIX)
         assert not names & set(deleted)
         assert names <= _netns_names()
-        assert os.path.exists(netem._owner_file(PREFIX, net.runid))
+        assert os.path.exists(netns.owner_file(PREFIX, net.runid))
     assert not names & _netns_names()
-    assert not os.path.exists(netem._owner_file(PREFIX, net.runid))
+    assert not os.path.exists(netns.owner_file(PREFIX, net.runid))
 
 
 def _start_holder() -> tuple[subprocess.Popen, list[str]]:
@@ -415,7 +415,7 @@ def test_cleanup_stale_removes_namespaces_of_killed_owner():
         assert set(names) <= set(deleted)
         assert not set(names) & _netns_names()
         runid = names[0][len(PREFIX) + 1 :].rpartition("-")[0]
-        assert not os.path.exists(netem._owner_file(PREFIX, runid))
+        assert not os.path.exists(netns.owner_file(PREFIX, runid))
     finally:
         _kill([proc])
         for n in set(names) & _netns_names():

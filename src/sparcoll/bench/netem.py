@@ -61,8 +61,6 @@ import math
 import os
 import re
 import secrets
-import shlex
-import shutil
 import signal
 import subprocess
 import threading
@@ -70,6 +68,9 @@ import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
+
+from sparcoll.bench import netns
+from sparcoll.bench.netns import NetemError, NetemUnavailable, cleanup_stale, netem_available
 
 __all__ = [
     "EmulatedNetwork",
@@ -81,28 +82,12 @@ __all__ = [
     "tbf_burst_bytes",
 ]
 
-#: Timeout (seconds) of every ``ip``/``tc`` invocation.
-COMMAND_TIMEOUT = 10.0
-#: Where owner records are kept (one JSON file per run).
-OWNER_DIR = "/run/sparcoll-netem"
 #: Interface name of the veth end inside each host namespace.
 HOST_INTERFACE = "eth0"
 BRIDGE_INTERFACE = "br0"
 #: tbf ``latency`` parameter (bounds the queue of each token bucket).
 TBF_LATENCY = "50ms"
 MAX_HOSTS = 254
-
-_NETNS_DIR = "/run/netns"
-_RUNID_RE = re.compile(r"^(\d+)x([0-9a-f]{6})$")
-_ROLE_RE = re.compile(r"^(br|h\d+)$")
-
-
-class NetemError(RuntimeError):
-    """An emulated-network operation failed (includes the command and its stderr)."""
-
-
-class NetemUnavailable(NetemError):
-    """Emulated networks cannot be used here (not root, or iproute2 missing)."""
 
 
 # --------------------------------------------------------------------------- rates
@@ -150,118 +135,6 @@ def parse_rate(rate: str | int) -> int:
 def tbf_burst_bytes(rate_bps: int) -> int:
     """Token-bucket size used for a link of ``rate_bps``: 8 ms of line rate, at least 128 KiB."""
     return max(math.ceil(rate_bps / 8 * 0.008), 128 * 1024)
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def netem_available() -> tuple[bool, str]:
-    """Whether :class:`EmulatedNetwork` can work here, and if not, why."""
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    problems = []
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        problems.append("not running as root")
-    if missing:
-        problems.append(f"{' and '.join(missing)} not found on PATH")
-    if problems:
-        return False, (
-            "an emulated network needs root and iproute2 (ip, tc): "
-            + "; ".join(problems)
-            + ". Use --network none (plain loopback) instead."
-        )
-    return True, ""
-
-
-def _run(argv: Sequence[str], timeout: float = COMMAND_TIMEOUT) -> str:
-    """Run a command with a timeout; raise NetemError naming it and its stderr on failure."""
-    argv = [str(a) for a in argv]
-    try:
-        cp = subprocess.run(
-            argv,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=True,
-            # Own session: a Ctrl-C in the terminal interrupts us (and we clean up),
-            # but does not kill an ip/tc command half-way.
-            start_new_session=True,
-        )
-    except subprocess.CalledProcessError as e:
-        raise NetemError(
-            f"command failed (exit status {e.returncode}): {shlex.join(argv)}\n"
-            f"stderr: {(e.stderr or '').strip() or '(empty)'}"
-        ) from e
-    except subprocess.TimeoutExpired as e:
-        raise NetemError(f"command timed out after {timeout:g} s: {shlex.join(argv)}") from e
-    except FileNotFoundError as e:
-        raise NetemUnavailable(
-            f"cannot run {argv[0]!r}: an emulated network needs root and iproute2 (ip, tc). "
-            "Use --network none (plain loopback) instead."
-        ) from e
-    return cp.stdout
-
-
-def _list_netns() -> list[str]:
-    out = _run(["ip", "netns", "list"])
-    # Lines look like "name" or "name (id: 3)".
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def _netns_exists(name: str) -> bool:
-    return os.path.exists(os.path.join(_NETNS_DIR, name))
-
-
-def _delete_netns(name: str) -> bool:
-    """Delete one namespace by name; True if it is gone afterwards.  Never raises."""
-    if not _netns_exists(name):
-        return True
-    try:
-        _run(["ip", "netns", "delete", name])
-    except Exception:
-        pass
-    return not _netns_exists(name)
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of a process, None if /proc has no entry."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return fields[0], int(fields[19])
-
-
-def _proc_starttime(pid: int) -> int | None:
-    st = _proc_stat(pid)
-    return None if st is None else st[1]
-
-
-def _pid_alive(pid: int, starttime: int | None = None) -> bool:
-    """Whether process ``pid`` (started at ``starttime``, if known) still runs."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    st = _proc_stat(pid)
-    if st is None:
-        return True  # kill(0) says it exists; /proc is not telling more
-    state, actual = st
-    if state in ("Z", "X"):
-        return False  # zombie: it will never clean up
-    if starttime is not None and actual != starttime:
-        return False  # the pid was reused by another process
-    return True
-
-
-def _owner_file(prefix: str, runid: str) -> str:
-    return os.path.join(OWNER_DIR, f"{prefix}-{runid}.json")
 
 
 # --------------------------------------------------------------------------- live registry
@@ -361,7 +234,7 @@ class EmulatedNetwork:
         self.namespaces = [f"{base}-h{i}" for i in range(hosts)]
         self.addresses = [f"10.77.{octet}.{i + 1}" for i in range(hosts)]
         self.interface = HOST_INTERFACE
-        self._owner_path = _owner_file(prefix, self.runid)
+        self._owner_path = netns.owner_file(prefix, self.runid)
         self._procs: list[subprocess.Popen] = []
         self._state = "new"  # new -> up -> closed
 
@@ -397,28 +270,28 @@ class EmulatedNetwork:
             self._write_owner_record()
             br = self.bridge_namespace
             step = f"creating the bridge namespace {br}"
-            _run(["ip", "netns", "add", br])
-            _run(["ip", "-n", br, "link", "set", "lo", "up"])
-            _run(["ip", "-n", br, "link", "add", BRIDGE_INTERFACE, "type", "bridge", "stp_state", "0"])
-            _run(["ip", "-n", br, "link", "set", BRIDGE_INTERFACE, "up"])
+            netns.run(["ip", "netns", "add", br])
+            netns.run(["ip", "-n", br, "link", "set", "lo", "up"])
+            netns.run(["ip", "-n", br, "link", "add", BRIDGE_INTERFACE, "type", "bridge", "stp_state", "0"])
+            netns.run(["ip", "-n", br, "link", "set", BRIDGE_INTERFACE, "up"])
             for i, ns in enumerate(self.namespaces):
                 step = f"creating host {i} ({ns})"
                 port = f"h{i}"
-                _run(["ip", "netns", "add", ns])
-                _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+                netns.run(["ip", "netns", "add", ns])
+                netns.run(["ip", "-n", ns, "link", "set", "lo", "up"])
                 # Created directly inside the namespaces: nothing ever appears in the root namespace.
-                _run(["ip", "-n", ns, "link", "add", HOST_INTERFACE, "type", "veth",
+                netns.run(["ip", "-n", ns, "link", "add", HOST_INTERFACE, "type", "veth",
                       "peer", "name", port, "netns", br])
-                _run(["ip", "-n", br, "link", "set", port, "master", BRIDGE_INTERFACE])
-                _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", HOST_INTERFACE])
+                netns.run(["ip", "-n", br, "link", "set", port, "master", BRIDGE_INTERFACE])
+                netns.run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", HOST_INTERFACE])
                 if self.rate_bps is not None:
                     step = f"shaping host {i} ({ns}) to {self.rate_bps} bit/s"
                     tbf = ["root", "tbf", "rate", f"{self.rate_bps}bit",
                            "burst", str(self.burst_bytes), "latency", TBF_LATENCY]
-                    _run(["tc", "-n", ns, "qdisc", "add", "dev", HOST_INTERFACE, *tbf])  # uplink
-                    _run(["tc", "-n", br, "qdisc", "add", "dev", port, *tbf])  # downlink
-                _run(["ip", "-n", br, "link", "set", port, "up"])
-                _run(["ip", "-n", ns, "link", "set", HOST_INTERFACE, "up"])
+                    netns.run(["tc", "-n", ns, "qdisc", "add", "dev", HOST_INTERFACE, *tbf])  # uplink
+                    netns.run(["tc", "-n", br, "qdisc", "add", "dev", port, *tbf])  # downlink
+                netns.run(["ip", "-n", br, "link", "set", port, "up"])
+                netns.run(["ip", "-n", ns, "link", "set", HOST_INTERFACE, "up"])
         except BaseException as e:
             self.close()
             if isinstance(e, NetemError):
@@ -437,7 +310,7 @@ class EmulatedNetwork:
         if self._state != "up" or os.getpid() != self._owner_pid:
             return
         self._stop_processes()
-        left = [ns for ns in self._all_namespaces() if not _delete_netns(ns)]
+        left = [ns for ns in self._all_namespaces() if not netns.delete_netns(ns)]
         if left:
             warnings.warn(
                 f"could not delete network namespaces {left}; remove them with "
@@ -454,10 +327,10 @@ class EmulatedNetwork:
         _LIVE.pop(id(self), None)
 
     def _write_owner_record(self) -> None:
-        os.makedirs(OWNER_DIR, exist_ok=True)
+        os.makedirs(netns.OWNER_DIR, exist_ok=True)
         record = {
             "pid": self._owner_pid,
-            "starttime": _proc_starttime(self._owner_pid),
+            "starttime": netns.proc_starttime(self._owner_pid),
             "runid": self.runid,
             "prefix": self.prefix,
             "namespaces": self._all_namespaces(),
@@ -512,85 +385,3 @@ class EmulatedNetwork:
 
 
 # --------------------------------------------------------------------------- stale cleanup
-
-
-def _parse_name(name: str, prefix: str) -> tuple[str, int] | None:
-    """(runid, owner pid) of a namespace name made by EmulatedNetwork with ``prefix``."""
-    head = f"{prefix}-"
-    if not name.startswith(head):
-        return None
-    runid, _, role = name[len(head) :].rpartition("-")
-    m = _RUNID_RE.match(runid)
-    if not m or not _ROLE_RE.match(role):
-        return None
-    return runid, int(m.group(1))
-
-
-def cleanup_stale(prefix: str = "sparcoll") -> list[str]:
-    """Delete leftover namespaces ``<prefix>-<pid>x<hex>-...`` whose owner process is dead.
-
-    The owner pid is read from the name; if the owner record under
-    ``/run/sparcoll-netem/`` exists, the pid's start time must also match (so a
-    recycled pid does not keep garbage alive).  Namespaces of live owners and
-    names that do not parse are never touched.  Returns the deleted names.
-    """
-    ok, reason = netem_available()
-    if not ok:
-        raise NetemUnavailable(reason)
-    deleted: list[str] = []
-    dead_runs: set[str] = set()
-    alive_cache: dict[str, bool] = {}
-    for name in _list_netns():
-        parsed = _parse_name(name, prefix)
-        if parsed is None:
-            continue
-        runid, pid = parsed
-        if runid not in alive_cache:
-            starttime = None
-            try:
-                with open(_owner_file(prefix, runid)) as f:
-                    record = json.load(f)
-                if record.get("pid") == pid:
-                    starttime = record.get("starttime")
-            except (OSError, ValueError):
-                pass
-            alive_cache[runid] = _pid_alive(pid, starttime)
-        if alive_cache[runid]:
-            continue
-        dead_runs.add(runid)
-        if _delete_netns(name):
-            deleted.append(name)
-    # Owner records of dead runs that have no namespace left.
-    remaining = _safe_list_netns()
-    try:
-        records = os.listdir(OWNER_DIR)
-    except OSError:
-        records = []
-    for fname in records:
-        if not (fname.startswith(f"{prefix}-") and fname.endswith(".json")):
-            continue
-        runid = fname[len(prefix) + 1 : -len(".json")]
-        m = _RUNID_RE.match(runid)
-        if not m or any(n.startswith(f"{prefix}-{runid}-") for n in remaining):
-            continue
-        path = os.path.join(OWNER_DIR, fname)
-        if runid not in dead_runs:
-            try:
-                with open(path) as f:
-                    starttime = json.load(f).get("starttime")
-            except (OSError, ValueError):
-                starttime = None
-            if _pid_alive(int(m.group(1)), starttime):
-                continue  # a live run that is still being set up, or has no namespace yet
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    return deleted
-
-
-def _safe_list_netns() -> list[str]:
-    try:
-        return _list_netns()
-    except NetemError:
-        return []
