@@ -393,10 +393,11 @@ def run_episode(spec: dict) -> dict:
             out["exitcodes"][f"agg{i}"] = p.exitcode
         out["seconds"] = EPISODE_LIMIT - (deadline - time.monotonic())
         out["addresses"] = {}
+        first = dist.PrefixStore("1", dist.PrefixStore("c1/", store))  # the first communicator's keys
         for rank in range(world):
-            key = f"c1/aggregator/{rank}"
-            if store.check([key]):
-                out["addresses"][rank] = store.get(key).decode()
+            key = f"aggregator/{rank}"
+            if first.check([key]):
+                out["addresses"][rank] = first.get(key).decode()
         return out
     finally:
         for p in list(procs.values()) + agg_procs:
@@ -729,8 +730,8 @@ def test_peer_that_gave_up_init_is_named_with_its_reason(store):
     with socket.socket() as probe:          # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         gone = f"127.0.0.1:{probe.getsockname()[1]}"
-    store.set("aggregator/1", gone)
-    store.set("init-failed/1", "MismatchError\nhandshake refused: message_blocks differ")
+    store.set("1/aggregator/1", gone)        # keys of the first communicator on this prefix
+    store.set("1/init-failed/1", "MismatchError\nhandshake refused: message_blocks differ")
     outcome = _outcome(lambda: Communicator(store, 0, 2, timeout=20.0).close())
     assert outcome[0] == "MismatchError", outcome
     assert "rank 1 gave up init" in outcome[1] and "message_blocks" in outcome[1], outcome

@@ -48,6 +48,8 @@ def ddp_on_default_sparcoll_group(rank: int, world: int) -> dict:
 
 
 def collectives(rank: int, world: int) -> dict:
+    import sparcoll.torch
+
     pg = sparcoll_group()
     out = {}
     t = torch.arange(1000.0) * (rank + 1)
@@ -80,6 +82,13 @@ def collectives(rank: int, world: int) -> dict:
     work = dist.all_reduce(torch.ones(10), group=pg, async_op=True)
     work.wait()
     out["async_future"] = work.get_future().value()[0].tolist()
+    # Logging code reduces a loss that requires grad: gloo allows it, so must the backend.
+    loss = (torch.ones(5, requires_grad=True) * (rank + 1)).sum()
+    dist.all_reduce(loss, group=pg)
+    out["loss"] = loss.item()
+    # torch's monitored_barrier refuses backends not named gloo; ours runs the inner gloo group's.
+    sparcoll.torch.monitored_barrier(pg, timedelta(seconds=30), wait_all_ranks=True)
+    out["monitored_barrier"] = True
     # Rank 1 comes to the barrier LATE seconds after rank 0 is known to have started waiting (the
     # default group's Store tells it so): rank 0's barrier cannot return sooner, however loaded.
     store = dist.distributed_c10d._get_default_store()
@@ -150,6 +159,7 @@ def test_collectives_against_expected_values():
         assert out["all_gather_into_tensor"] == [0.0, 0.0, 1.0, 1.0]
         assert out["reduce_scatter_tensor"] == [[1.0, 3.0], [5.0, 7.0]][rank]
         assert out["async_future"] == [2.0] * 10
+        assert out["loss"] == 15.0 and out["monitored_barrier"]
     assert outcomes[0]["barrier_waited"] >= LATE     # rank 1 came to the barrier LATE s late
 
 

@@ -35,6 +35,9 @@ def init(group=None, **options) -> Communicator:
     if not dist.is_initialized():
         raise SparcollError("call torch.distributed.init_process_group before sparcoll.init")
     group = group if group is not None else dist.group.WORLD
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the "
+                         f"group passed to sparcoll.init; only its members may call it")
     name = c10d._get_process_group_name(group)
     _inits_per_group[name] += 1
     store = dist.PrefixStore(f"sparcoll/{name}/{_inits_per_group[name]}/",

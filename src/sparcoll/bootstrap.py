@@ -1,18 +1,22 @@
 """Rendezvous through the torch.distributed Store: job identity, aggregator addresses, connections.
 
-Keys under the communicator's Store prefix:
-  job                 rank 0's random 64-bit job id and 32-byte job secret
-  aggregator/<rank>   host:port of a rank's colocated aggregator
-  init-failed/<rank>  why a rank gave up init (its aggregator is going away)
-  ready/<rank>        the rank connected to every aggregator
+Keys under the communicator's Store prefix, then under its generation G (a rank's n-th communicator
+on the same prefix has G = n: a re-created communicator never reads the keys of an earlier one):
+  generation/<rank>   how many communicators the rank created on this prefix (G)
+  G/job               rank 0's random 64-bit job id and 32-byte job secret
+  G/aggregator/<rank> host:port of a rank's colocated aggregator
+  G/init-failed/<rank>  why a rank gave up init (its aggregator is going away)
+  G/ready/<rank>      the rank connected to every aggregator
 """
 from __future__ import annotations
 
+import os
 import secrets
 import socket
-import os
 import time
 from datetime import timedelta
+
+import torch.distributed as dist
 
 from . import errors, transport, wire
 from .errors import CollectiveTimeout, PeerError, SparcollError
@@ -36,8 +40,10 @@ class Rendezvous:
     """One rank's steps of init, each bounded by one deadline."""
 
     def __init__(self, store, rank: int, world: int, timeout: float):
-        self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
+        self.rank, self.world, self.timeout = rank, world, timeout
         self.deadline = time.monotonic() + timeout
+        generation = store.add(f"generation/{rank}", 1)
+        self.store = dist.PrefixStore(str(generation), store)    # keys "<G>/..."
 
     def job(self) -> tuple[int, bytes]:
         """(job id, job secret), chosen by rank 0."""

@@ -65,7 +65,9 @@ class WorkerCollective:
         blocks, otherwise) and make room for every range's stream."""
         with self.lock:
             self.state.move(CollectiveState.STREAMING)
-        t = self.tensor
+        # Read and written through a view outside autograd (as gloo does): same memory, so the
+        # result still lands in the caller's tensor, also when it requires grad.
+        t = self.tensor.detach()
         if self.sparse:
             self.blocks = SparseBlocks(t, block_size)
         elif t.device.type == "cpu" and t.is_contiguous():

@@ -14,11 +14,12 @@ import torch
 
 from . import transport, wire
 from .aggregator import AggregatorServer, LocalWorker
+from .blocks import may_overlap
 from .bootstrap import Rendezvous, local_host
 from .collective import WorkerCollective
 from .engine import Engine, Work
 from .errors import SparcollError
-from .options import Options
+from .options import Options, check_timeout
 from .worker import WorkerJob
 
 __all__ = ["Communicator", "Stats", "Work"]
@@ -105,13 +106,15 @@ class Communicator:
             raise SparcollError("communicator is closed")
         cid = self._engine.next_id()
         try:    # a bad input is reported as such, poisoned communicator or not
+            if timeout is not None:
+                check_timeout(timeout)
             descriptor = self._describe(tensor, layout, op)
         except (TypeError, ValueError) as exc:
             self._engine.reject(cid, exc)
             raise
         self._engine.check_poison(cid)
         coll = WorkerCollective(cid, tensor, descriptor, self.timeout if timeout is None else timeout)
-        work = Work(tensor)
+        work = self._engine.new_work(coll, tensor)
         self._engine.submit(coll, work, async_op)
         return work if async_op else work.wait()
 
@@ -126,6 +129,10 @@ class Communicator:
                             + ", ".join(str(d) for d, _ in wire.DTYPES.values()))
         if tensor.device.type == "meta":
             raise ValueError(f"tensor on device {tensor.device} holds no data to reduce")
+        if tensor.layout == torch.strided and may_overlap(tensor):
+            raise ValueError(f"tensor of shape {tuple(tensor.shape)} and strides "
+                             f"{tuple(tensor.stride())} has elements that share memory (e.g. from "
+                             f"expand()); reduce a copy made with .contiguous() instead")
         op_name = op if isinstance(op, str) else getattr(op, "name", str(op)).lower()
         if op_name not in wire.OPS:
             raise ValueError(f"unsupported op {op!r}; supported: {', '.join(wire.OPS)}")

@@ -8,6 +8,11 @@ call collectives in one order; each gets the next id. Three ways a collective ru
   - a blocking call made from a done-callback on the engine thread serves the queue itself, in
     order, up to its own collective (nobody else would).
 
+Whatever a collective raises (a bug, a tensor the scan cannot read, a failing callback), the engine
+fails that collective with a SparcollError whose cause is the original, tells every aggregator so the
+peers raise too, poisons the communicator, and goes on: no exception ends the engine thread. Every
+Work's wait() has a deadline.
+
 The communicator moves through named states, changed only here:
   OPEN -> POISONED   a collective failed: every later one fails at once (PoisonedError)
   OPEN | POISONED -> CLOSED
@@ -18,6 +23,7 @@ import enum
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,28 +35,38 @@ from .lifecycle import Lifecycle
 from .worker import WorkerJob
 
 log = logging.getLogger("sparcoll")
+GRACE = 5.0     # seconds a Work may take beyond the deadlines of the collectives it waits for
 
 
 class Work:
-    """Handle of an asynchronous allreduce."""
+    """Handle of an asynchronous allreduce. `deadline` (time.monotonic()) bounds wait() without a
+    timeout: the collective and every one queued before it must have ended by then."""
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, cid: int, deadline: float):
         self.tensor = tensor
+        self.id = cid
+        self.deadline = deadline
         self._event = threading.Event()
         self._error: BaseException | None = None
         self._callbacks: list[Callable[["Work"], None]] = []
         self._lock = threading.Lock()
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """Block until done; return the tensor or raise the collective's error."""
+        """Block until done (at most `timeout` seconds, else until the deadline); return the tensor
+        or raise the collective's error."""
+        if timeout is None:
+            timeout = max(0.0, self.deadline - time.monotonic())
         if not self._event.wait(timeout):
-            raise CollectiveTimeout(f"allreduce not finished after {timeout:g} s")
+            raise CollectiveTimeout(f"allreduce {self.id} not finished after {timeout:g} s")
         if self._error is not None:
             raise self._error
         return self.tensor
 
     def is_completed(self) -> bool:
         return self._event.is_set()
+
+    def done_event(self) -> threading.Event:
+        return self._event
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -148,6 +164,13 @@ class Engine:
             raise PoisonedError(f"an earlier collective failed ({poison}); create a new "
                                 f"communicator") from poison
 
+    def new_work(self, coll: WorkerCollective, tensor: torch.Tensor) -> Work:
+        """The caller's handle of `coll`, with a deadline for every collective queued before it and
+        for itself (each ends by its own timeout)."""
+        with self._lock:
+            ahead = self._queued + (1 if self._running.locked() else 0)
+        return Work(tensor, coll.id, time.monotonic() + (ahead + 1) * (coll.timeout + GRACE))
+
     def submit(self, coll: WorkerCollective, work: Work, async_op: bool) -> None:
         """Run `coll` in order: here if the caller blocks and nothing is queued, else queued."""
         if not async_op and self._running.acquire(blocking=False):
@@ -179,18 +202,40 @@ class Engine:
             pass
 
     def _serve(self, request: Run | Abort | None) -> bool:
-        """Carry out one queued request; False for the stop request (None)."""
+        """Carry out one queued request; False for the stop request (None). Never raises."""
         if request is None:
             return False
         with self._running:
             with self._lock:
                 self._queued -= 1
             if isinstance(request, Abort):
-                self.worker.abort(request.cid, request.text)
+                try:
+                    self.worker.abort(request.cid, request.text)
+                except Exception:       # the peers then learn it from this rank's poison
+                    log.exception("rank %d could not announce its abort of allreduce %d",
+                                  self.rank, request.cid)
                 return True
-            error = self._execute(request.coll)
+            try:
+                error = self._execute(request.coll)
+            except BaseException as exc:  # not even SystemExit may leave a Work unfinished
+                error = self._failed(request.coll, exc)
         self._complete(request.coll, request.work, error)   # outside the lock: a done-callback
         return True                                         # may start the next one
+
+    def _failed(self, coll: WorkerCollective, exc: BaseException) -> SparcollError:
+        """Collective `coll` raised `exc` on this rank: its error (the cause attached), announced
+        to every aggregator so that no peer waits for this rank."""
+        error = SparcollError(f"rank {self.rank}: allreduce {coll.id} failed: "
+                              f"{type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        log.error("%s", error, exc_info=exc)
+        coll.fail(error)
+        try:
+            self.worker.abort(coll.id, str(error))
+        except Exception:
+            log.exception("rank %d could not announce the failure of allreduce %d", self.rank,
+                          coll.id)
+        return error
 
     @staticmethod
     def _complete(coll: WorkerCollective, work: Work, error: BaseException | None) -> None:
@@ -206,6 +251,8 @@ class Engine:
         if error is None:
             try:
                 error = self.worker.run(coll)
+            except Exception as exc:
+                error = self._failed(coll, exc)
             except BaseException as exc:    # e.g. Ctrl-C in a caller's thread: peers must not wait
                 self.set_poison(SparcollError(f"allreduce {coll.id} was interrupted ({exc!r})"))
                 self.worker.abort(coll.id, f"allreduce {coll.id} was interrupted")

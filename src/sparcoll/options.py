@@ -34,12 +34,13 @@ class Options:
                 streams: int | None = None, message_blocks: int | None = None,
                 credits: int | None = None, timeout: float = DEFAULT_TIMEOUT,
                 host: str | None = None) -> "Options":
+        block_size = _given_or_env("block_size", block_size, _integer, DEFAULT_BLOCK_SIZE)
         options = cls(
-            block_size=_given_or_env("block_size", block_size, _integer, DEFAULT_BLOCK_SIZE),
+            block_size=block_size,
             aggregators=_given_or_env("aggregators", aggregators, _addresses, None),
             streams=_given_or_env("streams", streams, _integer, DEFAULT_STREAMS),
             message_blocks=_given_or_env("message_blocks", message_blocks, _integer,
-                                         DEFAULT_MESSAGE_BLOCKS),
+                                         default_message_blocks(block_size)),
             credits=_given_or_env("credits", credits, _integer, DEFAULT_CREDITS),
             timeout=timeout, host=host)
         options._check()
@@ -49,11 +50,11 @@ class Options:
         if not 1 <= self.block_size <= wire.MAX_BLOCK_SIZE:
             raise ValueError(f"block_size {self.block_size} outside [1, {wire.MAX_BLOCK_SIZE}]")
         if self.message_blocks * self.block_size * 8 > wire.MAX_MESSAGE_BYTES:
-            raise ValueError(f"message_blocks x block_size x 8 bytes exceeds "
-                             f"{wire.MAX_MESSAGE_BYTES} bytes")
-        if not isinstance(self.timeout, (int, float)) or not math.isfinite(self.timeout) \
-                or self.timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+            raise ValueError(f"message_blocks {self.message_blocks} x block_size {self.block_size} "
+                             f"x 8 bytes exceeds the {wire.MAX_MESSAGE_BYTES}-byte message limit; "
+                             f"at most {wire.MAX_MESSAGE_BYTES // (self.block_size * 8)} blocks "
+                             f"per message fit")
+        check_timeout(self.timeout)
         if self.aggregators is not None and not self.aggregators:
             raise ValueError("aggregators is an empty list; pass None for colocated aggregators")
 
@@ -63,6 +64,20 @@ class Options:
         config = wire.JobConfig(world, num_aggs, self.streams, self.credits, self.message_blocks)
         config.check()
         return config
+
+
+def default_message_blocks(block_size: int) -> int:
+    """DEFAULT_MESSAGE_BLOCKS, or for large blocks the largest power of two whose message of
+    float64 blocks fits the message limit."""
+    fits = max(1, wire.MAX_MESSAGE_BYTES // (max(1, block_size) * 8))
+    return min(DEFAULT_MESSAGE_BLOCKS, 1 << (fits.bit_length() - 1))
+
+
+def check_timeout(timeout) -> None:
+    """ValueError unless `timeout` is a positive, finite number of seconds."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
 
 def _given_or_env(option: str, value, parse: Callable, default):

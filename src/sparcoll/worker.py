@@ -8,6 +8,7 @@ its named states) lives in `collective`.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -25,6 +26,7 @@ from .lease import give_back
 from .message_size import MessageSizePolicy
 from .protocol import Geometry, WorkerStream
 
+log = logging.getLogger("sparcoll")
 RUN_LIMIT = 32          # more runs than this in a message: gather/scatter through one buffer instead
 DISCARD_BYTES = 1 << 20  # results of a collective this rank gave up are read through this much
 FROM_AGGREGATORS = frozenset({wire.Kind.RESULT, wire.Kind.ERROR})
@@ -169,7 +171,9 @@ class WorkerJob:
         return coll if coll is not None and coll.id == cid else None
 
     def _receive_results(self, agg: int, conn: transport.Connection) -> None:
-        """Receiver thread of one remote aggregator's results, placed straight in the tensor."""
+        """Receiver thread of one remote aggregator's results, placed straight in the tensor. It
+        ends with the connection: closed, broken, or unusable after anything else went wrong
+        (the stream's position is then unknown)."""
         placement = _ResultPlacement(self, agg, conn)
         max_blocks = self.config.world * self.config.credits * self.config.message_blocks
         try:
@@ -183,20 +187,29 @@ class WorkerJob:
         except (SparcollError, OSError) as exc:
             if not self._closed:
                 self.broken(agg, exc)
+        except BaseException as exc:
+            if not self._closed:
+                self._internal_error(f"receiving results from aggregator {agg}", exc)
+                conn.close()
+                self.broken(agg, exc)
 
     def _local_loop(self) -> None:
-        """Results and errors from this process's own aggregator (delivered without sockets)."""
+        """Results and errors from this process's own aggregator (delivered without sockets).
+        Whatever one message raises fails its collective; the loop goes on."""
         while True:
             message = self._local_messages.get()
             if message is None:
                 return
-            if isinstance(message, wire.Failure):
-                self.collective_error(message)
-                continue
             try:
-                self._on_local_result(message)
+                if isinstance(message, wire.Failure):
+                    self.collective_error(message)
+                else:
+                    self._on_local_result(message)
+            except BaseException as exc:
+                self._internal_error("handling a result of its own aggregator", exc)
             finally:
-                give_back(message.lease)    # the aggregator may reuse the result's memory now
+                if isinstance(message, wire.LocalResult):
+                    give_back(message.lease)    # the aggregator may reuse the result's memory now
 
     def _on_local_result(self, message: wire.LocalResult) -> None:
         coll = self._current(message.collective)
@@ -234,6 +247,22 @@ class WorkerJob:
         coll = self._active
         if coll is not None and agg in coll.waiting_for():
             coll.fail(error)
+
+    def _internal_error(self, what: str, exc: BaseException) -> None:
+        """Something unexpected went wrong on a receiving thread: the collective in progress fails
+        with a SparcollError carrying the cause, and every aggregator hears of it (so no peer waits
+        for this rank); the communicator is poisoned."""
+        error = SparcollError(f"rank {self.rank}: {what} failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        log.error("%s", error, exc_info=exc)
+        self._on_poison(error)
+        coll = self._active
+        if coll is not None:
+            coll.fail(error)
+            try:
+                self.abort(coll.id, str(error))
+            except Exception:
+                log.exception("rank %d could not announce the failure", self.rank)
 
     def fail_active(self, error: BaseException) -> None:
         coll = self._active

@@ -6,6 +6,8 @@ sparcoll, so `DistributedDataParallel` uses sparcoll unchanged.
 
 Every other collective, and what sparcoll cannot reduce (other ops, dtypes or devices, several tensors
 at once), is delegated to an inner gloo group built on the same store, so nothing is unimplemented.
+One exception is torch's: `dist.monitored_barrier` refuses every backend not named "gloo" before it
+reaches the group; `sparcoll.torch.monitored_barrier` runs the inner gloo group's instead.
 Sparse COO all_reduce runs on sparcoll too (`sparse.allreduce_coo`: block-sparse, never densified). The communicator takes its options from the
 environment (SPARCOLL_BLOCK_SIZE, SPARCOLL_AGGREGATORS, SPARCOLL_HOST, SPARCOLL_STREAMS,
 SPARCOLL_MESSAGE_BLOCKS, SPARCOLL_CREDITS) and the group's timeout.
@@ -18,6 +20,7 @@ communicator is poisoned: later sparcoll collectives of the group fail too (recr
 """
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -42,7 +45,7 @@ DELEGATED = {
     "reduce_scatter": "reduce_scatter",
     "reduce_scatter_single": "_reduce_scatter_base", "_reduce_scatter_base": "_reduce_scatter_base",
     "alltoall": "alltoall", "all_to_all_single": "alltoall_base", "alltoall_base": "alltoall_base",
-    "allreduce_coalesced": "allreduce_coalesced", "monitored_barrier": "monitored_barrier",
+    "allreduce_coalesced": "allreduce_coalesced",
     "send": "send", "recv": "recv", "recv_anysource": "recv_anysource",
 }
 
@@ -62,8 +65,11 @@ class SparcollWork(dist.Work):
         self._completion = completion
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until done; raise the collective's own error (not wrapped)."""
+        """Block until done (without a timeout: until the deadline of the sparcoll collectives it
+        waits for); raise the collective's own error (not wrapped)."""
         seconds = _seconds(timeout)
+        if seconds is None and self._completion.deadline is not None:
+            seconds = max(0.0, self._completion.deadline - time.monotonic())
         if not self._completion.done.wait(seconds):
             raise CollectiveTimeout(f"collective not finished after {seconds:g} s")
         if self._completion.error is not None:
@@ -150,6 +156,28 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
 
 for _name, _target in DELEGATED.items():
     setattr(ProcessGroupSparcoll, _name, _delegate(_target))
+
+
+def monitored_barrier(group=None, timeout: timedelta | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """`torch.distributed.monitored_barrier` for a group on any backend: on a "sparcoll" group it
+    runs the inner gloo group's (torch's own function refuses backends not named "gloo")."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    inner = pg if isinstance(pg, ProcessGroupSparcoll) else _backend_of(pg)
+    if inner is None:
+        return dist.monitored_barrier(group, timeout, wait_all_ranks)
+    if timeout is None:
+        timeout = dist.default_pg_timeout
+    return inner.gloo.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+
+def _backend_of(pg) -> ProcessGroupSparcoll | None:
+    """The sparcoll group behind a torch ProcessGroup, if that is what it wraps."""
+    try:
+        backend = pg._get_backend(torch.device("cpu"))
+    except Exception:   # torch raises when the group has no backend for cpu
+        return None
+    return backend if isinstance(backend, ProcessGroupSparcoll) else None
 
 
 def register() -> None:

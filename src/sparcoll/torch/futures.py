@@ -42,6 +42,10 @@ class Completion:
     def __init__(self, value: Any, sources=(), error: BaseException | None = None):
         self.value = value
         self.error = error
+        # When waiting without a timeout must give up: the latest deadline of the sparcoll Works
+        # among the sources (torch's own works have their group's timeout), None if there are none.
+        self.deadline = max((s.deadline for s in sources if isinstance(s, sparcoll.Work)),
+                            default=None)
         self.done = threading.Event()
         self._inner = torch.futures.Future()
         self.future = self._inner.then(self._unwrap)

@@ -1,0 +1,139 @@
+"""Input the scan cannot read as it is, and the smaller misuses: each handled before anything is sent,
+with a clear error on the rank that made the mistake and, at once, on its peers; or, where gloo
+accepts it, reduced as gloo does. Two colocated ranks on threads of this process."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sparcoll
+from sparcoll.communicator import Communicator
+from support import on_threads
+
+TIMEOUT = 20.0
+PROMPT = 8.0            # "at once": far below the deadline
+
+
+def pair(store, prefix: str, **options) -> dict[int, Communicator]:
+    comms: dict[int, Communicator] = {}
+    on_threads(lambda rank: comms.__setitem__(rank, Communicator(
+        dist.PrefixStore(prefix, store), rank, 2, timeout=TIMEOUT, **options)), 2)
+    return comms
+
+
+def close(comms) -> None:
+    for comm in comms.values():
+        comm.close()
+
+
+def on_both(comms, call) -> dict[int, tuple]:
+    """call(rank, comm) on both ranks at once: (outcome, seconds) per rank."""
+    out: dict[int, tuple] = {}
+
+    def run(rank):
+        t = time.monotonic()
+        try:
+            out[rank] = (call(rank, comms[rank]), time.monotonic() - t)
+        except Exception as exc:
+            out[rank] = (exc, time.monotonic() - t)
+    on_threads(run, 2, timeout=3 * TIMEOUT)
+    return out
+
+
+def test_tensors_that_require_grad_are_reduced_in_place_like_gloo(store):
+    comms = pair(store, "grad/")
+    try:
+        leaves = {r: torch.full((1000,), float(r + 1), requires_grad=True) for r in range(2)}
+        out = on_both(comms, lambda r, c: c.allreduce(leaves[r]))
+        for r in range(2):
+            result, _ = out[r]
+            assert result is leaves[r] and result.requires_grad
+            assert torch.equal(leaves[r].detach(), torch.full((1000,), 3.0))
+        # A non-leaf (a loss) and the async form, as logging code does.
+        losses = {r: (torch.ones(300, requires_grad=True) * (r + 2)) for r in range(2)}
+        out = on_both(comms, lambda r, c: c.allreduce(losses[r], async_op=True).wait())
+        for r in range(2):
+            assert torch.equal(losses[r].detach(), torch.full((300,), 5.0))
+        grads = {r: torch.sparse_coo_tensor(torch.tensor([[r, 7]]), torch.tensor([1.0, 2.0]), (10,),
+                                            requires_grad=True, check_invariants=True)
+                 for r in range(2)}
+        out = on_both(comms, lambda r, c: c.allreduce_coo(grads[r]))
+        dense = torch.zeros(10)
+        dense[0], dense[1], dense[7] = 1.0, 1.0, 4.0
+        for r in range(2):
+            assert torch.equal(out[r][0].to_dense(), dense)
+    finally:
+        close(comms)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.ones(1).expand(1000),
+    lambda: torch.ones(10, 1).expand(10, 100),
+    lambda: torch.ones(2, 50).as_strided((4, 50), (0, 1)),
+], ids=["expand", "expand-2d", "as_strided"])
+def test_overlapping_memory_is_refused_on_its_rank_and_reported_to_the_peer(store, make):
+    comms = pair(store, f"overlap/{id(make)}/")
+    try:
+        out = on_both(comms, lambda r, c: c.allreduce(make() if r == 1 else torch.ones(1000)))
+        error, seconds = out[1]
+        assert isinstance(error, ValueError) and "share memory" in str(error), error
+        peer_error, peer_seconds = out[0]
+        assert isinstance(peer_error, sparcoll.SparcollError), peer_error
+        assert "rank 1" in str(peer_error) and "share memory" in str(peer_error), peer_error
+        assert seconds < PROMPT and peer_seconds < PROMPT, (seconds, peer_seconds)
+    finally:
+        close(comms)
+
+
+def test_a_non_contiguous_tensor_without_overlap_is_reduced(store):
+    comms = pair(store, "strided/")
+    try:
+        bases = {r: torch.arange(2000, dtype=torch.float32).view(40, 50) * (r + 1) for r in range(2)}
+        views = {r: bases[r].t()[::2] for r in range(2)}     # strided, no shared memory
+        expected = (views[0] + views[1]).clone()
+        on_both(comms, lambda r, c: c.allreduce(views[r]))
+        for r in range(2):
+            assert torch.equal(views[r], expected)
+    finally:
+        close(comms)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), "soon", True])
+def test_a_bad_per_call_timeout_is_a_value_error_and_the_peer_hears_of_it(store, timeout):
+    comms = pair(store, f"timeout/{timeout}/")
+    try:
+        out = on_both(comms, lambda r, c: c.allreduce(
+            torch.ones(100), timeout=timeout if r == 1 else None))
+        assert isinstance(out[1][0], ValueError) and "timeout" in str(out[1][0])
+        assert isinstance(out[0][0], sparcoll.SparcollError) and out[0][1] < PROMPT
+    finally:
+        close(comms)
+
+
+@pytest.mark.parametrize("block_size", [4097, 65536])
+def test_large_blocks_get_a_fitting_message_size(store, block_size):
+    comms = pair(store, f"blocks/{block_size}/", block_size=block_size)
+    try:
+        assert comms[0].config.message_blocks * block_size * 8 <= 64 << 20
+        inputs = {r: torch.randn(3 * block_size + 5, dtype=torch.float64) for r in range(2)}
+        expected = inputs[0] + inputs[1]
+        on_both(comms, lambda r, c: c.allreduce(inputs[r]))
+        assert torch.allclose(inputs[0], expected) and torch.equal(inputs[0], inputs[1])
+    finally:
+        close(comms)
+    with pytest.raises(ValueError, match="at most 1024 blocks per message fit"):
+        Communicator(None, 0, 2, block_size=8192, message_blocks=2048)
+
+
+def test_a_communicator_recreated_on_the_same_prefix_does_not_read_stale_keys(store):
+    for attempt in range(3):
+        comms = pair(store, "same/")
+        try:
+            inputs = {r: torch.full((500,), float(attempt + r)) for r in range(2)}
+            on_both(comms, lambda r, c: c.allreduce(inputs[r]))
+            assert torch.equal(inputs[0], torch.full((500,), float(2 * attempt + 1)))
+        finally:
+            close(comms)
