@@ -74,3 +74,12 @@ def block_sparse(rng: torch.Generator, nblocks, block_size, density):
     keep = torch.rand(nblocks, generator=rng) < density
     data[~keep] = 0.0
     return data, np.flatnonzero(keep.numpy())
+
+
+def error_chain(exc: BaseException) -> str:
+    """An exception and its causes, as one line (at most 6 links)."""
+    parts = []
+    while exc is not None and len(parts) < 6:
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return " <- ".join(parts)

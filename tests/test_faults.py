@@ -30,7 +30,7 @@ import torch.distributed as dist
 import sparcoll
 from sparcoll import aggregator as aggregator_module
 from sparcoll.communicator import Communicator
-from support import on_threads, wait_for
+from support import error_chain, on_threads, wait_for
 
 NUMEL = 1 << 19            # 2048 blocks of 256 floats
 TIMEOUT = 5.0              # init(timeout=...) of every worker
@@ -214,14 +214,6 @@ def install_kill(point: str, n: int = 1, own_rank: int | None = None, delay: flo
 
 
 # ---- child processes -----------------------------------------------------------------------------
-def _chain(exc: BaseException) -> str:
-    parts = []
-    while exc is not None and len(parts) < 5:
-        parts.append(f"{type(exc).__name__}: {exc}")
-        exc = exc.__cause__ or exc.__context__
-    return " <- ".join(parts)
-
-
 def run_worker(rank: int, world: int, store, spec: dict) -> dict:
     """One rank of an episode: init, a series of exact-checked collectives, then close."""
     opts = dict(OPTIONS, **spec.get("options", {}))
@@ -262,7 +254,7 @@ def run_worker(rank: int, world: int, store, spec: dict) -> dict:
                         res.setdefault("async_errors", []).append(
                             (type(exc).__name__, time.monotonic() - t))
                         if res["error"] is None:
-                            res.update(error=type(exc).__name__, msg=_chain(exc),
+                            res.update(error=type(exc).__name__, msg=error_chain(exc),
                                        error_s=time.monotonic() - t)
                         continue
                     res["exact"] &= torch.equal(got, expected(k + i, world))
@@ -278,7 +270,7 @@ def run_worker(rank: int, world: int, store, spec: dict) -> dict:
     except _Done:
         pass
     except sparcoll.SparcollError as exc:
-        res.update(error=type(exc).__name__, msg=_chain(exc), error_s=time.monotonic() - t)
+        res.update(error=type(exc).__name__, msg=error_chain(exc), error_s=time.monotonic() - t)
     except BaseException:
         res.update(error="UNEXPECTED", msg=traceback.format_exc())
     if res["error"] is not None and comm is not None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import sparcoll
 from sparcoll import aggregator, collective, protocol, transport, wire, worker
 from sparcoll.communicator import Communicator
-from support import on_threads, wait_for
+from support import error_chain, on_threads, wait_for
 
 TIMEOUT = 30.0          # the communicators' deadline
 PROMPT = 10.0           # "at once": far below the deadline, generous for a loaded machine
@@ -87,14 +87,6 @@ def _kind(buffers) -> int:
     return bytes(memoryview(buffers[0]).cast("B")[5:6])[0]
 
 
-def _chain(exc: BaseException) -> str:
-    parts = []
-    while exc is not None and len(parts) < 6:
-        parts.append(f"{type(exc).__name__}: {exc}")
-        exc = exc.__cause__ or exc.__context__
-    return " <- ".join(parts)
-
-
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("victim_rank", [0, 1])
 def test_an_exception_at_any_step_fails_every_rank_promptly(monkeypatch, store, step, victim_rank):
@@ -122,9 +114,9 @@ def test_an_exception_at_any_step_fails_every_rank_promptly(monkeypatch, store, 
                 comms[rank].allreduce(inputs[rank])
                 outcomes[rank] = ("NO ERROR", "", time.monotonic() - t)
             except sparcoll.SparcollError as exc:
-                outcomes[rank] = (type(exc).__name__, _chain(exc), time.monotonic() - t)
+                outcomes[rank] = (type(exc).__name__, error_chain(exc), time.monotonic() - t)
             except BaseException as exc:
-                outcomes[rank] = ("UNEXPECTED " + type(exc).__name__, _chain(exc),
+                outcomes[rank] = ("UNEXPECTED " + type(exc).__name__, error_chain(exc),
                                   time.monotonic() - t)
             t = time.monotonic()
             try:
