@@ -73,3 +73,14 @@ def test_message_size_policy_follows_the_observed_rate():
     assert policy.blocks(kib) == 2048
     policy.observe(ADAPT_MIN_BYTES, 0.0)                  # an instant collective: no division error
     assert policy.blocks(kib) == 2048
+
+
+@pytest.mark.parametrize("raw", ["   \n", "short-secret"])
+def test_workers_refuse_a_blank_or_short_secret_for_dedicated_aggregators(monkeypatch, raw):
+    monkeypatch.setenv("SPARCOLL_SECRET", raw)
+    with pytest.raises(ValueError, match=r"\$SPARCOLL_SECRET holds .*at least 16 bytes"):
+        Communicator(UntouchableStore(), 0, 2, aggregators=["127.0.0.1:7000"])
+    monkeypatch.setenv("SPARCOLL_SECRET", f"  {'k' * 32}\n")
+    options = Options.resolve(aggregators=["127.0.0.1:7000"])
+    assert options.secret == b"k" * 32 and "kkkk" not in repr(options)
+    assert Options.resolve().secret == b""      # colocated aggregators use the job's own secret

@@ -69,7 +69,7 @@ class Communicator:
             secret = job_secret
         else:
             addresses = self.aggregators
-            secret = os.environ.get("SPARCOLL_SECRET", "").encode()
+            secret = self.options.secret
         self._worker = WorkerJob(self.rank, self.job, self.config, self.block_size, addresses,
                                  self._poisoned, server, local_job)
         self._engine = Engine(self.rank, self._worker)

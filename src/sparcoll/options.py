@@ -5,12 +5,14 @@ naming the option (errors that peers cause are SparcollErrors).
 """
 from __future__ import annotations
 
+
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from . import transport, wire
+from .secret import shared_secret
 
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_STREAMS = 1
@@ -28,6 +30,7 @@ class Options:
     credits: int                        # messages in flight per stream
     timeout: float                      # seconds for init and for every collective
     host: str | None                    # address peers reach this rank's aggregator at
+    secret: bytes = field(default=b"", repr=False)  # of dedicated aggregators ($SPARCOLL_SECRET)
 
     @classmethod
     def resolve(cls, *, block_size: int | None = None, aggregators: list[str] | None = None,
@@ -43,6 +46,8 @@ class Options:
                                          default_message_blocks(block_size)),
             credits=_given_or_env("credits", credits, _integer, DEFAULT_CREDITS),
             timeout=timeout, host=host)
+        if options.aggregators:
+            options = replace(options, secret=shared_secret())
         options._check()
         return options
 
