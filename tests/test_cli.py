@@ -1,5 +1,6 @@
 """The `sparcoll` command line: each subcommand loads only its own modules, and every --help works."""
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -7,6 +8,7 @@ import threading
 import pytest
 
 from sparcoll.cli import COMMANDS, main
+from support import start_aggregator, stop
 
 TIMEOUT = 120
 # What `sparcoll aggregator` must not load: the training workloads, the benchmark workers and the torch
@@ -68,3 +70,43 @@ def test_top_level_help_lists_every_subcommand(capsys):
     assert exit.value.code == 0
     out = capsys.readouterr().out
     assert all(name in out for name in COMMANDS)
+
+
+@pytest.fixture(scope="module")
+def busy_port():
+    """A port something else listens on."""
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--secret-file", "/nonexistent/secret"], "cannot read the secret file /nonexistent/secret"),
+    (["--port", "99999"], "--port 99999 is not a TCP port"),
+    (["--port", "-1"], "--port -1 is not a TCP port"),
+    (["--max-handshakes", "0"], "--max-handshakes 0 must be at least 1"),
+    (["--port", "BUSY"], "cannot listen on 127.0.0.1:"),
+])
+def test_aggregator_bad_options_give_one_line_and_exit_code_2(args, problem, busy_port):
+    args = [str(busy_port) if arg == "BUSY" else arg for arg in args]
+    env = {k: v for k, v in _env().items() if k != "SPARCOLL_SECRET"}
+    cp = subprocess.run([sys.executable, "-m", "sparcoll", "aggregator", *args], env=env,
+                        capture_output=True, text=True, timeout=TIMEOUT)
+    assert cp.returncode == 2, (cp.returncode, cp.stderr)
+    assert cp.stderr.startswith(f"sparcoll aggregator: {problem}"), cp.stderr
+    assert len(cp.stderr.strip().splitlines()) == 1 and "Traceback" not in cp.stderr, cp.stderr
+
+
+def test_aggregator_max_handshakes_closes_connections_over_it():
+    """--max-handshakes 1: while one connection is in its handshake, the next is closed at once."""
+    proc, address = start_aggregator("--max-handshakes", "1")
+    try:
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as first, \
+                socket.create_connection((host, int(port)), timeout=10) as second:
+            second.settimeout(5)     # a handshake would last 10 s: "at once" is well before
+            assert second.recv(1) == b""
+            first.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                first.recv(1)        # still open, waiting for its HELLO
+    finally:
+        stop(proc)

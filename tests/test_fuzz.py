@@ -26,7 +26,7 @@ from sparcoll.communicator import Communicator
 from sparcoll.errors import ProtocolError, SparcollError
 from support import wait_for
 
-SECRET = b"fuzz-secret"
+SECRET = b"fuzz-secret-0123456789"   # at least 16 bytes, as shared_secret requires
 CFG = wire.JobConfig(world=2, num_aggs=1, streams=2, credits=2, message_blocks=64)
 DESC = (64 * 256, 256, 0, 0)          # 64 blocks of 256 float32; stream 0 is [0, 32), 1 is [32, 64)
 HONEST_NUMEL = 1 << 15

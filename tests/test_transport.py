@@ -121,3 +121,29 @@ def test_sendmsg_all_returns_what_is_left(flags):
     finally:
         a.close()
         b.close()
+
+
+def test_unexpected_error_in_the_sender_fails_the_connection_and_releases_every_message(monkeypatch):
+    """Not only OSError: anything raised while writing fails the connection like a broken socket
+    (reported, the peer sees it closed), every queued lease goes back and the sender thread ends."""
+    a, b = _pair(64 * 1024)
+    failures, released = [], []
+
+    def broken(sock, views, flags=0):
+        raise ValueError("injected bug")
+
+    monkeypatch.setattr(transport, "_sendmsg_all", broken)
+    conn = transport.Connection(a, "test peer", failures.append)
+    try:
+        for _ in range(5):
+            conn.send([np.zeros(1000, dtype=np.uint8)], lease=Lease(lambda: released.append(1)))
+        assert wait_for(lambda: failures and len(released) == 5, 10), (failures, len(released))
+        assert len(failures) == 1 and isinstance(failures[0], PeerError), failures
+        assert "test peer" in str(failures[0]) and "ValueError: injected bug" in str(failures[0])
+        conn._sender.join(10)
+        assert not conn._sender.is_alive()
+        b.settimeout(10)
+        assert b.recv(1) == b""                  # the peer sees the connection closed
+    finally:
+        conn.close()
+        b.close()

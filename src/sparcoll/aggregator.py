@@ -12,6 +12,7 @@ import hmac
 import logging
 import socket
 import threading
+import time
 from collections import OrderedDict
 from typing import Callable
 
@@ -31,8 +32,36 @@ FAILED_MEMORY = 64          # failed collective ids remembered per job, to drop 
 # collective k+1 only once every aggregator finished k), plus a few that timed out and were abandoned;
 # without a cap one client could open collective ids without end, each holding its buffered blocks.
 MAX_ACTIVE_COLLECTIVES = 16
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 10.0      # for the whole handshake, however slowly the client trickles it
+# Connections still in their handshake at once. Each holds a thread and a descriptor for at most
+# HANDSHAKE_TIMEOUT; without a cap, anyone who can reach the port could exhaust both.
+MAX_HANDSHAKES = 256
+ACCEPT_BACKOFF = 0.1          # after a failed accept (out of descriptors, say), before the next
+LOG_INTERVAL = 10.0           # at most one line per this many seconds for each flood warning
 FROM_WORKERS = frozenset({wire.Kind.CONTRIBUTE, wire.Kind.ERROR, wire.Kind.BYE})
+
+
+class _Throttled:
+    """A warning logged at most once per LOG_INTERVAL, with a count of those held back since: a flood
+    of failed accepts or refused connections must not flood the log as well. `count` counts every
+    occurrence, logged or not."""
+
+    def __init__(self):
+        self.count = 0
+        self._held = 0
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def warn(self, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.count += 1
+            if now < self._next:
+                self._held += 1
+                return
+            held, self._held, self._next = self._held, 0, now + LOG_INTERVAL
+        log.warning("%s%s", message, f" ({held} more like it not logged in the last "
+                                     f"{LOG_INTERVAL:g} s)" if held else "")
 
 
 class BufferPool:
@@ -233,15 +262,25 @@ class AggregatorServer:
     """Accepts authenticated connections and serves each on its own receiver thread.
 
     `secret` authenticates clients; `only_job`, when set, restricts the server to that one job
-    (a colocated aggregator)."""
+    (a colocated aggregator); at most `max_handshakes` connections may be in their handshake at
+    once, any more are closed at once."""
 
-    def __init__(self, host: str, port: int, secret: bytes, only_job: int | None = None):
+    def __init__(self, host: str, port: int, secret: bytes, only_job: int | None = None,
+                 max_handshakes: int = MAX_HANDSHAKES):
+        if max_handshakes < 1:
+            raise ValueError(f"max_handshakes={max_handshakes}: must be at least 1")
         self.secret = secret
         self.only_job = only_job
         self.jobs: dict[int, AggregatorJob] = {}
         self._lock = threading.Lock()
         self._connections: set[transport.Connection] = set()
         self._closed = False
+        self.max_handshakes = max_handshakes
+        self.handshaking = 0                # connections in their handshake now
+        # Flood warnings, rate-limited; each counts its occurrences.
+        self.accept_failures = _Throttled()
+        self.over_cap = _Throttled()        # connections closed at once: too many handshakes
+        self.refused = _Throttled()         # connections that failed their handshake
         self.sock = socket.create_server((host, port), backlog=256)
         self.address = f"{host}:{self.sock.getsockname()[1]}"
         self.stats = transport.TrafficStats()   # of connections already closed
@@ -263,13 +302,47 @@ class AggregatorServer:
         return total
 
     def _accept_loop(self) -> None:
+        """Accepts until the server is closed, whatever fails meanwhile: a loop that ended on an
+        error (EMFILE when a flood of connections used up the descriptors, ENOBUFS, ECONNABORTED,
+        a thread that cannot start) would leave a server that looks alive and never accepts again."""
         while not self._closed:
             try:
-                sock, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), name="sparcoll-agg-recv",
-                             daemon=True).start()
+                sock, peer = self.sock.accept()
+            except Exception as exc:
+                if self._closed:
+                    return
+                self._back_off(f"accepting a connection failed ({exc})")
+                continue
+            if not self._start_handshake():
+                sock.close()
+                self.over_cap.warn(f"closed a connection from {peer[0]}:{peer[1]} at once: "
+                                   f"{self.max_handshakes} handshakes are in progress, the limit")
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(sock,), name="sparcoll-agg-recv",
+                                 daemon=True).start()
+            except Exception as exc:
+                self._end_handshake()
+                sock.close()
+                self._back_off(f"starting a thread for a connection failed ({exc})")
+
+    def _start_handshake(self) -> bool:
+        """Take a handshake slot, if one is free."""
+        with self._lock:
+            if self.handshaking >= self.max_handshakes:
+                return False
+            self.handshaking += 1
+            return True
+
+    def _end_handshake(self) -> None:
+        with self._lock:
+            self.handshaking -= 1
+
+    def _back_off(self, problem: str) -> None:
+        """Log (rate-limited) and wait a little: whatever failed may be back at once, the loop must
+        not spin on it."""
+        self.accept_failures.warn(f"{problem}; retrying every {ACCEPT_BACKOFF:g} s")
+        time.sleep(ACCEPT_BACKOFF)
 
     def _admit(self, hello: wire.Hello, job_token: bytes) -> None:
         if self.only_job is not None and hello.job != self.only_job:
@@ -282,6 +355,23 @@ class AggregatorServer:
             job.admit(hello, job_token)
 
     def _serve(self, sock: socket.socket) -> None:
+        """One connection's thread: the handshake (holding a handshake slot), then the worker's
+        messages. Whatever goes wrong costs this connection only, and the thread ends cleanly."""
+        try:
+            hello = self._handshake(sock)
+        finally:
+            self._end_handshake()
+        if hello is None:
+            return
+        try:
+            self._attend(sock, hello)
+        except Exception:
+            log.exception("closed rank %d of job %#x after an internal error", hello.rank,
+                          hello.job)
+            sock.close()
+
+    def _handshake(self, sock: socket.socket) -> wire.Hello | None:
+        """The client's HELLO once it authenticated and was admitted; else None, the socket closed."""
         admitted: list[wire.Hello] = []
 
         def admit(hello: wire.Hello, job_token: bytes) -> None:
@@ -289,13 +379,18 @@ class AggregatorServer:
             admitted.append(hello)
 
         try:
-            hello = transport.accept(sock, lambda hello: self.secret, admit, HANDSHAKE_TIMEOUT)
+            return transport.accept(sock, lambda hello: self.secret, admit, HANDSHAKE_TIMEOUT)
         except (SparcollError, OSError) as exc:
-            log.warning("refused a connection: %s", exc)
-            sock.close()
-            if admitted:    # admitted, then lost before the verdict: don't keep an empty job
-                self._forget_if_empty(admitted[0].job)
-            return
+            self.refused.warn(f"refused a connection: {exc}")
+        except Exception:
+            log.exception("refused a connection after an internal error in its handshake")
+        sock.close()
+        if admitted:    # admitted, then lost before the verdict: don't keep an empty job
+            self._forget_if_empty(admitted[0].job)
+        return None
+
+    def _attend(self, sock: socket.socket, hello: wire.Hello) -> None:
+        """Attach an admitted worker to its job and serve its messages until it leaves."""
         conn = transport.Connection(sock, f"rank {hello.rank} of job {hello.job:#x}",
                                     lambda exc: None)
         # Admission and attachment are two steps: check again, atomically, that the job still exists
@@ -311,14 +406,14 @@ class AggregatorServer:
                         hello.rank, hello.job)
             conn.close()
             return
-        reason = self._receive(conn, job, hello.rank)
-        job.detach(hello.rank, reason)
-        conn.close()
-        with self._lock:
-            self._connections.discard(conn)
-            self.stats.add(conn.stats)
-            if not job.workers and self.only_job is None:
-                self.jobs.pop(job.job, None)
+        try:
+            job.detach(hello.rank, self._receive(conn, job, hello.rank))
+        finally:
+            conn.close()
+            with self._lock:
+                self._connections.discard(conn)
+                self.stats.add(conn.stats)
+            self._forget_if_empty(job.job)
 
     def _forget_if_empty(self, job_id: int) -> None:
         with self._lock:

@@ -5,7 +5,6 @@ import argparse
 import importlib
 import ipaddress
 import logging
-import os
 import signal
 import sys
 import threading
@@ -20,28 +19,40 @@ def _is_loopback(host: str) -> bool:
 
 
 def run_aggregator(args: argparse.Namespace) -> int:
-    """Serve jobs until SIGINT/SIGTERM. Prints its address once listening (port 0 picks one)."""
+    """Serve jobs until SIGINT/SIGTERM. Prints its address once listening (port 0 picks one). A bad
+    option, an unusable secret or an address it cannot listen on ends it with one line on stderr
+    (exit code 2): these are the operator's to fix, a traceback would only hide the reason."""
     import torch
 
-    from .aggregator import AggregatorServer
+    from .aggregator import MAX_HANDSHAKES, AggregatorServer
+    from .secret import shared_secret
 
-    if args.secret_file:
-        with open(args.secret_file, "rb") as f:
-            secret = f.read().strip()
-    else:
-        secret = os.environ.get("SPARCOLL_SECRET", "").encode()
-    if not secret and not _is_loopback(args.host):
-        print(f"sparcoll aggregator: refusing to listen on {args.host} without a secret; set "
-              f"SPARCOLL_SECRET or pass --secret-file (only loopback may run without one)",
-              file=sys.stderr)
+    def refuse(problem: str) -> int:
+        print(f"sparcoll aggregator: {problem}", file=sys.stderr)
         return 2
+
+    if not 0 <= args.port <= 65535:
+        return refuse(f"--port {args.port} is not a TCP port (0-65535; 0 picks a free one)")
+    if args.max_handshakes is not None and args.max_handshakes < 1:
+        return refuse(f"--max-handshakes {args.max_handshakes} must be at least 1")
+    try:
+        secret = shared_secret(args.secret_file)
+    except ValueError as exc:
+        return refuse(str(exc))
+    if not secret and not _is_loopback(args.host):
+        return refuse(f"refusing to listen on {args.host} without a secret; set SPARCOLL_SECRET "
+                      f"or pass --secret-file (only loopback may run without one)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     # One torch thread: each message's sum is small (at most a few MiB) and the receiver threads
     # (one per worker connection) already add in parallel, with the GIL released. An OpenMP team per
     # add costs more than it saves: measured on 2 cores, 2 workers, 2 aggregators, 256 KiB messages,
     # aggregator CPU over 23 allreduces of 16M float32 2.8 -> 1.8 s.
     torch.set_num_threads(1)
-    server = AggregatorServer(args.host, args.port, secret)
+    try:
+        server = AggregatorServer(args.host, args.port, secret,
+                                  max_handshakes=args.max_handshakes or MAX_HANDSHAKES)
+    except OSError as exc:
+        return refuse(f"cannot listen on {args.host}:{args.port}: {exc}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -54,7 +65,11 @@ def run_aggregator(args: argparse.Namespace) -> int:
 def add_aggregator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind (default: any free one)")
-    parser.add_argument("--secret-file", help="file holding the shared secret (else $SPARCOLL_SECRET)")
+    parser.add_argument("--secret-file", help="file holding the shared secret, at least 16 bytes "
+                                              "(else $SPARCOLL_SECRET)")
+    parser.add_argument("--max-handshakes", type=int, metavar="N",
+                        help="connections allowed to be handshaking at once; more are closed at "
+                             "once (default 256)")
 
 
 #: A subcommand's loader: returns its add_arguments(parser) and run(args), importing what they need.

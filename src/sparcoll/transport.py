@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import logging
 import os
 import queue
 import socket
@@ -25,6 +26,8 @@ from .lease import Lease, give_back
 
 RECV_SLICE = 256 * 1024   # recv_into in slices: measured faster than one huge recv_into here
 IOV_MAX = 512
+
+log = logging.getLogger("sparcoll.transport")
 
 
 @dataclass
@@ -71,13 +74,32 @@ def _sendmsg_all(sock: socket.socket, views: list, flags: int = 0) -> list:
     return views
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, peer: str) -> None:
+def _recv_exact(sock: socket.socket, view: memoryview, peer: str,
+                deadline: float | None = None) -> None:
+    """Fill `view` from `sock`. With a `deadline` (a handshake), every recv waits only for what is
+    left of it: a peer trickling a byte at a time cannot stretch the whole read past it."""
     got, size = 0, len(view)
     while got < size:
+        if deadline is not None:
+            sock.settimeout(_left(deadline))
         n = sock.recv_into(view[got:got + RECV_SLICE])
         if n == 0:
             raise PeerError(f"{peer} closed the connection")
         got += n
+
+
+def _send_before(sock: socket.socket, data: bytes, deadline: float) -> None:
+    """sendall, in what is left of a handshake's `deadline`."""
+    sock.settimeout(_left(deadline))
+    sock.sendall(data)
+
+
+def _left(deadline: float) -> float:
+    """Seconds until `deadline`; socket.timeout once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("deadline passed")
+    return left
 
 
 class Connection:
@@ -113,7 +135,7 @@ class Connection:
                 if self._backlog == 0 and not self._closed:
                     try:   # under the lock, so nothing queued meanwhile can overtake the rest
                         views = _sendmsg_all(self.sock, views, socket.MSG_DONTWAIT)
-                    except OSError:
+                    except Exception:
                         pass    # the sender thread meets the error again and reports it
                 if views:
                     self._backlog += 1
@@ -129,22 +151,42 @@ class Connection:
         return views
 
     def _send_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            views, lease = item
-            try:
-                _sendmsg_all(self.sock, views)
-            except OSError as exc:     # a failed write fails the connection
-                if not self._closed:
-                    self._on_failure(PeerError(f"sending to {self.peer} failed: {exc}"))
-                break
-            finally:
-                with self._queue_lock:
-                    self._backlog -= 1
-                give_back(lease)
-        self._stop()
+        """Write queued messages until close(). Any exception (a broken socket, or anything
+        unexpected) fails the connection, and what is still queued is given back."""
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                views, lease = item
+                try:
+                    _sendmsg_all(self.sock, views)
+                finally:
+                    with self._queue_lock:
+                        self._backlog -= 1
+                    give_back(lease)
+        except Exception as exc:
+            self._fail(exc)
+        finally:
+            self._stop()
+
+    def _fail(self, exc: Exception) -> None:
+        """A send failed: report it (unless closing) and shut the socket down, so that this end's
+        receiver and the peer see a broken connection at once rather than at a deadline."""
+        cause = str(exc)
+        if not isinstance(exc, OSError):
+            log.error("sending to %s failed with an internal error", self.peer, exc_info=exc)
+            cause = f"internal error ({type(exc).__name__}: {exc})"
+        if self._closed:
+            return
+        try:
+            self._on_failure(PeerError(f"sending to {self.peer} failed: {cause}"))
+        except Exception:
+            log.exception("reporting the failed connection to %s failed", self.peer)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _stop(self) -> None:
         """No more sends: release what is still queued."""
@@ -156,7 +198,10 @@ class Connection:
             except queue.Empty:
                 return
             if item is not None:
-                give_back(item[1])
+                try:
+                    give_back(item[1])
+                except Exception:     # an owner's callback: the other leases must still go back
+                    log.exception("giving back a lease of %s failed", self.peer)
 
     def count(self, **deltas: int) -> None:
         """Add to the traffic counters (one lock, so a snapshot is never half-updated)."""
@@ -219,22 +264,24 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
             if reason is not None:
                 raise reason from None
             time.sleep(0.05)
+    handshake_deadline = max(deadline, time.monotonic() + 0.05)
+    peer = f"aggregator {address}"
     try:
         _configure(sock)
-        sock.settimeout(max(0.05, deadline - time.monotonic()))
-        sock.sendall(hello.encode())
+        _send_before(sock, hello.encode(), handshake_deadline)
         buf = bytearray(wire.CHALLENGE_BYTES)
-        _recv_exact(sock, memoryview(buf), f"aggregator {address}")
+        _recv_exact(sock, memoryview(buf), peer, handshake_deadline)
         server_nonce, server_mac = wire.decode_challenge(buf)
         if not hmac.compare_digest(server_mac, wire.mac(secret, b"server", hello, server_nonce)):
             raise AuthenticationError(f"aggregator {address} failed authentication (wrong secret?)")
-        sock.sendall(wire.encode_proof(wire.mac(secret, b"client", hello, server_nonce), job_token))
+        _send_before(sock, wire.encode_proof(wire.mac(secret, b"client", hello, server_nonce),
+                                             job_token), handshake_deadline)
         buf = bytearray(wire.VERDICT_BYTES)
-        _recv_exact(sock, memoryview(buf), f"aggregator {address}")
+        _recv_exact(sock, memoryview(buf), peer, handshake_deadline)
         code, length = wire.decode_verdict(buf)
         if length:
             reason = bytearray(length)
-            _recv_exact(sock, memoryview(reason), f"aggregator {address}")
+            _recv_exact(sock, memoryview(reason), peer, handshake_deadline)
             raise wire.Failure(0, code, f"aggregator {address} refused the connection: "
                                         f"{reason.decode('utf-8', 'replace')}").exception()
         sock.settimeout(None)
@@ -260,25 +307,25 @@ def accept(sock: socket.socket, secret_for: Callable[[wire.Hello], bytes],
     job options disagree: it raises MismatchError); the text is sent back. Nothing the client sends later is read before
     this returns."""
     peer = "client"
+    deadline = time.monotonic() + timeout
     try:
         peer = "client %s:%d" % sock.getpeername()[:2]
         _configure(sock)
-        sock.settimeout(timeout)
         buf = bytearray(wire.HELLO_BYTES)
-        _recv_exact(sock, memoryview(buf), peer)
+        _recv_exact(sock, memoryview(buf), peer, deadline)
         hello = wire.Hello.decode(buf)
         secret = secret_for(hello)
         server_nonce = os.urandom(wire.NONCE_BYTES)
-        sock.sendall(wire.encode_challenge(server_nonce, wire.mac(secret, b"server", hello,
-                                                                  server_nonce)))
+        _send_before(sock, wire.encode_challenge(server_nonce, wire.mac(secret, b"server", hello,
+                                                                        server_nonce)), deadline)
         buf = bytearray(wire.PROOF_BYTES)
-        _recv_exact(sock, memoryview(buf), peer)
+        _recv_exact(sock, memoryview(buf), peer, deadline)
         client_mac, job_token = wire.decode_proof(buf)
         if not hmac.compare_digest(client_mac, wire.mac(secret, b"client", hello, server_nonce)):
-            sock.sendall(wire.encode_verdict("authentication failed"))
+            _send_before(sock, wire.encode_verdict("authentication failed"), deadline)
             raise AuthenticationError(f"{peer} failed authentication for job {hello.job:#x}")
         admit(hello, job_token)
-        sock.sendall(wire.encode_verdict())
+        _send_before(sock, wire.encode_verdict(), deadline)
         sock.settimeout(None)
         return hello
     except socket.timeout:
@@ -286,7 +333,7 @@ def accept(sock: socket.socket, secret_for: Callable[[wire.Hello], bytes],
     except (ProtocolError, MismatchError) as exc:
         code = wire.code_of(exc) if isinstance(exc, MismatchError) else wire.ErrorCode.AUTHENTICATION
         try:
-            sock.sendall(wire.encode_verdict(str(exc), code))
+            _send_before(sock, wire.encode_verdict(str(exc), code), deadline)
         except OSError:
             pass
         raise
