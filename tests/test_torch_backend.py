@@ -146,6 +146,22 @@ def ddp_backward_fails(rank: int, world: int) -> dict:
     return out
 
 
+def init_outside_the_group(rank: int, world: int) -> dict:
+    """sparcoll.init on a group this rank is not in: a ValueError saying so (it used to be a
+    ProtocolError about world=-1); the group's own member gets a working communicator."""
+    import sparcoll
+
+    group = dist.new_group([0])
+    if rank == 1:
+        try:
+            sparcoll.init(group)
+            return {"error": None}
+        except ValueError as exc:
+            return {"error": str(exc)}
+    with sparcoll.init(group, timeout=30.0) as comm:
+        return {"sum": comm.allreduce(torch.full((10,), 2.0)).tolist()}
+
+
 # ---- tests -------------------------------------------------------------------------------------
 def test_collectives_against_expected_values():
     outcomes = run_ranks(collectives, WORLD, timeout=TIMEOUT)
@@ -161,6 +177,12 @@ def test_collectives_against_expected_values():
         assert out["async_future"] == [2.0] * 10
         assert out["loss"] == 15.0 and out["monitored_barrier"]
     assert outcomes[0]["barrier_waited"] >= LATE     # rank 1 came to the barrier LATE s late
+
+
+def test_init_on_a_rank_outside_the_group_says_so():
+    member, outsider = run_ranks(init_outside_the_group, WORLD, timeout=TIMEOUT)
+    assert member == {"sum": [2.0] * 10}
+    assert "not a member of the group" in (outsider["error"] or ""), outsider
 
 
 def test_mismatched_all_reduce_raises_in_every_caller():
