@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import collections
+import importlib
 
 from .communicator import Communicator, Stats, Work
 from .errors import (AuthenticationError, CollectiveTimeout, MismatchError, PeerError,
@@ -17,6 +18,14 @@ __all__ = ["init", "Communicator", "Stats", "Work", "SparcollError", "ProtocolEr
            "MismatchError", "PeerError", "AuthenticationError", "CollectiveTimeout", "PoisonedError"]
 
 _inits_per_group: collections.Counter = collections.Counter()
+
+
+def __getattr__(name: str):
+    """`sparcoll.torch` after a plain `import sparcoll`, imported on first use: importing it
+    registers the "sparcoll" torch.distributed backend, which `sparcoll aggregator` never needs."""
+    if name == "torch":
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'sparcoll' has no attribute {name!r}")
 
 
 def init(group=None, **options) -> Communicator:
