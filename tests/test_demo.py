@@ -1,0 +1,36 @@
+"""`sparcoll demo`: it picks the emulated network only where it can be built and says which setting it
+ran in; a small run on loopback prints a verdict per density, the training comparison with DDP's
+communication share, and writes its table, plot and training results."""
+import os
+import subprocess
+import sys
+
+from sparcoll import demo
+
+
+def test_auto_picks_the_emulated_network_only_where_it_can_be_built(monkeypatch):
+    monkeypatch.setattr("sparcoll.bench.netem.netem_available", lambda: (True, ""))
+    network, why = demo.choose_network("auto")
+    assert network == "1gbit" and "1 Gbit/s" in why
+    monkeypatch.setattr("sparcoll.bench.netem.netem_available",
+                        lambda: (False, "an emulated network needs root: not running as root. Use x"))
+    network, why = demo.choose_network("auto")
+    assert network == "none" and "not running as root" in why and "CPU-bound" in why
+    assert demo.choose_network("10gbit") == ("10gbit", "as requested")
+
+
+def test_a_small_demo_on_loopback(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "sparcoll", "demo", "--network", "none", "--numel", "64K",
+         "--repeat", "1", "--steps", "3", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    glance = lines.index("At a glance:")
+    assert [line.split(":")[0].split()[-1] for line in lines[glance + 1:glance + 4]] == \
+        ["1%", "10%", "100%"], done.stdout
+    assert any(line.startswith("DDP on gloo spent ") and "% of each step communicating" in line
+               for line in lines), done.stdout
+    assert {p.name for p in out.iterdir()} == {"demo.json", "demo.png", "demo-train.json"}
