@@ -19,9 +19,9 @@ def store():
 def dedicated_in_process():
     """One in-process dedicated aggregator without a secret, shared by a module's tests: its
     address list (the `aggregators` option)."""
-    from sparcoll import aggregator
+    from sparcoll.server import AggregatorServer
 
-    server = aggregator.AggregatorServer("127.0.0.1", 0, b"")
+    server = AggregatorServer("127.0.0.1", 0, b"")
     yield [server.address]
     server.close()
 

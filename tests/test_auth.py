@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sparcoll import aggregator, cli, transport, wire
+from sparcoll import cli, server as server_module, transport, wire
 from sparcoll.communicator import Communicator
 from sparcoll.errors import AuthenticationError, CollectiveTimeout, MismatchError
 from sparcoll.secret import shared_secret
@@ -139,7 +139,7 @@ def test_replayed_and_reflected_proofs_are_refused(job_pair):
     """An eavesdropper who recorded a valid handshake cannot replay it (the server's nonce changes),
     and the server's own MAC is no proof (the role is MACed)."""
     a, _ = job_pair
-    server = aggregator.AggregatorServer("127.0.0.1", 0, a.secret, only_job=a.job)
+    server = server_module.AggregatorServer("127.0.0.1", 0, a.secret, only_job=a.job)
     try:
         hello = hello_for(a.job, rank=1, config=a.config)
         sock, nonce, _ = raw_handshake_start(server.address, hello)
@@ -167,8 +167,8 @@ def test_silent_client_is_dropped_and_silent_server_times_out(monkeypatch):
     # Both sides keep their handshake deadline (not the defaults); the bounds, 10x the deadlines,
     # leave room for a loaded machine.
     handshake_timeout, connect_timeout = 0.5, 1.0
-    monkeypatch.setattr(aggregator, "HANDSHAKE_TIMEOUT", handshake_timeout)
-    server = aggregator.AggregatorServer("127.0.0.1", 0, b"s")
+    monkeypatch.setattr(server_module, "HANDSHAKE_TIMEOUT", handshake_timeout)
+    server = server_module.AggregatorServer("127.0.0.1", 0, b"s")
     try:
         host, port = transport.parse_address(server.address)
         sock = socket.create_connection((host, port), timeout=5)
@@ -218,7 +218,7 @@ def dedicated_init(address: str, secret: str | None, store=None, world=1, rank=0
 
 
 def test_dedicated_aggregator_refuses_workers_without_its_secret():
-    server = aggregator.AggregatorServer("127.0.0.1", 0, SHARED.encode())
+    server = server_module.AggregatorServer("127.0.0.1", 0, SHARED.encode())
     try:
         for secret in ("a-wrong-secret-of-32-characters!", "", None):
             t = time.monotonic()
@@ -236,7 +236,7 @@ def test_dedicated_aggregator_refuses_workers_without_its_secret():
 
 def test_client_of_job_a_cannot_touch_job_b_through_its_own_connection(store):
     """A client admitted to job A that writes messages naming job B is cut off by the header check."""
-    server = aggregator.AggregatorServer("127.0.0.1", 0, SHARED.encode())
+    server = server_module.AggregatorServer("127.0.0.1", 0, SHARED.encode())
     try:
         comms = [None, None]
 
@@ -270,7 +270,7 @@ def test_secret_holder_cannot_join_a_free_rank_of_another_job():
     """Every job shares a dedicated aggregator's secret, so that secret cannot tell jobs apart: the job
     token (derived from the job's own Store secret) does. An intruder that knows the aggregator secret,
     job B's id and configuration, but not B's Store secret, is refused the free rank of B."""
-    server = aggregator.AggregatorServer("127.0.0.1", 0, b"k")
+    server = server_module.AggregatorServer("127.0.0.1", 0, b"k")
     try:
         # job B has world 2; only its rank 0 has connected so far
         job_b = 0x1234_5678_9ABC_DEF0
@@ -421,15 +421,15 @@ def at_eof(sock: socket.socket) -> bool:
 def test_two_connections_racing_for_one_rank_attach_only_one(monkeypatch):
     """Two authenticated clients claim the same (job, rank) at once: both pass admission (held at a
     barrier right after it), but only one is attached; the other is dropped, never sharing the slot."""
-    original = aggregator.AggregatorServer._admit
+    original = server_module.AggregatorServer._admit
     barrier = threading.Barrier(2, timeout=10)
 
     def admit(self, hello, token):
         original(self, hello, token)    # checks under the server's lock that the rank is free
         barrier.wait()              # both are admitted before either is attached
 
-    monkeypatch.setattr(aggregator.AggregatorServer, "_admit", admit)
-    server = aggregator.AggregatorServer("127.0.0.1", 0, b"k")
+    monkeypatch.setattr(server_module.AggregatorServer, "_admit", admit)
+    server = server_module.AggregatorServer("127.0.0.1", 0, b"k")
     try:
         config = wire.JobConfig(2, 1, 1, 4, 2048)
         socks, errors = [], []

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import sparcoll
-from sparcoll import aggregator as aggregator_module
+from sparcoll import aggregator as aggregator_module, server as server_module
 from sparcoll.communicator import Communicator
 from support import error_chain, on_threads, wait_for
 
@@ -58,7 +58,7 @@ def _start_fork_server():
         os.environ["OMP_NUM_THREADS"] = "1"      # the fork server's environment is the children's
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "numpy", "sparcoll", "sparcoll.communicator",
-                                    "sparcoll.aggregator", __name__])
+                                    "sparcoll.aggregator", "sparcoll.server", __name__])
         r, w = ctx.Pipe(duplex=False)            # start the fork server now, with that environment
         p = ctx.Process(target=_noop, args=(w,))
         p.start()
@@ -318,7 +318,7 @@ def _aggregator_child(conn, spec):
         torch.set_num_threads(1)
         if spec.get("kill"):
             install_kill(*spec["kill"])
-        server = aggregator_module.AggregatorServer("127.0.0.1", 0, spec.get("secret", b""))
+        server = server_module.AggregatorServer("127.0.0.1", 0, spec.get("secret", b""))
         conn.send(server.address)
     except BaseException:
         conn.send("HARNESS " + traceback.format_exc())

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sparcoll import aggregator, transport, wire
+from sparcoll import server as server_module, transport, wire
 from sparcoll.communicator import Communicator
 from sparcoll.errors import CollectiveTimeout
 from support import block_sparse, on_threads, start_aggregator, stop, wait_for
@@ -128,7 +128,7 @@ def test_accept_loop_survives_any_failure_and_ends_only_when_closed(monkeypatch,
 
     monkeypatch.setattr(socket.socket, "accept", accept)
     caplog.set_level(logging.WARNING, logger="sparcoll.aggregator")
-    server = aggregator.AggregatorServer("127.0.0.1", 0, SECRET.encode())
+    server = server_module.AggregatorServer("127.0.0.1", 0, SECRET.encode())
     try:
         assert wait_for(lambda: server.accept_failures.count == len(injected), 10)
         sock = transport.connect(server.address, hello(7), SECRET.encode(), 10.0)
@@ -145,11 +145,11 @@ def test_accept_loop_survives_any_failure_and_ends_only_when_closed(monkeypatch,
 
 def test_handshakes_over_the_cap_are_closed_at_once_and_honest_jobs_still_run(store, monkeypatch,
                                                                               caplog):
-    monkeypatch.setattr(aggregator, "HANDSHAKE_TIMEOUT", 120.0)   # the held ones stay held
+    monkeypatch.setattr(server_module, "HANDSHAKE_TIMEOUT", 120.0)   # the held ones stay held
     monkeypatch.setenv("SPARCOLL_SECRET", SECRET)
     caplog.set_level(logging.WARNING, logger="sparcoll.aggregator")
     cap = 4
-    server = aggregator.AggregatorServer("127.0.0.1", 0, SECRET.encode(), max_handshakes=cap)
+    server = server_module.AggregatorServer("127.0.0.1", 0, SECRET.encode(), max_handshakes=cap)
     host, port = transport.parse_address(server.address)
     held, extra = [], []
     try:
@@ -194,8 +194,8 @@ def test_trickling_clients_are_cut_off_at_the_handshake_deadline(monkeypatch):
     """One deadline for the whole handshake: a client sending a byte every third of it (each recv
     would be satisfied in time) is cut off at the deadline, not after the 66-byte HELLO."""
     deadline = 1.0
-    monkeypatch.setattr(aggregator, "HANDSHAKE_TIMEOUT", deadline)
-    server = aggregator.AggregatorServer("127.0.0.1", 0, SECRET.encode())
+    monkeypatch.setattr(server_module, "HANDSHAKE_TIMEOUT", deadline)
+    server = server_module.AggregatorServer("127.0.0.1", 0, SECRET.encode())
     cut: list[float | None] = [None] * 3
     try:
         def client(i):
@@ -262,7 +262,7 @@ def test_internal_error_in_a_handshake_costs_that_connection_only(monkeypatch, c
 
     monkeypatch.setattr(transport, "accept", accept)
     caplog.set_level(logging.WARNING, logger="sparcoll.aggregator")
-    server = aggregator.AggregatorServer("127.0.0.1", 0, SECRET.encode())
+    server = server_module.AggregatorServer("127.0.0.1", 0, SECRET.encode())
     try:
         host, port = transport.parse_address(server.address)
         with socket.create_connection((host, port), timeout=10) as victim:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from sparcoll import aggregator, transport, wire
+from sparcoll import server as server_module, transport, wire
 from sparcoll.communicator import Communicator
 from sparcoll.errors import ProtocolError, SparcollError
 from support import wait_for
@@ -339,7 +339,7 @@ def rss_mb() -> float:
 def live():
     watch = Watch()
     original_hook = threading.excepthook
-    original_take = aggregator.BufferPool.take
+    original_take = server_module.BufferPool.take
 
     def hook(args):
         watch.thread_errors.append(f"{args.thread.name}: {args.exc_type.__name__}: {args.exc_value}")
@@ -350,11 +350,11 @@ def live():
         return original_take(self, nbytes)
 
     threading.excepthook = hook
-    aggregator.BufferPool.take = take
+    server_module.BufferPool.take = take
     handler = _Handler(watch)
     log = logging.getLogger("sparcoll.aggregator")
     log.addHandler(handler)
-    server = aggregator.AggregatorServer("127.0.0.1", 0, SECRET)
+    server = server_module.AggregatorServer("127.0.0.1", 0, SECRET)
     honest = Honest(server.address)
     honest.start()
     rss_before = rss_mb()
@@ -364,7 +364,7 @@ def live():
         honest.stop()
         server.close()
         log.removeHandler(handler)
-        aggregator.BufferPool.take = original_take
+        server_module.BufferPool.take = original_take
         threading.excepthook = original_hook
     # checks of the whole session, after every fuzz test of this module ran
     print(f"\nhonest job: {honest.done} exact collectives during the attacks; largest receive "

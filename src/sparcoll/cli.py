@@ -24,7 +24,7 @@ def run_aggregator(args: argparse.Namespace) -> int:
     (exit code 2): these are the operator's to fix, a traceback would only hide the reason."""
     import torch
 
-    from .aggregator import MAX_HANDSHAKES, AggregatorServer
+    from .server import MAX_HANDSHAKES, AggregatorServer
     from .secret import shared_secret
 
     def refuse(problem: str) -> int:

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from . import transport, wire
-from .aggregator import AggregatorServer, LocalWorker
+from .aggregator import LocalWorker
 from .blocks import may_overlap
 from .bootstrap import Rendezvous, local_host
 from .collective import WorkerCollective
 from .engine import Engine, Work
 from .errors import SparcollError
 from .options import Options, check_timeout
+from .server import AggregatorServer
 from .worker import WorkerJob
 
 __all__ = ["Communicator", "Stats", "Work"]

@@ -18,13 +18,14 @@ import numpy as np
 import torch
 
 from . import transport, wire
-from .aggregator import AggregatorJob, AggregatorServer
+from .aggregator import AggregatorJob
 from .blocks import as_bytes, block_count, runs
 from .collective import WorkerCollective
 from .errors import CollectiveTimeout, PeerError, ProtocolError, SparcollError
 from .lease import give_back
 from .message_size import MessageSizePolicy
 from .protocol import Geometry, WorkerStream
+from .server import AggregatorServer
 
 log = logging.getLogger("sparcoll")
 RUN_LIMIT = 32          # more runs than this in a message: gather/scatter through one buffer instead

@@ -1,0 +1,304 @@
+"""The TCP side of an aggregator: accept connections, authenticate them, read each worker's messages.
+
+An `AggregatorServer` listens on a port and serves jobs (`aggregator.AggregatorJob`). A colocated
+aggregator is a server inside a worker process that serves that worker's job only; a dedicated one
+(`sparcoll aggregator`) serves every job that authenticates with its secret, each isolated. It survives
+what the internet does to servers: the accept loop retries every failure (out of descriptors too), at
+most `max_handshakes` connections may be handshaking at once, each handshake has one deadline, and a
+bug costs only the connection it happened on.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import socket
+import threading
+import time
+
+import numpy as np
+import torch
+
+from . import transport, wire
+from .aggregator import AggregatorJob
+from .blocks import as_bytes
+from .errors import PeerError, ProtocolError, SparcollError
+from .lease import Lease
+from .protocol import Result
+
+log = logging.getLogger("sparcoll.aggregator")
+
+HANDSHAKE_TIMEOUT = 10.0      # for the whole handshake, however slowly the client trickles it
+# Connections still in their handshake at once. Each holds a thread and a descriptor for at most
+# HANDSHAKE_TIMEOUT; without a cap, anyone who can reach the port could exhaust both.
+MAX_HANDSHAKES = 256
+ACCEPT_BACKOFF = 0.1          # after a failed accept (out of descriptors, say), before the next
+LOG_INTERVAL = 10.0           # at most one line per this many seconds for each flood warning
+FROM_WORKERS = frozenset({wire.Kind.CONTRIBUTE, wire.Kind.ERROR, wire.Kind.BYE})
+
+
+class _Throttled:
+    """A warning logged at most once per LOG_INTERVAL, with a count of those held back since: a flood
+    of failed accepts or refused connections must not flood the log as well. `count` counts every
+    occurrence, logged or not."""
+
+    def __init__(self):
+        self.count = 0
+        self._held = 0
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def warn(self, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.count += 1
+            if now < self._next:
+                self._held += 1
+                return
+            held, self._held, self._next = self._held, 0, now + LOG_INTERVAL
+        log.warning("%s%s", message, f" ({held} more like it not logged in the last "
+                                     f"{LOG_INTERVAL:g} s)" if held else "")
+
+
+class BufferPool:
+    """Receive buffers reused across messages: fresh large allocations cost page faults."""
+
+    def __init__(self, keep: int):
+        self._free: list[torch.Tensor] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= nbytes:
+                    return self._free.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(buf)
+
+
+class _RemoteWorker:
+    """A worker reached over TCP: results and errors are sent on its connection."""
+
+    def __init__(self, conn: transport.Connection):
+        self.conn = conn
+
+    def send_result(self, h: wire.Header, header: bytes, indices: np.ndarray, result: Result,
+                    lease: Lease | None) -> None:
+        self.conn.send([header, as_bytes(indices), as_bytes(result.rows)],
+                       blocks=result.indices.size, lease=lease)
+
+    def send_error(self, job: int, collective: int, code: wire.ErrorCode, text: str) -> None:
+        self.conn.send(wire.error_message(job, collective, text, code))
+
+
+class AggregatorServer:
+    """Accepts authenticated connections and serves each on its own receiver thread.
+
+    `secret` authenticates clients; `only_job`, when set, restricts the server to that one job
+    (a colocated aggregator); at most `max_handshakes` connections may be in their handshake at
+    once, any more are closed at once."""
+
+    def __init__(self, host: str, port: int, secret: bytes, only_job: int | None = None,
+                 max_handshakes: int = MAX_HANDSHAKES):
+        if max_handshakes < 1:
+            raise ValueError(f"max_handshakes={max_handshakes}: must be at least 1")
+        self.secret = secret
+        self.only_job = only_job
+        self.jobs: dict[int, AggregatorJob] = {}
+        self._lock = threading.Lock()
+        self._connections: set[transport.Connection] = set()
+        self._closed = False
+        self.max_handshakes = max_handshakes
+        self.handshaking = 0                # connections in their handshake now
+        # Flood warnings, rate-limited; each counts its occurrences.
+        self.accept_failures = _Throttled()
+        self.over_cap = _Throttled()        # connections closed at once: too many handshakes
+        self.refused = _Throttled()         # connections that failed their handshake
+        self.sock = socket.create_server((host, port), backlog=256)
+        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        self.stats = transport.TrafficStats()   # of connections already closed
+        self._accepter = threading.Thread(target=self._accept_loop, name="sparcoll-accept",
+                                          daemon=True)
+        self._accepter.start()
+
+    def add_job(self, job: int, agg_index: int, config: wire.JobConfig,
+                job_token: bytes) -> AggregatorJob:
+        with self._lock:
+            state = self.jobs[job] = AggregatorJob(job, agg_index, config, job_token)
+        return state
+
+    def traffic(self) -> transport.TrafficStats:
+        total = transport.TrafficStats()
+        total.add(self.stats)
+        for conn in list(self._connections):
+            total.add(conn.stats)
+        return total
+
+    def _accept_loop(self) -> None:
+        """Accepts until the server is closed, whatever fails meanwhile: a loop that ended on an
+        error (EMFILE when a flood of connections used up the descriptors, ENOBUFS, ECONNABORTED,
+        a thread that cannot start) would leave a server that looks alive and never accepts again."""
+        while not self._closed:
+            try:
+                sock, peer = self.sock.accept()
+            except Exception as exc:
+                if self._closed:
+                    return
+                self._back_off(f"accepting a connection failed ({exc})")
+                continue
+            if not self._start_handshake():
+                sock.close()
+                self.over_cap.warn(f"closed a connection from {peer[0]}:{peer[1]} at once: "
+                                   f"{self.max_handshakes} handshakes are in progress, the limit")
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(sock,), name="sparcoll-agg-recv",
+                                 daemon=True).start()
+            except Exception as exc:
+                self._end_handshake()
+                sock.close()
+                self._back_off(f"starting a thread for a connection failed ({exc})")
+
+    def _start_handshake(self) -> bool:
+        """Take a handshake slot, if one is free."""
+        with self._lock:
+            if self.handshaking >= self.max_handshakes:
+                return False
+            self.handshaking += 1
+            return True
+
+    def _end_handshake(self) -> None:
+        with self._lock:
+            self.handshaking -= 1
+
+    def _back_off(self, problem: str) -> None:
+        """Log (rate-limited) and wait a little: whatever failed may be back at once, the loop must
+        not spin on it."""
+        self.accept_failures.warn(f"{problem}; retrying every {ACCEPT_BACKOFF:g} s")
+        time.sleep(ACCEPT_BACKOFF)
+
+    def _admit(self, hello: wire.Hello, job_token: bytes) -> None:
+        if self.only_job is not None and hello.job != self.only_job:
+            raise ProtocolError(f"this aggregator serves job {self.only_job:#x} only")
+        with self._lock:
+            job = self.jobs.get(hello.job)
+            if job is None:     # the first rank to arrive sets the job token
+                job = self.jobs[hello.job] = AggregatorJob(hello.job, hello.agg_index, hello.config,
+                                                           job_token)
+            job.admit(hello, job_token)
+
+    def _serve(self, sock: socket.socket) -> None:
+        """One connection's thread: the handshake (holding a handshake slot), then the worker's
+        messages. Whatever goes wrong costs this connection only, and the thread ends cleanly."""
+        try:
+            hello = self._handshake(sock)
+        finally:
+            self._end_handshake()
+        if hello is None:
+            return
+        try:
+            self._attend(sock, hello)
+        except Exception:
+            log.exception("closed rank %d of job %#x after an internal error", hello.rank,
+                          hello.job)
+            sock.close()
+
+    def _handshake(self, sock: socket.socket) -> wire.Hello | None:
+        """The client's HELLO once it authenticated and was admitted; else None, the socket closed."""
+        admitted: list[wire.Hello] = []
+
+        def admit(hello: wire.Hello, job_token: bytes) -> None:
+            self._admit(hello, job_token)
+            admitted.append(hello)
+
+        try:
+            return transport.accept(sock, lambda hello: self.secret, admit, HANDSHAKE_TIMEOUT)
+        except (SparcollError, OSError) as exc:
+            self.refused.warn(f"refused a connection: {exc}")
+        except Exception:
+            log.exception("refused a connection after an internal error in its handshake")
+        sock.close()
+        if admitted:    # admitted, then lost before the verdict: don't keep an empty job
+            self._forget_if_empty(admitted[0].job)
+        return None
+
+    def _attend(self, sock: socket.socket, hello: wire.Hello) -> None:
+        """Attach an admitted worker to its job and serve its messages until it leaves."""
+        conn = transport.Connection(sock, f"rank {hello.rank} of job {hello.job:#x}",
+                                    lambda exc: None)
+        # Admission and attachment are two steps: check again, atomically, that the job still exists
+        # (its last worker may have left meanwhile) and that no other connection took this rank.
+        with self._lock:
+            job = self.jobs.get(hello.job)
+            attached = job is not None and hello.rank not in job.workers
+            if attached:
+                self._connections.add(conn)
+                job.attach(hello.rank, _RemoteWorker(conn))
+        if not attached:
+            log.warning("dropped rank %d of job %#x: the job ended or the rank connected twice",
+                        hello.rank, hello.job)
+            conn.close()
+            return
+        try:
+            job.detach(hello.rank, self._receive(conn, job, hello.rank))
+        finally:
+            conn.close()
+            with self._lock:
+                self._connections.discard(conn)
+                self.stats.add(conn.stats)
+            self._forget_if_empty(job.job)
+
+    def _forget_if_empty(self, job_id: int) -> None:
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is not None and not job.workers and self.only_job is None:
+                self.jobs.pop(job_id, None)
+
+    def _receive(self, conn: transport.Connection, job: AggregatorJob, rank: int) -> str | None:
+        """Read and dispatch a worker's messages until it leaves; returns why it left (None: BYE)."""
+        pool = BufferPool(keep=2 * job.config.streams * job.config.credits)
+        landed: list[torch.Tensor] = []
+
+        def place(h: wire.Header, indices: np.ndarray) -> list[memoryview]:
+            nbytes = h.payload_sizes()[1]
+            landed.append(pool.take(nbytes))
+            return [as_bytes(landed[-1])[:nbytes]]
+
+        try:
+            while True:
+                h = conn.recv_header(job.config.message_blocks, job.job)
+                message = wire.read_body(h, conn.recv_into, FROM_WORKERS, place)
+                if isinstance(message, wire.Blocks):
+                    buf = landed.pop()
+                    rows = buf[:h.payload_sizes()[1]].view(h.torch_dtype).view(h.count, h.block_size)
+                    conn.count(blocks_received=h.count)
+                    job.contribute(rank, h, message.indices, rows,
+                                   Lease(functools.partial(pool.give, buf)), reuse=1)
+                elif isinstance(message, wire.Failure):
+                    job.fail(message.collective, message.code, f"rank {rank}: {message.text}")
+                else:
+                    return None
+        except ProtocolError as exc:
+            log.warning("closing %s: %s", conn.peer, exc)
+            return f"rank {rank} sent a malformed message ({exc})"
+        except (PeerError, OSError) as exc:
+            if self._closed:
+                return "the aggregator is shutting down"
+            return f"rank {rank} disconnected ({exc})"
+        except Exception as exc:    # a bug costs this connection, never the thread's clean-up
+            log.exception("closing %s after an internal error", conn.peer)
+            return f"rank {rank}: internal error in the aggregator ({type(exc).__name__}: {exc})"
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        for conn in list(self._connections):
+            conn.close()
