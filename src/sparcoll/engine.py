@@ -65,9 +65,6 @@ class Work:
     def is_completed(self) -> bool:
         return self._event.is_set()
 
-    def done_event(self) -> threading.Event:
-        return self._event
-
     def exception(self) -> BaseException | None:
         return self._error
 
@@ -223,19 +220,8 @@ class Engine:
         return True                                         # may start the next one
 
     def _failed(self, coll: WorkerCollective, exc: BaseException) -> SparcollError:
-        """Collective `coll` raised `exc` on this rank: its error (the cause attached), announced
-        to every aggregator so that no peer waits for this rank."""
-        error = SparcollError(f"rank {self.rank}: allreduce {coll.id} failed: "
-                              f"{type(exc).__name__}: {exc}")
-        error.__cause__ = exc
-        log.error("%s", error, exc_info=exc)
-        coll.fail(error)
-        try:
-            self.worker.abort(coll.id, str(error))
-        except Exception:
-            log.exception("rank %d could not announce the failure of allreduce %d", self.rank,
-                          coll.id)
-        return error
+        """Collective `coll` raised `exc` on this rank: it fails, announced to every aggregator."""
+        return self.worker.internal_failure(coll, f"allreduce {coll.id}", exc)
 
     @staticmethod
     def _complete(coll: WorkerCollective, work: Work, error: BaseException | None) -> None:

@@ -249,21 +249,27 @@ class WorkerJob:
         if coll is not None and agg in coll.waiting_for():
             coll.fail(error)
 
-    def _internal_error(self, what: str, exc: BaseException) -> None:
-        """Something unexpected went wrong on a receiving thread: the collective in progress fails
-        with a SparcollError carrying the cause, and every aggregator hears of it (so no peer waits
-        for this rank); the communicator is poisoned."""
+    def internal_failure(self, coll: WorkerCollective | None, what: str,
+                         exc: BaseException) -> SparcollError:
+        """`exc` (anything, ours or not) broke `what` on this rank: the SparcollError to raise, with
+        `exc` as its cause. Collective `coll`, if any, fails with it, and every aggregator hears of
+        it, so no peer waits for this rank."""
         error = SparcollError(f"rank {self.rank}: {what} failed: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
         log.error("%s", error, exc_info=exc)
-        self._on_poison(error)
-        coll = self._active
         if coll is not None:
             coll.fail(error)
             try:
                 self.abort(coll.id, str(error))
             except Exception:
-                log.exception("rank %d could not announce the failure", self.rank)
+                log.exception("rank %d could not announce the failure of allreduce %d", self.rank,
+                              coll.id)
+        return error
+
+    def _internal_error(self, what: str, exc: BaseException) -> None:
+        """A receiving thread failed unexpectedly: the collective in progress fails (see
+        internal_failure) and the communicator is poisoned."""
+        self._on_poison(self.internal_failure(self._active, what, exc))
 
     def fail_active(self, error: BaseException) -> None:
         coll = self._active
