@@ -9,11 +9,10 @@ from sparcoll import demo
 
 
 def test_auto_picks_the_emulated_network_only_where_it_can_be_built(monkeypatch):
-    monkeypatch.setattr("sparcoll.bench.netem.netem_available", lambda: (True, ""))
+    monkeypatch.setattr("sparcoll.bench.netns.netem_problems", lambda: [])
     network, why = demo.choose_network("auto")
     assert network == "1gbit" and "1 Gbit/s" in why
-    monkeypatch.setattr("sparcoll.bench.netem.netem_available",
-                        lambda: (False, "an emulated network needs root: not running as root. Use x"))
+    monkeypatch.setattr("sparcoll.bench.netns.netem_problems", lambda: ["not running as root"])
     network, why = demo.choose_network("auto")
     assert network == "none" and "not running as root" in why and "CPU-bound" in why
     assert demo.choose_network("10gbit") == ("10gbit", "as requested")

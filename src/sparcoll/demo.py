@@ -30,17 +30,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def choose_network(requested: str) -> tuple[str, str]:
     """(network, why): the emulated 1 Gbit/s network when `auto` and the machine allows it."""
-    from .bench.netem import netem_available
+    from .bench.netns import netem_problems
 
     if requested != "auto":
         return requested, "as requested"
-    available, reason = netem_available()
-    if available:
+    problems = netem_problems()
+    if not problems:
         return "1gbit", ("4 emulated hosts, each behind a 1 Gbit/s link (network namespaces, tc "
                          "tbf): the network is the bottleneck, the setting sparcoll is built for")
-    return "none", (f"loopback ({reason.split('. Use')[0]}). On loopback the network is never the "
-                    f"bottleneck and all workers share this machine's cores, so dense data is "
-                    f"CPU-bound; docs/benchmarks.md has the figures at 1 Gbit/s")
+    return "none", (f"loopback (an emulated network needs root and iproute2: "
+                    f"{'; '.join(problems)}). On loopback the network is never the bottleneck and "
+                    f"all workers share this machine's cores, so dense data is CPU-bound; "
+                    f"docs/benchmarks.md has the figures at 1 Gbit/s")
 
 
 def verdicts(path: str) -> list[str]:

@@ -35,14 +35,20 @@ class NetemUnavailable(NetemError):
     """Emulated networks cannot be used here (not root, or iproute2 missing)."""
 
 
-def netem_available() -> tuple[bool, str]:
-    """Whether :class:`EmulatedNetwork` can work here, and if not, why."""
+def netem_problems() -> list[str]:
+    """What keeps an emulated network from being built here (none: it can be)."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     problems = []
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         problems.append("not running as root")
     if missing:
         problems.append(f"{' and '.join(missing)} not found on PATH")
+    return problems
+
+
+def netem_available() -> tuple[bool, str]:
+    """Whether :class:`EmulatedNetwork` can work here, and if not, why."""
+    problems = netem_problems()
     if problems:
         return False, (
             "an emulated network needs root and iproute2 (ip, tc): "
