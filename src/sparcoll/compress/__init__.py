@@ -1,0 +1,51 @@
+"""Gradient compression: every standard compressor, with error feedback, each communicated by the
+cheapest collective its payload allows.
+
+    import sparcoll.compress as sc
+    c = sc.make("topk:0.01")              # a Compressor: compress / decompress / payload_bytes
+    r = sc.Reducer("topk:0.01", group)    # compress + communicate + decompress + error feedback
+    avg = r.reduce(grad, key="fc.weight") # the AVERAGE over the group's ranks
+
+Specs (spec.py): none, fp16, bf16, topk:RATIO, randomk:RATIO, threshold:VALUE, dgc:RATIO,
+qsgd:LEVELS, terngrad, signsgd, efsignsgd, onebit, powersgd:RANK, blocktopk:RATIO; options after
+commas: ef=on|off (error feedback; on by default for topk, randomk, threshold, dgc, efsignsgd,
+onebit, powersgd, blocktopk), seed=INT (randomk, powersgd), momentum=FLOAT (dgc, default 0.9).
+
+| compressor | collective | error feedback |
+|---|---|---|
+| none, fp16, bf16 | allreduce of the (cast) tensor | off |
+| randomk | allreduce of k values (indices from a seed shared by all ranks) | on |
+| powersgd | two allreduces (P, Q); Q warm-started, identical on every rank | on |
+| blocktopk | sparcoll's sparse AllReduce of the kept blocks | on |
+| topk, threshold, dgc | allgather of (int32 indices, values), variable size | on (dgc: momentum correction) |
+| qsgd, terngrad | allgather of quantized values + scale | off (unbiased) |
+| signsgd, efsignsgd, onebit | allgather of packed sign bits + 2 values | signsgd off, others on |
+
+Sparse COO input is compressed entry by entry without densifying by none, fp16, bf16, topk,
+threshold and blocktopk; the others densify it first.
+"""
+from __future__ import annotations
+
+from .base import Compressor, Payload
+from .blocktopk import BlockTopK
+from .powersgd import PowerSGD
+from .quantize import QSGD, Cast, TernGrad
+from .reducer import Reducer
+from .sign import OneBit, Sign
+from .sparsify import DGC, RandomK, Threshold, TopK
+from .spec import KINDS, Spec, parse
+
+CLASSES = {"none": Cast, "fp16": Cast, "bf16": Cast, "topk": TopK, "randomk": RandomK,
+           "threshold": Threshold, "dgc": DGC, "qsgd": QSGD, "terngrad": TernGrad,
+           "signsgd": Sign, "efsignsgd": Sign, "onebit": OneBit, "powersgd": PowerSGD,
+           "blocktopk": BlockTopK}
+assert CLASSES.keys() == KINDS.keys()
+
+
+def make(spec: str | Spec) -> Compressor:
+    """The compressor a spec names; ValueError naming what is wrong with a bad spec."""
+    spec = parse(spec)
+    return CLASSES[spec.name](spec)
+
+
+__all__ = ["make", "parse", "Spec", "Reducer", "Compressor", "Payload", "KINDS"]

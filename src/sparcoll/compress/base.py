@@ -1,0 +1,70 @@
+"""The compressor role (GRACE's): compress a tensor into the parts that cross the wire, rebuild a
+dense tensor from them, and say which collective fits the parts.
+
+Every compressor takes a contiguous float32 tensor (any shape) and decompresses to a flat float32
+tensor of its numel. `scheme` tells the Reducer how the parts travel:
+
+  "allreduce"  parts are summable elementwise across ranks (fp16, bf16, randomk): an allreduce
+  "sparse"     one dense, block-sparse part, summed by sparcoll's sparse AllReduce (blocktopk)
+  "allgather"  per-rank parts are gathered and combined (topk, qsgd, signs, ...)
+  "powersgd"   the compressor runs its own two allreduces (see powersgd.py)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .spec import Spec
+
+
+@dataclass
+class Payload:
+    """What crosses the wire (`parts`, 1-D tensors) and what only the sender needs to decompress
+    them (`ctx`: the numel, or the randomk indices every rank derives from the shared seed)."""
+    parts: tuple
+    ctx: Any
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """int32 indices where they fit: half the bytes of int64."""
+    return torch.int32 if numel < 2 ** 31 else torch.int64
+
+
+class Compressor:
+    scheme = "allgather"
+    variable = False        # payload size depends on the data: the Reducer gathers sizes first
+    entries = False         # compresses the entries of a sparse COO tensor without densifying
+
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        self.rng = torch.Generator()
+        self.seed_rank(0)
+
+    def seed_rank(self, rank: int) -> None:
+        """Seed the private randomness (stochastic rounding, sampling) for `rank`: independent across
+        ranks, reproducible per rank. Shared seeds (randomk, powersgd) are the compressors' own."""
+        self.rng.manual_seed(7919 * rank + 1)
+
+    def compress(self, x: torch.Tensor) -> Payload:
+        raise NotImplementedError
+
+    def decompress(self, parts: tuple, ctx: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine(self, gathered: list[tuple], ctx: Any) -> torch.Tensor:
+        """Average of every rank's decompressed parts (allgather scheme); majority vote and
+        sparse sums override it."""
+        total = self.decompress(gathered[0], ctx).clone()
+        for parts in gathered[1:]:
+            total += self.decompress(parts, ctx)
+        return total.div_(len(gathered))
+
+    def payload_bytes(self, numel: int, shape: tuple | None = None) -> int:
+        """Bytes of one rank's parts for a tensor of `numel` elements, known before sending (an
+        upper bound for data-dependent sizes: topk, dgc, threshold)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.spec)!r})"

@@ -1,0 +1,75 @@
+"""The collectives compressed payloads travel by, on a torch.distributed group (gloo, or a sparcoll
+group) and optionally a sparcoll Communicator for the sparse AllReduce. Without an initialized
+torch.distributed (one process) every collective is the identity: the world is 1.
+
+Every result is an AVERAGE over ranks, like DDP's gradients.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class Channel:
+    def __init__(self, group=None, comm=None):
+        self.group, self.comm = group, comm
+        if dist.is_available() and dist.is_initialized():
+            self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        elif comm is not None:
+            self.world, self.rank = comm.world, comm.rank
+        else:
+            self.world, self.rank = 1, 0
+
+    def allreduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """Average a dense tensor in place (each share divided first, as DDP does); returns it."""
+        if self.world > 1:
+            t.div_(self.world)
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def sparse_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """Average a block-sparse dense tensor (in place) or a COO tensor (a new one) with sparcoll's
+        sparse AllReduce: only blocks that are non-zero somewhere cross the wire. Without a
+        communicator, the group's own all_reduce (sparcoll's too on a sparcoll group)."""
+        if self.world == 1:
+            return t
+        if self.comm is not None:
+            if t.is_sparse:
+                return self.comm.allreduce_coo(t, op="avg")
+            return self.comm.allreduce(t, op="avg")
+        if t.is_sparse:
+            t = t / self.world
+            dist.all_reduce(t, group=self.group)
+            return t.coalesce()
+        return self.allreduce_mean(t)
+
+    def allgather(self, parts: tuple, variable: bool) -> list[tuple]:
+        """Every rank's `parts` (1-D tensors, the same dtypes on every rank), in rank order. With
+        `variable`, ranks may send different lengths, including 0: the lengths are gathered first and
+        each rank's bytes are padded to the longest (so a rank with nothing still takes part)."""
+        if self.world == 1:
+            return [tuple(parts)]
+        lengths = torch.tensor([p.numel() for p in parts], dtype=torch.long)
+        if variable:
+            every = [torch.empty_like(lengths) for _ in range(self.world)]
+            dist.all_gather(every, lengths, group=self.group)
+        else:
+            every = [lengths] * self.world
+        sizes = torch.tensor([p.element_size() for p in parts], dtype=torch.long)
+        nbytes = [int((n * sizes).sum()) for n in every]
+        data = torch.zeros(max(nbytes), dtype=torch.uint8)
+        if parts:
+            torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts],
+                      out=data[:nbytes[self.rank]])
+        gathered = [torch.empty_like(data) for _ in range(self.world)]
+        dist.all_gather(gathered, data, group=self.group)
+        return [_split(buf, n, parts) for buf, n in zip(gathered, every)]
+
+
+def _split(buf: torch.Tensor, lengths: torch.Tensor, like: tuple) -> tuple:
+    out, offset = [], 0
+    for n, p in zip(lengths.tolist(), like):
+        size = n * p.element_size()
+        out.append(buf[offset:offset + size].view(p.dtype))
+        offset += size
+    return tuple(out)

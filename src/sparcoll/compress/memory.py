@@ -1,0 +1,85 @@
+"""Error feedback (GRACE's Memory role): what a compressor dropped this step is added back next step,
+so nothing is lost, only delayed: over any number of steps, sum(applied) + residual == sum(grads).
+
+State is per tensor `key` (a parameter, a name). Sparse COO tensors keep a COO residual, so an
+already-sparse gradient is never densified by its memory.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _sparse_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    total = (a + b).coalesce()
+    keep = total.values().reshape(total.values().shape[0], -1).ne(0).any(dim=1)
+    return torch.sparse_coo_tensor(total.indices()[:, keep], total.values()[keep], total.shape,
+                                   is_coalesced=True, check_invariants=False)
+
+
+class NoMemory:
+    """Error feedback off: the compressor's error is dropped."""
+    active = False
+
+    def compensate(self, x: torch.Tensor, key) -> torch.Tensor:
+        return x
+
+    def update(self, compensated: torch.Tensor, sent: torch.Tensor, key) -> None:
+        pass
+
+    def residual(self, key):
+        return None
+
+
+class Residual(NoMemory):
+    """Residual error feedback: next step's input is the gradient plus what was not sent."""
+    active = True
+
+    def __init__(self):
+        self.residuals: dict = {}
+
+    def compensate(self, x: torch.Tensor, key) -> torch.Tensor:
+        r = self.residuals.get(key)
+        if r is None:
+            return x
+        if x.is_sparse and r.is_sparse:
+            return _sparse_sum(x, r)
+        return (x.to_dense() if x.is_sparse else x) + (r.to_dense() if r.is_sparse else r)
+
+    def update(self, compensated: torch.Tensor, sent: torch.Tensor, key) -> None:
+        if compensated.is_sparse:
+            self.residuals[key] = _sparse_sum(compensated, -sent)
+        else:
+            self.residuals[key] = compensated - sent
+
+    def residual(self, key):
+        return self.residuals.get(key)
+
+
+class Momentum(Residual):
+    """DGC's momentum correction: accumulate the momentum u = m u + g into the velocity v and send
+    from v; what was sent is cleared from both (momentum factor masking), so the optimizer itself
+    should run without momentum. With momentum 0 it is plain residual feedback."""
+
+    def __init__(self, momentum: float):
+        super().__init__()
+        self.momentum = momentum
+        self.velocity: dict = {}
+
+    def compensate(self, x: torch.Tensor, key) -> torch.Tensor:
+        x = x.to_dense() if x.is_sparse else x
+        u = self.velocity.get(key)
+        u = x.clone() if u is None else u.mul_(self.momentum).add_(x)
+        self.velocity[key] = u
+        return super().compensate(u, key)
+
+    def update(self, compensated: torch.Tensor, sent: torch.Tensor, key) -> None:
+        super().update(compensated, sent, key)
+        self.velocity[key].masked_fill_(sent.reshape(compensated.shape) != 0, 0.0)
+
+
+def make_memory(spec) -> NoMemory:
+    if not spec.ef:
+        return NoMemory()
+    if spec.name == "dgc":
+        return Momentum(spec.options.get("momentum", 0.9))
+    return Residual()

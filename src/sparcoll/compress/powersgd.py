@@ -1,0 +1,64 @@
+"""PowerSGD (Vogels et al. 2019): a rank-r approximation P Q^T of the gradient as a matrix, from one
+step of power iteration warm-started with the previous step's Q. Both factors are summable, so it
+is two allreduces (P, then Q), never an allgather; it is a communication scheme of its own, so the
+compressor drives the two allreduces itself (`reduce`).
+
+Q starts from a generator seeded by the spec's seed and a counter of Qs created, identical on every
+rank; after each step every rank holds the same averaged Q, the next step's start. A tensor of
+shape (d0, d1, ...) is the matrix d0 x (d1 * ...); a 1-D one of n elements is padded to the nearest
+square ceil(n / c) x c, c = ceil(sqrt(n)).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Compressor
+
+
+def matrix_shape(shape: tuple, numel: int) -> tuple[int, int]:
+    if len(shape) >= 2 and numel:
+        return shape[0], numel // shape[0]
+    cols = max(1, math.ceil(math.sqrt(numel)))
+    return max(1, math.ceil(numel / cols)), cols
+
+
+class PowerSGD(Compressor):
+    """Error: M - P P^T M with P orthonormal, so ||M - M'|| <= ||M|| (Frobenius); a matrix of rank
+    <= r is recovered exactly once Q spans its row space (the first step, from a random Q, almost
+    surely)."""
+    scheme = "powersgd"
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.rank = spec.arg
+        self.seed = spec.options.get("seed", 0)
+        self.created = 0
+        self.q: dict = {}
+
+    def _start(self, key, cols: int, rank: int) -> torch.Tensor:
+        q = self.q.get(key)
+        if q is None or q.shape != (cols, rank):
+            shared = torch.Generator().manual_seed((self.seed * 1_000_003 + self.created) % (1 << 63))
+            self.created += 1
+            q = torch.randn(cols, rank, generator=shared)
+        return q
+
+    def reduce(self, x: torch.Tensor, shape: tuple, key, allreduce_mean) -> torch.Tensor:
+        """The average over ranks of the rank-r approximation of x (flat float32); `allreduce_mean`
+        averages a tensor over ranks in place."""
+        n = x.numel()
+        rows, cols = matrix_shape(tuple(shape), n)
+        padded = x if rows * cols == n else torch.cat([x, x.new_zeros(rows * cols - n)])
+        m = padded.view(rows, cols)
+        rank = min(self.rank, rows, cols)
+        p = allreduce_mean(m @ self._start(key, cols, rank))
+        p = torch.linalg.qr(p).Q
+        q = allreduce_mean(m.t() @ p)
+        self.q[key] = q
+        return (p @ q.t()).reshape(-1)[:n]
+
+    def payload_bytes(self, numel: int, shape: tuple | None = None) -> int:
+        rows, cols = matrix_shape(tuple(shape or (numel,)), numel)
+        return 4 * min(self.rank, rows, cols) * (rows + cols)

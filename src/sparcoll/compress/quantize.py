@@ -1,0 +1,86 @@
+"""Quantizers: every element is sent, with fewer bits.
+
+`none`, `fp16`, `bf16` cast (summable: one allreduce in the cast dtype, each rank's share divided
+before the sum so fp16 does not overflow where the mean would not); `qsgd` and `terngrad` round
+stochastically (unbiased, so error feedback is off by default) against a per-rank scale, so their
+payloads are gathered, not summed.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import bits
+from .base import Compressor, Payload
+
+_CASTS = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Cast(Compressor):
+    """Round to `dtype` (none: float32, no rounding). Error: |x - x'| <= |x| * 2^-11 (fp16, in its
+    normal range) or 2^-8 (bf16); fp16 overflows beyond 65504."""
+    scheme = "allreduce"
+    entries = True
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.dtype = _CASTS[spec.name]
+
+    def compress(self, x: torch.Tensor) -> Payload:
+        # A copy even for float32: the allreduce works in place and x may be the caller's tensor.
+        return Payload((x.reshape(-1).to(self.dtype, copy=True),), x.numel())
+
+    def compress_entries(self, idx: torch.Tensor, vals: torch.Tensor, numel: int):
+        return idx, vals.to(self.dtype)
+
+    def decompress(self, parts: tuple, ctx) -> torch.Tensor:
+        return parts[0].float()
+
+    def payload_bytes(self, numel: int, shape=None) -> int:
+        return numel * self.dtype.itemsize
+
+
+class QSGD(Compressor):
+    """QSGD with s levels: |x_i| / ||x|| rounded stochastically to a multiple of 1/s, sent as a signed
+    int8 (s <= 127) or int16 with the norm. Unbiased; |x_i - x'_i| <= ||x|| / s."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.levels = spec.arg
+        self.dtype = torch.int8 if self.levels <= 127 else torch.int16
+
+    def compress(self, x: torch.Tensor) -> Payload:
+        flat = x.reshape(-1)
+        norm = flat.norm().reshape(1)
+        if norm.item() == 0.0:
+            return Payload((norm, torch.zeros(flat.numel(), dtype=self.dtype)), flat.numel())
+        scaled = flat.abs().div_(norm).mul_(self.levels)
+        level = scaled.floor()
+        level += torch.rand(flat.numel(), generator=self.rng) < scaled.sub_(level)
+        return Payload((norm, level.mul_(flat.sign()).to(self.dtype)), flat.numel())
+
+    def decompress(self, parts: tuple, ctx) -> torch.Tensor:
+        norm, level = parts
+        return level.float().mul_(norm / self.levels)
+
+    def payload_bytes(self, numel: int, shape=None) -> int:
+        return 4 + numel * self.dtype.itemsize
+
+
+class TernGrad(Compressor):
+    """TernGrad: x_i becomes max|x| * sign(x_i) with probability |x_i| / max|x|, else 0; sent as two
+    bit planes (non-zero, negative) and the scale. Unbiased; |x_i - x'_i| <= max|x|."""
+
+    def compress(self, x: torch.Tensor) -> Payload:
+        flat = x.reshape(-1)
+        scale = flat.abs().max().reshape(1) if flat.numel() else torch.zeros(1)
+        prob = flat.abs().div_(scale) if scale.item() > 0 else torch.zeros_like(flat)
+        keep = torch.rand(flat.numel(), generator=self.rng) < prob
+        return Payload((scale, bits.pack(keep), bits.pack(flat < 0)), flat.numel())
+
+    def decompress(self, parts: tuple, numel: int) -> torch.Tensor:
+        scale, keep, negative = parts
+        sign = 1.0 - 2.0 * bits.unpack(negative, numel).float()
+        return sign.mul_(bits.unpack(keep, numel)).mul_(scale)
+
+    def payload_bytes(self, numel: int, shape=None) -> int:
+        return 4 + 2 * bits.packed_bytes(numel)

@@ -1,0 +1,85 @@
+"""The single entry point: one tensor through compress, communicate, decompress and error feedback.
+
+    reducer = Reducer("topk:0.01", group=None, comm=None)
+    avg = reducer.reduce(grad, key="layer1.weight")     # the average over ranks
+
+`reduce` returns the AVERAGE over ranks of what each rank's compressor kept (DDP's convention), as a
+new tensor of the input's shape and dtype (a COO tensor for compressors that compress COO entries,
+with the input's layout); it never modifies its input. Every rank must reduce the same tensors
+(shapes, keys) in the same order: the collectives and the shared seeds (randomk, PowerSGD's Q) rely
+on it. `key` names the tensor's error-feedback and warm-start state.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import coo
+from .base import index_dtype
+from .channel import Channel
+from .memory import make_memory
+from .spec import parse
+
+
+class Reducer:
+    def __init__(self, spec, group=None, comm=None):
+        from . import make
+        self.spec = parse(spec)
+        self.compressor = make(self.spec)
+        self.memory = make_memory(self.spec)
+        self.channel = Channel(group, comm)
+        if comm is not None:
+            self.compressor.block_size = comm.block_size
+        self.compressor.seed_rank(self.channel.rank)
+
+    def payload_bytes(self, tensor: torch.Tensor) -> int:
+        """What this rank sends for `tensor` (an upper bound where the size depends on the data)."""
+        return self.compressor.payload_bytes(tensor.numel(), tuple(tensor.shape))
+
+    def reduce(self, tensor: torch.Tensor, key=None) -> torch.Tensor:
+        if tensor.is_sparse:
+            if self.compressor.entries:
+                return self._reduce_entries(tensor.coalesce(), key)
+            tensor = tensor.to_dense()
+        x = tensor.reshape(-1).float()
+        comp = self.memory.compensate(x, key)
+        c = self.compressor
+        if c.scheme == "powersgd":
+            result = c.reduce(comp, tuple(tensor.shape), key, self.channel.allreduce_mean)
+            self.memory.update(comp, result, key)
+        else:
+            payload = c.compress(comp)
+            if self.memory.active:
+                # before the collective, which may reuse the parts' memory
+                self.memory.update(comp, c.decompress(payload.parts, payload.ctx), key)
+            result = self._communicate(payload)
+        return result.view(tensor.shape).to(tensor.dtype)
+
+    def _communicate(self, payload) -> torch.Tensor:
+        c = self.compressor
+        if c.scheme == "allreduce":
+            return c.decompress(tuple(self.channel.allreduce_mean(p) for p in payload.parts),
+                                payload.ctx)
+        if c.scheme == "sparse":
+            return self.channel.sparse_mean(payload.parts[0])
+        return c.combine(self.channel.allgather(payload.parts, c.variable), payload.ctx)
+
+    def _reduce_entries(self, g: torch.Tensor, key) -> torch.Tensor:
+        """A COO tensor compressed entry by entry, never densified (memory included)."""
+        comp = self.memory.compensate(g, key).coalesce()
+        shape, sparse_dim = comp.shape, comp.sparse_dim()
+        idx, vals = coo.entries(comp)
+        kept_idx, kept_vals = self.compressor.compress_entries(idx, vals, comp.numel())
+        if self.memory.active:
+            sent = coo.from_entries(kept_idx, kept_vals.float(), shape, sparse_dim)
+            self.memory.update(comp, sent, key)
+        if self.compressor.scheme == "sparse":
+            flat = torch.sparse_coo_tensor(kept_idx.unsqueeze(0), kept_vals, (comp.numel(),),
+                                           is_coalesced=True, check_invariants=False)
+            result = self.channel.sparse_mean(flat).coalesce()
+            idx, vals = result.indices()[0], result.values()
+        else:
+            gathered = self.channel.allgather((kept_idx.to(index_dtype(comp.numel())), kept_vals),
+                                              variable=True)
+            idx = torch.cat([parts[0].long() for parts in gathered])
+            vals = torch.cat([parts[1].float() for parts in gathered]) / self.channel.world
+        return coo.from_entries(idx, vals.float(), shape, sparse_dim).to(g.dtype)

@@ -1,0 +1,57 @@
+"""Sign compressors: one bit per element (bit-packed) and two reconstruction values per rank.
+
+  signsgd    x' = mean|x| * sign(x); ranks combine by majority vote: sign(sum of signs) times the
+             ranks' mean scale (so a step keeps the gradient's magnitude); no error feedback
+  efsignsgd  the same x', error feedback on, ranks' x' averaged (EF-SignSGD, Karimireddy et al.)
+  onebit     1-bit SGD (Seide et al.): x' = mean of x's non-negative entries where x >= 0, mean of
+             its negative entries where x < 0; error feedback on, averaged
+"""
+from __future__ import annotations
+
+import torch
+
+from . import bits
+from .base import Compressor, Payload
+
+
+class Sign(Compressor):
+    """The bit is x < 0; `levels` = (value for a 0 bit, value for a 1 bit)."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.vote = spec.name == "signsgd"
+
+    def levels(self, flat: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+        scale = flat.abs().mean() if flat.numel() else torch.tensor(0.0)
+        return torch.stack([scale, -scale])
+
+    def compress(self, x: torch.Tensor) -> Payload:
+        flat = x.reshape(-1)
+        negative = flat < 0
+        return Payload((self.levels(flat, negative), bits.pack(negative)), flat.numel())
+
+    def decompress(self, parts: tuple, numel: int) -> torch.Tensor:
+        levels, packed = parts
+        return torch.where(bits.unpack(packed, numel), levels[1], levels[0])
+
+    def combine(self, gathered: list[tuple], numel: int) -> torch.Tensor:
+        if not self.vote:
+            return super().combine(gathered, numel)
+        votes = torch.zeros(numel)
+        for _, packed in gathered:
+            votes += bits.unpack(packed, numel)
+        scale = torch.stack([levels[0] for levels, _ in gathered]).mean()
+        # a 1 bit votes -1: sign(sum of signs) = sign(world - 2 * negatives)
+        return votes.mul_(-2.0).add_(len(gathered)).sign_().mul_(scale)
+
+    def payload_bytes(self, numel: int, shape=None) -> int:
+        return 8 + bits.packed_bytes(numel)
+
+
+class OneBit(Sign):
+    def levels(self, flat: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+        count_neg = negative.sum()
+        sum_neg = flat.masked_fill(~negative, 0.0).sum()
+        count_pos = flat.numel() - count_neg
+        pos = (flat.sum() - sum_neg) / count_pos.clamp(min=1)
+        return torch.stack([pos, sum_neg / count_neg.clamp(min=1)])

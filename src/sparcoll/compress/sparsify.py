@@ -1,0 +1,130 @@
+"""Sparsifiers: send a subset of the elements.
+
+topk, threshold and dgc send (indices, values) of the elements they select and are gathered (each
+rank selects different elements; sizes vary, may be 0). Zeros are never selected, so a mostly-zero
+dense tensor sends only its non-zero elements, and the entries of a sparse COO tensor are selected
+without densifying it. RATIO is always a fraction of the tensor's numel.
+
+randomk selects the same indices on every rank (drawn from a generator seeded by the spec's seed and
+a call counter, identical on all ranks as long as they reduce the same tensors in the same order), so
+its values are summable: one allreduce of k values, no indices on the wire.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Compressor, Payload, index_dtype
+
+
+def _count(ratio: float, numel: int) -> int:
+    return min(numel, max(1, math.ceil(ratio * numel))) if numel else 0
+
+
+class Sparsifier(Compressor):
+    """Selection by `select(values, numel)` -> positions; (indices, values) on the wire."""
+    variable = True
+    entries = True
+
+    def select(self, values: torch.Tensor, numel: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compress(self, x: torch.Tensor) -> Payload:
+        flat = x.reshape(-1)
+        pos = self.select(flat, flat.numel())
+        return Payload((pos.to(index_dtype(flat.numel())), flat[pos]), flat.numel())
+
+    def compress_entries(self, idx: torch.Tensor, vals: torch.Tensor, numel: int):
+        pos = self.select(vals, numel)
+        return idx[pos], vals[pos]
+
+    def decompress(self, parts: tuple, numel: int) -> torch.Tensor:
+        idx, vals = parts
+        return torch.zeros(numel).index_put_((idx.long(),), vals)
+
+    def combine(self, gathered: list[tuple], numel: int) -> torch.Tensor:
+        idx = torch.cat([parts[0].long() for parts in gathered])
+        vals = torch.cat([parts[1] for parts in gathered])
+        return torch.zeros(numel).index_add_(0, idx, vals).div_(len(gathered))
+
+    def payload_bytes(self, numel: int, shape=None) -> int:
+        return self._bound(numel) * (4 + index_dtype(numel).itemsize)
+
+    def _bound(self, numel: int) -> int:
+        return _count(self.spec.arg, numel)
+
+
+def _nonzero_topk(values: torch.Tensor, k: int) -> torch.Tensor:
+    k = min(k, values.numel())
+    pos = values.abs().topk(k, sorted=False).indices
+    return pos[values[pos] != 0]
+
+
+class TopK(Sparsifier):
+    """The k = ceil(RATIO * numel) largest magnitudes (fewer when fewer are non-zero); the error is
+    the dropped elements, each no larger than the smallest kept."""
+
+    def select(self, values: torch.Tensor, numel: int) -> torch.Tensor:
+        return _nonzero_topk(values, _count(self.spec.arg, numel))
+
+
+class Threshold(Sparsifier):
+    """Every element with |x| > VALUE: the size depends on the data (0 to numel elements, so
+    payload_bytes is the upper bound, numel * 8); the error is at most VALUE per element."""
+
+    def select(self, values: torch.Tensor, numel: int) -> torch.Tensor:
+        return (values.abs() > self.spec.arg).nonzero().squeeze(1)
+
+    def _bound(self, numel: int) -> int:
+        return numel
+
+
+class DGC(Sparsifier):
+    """Deep Gradient Compression: the threshold for the top RATIO is estimated on a 1% random sample
+    (no full sort), the elements above it are sent, at most k (exact top-k among them if more).
+    Momentum correction is its memory (memory.Momentum)."""
+    entries = False
+
+    def select(self, values: torch.Tensor, numel: int) -> torch.Tensor:
+        k = _count(self.spec.arg, numel)
+        if k == 0:
+            return torch.zeros(0, dtype=torch.long)
+        magnitude = values.abs()
+        sample = magnitude[torch.randint(numel, (max(1, numel // 100),), generator=self.rng)]
+        floor = sample.topk(_count(self.spec.arg, sample.numel()), sorted=False).values.min()
+        pos = (magnitude >= floor).nonzero().squeeze(1)
+        if pos.numel() > k:
+            pos = pos[magnitude[pos].topk(k, sorted=False).indices]
+        return pos[values[pos] != 0]
+
+
+class RandomK(Compressor):
+    """k = ceil(RATIO * numel) indices drawn uniformly (with replacement, O(k)) from the shared
+    generator. With error feedback off the values are divided by P(index drawn) = 1 - (1 - 1/n)^k,
+    which makes the result unbiased; with error feedback on (the default) they are sent unscaled,
+    since the scaled estimator is not a contraction and error feedback diverges with it."""
+    scheme = "allreduce"
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.seed = spec.options.get("seed", 0)
+        self.calls = 0
+
+    def compress(self, x: torch.Tensor) -> Payload:
+        flat = x.reshape(-1)
+        n, k = flat.numel(), _count(self.spec.arg, flat.numel())
+        shared = torch.Generator().manual_seed((self.seed * 1_000_003 + self.calls) % (1 << 63))
+        self.calls += 1
+        idx = torch.randint(n, (k,), generator=shared) if n else torch.zeros(0, dtype=torch.long)
+        vals = flat[idx]
+        if not self.spec.ef and n > 1:
+            vals = vals / -math.expm1(k * math.log1p(-1.0 / n))
+        return Payload((vals,), (idx, n))
+
+    def decompress(self, parts: tuple, ctx) -> torch.Tensor:
+        idx, numel = ctx
+        return torch.zeros(numel).index_put_((idx,), parts[0])
+
+    def payload_bytes(self, numel: int, shape=None) -> int:
+        return 4 * _count(self.spec.arg, numel)

@@ -1,0 +1,287 @@
+"""sparcoll.compress in one process (a world of 1): specs, each compressor's round trip against its
+documented error bound, unbiasedness, the error-feedback invariant, empty and sparse input."""
+import math
+
+import pytest
+import torch
+
+import sparcoll.compress as sc
+from sparcoll.compress import bits
+
+SPECS = ["none", "fp16", "bf16", "topk:0.1", "randomk:0.1", "threshold:1.0", "dgc:0.1", "qsgd:16",
+         "terngrad", "signsgd", "efsignsgd", "onebit", "powersgd:2", "blocktopk:0.25"]
+
+
+def data(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def round_trip(spec, x):
+    """decompress(compress(x)) without error feedback: what one rank alone would apply."""
+    return sc.Reducer(sc.parse(spec + ",ef=off") if "ef=" not in spec else spec).reduce(x, key="t")
+
+
+# ---- specs ---------------------------------------------------------------------------------------
+
+def test_specs_parse_and_print_back():
+    assert sc.parse("topk:0.01") == sc.Spec("topk", 0.01, True, {})
+    assert sc.parse("TopK:0.5, ef=off") == sc.Spec("topk", 0.5, False, {})
+    assert sc.parse("qsgd:127").arg == 127 and not sc.parse("qsgd:127").ef
+    assert sc.parse("randomk:0.1,seed=7").options == {"seed": 7}
+    assert sc.parse("dgc:0.01,momentum=0").options == {"momentum": 0.0}
+    for spec in SPECS + ["topk:0.5,ef=off", "qsgd:4,ef=on", "powersgd:4,seed=3"]:
+        assert sc.parse(str(sc.parse(spec))) == sc.parse(spec)
+        assert type(sc.make(spec)).__name__ in repr(sc.make(spec))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("zip", "unknown compressor 'zip'"),
+    ("topk", "needs RATIO"),
+    ("topk:", "needs RATIO"),
+    ("topk:0", "ratio must be in"),
+    ("topk:1.5", "ratio must be in"),
+    ("topk:abc", "bad RATIO 'abc'"),
+    ("threshold:-1", "positive"),
+    ("qsgd:0", r"\[1, 32767\]"),
+    ("qsgd:2.5", "bad LEVELS"),
+    ("powersgd:0", "bad RANK"),
+    ("fp16:3", "takes no argument"),
+    ("topk:0.1,ef=maybe", "ef must be 'on' or 'off'"),
+    ("topk:0.1,seed=3", "option 'seed' does not apply to 'topk'"),
+    ("topk:0.1,off", "expected KEY=VALUE"),
+    ("randomk:0.1,seed=x", "bad seed"),
+    (3, "a compressor spec is a string"),
+])
+def test_bad_specs_raise_value_errors_naming_the_problem(spec, message):
+    with pytest.raises(ValueError, match=message):
+        sc.make(spec)
+
+
+# ---- round trips against documented bounds ---------------------------------------------------------
+
+def test_casts():
+    x = data(5000)
+    assert torch.equal(round_trip("none", x), x)
+    assert ((round_trip("fp16", x) - x).abs() <= x.abs() * 2 ** -11 + 2 ** -24).all()
+    assert ((round_trip("bf16", x) - x).abs() <= x.abs() * 2 ** -8).all()
+
+
+def test_topk_keeps_the_k_largest_exactly():
+    x = data(1000)
+    y = round_trip("topk:0.05", x)
+    kept = y != 0
+    assert kept.sum() == 50 and torch.equal(y[kept], x[kept])
+    assert x[kept].abs().min() >= x[~kept].abs().max()
+
+
+def test_threshold_error_is_at_most_the_threshold():
+    x = data(1000)
+    y = round_trip("threshold:0.8", x)
+    assert ((y - x).abs() <= 0.8).all()
+    assert torch.equal(y[x.abs() > 0.8], x[x.abs() > 0.8])
+
+
+def test_dgc_sends_at_most_k_exact_values_near_the_top():
+    x = data(10000)
+    y = round_trip("dgc:0.01", x)
+    kept = y != 0
+    assert 0 < kept.sum() <= 100 and torch.equal(y[kept], x[kept])
+    assert x[kept].abs().min() >= x.abs().quantile(0.95)       # a sampled threshold, near the top 1%
+
+
+def test_randomk_with_feedback_sends_k_unscaled_values():
+    x = data(1000)
+    y = sc.Reducer("randomk:0.05").reduce(x, key="t")
+    kept = y != 0
+    assert 0 < kept.sum() <= 50 and torch.equal(y[kept], x[kept])
+
+
+def test_qsgd_error_is_at_most_norm_over_levels():
+    x = data(2000)
+    for levels in (1, 16, 300):
+        assert ((round_trip(f"qsgd:{levels}", x) - x).abs() <= x.norm() / levels * (1 + 1e-5)).all()
+
+
+def test_terngrad_values_are_ternary_and_within_the_scale():
+    x = data(2000)
+    y = round_trip("terngrad", x)
+    scale = x.abs().max()
+    assert set(y.unique().tolist()) <= {-scale.item(), 0.0, scale.item()}
+    assert ((y - x).abs() <= scale).all() and (y * x >= 0).all()
+
+
+def test_sign_compressors():
+    x = data(999)
+    expected = torch.where(x < 0, -1.0, 1.0) * x.abs().mean()
+    assert torch.allclose(round_trip("signsgd", x), expected)
+    assert torch.allclose(round_trip("efsignsgd", x), expected)
+    y = round_trip("onebit", x)
+    assert torch.allclose(y[x < 0], x[x < 0].mean().expand((x < 0).sum()))
+    assert torch.allclose(y[x >= 0], x[x >= 0].mean().expand((x >= 0).sum()))
+    assert torch.allclose(y.sum(), x.sum(), atol=1e-3)      # 1-bit SGD keeps each sign group's sum
+
+
+def test_powersgd_is_a_contraction_and_exact_on_low_rank():
+    x = data(64, 48)
+    y = round_trip("powersgd:4", x)
+    assert (y - x).norm() <= x.norm()
+    low = data(64, 3, seed=1) @ data(3, 48, seed=2)
+    assert torch.allclose(round_trip("powersgd:4", low), low, atol=1e-4)
+    flat = low.reshape(-1)[:3000]              # 1-D: a padded square matrix
+    assert round_trip("powersgd:4", flat).shape == flat.shape
+
+
+def test_blocktopk_keeps_whole_blocks_of_largest_norm():
+    bs = 256
+    x = data(40 * bs + 100)                    # 41 blocks, the last one short
+    x[:bs] *= 10                               # block 0 must be kept
+    compressor = sc.make("blocktopk:0.25")
+    y = compressor.decompress(*_parts(compressor.compress(x)))
+    blocks = torch.nn.functional.pad(y, (0, bs - 100)).view(41, bs)
+    source = torch.nn.functional.pad(x, (0, bs - 100)).view(41, bs)
+    kept = blocks.ne(0).any(dim=1)
+    assert kept.sum() == math.ceil(0.25 * 41) and kept[0]
+    assert torch.equal(blocks[kept], source[kept])
+    norms = source.norm(dim=1)
+    assert norms[kept].min() >= norms[~kept].max()
+    x[-100:] = 100.0                           # the short last block
+    assert (compressor.decompress(*_parts(compressor.compress(x)))[-100:] == 100.0).all()
+
+
+def _parts(payload):
+    return payload.parts, payload.ctx
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_payload_bytes_are_known_before_sending(spec):
+    x = data(3000, seed=3)
+    compressor = sc.make(spec)
+    if spec.startswith("powersgd"):
+        assert compressor.payload_bytes(3000, (60, 50)) == 4 * 2 * (60 + 50)
+        return
+    parts = compressor.compress(x).parts
+    sent = sum(p.numel() * p.element_size() for p in parts)
+    if spec.startswith("blocktopk"):       # sparcoll sends the non-zero blocks, an index each
+        nonzero = torch.nn.functional.pad(parts[0], (0, 72)).view(-1, 256).ne(0).any(dim=1).sum()
+        assert compressor.payload_bytes(3000) == nonzero * (256 * 4 + 4) == 3 * (256 * 4 + 4)
+    elif compressor.variable:
+        assert sent <= compressor.payload_bytes(3000)
+    else:
+        assert sent == compressor.payload_bytes(3000)
+
+
+def test_bits_round_trip_any_length():
+    for n in (0, 1, 7, 8, 9, 1001):
+        mask = torch.rand(n, generator=torch.Generator().manual_seed(n)) < 0.5
+        packed = bits.pack(mask)
+        assert packed.numel() == bits.packed_bytes(n) and torch.equal(bits.unpack(packed, n), mask)
+
+
+# ---- unbiasedness ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["randomk:0.25,ef=off", "qsgd:2", "terngrad"])
+def test_unbiased_in_expectation(spec):
+    """The mean of 3000 draws is within 5 standard errors of x for each of 32 elements. For an
+    unbiased compressor that fails with probability < 32 * 6e-7 = 2e-5 (99.998% confidence, normal
+    approximation); the seeds are fixed, so the outcome is reproducible."""
+    x = data(32, seed=4)
+    reducer = sc.Reducer(spec)
+    draws = torch.stack([reducer.reduce(x, key="t") for _ in range(3000)])
+    stderr = draws.std(dim=0) / math.sqrt(len(draws))
+    assert ((draws.mean(dim=0) - x).abs() <= 5 * stderr + 1e-6).all()
+
+
+def test_randomk_with_feedback_off_is_scaled_and_draws_change_every_call():
+    x = data(100)
+    reducer = sc.Reducer("randomk:0.1,ef=off")
+    first, second = reducer.reduce(x, key="t"), reducer.reduce(x, key="t")
+    assert not torch.equal(first != 0, second != 0)
+    assert (first[first != 0].abs() > x[first != 0].abs()).all()
+
+
+# ---- error feedback ------------------------------------------------------------------------------------
+
+EF_SPECS = ["topk:0.05", "randomk:0.05", "threshold:1.5", "dgc:0.05,momentum=0", "efsignsgd",
+            "onebit", "powersgd:1", "blocktopk:0.1", "fp16,ef=on", "qsgd:4,ef=on", "terngrad,ef=on"]
+
+
+@pytest.mark.parametrize("spec", EF_SPECS)
+def test_error_feedback_loses_nothing(spec):
+    """Over 40 steps: sum of what was applied + the residual == sum of the gradients, to float
+    rounding of the largest term (qsgd's residual grows to ~1e4: it is not a contraction, which is
+    why its error feedback is off by default)."""
+    reducer = sc.Reducer(spec)
+    applied, grads = torch.zeros(30, 40), torch.zeros(30, 40)
+    for step in range(40):
+        g = data(30, 40, seed=100 + step)
+        grads += g
+        applied += reducer.reduce(g, key="w")
+    residual = reducer.memory.residual("w").view(30, 40)
+    scale = max(1.0, residual.abs().max().item(), applied.abs().max().item())
+    assert torch.allclose(applied + residual, grads, atol=1e-5 * scale)
+
+
+def test_error_feedback_on_sparse_coo_keeps_a_sparse_residual():
+    reducer = sc.Reducer("topk:0.02")
+    applied, grads = torch.zeros(100, 8), torch.zeros(100, 8)
+    for step in range(20):
+        g = embedding_grad(step)
+        grads += g.to_dense()
+        out = reducer.reduce(g, key="emb")
+        assert out.is_sparse and out.sparse_dim() == 1
+        applied += out.to_dense()
+    residual = reducer.memory.residual("emb")
+    assert residual.is_sparse
+    assert torch.allclose(applied + residual.to_dense(), grads, atol=1e-5)
+
+
+def test_dgc_momentum_correction_accumulates_velocity_and_masks_what_was_sent():
+    reducer = sc.Reducer("dgc:0.1,momentum=0.5")
+    g = data(200)
+    first = reducer.reduce(g, key="w")
+    second = reducer.reduce(g, key="w")
+    u = reducer.memory.velocity["w"]
+    assert (u[first != 0] == g[first != 0]).all()      # masked after step 1, then u = g again
+    assert (u[(first == 0) & (second == 0)] == 1.5 * g[(first == 0) & (second == 0)]).all()
+
+
+# ---- empty, zero and sparse input ------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("shape", [(0,), (300,), (20, 15)])
+def test_empty_and_all_zero_tensors(spec, shape):
+    out = sc.Reducer(spec).reduce(torch.zeros(shape), key="z")
+    assert out.shape == shape and not out.any()
+
+
+def test_threshold_payload_is_empty_when_nothing_is_above():
+    payload = sc.make("threshold:10").compress(data(1000))
+    assert [p.numel() for p in payload.parts] == [0, 0]
+
+
+def test_mostly_zero_dense_input_sends_only_its_non_zeros():
+    x = torch.zeros(100_000)
+    x[[5, 70_000, 99_999]] = torch.tensor([1.0, -2.0, 3.0])
+    idx, vals = sc.make("topk:0.01").compress(x).parts
+    assert set(idx.tolist()) == {5, 70_000, 99_999} and idx.dtype == torch.int32
+    out = sc.make("blocktopk:0.5").compress(x).parts[0]
+    assert torch.equal(out, x)
+
+
+def embedding_grad(seed):
+    emb = torch.nn.Embedding(100, 8, sparse=True)
+    torch.nn.init.normal_(emb.weight, generator=torch.Generator().manual_seed(seed))
+    rows = torch.randint(100, (12,), generator=torch.Generator().manual_seed(seed))
+    emb(rows).pow(2).sum().backward()
+    return emb.weight.grad
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "topk:0.01", "threshold:0.5", "blocktopk:0.5"])
+def test_sparse_coo_input_is_compressed_without_densifying(spec, monkeypatch):
+    g = embedding_grad(1)
+    dense = round_trip(spec, g.to_dense())
+    monkeypatch.setattr(torch.Tensor, "to_dense", lambda self, *a, **k: pytest.fail("densified"))
+    out = round_trip(spec, g)
+    assert out.is_sparse and out.sparse_dim() == g.sparse_dim() and out.shape == g.shape
+    monkeypatch.undo()
+    assert torch.equal(out.to_dense(), dense)
