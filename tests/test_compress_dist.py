@@ -1,0 +1,153 @@
+"""sparcoll.compress on 3 processes over gloo (and sparcoll for blocktopk): every compressor's
+distributed result equals the reference computed here from all ranks' inputs, on every rank; seeds
+and PowerSGD's Q agree across ranks; empty payloads (one rank, then all) do not hang anyone."""
+import numpy as np
+import pytest
+import torch
+
+import sparcoll
+import sparcoll.compress as sc
+from ranks import run_ranks
+
+WORLD = 3
+STEPS = 3
+SPECS = ["none", "fp16", "bf16", "topk:0.05", "randomk:0.1", "threshold:1.0", "dgc:0.05", "qsgd:8",
+         "terngrad", "signsgd", "efsignsgd", "onebit", "powersgd:2", "blocktopk:0.5"]
+COO_SPECS = ["none", "fp16", "topk:0.05", "threshold:0.5", "blocktopk:0.3"]
+
+
+def grad(spec, rank, step):
+    x = torch.randn(24, 40, generator=torch.Generator().manual_seed(1000 * step + rank))
+    if spec.startswith("threshold"):
+        return x * (rank != 1)      # rank 1 never has anything above the threshold: empty payloads
+    return x
+
+
+def embedding_grad(rank):
+    emb = torch.nn.Embedding(300, 8, sparse=True)
+    torch.nn.init.normal_(emb.weight, generator=torch.Generator().manual_seed(rank))
+    emb(torch.randint(300, (20,), generator=torch.Generator().manual_seed(rank))).pow(2).sum().backward()
+    return emb.weight.grad
+
+
+def wire_input(rank):
+    """8 non-zero blocks of 256 out of 64 per rank, of growing norm: blocktopk:0.0625 keeps the last 4."""
+    big = torch.zeros(64, 256)
+    big[rank:rank + 8] = (rank + 1.0) * torch.arange(1.0, 9.0).unsqueeze(1)
+    return big.reshape(-1)
+
+
+def to_numpy(value):
+    """Tensors as numpy arrays: torch sends tensors between processes through shared memory that
+    is gone once the child exits."""
+    if isinstance(value, torch.Tensor):
+        return value.numpy()
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_numpy(v) for v in value)
+    return value
+
+
+def to_torch(value):
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_torch(v) for v in value)
+    return value
+
+
+def everything(rank: int, world: int) -> dict:
+    comm = sparcoll.init()
+    try:
+        out = {}
+        for spec in SPECS:
+            reducer = sc.Reducer(spec, comm=comm)
+            out[spec] = [reducer.reduce(grad(spec, rank, step), key="w") for step in range(STEPS)]
+            if spec.startswith("powersgd"):
+                out["q"] = reducer.compressor.q["w"]
+        for spec in COO_SPECS:
+            result = sc.Reducer(spec, comm=comm).reduce(embedding_grad(rank), key="e")
+            out["coo " + spec] = (result.is_sparse, result.to_dense())
+        nothing = sc.Reducer("threshold:100", comm=comm)       # no rank has anything to send
+        out["all empty"] = [nothing.reduce(grad("none", rank, step), key="w") for step in range(2)]
+        big = wire_input(rank)
+        before = comm.stats.blocks_sent
+        out["wire"] = (sc.Reducer("blocktopk:0.0625", comm=comm).reduce(big, key="b"),
+                       comm.stats.blocks_sent - before)
+        return {key: to_numpy(value) for key, value in out.items()}
+    finally:
+        comm.close()
+
+
+def reference(spec):
+    """Each rank's compressor run alone (its own memory and seeds), then averaged; signsgd's
+    majority vote from the ranks' payloads; PowerSGD on the ranks' mean (it is linear in M for a
+    fixed Q, so the distributed P and Q are those of the mean), with each rank's residual."""
+    locals_ = [sc.Reducer(spec) for _ in range(WORLD)]
+    for rank, reducer in enumerate(locals_):
+        reducer.compressor.seed_rank(rank)
+    results = []
+    if spec == "signsgd":
+        c = locals_[0].compressor
+        parts = [c.compress(grad(spec, r, 0)).parts for r in range(WORLD)]
+        return [c.combine(parts, 960).view(24, 40)]
+    if spec.startswith("powersgd"):
+        mean_reducer, residuals = sc.Reducer(spec + ",ef=off"), [0.0] * WORLD
+        for step in range(STEPS):
+            comps = [grad(spec, r, step) + residuals[r] for r in range(WORLD)]
+            result = mean_reducer.reduce(sum(comps) / WORLD, key="w")
+            residuals = [c - result for c in comps]
+            results.append(result)
+        return results
+    for step in range(STEPS):
+        results.append(sum(reducer.reduce(grad(spec, r, step), key="w")
+                           for r, reducer in enumerate(locals_)) / WORLD)
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcome():
+    return [{key: to_torch(value) for key, value in out.items()}
+            for out in run_ranks(everything, WORLD, timeout=90)]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_every_rank_gets_the_reference_average(outcome, spec):
+    expected = reference(spec)
+    tolerance = {"fp16": 2e-3, "bf16": 1e-2}.get(spec, 1e-5)   # ranks' shares summed in fp16/bf16
+    for rank_out in outcome:
+        got = rank_out[spec]
+        for step, want in enumerate(expected):
+            assert torch.equal(got[step], outcome[0][spec][step]), f"rank results differ at {step}"
+            assert torch.allclose(got[step], want, atol=tolerance, rtol=tolerance), (spec, step)
+
+
+def test_powersgd_q_is_identical_on_every_rank(outcome):
+    assert all(torch.equal(out["q"], outcome[0]["q"]) for out in outcome)
+
+
+def test_empty_threshold_payloads_do_not_hang_and_give_zero(outcome):
+    for out in outcome:
+        assert not any(result.any() for result in out["all empty"])
+
+
+@pytest.mark.parametrize("spec", COO_SPECS)
+def test_sparse_coo_gradients(outcome, spec):
+    locals_ = [sc.Reducer(spec) for _ in range(WORLD)]
+    expected = sum(r.reduce(embedding_grad(i), key="e").to_dense()
+                   for i, r in enumerate(locals_)) / WORLD
+    for out in outcome:
+        is_sparse, dense = out["coo " + spec]
+        assert is_sparse
+        assert torch.allclose(dense, expected, atol=2e-3 if spec == "fp16" else 1e-6)
+
+
+def test_blocktopk_goes_through_the_sparse_allreduce(outcome):
+    expected = torch.zeros(64 * 256)
+    for rank in range(WORLD):
+        contribution = wire_input(rank)
+        contribution[:(rank + 4) * 256] = 0.0
+        expected += contribution
+    for out in outcome:
+        result, blocks_sent = out["wire"]
+        assert torch.equal(result, expected / WORLD)
+        assert blocks_sent <= 4 * (WORLD - 1)          # only kept blocks, to the other aggregators
