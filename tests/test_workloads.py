@@ -9,12 +9,13 @@ import torch
 
 from sparcoll.workloads import WORKLOADS, get_workload
 from sparcoll.workloads.data import zipf
+from sparcoll.workloads import gpt, vgg
 from sparcoll.workloads.deeplight import field_rows, read_criteo, table_ids
 from sparcoll.workloads.lstm import read_text
 from sparcoll.workloads.ncf import CSV_HEADER, read_movielens
 
 NAMES = sorted(WORKLOADS)
-LEARNING_RATES = {"cnn": 0.3, "deeplight": 0.1, "lstm": 1.0, "ncf": 0.5}
+LEARNING_RATES = {"cnn": 0.3, "deeplight": 0.1, "gpt": 0.3, "lstm": 1.0, "narrowrec": 0.5, "ncf": 0.5, "vgg": 0.1}
 # Which batch tensor indexes each sparse parameter's rows.
 LOOKUPS = {
     "deeplight": {"embedding.weight": lambda b: b[0], "linear.weight": lambda b: b[0]},
@@ -25,8 +26,13 @@ LOOKUPS = {
         "item_mlp.weight": lambda b: b[1],
     },
     "lstm": {"embedding.weight": lambda b: b[0][:, :-1]},
+    "gpt": {"embedding.weight": lambda b: b[0][:, :-1]},
+    "narrowrec": {"tables.0.weight": lambda b: b[0][:, 0], "tables.1.weight": lambda b: b[0][:, 1]},
 }
-SPARSE_OPTIONS = {"lstm": {"tie_weights": False}}  # a tied softmax cannot have a sparse gradient
+# A tied softmax cannot have a sparse gradient.
+SPARSE_OPTIONS = {"lstm": {"tie_weights": False}, "gpt": {"tie_weights": False}}
+# Every workload whose distributed gradient equals the single-process one (cnn's BatchNorm does not).
+EXACT = [name for name in NAMES if name != "cnn"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -48,7 +54,7 @@ def block_density(grad: torch.Tensor, block: int = 256) -> float:
 
 
 def test_registry():
-    assert NAMES == ["cnn", "deeplight", "lstm", "ncf"]
+    assert NAMES == ["cnn", "deeplight", "gpt", "lstm", "narrowrec", "ncf", "vgg"]
     with pytest.raises(ValueError, match="unknown workload"):
         get_workload("nope")
     with pytest.raises(TypeError):
@@ -104,19 +110,24 @@ def test_dense_embedding_gradients_are_zero_outside_looked_up_rows(name):
         assert zero_fraction > 0.5, f"{pname}: zero rows {zero_fraction:.2f}, block density {block_density(grad):.2f}"
 
 
-def test_tied_lstm_has_dense_embedding_gradient():
-    wl = tiny("lstm")
+@pytest.mark.parametrize("name", ["gpt", "lstm"])
+def test_tied_softmax_has_dense_embedding_gradient(name):
+    wl = tiny(name)
     assert wl.sparse_params == ()
     wl.loss(wl.model, next(wl.batches(4))).backward()
     assert block_density(wl.model.embedding.weight.grad) == 1.0
     with pytest.raises(ValueError, match="tie_weights=False"):
-        tiny("lstm", sparse_embeddings=True)
+        tiny(name, sparse_embeddings=True)
 
 
-def test_cnn_has_no_sparse_params_and_no_file_data(tmp_path):
-    assert tiny("cnn").sparse_params == ()
+@pytest.mark.parametrize("name", ["cnn", "narrowrec"])
+def test_synthetic_only_workloads_reject_files(name, tmp_path):
     with pytest.raises(ValueError, match="synthetic data only"):
-        tiny("cnn", data=tmp_path / "x")
+        tiny(name, data=tmp_path / "x")
+
+
+def test_cnn_has_no_sparse_params():
+    assert tiny("cnn").sparse_params == ()
 
 
 def assert_batches_equal(a, b):
@@ -152,7 +163,7 @@ def test_ranks_slice_the_single_process_batch(name):
         wl.batches(bs, rank=ws, world_size=ws)
 
 
-@pytest.mark.parametrize("name", sorted(LOOKUPS))
+@pytest.mark.parametrize("name", EXACT)
 def test_mean_of_rank_gradients_is_single_process_gradient(name):
     wl, bs, ws = tiny(name), 4, 2
     params = list(wl.model.parameters())
@@ -281,3 +292,111 @@ def test_read_text_and_lstm_windows(tmp_path):
     (tmp_path / "empty.txt").write_text(" \n")
     with pytest.raises(ValueError, match="empty.txt"):
         read_text(tmp_path / "empty.txt", 10)
+
+
+# --- vgg, gpt, narrowrec ------------------------------------------------------
+
+
+def test_vgg_is_poseidons_vgg19_22k_head():
+    cfg = vgg.Config()
+    with torch.device("meta"):  # shapes only: the real model is 836 MB
+        head = vgg.ClassifierHead(cfg)
+    shapes = [tuple(p.shape) for p in head.parameters()]
+    assert shapes == [(4096, 25088), (4096,), (4096, 4096), (4096,), (21841, 4096), (21841,)]
+    assert 209_000_000 < sum(p.numel() for p in head.parameters()) < 209_300_000
+    assert cfg.dropout == 0.5
+
+
+def test_vgg_batches_and_dropout():
+    wl = tiny("vgg")
+    cfg = wl.config
+    features, labels, keep = wl.global_batch(0, 512)
+    assert features.shape == (512, cfg.input_dim) and features.dtype == torch.float32
+    assert labels.shape == (512,) and 0 <= labels.min() and labels.max() < cfg.num_classes
+    assert keep.shape == (512, sum(cfg.hidden)) and keep.dtype == torch.bool
+    assert 0.45 < keep.float().mean().item() < 0.55  # 16384 draws of p=0.5: 6 standard deviations
+    torch.testing.assert_close(features.square().mean(1), torch.ones(512))
+    assert (labels == 0).float().mean() > (labels == cfg.num_classes - 1).float().mean()  # Zipf classes
+    with torch.no_grad():
+        dropped = wl.model(features, keep)
+        wl.model.eval()
+        assert torch.equal(wl.model(features, keep), wl.model(features))  # eval mode: no dropout
+        wl.model.train()
+    assert not torch.equal(dropped, wl.model(features).detach())
+    with pytest.raises(ValueError, match="dropout"):
+        tiny("vgg", dropout=1.0)
+
+
+def test_vgg_reads_npz_features(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "features.npz"
+    np.savez(path, features=rng.standard_normal((20, 12)), labels=rng.integers(0, 15, 20))
+    wl = get_workload("vgg", data=path, tiny=True)
+    assert wl.config.input_dim == 12 and wl.config.num_classes == 15
+    features, labels, _ = wl.global_batch(0, 32)
+    file_rows = {tuple(np.float32(row).tolist()) for row in np.load(path)["features"]}
+    assert all(tuple(row) in file_rows for row in features.tolist())
+    assert math.isfinite(wl.loss(wl.model, (features, labels, wl.global_batch(0, 32)[2])).item())
+    np.savez(tmp_path / "bad.npz", features=np.zeros((3, 4)))
+    with pytest.raises(ValueError, match="bad.npz: missing array"):
+        get_workload("vgg", data=tmp_path / "bad.npz", tiny=True)
+    np.savez(tmp_path / "neg.npz", features=np.zeros((3, 4)), labels=np.array([0, -1, 2]))
+    with pytest.raises(ValueError, match="non-negative"):
+        get_workload("vgg", data=tmp_path / "neg.npz", tiny=True)
+
+
+def test_gpt_tokenizer_round_trip():
+    text = gpt.pydoc_text()
+    tokenizer = gpt.WordTokenizer.build(text[:50_000], vocab_size=2000)
+    assert len(tokenizer) == 2000
+    for sample in (text[100_000:120_000], "naïve café ☃\n\t  x  \n\n", "", " leading and trailing  "):
+        ids = tokenizer.encode(sample)
+        assert ids.dtype == np.int64 and (ids < len(tokenizer)).all()
+        assert tokenizer.decode(ids) == sample
+    ids = tokenizer.encode(" the")
+    assert len(ids) == 1 and ids[0] >= 256  # a frequent word is one token, with its leading space
+    with pytest.raises(ValueError, match="256"):
+        gpt.WordTokenizer.build(text, 100)
+
+
+def test_gpt_default_vocabulary_and_held_out_split():
+    wl = get_workload("gpt")
+    assert 8_000 <= wl.config.vocab_size <= 32_000
+    assert wl.model.decoder.weight is wl.model.embedding.weight
+    train, held_out = gpt.split_text(gpt.pydoc_text(), wl.config.eval_fraction)
+    assert train + held_out == gpt.pydoc_text() and held_out.startswith("\n")
+    assert 0.09 < len(held_out) / (len(train) + len(held_out)) < 0.11
+    # Lossless encoding of disjoint splits: the training split decodes to exactly the text before the cut.
+    assert wl.tokenizer.decode(wl.train_tokens) == train and wl.tokenizer.decode(wl.eval_tokens) == held_out
+    (windows,) = wl.eval_batch()
+    assert windows.shape == (len(wl.eval_tokens) // 65, 65)
+    assert torch.equal(windows.flatten(), torch.from_numpy(wl.eval_tokens[: windows.numel()]))
+    assert wl.eval_batch(3)[0].shape == (3, 65)
+
+
+def test_gpt_text_file_trains_tokenizer_on_the_training_split_only(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("the cat sat on the mat\n" * 20 + "zebras graze\n" * 3)
+    wl = get_workload("gpt", data=path, tiny=True, eval_fraction=0.1)
+    assert " zebras" not in wl.tokenizer.pieces and " cat" in wl.tokenizer.pieces
+    assert wl.config.vocab_size == len(wl.tokenizer) == wl.model.embedding.num_embeddings
+    train = wl.tokenizer.decode(wl.train_tokens)
+    (windows,) = wl.global_batch(0, 16)
+    assert all(wl.tokenizer.decode(row) in train for row in windows)
+    assert math.isfinite(wl.eval_loss())
+    with pytest.raises(ValueError, match="corpus.txt: held-out split"):
+        get_workload("gpt", data=path, tiny=True, seq_len=len(wl.eval_tokens))
+
+
+def test_narrowrec_default_tables_get_narrow_coo_rows():
+    wl = get_workload("narrowrec", sparse_embeddings=True)
+    assert [p.shape for p in (wl.model.tables[0].weight, wl.model.tables[1].weight)] == [(1_000_000, 32)] * 2
+    ids, labels = wl.global_batch(0, 256)
+    assert 0.1 < labels.mean().item() < 0.9
+    wl.loss(wl.model, (ids, labels)).backward()
+    for i, table in enumerate(wl.model.tables):
+        grad = table.weight.grad.coalesce()
+        assert grad.layout == torch.sparse_coo and grad.values().shape[1] == 32
+        assert set(grad.indices()[0].tolist()) == set(ids[:, i].tolist())
+        assert grad.indices().shape[1] < 256  # Zipf: popular ids repeat within a batch
+    assert get_workload("narrowrec", tiny=True, embedding_dim=16).model.tables[0].embedding_dim == 16

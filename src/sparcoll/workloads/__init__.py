@@ -22,7 +22,11 @@ the ranks' batches of a step gives ``wl.global_batch(step, bs, world_size,
 seed)``, which is also what ``batches(bs * world_size, 0, 1, seed)`` yields.
 
 Workloads: ``deeplight`` (DeepFM CTR, Criteo TSV), ``ncf`` (NeuMF, MovieLens
-ratings), ``lstm`` (language model, plain text), ``cnn`` (ResNet, dense control).
+ratings), ``lstm`` (language model, plain text), ``cnn`` (ResNet, dense control),
+``narrowrec`` (recommendation model with narrow embedding rows, synthetic);
+communication-bound dense models: ``vgg`` (Poseidon's VGG19-22K classifier head,
+``.npz`` features) and ``gpt`` (decoder language model, pydoc's English text or
+plain text).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from . import cnn, deeplight, lstm, ncf
+from . import cnn, deeplight, gpt, lstm, narrowrec, ncf, vgg
 from .base import Batch, Workload
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
@@ -38,6 +42,9 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "ncf": ncf.make,
     "lstm": lstm.make,
     "cnn": cnn.make,
+    "narrowrec": narrowrec.make,
+    "vgg": vgg.make,
+    "gpt": gpt.make,
 }
 
 
