@@ -10,9 +10,10 @@ or, keeping a gloo group for everything else:
 from __future__ import annotations
 
 from .backend import NAME, ProcessGroupSparcoll, SparcollWork, monitored_barrier, register
+from .compression import CompressionState, compression_hook
 from .hooks import HookState, allreduce_hook
 
 register()
 
 __all__ = ["NAME", "ProcessGroupSparcoll", "SparcollWork", "HookState", "allreduce_hook",
-           "monitored_barrier", "register"]
+           "CompressionState", "compression_hook", "monitored_barrier", "register"]
