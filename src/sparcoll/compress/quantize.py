@@ -53,10 +53,10 @@ class QSGD(Compressor):
         norm = flat.norm().reshape(1)
         if norm.item() == 0.0:
             return Payload((norm, torch.zeros(flat.numel(), dtype=self.dtype)), flat.numel())
-        scaled = flat.abs().div_(norm).mul_(self.levels)
+        scaled = flat.abs().mul_(self.levels / norm)
         level = scaled.floor()
-        level += torch.rand(flat.numel(), generator=self.rng) < scaled.sub_(level)
-        return Payload((norm, level.mul_(flat.sign()).to(self.dtype)), flat.numel())
+        level += self.uniform(flat.numel()) < scaled.sub_(level)
+        return Payload((norm, level.copysign_(flat).to(self.dtype)), flat.numel())
 
     def decompress(self, parts: tuple, ctx) -> torch.Tensor:
         norm, level = parts
@@ -67,20 +67,20 @@ class QSGD(Compressor):
 
 
 class TernGrad(Compressor):
-    """TernGrad: x_i becomes max|x| * sign(x_i) with probability |x_i| / max|x|, else 0; sent as two
-    bit planes (non-zero, negative) and the scale. Unbiased; |x_i - x'_i| <= max|x|."""
+    """TernGrad: x_i becomes max|x| * sign(x_i) with probability |x_i| / max|x|, else 0; sent as 2
+    bits per element (non-zero, negative) and the scale. Unbiased; |x_i - x'_i| <= max|x|."""
 
     def compress(self, x: torch.Tensor) -> Payload:
         flat = x.reshape(-1)
-        scale = flat.abs().max().reshape(1) if flat.numel() else torch.zeros(1)
+        scale = flat.aminmax() if flat.numel() else (torch.zeros(()), torch.zeros(()))
+        scale = torch.maximum(-scale[0], scale[1]).reshape(1)
         prob = flat.abs().div_(scale) if scale.item() > 0 else torch.zeros_like(flat)
-        keep = torch.rand(flat.numel(), generator=self.rng) < prob
-        return Payload((scale, bits.pack(keep), bits.pack(flat < 0)), flat.numel())
+        keep = self.uniform(flat.numel()) < prob
+        return Payload((scale, bits.pack(keep, flat < 0)), flat.numel())
 
     def decompress(self, parts: tuple, numel: int) -> torch.Tensor:
-        scale, keep, negative = parts
-        sign = 1.0 - 2.0 * bits.unpack(negative, numel).float()
-        return sign.mul_(bits.unpack(keep, numel)).mul_(scale)
+        scale, packed = parts            # codes: 0b10 = +scale, 0b11 = -scale, 0b0x = 0
+        return bits.decode(packed, numel, torch.cat([torch.zeros(2), scale, -scale]))
 
     def payload_bytes(self, numel: int, shape=None) -> int:
-        return 4 + 2 * bits.packed_bytes(numel)
+        return 4 + bits.packed_bytes(numel, width=2)

@@ -22,7 +22,7 @@ class Sign(Compressor):
         self.vote = spec.name == "signsgd"
 
     def levels(self, flat: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
-        scale = flat.abs().mean() if flat.numel() else torch.tensor(0.0)
+        scale = flat.norm(p=1) / max(1, flat.numel())
         return torch.stack([scale, -scale])
 
     def compress(self, x: torch.Tensor) -> Payload:
@@ -32,7 +32,7 @@ class Sign(Compressor):
 
     def decompress(self, parts: tuple, numel: int) -> torch.Tensor:
         levels, packed = parts
-        return torch.where(bits.unpack(packed, numel), levels[1], levels[0])
+        return bits.decode(packed, numel, levels)
 
     def combine(self, gathered: list[tuple], numel: int) -> torch.Tensor:
         if not self.vote:
@@ -50,8 +50,7 @@ class Sign(Compressor):
 
 class OneBit(Sign):
     def levels(self, flat: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
-        count_neg = negative.sum()
-        sum_neg = flat.masked_fill(~negative, 0.0).sum()
-        count_pos = flat.numel() - count_neg
-        pos = (flat.sum() - sum_neg) / count_pos.clamp(min=1)
+        count_neg = torch.count_nonzero(negative)
+        sum_neg = flat.clamp(max=0.0).sum()
+        pos = (flat.sum() - sum_neg) / (flat.numel() - count_neg).clamp(min=1)
         return torch.stack([pos, sum_neg / count_neg.clamp(min=1)])
