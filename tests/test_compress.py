@@ -185,6 +185,14 @@ def test_payload_bytes_are_known_before_sending(spec):
         assert sent == compressor.payload_bytes(3000)
 
 
+@pytest.mark.parametrize("spec", ["fp16", "qsgd:8", "onebit", "powersgd:2", "blocktopk:0.25"])
+def test_reducer_counts_the_bytes_it_sent(spec):
+    reducer, x = sc.Reducer(spec), data(60, 50)
+    reducer.reduce(x, key="a")
+    reducer.reduce(x, key="b")
+    assert reducer.sent_bytes == 2 * reducer.payload_bytes(x)
+
+
 def test_bits_round_trip_any_length():
     for n in (0, 1, 7, 8, 9, 1001):
         mask = torch.rand(n, generator=torch.Generator().manual_seed(n)) < 0.5

@@ -51,8 +51,10 @@ def identical_everywhere(model) -> bool:
     return all(torch.equal(g, flat) for g in gathered)
 
 
-def train(rank, spec, make_model, state_args=(), **state_options):
-    """Per step: whether all ranks hold the same parameters; the loss on a fixed set before/after."""
+def train(rank, spec, make_model, state_args=(), sent_bytes=None, **state_options):
+    """Whether all ranks held the same parameters after every step; the loss on a fixed set before
+    and after; the payload bytes per step appended to `sent_bytes`."""
+    sent_bytes = [] if sent_bytes is None else sent_bytes
     model = make_model()
     state = sparcoll.torch.CompressionState(*(state_args or (None,)), spec, **state_options)
     wrapped = ddp(model, state, process_group=state.group)
@@ -70,6 +72,7 @@ def train(rank, spec, make_model, state_args=(), **state_options):
         nn.functional.mse_loss(wrapped(x), y).backward()
         opt.step()
         same.append(identical_everywhere(model))
+    sent_bytes.append(state.sent_bytes / STEPS)
     return before, loss(), all(same)
 
 
@@ -97,7 +100,9 @@ def scenario(rank: int, world: int) -> dict:
         out[f"none equals DDP, {micro_steps} micro-steps"] = all(
             torch.equal(a, b) for a, b in zip(plain, hooked))
     for spec in SPECS:
-        out[spec] = train(rank, spec, dense_model)
+        sent = []
+        out[spec] = train(rank, spec, dense_model, sent_bytes=sent)
+        out[spec + " bytes"] = sent[0]
     out["accumulated powersgd"] = grads_after(
         ddp(dense_model(), sparcoll.torch.CompressionState(None, "powersgd:2")), rank, 3)[0].sum().item()
     for spec in ("none", "topk:0.2", "blocktopk:0.25"):
@@ -135,6 +140,16 @@ def test_training_runs_loss_falls_and_ranks_agree(outcome, case):
     assert same, "ranks held different parameters"
     assert after < 0.8 * before, (before, after)
     assert all(out[case] == outcome[0][case] for out in outcome)
+
+
+def test_payload_bytes_per_step(outcome):
+    dense = sum(p.numel() for p in dense_model().parameters()) * 4
+    biases = (64 + 64 + 1) * 4                         # 1-D: uncompressed by default
+    for out in outcome:
+        assert out["none bytes"] == dense
+        assert out["fp16 bytes"] == biases + (dense - biases) / 2
+        assert out["topk:0.1 bytes"] <= biases + 0.1 * (dense - biases) * 2 + 3 * 8
+        assert out["signsgd bytes"] < biases + (dense - biases) / 32 + 3 * 8 + 3
 
 
 def test_accumulation_under_no_sync_with_powersgd_agrees_across_ranks(outcome):

@@ -28,6 +28,10 @@ class Payload:
     ctx: Any
 
 
+def parts_bytes(parts) -> int:
+    return sum(p.numel() * p.element_size() for p in parts)
+
+
 def index_dtype(numel: int) -> torch.dtype:
     """int32 indices where they fit: half the bytes of int64."""
     return torch.int32 if numel < 2 ** 31 else torch.int64
@@ -37,6 +41,7 @@ class Compressor:
     scheme = "allgather"
     variable = False        # payload size depends on the data: the Reducer gathers sizes first
     entries = False         # compresses the entries of a sparse COO tensor without densifying
+    elementwise = False     # compressing a concatenation = concatenating the compressed parts
 
     def __init__(self, spec: Spec):
         self.spec = spec
@@ -65,6 +70,10 @@ class Compressor:
         for parts in gathered[1:]:
             total += self.decompress(parts, ctx)
         return total.div_(len(gathered))
+
+    def sent_bytes(self, payload: Payload) -> int:
+        """Bytes of this payload's parts (what this rank contributes to the collective)."""
+        return parts_bytes(payload.parts)
 
     def payload_bytes(self, numel: int, shape: tuple | None = None) -> int:
         """Bytes of one rank's parts for a tensor of `numel` elements, known before sending (an

@@ -42,7 +42,7 @@ class BlockTopK(Compressor):
         out[:full * bs].view(full, bs)[kept_full] = rows[kept_full]
         if kept_full.numel() < keep.numel():
             out[full * bs:] = flat[full * bs:]
-        return Payload((out,), n)
+        return Payload((out,), keep.numel())
 
     def compress_entries(self, idx: torch.Tensor, vals: torch.Tensor, numel: int):
         """The same choice over the blocks a COO tensor's entries touch (linear indices)."""
@@ -53,10 +53,21 @@ class BlockTopK(Compressor):
         mask = kept[where]
         return idx[mask], vals[mask]
 
-    def decompress(self, parts: tuple, numel: int) -> torch.Tensor:
+    def decompress(self, parts: tuple, ctx) -> torch.Tensor:
         return parts[0]
+
+    def sent_bytes(self, payload: Payload) -> int:
+        """The kept blocks (`payload.ctx` of them) and their indices, as sparcoll sends them."""
+        return self._blocks_bytes(payload.ctx)
+
+    def entries_bytes(self, idx: torch.Tensor) -> int:
+        """What sparcoll sends for COO entries at linear indices `idx`: the blocks they touch."""
+        return self._blocks_bytes(torch.unique(idx // self.block_size).numel())
+
+    def _blocks_bytes(self, count: int) -> int:
+        return count * (4 * self.block_size + 4)
 
     def payload_bytes(self, numel: int, shape=None) -> int:
         """Data of the kept blocks and a 4-byte block index each (sparcoll's wire format; message
         headers not counted)."""
-        return self._keep(-(-numel // self.block_size)) * (4 * self.block_size + 4)
+        return self._blocks_bytes(self._keep(-(-numel // self.block_size)))

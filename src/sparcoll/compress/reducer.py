@@ -8,21 +8,25 @@ new tensor of the input's shape and dtype (a COO tensor for compressors that com
 with the input's layout); it never modifies its input. Every rank must reduce the same tensors
 (shapes, keys) in the same order: the collectives and the shared seeds (randomk, PowerSGD's Q) rely
 on it. `key` names the tensor's error-feedback and warm-start state.
+
+`sent_bytes` counts the payload bytes this rank contributed (parts, or kept blocks and their indices
+for the sparse AllReduce; not the collective's own traffic: a ring allreduce moves about twice its
+input, an allgather world - 1 times its input).
 """
 from __future__ import annotations
 
 import torch
 
 from . import coo
-from .base import index_dtype
+from .base import index_dtype, parts_bytes
 from .channel import Channel
 from .memory import make_memory
+from .registry import make
 from .spec import parse
 
 
 class Reducer:
     def __init__(self, spec, group=None, comm=None):
-        from . import make
         self.spec = parse(spec)
         self.compressor = make(self.spec)
         self.memory = make_memory(self.spec)
@@ -30,6 +34,7 @@ class Reducer:
         if comm is not None:
             self.compressor.block_size = comm.block_size
         self.compressor.seed_rank(self.channel.rank)
+        self.sent_bytes = 0
 
     def payload_bytes(self, tensor: torch.Tensor) -> int:
         """What this rank sends for `tensor` (an upper bound where the size depends on the data)."""
@@ -46,8 +51,10 @@ class Reducer:
         if c.scheme == "powersgd":
             result = c.reduce(comp, tuple(tensor.shape), key, self.channel.allreduce_mean)
             self.memory.update(comp, result, key)
+            self.sent_bytes += c.payload_bytes(x.numel(), tuple(tensor.shape))
         else:
             payload = c.compress(comp)
+            self.sent_bytes += c.sent_bytes(payload)
             if self.memory.active:
                 # before the collective, which may reuse the parts' memory
                 self.memory.update(comp, c.decompress(payload.parts, payload.ctx), key)
@@ -73,13 +80,15 @@ class Reducer:
             sent = coo.from_entries(kept_idx, kept_vals.float(), shape, sparse_dim)
             self.memory.update(comp, sent, key)
         if self.compressor.scheme == "sparse":
+            self.sent_bytes += self.compressor.entries_bytes(kept_idx)
             flat = torch.sparse_coo_tensor(kept_idx.unsqueeze(0), kept_vals, (comp.numel(),),
                                            is_coalesced=True, check_invariants=False)
             result = self.channel.sparse_mean(flat).coalesce()
             idx, vals = result.indices()[0], result.values()
         else:
-            gathered = self.channel.allgather((kept_idx.to(index_dtype(comp.numel())), kept_vals),
-                                              variable=True)
+            parts = (kept_idx.to(index_dtype(comp.numel())), kept_vals)
+            self.sent_bytes += parts_bytes(parts)
+            gathered = self.channel.allgather(parts, variable=True)
             idx = torch.cat([parts[0].long() for parts in gathered])
             vals = torch.cat([parts[1].float() for parts in gathered]) / self.channel.world
         return coo.from_entries(idx, vals.float(), shape, sparse_dim).to(g.dtype)

@@ -82,7 +82,7 @@ class TopK(Sparsifier):
         if values.numel() >= 100_000 and k * 10 <= values.numel():
             pos = _above_sampled(magnitude, k, 2.0, self.rng)
         if pos is None or pos.numel() < k:
-            pos = torch.arange(values.numel())
+            pos = magnitude.topk(k, sorted=False).indices
         pos = _largest(magnitude, pos, k)
         return pos[values[pos] != 0]
 

@@ -6,10 +6,11 @@
 Each bucket is cut back into its parameters' gradients, and each gets its parameter's spec: the
 state's spec, except 1-D parameters (biases, norms), which go uncompressed unless compress_1d=True,
 and whatever `per_param` says (a {parameter: spec} mapping, or a function of the parameter returning
-a spec or None for the default). Uncompressed gradients of a bucket are averaged in one allreduce;
-each compressed one by its compressor's collective, with its own error feedback and warm start (keyed
-by the parameter, so DDP's rebuilt buckets after the first step keep them). Any bucket layout works:
-every rank runs the same collectives in the same order, in the hook, before it returns.
+a spec or None for the default). A bucket's gradients under an elementwise spec (none, fp16, bf16)
+share one allreduce; every other gradient goes by its compressor's collective, with its own error
+feedback and warm start (keyed by the parameter, so DDP's rebuilt buckets after the first step keep
+them). Any bucket layout works: every rank runs the same collectives in the same order, in the hook,
+before it returns (no overlap with the rest of backward, the price of that simplicity).
 
 Gradients are averaged, as DDP's. Under `no_sync` DDP calls no hook and gradients accumulate; the
 next synchronized step compresses the accumulated gradients, so accumulation works unchanged.
@@ -22,7 +23,6 @@ import torch.distributed as dist
 
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, Spec, parse
-from sparcoll.compress.channel import Channel
 
 from .backend import _backend_of
 from .futures import Completion
@@ -53,7 +53,6 @@ class CompressionState:
         else:
             self._overrides, self._rule = {}, per_param
         self._reducers: dict = {}
-        self.channel = Channel(group, comm)
 
     def spec_for(self, param: torch.Tensor) -> Spec:
         if id(param) in self._overrides:
@@ -69,6 +68,11 @@ class CompressionState:
             self._reducers[key] = Reducer(spec, self.group, self.comm)
         return self._reducers[key]
 
+    @property
+    def sent_bytes(self) -> int:
+        """Payload bytes this rank contributed so far (see sparcoll.compress.Reducer.sent_bytes)."""
+        return sum(r.sent_bytes for r in self._reducers.values())
+
     def reduce_bucket(self, bucket) -> torch.Tensor:
         """Average the bucket's gradients over ranks; the result (the buffer, or a new sparse
         tensor for a sparse gradient)."""
@@ -76,29 +80,34 @@ class CompressionState:
         if buffer.is_sparse:
             result = self.reducer(self.spec_for(params[0])).reduce(buffer, key=params[0])
             return result if result.is_sparse else result.to_sparse(buffer.sparse_dim())
-        plain, compressed, offset = [], [], 0
+        batched, single, offset = {}, [], 0
         for param in params:
             view = buffer[offset:offset + param.numel()]
             offset += param.numel()
-            spec = self.spec_for(param)
-            if spec == _NONE:
-                plain.append(view)
+            reducer = self.reducer(self.spec_for(param))
+            if reducer.compressor.elementwise:
+                batched.setdefault(reducer, []).append((param, view))
             else:
-                compressed.append((param, view, spec))
-        self._average(buffer, plain)
-        for param, view, spec in compressed:
-            view.copy_(self.reducer(spec).reduce(view.view(param.shape), key=param).reshape(-1))
+                single.append((reducer, param, view))
+        for reducer, members in batched.items():
+            self._reduce_batch(reducer, buffer, members)
+        for reducer, param, view in single:
+            view.copy_(reducer.reduce(view.view(param.shape), key=param).reshape(-1))
         return buffer
 
-    def _average(self, buffer: torch.Tensor, views: list) -> None:
-        """One allreduce for every uncompressed gradient; the whole buffer in place when that is all
-        of it (then bit for bit what DDP computes)."""
-        if sum(v.numel() for v in views) == buffer.numel():
-            self.channel.allreduce_mean(buffer)
-        elif views:
-            flat = self.channel.allreduce_mean(torch.cat(views))
-            for view, part in zip(views, flat.split([v.numel() for v in views])):
-                view.copy_(part)
+    def _reduce_batch(self, reducer: Reducer, buffer: torch.Tensor, members: list) -> None:
+        """One collective for all of a bucket's gradients under one elementwise spec (none, fp16,
+        bf16); in place on the whole buffer when that is all of it and uncompressed (then bit for
+        bit what DDP computes)."""
+        views = [view for _, view in members]
+        if reducer.spec == _NONE and sum(v.numel() for v in views) == buffer.numel():
+            reducer.channel.allreduce_mean(buffer)
+            reducer.sent_bytes += buffer.numel() * buffer.element_size()
+            return
+        key = tuple(id(param) for param, _ in members)
+        result = reducer.reduce(torch.cat(views), key=key)
+        for view, part in zip(views, result.split([v.numel() for v in views])):
+            view.copy_(part)
 
 
 def compression_hook(state: CompressionState,
