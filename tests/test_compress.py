@@ -34,6 +34,10 @@ def test_specs_parse_and_print_back():
         assert type(sc.make(spec)).__name__ in repr(sc.make(spec))
 
 
+def test_usage_names_every_form():
+    assert all(name in sc.usage() for name in sc.KINDS) and "topk:RATIO" in sc.usage()
+
+
 @pytest.mark.parametrize("spec, message", [
     ("zip", "unknown compressor 'zip'"),
     ("topk", "needs RATIO"),

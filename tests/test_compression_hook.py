@@ -37,10 +37,18 @@ def batch(model, rank, step, size=32):
     return x, x[:, :4].sum(dim=1, keepdim=True) - x[:, 4:8].sum(dim=1, keepdim=True)
 
 
+BUCKETS_SEEN = set()
+
+
+def recording_hook(state, bucket):
+    BUCKETS_SEEN.add(bucket.index())
+    return sparcoll.torch.compression_hook(state, bucket)
+
+
 def ddp(model, hook_state, **options):
-    wrapped = DDP(model, bucket_cap_mb=0.01, **options)   # every weight in its own bucket
+    wrapped = DDP(model, bucket_cap_mb=0.01, **options)   # 3 buckets after DDP's first step
     if hook_state is not None:
-        wrapped.register_comm_hook(hook_state, sparcoll.torch.compression_hook)
+        wrapped.register_comm_hook(hook_state, recording_hook)
     return wrapped
 
 
@@ -116,6 +124,7 @@ def scenario(rank: int, world: int) -> dict:
         comm.close()
     group = dist.new_group(backend="sparcoll")
     out["sparcoll group blocktopk"] = train(rank, "blocktopk:0.25", dense_model, (group,))
+    out["buckets"] = len(BUCKETS_SEEN)
     dist.destroy_process_group(group)
     return {k: np.float64(v) if isinstance(v, float) else v for k, v in out.items()}
 
@@ -123,6 +132,10 @@ def scenario(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def outcome():
     return run_ranks(scenario, WORLD, timeout=120)
+
+
+def test_several_buckets(outcome):
+    assert all(out["buckets"] >= 2 for out in outcome)
 
 
 def test_none_gives_ddps_gradients_bit_for_bit_with_and_without_no_sync(outcome):

@@ -29,6 +29,6 @@ from __future__ import annotations
 from .base import Compressor, Payload
 from .reducer import Reducer
 from .registry import CLASSES, make
-from .spec import KINDS, Spec, parse
+from .spec import KINDS, Spec, parse, usage
 
-__all__ = ["make", "parse", "Spec", "Reducer", "Compressor", "Payload", "KINDS", "CLASSES"]
+__all__ = ["make", "parse", "usage", "Spec", "Reducer", "Compressor", "Payload", "KINDS", "CLASSES"]

@@ -72,6 +72,13 @@ class Spec:
         return text + "".join(f",{k}={v}" for k, v in sorted(self.options.items()))
 
 
+def usage() -> str:
+    """The spec forms in one line, for a command's help."""
+    forms = ", ".join(name if arg is None else f"{name}:{arg}"
+                      for name, (_, arg, _, _) in KINDS.items())
+    return f"{forms}; options after commas: ef=on|off, seed=INT (randomk, powersgd), momentum=FLOAT (dgc)"
+
+
 def parse(spec: str | Spec) -> Spec:
     """Parse `spec` (a Spec passes through); ValueError naming what is wrong."""
     if isinstance(spec, Spec):
