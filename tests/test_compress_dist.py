@@ -65,8 +65,9 @@ def everything(rank: int, world: int) -> dict:
             if spec.startswith("powersgd"):
                 out["q"] = reducer.compressor.q["w"]
         for spec in COO_SPECS:
+            before = comm.stats.blocks_sent
             result = sc.Reducer(spec, comm=comm).reduce(embedding_grad(rank), key="e")
-            out["coo " + spec] = (result.is_sparse, result.to_dense())
+            out["coo " + spec] = (result.is_sparse, result.to_dense(), comm.stats.blocks_sent > before)
         nothing = sc.Reducer("threshold:100", comm=comm)       # no rank has anything to send
         out["all empty"] = [nothing.reduce(grad("none", rank, step), key="w") for step in range(2)]
         big = wire_input(rank)
@@ -136,8 +137,9 @@ def test_sparse_coo_gradients(outcome, spec):
     expected = sum(r.reduce(embedding_grad(i), key="e").to_dense()
                    for i, r in enumerate(locals_)) / WORLD
     for out in outcome:
-        is_sparse, dense = out["coo " + spec]
+        is_sparse, dense, through_sparcoll = out["coo " + spec]
         assert is_sparse
+        assert through_sparcoll == (spec in ("none", "fp16", "blocktopk:0.3"))   # others: allgather
         assert torch.allclose(dense, expected, atol=2e-3 if spec == "fp16" else 1e-6)
 
 

@@ -21,8 +21,10 @@ onebit, powersgd, blocktopk), seed=INT (randomk, powersgd), momentum=FLOAT (dgc,
 | qsgd, terngrad | allgather of quantized values + scale | off (unbiased) |
 | signsgd, efsignsgd, onebit | allgather of packed sign bits + 2 values | signsgd off, others on |
 
-Sparse COO input is compressed entry by entry without densifying by none, fp16, bf16, topk,
-threshold and blocktopk; the others densify it first.
+Sparse COO input (e.g. nn.Embedding(sparse=True) gradients) is compressed entry by entry without
+densifying by none, fp16, bf16, topk, threshold and blocktopk, and stays COO; the others densify it
+first. Its kept entries go by sparcoll's sparse AllReduce for blocktopk, and for none/fp16/bf16 when a
+communicator is given (fp16/bf16 values stay cast on the wire); otherwise they are gathered.
 """
 from __future__ import annotations
 

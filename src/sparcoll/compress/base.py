@@ -32,6 +32,12 @@ def parts_bytes(parts) -> int:
     return sum(p.numel() * p.element_size() for p in parts)
 
 
+def block_bytes(count: int, block_size: int, itemsize: int) -> int:
+    """What sparcoll's sparse AllReduce sends for `count` blocks: their data and a 4-byte index
+    each (message headers not counted)."""
+    return count * (block_size * itemsize + 4)
+
+
 def index_dtype(numel: int) -> torch.dtype:
     """int32 indices where they fit: half the bytes of int64."""
     return torch.int32 if numel < 2 ** 31 else torch.int64
@@ -42,6 +48,7 @@ class Compressor:
     variable = False        # payload size depends on the data: the Reducer gathers sizes first
     entries = False         # compresses the entries of a sparse COO tensor without densifying
     elementwise = False     # compressing a concatenation = concatenating the compressed parts
+    block_size = 256        # sparcoll's, for the sparse AllReduce (the Reducer sets the comm's)
 
     def __init__(self, spec: Spec):
         self.spec = spec

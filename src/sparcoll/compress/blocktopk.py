@@ -12,14 +12,13 @@ import math
 
 import torch
 
-from .base import Compressor, Payload
+from .base import Compressor, Payload, block_bytes
 
 
 class BlockTopK(Compressor):
     """Error: the dropped blocks, each of norm no larger than the smallest kept block's."""
     scheme = "sparse"
     entries = True
-    block_size = 256        # the Reducer sets the communicator's
 
     def _keep(self, nblocks: int) -> int:
         return min(nblocks, max(1, math.ceil(self.spec.arg * nblocks)))
@@ -60,14 +59,9 @@ class BlockTopK(Compressor):
         """The kept blocks (`payload.ctx` of them) and their indices, as sparcoll sends them."""
         return self._blocks_bytes(payload.ctx)
 
-    def entries_bytes(self, idx: torch.Tensor) -> int:
-        """What sparcoll sends for COO entries at linear indices `idx`: the blocks they touch."""
-        return self._blocks_bytes(torch.unique(idx // self.block_size).numel())
-
     def _blocks_bytes(self, count: int) -> int:
-        return count * (4 * self.block_size + 4)
+        return block_bytes(count, self.block_size, 4)
 
     def payload_bytes(self, numel: int, shape=None) -> int:
-        """Data of the kept blocks and a 4-byte block index each (sparcoll's wire format; message
-        headers not counted)."""
+        """Data of the kept blocks and a 4-byte block index each (sparcoll's wire format)."""
         return self._blocks_bytes(self._keep(-(-numel // self.block_size)))

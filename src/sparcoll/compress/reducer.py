@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import coo
-from .base import index_dtype, parts_bytes
+from .base import block_bytes, index_dtype, parts_bytes
 from .channel import Channel
 from .memory import make_memory
 from .registry import make
@@ -31,8 +31,7 @@ class Reducer:
         self.compressor = make(self.spec)
         self.memory = make_memory(self.spec)
         self.channel = Channel(group, comm)
-        if comm is not None:
-            self.compressor.block_size = comm.block_size
+        self.compressor.block_size = comm.block_size if comm is not None else 256
         self.compressor.seed_rank(self.channel.rank)
         self.sent_bytes = 0
 
@@ -71,16 +70,21 @@ class Reducer:
         return c.combine(self.channel.allgather(payload.parts, c.variable), payload.ctx)
 
     def _reduce_entries(self, g: torch.Tensor, key) -> torch.Tensor:
-        """A COO tensor compressed entry by entry, never densified (memory included)."""
+        """A COO tensor compressed entry by entry, never densified (memory included). Kept entries
+        go by sparcoll's sparse AllReduce for blocktopk, and for none/fp16/bf16 when there is a
+        communicator; otherwise they are gathered."""
+        c = self.compressor
         comp = self.memory.compensate(g, key).coalesce()
         shape, sparse_dim = comp.shape, comp.sparse_dim()
         idx, vals = coo.entries(comp)
-        kept_idx, kept_vals = self.compressor.compress_entries(idx, vals, comp.numel())
+        kept_idx, kept_vals = c.compress_entries(idx, vals, comp.numel())
         if self.memory.active:
             sent = coo.from_entries(kept_idx, kept_vals.float(), shape, sparse_dim)
             self.memory.update(comp, sent, key)
-        if self.compressor.scheme == "sparse":
-            self.sent_bytes += self.compressor.entries_bytes(kept_idx)
+        if c.scheme == "sparse" or (c.elementwise and self.channel.comm is not None):
+            # sparcoll's sparse AllReduce of the entries' blocks (fp16/bf16 values stay cast)
+            blocks = torch.unique(kept_idx // c.block_size).numel()
+            self.sent_bytes += block_bytes(blocks, c.block_size, kept_vals.element_size())
             flat = torch.sparse_coo_tensor(kept_idx.unsqueeze(0), kept_vals, (comp.numel(),),
                                            is_coalesced=True, check_invariants=False)
             result = self.channel.sparse_mean(flat).coalesce()
