@@ -1,7 +1,8 @@
-"""sparcoll.torch.compression_hook under DDP on 2 gloo processes (4 took 75 s on 2 cores): with `none` the gradients are DDP's,
-bit for bit (no_sync accumulation included); with every compressor training runs through 3+ buckets,
-the loss falls and every rank holds the same parameters after every step; sparse embedding gradients,
-a sparcoll group and per-parameter specs work."""
+"""sparcoll.torch.compression_hook under DDP on 2 gloo processes (4 took 75 s on the 2 shared cores):
+with `none` the gradients are DDP's bit for bit (no_sync accumulation included); with every
+compressor, training runs through several buckets, the loss falls and every rank holds the same
+parameters after every step; sparse embedding gradients, a Communicator, a sparcoll group and
+per-parameter specs work."""
 import numpy as np
 import pytest
 import torch
