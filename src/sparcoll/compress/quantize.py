@@ -54,9 +54,10 @@ class QSGD(Compressor):
         norm = flat.norm().reshape(1)
         if norm.item() == 0.0:
             return Payload((norm, torch.zeros(flat.numel(), dtype=self.dtype)), flat.numel())
-        scaled = flat.abs().mul_(self.levels / norm)
-        level = scaled.floor()
-        level += self.uniform(flat.numel()) < scaled.sub_(level)
+        # floor(s + u), u uniform in [0, 1): s rounded up with probability frac(s), in place; the
+        # clamp catches |x| / ||x|| rounding above 1, which would overflow int8 at 127 levels
+        level = flat.abs().mul_(self.levels / norm).add_(self.uniform(flat.numel())).floor_()
+        level.clamp_(max=self.levels)
         return Payload((norm, level.copysign_(flat).to(self.dtype)), flat.numel())
 
     def decompress(self, parts: tuple, ctx) -> torch.Tensor:
