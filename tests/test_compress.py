@@ -121,6 +121,12 @@ def test_qsgd_error_is_at_most_norm_over_levels():
         assert ((round_trip(f"qsgd:{levels}", x) - x).abs() <= x.norm() / levels * (1 + 1e-5)).all()
 
 
+def test_qsgd_keeps_a_lone_element_exactly_at_the_top_level():
+    x = torch.tensor([0.0, -3.0, 0.0])          # |x| / ||x|| = 1: level 127 must not become 128
+    for _ in range(20):
+        assert torch.equal(round_trip("qsgd:127", x), x)
+
+
 def test_terngrad_values_are_ternary_and_within_the_scale():
     x = data(2000)
     y = round_trip("terngrad", x)
