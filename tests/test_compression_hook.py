@@ -38,6 +38,57 @@ def batch(model, rank, step, size=32):
     return x, x[:, :4].sum(dim=1, keepdim=True) - x[:, 4:8].sum(dim=1, keepdim=True)
 
 
+class FakeBucket:
+    """A bucket as DDP hands it over: the parameters' gradients laid out one after another."""
+
+    def __init__(self, params):
+        self.params = params
+        self.flat = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def buffer(self):
+        return self.flat
+
+    def parameters(self):
+        return self.params
+
+
+def param(*shape, seed=0):
+    p = nn.Parameter(torch.zeros(shape))
+    g = torch.Generator().manual_seed(seed)
+    p.grad = (torch.randn(shape[0], 1, generator=g) @ torch.randn(1, shape[-1], generator=g)
+              if len(shape) == 2 else torch.randn(shape, generator=g))
+    return p
+
+
+def test_specs_per_parameter():
+    weight, bias, emb = param(8, 4), param(4), param(10, 3)
+    state = sparcoll.torch.CompressionState(None, "topk:0.1", per_param={emb: "fp16"})
+    assert [str(state.spec_for(p)) for p in (weight, bias, emb)] == ["topk:0.1", "none", "fp16"]
+    state = sparcoll.torch.CompressionState(None, "topk:0.1", compress_1d=True,
+                                            per_param=lambda p: "qsgd:4" if p.shape == (10, 3) else None)
+    assert [str(state.spec_for(p)) for p in (weight, bias, emb)] == ["topk:0.1", "topk:0.1", "qsgd:4"]
+
+
+def test_bucket_slices_reach_their_parameters_with_their_shapes():
+    """powersgd:1 recovers each rank-1 weight exactly only if it sees it in its own shape; in a world
+    of one process the average is the gradient itself."""
+    params = [param(6, 5, seed=1), param(5, seed=2), param(7, 3, seed=3)]
+    bucket = FakeBucket(params)
+    expected = bucket.flat.clone()
+    state = sparcoll.torch.CompressionState(None, "powersgd:1")
+    result = sparcoll.torch.compression_hook(state, bucket).wait()
+    assert result is bucket.flat and torch.allclose(result, expected, atol=1e-5)
+    assert state.sent_bytes == 4 * (6 + 5) + 4 * 5 + 4 * (7 + 3)
+
+
+def test_a_failure_fails_the_future(monkeypatch):
+    state = sparcoll.torch.CompressionState(None, "topk:0.1")
+    monkeypatch.setattr(state, "reduce_bucket", lambda bucket: 1 / 0)
+    future = sparcoll.torch.compression_hook(state, FakeBucket([param(3, 3)]))
+    with pytest.raises(RuntimeError, match="division by zero"):
+        future.wait()
+
+
 BUCKETS_SEEN = set()
 
 

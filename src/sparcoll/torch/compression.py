@@ -42,7 +42,9 @@ class CompressionState:
             comm = comm_or_group
         else:
             group = comm_or_group if comm_or_group is not None else group
-            backend = _backend_of(group or dist.distributed_c10d._get_default_group())
+            backend = None
+            if group is not None or dist.is_initialized():
+                backend = _backend_of(group or dist.distributed_c10d._get_default_group())
             comm = backend.comm if backend is not None else None
         self.comm, self.group = comm, group
         self.spec = parse(spec)
