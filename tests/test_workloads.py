@@ -368,10 +368,11 @@ def test_gpt_default_vocabulary_and_held_out_split():
     assert 0.09 < len(held_out) / (len(train) + len(held_out)) < 0.11
     # Lossless encoding of disjoint splits: the training split decodes to exactly the text before the cut.
     assert wl.tokenizer.decode(wl.train_tokens) == train and wl.tokenizer.decode(wl.eval_tokens) == held_out
+    window = wl.config.seq_len + 1
     (windows,) = wl.eval_batch()
-    assert windows.shape == (len(wl.eval_tokens) // 65, 65)
+    assert windows.shape == (len(wl.eval_tokens) // window, window)
     assert torch.equal(windows.flatten(), torch.from_numpy(wl.eval_tokens[: windows.numel()]))
-    assert wl.eval_batch(3)[0].shape == (3, 65)
+    assert wl.eval_batch(3)[0].shape == (3, window)
 
 
 def test_gpt_text_file_trains_tokenizer_on_the_training_split_only(tmp_path):
