@@ -4,7 +4,24 @@ time or inside a child process cannot use fixtures. Imports are inside the fixtu
 that uses none of them (test_netem.py, say) imports nothing more for them."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+def pytest_configure(config):
+    """Most tests exercise the sparse AllReduce itself, often with tensors small enough that the
+    default algorithm ("auto") would send them through gloo's ring: the session runs with
+    SPARCOLL_ALGORITHM=sparse (spawned ranks inherit it; set here, not in a fixture, so that
+    module-scoped fixtures see it too). Tests of the default as users get it (the choice itself,
+    the README, the demo, DDP, training) are marked `auto_algorithm`."""
+    os.environ["SPARCOLL_ALGORITHM"] = "sparse"
+
+
+@pytest.fixture(autouse=True)
+def default_algorithm_where_marked(request, monkeypatch):
+    if request.node.get_closest_marker("auto_algorithm") is not None:
+        monkeypatch.delenv("SPARCOLL_ALGORITHM", raising=False)
 
 
 @pytest.fixture

@@ -233,7 +233,7 @@ def test_without_netem_suggests_loopback(monkeypatch, capsys):
 def test_parser_defaults():
     args = _args()
     assert args.workers == [4] and args.numel == 16 * MIB and args.block_size == 256
-    assert args.density == [0.01, 0.1, 1.0] and args.algos == ["sparcoll", "ring", "agsparse", "ps"]
+    assert args.density == [0.01, 0.1, 1.0] and args.algos == ["sparcoll", "sparse", "ring", "agsparse", "ps"]
     assert _args("--workers", "2,4,8", "--numel", "1M").workers == [2, 4, 8]
 
 
@@ -310,6 +310,21 @@ def test_end_to_end_loopback_sparcoll_and_sweep(tmp_path):
     assert sparse["bytes_sent_per_worker"] < 0.5 * records[2]["bytes_sent_per_worker"]
     # from COO the same blocks cross the wire (the scan finds exactly the stored blocks)
     assert records[1]["bytes_sent_per_worker"] == sparse["bytes_sent_per_worker"]
+
+
+def test_end_to_end_auto_next_to_forced_sparse(tmp_path):
+    """"sparcoll" is the default choice (dense data goes through gloo's ring once a warm-up showed it
+    dense), "sparse" the sparse AllReduce forced; both sums are checked by the harness."""
+    records, cp = _bench(tmp_path, "--workers", "2", "--numel", "8K", "--network", "none",
+                         "--density", "0.1,1", "--algos", "sparcoll,sparse,ring", "--repeat", "2",
+                         "--warmup", "1")
+    bytes_sent = {(r["algo"], r["input"], r["density"]): r["bytes_sent_per_worker"] for r in records}
+    ring_bytes = bounds.ring(2, 8192 * 4)
+    assert bytes_sent["sparcoll", "dense", 1.0] == ring_bytes           # all on the ring
+    assert bytes_sent["sparse", "dense", 1.0] > ring_bytes              # blocks, headers, indices
+    assert bytes_sent["sparcoll", "dense", 0.1] == bytes_sent["sparse", "dense", 0.1]
+    assert bytes_sent["sparcoll", "coo", 1.0] == bytes_sent["sparse", "coo", 1.0]  # COO: never the ring
+    assert "sparse (coo)" in cp.stdout
 
 
 def test_end_to_end_loopback_dedicated_aggregators(tmp_path):

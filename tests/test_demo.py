@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from sparcoll import demo
+
+pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
 
 
 def test_auto_picks_the_emulated_network_only_where_it_can_be_built(monkeypatch):

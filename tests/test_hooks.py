@@ -10,6 +10,8 @@ import sparcoll.torch
 from ranks import run_ranks
 from scenarios import all_cases_vs_reference, assert_all_match, mlp
 
+pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
+
 TIMEOUT = 90
 WORLD = 2
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 LIMIT = 180     # seconds for one torchrun job of 2 ranks
 EXIT_ABORT = "terminate called without an active exception"

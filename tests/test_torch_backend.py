@@ -5,12 +5,15 @@ cases are in scenarios.py, shared with test_hooks.py).
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ranks import run_ranks
 from scenarios import all_cases_vs_reference, assert_all_match, mlp
+
+pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
 
 TIMEOUT = 90
 WORLD = 2

@@ -13,6 +13,8 @@ from sparcoll.cli import main
 from sparcoll.train.command import _option, workload_options
 from sparcoll.train.worker import block_density, nonzero_elements
 
+pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
+
 TIMEOUT = 150
 TINY = ["--workers", "2", "--network", "none", "--batch-size", "8", "--workload-option", "tiny=true"]
 

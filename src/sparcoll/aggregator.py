@@ -140,6 +140,12 @@ class AggregatorJob:
             if step.result is not None:
                 self._broadcast(header, step.result)
 
+    def descriptor_of(self, cid: int) -> tuple | None:
+        """The descriptor of collective `cid` if some worker's part of it is in progress here."""
+        with self._lock:
+            state = self._collectives.get(cid)
+        return None if state is None else state.descriptor
+
     def _state(self, header: wire.Header) -> CollectiveShard | None:
         with self._lock:
             failure = self._broken or self._failed.get(header.collective)

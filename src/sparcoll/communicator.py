@@ -14,6 +14,7 @@ import torch
 
 from . import transport, wire
 from .aggregator import LocalWorker
+from .algorithm import Algorithm, Chooser
 from .blocks import may_overlap
 from .bootstrap import Rendezvous, local_host
 from .collective import WorkerCollective
@@ -28,14 +29,17 @@ __all__ = ["Communicator", "Stats", "Work"]
 
 @dataclass
 class Stats(transport.TrafficStats):
-    """Traffic this process's transport wrote and read on the worker's behalf, and collectives run."""
+    """Traffic this process's transport wrote and read on the worker's behalf, and collectives run
+    (of which `ring_collectives` on gloo's ring, handed `ring_bytes` of tensors: see algorithm.py)."""
     collectives: int = 0
+    ring_collectives: int = 0
+    ring_bytes: int = 0
 
 
 class Communicator:
     """Block-sparse allreduce for one group of `world` ranks, bootstrapped through `store`.
     Options (see sparcoll.init): block_size, aggregators, streams, message_blocks, credits,
-    timeout, host."""
+    timeout, host, algorithm."""
 
     def __init__(self, store, rank: int, world: int, **options):
         self.rank, self.world = rank, world
@@ -73,7 +77,9 @@ class Communicator:
             secret = self.options.secret
         self._worker = WorkerJob(self.rank, self.job, self.config, self.block_size, addresses,
                                  self._poisoned, server, local_job)
-        self._engine = Engine(self.rank, self._worker)
+        chooser = Chooser(self.options.algorithm, self.block_size,
+                          dedicated=self.aggregators is not None)
+        self._engine = Engine(self.rank, self._worker, chooser, ring=None)
         if local_job is not None:
             local_job.attach(self.rank, LocalWorker(self._worker.local_inbox()))
         for index, address in enumerate(addresses):
@@ -84,6 +90,9 @@ class Communicator:
                                           colocated=local_job is not None)
                 self._worker.add_connection(index, sock)
         rendezvous.ready()
+        if self.options.algorithm is not Algorithm.SPARSE:
+            # After ready(): every rank is alive and connected, so every rank builds it too.
+            self._engine.ring = rendezvous.ring(self.options.host or local_host())
 
     def _poisoned(self, error: BaseException) -> None:
         self._engine.set_poison(error)
@@ -142,6 +151,9 @@ class Communicator:
     @property
     def stats(self) -> Stats:
         total = Stats(collectives=self._engine.collectives_done if self._engine else 0)
+        ring = self._engine.ring if self._engine else None
+        if ring is not None:
+            total.ring_collectives, total.ring_bytes = ring.collectives, ring.bytes
         if self._worker is not None:
             for conn in self._worker.connections.values():
                 total.add(conn.stats)

@@ -1,5 +1,9 @@
 """The engine: runs a communicator's collectives one at a time, in the order the rank submitted them.
 
+Each runs on the sparse AllReduce or on gloo's ring, as the chooser says (algorithm.py); what it
+learns from a result decides later collectives of the same kind, identically on every rank, because
+the result it learns from is complete before the next collective starts.
+
 Only one collective is in flight, so a worker's memory and the aggregators' stay bounded. Ranks must
 call collectives in one order; each gets the next id. Three ways a collective runs:
   - a blocking call with nothing queued before it runs on the caller's thread (two thread hand-offs
@@ -29,9 +33,12 @@ from typing import Callable
 
 import torch
 
+from . import wire
+from .algorithm import Algorithm, Chooser
 from .collective import WorkerCollective
 from .errors import CollectiveTimeout, PoisonedError, SparcollError
 from .lifecycle import Lifecycle
+from .ring import Ring
 from .worker import WorkerJob
 
 log = logging.getLogger("sparcoll")
@@ -117,9 +124,11 @@ class Abort:
 class Engine:
     """Orders and executes the collectives of one rank."""
 
-    def __init__(self, rank: int, worker: WorkerJob):
+    def __init__(self, rank: int, worker: WorkerJob, chooser: Chooser, ring: Ring | None):
         self.rank = rank
         self.worker = worker
+        self.chooser = chooser
+        self.ring = ring                        # None when the chooser never picks it
         self.state = Lifecycle(f"communicator of rank {rank}", CommunicatorState.OPEN, _MOVES)
         self.poison: BaseException | None = None    # the error that moved it to POISONED
         self.collectives_done = 0
@@ -236,7 +245,7 @@ class Engine:
             error = PoisonedError(f"an earlier collective failed ({self.poison})")
         if error is None:
             try:
-                error = self.worker.run(coll)
+                error = self._run(coll)
             except Exception as exc:
                 error = self._failed(coll, exc)
             except BaseException as exc:    # e.g. Ctrl-C in a caller's thread: peers must not wait
@@ -250,6 +259,25 @@ class Engine:
             self.collectives_done += 1
         return error
 
+    def _run(self, coll: WorkerCollective) -> BaseException | None:
+        """Run `coll` with the algorithm chosen for it; learn from its result."""
+        numel, _, dtype, op = coll.descriptor
+        kind = (numel, dtype, op)
+        if self.chooser.choose(kind, coll.sparse) is Algorithm.RING:
+            def peer_report():
+                return self.worker.take_early_error(coll.id) or self.worker.sparse_peer(coll.id)
+            try:
+                self.ring.allreduce(coll.id, coll.tensor, op, coll.timeout, peer_report)
+                error = None
+            except SparcollError as exc:    # peers on the sparse path (if any) must hear of it
+                self.worker.abort(coll.id, str(exc), wire.code_of(exc))
+                error = exc
+        else:
+            error = self.worker.run(coll)
+        if error is None:
+            self.chooser.learn(kind, coll.tensor)
+        return error
+
     def close(self) -> bool:
         """Stop taking collectives, fail the one in progress, let the engine send what is queued
         (e.g. an abort) and stop. False if it was closed already."""
@@ -261,4 +289,6 @@ class Engine:
         self.worker.fail_active(SparcollError("the communicator was closed during the collective"))
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)   # it sends what is queued, e.g. an abort
+        if self.ring is not None:
+            self.ring.close()
         return True

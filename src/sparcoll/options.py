@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from . import transport, wire
+from .algorithm import Algorithm
 from .secret import shared_secret
 
 DEFAULT_BLOCK_SIZE = 256
@@ -30,13 +31,14 @@ class Options:
     credits: int                        # messages in flight per stream
     timeout: float                      # seconds for init and for every collective
     host: str | None                    # address peers reach this rank's aggregator at
+    algorithm: Algorithm                # auto (the default), sparse or ring: see algorithm.py
     secret: bytes = field(default=b"", repr=False)  # of dedicated aggregators ($SPARCOLL_SECRET)
 
     @classmethod
     def resolve(cls, *, block_size: int | None = None, aggregators: list[str] | None = None,
                 streams: int | None = None, message_blocks: int | None = None,
                 credits: int | None = None, timeout: float = DEFAULT_TIMEOUT,
-                host: str | None = None) -> "Options":
+                host: str | None = None, algorithm: str | None = None) -> "Options":
         block_size = _given_or_env("block_size", block_size, _integer, DEFAULT_BLOCK_SIZE)
         options = cls(
             block_size=block_size,
@@ -45,7 +47,8 @@ class Options:
             message_blocks=_given_or_env("message_blocks", message_blocks, _integer,
                                          default_message_blocks(block_size)),
             credits=_given_or_env("credits", credits, _integer, DEFAULT_CREDITS),
-            timeout=timeout, host=host)
+            timeout=timeout, host=host,
+            algorithm=_given_or_env("algorithm", algorithm, Algorithm.parse, Algorithm.AUTO))
         if options.aggregators:
             options = replace(options, secret=shared_secret())
         options._check()
@@ -66,7 +69,8 @@ class Options:
     def job_config(self, world: int) -> wire.JobConfig:
         """What every rank and aggregator of the job must agree on (ValueError if out of range)."""
         num_aggs = len(self.aggregators) if self.aggregators else world
-        config = wire.JobConfig(world, num_aggs, self.streams, self.credits, self.message_blocks)
+        config = wire.JobConfig(world, num_aggs, self.streams, self.credits, self.message_blocks,
+                                wire.JobConfig.ALGORITHMS.index(self.algorithm.value))
         config.check()
         return config
 

@@ -279,8 +279,10 @@ class JobConfig:
     streams: int
     credits: int
     message_blocks: int
+    algorithm: int = 0      # index into ALGORITHMS: ranks that choose differently would wait forever
 
     LIMITS = dict(world=4096, num_aggs=4096, streams=64, credits=64, message_blocks=1 << 16)
+    ALGORITHMS = ("auto", "sparse", "ring")     # sparcoll.algorithm.Algorithm's values
 
     def check(self) -> None:
         """ValueError naming the first field outside its limits (a caller's own option; a peer's
@@ -288,6 +290,8 @@ class JobConfig:
         for name, limit in self.LIMITS.items():
             if not 1 <= getattr(self, name) <= limit:
                 raise ValueError(f"{name}={getattr(self, name)} outside [1, {limit}]")
+        if not 0 <= self.algorithm < len(self.ALGORITHMS):
+            raise ValueError(f"algorithm code {self.algorithm} outside [0, {len(self.ALGORITHMS)})")
 
 
 @dataclass(frozen=True)
@@ -300,17 +304,17 @@ class Hello:
 
     def encode(self) -> bytes:
         c = self.config
-        return _HELLO.pack(MAGIC, VERSION, 0, self.job, self.rank, c.world, self.agg_index,
+        return _HELLO.pack(MAGIC, VERSION, c.algorithm, self.job, self.rank, c.world, self.agg_index,
                            c.num_aggs, c.streams, c.credits, c.message_blocks, self.nonce)
 
     @staticmethod
     def decode(buf) -> "Hello":
         if len(buf) != HELLO_BYTES:
             raise ProtocolError(f"truncated hello: {len(buf)} of {HELLO_BYTES} bytes")
-        (magic, version, _, job, rank, world, agg_index, num_aggs, streams, credits, message_blocks,
+        (magic, version, algorithm, job, rank, world, agg_index, num_aggs, streams, credits, message_blocks,
          nonce) = _HELLO.unpack(buf)
         _check_magic(magic, version)
-        config = JobConfig(world, num_aggs, streams, credits, message_blocks)
+        config = JobConfig(world, num_aggs, streams, credits, message_blocks, algorithm)
         try:
             config.check()
         except ValueError as exc:

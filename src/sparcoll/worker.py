@@ -21,7 +21,7 @@ from . import transport, wire
 from .aggregator import AggregatorJob
 from .blocks import as_bytes, block_count, runs
 from .collective import WorkerCollective
-from .errors import CollectiveTimeout, PeerError, ProtocolError, SparcollError
+from .errors import CollectiveTimeout, MismatchError, PeerError, ProtocolError, SparcollError
 from .lease import give_back
 from .message_size import MessageSizePolicy
 from .protocol import Geometry, WorkerStream
@@ -276,14 +276,29 @@ class WorkerJob:
         if coll is not None:
             coll.fail(error)
 
-    def abort(self, cid: int, text: str) -> None:
-        """Tell every aggregator that this rank gives up collective `cid`, so no peer waits for it."""
+    def abort(self, cid: int, text: str, code: wire.ErrorCode = wire.ErrorCode.GENERIC) -> None:
+        """Tell every aggregator that this rank gives up collective `cid`, so no peer waits for it
+        (peers raise the exception type of `code`)."""
+        if not text.startswith(f"rank {self.rank}:"):
+            text = f"rank {self.rank}: {text}"
         for index in range(self.config.num_aggs):
             if index == self.local_index:
-                self.local_job.fail(cid, wire.ErrorCode.GENERIC, f"rank {self.rank}: {text}")
+                self.local_job.fail(cid, code, text)
             else:
-                self.connections[index].send(wire.error_message(self.job, cid, text,
-                                                                wire.ErrorCode.GENERIC))
+                self.connections[index].send(wire.error_message(self.job, cid, text, code))
+
+    def sparse_peer(self, cid: int) -> MismatchError | None:
+        """While this rank runs collective `cid` on gloo's ring: a MismatchError if a peer sent its
+        part to the sparse path instead (its own aggregator has it; every worker sends to every
+        aggregator), i.e. the ranks' calls differ. Only seen with colocated aggregators."""
+        descriptor = None if self.local_job is None else self.local_job.descriptor_of(cid)
+        if descriptor is None:
+            return None
+        numel, _, dtype, op = descriptor
+        return MismatchError(
+            f"rank {self.rank}: ranks called allreduce {cid} with different tensors or ops: this "
+            f"rank's call went to gloo's ring, a peer's ({numel} elements of "
+            f"{wire.DTYPES[dtype][0]}, op {wire.Op(op).name.lower()}) to the sparse AllReduce")
 
     def close(self, poison: BaseException | None) -> None:
         """Leave the job: BYE to every aggregator, then stop every thread."""

@@ -10,6 +10,10 @@ harness times only the collective:
 `--algos NAME` selects every variant registered under NAME, e.g. agsparse from a dense tensor and from a
 COO tensor. A new variant (e.g. sparcoll from COO) is one more `register(Algorithm(...))`.
 
+"sparcoll" is what a user gets by default (algorithm "auto": a dense or tiny tensor may go through gloo's
+ring, see sparcoll.algorithm); "sparse" is sparcoll forced onto its sparse AllReduce
+(SPARCOLL_ALGORITHM=sparse), so the two are never mistaken for one another.
+
 Parameter server ("ps") design: the tensor is cut into n contiguous shards and rank r serves shard r, so
 the servers are colocated with the workers, as in Poseidon's sharded PS. Each rank pushes shard s of its
 tensor to rank s (gloo isend, tag PUSH), receives shard r from every other rank into preallocated buffers,
@@ -46,7 +50,7 @@ class Context:
     world: int
     numel: int
     block_size: int
-    comm: Any = None  # the sparcoll Communicator, when a sparcoll variant is selected
+    comms: dict = field(default_factory=dict)   # sparcoll Communicators by algorithm mode ("auto", ...)
     outputs: dict = field(default_factory=dict)   # results of algorithms that are not in place
     _buffers: dict = field(default_factory=dict)
 
@@ -71,7 +75,11 @@ class Algorithm:
     result: Callable[[Context, Any], torch.Tensor]
     # Cumulative (bytes sent, bytes received) by this algorithm's own transport, when it counts them.
     counters: Callable[[Context], tuple[int, int]] | None = None
-    needs_communicator: bool = False
+    communicator: str | None = None     # the sparcoll algorithm mode of the Communicator it runs on
+
+    @property
+    def needs_communicator(self) -> bool:
+        return self.communicator is not None
 
     @property
     def label(self) -> str:
@@ -155,29 +163,35 @@ def ps_allreduce(ctx: Context, tensor: torch.Tensor) -> None:
         work.wait()
 
 
-def sparcoll_allreduce(ctx: Context, tensor: torch.Tensor) -> None:
-    ctx.comm.allreduce(tensor)
+def sparcoll_variants(name: str, mode: str) -> None:
+    """Register sparcoll on a Communicator of algorithm `mode`, from a dense tensor and from COO (COO
+    in, COO out, as nn.Embedding(sparse=True) gradients are: no scan, nothing densified)."""
+    def allreduce(ctx: Context, tensor: torch.Tensor) -> None:
+        ctx.comms[mode].allreduce(tensor)
+
+    def from_coo(ctx: Context, coo: torch.Tensor) -> None:
+        ctx.outputs[name] = ctx.comms[mode].allreduce_coo(coo)
+
+    def coo_result(ctx: Context, payload: torch.Tensor) -> torch.Tensor:
+        return ctx.outputs.pop(name).to_dense().view(-1)
+
+    def counters(ctx: Context) -> tuple[int, int]:
+        """The worker's traffic plus its colocated aggregator's (both cross this host's link) plus,
+        for what ran on gloo's ring, the bytes a ring moves per rank (2 (n-1)/n of the tensor)."""
+        comm = ctx.comms[mode]
+        worker, aggregator = comm.stats, comm.aggregator_stats
+        ring = int(worker.ring_bytes * 2 * (ctx.world - 1) / ctx.world)
+        return (worker.bytes_sent + aggregator.bytes_sent + ring,
+                worker.bytes_received + aggregator.bytes_received + ring)
+
+    register(Algorithm(name, "dense", dense_payload, allreduce, dense_result, counters=counters,
+                       communicator=mode))
+    register(Algorithm(name, "coo", coo_payload, from_coo, coo_result, counters=counters,
+                       communicator=mode))
 
 
-def sparcoll_from_coo(ctx: Context, coo: torch.Tensor) -> None:
-    """COO in, COO out, as nn.Embedding(sparse=True) gradients are: no scan, nothing densified."""
-    ctx.outputs["sparcoll coo"] = ctx.comm.allreduce_coo(coo)
-
-
-def sparcoll_coo_result(ctx: Context, payload: torch.Tensor) -> torch.Tensor:
-    return ctx.outputs.pop("sparcoll coo").to_dense().view(-1)
-
-
-def sparcoll_counters(ctx: Context) -> tuple[int, int]:
-    """The worker's traffic plus its colocated aggregator's: both cross this host's link."""
-    worker, aggregator = ctx.comm.stats, ctx.comm.aggregator_stats
-    return (worker.bytes_sent + aggregator.bytes_sent, worker.bytes_received + aggregator.bytes_received)
-
-
-register(Algorithm("sparcoll", "dense", dense_payload, sparcoll_allreduce, dense_result,
-                   counters=sparcoll_counters, needs_communicator=True))
-register(Algorithm("sparcoll", "coo", coo_payload, sparcoll_from_coo, sparcoll_coo_result,
-                   counters=sparcoll_counters, needs_communicator=True))
+sparcoll_variants("sparcoll", "auto")
+sparcoll_variants("sparse", "sparse")
 register(Algorithm("ring", "dense", dense_payload, ring_allreduce, dense_result))
 register(Algorithm("agsparse", "dense", dense_payload, agsparse_from_dense, dense_result))
 register(Algorithm("agsparse", "coo", coo_payload, agsparse_from_coo, coo_result))

@@ -22,6 +22,7 @@ is what the benchmark reports as bytes sent when it cannot read interface counte
 """
 from __future__ import annotations
 
+SPARCOLL_ALGOS = ("sparcoll", "sparse")   # sparcoll as users get it ("auto"), and forced sparse
 GLOO_INDEX_BYTES = 8  # gloo's sparse all_reduce sends int64 row indices (sparcoll's are wire.INDEX_BYTES)
 
 
@@ -48,16 +49,16 @@ def sparcoll_dedicated(n: int, nbytes: float, density: float, union_density: flo
 
 def link_bytes(algo: str, *, workers: int, nbytes: float, density: float, union_density: float,
                nblocks: int, aggregators: str | None = None, num_aggregators: int | None = None) -> float:
-    """Bytes on the busiest link direction for `algo` (ring, agsparse, ps, sparcoll)."""
+    """Bytes on the busiest link direction for `algo` (ring, agsparse, ps, sparcoll, sparse)."""
     if algo == "ring":
         return ring(workers, nbytes)
     if algo == "agsparse":
         return agsparse(workers, nbytes, density, nblocks)
     if algo == "ps":
         return ps(workers, nbytes)
-    if algo == "sparcoll" and aggregators == "dedicated":
+    if algo in SPARCOLL_ALGOS and aggregators == "dedicated":
         return sparcoll_dedicated(workers, nbytes, density, union_density, num_aggregators)
-    if algo == "sparcoll":
+    if algo in SPARCOLL_ALGOS:   # "auto" may take the ring, whose bound is never lower
         return sparcoll_colocated(workers, nbytes, density, union_density)
     raise ValueError(f"no lower bound for algorithm {algo!r}")
 

@@ -1,6 +1,6 @@
 """`sparcoll bench`: time allreduce algorithms on the same inputs, on an emulated network or on loopback.
 
-    sparcoll bench --workers 4 --numel 16M --density 0.01,0.1,1 --algos sparcoll,ring,agsparse,ps \\
+    sparcoll bench --workers 4 --numel 16M --density 0.01,0.1,1 --algos sparcoll,sparse,ring \\
                    --network 1gbit --repeat 10 --json results.json --plot results.png
 
 One job per worker count (`--workers 2,4,8` sweeps): a process per worker, each on its own host of an
@@ -51,8 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=256, help="elements per block (default 256)")
     parser.add_argument("--density", type=_comma_list(float), default=[0.01, 0.1, 1.0],
                         help="block densities in (0, 1], comma separated (default 0.01,0.1,1)")
-    parser.add_argument("--algos", type=_comma_list(str), default=["sparcoll", "ring", "agsparse", "ps"],
-                        help="algorithms, comma separated, from: " + ", ".join(
+    parser.add_argument("--algos", type=_comma_list(str),
+                        default=["sparcoll", "sparse", "ring", "agsparse", "ps"],
+                        help="algorithms, comma separated (sparcoll: as users get it; sparse: sparcoll "
+                             "forced onto its sparse AllReduce), from: " + ", ".join(
                             dict.fromkeys(name for name, _ in algorithms.REGISTRY)))
     parser.add_argument("--aggregators", choices=["colocated", "dedicated"], default="colocated",
                         help="sparcoll's aggregators: a thread in each worker, or processes on their own hosts")

@@ -45,7 +45,7 @@ def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: floa
     median = statistics.median(times)
     p10, p90 = np.percentile(times, [10, 90]).tolist()
     algo = result["algo"]
-    if algo == "sparcoll":
+    if algo in bounds.SPARCOLL_ALGOS:
         aggregators = setup.aggregators
         num_aggregators = setup.num_aggregators if aggregators == "dedicated" else n
     else:
@@ -118,8 +118,8 @@ def title(records: list[dict]) -> str:
     """What the records have in common, for table and plot titles."""
     first = records[0]
     workers = ",".join(str(w) for w in sorted({r["workers"] for r in records}))
-    aggregators = "" if not any(r["algo"] == "sparcoll" for r in records) else \
-        f", sparcoll aggregators {next(r['aggregators'] for r in records if r['algo'] == 'sparcoll')}"
+    ours = [r for r in records if r["algo"] in bounds.SPARCOLL_ALGOS]
+    aggregators = f", sparcoll aggregators {ours[0]['aggregators']}" if ours else ""
     return (f"workers={workers}, network={first['network']}, numel={format_count(first['numel'])} float32\n"
             f"block {first['block_size']}, overlap {first['overlap']:g}{aggregators}")
 

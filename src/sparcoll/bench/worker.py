@@ -98,9 +98,9 @@ def run_series(ctx: Context, algo: Algorithm, inputs: Inputs, spec: InputSpec, e
 def bench(cfg: dict, rank: int, world: int) -> None:
     algos = [REGISTRY[(name, kind)] for name, kind in cfg["algos"]]
     ctx = Context(rank, world, cfg["numel"], cfg["block_size"])
-    if any(a.needs_communicator for a in algos):
-        ctx.comm = sparcoll.init(block_size=cfg["block_size"], aggregators=cfg["aggregators"],
-                                 timeout=cfg["timeout"])
+    for mode in dict.fromkeys(a.communicator for a in algos if a.needs_communicator):
+        ctx.comms[mode] = sparcoll.init(block_size=cfg["block_size"], aggregators=cfg["aggregators"],
+                                        timeout=cfg["timeout"], algorithm=mode)
     try:
         for density in cfg["densities"]:
             spec = InputSpec(cfg["numel"], cfg["block_size"], world, density, cfg["overlap"], cfg["seed"])
@@ -112,8 +112,8 @@ def bench(cfg: dict, rank: int, world: int) -> None:
                 if rank == 0:
                     emit(result)
     finally:
-        if ctx.comm is not None:
-            ctx.comm.close()
+        for comm in ctx.comms.values():
+            comm.close()
 
 
 def main(argv: list[str] | None = None) -> int:

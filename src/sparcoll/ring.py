@@ -1,0 +1,109 @@
+"""gloo's ring allreduce for the collectives the chooser (algorithm.py) sends its way, made safe.
+
+gloo aborts the whole process when ranks pass buffers of different sizes to one allreduce ("Received
+data size doesn't match expected size"), and sums garbage when the dtypes differ but the byte counts
+agree. So every ring collective starts with the same allreduce, of a buffer whose length never
+depends on the call: float64, TINY_NUMEL slots for data, then a check of (id, numel, dtype, op) as
+16-bit digits x and their squares. Summed, all ranks agree iff sum(x) == world * x and
+sum(x^2) == world * x^2 on every rank (the ranks' values then have zero variance), so every rank
+sees a disagreement and raises MismatchError; none aborts.
+  - A tiny tensor (at most TINY_NUMEL elements) travels in that buffer: one round, as fast as gloo's
+    own (docs/benchmarks.md), summed in float64 and rounded once, as the sparse path's float32
+    accumulation would.
+  - A larger one follows in a second allreduce of the tensor itself, in its own dtype.
+A ring collective waits for gloo or for a peer's report of the same collective (a peer that refused
+its input tells the aggregators; see WorkerJob.abort), whichever comes first, at most `timeout`.
+"""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import wire
+from .algorithm import TINY_NUMEL
+from .errors import CollectiveTimeout, MismatchError, PeerError
+
+_DIGITS = 4                 # 16-bit digits per checked field (id, numel, dtype, op)
+_CHECK = 2 * 4 * _DIGITS    # the digits and their squares
+_POLL = 0.05                # seconds between looks for a peer's report while gloo runs
+
+
+class Ring:
+    """A gloo group of its own (never shared with the caller's collectives, so its order is ours)."""
+
+    def __init__(self, store, rank: int, world: int, timeout: float, host: str):
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timedelta(seconds=timeout)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        self.rank, self.world = rank, world
+        self.group = dist.ProcessGroupGloo(store, rank, world, options)
+        self._first = torch.zeros(TINY_NUMEL + _CHECK, dtype=torch.float64)
+        self.collectives = 0
+        self.bytes = 0              # bytes of tensors handed to gloo (each crosses the ring twice)
+
+    def allreduce(self, cid: int, tensor: torch.Tensor, op: int, timeout: float,
+                  peer_report) -> None:
+        """Sum (or average) `tensor` in place over all ranks. `peer_report()` returns a peer's
+        error for this collective, if one arrived."""
+        data = tensor.detach()
+        fields = [cid, data.numel(), wire.DTYPE_CODES[data.dtype], op]
+        tiny = data.numel() <= TINY_NUMEL
+        buffer = self._first
+        buffer.zero_()
+        if tiny:
+            buffer[:data.numel()] = data.reshape(-1)
+        digits = torch.tensor([(f >> (16 * d)) & 0xFFFF for f in fields for d in range(_DIGITS)],
+                              dtype=torch.float64)
+        check = buffer[TINY_NUMEL:]
+        check[:len(digits)] = digits
+        check[len(digits):] = digits * digits
+        self._run(buffer, timeout, peer_report)
+        if not (torch.equal(check[:len(digits)], digits * self.world)
+                and torch.equal(check[len(digits):], digits * digits * self.world)):
+            raise MismatchError(
+                f"rank {self.rank}: ranks called allreduce {cid} with different tensors or ops "
+                f"(this rank: {data.numel()} elements of {data.dtype}, op "
+                f"{wire.Op(op).name.lower()})")
+        if tiny:
+            total = buffer[:data.numel()]
+        else:
+            total = data if data.is_contiguous() else data.contiguous()
+            self._run(total, timeout, peer_report)
+        if op == wire.Op.AVG:
+            total.div_(self.world)
+        if total is not data:
+            data.copy_(total.view(data.shape))
+        self.collectives += 1
+        self.bytes += data.numel() * data.element_size()
+
+    def _run(self, tensor: torch.Tensor, timeout: float, peer_report) -> None:
+        """One gloo SUM allreduce, waited for until done, a peer's report, or the deadline."""
+        options = dist.AllreduceOptions()
+        options.timeout = timedelta(seconds=timeout)
+        done = threading.Event()
+        work = self.group.allreduce([tensor], options)
+        work.get_future().add_done_callback(lambda _: done.set())
+        for _ in range(int(timeout / _POLL) + 1):
+            if done.wait(_POLL):
+                break
+            report = peer_report()
+            if report is not None:
+                raise report
+        else:
+            raise CollectiveTimeout(f"rank {self.rank}: gloo's ring did not finish within "
+                                    f"{timeout:g} s (a peer may be dead, stuck, or calling other "
+                                    f"collectives)")
+        try:
+            work.wait()
+        except Exception as exc:    # gloo reports a dead peer or its own timeout as RuntimeError
+            raise PeerError(f"rank {self.rank}: gloo's ring allreduce failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Abort what gloo still runs (after a failure) and release its connections."""
+        try:
+            self.group.abort()
+        except Exception:   # closing must not raise; the group may already be gone
+            pass

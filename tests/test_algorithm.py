@@ -1,0 +1,277 @@
+"""The choice between the sparse AllReduce and gloo's ring (algorithm.py) and the guarded ring itself
+(ring.py): sums against references computed another way, identical choices on every rank, and clear
+errors instead of gloo's process abort when ranks disagree."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from sparcoll import Communicator, MismatchError, SparcollError
+from sparcoll.algorithm import (HYSTERESIS, RING_DENSITY, SAMPLE_BLOCKS, TINY_NUMEL, Algorithm,
+                                Chooser)
+from support import block_sparse, on_threads
+
+pytestmark = pytest.mark.auto_algorithm
+BIG = 64 * 1024
+KIND = (BIG, 0, 0)
+
+
+def with_density(numel: int, density: float, seed: int = 0) -> torch.Tensor:
+    data, _ = block_sparse(torch.Generator().manual_seed(seed), numel // 256, 256, density)
+    return data.view(-1)
+
+
+# ---- the chooser alone ----------------------------------------------------------------------------
+
+def test_tiny_goes_to_the_ring_and_a_kinds_first_collective_to_the_sparse_path():
+    chooser = Chooser(Algorithm.AUTO, 256, dedicated=False)
+    assert chooser.choose((TINY_NUMEL, 0, 0), coo=False) is Algorithm.RING
+    assert chooser.choose((TINY_NUMEL + 1, 0, 0), coo=False) is Algorithm.SPARSE
+    assert chooser.choose((8, 0, 0), coo=True) is Algorithm.SPARSE
+
+
+def test_a_dense_result_sends_its_kind_to_the_ring_and_a_sparse_one_back():
+    chooser = Chooser(Algorithm.AUTO, 256, dedicated=False)
+    chooser.learn(KIND, with_density(BIG, 1.0))
+    assert chooser.choose(KIND, coo=False) is Algorithm.RING
+    assert chooser.choose((BIG, 0, 1), coo=False) is Algorithm.SPARSE     # another op: another kind
+    # Between RING_DENSITY * HYSTERESIS and RING_DENSITY it stays where it is.
+    middle = (RING_DENSITY * (1 + HYSTERESIS)) / 2
+    chooser.learn(KIND, with_density(BIG, middle))
+    assert chooser.choose(KIND, coo=False) is Algorithm.RING
+    chooser.learn(KIND, with_density(BIG, 0.05))
+    assert chooser.choose(KIND, coo=False) is Algorithm.SPARSE
+    chooser.learn(KIND, with_density(BIG, middle))
+    assert chooser.choose(KIND, coo=False) is Algorithm.SPARSE
+
+
+def test_forced_modes_and_dedicated_aggregators():
+    dedicated = Chooser(Algorithm.AUTO, 256, dedicated=True)
+    dedicated.learn(KIND, with_density(BIG, 1.0))
+    assert dedicated.choose(KIND, coo=False) is Algorithm.SPARSE
+    assert dedicated.choose((8, 0, 0), coo=False) is Algorithm.RING
+    assert Chooser(Algorithm.SPARSE, 256, False).choose((8, 0, 0), coo=False) is Algorithm.SPARSE
+    assert Chooser(Algorithm.RING, 256, False).choose(KIND, coo=False) is Algorithm.RING
+    assert Chooser(Algorithm.RING, 256, False).choose(KIND, coo=True) is Algorithm.SPARSE
+
+
+@pytest.mark.parametrize("density", [0.0, 0.02, 0.5, 0.9, 1.0])
+def test_density_estimate_is_close_and_the_same_for_equal_results(density):
+    numel = 4096 * 256          # more blocks than are sampled
+    tensor = with_density(numel, density, seed=3)
+    exact = tensor.view(-1, 256).ne(0).any(1).float().mean().item()
+    a = Chooser(Algorithm.AUTO, 256, False).density(KIND, tensor)
+    b = Chooser(Algorithm.AUTO, 256, False).density(KIND, tensor.clone())
+    assert a == b
+    # SAMPLE_BLOCKS draws without replacement: 4 standard deviations at most.
+    assert abs(a - exact) <= 4 * (0.25 / SAMPLE_BLOCKS) ** 0.5
+
+
+def test_parse_names_the_choices():
+    assert Algorithm.parse(" Ring ") is Algorithm.RING
+    with pytest.raises(ValueError, match="auto, sparse, ring"):
+        Algorithm.parse("fast")
+
+
+# ---- ranks on threads -----------------------------------------------------------------------------
+
+def run_ranks(store, world: int, body, timeout: float = 10.0, **options) -> dict:
+    """body(rank, comm) on `world` in-process ranks; {rank: its return value or its exception}."""
+    results = {}
+
+    def rank(r):
+        try:
+            with Communicator(store, r, world, timeout=timeout, host="127.0.0.1", **options) as comm:
+                results[r] = body(r, comm)
+        except Exception as exc:
+            results[r] = exc
+    on_threads(rank, world, timeout=timeout * 4)
+    return results
+
+
+def assert_mismatch_on_every_rank(results: dict, text: str = "different tensors or ops") -> None:
+    for r, outcome in results.items():
+        assert isinstance(outcome, MismatchError), (r, outcome)
+        assert text in str(outcome), (r, outcome)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_every_path_sums_like_a_reference(store, dtype):
+    world = 3
+    inputs = {
+        "tiny": [torch.arange(10, dtype=torch.float64).to(dtype) * (r + 1) for r in range(world)],
+        "dense": [with_density(BIG, 1.0, seed=r).to(dtype) for r in range(world)],
+        "sparse": [with_density(BIG, 0.05, seed=10 + r).to(dtype) for r in range(world)],
+    }
+    order = ["tiny", "dense", "dense", "sparse", "sparse", "dense"]
+    # the path each call takes: tiny always on the ring; "dense" and "sparse" are one kind, whose
+    # first call is sparse and whose later calls follow the previous result's density
+    expected_ring = [True, False, True, True, False, False]
+
+    def body(r, comm):
+        out = []
+        for name in order:
+            tensor = inputs[name][r].clone()
+            before = comm.stats.ring_collectives
+            comm.allreduce(tensor, op="avg" if name == "tiny" else "sum")
+            out.append((tensor, comm.stats.ring_collectives > before))
+        return out
+    results = run_ranks(store, world, body)
+    for r in range(world):
+        assert not isinstance(results[r], Exception), results[r]
+        assert [ring for _, ring in results[r]] == expected_ring
+        for (tensor, _), name in zip(results[r], order):
+            reference = sum(t.double() for t in inputs[name])
+            if name == "tiny":
+                reference = reference / world
+            tolerance = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6
+            torch.testing.assert_close(tensor.double(), reference, rtol=tolerance, atol=tolerance)
+            torch.testing.assert_close(tensor, results[0][order.index(name)][0])
+
+
+def test_the_ring_writes_into_views_and_tensors_that_require_grad(store):
+    def body(r, comm):
+        base = torch.ones(4, 600) * (r + 1)
+        column = base[:, 1]                       # not contiguous
+        comm.allreduce(column)
+        leaf = torch.full((2000,), float(r + 1), requires_grad=True)
+        for _ in range(2):                        # the second one takes the ring
+            leaf.data.fill_(r + 1)
+            comm.allreduce(leaf)
+        return base, leaf.detach(), comm.stats.ring_collectives
+    results = run_ranks(store, 2, body)
+    for base, leaf, rings in results.values():
+        assert torch.equal(base[:, 1], torch.full((4,), 3.0))
+        assert torch.equal(base[:, 0], base[:, 0].new_full((4,), base[0, 0].item()))  # untouched
+        assert torch.equal(leaf, torch.full((2000,), 3.0))
+        assert rings == 2
+
+
+@pytest.mark.parametrize("case", ["numel", "dtype", "op"])
+def test_ranks_that_disagree_on_a_tiny_call_all_get_mismatch_error(store, case):
+    def body(r, comm):
+        tensor = torch.ones(8 + (r if case == "numel" else 0),
+                            dtype=torch.float64 if case == "dtype" and r else torch.float32)
+        comm.allreduce(tensor, op="avg" if case == "op" and r else "sum")
+    assert_mismatch_on_every_rank(run_ranks(store, 2, body))
+
+
+def test_ranks_that_disagree_on_a_large_ring_call_all_get_mismatch_error(store):
+    """Both kinds take the ring: the first, fixed-size round tells every rank."""
+    def body(r, comm):
+        a, b = torch.ones(BIG), torch.ones(BIG + 256)
+        for tensor in (a, b, a, b):               # both kinds learned dense: both take the ring
+            comm.allreduce(tensor.fill_(1))
+        assert comm.stats.ring_collectives == 2
+        comm.allreduce(a if r == 0 else b)
+    assert_mismatch_on_every_rank(run_ranks(store, 2, body))
+
+
+def test_a_large_ring_call_against_a_tiny_one_is_a_mismatch_not_an_abort(store):
+    """gloo aborts the process when buffer sizes differ; every ring call starts with the same one."""
+    def body(r, comm):
+        big = torch.ones(BIG)
+        for _ in range(2):
+            comm.allreduce(big.fill_(1))
+        comm.allreduce(big if r == 0 else torch.ones(5))
+    assert_mismatch_on_every_rank(run_ranks(store, 2, body))
+
+
+def test_a_rank_that_rejects_its_input_releases_peers_waiting_on_the_ring(store):
+    """Rank 1 refuses its own call (an integer tensor); rank 0 is already in gloo's ring for that
+    collective and hears of it through the aggregators long before the timeout."""
+    def body(r, comm):
+        start = time.monotonic()
+        tensor = torch.ones(8) if r == 0 else torch.ones(8, dtype=torch.int32)
+        try:
+            comm.allreduce(tensor)
+        finally:
+            elapsed = time.monotonic() - start
+        return elapsed
+    results = run_ranks(store, 2, body, timeout=20.0)
+    assert isinstance(results[1], TypeError)
+    assert isinstance(results[0], SparcollError), results[0]
+    assert "rank 1" in str(results[0]) and "rejected its input" in str(results[0])
+
+
+def test_ranks_on_different_paths_get_mismatch_error_at_once(store):
+    """A kind rank 0 learned dense and rank 1 never saw: rank 0 takes the ring, rank 1 the sparse
+    path. Rank 0's own aggregator receives rank 1's part: both raise MismatchError long before
+    the timeout."""
+    def body(r, comm):
+        a = torch.ones(BIG)
+        comm.allreduce(a)
+        comm.allreduce(a.fill_(1))                # both learned: this kind is dense
+        start = time.monotonic()
+        try:
+            comm.allreduce(torch.ones(BIG) if r == 0 else torch.ones(BIG + 256))
+        finally:
+            body.elapsed[r] = time.monotonic() - start
+    body.elapsed = {}
+    assert_mismatch_on_every_rank(run_ranks(store, 2, body, timeout=30.0), "sparse AllReduce")
+    assert max(body.elapsed.values()) < 10.0
+
+
+def test_ranks_on_different_paths_with_dedicated_aggregators_fail_within_the_timeout(
+        store, dedicated_in_process):
+    """With dedicated aggregators nothing tells the ring rank: both fail by the timeout, not hang."""
+    def body(r, comm):
+        start = time.monotonic()
+        try:
+            comm.allreduce(torch.ones(8) if r == 0 else torch.ones(BIG))
+        finally:
+            body.elapsed[r] = time.monotonic() - start
+    body.elapsed = {}
+    results = run_ranks(store, 2, body, timeout=3.0, aggregators=dedicated_in_process)
+    for r in range(2):
+        assert isinstance(results[r], SparcollError), results[r]
+        assert body.elapsed[r] < 3.0 + 5.0
+
+
+def test_ranks_must_agree_on_the_algorithm(store):
+    def rank(r):
+        with pytest.raises(MismatchError):
+            Communicator(store, r, 2, timeout=10, host="127.0.0.1",
+                         algorithm="ring" if r else "auto").close()
+    on_threads(rank, 2, timeout=40)
+
+
+def test_forced_sparse_never_builds_a_ring(store):
+    results = run_ranks(store, 2, lambda r, comm: (comm.allreduce(torch.ones(8)), comm.stats),
+                        algorithm="sparse")
+    for tensor, stats in results.values():
+        assert torch.equal(tensor, torch.full((8,), 2.0))
+        assert stats.ring_collectives == 0 and stats.collectives == 1
+
+
+def peer_dies_during_ring(rank: int, world: int) -> dict:
+    """Rank 1 leaves (os._exit) after one tiny allreduce; rank 0's next one, on gloo's ring, must
+    fail with a SparcollError well before its 30 s timeout."""
+    import os
+    import threading
+
+    import sparcoll
+
+    comm = sparcoll.init(timeout=30)
+    comm.allreduce(torch.ones(8))
+    if rank == 1:
+        threading.Timer(0.5, lambda: os._exit(0)).start()
+        return {"victim": True}
+    start = time.monotonic()
+    try:
+        comm.allreduce(torch.ones(8))
+        return {"error": None}
+    except SparcollError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    finally:
+        comm.close()
+
+
+def test_a_peer_that_dies_during_a_ring_collective_fails_it_at_once():
+    from ranks import run_ranks as run_processes
+
+    survivor, _ = run_processes(peer_dies_during_ring, 2, timeout=90)
+    assert survivor["error"] is not None, survivor
+    assert survivor["seconds"] < 15, survivor
