@@ -83,7 +83,7 @@ def test_bucket_slices_reach_their_parameters_with_their_shapes():
 
 def test_a_failure_fails_the_future(monkeypatch):
     state = sparcoll.torch.CompressionState(None, "topk:0.1")
-    monkeypatch.setattr(state, "reduce_bucket", lambda bucket: 1 / 0)
+    monkeypatch.setattr(state, "reduce_bucket", lambda buffer, params: 1 / 0)
     future = sparcoll.torch.compression_hook(state, FakeBucket([param(3, 3)]))
     with pytest.raises(RuntimeError, match="division by zero"):
         future.wait()
@@ -169,6 +169,7 @@ def scenario(rank: int, world: int) -> dict:
         out["sparse " + spec] = train(rank, spec, sparse_model)
     out["per-parameter"] = train(rank, "powersgd:2", dense_model, per_param=lambda p: (
         "topk:0.5" if p.shape == (64, 64) else None), compress_1d=True)
+    out["in line"] = train(rank, "powersgd:2", sparse_model, overlap=False)
     comm = sparcoll.init()
     try:
         out["communicator blocktopk"] = train(rank, "blocktopk:0.25", dense_model, (comm,))
@@ -196,7 +197,7 @@ def test_none_gives_ddps_gradients_bit_for_bit_with_and_without_no_sync(outcome)
 
 
 CASES = SPECS + ["sparse none", "sparse topk:0.2", "sparse blocktopk:0.25", "per-parameter",
-                 "communicator blocktopk", "sparcoll group blocktopk"]
+                 "in line", "communicator blocktopk", "sparcoll group blocktopk"]
 
 
 @pytest.mark.parametrize("case", CASES)

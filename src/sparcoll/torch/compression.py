@@ -9,13 +9,14 @@ and whatever `per_param` says (a {parameter: spec} mapping, or a function of the
 a spec or None for the default). A bucket's gradients under an elementwise spec (none, fp16, bf16)
 share one allreduce; every other gradient goes by its compressor's collective, with its own error
 feedback and warm start (keyed by the parameter, so DDP's rebuilt buckets after the first step keep
-them). Any bucket layout works: every rank runs the same collectives in the same order, in the hook,
-before it returns (no overlap with the rest of backward, the price of that simplicity).
+them). Any bucket layout works: every rank runs the same collectives in the same order, on one thread
+per state, while backward goes on (overlap=False: in the hook, before it returns).
 
 Gradients are averaged, as DDP's. Under `no_sync` DDP calls no hook and gradients accumulate; the
 next synchronized step compresses the accumulated gradients, so accumulation works unchanged.
 """
 # No `from __future__ import annotations`: DDP checks the hook's annotations against the real types.
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Mapping, Union
 
 import torch
@@ -25,7 +26,6 @@ from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, Spec, parse
 
 from .backend import _backend_of
-from .futures import Completion
 
 _NONE = parse("none")
 
@@ -37,7 +37,7 @@ class CompressionState:
 
     def __init__(self, comm_or_group=None, spec: Union[str, Spec] = "none", *,
                  per_param: Union[Mapping, Callable, None] = None, compress_1d: bool = False,
-                 group=None):
+                 group=None, overlap: bool = True):
         if isinstance(comm_or_group, Communicator):
             comm = comm_or_group
         else:
@@ -55,6 +55,9 @@ class CompressionState:
         else:
             self._overrides, self._rule = {}, per_param
         self._reducers: dict = {}
+        # One thread, so buckets are reduced one after another in the order DDP hands them over,
+        # the same on every rank.
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="sparcoll-compress") if overlap else None
 
     def spec_for(self, param: torch.Tensor) -> Spec:
         if id(param) in self._overrides:
@@ -75,10 +78,9 @@ class CompressionState:
         """Payload bytes this rank contributed so far (see sparcoll.compress.Reducer.sent_bytes)."""
         return sum(r.sent_bytes for r in self._reducers.values())
 
-    def reduce_bucket(self, bucket) -> torch.Tensor:
-        """Average the bucket's gradients over ranks; the result (the buffer, or a new sparse
-        tensor for a sparse gradient)."""
-        buffer, params = bucket.buffer(), bucket.parameters()
+    def reduce_bucket(self, buffer: torch.Tensor, params: list) -> torch.Tensor:
+        """Average a bucket's gradients (`buffer`, holding `params`' gradients one after another)
+        over ranks; the result (the buffer, or a new sparse tensor for a sparse gradient)."""
         if buffer.is_sparse:
             result = self.reducer(self.spec_for(params[0])).reduce(buffer, key=params[0])
             return result if result.is_sparse else result.to_sparse(buffer.sparse_dim())
@@ -114,10 +116,22 @@ class CompressionState:
 
 def compression_hook(state: CompressionState,
                      bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Compress and average `bucket`'s gradients (see CompressionState); a failure fails the future,
-    and DDP's backward raises it."""
-    try:
-        value, error = state.reduce_bucket(bucket), None
-    except Exception as exc:
-        value, error = bucket.buffer(), exc
-    return Completion(value, error=error).future
+    """Compress and average `bucket`'s gradients (see CompressionState). With `overlap` (the
+    default) the bucket is reduced on the state's thread while backward goes on; DDP waits for
+    every bucket's future before backward returns, so nothing else uses the group meanwhile. A
+    failure fails the future, and DDP's backward raises it."""
+    buffer, params = bucket.buffer(), bucket.parameters()
+    done = torch.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(state.reduce_bucket(buffer, params))
+        except Exception as exc:
+            done.set_exception(exc)
+    if state._worker is None:
+        run()
+    else:
+        state._worker.submit(run)
+    # A future failed by set_exception reads as a value from C++ (see .futures); an exception
+    # raised in a `then` callback fails the chained future for DDP too.
+    return done.then(lambda finished: finished.value())
