@@ -135,6 +135,12 @@ def test_terngrad_values_are_ternary_and_within_the_scale():
     assert ((y - x).abs() <= scale).all() and (y * x >= 0).all()
 
 
+def test_sign_scale_is_accurate_on_large_tensors():
+    x = data(4_000_000)
+    scale = sc.make("efsignsgd").compress(x).parts[0][0]
+    assert abs(scale.item() / x.double().abs().mean().item() - 1) < 1e-5
+
+
 def test_sign_compressors():
     x = data(999)
     expected = torch.where(x < 0, -1.0, 1.0) * x.abs().mean()

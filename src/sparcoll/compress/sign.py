@@ -22,7 +22,8 @@ class Sign(Compressor):
         self.vote = spec.name == "signsgd"
 
     def levels(self, flat: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
-        scale = flat.norm(p=1) / max(1, flat.numel())
+        # not flat.norm(p=1): in float32 it was 5% low over 25M elements; abs().sum() sums pairwise
+        scale = flat.abs().sum() / max(1, flat.numel())
         return torch.stack([scale, -scale])
 
     def compress(self, x: torch.Tensor) -> Payload:
@@ -37,12 +38,12 @@ class Sign(Compressor):
     def combine(self, gathered: list[tuple], numel: int) -> torch.Tensor:
         if not self.vote:
             return super().combine(gathered, numel)
-        votes = torch.zeros(numel)
-        for _, packed in gathered:
-            votes += bits.unpack(packed, numel)
+        ballot = torch.tensor([1.0, -1.0])      # a 0 bit votes +1, a 1 bit -1
+        votes = bits.decode(gathered[0][1], numel, ballot)
+        for _, packed in gathered[1:]:
+            votes += bits.decode(packed, numel, ballot)
         scale = torch.stack([levels[0] for levels, _ in gathered]).mean()
-        # a 1 bit votes -1: sign(sum of signs) = sign(world - 2 * negatives)
-        return votes.mul_(-2.0).add_(len(gathered)).sign_().mul_(scale)
+        return votes.sign_().mul_(scale)
 
     def payload_bytes(self, numel: int, shape=None) -> int:
         return 8 + bits.packed_bytes(numel)
