@@ -29,6 +29,8 @@ def test_specs_parse_and_print_back():
     assert sc.parse("qsgd:127").arg == 127 and not sc.parse("qsgd:127").ef
     assert sc.parse("randomk:0.1,seed=7").options == {"seed": 7}
     assert sc.parse("dgc:0.01,momentum=0").options == {"momentum": 0.0}
+    assert sc.parse("topk:0.01:ef=off") == sc.parse("topk:0.01,ef=off")        # fits in CSV lists
+    assert sc.parse("signsgd:ef=on") == sc.parse("signsgd,ef=on")
     for spec in SPECS + ["topk:0.5,ef=off", "qsgd:4,ef=on", "powersgd:4,seed=3"]:
         assert sc.parse(str(sc.parse(spec))) == sc.parse(spec)
         assert type(sc.make(spec)).__name__ in repr(sc.make(spec))
@@ -51,6 +53,8 @@ def test_usage_names_every_form():
     ("powersgd:0", "bad RANK"),
     ("fp16:3", "takes no argument"),
     ("topk:0.1,ef=maybe", "ef must be 'on' or 'off'"),
+    ("topk:0.1:0.2", "expected KEY=VALUE"),
+    ("signsgd:ef=on:3", "expected KEY=VALUE"),
     ("topk:0.1,seed=3", "option 'seed' does not apply to 'topk'"),
     ("topk:0.1,off", "expected KEY=VALUE"),
     ("randomk:0.1,seed=x", "bad seed"),

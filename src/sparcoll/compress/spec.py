@@ -2,6 +2,9 @@
 
     NAME[:ARG][,KEY=VALUE]...      e.g. "topk:0.01", "topk:0.01,ef=off", "randomk:0.1,seed=7"
 
+A colon may stand for any comma ("topk:0.01:ef=off"), so a spec fits in a comma-separated list
+such as the train command's --compare.
+
 ARG is what the compressor needs (a ratio in (0, 1], a threshold, a level count, a rank); KEY=VALUE
 options are `ef=on|off` (error feedback, every compressor; the default is on where it is standard),
 `seed=INT` (randomk, powersgd: all ranks must use the same one) and `momentum=FLOAT` (dgc). A bad spec
@@ -9,6 +12,7 @@ is a ValueError that names the problem, raised before anything is sent.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 
@@ -76,7 +80,8 @@ def usage() -> str:
     """The spec forms in one line, for a command's help."""
     forms = ", ".join(name if arg is None else f"{name}:{arg}"
                       for name, (_, arg, _, _) in KINDS.items())
-    return f"{forms}; options after commas: ef=on|off, seed=INT (randomk, powersgd), momentum=FLOAT (dgc)"
+    return (f"{forms}; options after a comma or colon: ef=on|off, seed=INT (randomk, powersgd), "
+            f"momentum=FLOAT (dgc)")
 
 
 def parse(spec: str | Spec) -> Spec:
@@ -85,9 +90,10 @@ def parse(spec: str | Spec) -> Spec:
         return spec
     if not isinstance(spec, str):
         raise ValueError(f"a compressor spec is a string such as 'topk:0.01', got {spec!r}")
-    head, *extras = [part.strip() for part in spec.strip().split(",")]
-    name, _, arg_text = head.partition(":")
+    name, *rest = [part.strip() for part in re.split(r"[,:]", spec.strip())]
     name = name.lower()
+    arg_text = rest.pop(0) if rest and "=" not in rest[0] else ""
+    extras = rest
     if name not in KINDS:
         raise ValueError(f"unknown compressor {name!r} in spec {spec!r}; known: {', '.join(KINDS)}")
     arg_parser, arg_name, ef_default, allowed = KINDS[name]
@@ -104,7 +110,7 @@ def parse(spec: str | Spec) -> Spec:
         key, eq, value = extra.partition("=")
         key = key.strip().lower()
         if not eq:
-            raise ValueError(f"expected KEY=VALUE after the comma in spec {spec!r}, got {extra!r}")
+            raise ValueError(f"expected KEY=VALUE after the argument in spec {spec!r}, got {extra!r}")
         if key == "ef":
             if value.strip().lower() not in ("on", "off"):
                 raise ValueError(f"ef must be 'on' or 'off', got {value!r} in spec {spec!r}")
