@@ -213,6 +213,14 @@ def test_reducer_counts_the_bytes_it_sent(spec):
     assert reducer.sent_bytes == 2 * reducer.payload_bytes(x)
 
 
+def test_gathered_bytes_split_into_parts_of_any_alignment():
+    from sparcoll.compress.channel import _split
+    parts = (torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([1.5, -2.0]))
+    buf = torch.cat([p.view(torch.uint8) for p in parts] + [torch.zeros(5, dtype=torch.uint8)])
+    got = _split(buf, torch.tensor([3, 2]), parts)
+    assert all(torch.equal(a, b) for a, b in zip(got, parts))
+
+
 def test_bits_round_trip_any_length():
     for n in (0, 1, 7, 8, 9, 1001):
         mask = torch.rand(n, generator=torch.Generator().manual_seed(n)) < 0.5

@@ -57,7 +57,8 @@ class Channel:
             every = [lengths] * self.world
         sizes = torch.tensor([p.element_size() for p in parts], dtype=torch.long)
         nbytes = [int((n * sizes).sum()) for n in every]
-        data = torch.zeros(max(nbytes), dtype=torch.uint8)
+        data = torch.empty(max(nbytes), dtype=torch.uint8)
+        data[nbytes[self.rank]:] = 0
         if parts:
             torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts],
                       out=data[:nbytes[self.rank]])
@@ -70,6 +71,8 @@ def _split(buf: torch.Tensor, lengths: torch.Tensor, like: tuple) -> tuple:
     out, offset = [], 0
     for n, p in zip(lengths.tolist(), like):
         size = n * p.element_size()
-        out.append(buf[offset:offset + size].view(p.dtype))
+        part = buf[offset:offset + size]
+        # a view as a wider dtype needs an aligned offset (e.g. floats after an odd byte count)
+        out.append((part if offset % p.element_size() == 0 else part.clone()).view(p.dtype))
         offset += size
     return tuple(out)
