@@ -50,6 +50,9 @@ class Sign(Compressor):
 
 
 class OneBit(Sign):
+    """Two levels per rank: the means of the non-negative and of the negative entries, which keeps
+    each group's sum (the error is zero-mean within each)."""
+
     def levels(self, flat: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
         count_neg = torch.count_nonzero(negative)
         sum_neg = flat.clamp(max=0.0).sum()

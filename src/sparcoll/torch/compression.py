@@ -31,9 +31,16 @@ _NONE = parse("none")
 
 
 class CompressionState:
-    """comm_or_group: a sparcoll Communicator (blocktopk's sparse AllReduce; every other collective
-    on `group`, default the whole job), a torch ProcessGroup (gloo, or "sparcoll", whose
-    communicator then serves blocktopk), or None (the whole job's default group)."""
+    """What the hook needs: where to communicate, which spec each parameter gets, and the
+    compressors' state (error feedback, warm starts, seeds) across steps.
+
+    comm_or_group: a sparcoll Communicator (blocktopk's sparse AllReduce, and sparse gradients
+    under none/fp16/bf16; every other collective on `group`, default the whole job), a torch
+    ProcessGroup (gloo, or "sparcoll", whose communicator then serves those), or None (the default
+    group). spec: the default spec. per_param: {parameter: spec}, or a function of the parameter
+    returning a spec or None (the default). compress_1d: compress 1-D parameters too (off: they go
+    uncompressed). overlap: reduce on a thread while backward goes on. `sent_bytes`: the payload
+    bytes this rank contributed so far."""
 
     def __init__(self, comm_or_group=None, spec: Union[str, Spec] = "none", *,
                  per_param: Union[Mapping, Callable, None] = None, compress_1d: bool = False,
