@@ -1,9 +1,8 @@
 """sparcoll.torch.compression_hook under DDP on 2 gloo processes (SPARCOLL_HOOK_TEST_WORLD=4: on 4,
-about 60 s on 2 cores):
-with `none` the gradients are DDP's bit for bit (no_sync accumulation included); with every
-compressor, training runs through several buckets, the loss falls and every rank holds the same
-parameters after every step; sparse embedding gradients, a Communicator, a sparcoll group and
-per-parameter specs work."""
+about 60 s on 2 cores): with `none` the gradients are DDP's bit for bit (no_sync accumulation
+included); with every compressor, training runs through several buckets, the loss falls and every
+rank holds the same parameters after every step; sparse embedding gradients, a Communicator, a
+sparcoll group and per-parameter specs work."""
 import os
 
 import numpy as np
