@@ -187,6 +187,16 @@ def _parts(payload):
     return payload.parts, payload.ctx
 
 
+@pytest.mark.parametrize("spec", SPECS + ["dgc:0.1,momentum=0.5", "fp16,ef=on"])
+def test_the_input_is_never_modified(spec):
+    x = data(40, 30)
+    original = x.clone()
+    reducer = sc.Reducer(spec)
+    for _ in range(3):
+        reducer.reduce(x, key="t")
+    assert torch.equal(x, original)
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_payload_bytes_are_known_before_sending(spec):
     x = data(3000, seed=3)

@@ -43,12 +43,16 @@ class Residual(NoMemory):
             return x
         if x.is_sparse and r.is_sparse:
             return _sparse_sum(x, r)
-        return (x.to_dense() if x.is_sparse else x) + (r.to_dense() if r.is_sparse else r)
+        # into the residual's own memory (no new tensor), which update() then reuses in place
+        r = r.to_dense() if r.is_sparse else r
+        return r.add_(x.to_dense() if x.is_sparse else x)
 
     def update(self, compensated: torch.Tensor, sent: torch.Tensor, key) -> None:
         if compensated.is_sparse:
             self.residuals[key] = _sparse_sum(compensated, -sent)
-        else:
+        elif compensated is self.residuals.get(key):
+            compensated.sub_(sent)
+        else:       # the first step: compensated is the caller's tensor
             self.residuals[key] = compensated - sent
 
     def residual(self, key):
