@@ -107,8 +107,10 @@ def reference(spec):
 
 @pytest.fixture(scope="module")
 def outcome():
+    """Sparcoll's sparse AllReduce pinned (its default, auto, may send small tensors by gloo's
+    ring, which these tests are not about)."""
     return [{key: to_torch(value) for key, value in out.items()}
-            for out in run_ranks(everything, WORLD, timeout=90)]
+            for out in run_ranks(everything, WORLD, timeout=90, env={"SPARCOLL_ALGORITHM": "sparse"})]
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -152,4 +154,5 @@ def test_blocktopk_goes_through_the_sparse_allreduce(outcome):
     for out in outcome:
         result, blocks_sent = out["wire"]
         assert torch.equal(result, expected / WORLD)
-        assert blocks_sent <= 4 * (WORLD - 1)          # only kept blocks, to the other aggregators
+        assert blocks_sent <= 4             # only its kept blocks, those of other ranks' shards
+    assert sum(out["wire"][1] for out in outcome) > 0
