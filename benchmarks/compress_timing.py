@@ -23,7 +23,7 @@ def time_once(compressor, x):
     """(compress seconds, decompress seconds, bytes on the wire)."""
     if compressor.scheme == "powersgd":
         start = time.perf_counter()
-        compressor.reduce(x, tuple(x.shape), "x", lambda t: t)
+        compressor.reduce_many([x], [tuple(x.shape)], ["x"], lambda tensors: tensors)
         return time.perf_counter() - start, 0.0, compressor.payload_bytes(x.numel())
     start = time.perf_counter()
     payload = compressor.compress(x)

@@ -187,6 +187,20 @@ def _parts(payload):
     return payload.parts, payload.ctx
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_reduce_many_equals_one_by_one(spec):
+    tensors = [data(30, 20, seed=1), data(50, seed=2), data(7, 3, 2, seed=3), embedding_grad(4)]
+    keys = ["a", "b", "c", "d"]
+    together, alone = sc.Reducer(spec), sc.Reducer(spec)
+    for step in range(2):
+        many = together.reduce_many(tensors, keys)
+        for t, k, m in zip(tensors, keys, many):
+            one = alone.reduce(t, key=k)
+            assert m.shape == t.shape and m.is_sparse == one.is_sparse
+            assert torch.allclose(m.to_dense() if m.is_sparse else m,
+                                  one.to_dense() if one.is_sparse else one, atol=1e-6)
+
+
 @pytest.mark.parametrize("spec", SPECS + ["dgc:0.1,momentum=0.5", "fp16,ef=on"])
 def test_the_input_is_never_modified(spec):
     x = data(40, 30)

@@ -64,6 +64,11 @@ def everything(rank: int, world: int) -> dict:
             out[spec] = [reducer.reduce(grad(spec, rank, step), key="w") for step in range(STEPS)]
             if spec.startswith("powersgd"):
                 out["q"] = reducer.compressor.q["w"]
+            several = [grad(spec, rank, 0), grad(spec, rank, 1)[:5], wire_input(rank)]
+            keys = ["x", "y", "z"]
+            out["many " + spec] = sc.Reducer(spec, comm=comm).reduce_many(several, keys)
+            alone = sc.Reducer(spec, comm=comm)
+            out["alone " + spec] = [alone.reduce(t, key=k) for t, k in zip(several, keys)]
         for spec in COO_SPECS:
             before = comm.stats.blocks_sent
             result = sc.Reducer(spec, comm=comm).reduce(embedding_grad(rank), key="e")
@@ -122,6 +127,16 @@ def test_every_rank_gets_the_reference_average(outcome, spec):
         for step, want in enumerate(expected):
             assert torch.equal(got[step], outcome[0][spec][step]), f"rank results differ at {step}"
             assert torch.allclose(got[step], want, atol=tolerance, rtol=tolerance), (spec, step)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_several_tensors_in_one_collective_equal_one_by_one(outcome, spec):
+    for out in outcome:
+        for many, alone, first in zip(out["many " + spec], out["alone " + spec],
+                                      outcome[0]["many " + spec]):
+            assert torch.equal(many, first)
+            tolerance = {"fp16": 2e-3, "bf16": 1e-2}.get(spec, 1e-5)   # sums in another order
+            assert torch.allclose(many, alone, atol=tolerance, rtol=tolerance)
 
 
 def test_powersgd_q_is_identical_on_every_rank(outcome):

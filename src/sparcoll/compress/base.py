@@ -47,7 +47,7 @@ class Compressor:
     scheme = "allgather"
     variable = False        # payload size depends on the data: the Reducer gathers sizes first
     entries = False         # compresses the entries of a sparse COO tensor without densifying
-    elementwise = False     # compressing a concatenation = concatenating the compressed parts
+    keeps_entries = False   # ... and keeps every one of them (a cast)
     block_size = 256        # sparcoll's, for the sparse AllReduce (the Reducer sets the comm's)
 
     def __init__(self, spec: Spec):

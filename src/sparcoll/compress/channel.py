@@ -27,6 +27,26 @@ class Channel:
             dist.all_reduce(t, group=self.group)
         return t
 
+    def allreduce_mean_many(self, tensors: list) -> list:
+        """Average tensors of one dtype in one allreduce (in place for a single tensor)."""
+        if len(tensors) == 1 or self.world == 1:
+            return [self.allreduce_mean(t) for t in tensors]
+        flat = self.allreduce_mean(torch.cat([t.reshape(-1) for t in tensors]))
+        return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]),
+                                                       tensors)]
+
+    def sparse_mean_many(self, tensors: list, block_size: int) -> list:
+        """Average dense block-sparse tensors in one sparse AllReduce, each starting on a block
+        boundary so its zero blocks stay zero blocks."""
+        if len(tensors) == 1 or self.world == 1:
+            return [self.sparse_mean(t) for t in tensors]
+        slots = [-(-t.numel() // block_size) * block_size for t in tensors]
+        flat = torch.zeros(sum(slots))
+        for slot, t in zip(flat.split(slots), tensors):
+            slot[:t.numel()] = t
+        flat = self.sparse_mean(flat)
+        return [slot[:t.numel()] for slot, t in zip(flat.split(slots), tensors)]
+
     def sparse_mean(self, t: torch.Tensor) -> torch.Tensor:
         """Average a block-sparse dense tensor (in place) or a COO tensor (a new one) with sparcoll's
         sparse AllReduce: only blocks that are non-zero somewhere cross the wire. Without a

@@ -1,7 +1,7 @@
 """PowerSGD (Vogels et al. 2019): a rank-r approximation P Q^T of the gradient as a matrix, from one
 step of power iteration warm-started with the previous step's Q. Both factors are summable, so it
-is two allreduces (P, then Q), never an allgather; it is a communication scheme of its own, so the
-compressor drives the two allreduces itself (`reduce`).
+is two allreduces (P, then Q, each for all tensors at once), never an allgather; it is a
+communication scheme of its own, so the compressor drives the two allreduces itself (`reduce_many`).
 
 Q starts from a generator seeded by the spec's seed and a counter of Qs created, identical on every
 rank; after each step every rank holds the same averaged Q, the next step's start. A tensor of
@@ -45,19 +45,20 @@ class PowerSGD(Compressor):
             q = torch.randn(cols, rank, generator=shared)
         return q
 
-    def reduce(self, x: torch.Tensor, shape: tuple, key, allreduce_mean) -> torch.Tensor:
-        """The average over ranks of the rank-r approximation of x (flat float32); `allreduce_mean`
-        averages a tensor over ranks in place."""
-        n = x.numel()
-        rows, cols = matrix_shape(tuple(shape), n)
-        padded = x if rows * cols == n else torch.cat([x, x.new_zeros(rows * cols - n)])
-        m = padded.view(rows, cols)
-        rank = min(self.rank, rows, cols)
-        p = allreduce_mean(m @ self._start(key, cols, rank))
-        p = torch.linalg.qr(p).Q
-        q = allreduce_mean(m.t() @ p)
-        self.q[key] = q
-        return (p @ q.t()).reshape(-1)[:n]
+    def reduce_many(self, xs: list, shapes: list, keys: list, allreduce_mean_many) -> list:
+        """The average over ranks of each x's rank-r approximation (xs flat float32);
+        `allreduce_mean_many` averages a list of tensors over ranks in one collective."""
+        mats, starts = [], []
+        for x, shape, key in zip(xs, shapes, keys):
+            rows, cols = matrix_shape(tuple(shape), x.numel())
+            pad = rows * cols - x.numel()
+            mats.append((torch.cat([x, x.new_zeros(pad)]) if pad else x).view(rows, cols))
+            starts.append(self._start(key, cols, min(self.rank, rows, cols)))
+        ps = allreduce_mean_many([m @ q for m, q in zip(mats, starts)])
+        ps = [torch.linalg.qr(p).Q for p in ps]
+        qs = allreduce_mean_many([m.t() @ p for m, p in zip(mats, ps)])
+        self.q.update(zip(keys, qs))
+        return [(p @ q.t()).reshape(-1)[:x.numel()] for p, q, x in zip(ps, qs, xs)]
 
     def payload_bytes(self, numel: int, shape: tuple | None = None) -> int:
         rows, cols = matrix_shape(tuple(shape or (numel,)), numel)

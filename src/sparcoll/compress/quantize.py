@@ -20,7 +20,7 @@ class Cast(Compressor):
     normal range) or 2^-8 (bf16); fp16 overflows beyond 65504."""
     scheme = "allreduce"
     entries = True
-    elementwise = True
+    keeps_entries = True
 
     def __init__(self, spec):
         super().__init__(spec)

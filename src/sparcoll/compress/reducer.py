@@ -40,39 +40,61 @@ class Reducer:
         return self.compressor.payload_bytes(tensor.numel(), tuple(tensor.shape))
 
     def reduce(self, tensor: torch.Tensor, key=None) -> torch.Tensor:
-        if tensor.is_sparse:
-            if self.compressor.entries:
-                return self._reduce_entries(tensor.coalesce(), key)
-            tensor = tensor.to_dense()
-        x = tensor.reshape(-1).float()
-        comp = self.memory.compensate(x, key)
-        c = self.compressor
-        if c.scheme == "powersgd":
-            result = c.reduce(comp, tuple(tensor.shape), key, self.channel.allreduce_mean)
-            self.memory.update(comp, result, key)
-            self.sent_bytes += c.payload_bytes(x.numel(), tuple(tensor.shape))
-        else:
-            payload = c.compress(comp)
-            self.sent_bytes += c.sent_bytes(payload)
-            if self.memory.active:
-                # before the collective, which may reuse the parts' memory
-                self.memory.update(comp, c.decompress(payload.parts, payload.ctx), key)
-            result = self._communicate(payload)
-        return result.view(tensor.shape).to(tensor.dtype)
+        return self.reduce_many([tensor], [key])[0]
 
-    def _communicate(self, payload) -> torch.Tensor:
-        c = self.compressor
+    def reduce_many(self, tensors: list, keys: list) -> list:
+        """`reduce` for several tensors, with one collective for all of them (two for PowerSGD and
+        variable-size gathers) instead of one per tensor: latency is paid once. Sparse COO tensors
+        of compressors that keep them sparse are reduced one by one."""
+        c, results, dense = self.compressor, [None] * len(tensors), []
+        for i, (tensor, key) in enumerate(zip(tensors, keys)):
+            if tensor.is_sparse and c.entries:
+                results[i] = self._reduce_entries(tensor.coalesce(), key)
+            else:
+                dense.append(i)
+        shapes = [tuple(tensors[i].shape) for i in dense]
+        comps = [self.memory.compensate(tensors[i].to_dense().reshape(-1).float()
+                                        if tensors[i].is_sparse else tensors[i].reshape(-1).float(),
+                                        keys[i]) for i in dense]
+        if not comps:
+            return results
+        if c.scheme == "powersgd":
+            outs = c.reduce_many(comps, shapes, [keys[i] for i in dense],
+                                 self.channel.allreduce_mean_many)
+            for comp, out, shape, i in zip(comps, outs, shapes, dense):
+                self.memory.update(comp, out, keys[i])
+                self.sent_bytes += c.payload_bytes(comp.numel(), shape)
+        else:
+            payloads = [c.compress(comp) for comp in comps]
+            for comp, payload, i in zip(comps, payloads, dense):
+                self.sent_bytes += c.sent_bytes(payload)
+                if self.memory.active:
+                    # before the collective, which may reuse the parts' memory
+                    self.memory.update(comp, c.decompress(payload.parts, payload.ctx), keys[i])
+            outs = self._communicate(payloads)
+        for i, out, shape in zip(dense, outs, shapes):
+            results[i] = out.view(shape).to(tensors[i].dtype)
+        return results
+
+    def _communicate(self, payloads: list) -> list:
+        c, count = self.compressor, len(payloads[0].parts)
+        parts = [p for payload in payloads for p in payload.parts]
         if c.scheme == "allreduce":
-            return c.decompress(tuple(self.channel.allreduce_mean(p) for p in payload.parts),
-                                payload.ctx)
-        if c.scheme == "sparse":
-            return self.channel.sparse_mean(payload.parts[0])
-        return c.combine(self.channel.allgather(payload.parts, c.variable), payload.ctx)
+            parts = self.channel.allreduce_mean_many(parts)
+        elif c.scheme == "sparse":
+            parts = self.channel.sparse_mean_many(parts, c.block_size)
+        else:
+            gathered = self.channel.allgather(tuple(parts), c.variable)
+            return [c.combine([ranks[j * count:(j + 1) * count] for ranks in gathered], payload.ctx)
+                    for j, payload in enumerate(payloads)]
+        return [c.decompress(tuple(parts[j * count:(j + 1) * count]), payload.ctx)
+                for j, payload in enumerate(payloads)]
 
     def _reduce_entries(self, g: torch.Tensor, key) -> torch.Tensor:
         """A COO tensor compressed entry by entry, never densified (memory included). Kept entries
-        go by sparcoll's sparse AllReduce for blocktopk, and for none/fp16/bf16 when there is a
-        communicator; otherwise they are gathered."""
+        go by sparcoll's sparse AllReduce for blocktopk, and when there is a communicator for
+        compressors that keep every entry (none, fp16, bf16: the blocks are the input's own);
+        otherwise they are gathered (topk's scattered entries would touch a block each)."""
         c = self.compressor
         comp = self.memory.compensate(g, key).coalesce()
         shape, sparse_dim = comp.shape, comp.sparse_dim()
@@ -81,7 +103,7 @@ class Reducer:
         if self.memory.active:
             sent = coo.from_entries(kept_idx, kept_vals.float(), shape, sparse_dim)
             self.memory.update(comp, sent, key)
-        if c.scheme == "sparse" or (c.elementwise and self.channel.comm is not None):
+        if c.scheme == "sparse" or (c.keeps_entries and self.channel.comm is not None):
             # sparcoll's sparse AllReduce of the entries' blocks (fp16/bf16 values stay cast)
             blocks = torch.unique(kept_idx // c.block_size).numel()
             self.sent_bytes += block_bytes(blocks, c.block_size, kept_vals.element_size())

@@ -6,10 +6,9 @@
 Each bucket is cut back into its parameters' gradients, and each gets its parameter's spec: the
 state's spec, except 1-D parameters (biases, norms), which go uncompressed unless compress_1d=True,
 and whatever `per_param` says (a {parameter: spec} mapping, or a function of the parameter returning
-a spec or None for the default). A bucket's gradients under an elementwise spec (none, fp16, bf16)
-share one allreduce; every other gradient goes by its compressor's collective, with its own error
-feedback and warm start (keyed by the parameter, so DDP's rebuilt buckets after the first step keep
-them). Any bucket layout works: every rank runs the same collectives in the same order, on one thread
+a spec or None for the default). A bucket's gradients under one spec share one collective (two for
+PowerSGD and variable-size gathers: Reducer.reduce_many), each with its own error feedback and warm
+start (keyed by the parameter, so DDP's rebuilt buckets after the first step keep them). Any bucket layout works: every rank runs the same collectives in the same order, on one thread
 per state, while backward goes on (overlap=False: in the hook, before it returns).
 
 Gradients are averaged, as DDP's. Under `no_sync` DDP calls no hook and gradients accumulate; the
@@ -91,34 +90,22 @@ class CompressionState:
         if buffer.is_sparse:
             result = self.reducer(self.spec_for(params[0])).reduce(buffer, key=params[0])
             return result if result.is_sparse else result.to_sparse(buffer.sparse_dim())
-        batched, single, offset = {}, [], 0
+        groups, offset = {}, 0
         for param in params:
             view = buffer[offset:offset + param.numel()]
             offset += param.numel()
-            reducer = self.reducer(self.spec_for(param))
-            if reducer.compressor.elementwise:
-                batched.setdefault(reducer, []).append((param, view))
-            else:
-                single.append((reducer, param, view))
-        for reducer, members in batched.items():
-            self._reduce_batch(reducer, buffer, members)
-        for reducer, param, view in single:
-            view.copy_(reducer.reduce(view.view(param.shape), key=param).reshape(-1))
+            groups.setdefault(self.reducer(self.spec_for(param)), []).append((param, view))
+        for reducer, members in groups.items():
+            if reducer.spec == _NONE and len(members) == len(params):
+                # the whole bucket uncompressed: in place, bit for bit what DDP computes
+                reducer.channel.allreduce_mean(buffer)
+                reducer.sent_bytes += buffer.numel() * buffer.element_size()
+                continue
+            results = reducer.reduce_many([view.view(param.shape) for param, view in members],
+                                          [param for param, _ in members])
+            for (_, view), result in zip(members, results):
+                view.copy_(result.reshape(-1))
         return buffer
-
-    def _reduce_batch(self, reducer: Reducer, buffer: torch.Tensor, members: list) -> None:
-        """One collective for all of a bucket's gradients under one elementwise spec (none, fp16,
-        bf16); in place on the whole buffer when that is all of it and uncompressed (then bit for
-        bit what DDP computes)."""
-        views = [view for _, view in members]
-        if reducer.spec == _NONE and sum(v.numel() for v in views) == buffer.numel():
-            reducer.channel.allreduce_mean(buffer)
-            reducer.sent_bytes += buffer.numel() * buffer.element_size()
-            return
-        key = tuple(id(param) for param, _ in members)
-        result = reducer.reduce(torch.cat(views), key=key)
-        for view, part in zip(views, result.split([v.numel() for v in views])):
-            view.copy_(part)
 
 
 def compression_hook(state: CompressionState,
