@@ -53,9 +53,7 @@ class Reducer:
             else:
                 dense.append(i)
         shapes = [tuple(tensors[i].shape) for i in dense]
-        comps = [self.memory.compensate(tensors[i].to_dense().reshape(-1).float()
-                                        if tensors[i].is_sparse else tensors[i].reshape(-1).float(),
-                                        keys[i]) for i in dense]
+        comps = [self.memory.compensate(_flat_float(tensors[i]), keys[i]) for i in dense]
         if not comps:
             return results
         if c.scheme == "powersgd":
@@ -118,3 +116,8 @@ class Reducer:
             idx = torch.cat([parts[0].long() for parts in gathered])
             vals = torch.cat([parts[1].float() for parts in gathered]) / self.channel.world
         return coo.from_entries(idx, vals.float(), shape, sparse_dim).to(g.dtype)
+
+
+def _flat_float(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat float32 view of a dense tensor where one exists (a sparse one densified)."""
+    return (tensor.to_dense() if tensor.is_sparse else tensor).reshape(-1).float()
