@@ -179,6 +179,7 @@ def scenario(rank: int, world: int) -> dict:
         comm.close()
     group = dist.new_group(backend="sparcoll")
     out["sparcoll group blocktopk"] = train(rank, "blocktopk:0.25", dense_model, (group,))
+    out["sparcoll group topk"] = train(rank, "topk:0.1", dense_model, (group,))    # allgathers
     out["buckets"] = len(BUCKETS_SEEN)
     dist.destroy_process_group(group)
     return {k: np.float64(v) if isinstance(v, float) else v for k, v in out.items()}
@@ -199,7 +200,8 @@ def test_none_gives_ddps_gradients_bit_for_bit_with_and_without_no_sync(outcome)
 
 
 CASES = SPECS + ["sparse none", "sparse topk:0.2", "sparse blocktopk:0.25", "per-parameter",
-                 "in line", "communicator blocktopk", "sparcoll group blocktopk"]
+                 "in line", "communicator blocktopk", "sparcoll group blocktopk",
+                 "sparcoll group topk"]
 
 
 @pytest.mark.parametrize("case", CASES)
