@@ -10,7 +10,7 @@ import torch
 
 from sparcoll import Communicator, MismatchError, SparcollError
 from sparcoll.algorithm import (HYSTERESIS, RING_DENSITY, SAMPLE_BLOCKS, TINY_NUMEL, Algorithm,
-                                Chooser)
+                                Chooser, candidate_block_sizes, entry_block_size)
 from support import block_sparse, on_threads
 
 pytestmark = pytest.mark.auto_algorithm
@@ -62,11 +62,63 @@ def test_density_estimate_is_close_and_the_same_for_equal_results(density):
     numel = 4096 * 256          # more blocks than are sampled
     tensor = with_density(numel, density, seed=3)
     exact = tensor.view(-1, 256).ne(0).any(1).float().mean().item()
-    a = Chooser(Algorithm.AUTO, 256, False).density(KIND, tensor)
-    b = Chooser(Algorithm.AUTO, 256, False).density(KIND, tensor.clone())
+    a = Chooser(Algorithm.AUTO, 256, False).densities(KIND, tensor)[256]
+    b = Chooser(Algorithm.AUTO, 256, False).densities(KIND, tensor.clone())[256]
     assert a == b
     # SAMPLE_BLOCKS draws without replacement: 4 standard deviations at most.
     assert abs(a - exact) <= 4 * (0.25 / SAMPLE_BLOCKS) ** 0.5
+
+
+def rows_touched(rows: int, width: int, touched: int, seed: int = 0) -> torch.Tensor:
+    """A dense embedding gradient: `touched` random rows of `width` non-zero, the rest zero."""
+    grad = torch.zeros(rows, width)
+    picked = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))[:touched]
+    grad[picked] = torch.rand(touched, width, generator=torch.Generator().manual_seed(seed)) + 1
+    return grad
+
+
+def test_block_sizes_follow_entries_and_rows():
+    assert candidate_block_sizes(256) == [256, 128, 64, 32, 16]
+    assert candidate_block_sizes(48) == [48, 24]
+    assert [entry_block_size(w, 256) for w in (1, 5, 16, 32, 64, 256, 300, 1024)] == \
+        [16, 20, 16, 32, 64, 256, 256, 256]
+    assert entry_block_size(32, 16) == 16
+    chooser = Chooser(Algorithm.AUTO, 256, dedicated=False)
+    coo = torch.sparse_coo_tensor(torch.tensor([[3, 9]]), torch.ones(2, 32), (100, 32),
+                                  check_invariants=True)
+    assert chooser.block_size((3200, 0, 0), coo) == 32
+    for width, touched, expected in ((32, 300, 32), (16, 300, 16), (64, 300, 64),
+                                     (32, 65_536, 256), (256, 300, 256)):
+        chooser = Chooser(Algorithm.AUTO, 256, dedicated=False)
+        grad = rows_touched(65_536 * 32 // width, width, touched)
+        kind = (grad.numel(), 0, 0)
+        assert chooser.block_size(kind, grad) == 256               # before it saw a result
+        chooser.learn(kind, grad)
+        assert chooser.block_size(kind, grad) == expected, (width, touched)
+
+
+def test_narrow_rows_ship_at_their_own_granularity(store):
+    """An embedding gradient with rows of 32: from the second call of its kind the blocks are its
+    rows, so a rank sends a fraction of what 256-element blocks cost, and the sums stay exact."""
+    def body(r, comm):
+        sent = []
+        for step in range(3):
+            grad = rows_touched(65_536, 32, 400, seed=10 * step + r)
+            before = comm.stats.bytes_sent
+            comm.allreduce(grad)
+            sent.append(comm.stats.bytes_sent - before)
+            reference = rows_touched(65_536, 32, 400, seed=10 * step) + \
+                rows_touched(65_536, 32, 400, seed=10 * step + 1)
+            assert torch.equal(grad, reference)
+        coo = rows_touched(65_536, 32, 400, seed=r).to_sparse(1)
+        before = comm.stats.bytes_sent
+        result = comm.allreduce_coo(coo)
+        assert torch.equal(result.to_dense(), rows_touched(65_536, 32, 400, seed=0)
+                           + rows_touched(65_536, 32, 400, seed=1))
+        return sent + [comm.stats.bytes_sent - before]
+    for first, second, third, coo in run_ranks(store, 2, body).values():
+        assert second < first / 3 and third < first / 3
+        assert coo < first / 3
 
 
 def test_parse_names_the_choices():

@@ -28,7 +28,7 @@ from sparcoll.bench.sizes import format_count, parse_count
 
 RUN_TIMEOUT = 120.0
 NETEM_OK, NETEM_WHY = netem_available()
-RECORD_KEYS = {"algo", "input", "workers", "aggregators", "num_aggregators", "numel", "block_size", "dtype",
+RECORD_KEYS = {"algo", "input", "workers", "aggregators", "num_aggregators", "numel", "block_size", "row_width", "dtype",
                "density", "density_actual", "union_density", "overlap", "network", "seed", "repeat",
                "median_s", "p10_s", "p90_s", "times_s", "algbw_gbps", "busbw_gbps", "bytes_sent_per_worker",
                "bytes_received_per_worker", "bytes_source", "lower_bound_bytes", "lower_bound_s",
@@ -254,7 +254,7 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, w
                         timeout=timedelta(seconds=30))
 algorithms.register(algorithms.Algorithm("broken", "dense", algorithms.dense_payload,
                                          lambda ctx, t: t.mul_(1.001), algorithms.dense_result))
-cfg = dict(numel=4096, block_size=256, densities=[0.5], overlap=0.0, seed=0, algos=[["broken", "dense"]],
+cfg = dict(numel=4096, block_size=256, row_width=256, densities=[0.5], overlap=0.0, seed=0, algos=[["broken", "dense"]],
            warmup=0, repeat=2, timeout=30, interface=None, aggregators=None)
 try:
     worker.bench(cfg, 0, 1)
@@ -267,7 +267,8 @@ except worker.WrongResult as exc:
 
 
 def test_failing_worker_fails_the_job_quickly():
-    cfg = dict(numel=4096, block_size=256, densities=[0.5], overlap=0.0, seed=0, algos=[["nonexistent", "dense"]],
+    cfg = dict(numel=4096, block_size=256, row_width=256, densities=[0.5], overlap=0.0, seed=0,
+               algos=[["nonexistent", "dense"]],
                warmup=0, repeat=1, timeout=30)
     with pytest.raises(BenchError, match="KeyError"):
         run_job(Job(2, "none", 0, cfg, timeout=30), lambda event: None)
@@ -325,6 +326,20 @@ def test_end_to_end_auto_next_to_forced_sparse(tmp_path):
     assert bytes_sent["sparcoll", "dense", 0.1] == bytes_sent["sparse", "dense", 0.1]
     assert bytes_sent["sparcoll", "coo", 1.0] == bytes_sent["sparse", "coo", 1.0]  # COO: never the ring
     assert "sparse (coo)" in cp.stdout
+
+
+def test_end_to_end_narrow_rows_ship_at_their_width(tmp_path):
+    """Inputs whose non-zero units are rows of 32 (embedding rows): sparcoll's default block size
+    is 256, yet after the warm-up it ships about the rows' bytes, as from COO."""
+    records, cp = _bench(tmp_path, "--workers", "2", "--numel", "64K", "--row-width", "32",
+                         "--network", "none", "--density", "0.02", "--algos", "sparcoll,ring",
+                         "--repeat", "2", "--warmup", "1")
+    assert "rows of 32" in cp.stdout
+    for r in records:
+        assert r["row_width"] == 32 and r["block_size"] == 256
+        if r["algo"] == "sparcoll":
+            # 8 rows per 256-element block would send about 8 times the bound
+            assert r["bytes_sent_per_worker"] < 1.5 * r["lower_bound_bytes"], r
 
 
 def test_end_to_end_loopback_dedicated_aggregators(tmp_path):

@@ -63,7 +63,7 @@ def test_loans_wait_until_every_lease_is_back():
 
 
 def collective(numel=1000, timeout=5.0):
-    return WorkerCollective(1, torch.ones(numel), (numel, 256, 0, 0), timeout)
+    return WorkerCollective(1, torch.ones(numel), (numel, 0, 0), timeout)
 
 
 RANGES = [(0, 0, 0, 2), (1, 0, 2, 4)]   # (aggregator, stream, lo, hi)
@@ -125,7 +125,7 @@ def test_illegal_moves_are_refused():
 def test_sparse_collective_result_replaces_the_tensor():
     coo = torch.sparse_coo_tensor(torch.tensor([[3, 700]]), torch.tensor([1.0, 2.0]), (1000,),
                                   check_invariants=True)
-    coll = WorkerCollective(1, coo, (1000, 256, 0, 0), 5.0)
+    coll = WorkerCollective(1, coo, (1000, 0, 0), 5.0)
     coll.start(256, [(0, 0, 0, 4)])
     assert np.array_equal(coll.blocks.nonzero(0, 4), [0, 2])
     coll.stream_done((0, 0))

@@ -40,11 +40,12 @@ _MOVES = {
 class WorkerCollective:
     """Worker-side state of one allreduce: of a dense tensor (in place) or of a sparse COO tensor."""
 
-    def __init__(self, cid: int, tensor: torch.Tensor, descriptor: tuple, timeout: float):
+    def __init__(self, cid: int, tensor: torch.Tensor, kind: tuple, timeout: float):
         self.id = cid
         self.tensor = tensor            # the input; for a COO tensor, replaced by the result
         self.sparse = tensor.layout == torch.sparse_coo
-        self.descriptor = descriptor
+        self.kind = kind                # (numel, dtype code, op code): what every rank must agree on
+        self.descriptor: tuple | None = None    # the kind and its block size, set by start()
         self.timeout = timeout
         self.streams: dict[tuple[int, int], WorkerStream | None] = {}   # None: not started yet
         self.stream_locks: dict[tuple[int, int], threading.Lock] = {}
@@ -60,10 +61,13 @@ class WorkerCollective:
         self.loans = Loans()
 
     def start(self, block_size: int, ranges: list) -> None:
-        """QUEUED -> STREAMING: find the non-zero blocks (the stored entries of a COO tensor; a scan
-        in place for a contiguous CPU tensor; a scan where it lives, then a copy of the non-zero
-        blocks, otherwise) and make room for every range's stream."""
+        """QUEUED -> STREAMING with blocks of `block_size` (chosen for this collective): find the
+        non-zero blocks (the stored entries of a COO tensor; a scan in place for a contiguous CPU
+        tensor; a scan where it lives, then a copy of the non-zero blocks, otherwise) and make room
+        for every range's stream."""
+        numel, dtype, op = self.kind
         with self.lock:
+            self.descriptor = (numel, block_size, dtype, op)
             self.state.move(CollectiveState.STREAMING)
         # Read and written through a view outside autograd (as gloo does): same memory, so the
         # result still lands in the caller's tensor, also when it requires grad.

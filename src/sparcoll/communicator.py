@@ -118,17 +118,18 @@ class Communicator:
         try:    # a bad input is reported as such, poisoned communicator or not
             if timeout is not None:
                 check_timeout(timeout)
-            descriptor = self._describe(tensor, layout, op)
+            kind = self._describe(tensor, layout, op)
         except (TypeError, ValueError) as exc:
             self._engine.reject(cid, exc)
             raise
         self._engine.check_poison(cid)
-        coll = WorkerCollective(cid, tensor, descriptor, self.timeout if timeout is None else timeout)
+        coll = WorkerCollective(cid, tensor, kind, self.timeout if timeout is None else timeout)
         work = self._engine.new_work(coll, tensor)
         self._engine.submit(coll, work, async_op)
         return work if async_op else work.wait()
 
-    def _describe(self, tensor, layout, op) -> tuple[int, int, int, int]:
+    def _describe(self, tensor, layout, op) -> tuple[int, int, int]:
+        """The call's kind, (numel, dtype code, op code), once its input is checked."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"allreduce takes a torch.Tensor, got {type(tensor).__name__}")
         if tensor.layout != layout:
@@ -146,7 +147,7 @@ class Communicator:
         op_name = op if isinstance(op, str) else getattr(op, "name", str(op)).lower()
         if op_name not in wire.OPS:
             raise ValueError(f"unsupported op {op!r}; supported: {', '.join(wire.OPS)}")
-        return (tensor.numel(), self.block_size, wire.DTYPE_CODES[tensor.dtype], wire.OPS[op_name])
+        return (tensor.numel(), wire.DTYPE_CODES[tensor.dtype], wire.OPS[op_name])
 
     @property
     def stats(self) -> Stats:

@@ -260,9 +260,8 @@ class Engine:
         return error
 
     def _run(self, coll: WorkerCollective) -> BaseException | None:
-        """Run `coll` with the algorithm chosen for it; learn from its result."""
-        numel, _, dtype, op = coll.descriptor
-        kind = (numel, dtype, op)
+        """Run `coll` with the algorithm (and block size) chosen for it; learn from its result."""
+        kind, op = coll.kind, coll.kind[2]
         if self.chooser.choose(kind, coll.sparse) is Algorithm.RING:
             def peer_report():
                 return self.worker.take_early_error(coll.id) or self.worker.sparse_peer(coll.id)
@@ -273,7 +272,7 @@ class Engine:
                 self.worker.abort(coll.id, str(exc), wire.code_of(exc))
                 error = exc
         else:
-            error = self.worker.run(coll)
+            error = self.worker.run(coll, self.chooser.block_size(kind, coll.tensor))
         if error is None:
             self.chooser.learn(kind, coll.tensor)
         return error

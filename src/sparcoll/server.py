@@ -151,9 +151,10 @@ class AggregatorServer:
                 self._back_off(f"accepting a connection failed ({exc})")
                 continue
             if not self._start_handshake():
-                sock.close()
+                # Counted before the close: whoever sees the connection closed sees it counted.
                 self.over_cap.warn(f"closed a connection from {peer[0]}:{peer[1]} at once: "
                                    f"{self.max_handshakes} handshakes are in progress, the limit")
+                sock.close()
                 continue
             try:
                 threading.Thread(target=self._serve, args=(sock,), name="sparcoll-agg-recv",

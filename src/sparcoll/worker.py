@@ -87,15 +87,16 @@ class WorkerJob:
         with self._lock:
             return cid in self._early_errors
 
-    def run(self, coll: WorkerCollective) -> BaseException | None:
-        """Run one collective to its end; returns its error (None: done)."""
+    def run(self, coll: WorkerCollective, block_size: int) -> BaseException | None:
+        """Run one collective to its end with blocks of `block_size` (at most the job's); returns
+        its error (None: done)."""
         start, received = time.monotonic(), self.bytes_received()
-        geometry = Geometry(block_count(coll.descriptor[0], self.block_size),
+        geometry = Geometry(block_count(coll.kind[0], block_size),
                             self.config.num_aggs, self.config.streams)
         # Remote ranges first, the own aggregator's last: a range's messages travel while the next
         # range is scanned, and peers' aggregators get this rank's blocks as early as possible.
         ranges = sorted(geometry.ranges(), key=lambda r: r[0] == self.local_index)
-        coll.start(self.block_size, ranges)
+        coll.start(block_size, ranges)
         with self._lock:
             self._active = coll
             self._last_started = coll.id
@@ -113,7 +114,7 @@ class WorkerJob:
 
     def _stream(self, coll: WorkerCollective, ranges: list) -> None:
         """Send the first contributions of every range, then wait for the results or the deadline."""
-        message_blocks = self.message_size.blocks(self.block_size * coll.tensor.element_size())
+        message_blocks = self.message_size.blocks(coll.descriptor[1] * coll.tensor.element_size())
         try:
             for agg, stream, lo, hi in ranges:
                 coll.streams[agg, stream] = WorkerStream(lo, hi, coll.blocks.nonzero(lo, hi),
@@ -334,8 +335,8 @@ class _ResultPlacement:
     def place(self, h: wire.Header, indices: np.ndarray) -> list[memoryview]:
         nbytes = h.payload_sizes()[1]
         job = self.job
-        if h.block_size != job.block_size:
-            raise ProtocolError(f"result with block size {h.block_size}, this job uses "
+        if h.block_size > job.block_size:     # bounds what a dropped collective's results cost
+            raise ProtocolError(f"result with block size {h.block_size}, this job uses at most "
                                 f"{job.block_size}")
         coll = self._coll = job._current(h.collective)
         self._after = None
@@ -356,7 +357,7 @@ class _ResultPlacement:
             return [as_bytes(rows)]
         if self.staging.numel() < nbytes:
             self.staging = torch.empty(nbytes, dtype=torch.uint8)
-        rows = self.staging[:nbytes].view(blocks.dtype).view(h.count, job.block_size)
+        rows = self.staging[:nbytes].view(blocks.dtype).view(h.count, h.block_size)
         self._after = lambda idx: blocks.scatter(idx, rows)
         return [as_bytes(self.staging)[:nbytes]]
 

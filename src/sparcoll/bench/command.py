@@ -48,7 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="number of workers, or a comma list to sweep (e.g. 2,4,8); default 4")
     parser.add_argument("--numel", type=_count, default=parse_count("16M"),
                         help="elements of the float32 tensor: 16M, 1M, 65536 ... (default 16M)")
-    parser.add_argument("--block-size", type=int, default=256, help="elements per block (default 256)")
+    parser.add_argument("--block-size", type=int, default=256,
+                        help="sparcoll's block size, the most elements per block (default 256)")
+    parser.add_argument("--row-width", type=int, default=None,
+                        help="elements per non-zero unit of the inputs, e.g. 32 for embedding rows of 32 "
+                             "(default: the block size); densities are then shares of rows")
     parser.add_argument("--density", type=_comma_list(float), default=[0.01, 0.1, 1.0],
                         help="block densities in (0, 1], comma separated (default 0.01,0.1,1)")
     parser.add_argument("--algos", type=_comma_list(str),
@@ -82,6 +86,10 @@ def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
         raise ValueError("--workers: an allreduce needs 2 workers at least")
     if args.block_size < 1 or args.numel % args.block_size:
         raise ValueError(f"--numel {args.numel} must be a multiple of --block-size {args.block_size}")
+    if args.row_width is None:
+        args.row_width = args.block_size
+    if args.row_width < 1 or args.numel % args.row_width:
+        raise ValueError(f"--numel {args.numel} must be a multiple of --row-width {args.row_width}")
     if not all(0 < d <= 1 for d in args.density):
         raise ValueError("--density values must be in (0, 1]")
     if not 0 <= args.overlap <= 1:
@@ -105,9 +113,10 @@ def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int 
     num_aggregators = args.num_aggregators or n
     dedicated = args.aggregators == "dedicated" and any(a.needs_communicator for a in algos)
     setup = Setup(args.network, rate_bps, args.aggregators, num_aggregators)
-    specs = {d: InputSpec(args.numel, args.block_size, n, d, args.overlap, args.seed) for d in args.density}
+    specs = {d: InputSpec(args.numel, args.row_width, n, d, args.overlap, args.seed) for d in args.density}
     unions = {d: spec.union_density() for d, spec in specs.items()}
-    config = {"numel": args.numel, "block_size": args.block_size, "densities": args.density,
+    config = {"numel": args.numel, "block_size": args.block_size, "row_width": args.row_width,
+              "densities": args.density,
               "overlap": args.overlap, "seed": args.seed, "algos": [[a.name, a.input] for a in algos],
               "warmup": args.warmup, "repeat": args.repeat, "timeout": args.timeout}
     records = []
@@ -118,7 +127,7 @@ def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int 
             advance(f"{n} workers, {algo.label}, density {event['density']:g}")
         elif event["event"] == "result":
             density = event["density"]
-            records.append(make_record(event, specs[density], setup, unions[density]))
+            records.append(make_record(event, specs[density], setup, unions[density], args.block_size))
 
     run_job(Job(n, args.network, num_aggregators if dedicated else 0, config, args.timeout), on_event)
     return records

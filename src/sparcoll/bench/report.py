@@ -38,7 +38,8 @@ class Setup:
     num_aggregators: int    # dedicated aggregators (sparcoll)
 
 
-def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: float) -> dict:
+def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: float,
+                block_size: int | None = None) -> dict:
     """The record of one result event of a worker (see worker.py); speedup_vs_ring is added later."""
     n, times = spec.workers, result["times_s"]
     nbytes = spec.numel * ITEMSIZE
@@ -64,7 +65,8 @@ def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: floa
     algbw = nbytes / median / 1e9
     return {
         "algo": algo, "input": result["input"], "workers": n, "aggregators": aggregators,
-        "num_aggregators": num_aggregators, "numel": spec.numel, "block_size": spec.block_size,
+        "num_aggregators": num_aggregators, "numel": spec.numel,
+        "block_size": spec.block_size if block_size is None else block_size, "row_width": spec.block_size,
         "dtype": "float32", "density": spec.density, "density_actual": density, "union_density": union_density,
         "overlap": spec.overlap, "network": setup.network, "seed": spec.seed, "repeat": len(times),
         "median_s": median, "p10_s": p10, "p90_s": p90, "times_s": times,
@@ -119,9 +121,10 @@ def title(records: list[dict]) -> str:
     first = records[0]
     workers = ",".join(str(w) for w in sorted({r["workers"] for r in records}))
     ours = [r for r in records if r["algo"] in bounds.SPARCOLL_ALGOS]
+    rows = f", rows of {first['row_width']}" if first["row_width"] != first["block_size"] else ""
     aggregators = f", sparcoll aggregators {ours[0]['aggregators']}" if ours else ""
     return (f"workers={workers}, network={first['network']}, numel={format_count(first['numel'])} float32\n"
-            f"block {first['block_size']}, overlap {first['overlap']:g}{aggregators}")
+            f"block {first['block_size']}{rows}, overlap {first['overlap']:g}{aggregators}")
 
 
 def write_json(records: list[dict], path: str) -> None:

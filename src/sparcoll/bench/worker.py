@@ -97,13 +97,13 @@ def run_series(ctx: Context, algo: Algorithm, inputs: Inputs, spec: InputSpec, e
 
 def bench(cfg: dict, rank: int, world: int) -> None:
     algos = [REGISTRY[(name, kind)] for name, kind in cfg["algos"]]
-    ctx = Context(rank, world, cfg["numel"], cfg["block_size"])
+    ctx = Context(rank, world, cfg["numel"], cfg["row_width"])
     for mode in dict.fromkeys(a.communicator for a in algos if a.needs_communicator):
         ctx.comms[mode] = sparcoll.init(block_size=cfg["block_size"], aggregators=cfg["aggregators"],
                                         timeout=cfg["timeout"], algorithm=mode)
     try:
         for density in cfg["densities"]:
-            spec = InputSpec(cfg["numel"], cfg["block_size"], world, density, cfg["overlap"], cfg["seed"])
+            spec = InputSpec(cfg["numel"], cfg["row_width"], world, density, cfg["overlap"], cfg["seed"])
             indices, values = spec.blocks(rank)
             inputs = Inputs(spec.to_dense(indices, values), indices, values)
             expected, tolerance = spec.expected()
