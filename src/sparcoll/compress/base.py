@@ -28,6 +28,14 @@ class Payload:
     ctx: Any
 
 
+@dataclass
+class Entries:
+    """What a rank sent, as (indices, values) of a flat tensor: lets error feedback subtract k
+    elements instead of building a dense tensor of them. Indices are distinct."""
+    idx: torch.Tensor
+    vals: torch.Tensor
+
+
 def parts_bytes(parts) -> int:
     return sum(p.numel() * p.element_size() for p in parts)
 
@@ -69,6 +77,10 @@ class Compressor:
 
     def decompress(self, parts: tuple, ctx: Any) -> torch.Tensor:
         raise NotImplementedError
+
+    def sent(self, payload: Payload):
+        """This rank's own payload as error feedback subtracts it: a dense tensor, or Entries."""
+        return self.decompress(payload.parts, payload.ctx)
 
     def combine(self, gathered: list[tuple], ctx: Any) -> torch.Tensor:
         """Average of every rank's decompressed parts (allgather scheme); majority vote and

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .base import Entries
+
 
 def _sparse_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     total = (a + b).coalesce()
@@ -47,13 +49,16 @@ class Residual(NoMemory):
         r = r.to_dense() if r.is_sparse else r
         return r.add_(x.to_dense() if x.is_sparse else x)
 
-    def update(self, compensated: torch.Tensor, sent: torch.Tensor, key) -> None:
+    def update(self, compensated: torch.Tensor, sent, key) -> None:
+        """`sent`: a tensor like `compensated`, or Entries of a flat dense one."""
+        owned = compensated is self.residuals.get(key)     # else the caller's tensor: not in place
         if compensated.is_sparse:
             self.residuals[key] = _sparse_sum(compensated, -sent)
-        elif compensated is self.residuals.get(key):
-            compensated.sub_(sent)
-        else:       # the first step: compensated is the caller's tensor
-            self.residuals[key] = compensated - sent
+        elif isinstance(sent, Entries):
+            residual = compensated if owned else compensated.clone()
+            self.residuals[key] = residual.index_add_(0, sent.idx, sent.vals, alpha=-1)
+        else:
+            self.residuals[key] = compensated.sub_(sent) if owned else compensated - sent
 
     def residual(self, key):
         return self.residuals.get(key)
@@ -76,9 +81,12 @@ class Momentum(Residual):
         self.velocity[key] = u
         return super().compensate(u, key)
 
-    def update(self, compensated: torch.Tensor, sent: torch.Tensor, key) -> None:
+    def update(self, compensated: torch.Tensor, sent, key) -> None:
         super().update(compensated, sent, key)
-        self.velocity[key].masked_fill_(sent.reshape(compensated.shape) != 0, 0.0)
+        if isinstance(sent, Entries):
+            self.velocity[key].index_fill_(0, sent.idx, 0.0)
+        else:
+            self.velocity[key].masked_fill_(sent != 0, 0.0)
 
 
 def make_memory(spec) -> NoMemory:

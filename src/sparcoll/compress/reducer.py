@@ -68,7 +68,7 @@ class Reducer:
                 self.sent_bytes += c.sent_bytes(payload)
                 if self.memory.active:
                     # before the collective, which may reuse the parts' memory
-                    self.memory.update(comp, c.decompress(payload.parts, payload.ctx), keys[i])
+                    self.memory.update(comp, c.sent(payload), keys[i])
             outs = self._communicate(payloads)
         for i, out, shape in zip(dense, outs, shapes):
             results[i] = out.view(shape).to(tensors[i].dtype)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .base import Compressor, Payload, index_dtype
+from .base import Compressor, Entries, Payload, index_dtype
 
 
 def _count(ratio: float, numel: int) -> int:
@@ -42,6 +42,10 @@ class Sparsifier(Compressor):
     def decompress(self, parts: tuple, numel: int) -> torch.Tensor:
         idx, vals = parts
         return torch.zeros(numel).index_put_((idx.long(),), vals)
+
+    def sent(self, payload: Payload) -> Entries:
+        idx, vals = payload.parts
+        return Entries(idx.long(), vals)
 
     def combine(self, gathered: list[tuple], numel: int) -> torch.Tensor:
         idx = torch.cat([parts[0].long() for parts in gathered])

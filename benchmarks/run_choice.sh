@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# "Never slower than gloo": sparcoll as users get it (algorithm auto) next to sparcoll forced onto its
+# sparse AllReduce and gloo's ring, on every configuration issue 11 names, ROUNDS rounds (each a full
+# pass, so a busy moment of the machine does not hit one configuration only). Root is needed for the
+# emulated network. About 12 minutes per round on the project's 2-core machine; run it idle.
+#   benchmarks/run_choice.sh OUT_DIR [ROUNDS=3]
+# then: python3 benchmarks/choice_summary.py OUT_DIR
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=$1 rounds=${2:-3}
+mkdir -p "$out"
+export OMP_NUM_THREADS=1
+bench() { local name=$1; shift; timeout 1200 ./dev sparcoll bench --algos sparcoll,sparse,ring "$@" \
+            --json "$out/$name-r$round.json" > "$out/$name-r$round.txt" 2>/dev/null; }
+for round in $(seq 1 "$rounds"); do
+  bench loopback-2w-16M --workers 2 --numel 16M --network none --density 0.01,0.1,1 --repeat 10
+  bench loopback-2w-4M --workers 2 --numel 4M --network none --density 0.01,0.1,1 --repeat 10
+  bench loopback-4w-4M --workers 4 --numel 4M --network none --density 0.01,0.1,1 --repeat 5
+  bench 1gbit-4w-16M --workers 4 --numel 16M --network 1gbit --density 0.01,0.1,1 --repeat 5
+  bench 1gbit-4w-4M --workers 4 --numel 4M --network 1gbit --density 0.01,0.1,1 --repeat 5
+  bench 1gbit-2w-16M --workers 2 --numel 16M --network 1gbit --density 0.01,0.1,1 --repeat 5
+  bench 1gbit-4w-16M-dedicated --workers 4 --numel 16M --network 1gbit --aggregators dedicated \
+        --density 0.01,0.1,1 --repeat 5
+  bench loopback-2w-4M-dedicated --workers 2 --numel 4M --network none --aggregators dedicated \
+        --density 0.01,0.1,1 --repeat 5
+  bench 1gbit-4w-16M-rows32 --workers 4 --numel 16M --network 1gbit --row-width 32 --density 0.01,0.1 \
+        --repeat 5
+  echo "$(date +%T) round $round done" >&2
+done
