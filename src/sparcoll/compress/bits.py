@@ -13,8 +13,12 @@ _BYTE_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)).reshape(256, 8)   # m
 def pack(*planes: torch.Tensor) -> torch.Tensor:
     """Bool tensors of one length as uint8: element i's code is its bits in the planes, the first
     plane most significant; 8 / len(planes) elements per byte, the last byte zero-padded."""
-    bits = planes[0] if len(planes) == 1 else torch.stack(planes, dim=1)
-    return torch.from_numpy(np.packbits(bits.reshape(-1).numpy()))
+    if len(planes) == 1:
+        return torch.from_numpy(np.packbits(planes[0].reshape(-1).numpy()))
+    interleaved = np.empty(len(planes) * planes[0].numel(), dtype=np.bool_)
+    for i, plane in enumerate(planes):     # strided numpy copies: 2x faster than torch.stack
+        interleaved[i::len(planes)] = plane.reshape(-1).numpy()
+    return torch.from_numpy(np.packbits(interleaved))
 
 
 def unpack(packed: torch.Tensor, count: int) -> torch.Tensor:
