@@ -2,6 +2,7 @@
 
     reducer = Reducer("topk:0.01", group=None, comm=None)
     avg = reducer.reduce(grad, key="layer1.weight")     # the average over ranks
+    avgs = reducer.reduce_many([g1, g2], ["w1", "w2"])  # the same, one collective for both
 
 `reduce` returns the AVERAGE over ranks of what each rank's compressor kept (DDP's convention), as a
 new tensor of the input's shape and dtype (a COO tensor for compressors that compress COO entries,
