@@ -8,8 +8,10 @@ cheapest collective its payload allows.
 
 Specs (spec.py): none, fp16, bf16, topk:RATIO, randomk:RATIO, threshold:VALUE, dgc:RATIO,
 qsgd:LEVELS, terngrad, signsgd, efsignsgd, onebit, powersgd:RANK, blocktopk:RATIO; options after
-commas: ef=on|off (error feedback; on by default for topk, randomk, threshold, dgc, efsignsgd,
-onebit, powersgd, blocktopk), seed=INT (randomk, powersgd), momentum=FLOAT (dgc, default 0.9).
+a comma or colon: ef=on|off (error feedback; on by default for topk, randomk, threshold, dgc,
+efsignsgd, onebit, powersgd, blocktopk), seed=INT (randomk, powersgd), momentum=FLOAT (dgc, default
+0.9: run the optimizer without momentum). Reducer.reduce_many reduces several tensors in one
+collective.
 
 | compressor | collective | error feedback |
 |---|---|---|
