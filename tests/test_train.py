@@ -57,13 +57,45 @@ def test_compare_runs_sparcoll_and_ddp_to_the_same_losses(tmp_path):
     assert sparcoll_run["density_union"] < 0.5          # block-sparse: the embedding rows looked up
     assert sparcoll_run["density_local"] <= sparcoll_run["density_union"]
     assert sparcoll_run["loss"] == pytest.approx(ddp_run["loss"], abs=1e-5)
-    assert report["compare"]["max_loss_difference"] < 1e-5
-    assert report["compare"]["speedup"] == pytest.approx(ddp_run["step_s"] / sparcoll_run["step_s"])
+    assert report["compare"]["baseline"] == "ddp"
+    (versus,) = report["compare"]["modes"]
+    assert versus["label"] == "sparcoll" and versus["max_loss_difference"] < 1e-5
+    assert versus["speedup"] == pytest.approx(ddp_run["step_s"] / sparcoll_run["step_s"])
+
+
+def test_compare_compressed_hooks_against_ddp(tmp_path):
+    """--compare with compressors: each run says its spec; without compression ("none") the hook's
+    losses equal DDP's, with error-feedback top-k they differ but stay finite."""
+    report = train(tmp_path, "--workload", "ncf", "--steps", "3", *TINY, "--compare",
+                   "ddp,hook:compress=none,hook:compress=topk:0.1,ef=on,hook:compress=blocktopk:0.1")
+    labels = [r["label"] for r in report["runs"]]
+    assert labels == ["ddp", "hook:none", "hook:topk:0.1,ef=on", "hook:blocktopk:0.1"]
+    for run in report["runs"]:
+        check_run(run, run["comm"], 3)
+        assert run["bytes_sent_per_step"] is None          # loopback: no interface counters
+    ddp, plain = report["runs"][:2]
+    assert plain["compress"] == "none" and plain["loss"] == pytest.approx(ddp["loss"], abs=1e-5)
+    assert [m["label"] for m in report["compare"]["modes"]] == labels[1:]
+
+
+def test_modes_parse_and_refuse_what_cannot_run():
+    from sparcoll.train.command import _split_modes, parse_mode
+
+    assert _split_modes("ddp, hook:compress=topk:0.01,ef=off,sparcoll") == \
+        [("ddp", None), ("hook", "topk:0.01,ef=off"), ("sparcoll", None)]
+    with pytest.raises(ValueError, match="unknown mode"):
+        parse_mode("fast")
+    with pytest.raises(ValueError, match="hook:compress"):
+        parse_mode("sparcoll:compress=topk:0.01")
+    with pytest.raises(ValueError, match="unknown compressor"):
+        parse_mode("hook:compress=zip")
 
 
 def test_bad_arguments_exit_with_2(capsys):
     assert main(["train", "--steps", "0", "--network", "none"]) == 2
     assert "--steps" in capsys.readouterr().err
+    assert main(["train", "--compress", "topk:0.01", "--network", "none"]) == 2
+    assert "--comm hook" in capsys.readouterr().err
 
 
 def test_workload_options():

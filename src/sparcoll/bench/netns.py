@@ -230,3 +230,14 @@ def _safe_list_netns() -> list[str]:
         return list_netns()
     except NetemError:
         return []
+
+
+def interface_counters(name: str) -> tuple[int, int]:
+    """(tx_bytes, rx_bytes) of interface `name` in this process's network namespace."""
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            iface, _, data = line.partition(":")
+            if iface.strip() == name:
+                fields = data.split()
+                return int(fields[8]), int(fields[0])
+    raise RuntimeError(f"interface {name!r} not found in /proc/self/net/dev")

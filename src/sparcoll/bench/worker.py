@@ -31,22 +31,12 @@ import torch.distributed as dist
 import sparcoll
 from sparcoll.bench.algorithms import REGISTRY, Algorithm, Context, Inputs
 from sparcoll.bench.events import emit, reporting
+from sparcoll.bench.netns import interface_counters
 from sparcoll.bench.patterns import InputSpec, check
 
 
 class WrongResult(RuntimeError):
     """An algorithm returned a sum that is not the sum: the run fails, it is not a data point."""
-
-
-def interface_counters(name: str) -> tuple[int, int]:
-    """(tx_bytes, rx_bytes) of interface `name` in this process's network namespace."""
-    with open("/proc/self/net/dev") as f:
-        for line in f:
-            iface, _, data = line.partition(":")
-            if iface.strip() == name:
-                fields = data.split()
-                return int(fields[8]), int(fields[0])
-    raise RuntimeError(f"interface {name!r} not found in /proc/self/net/dev")
 
 
 def run_series(ctx: Context, algo: Algorithm, inputs: Inputs, spec: InputSpec, expected: torch.Tensor,

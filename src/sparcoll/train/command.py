@@ -1,8 +1,13 @@
-"""`sparcoll train`: data-parallel training of a workload with one communication mode, or two compared.
+"""`sparcoll train`: data-parallel training of a workload with one communication mode, or several compared.
 
     sparcoll train --workload ncf --workers 4 --comm sparcoll --network 1gbit --steps 200 \\
                    --batch-size 256 --json out.json
     sparcoll train --workload ncf --workers 4 --compare          # sparcoll, then ddp: speedup, loss gap
+    sparcoll train --workload vgg --compare ddp,hook:compress=powersgd:4,hook:compress=blocktopk:0.01
+
+A mode is a --comm value, optionally with `:compress=SPEC` (a sparcoll.compress spec, for `hook`: DDP on
+gloo with sparcoll's compression hook). Each compared mode gets its speedup over `ddp` and its largest
+loss difference against `ddp` (when ddp is among them; else against the last mode).
 
 A process per worker, on the hosts of an emulated network shaped to --network (root needed) or on
 loopback with --network none, started and watched by the bench harness's launcher. Reports samples/s,
@@ -53,8 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sparcoll: DDP on the sparcoll backend; ddp: DDP on gloo; hook: DDP on gloo "
                              "with sparcoll's allreduce hook; agsparse: DDP on gloo with sparse "
                              "embedding gradients (default sparcoll)")
-    parser.add_argument("--compare", action="store_true",
-                        help="run sparcoll then ddp; print the speedup and the largest loss difference")
+    parser.add_argument("--compress", metavar="SPEC", default=None,
+                        help="with --comm hook: compress gradients with this sparcoll.compress spec, e.g. "
+                             "powersgd:4, topk:0.01, blocktopk:0.01 (default: none)")
+    parser.add_argument("--compare", nargs="?", const=",".join(COMPARED), default=None, metavar="MODES",
+                        help="run several modes, comma separated, each a --comm value optionally with "
+                             ":compress=SPEC (default when given alone: sparcoll,ddp); print each one's "
+                             "speedup over ddp and largest loss difference")
     parser.add_argument("--network", default="1gbit", type=lambda text: text.strip().lower(),
                         help="link rate of the emulated network (1gbit, 10gbit ...; needs root), or none: "
                              "loopback (default 1gbit)")
@@ -81,6 +91,42 @@ def workload_options(name: str, given: list[tuple[str, object]]) -> dict:
     return {**COMMON_OPTIONS.get(name, {}), **({} if user.get("tiny") else SMALLER.get(name, {})), **user}
 
 
+def parse_mode(text: str) -> tuple[str, str | None]:
+    """'hook:compress=topk:0.01' -> ('hook', 'topk:0.01'); 'ddp' -> ('ddp', None). ValueError if bad."""
+    from sparcoll.compress import parse
+
+    comm, sep, spec = text.strip().partition(":compress=")
+    if comm not in MODES:
+        raise ValueError(f"unknown mode {comm!r}; modes are {', '.join(MODES)}, optionally with "
+                         f":compress=SPEC")
+    if sep and comm != "hook":
+        raise ValueError(f"{text!r}: compression runs in the hook; use hook:compress=SPEC")
+    if sep:
+        parse(spec)
+    return comm, spec if sep else None
+
+
+def modes_of(args) -> list[tuple[str, str | None]]:
+    if args.compare is not None:
+        return _split_modes(args.compare)
+    if args.compress is not None and args.comm != "hook":
+        raise ValueError("--compress needs --comm hook (compression runs in the DDP hook)")
+    return [parse_mode(args.comm if args.compress is None else f"hook:compress={args.compress}")]
+
+
+def _split_modes(text: str) -> list[tuple[str, str | None]]:
+    """Modes separated by commas, where a spec may hold commas too: a new mode starts at a comma
+    followed by a mode name."""
+    parts, current = [], ""
+    for piece in filter(str.strip, text.split(",")):
+        if current and piece.strip().partition(":")[0] in MODES:
+            parts.append(current)
+            current = piece
+        else:
+            current = f"{current},{piece}" if current else piece
+    return [parse_mode(p) for p in parts + [current]]
+
+
 def _validate(args) -> None:
     if args.workers < 1 or args.steps < 1 or args.batch_size < 1 or args.block_size < 1:
         raise ValueError("--workers, --steps, --batch-size and --block-size must be >= 1")
@@ -99,37 +145,50 @@ def launch(config: dict, workers: int, network: str, timeout: float, on_event) -
                 env={"SPARCOLL_BLOCK_SIZE": str(config["block_size"])}), on_event)
 
 
-def summarize(mode: str, steps: list[dict], args) -> dict:
+def summarize(mode: tuple[str, str | None], steps: list[dict], args) -> dict:
     """One run's record: means over the steps after the warm-up, and every step's values."""
     keys = ("step_s", "compute_s", "comm_s", "density_local", "density_union")
     timed = steps[args.warmup:] or steps
     mean = {key: statistics.fmean(s[key] for s in timed) for key in keys}
-    return {"comm": mode, "samples_per_s": args.batch_size * args.workers / mean["step_s"], **mean,
+    sent = [s["bytes_sent"] for s in timed if s.get("bytes_sent") is not None]
+    comm, spec = mode
+    return {"comm": comm, "compress": spec, "label": label(mode),
+            "samples_per_s": args.batch_size * args.workers / mean["step_s"], **mean,
+            "bytes_sent_per_step": statistics.fmean(sent) if sent else None,
             "timed_steps": len(timed), "loss": [s["loss"] for s in steps],
             "per_step": {key: [s[key] for s in steps] for key in keys}}
 
 
+def label(mode: tuple[str, str | None]) -> str:
+    comm, spec = mode
+    return comm if spec is None else f"{comm}:{spec}"
+
+
 def compare(runs: list[dict]) -> dict:
-    """How much faster the first run's steps are than the second's, and how far their losses drift."""
-    fast, base = runs
-    return {"speedup": base["step_s"] / fast["step_s"],
-            "max_loss_difference": max(abs(a - b) for a, b in zip(fast["loss"], base["loss"]))}
+    """Every run against the baseline (ddp if it ran, else the last run): how much faster its steps
+    are, and how far its losses drift."""
+    base = next((r for r in runs if r["comm"] == "ddp" and r["compress"] is None), runs[-1])
+    return {"baseline": base["label"], "modes": [
+        {"label": r["label"], "speedup": base["step_s"] / r["step_s"],
+         "max_loss_difference": max(abs(a - b) for a, b in zip(r["loss"], base["loss"]))}
+        for r in runs if r is not base]}
 
 
 def report(runs: list[dict], args) -> str:
     lines = [f"sparcoll train: {args.workload}, {args.workers} workers, network {args.network}, "
              f"{args.steps} steps of {args.batch_size} samples per worker",
-             f"{'comm':<9} {'samples/s':>10} {'step ms':>8} {'compute ms':>10} {'comm ms':>8} "
-             f"{'density local/union':>20}  loss first -> last"]
+             f"{'mode':<24} {'samples/s':>10} {'step ms':>8} {'compute ms':>10} {'comm ms':>8} "
+             f"{'MB/step':>8} {'density local/union':>20}  loss first -> last"]
     for r in runs:
-        lines.append(f"{r['comm']:<9} {r['samples_per_s']:>10.1f} {1e3 * r['step_s']:>8.1f} "
-                     f"{1e3 * r['compute_s']:>10.1f} {1e3 * r['comm_s']:>8.1f} "
+        sent = "-" if r["bytes_sent_per_step"] is None else f"{r['bytes_sent_per_step'] / 1e6:.2f}"
+        lines.append(f"{r['label']:<24} {r['samples_per_s']:>10.1f} {1e3 * r['step_s']:>8.1f} "
+                     f"{1e3 * r['compute_s']:>10.1f} {1e3 * r['comm_s']:>8.1f} {sent:>8} "
                      f"{r['density_local']:>11.4f} / {r['density_union']:.4f}  "
                      f"{r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}")
     for r in runs:
         loss = r["loss"]
         shown = sorted({round(i * (len(loss) - 1) / (CURVE_POINTS - 1)) for i in range(CURVE_POINTS)})
-        lines.append(f"loss curve, {r['comm']}: " + ", ".join(f"{i + 1}: {loss[i]:.4f}" for i in shown))
+        lines.append(f"loss curve, {r['label']}: " + ", ".join(f"{i + 1}: {loss[i]:.4f}" for i in shown))
     return "\n".join(lines)
 
 
@@ -137,10 +196,10 @@ def run(args) -> int:
     """Train as `args` says; 0 on success, 1 if a job failed, 2 on bad arguments, 130 if interrupted."""
     try:
         _validate(args)
+        modes = modes_of(args)
     except ValueError as exc:
         print(f"sparcoll train: error: {exc}", file=sys.stderr)
         return 2
-    modes = COMPARED if args.compare else (args.comm,)
     config = {"workload": args.workload, "data": args.data, "options": workload_options(
                   args.workload, args.workload_option),
               "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
@@ -153,9 +212,10 @@ def run(args) -> int:
 
             def on_event(event: dict) -> None:
                 steps.append(event)
-                advance(f"{mode}: step {event['step'] + 1}, loss {event['loss']:.4f}")
+                advance(f"{label(mode)}: step {event['step'] + 1}, loss {event['loss']:.4f}")
 
-            launch({**config, "comm": mode}, args.workers, args.network, args.timeout, on_event)
+            launch({**config, "comm": mode[0], "compress": mode[1]}, args.workers, args.network,
+                   args.timeout, on_event)
             runs.append(summarize(mode, steps, args))
 
     status = run_jobs("train", args.steps * len(modes), body)
@@ -163,10 +223,12 @@ def run(args) -> int:
         return status
     print(report(runs, args))
     result = {**config, "workers": args.workers, "network": args.network, "runs": runs}
-    if args.compare:
+    if len(runs) > 1:
         result["compare"] = compare(runs)
-        print(f"sparcoll is {result['compare']['speedup']:.2f}x as fast as ddp per step; largest loss "
-              f"difference over {args.steps} steps: {result['compare']['max_loss_difference']:.3g}")
+        for m in result["compare"]["modes"]:
+            print(f"{m['label']} is {m['speedup']:.2f}x as fast as {result['compare']['baseline']} "
+                  f"per step; largest loss difference over {args.steps} steps: "
+                  f"{m['max_loss_difference']:.3g}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

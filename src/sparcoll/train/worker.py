@@ -7,13 +7,15 @@ harness's format, so its launcher follows the job).
 Modes (the same model, seeds and per-step global batches, so loss curves compare):
   ddp       DDP on gloo
   sparcoll  DDP on the "sparcoll" backend (sparcoll.torch)
-  hook      DDP on gloo with sparcoll.torch.allreduce_hook
+  hook      DDP on gloo with sparcoll.torch.allreduce_hook, or with sparcoll.torch.compression_hook
+            when the config names a compressor spec ("compress")
   agsparse  DDP on gloo with sparse embedding gradients (gloo's AllGather-based sparse all_reduce)
 
 A step is timed from the forward to the end of the optimizer step. Its communication time is the part
 that did not overlap computation: from the moment the last local gradient was computed (DDP then hands
 over the last bucket) to the end of backward, which waits for every bucket. The rest is computation.
-The gradient probes run inside backward; their time is left out of the step. Per step, rank 0 reports
+The gradient probes run inside backward; their time is left out of the step. On an emulated network
+each step also reports the bytes this host's interface sent (every mode alike; none on loopback). Per step, rank 0 reports
 the mean loss over ranks (the full global batch's loss), the slowest rank's times, the block density of
 the local gradients (mean over ranks) and of the reduced gradient: the fraction of `block_size`-element
 blocks of all gradients, flattened in parameter order, that hold a non-zero element.
@@ -35,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 import sparcoll
 import sparcoll.torch  # registers the "sparcoll" backend
 from sparcoll.bench.events import emit, reporting
+from sparcoll.bench.netns import interface_counters
 from sparcoll.blocks import BlockTensor
 from sparcoll.workloads import get_workload
 
@@ -92,8 +95,12 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
     workload = get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"],
                             sparse_embeddings=mode == "agsparse", **cfg["options"])
     model = DistributedDataParallel(workload.model)
-    if mode == "hook":
+    if mode == "hook" and cfg.get("compress"):
+        model.register_comm_hook(sparcoll.torch.CompressionState(comm, cfg["compress"]),
+                                 sparcoll.torch.compression_hook)
+    elif mode == "hook":
         model.register_comm_hook(sparcoll.torch.HookState(comm), sparcoll.torch.allreduce_hook)
+    interface = cfg.get("interface")
     params = list(workload.model.parameters())
     optimizer = torch.optim.SGD(params, lr=cfg["lr"])
     probe = GradientProbe(params, cfg["block_size"])
@@ -102,17 +109,19 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
         batch = next(batches)
         optimizer.zero_grad()
         probe.reset()
+        sent = interface_counters(interface)[0] if interface else 0
         start = time.perf_counter()
         loss = workload.loss(model, batch)
         loss.backward()
         backward_end = time.perf_counter()
         optimizer.step()
         step_s = time.perf_counter() - start - probe.overhead
+        sent = interface_counters(interface)[0] - sent if interface else float("nan")
         comm_s = max(0.0, backward_end - probe.last_gradient) if probe.last_gradient else 0.0
         # Every rank measures (the same reduced density too) before the gather, which then lines the
         # ranks up again: no rank's bookkeeping shows up as communication time in the next step.
-        row = torch.tensor([loss.item(), step_s, comm_s, probe.local_density(), probe.reduced_density()],
-                           dtype=torch.float64)
+        row = torch.tensor([loss.item(), step_s, comm_s, probe.local_density(), probe.reduced_density(),
+                            sent], dtype=torch.float64)
         rows = [torch.empty_like(row) for _ in range(world)]
         dist.all_gather(rows, row)
         if rank == 0:
@@ -121,7 +130,8 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
             emit({"event": "step", "step": step, "loss": table[:, 0].mean().item(),
                   "step_s": slowest[1].item(), "comm_s": slowest[2].item(),
                   "compute_s": (slowest[1] - slowest[2]).item(),
-                  "density_local": table[:, 3].mean().item(), "density_union": row[4].item()})
+                  "density_local": table[:, 3].mean().item(), "density_union": row[4].item(),
+                  "bytes_sent": None if not interface else table[:, 5].mean().item()})
 
 
 def main(argv: list[str] | None = None) -> int:
