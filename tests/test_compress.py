@@ -192,7 +192,7 @@ def test_reduce_many_equals_one_by_one(spec):
     tensors = [data(30, 20, seed=1), data(50, seed=2), data(7, 3, 2, seed=3), embedding_grad(4)]
     keys = ["a", "b", "c", "d"]
     together, alone = sc.Reducer(spec), sc.Reducer(spec)
-    for step in range(2):
+    for _ in range(2):       # the second step with error feedback and warm starts
         many = together.reduce_many(tensors, keys)
         for t, k, m in zip(tensors, keys, many):
             one = alone.reduce(t, key=k)
