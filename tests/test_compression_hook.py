@@ -175,6 +175,9 @@ def scenario(rank: int, world: int) -> dict:
     comm = sparcoll.init()
     try:
         out["communicator blocktopk"] = train(rank, "blocktopk:0.25", dense_model, (comm,))
+        before = comm.stats.blocks_sent
+        out["communicator sparse fp16"] = train(rank, "fp16", sparse_model, (comm,))
+        out["sparse fp16 blocks"] = comm.stats.blocks_sent - before
     finally:
         comm.close()
     group = dist.new_group(backend="sparcoll")
@@ -200,7 +203,7 @@ def test_none_gives_ddps_gradients_bit_for_bit_with_and_without_no_sync(outcome)
 
 
 CASES = SPECS + ["sparse none", "sparse topk:0.2", "sparse blocktopk:0.25", "per-parameter",
-                 "in line", "communicator blocktopk", "sparcoll group blocktopk",
+                 "in line", "communicator blocktopk", "communicator sparse fp16", "sparcoll group blocktopk",
                  "sparcoll group topk"]
 
 
@@ -220,6 +223,10 @@ def test_payload_bytes_per_step(outcome):
         assert out["fp16 bytes"] == biases + (dense - biases) / 2
         assert out["topk:0.1 bytes"] <= biases + 0.1 * (dense - biases) * 2 + 3 * 8
         assert out["signsgd bytes"] < biases + (dense - biases) / 32 + 3 * 8 + 3
+
+
+def test_sparse_gradients_go_through_sparcolls_sparse_allreduce(outcome):
+    assert sum(out["sparse fp16 blocks"] for out in outcome) > 0
 
 
 def test_accumulation_under_no_sync_with_powersgd_agrees_across_ranks(outcome):
