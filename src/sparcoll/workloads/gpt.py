@@ -7,9 +7,10 @@ vocabulary, cross-entropy on next-token prediction, no dropout.  Defaults: 4 lay
 parameters, 3.63M of them in the embedding.
 
 Communication-bound only with few tokens per worker: computation grows with parameters x tokens,
-a ring AllReduce with parameters alone.  With DDP on gloo, 4 workers on 2 CPU cores and a 1 Gbit/s
-link, one 32-token sequence per worker (``--batch-size 1``) gave steps of about 0.7 s, 78% of them
-communication; 64 tokens per worker (2 x 32 or 1 x 64) 66-75%, 4 x 64 tokens 47%.
+a ring AllReduce with parameters alone.  With DDP on gloo, 4 workers on 2 CPU cores shared with
+other work and a 1 Gbit/s link, one 32-token sequence per worker (``--batch-size 1``) gave steps of
+0.7-0.8 s, 68-78% of them communication over five runs (78% when the machine was quietest); 64
+tokens per worker (2 x 32 or 1 x 64) 58-76% over ten runs, 4 x 64 tokens 47%.
 
 Tied softmax (``tie_weights=True``, the default): the output layer reuses the token embedding, so
 its gradient is dense; as for the ``lstm`` workload, ``sparse_embeddings=True`` requires

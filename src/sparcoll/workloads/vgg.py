@@ -3,8 +3,8 @@
 Model: the three fully connected layers of VGG19 with a 21,841-class ImageNet-22K softmax, as in
 Poseidon (Zhang et al., ATC 2017): 25088 -> 4096 -> 4096 -> 21841, ReLU and dropout (p=0.5) after
 each hidden layer, cross-entropy.  About 209M parameters, all with dense gradients (``sparse_params``
-is empty): 836 MB of fp32 per copy, so a ring AllReduce at 1 Gbit/s takes seconds while the
-computation for 32 samples per worker takes well under one on a CPU core.  The convolutional trunk
+is empty): 836 MB of fp32 per copy, so a ring AllReduce at 1 Gbit/s takes about 10 s while the
+computation for 32 samples per worker takes about 1 s on a CPU core.  The convolutional trunk
 is left out: its input to this head (VGG's pool5, 512x7x7 = 25088 features) is the batch.
 
 Memory: nothing is shrunk.  A training process holds the parameters, their gradients and DDP's
@@ -14,17 +14,19 @@ add transient boolean masks (one byte per parameter).  Measured with ``sparcoll 
 vgg --workers 4 --comm ddp --batch-size 32``: at most 3.4 GB resident per worker, 13.3 GB for the
 four, which fits in 24 GiB; momentum would bring the four to about 17 GB.
 
-Time: on 2 CPU cores one process computes a step of 32 samples in about 1 s (forward 0.3 s,
-backward 0.7 s).  With DDP on gloo, 4 workers and a 1 Gbit/s link a step took about 14.5 s, of
-which 9.7-10.3 s was communication (66% at 32 samples per worker, 71% at 16): the ring moves
-1.25 GB per worker and step, and its kernel and gloo work slows the overlapped computation.
+Time: alone on a CPU core a process computes a step of 32 samples in about 1 s (forward 0.3 s,
+backward 0.7 s).  With DDP on gloo, 4 workers on 2 cores shared with other work and a 1 Gbit/s
+link, a step took 14-17 s, 9.7-10.6 s of it communication: 62-67% over three runs at 32 samples
+per worker, 67-71% at 8 or 16 (the ring moves 1.25 GB per worker and step; its gloo and kernel
+work, not the batch, makes most of the remaining 4-6 s), 82% at 500 Mbit/s.
 
 Data: a ``.npz`` file with ``features [N, input_dim]`` (float) and ``labels [N]`` (integers in
 ``[0, num_classes)``), e.g. pool5 features extracted from images, or by default synthetic features:
 a Zipf-distributed label (class 0 the most frequent, as ImageNet-22K's classes are unbalanced)
 picks a fixed random ``signal_rank``-dimensional class code, mapped to the features by a fixed
 random linear projection, plus Gaussian noise.  Features are scaled to unit mean square per row,
-which keeps plain SGD at learning rates around 0.1 stable despite the 25088-wide input.
+at which plain SGD with learning rate 0.1 trains the full-size head (scaled to unit norm instead,
+its loss hardly moves at that rate).
 
 Batches are ``(features [n, input_dim] float32, labels [n] int64, keep [n, sum(hidden)] bool)``
 drawn per ``(seed, step)`` and sliced per rank as described in ``workloads.base``.  ``keep`` is
