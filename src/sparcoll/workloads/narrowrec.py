@@ -6,11 +6,12 @@ concatenated into an MLP (default 64-32) and a final linear layer, BCE-with-logi
 parameters, all but a few thousand in the tables: the gradient is large, but a step touches few
 rows, and each touched row is only ``embedding_dim`` elements long, shorter than a 256-element
 block.  ``sparse_params`` are the tables (``tables.0.weight``, ...), with ``torch.sparse_coo``
-gradients when ``sparse_embeddings=True``.
+gradients when ``sparse_embeddings=True``.  With DDP on gloo, 4 workers of 256 samples and a
+1 Gbit/s link, a step took about 3.8-4.0 s, 85-86% of it communication (two runs).
 
 Data: synthetic only.  Each column's ids are Zipf-distributed by popularity rank, scattered over
-its table by a fixed permutation (real ids are not sorted by popularity).  Every rank belongs to
-one of ``taste_groups`` groups; the label is drawn from a fixed random logistic teacher: an effect
+its table by a fixed permutation (real ids are not sorted by popularity).  Every popularity rank
+falls in one of ``taste_groups`` groups; the label is drawn from a fixed random logistic teacher: an effect
 of each column's group plus an interaction of the groups of each pair of columns, so the embeddings
 of popular ids and the MLP have something to learn.
 
