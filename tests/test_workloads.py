@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparcoll.workloads import WORKLOADS, get_workload
+from sparcoll.workloads import WORKLOADS, get_workload, gpt, vgg
 from sparcoll.workloads.data import zipf
-from sparcoll.workloads import gpt, vgg
 from sparcoll.workloads.deeplight import field_rows, read_criteo, table_ids
 from sparcoll.workloads.lstm import read_text
 from sparcoll.workloads.ncf import CSV_HEADER, read_movielens
@@ -126,8 +125,9 @@ def test_synthetic_only_workloads_reject_files(name, tmp_path):
         tiny(name, data=tmp_path / "x")
 
 
-def test_cnn_has_no_sparse_params():
-    assert tiny("cnn").sparse_params == ()
+@pytest.mark.parametrize("name", ["cnn", "vgg"])
+def test_dense_models_have_no_sparse_params(name):
+    assert tiny(name).sparse_params == ()
 
 
 def assert_batches_equal(a, b):
