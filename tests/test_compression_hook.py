@@ -83,6 +83,17 @@ def test_bucket_slices_reach_their_parameters_with_their_shapes():
     assert state.sent_bytes == 4 * (6 + 5) + 4 * 5 + 4 * (7 + 3)
 
 
+def test_whole_bucket_top_k_chooses_across_parameters():
+    loud, quiet = param(8, 8, seed=5), param(8, 8, seed=6)
+    loud.grad *= 100
+    for whole, expected_quiet in ((False, 16), (True, 0)):
+        bucket = FakeBucket([loud, quiet])
+        state = sparcoll.torch.CompressionState(None, "topk:0.25", whole_bucket=whole)
+        result = sparcoll.torch.compression_hook(state, bucket).wait()
+        assert result[:64].count_nonzero() == 32 - expected_quiet
+        assert result[64:].count_nonzero() == expected_quiet
+
+
 def test_a_failure_fails_the_future(monkeypatch):
     state = sparcoll.torch.CompressionState(None, "topk:0.1")
     monkeypatch.setattr(state, "reduce_bucket", lambda buffer, params: 1 / 0)
@@ -172,6 +183,7 @@ def scenario(rank: int, world: int) -> dict:
     out["per-parameter"] = train(rank, "powersgd:2", dense_model, per_param=lambda p: (
         "topk:0.5" if p.shape == (64, 64) else None), compress_1d=True)
     out["in line"] = train(rank, "powersgd:2", sparse_model, overlap=False)
+    out["whole-bucket topk"] = train(rank, "topk:0.1", dense_model, whole_bucket=True)
     comm = sparcoll.init()
     try:
         out["communicator blocktopk"] = train(rank, "blocktopk:0.25", dense_model, (comm,))
@@ -203,7 +215,8 @@ def test_none_gives_ddps_gradients_bit_for_bit_with_and_without_no_sync(outcome)
 
 
 CASES = SPECS + ["sparse none", "sparse topk:0.2", "sparse blocktopk:0.25", "per-parameter",
-                 "in line", "communicator blocktopk", "communicator sparse fp16", "sparcoll group blocktopk",
+                 "in line", "whole-bucket topk", "communicator blocktopk", "communicator sparse fp16",
+                 "sparcoll group blocktopk",
                  "sparcoll group topk"]
 
 

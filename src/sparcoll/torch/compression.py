@@ -38,12 +38,15 @@ class CompressionState:
     ProcessGroup (gloo, or "sparcoll", whose communicator then serves those), or None (the default
     group). spec: the default spec. per_param: {parameter: spec}, or a function of the parameter
     returning a spec or None (the default). compress_1d: compress 1-D parameters too (off: they go
-    uncompressed). overlap: reduce on a thread while backward goes on. `sent_bytes`: the payload
-    bytes this rank contributed so far."""
+    uncompressed). overlap: reduce on a thread while backward goes on. whole_bucket: compress a
+    bucket's gradients under one spec as one tensor (top-k across layers rather than per layer;
+    PowerSGD stays per matrix), with error feedback kept per bucket layout (DDP rebuilds its buckets
+    once, after the first step, which drops that step's residual). `sent_bytes`: the payload bytes
+    this rank contributed so far."""
 
     def __init__(self, comm_or_group=None, spec: Union[str, Spec] = "none", *,
                  per_param: Union[Mapping, Callable, None] = None, compress_1d: bool = False,
-                 group=None, overlap: bool = True):
+                 group=None, overlap: bool = True, whole_bucket: bool = False):
         if isinstance(comm_or_group, Communicator):
             comm = comm_or_group
         else:
@@ -61,6 +64,7 @@ class CompressionState:
         else:
             self._overrides, self._rule = {}, per_param
         self._reducers: dict = {}
+        self.whole_bucket = whole_bucket
         # One thread, so buckets are reduced one after another in the order DDP hands them over,
         # the same on every rank.
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sparcoll-compress") if overlap else None
@@ -101,8 +105,13 @@ class CompressionState:
                 reducer.channel.allreduce_mean(buffer)
                 reducer.sent_bytes += buffer.numel() * buffer.element_size()
                 continue
-            results = reducer.reduce_many([view.view(param.shape) for param, view in members],
-                                          [param for param, _ in members])
+            if self.whole_bucket and reducer.compressor.scheme != "powersgd":
+                views = [view for _, view in members]
+                result = reducer.reduce(torch.cat(views), key=tuple(id(p) for p, _ in members))
+                results = result.split([view.numel() for view in views])
+            else:
+                results = reducer.reduce_many([view.view(param.shape) for param, view in members],
+                                              [param for param, _ in members])
             for (_, view), result in zip(members, results):
                 view.copy_(result.reshape(-1))
         return buffer
