@@ -216,8 +216,7 @@ def test_none_gives_ddps_gradients_bit_for_bit_with_and_without_no_sync(outcome)
 
 CASES = SPECS + ["sparse none", "sparse topk:0.2", "sparse blocktopk:0.25", "per-parameter",
                  "in line", "whole-bucket topk", "communicator blocktopk", "communicator sparse fp16",
-                 "sparcoll group blocktopk",
-                 "sparcoll group topk"]
+                 "sparcoll group blocktopk", "sparcoll group topk"]
 
 
 @pytest.mark.parametrize("case", CASES)
