@@ -59,18 +59,22 @@ class Sparsifier(Compressor):
         return _count(self.spec.arg, numel)
 
 
-def _above_sampled(magnitude: torch.Tensor, k: int, margin: float, rng) -> torch.Tensor:
+def _above_sampled(values: torch.Tensor, k: int, margin: float, rng) -> torch.Tensor:
     """Positions whose magnitude reaches the threshold that `margin * k` elements would pass,
-    estimated on a 1% random sample: one pass over the data instead of a full top-k."""
-    n = magnitude.numel()
-    sample = magnitude[torch.from_numpy(rng.integers(0, n, max(1, n // 100)))]
+    estimated on a 1% random sample: one pass over the data instead of a full top-k, by two
+    comparisons into bool tensors (no float temporary for |values|)."""
+    n = values.numel()
+    sample = values[torch.from_numpy(rng.integers(0, n, max(1, n // 100)))].abs()
     expected = min(sample.numel(), max(1, math.ceil(margin * k * sample.numel() / n)))
     floor = sample.topk(expected, sorted=False).values.min()
-    return (magnitude >= floor).nonzero().squeeze(1)
+    return (values >= floor).logical_or_(values <= -floor).nonzero().squeeze(1)
 
 
-def _largest(magnitude: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
-    return pos if pos.numel() <= k else pos[magnitude[pos].topk(k, sorted=False).indices]
+def _largest(values: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
+    """The (at most) k positions among `pos` of largest magnitude, none of them zero."""
+    if pos.numel() > k:
+        pos = pos[values[pos].abs().topk(k, sorted=False).indices]
+    return pos[values[pos] != 0]
 
 
 class TopK(Sparsifier):
@@ -81,14 +85,12 @@ class TopK(Sparsifier):
 
     def select(self, values: torch.Tensor, numel: int) -> torch.Tensor:
         k = min(_count(self.spec.arg, numel), values.numel())
-        magnitude = values.abs()
         pos = None
         if values.numel() >= 100_000 and k * 10 <= values.numel():
-            pos = _above_sampled(magnitude, k, 2.0, self.rng)
+            pos = _above_sampled(values, k, 2.0, self.rng)
         if pos is None or pos.numel() < k:
-            pos = magnitude.topk(k, sorted=False).indices
-        pos = _largest(magnitude, pos, k)
-        return pos[values[pos] != 0]
+            pos = values.abs().topk(k, sorted=False).indices
+        return _largest(values, pos, k)
 
 
 class Threshold(Sparsifier):
@@ -114,9 +116,7 @@ class DGC(Sparsifier):
         k = _count(self.spec.arg, numel)
         if k == 0:
             return torch.zeros(0, dtype=torch.long)
-        magnitude = values.abs()
-        pos = _largest(magnitude, _above_sampled(magnitude, k, 1.0, self.rng), k)
-        return pos[values[pos] != 0]
+        return _largest(values, _above_sampled(values, k, 1.0, self.rng), k)
 
 
 class RandomK(Compressor):
