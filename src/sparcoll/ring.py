@@ -16,7 +16,7 @@ its input tells the aggregators; see WorkerJob.abort), whichever comes first, at
 """
 from __future__ import annotations
 
-import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -80,26 +80,28 @@ class Ring:
         self.bytes += data.numel() * data.element_size()
 
     def _run(self, tensor: torch.Tensor, timeout: float, peer_report) -> None:
-        """One gloo SUM allreduce, waited for until done, a peer's report, or the deadline."""
+        """One gloo SUM allreduce, waited for until done, a peer's report, or the deadline. gloo's
+        own wait (in C++, without the GIL) wakes at once when the allreduce completes; between
+        waits of _POLL seconds, this rank looks for a peer's report."""
         options = dist.AllreduceOptions()
         options.timeout = timedelta(seconds=timeout)
-        done = threading.Event()
         work = self.group.allreduce([tensor], options)
-        work.get_future().add_done_callback(lambda _: done.set())
-        for _ in range(int(timeout / _POLL) + 1):
-            if done.wait(_POLL):
-                break
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                work.wait(timedelta(seconds=max(0.001, min(_POLL, deadline - time.monotonic()))))
+                return
+            except Exception as exc:    # gloo: "Operation timed out!" from this wait, or a failure
+                if work.is_completed():     # the allreduce failed: a dead peer, gloo's timeout
+                    raise PeerError(f"rank {self.rank}: gloo's ring allreduce failed: {exc}") \
+                        from exc
             report = peer_report()
             if report is not None:
                 raise report
-        else:
-            raise CollectiveTimeout(f"rank {self.rank}: gloo's ring did not finish within "
-                                    f"{timeout:g} s (a peer may be dead, stuck, or calling other "
-                                    f"collectives)")
-        try:
-            work.wait()
-        except Exception as exc:    # gloo reports a dead peer or its own timeout as RuntimeError
-            raise PeerError(f"rank {self.rank}: gloo's ring allreduce failed: {exc}") from exc
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeout(f"rank {self.rank}: gloo's ring did not finish within "
+                                        f"{timeout:g} s (a peer may be dead, stuck, or calling "
+                                        f"other collectives)")
 
     def close(self) -> None:
         """Abort what gloo still runs (after a failure) and release its connections."""
