@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comm", choices=MODES, default="sparcoll",
                         help="sparcoll: DDP on the sparcoll backend; ddp: DDP on gloo; hook: DDP on gloo "
                              "with sparcoll's allreduce hook; agsparse: DDP on gloo with sparse "
-                             "embedding gradients (default sparcoll)")
+                             "embedding gradients (default sparcoll). --workload-option "
+                             "sparse_embeddings=true gives any mode nn.Embedding(sparse=True)")
     parser.add_argument("--compress", metavar="SPEC", default=None,
                         help="with --comm hook: compress gradients with this sparcoll.compress spec, e.g. "
                              "powersgd:4, topk:0.01, blocktopk:0.01 (default: none)")

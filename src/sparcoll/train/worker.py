@@ -92,8 +92,8 @@ class GradientProbe:
 
 def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) -> None:
     mode = cfg["comm"]
-    workload = get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"],
-                            sparse_embeddings=mode == "agsparse", **cfg["options"])
+    options = {"sparse_embeddings": mode == "agsparse", **cfg["options"]}   # or as the user says
+    workload = get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **options)
     model = DistributedDataParallel(workload.model)
     if mode == "hook" and cfg.get("compress"):
         model.register_comm_hook(sparcoll.torch.CompressionState(comm, cfg["compress"]),
