@@ -32,6 +32,7 @@ CURVE_POINTS = 8        # steps of the loss curve printed (the JSON report has e
 # Every mode must be able to run the same model, so that loss curves compare: a tied softmax cannot
 # have sparse embeddings (agsparse).
 COMMON_OPTIONS = {"lstm": {"tie_weights": False}}
+BATCH_SIZES = {"vgg": 32, "gpt": 1}    # per worker, where 256 samples is not what the workload is for
 # The full-size LSTM is too heavy for CPU runs; these apply unless tiny=true or the user sets them.
 SMALLER = {"lstm": {"vocab_size": 10_000, "embed_dim": 64, "hidden_dim": 64, "bptt": 20}}
 
@@ -70,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="link rate of the emulated network (1gbit, 10gbit ...; needs root), or none: "
                              "loopback (default 1gbit)")
     parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
-    parser.add_argument("--batch-size", type=int, default=256,
-                        help="samples per worker and step (default 256)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="samples per worker and step (default 256; vgg 32, as Poseidon's "
+                             "VGG19-22K; gpt 1 sequence, so that its step stays communication-bound)")
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the batches (default 0)")
     parser.add_argument("--block-size", type=int, default=256,
@@ -129,6 +131,8 @@ def _split_modes(text: str) -> list[tuple[str, str | None]]:
 
 
 def _validate(args) -> None:
+    if args.batch_size is None:
+        args.batch_size = BATCH_SIZES.get(args.workload, 256)
     if args.workers < 1 or args.steps < 1 or args.batch_size < 1 or args.block_size < 1:
         raise ValueError("--workers, --steps, --batch-size and --block-size must be >= 1")
     if args.warmup < 0 or args.timeout <= 0:
