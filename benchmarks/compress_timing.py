@@ -3,6 +3,7 @@ feedback), median over repeats, as a markdown table: what each compressor costs 
 its bytes save anything on the wire.
 
     python3 benchmarks/compress_timing.py [--numel 25000000] [--repeats 3] [--threads 1]
+                                          [--specs topk:0.001 qsgd:8 ...]
 
 PowerSGD is timed as one power-iteration step (its compress and decompress are one computation), on
 the tensor as a padded square matrix; blocktopk with 256-element blocks.
@@ -17,6 +18,13 @@ import sparcoll.compress as sc
 
 SPECS = ["none", "fp16", "bf16", "topk:0.01", "randomk:0.01", "threshold:2.5", "dgc:0.01",
          "qsgd:127", "terngrad", "signsgd", "efsignsgd", "onebit", "powersgd:4", "blocktopk:0.01"]
+
+
+def compressor_arg(spec: str):
+    try:
+        return sc.make(spec)
+    except ValueError as exc:       # argparse shows this message rather than "invalid value"
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def time_once(compressor, x):
@@ -40,6 +48,8 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=25_000_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--specs", nargs="+", type=compressor_arg, default=[sc.make(s) for s in SPECS],
+                        metavar="SPEC", help=sc.usage())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
@@ -47,14 +57,13 @@ def main() -> None:
           f"median of {args.repeats}\n")
     print("| compressor | compress ms | decompress ms | total ms | bytes sent | of fp32 |")
     print("|---|---:|---:|---:|---:|---:|")
-    for spec in SPECS:
-        compressor = sc.make(spec)
+    for compressor in args.specs:
         runs = [time_once(compressor, x) for _ in range(args.repeats)]
         comp = statistics.median(r[0] for r in runs) * 1e3
         decomp = statistics.median(r[1] for r in runs) * 1e3
         total = statistics.median(r[0] + r[1] for r in runs) * 1e3
         sent = runs[-1][2]
-        print(f"| {spec} | {comp:.0f} | {decomp:.0f} | {total:.0f} | {sent / 1e6:.2f} MB "
+        print(f"| {compressor.spec} | {comp:.0f} | {decomp:.0f} | {total:.0f} | {sent / 1e6:.2f} MB "
               f"| {sent / (args.numel * 4):.2%} |", flush=True)
 
 

@@ -37,7 +37,8 @@ class Reducer:
         self.sent_bytes = 0
 
     def payload_bytes(self, tensor: torch.Tensor) -> int:
-        """What this rank sends for `tensor` (an upper bound where the size depends on the data)."""
+        """What this rank sends for dense `tensor` (an upper bound where the size depends on the
+        data). A sparse COO tensor's payload depends on its entries: `sent_bytes` counts it."""
         return self.compressor.payload_bytes(tensor.numel(), tuple(tensor.shape))
 
     def reduce(self, tensor: torch.Tensor, key=None) -> torch.Tensor:
