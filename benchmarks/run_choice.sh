@@ -2,17 +2,21 @@
 # "Never slower than gloo": sparcoll as users get it (algorithm auto) next to sparcoll forced onto its
 # sparse AllReduce and gloo's ring, on every configuration issue 11 names, ROUNDS rounds (each a full
 # pass, so a busy moment of the machine does not hit one configuration only). Root is needed for the
-# emulated network. About 12 minutes per round on the project's 2-core machine; run it idle.
-#   benchmarks/run_choice.sh OUT_DIR [ROUNDS=3]
+# emulated network. 5 warm-up repetitions: "auto" times a dense kind twice on each path and shares
+# the times in a fifth collective before it settles (sparcoll/algorithm.py). About 8 minutes per
+# round on the project's 2-core machine; run it idle.
+#   benchmarks/run_choice.sh OUT_DIR [ROUNDS=3] [FIRST_ROUND=1]
 # then: python3 benchmarks/choice_summary.py OUT_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=$1 rounds=${2:-3}
+out=$1 rounds=${2:-3} first=${3:-1}
 mkdir -p "$out"
 export OMP_NUM_THREADS=1
-bench() { local name=$1; shift; timeout 1200 ./dev sparcoll bench --algos sparcoll,sparse,ring "$@" \
-            --json "$out/$name-r$round.json" > "$out/$name-r$round.txt" 2>/dev/null; }
-for round in $(seq 1 "$rounds"); do
+# A configuration that fails is reported (its stderr kept in .err) and the others still run.
+bench() { local name=$1; shift; timeout 1200 ./dev sparcoll bench --algos sparcoll,sparse,ring --warmup 5 "$@" \
+            --json "$out/$name-r$round.json" > "$out/$name-r$round.txt" 2> "$out/$name-r$round.err" \
+            && rm -f "$out/$name-r$round.err" || echo "$(date +%T) FAILED: $name round $round" >&2; }
+for round in $(seq "$first" $((first + rounds - 1))); do
   bench loopback-2w-16M --workers 2 --numel 16M --network none --density 0.01,0.1,1 --repeat 10
   bench loopback-2w-4M --workers 2 --numel 4M --network none --density 0.01,0.1,1 --repeat 10
   bench loopback-4w-4M --workers 4 --numel 4M --network none --density 0.01,0.1,1 --repeat 5

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sparcoll import Communicator, MismatchError, SparcollError
-from sparcoll.algorithm import (HYSTERESIS, RING_DENSITY, SAMPLE_BLOCKS, TINY_NUMEL, Algorithm,
-                                Chooser, candidate_block_sizes, entry_block_size)
+from sparcoll.algorithm import (SAMPLE_BLOCKS, TINY_NUMEL, Algorithm, Chooser,
+                                candidate_block_sizes, entry_block_size)
 from support import block_sparse, on_threads
 
 pytestmark = pytest.mark.auto_algorithm
@@ -26,35 +26,54 @@ def with_density(numel: int, density: float, seed: int = 0) -> torch.Tensor:
 # ---- the chooser alone ----------------------------------------------------------------------------
 
 def test_tiny_goes_to_the_ring_and_a_kinds_first_collective_to_the_sparse_path():
-    chooser = Chooser(Algorithm.AUTO, 256, dedicated=False)
+    chooser = Chooser(Algorithm.AUTO, 256)
     assert chooser.choose((TINY_NUMEL, 0, 0), coo=False) is Algorithm.RING
     assert chooser.choose((TINY_NUMEL + 1, 0, 0), coo=False) is Algorithm.SPARSE
     assert chooser.choose((8, 0, 0), coo=True) is Algorithm.SPARSE
 
 
-def test_a_dense_result_sends_its_kind_to_the_ring_and_a_sparse_one_back():
-    chooser = Chooser(Algorithm.AUTO, 256, dedicated=False)
-    chooser.learn(KIND, with_density(BIG, 1.0))
+def run_dense_kind(chooser: Chooser, sparse_s: float, ring_s: float) -> list[Algorithm]:
+    """Six collectives of a dense kind, on one rank whose peers measure the same; which path each
+    took. A ring round shares the times when asked, as ring.py does (the averages of one rank's
+    values are its values)."""
+    taken = []
+    for _ in range(6):
+        algorithm = chooser.choose(KIND, coo=False)
+        share = chooser.to_share(KIND)
+        if algorithm is Algorithm.RING and share is not None:
+            chooser.shared(KIND, share)
+        chooser.learn(KIND, with_density(BIG, 1.0), algorithm,
+                      ring_s if algorithm is Algorithm.RING else sparse_s)
+        taken.append(algorithm)
+    return taken
+
+
+def test_a_dense_kind_is_timed_on_both_paths_then_keeps_the_faster():
+    S, R = Algorithm.SPARSE, Algorithm.RING
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256), sparse_s=0.06, ring_s=0.05) == \
+        [S, S, R, R, R, R]
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256), sparse_s=0.6, ring_s=0.8) == \
+        [S, S, R, R, R, S]
+    assert Chooser(Algorithm.AUTO, 256).choose((BIG, 0, 1), coo=False) is S   # another op: a kind
+
+
+def test_a_sparse_result_sends_a_kind_back_to_the_sparse_path_and_a_dense_one_tries_again():
+    chooser = Chooser(Algorithm.AUTO, 256)
+    run_dense_kind(chooser, sparse_s=0.06, ring_s=0.05)
     assert chooser.choose(KIND, coo=False) is Algorithm.RING
-    assert chooser.choose((BIG, 0, 1), coo=False) is Algorithm.SPARSE     # another op: another kind
-    # Between RING_DENSITY * HYSTERESIS and RING_DENSITY it stays where it is.
-    middle = (RING_DENSITY * (1 + HYSTERESIS)) / 2
-    chooser.learn(KIND, with_density(BIG, middle))
-    assert chooser.choose(KIND, coo=False) is Algorithm.RING
-    chooser.learn(KIND, with_density(BIG, 0.05))
+    chooser.learn(KIND, with_density(BIG, 0.05), Algorithm.RING, 0.05)
     assert chooser.choose(KIND, coo=False) is Algorithm.SPARSE
-    chooser.learn(KIND, with_density(BIG, middle))
+    # Dense again: timed anew (the old times were of other data), the sparse path first.
+    assert run_dense_kind(chooser, sparse_s=0.05, ring_s=0.06)[:5] == \
+        [Algorithm.SPARSE, Algorithm.SPARSE, Algorithm.RING, Algorithm.RING, Algorithm.RING]
     assert chooser.choose(KIND, coo=False) is Algorithm.SPARSE
 
 
-def test_forced_modes_and_dedicated_aggregators():
-    dedicated = Chooser(Algorithm.AUTO, 256, dedicated=True)
-    dedicated.learn(KIND, with_density(BIG, 1.0))
-    assert dedicated.choose(KIND, coo=False) is Algorithm.SPARSE
-    assert dedicated.choose((8, 0, 0), coo=False) is Algorithm.RING
-    assert Chooser(Algorithm.SPARSE, 256, False).choose((8, 0, 0), coo=False) is Algorithm.SPARSE
-    assert Chooser(Algorithm.RING, 256, False).choose(KIND, coo=False) is Algorithm.RING
-    assert Chooser(Algorithm.RING, 256, False).choose(KIND, coo=True) is Algorithm.SPARSE
+def test_forced_modes():
+    assert Chooser(Algorithm.SPARSE, 256).choose((8, 0, 0), coo=False) is Algorithm.SPARSE
+    assert run_dense_kind(Chooser(Algorithm.SPARSE, 256), 0.6, 0.1) == [Algorithm.SPARSE] * 6
+    assert Chooser(Algorithm.RING, 256).choose(KIND, coo=False) is Algorithm.RING
+    assert Chooser(Algorithm.RING, 256).choose(KIND, coo=True) is Algorithm.SPARSE
 
 
 @pytest.mark.parametrize("density", [0.0, 0.02, 0.5, 0.9, 1.0])
@@ -62,8 +81,8 @@ def test_density_estimate_is_close_and_the_same_for_equal_results(density):
     numel = 4096 * 256          # more blocks than are sampled
     tensor = with_density(numel, density, seed=3)
     exact = tensor.view(-1, 256).ne(0).any(1).float().mean().item()
-    a = Chooser(Algorithm.AUTO, 256, False).densities(KIND, tensor)[256]
-    b = Chooser(Algorithm.AUTO, 256, False).densities(KIND, tensor.clone())[256]
+    a = Chooser(Algorithm.AUTO, 256).densities(KIND, tensor)[256]
+    b = Chooser(Algorithm.AUTO, 256).densities(KIND, tensor.clone())[256]
     assert a == b
     # SAMPLE_BLOCKS draws without replacement: 4 standard deviations at most.
     assert abs(a - exact) <= 4 * (0.25 / SAMPLE_BLOCKS) ** 0.5
@@ -83,17 +102,17 @@ def test_block_sizes_follow_entries_and_rows():
     assert [entry_block_size(w, 256) for w in (1, 5, 16, 32, 64, 256, 300, 1024)] == \
         [16, 20, 16, 32, 64, 256, 256, 256]
     assert entry_block_size(32, 16) == 16
-    chooser = Chooser(Algorithm.AUTO, 256, dedicated=False)
+    chooser = Chooser(Algorithm.AUTO, 256)
     coo = torch.sparse_coo_tensor(torch.tensor([[3, 9]]), torch.ones(2, 32), (100, 32),
                                   check_invariants=True)
     assert chooser.block_size((3200, 0, 0), coo) == 32
     for width, touched, expected in ((32, 300, 32), (16, 300, 16), (64, 300, 64),
                                      (32, 65_536, 256), (256, 300, 256)):
-        chooser = Chooser(Algorithm.AUTO, 256, dedicated=False)
+        chooser = Chooser(Algorithm.AUTO, 256)
         grad = rows_touched(65_536 * 32 // width, width, touched)
         kind = (grad.numel(), 0, 0)
         assert chooser.block_size(kind, grad) == 256               # before it saw a result
-        chooser.learn(kind, grad)
+        chooser.learn(kind, grad, Algorithm.SPARSE, 0.01)
         assert chooser.block_size(kind, grad) == expected, (width, touched)
 
 
@@ -157,10 +176,10 @@ def test_every_path_sums_like_a_reference(store, dtype):
         "dense": [with_density(BIG, 1.0, seed=r).to(dtype) for r in range(world)],
         "sparse": [with_density(BIG, 0.05, seed=10 + r).to(dtype) for r in range(world)],
     }
-    order = ["tiny", "dense", "dense", "sparse", "sparse", "dense"]
-    # the path each call takes: tiny always on the ring; "dense" and "sparse" are one kind, whose
-    # first call is sparse and whose later calls follow the previous result's density
-    expected_ring = [True, False, True, True, False, False]
+    order = ["tiny", "dense", "dense", "dense", "sparse", "sparse", "dense"]
+    # the path each call takes: tiny always on the ring; "dense" and "sparse" are one kind: timed
+    # on the sparse path twice once dense, then on the ring, until a sparse result ends the trials
+    expected_ring = [True, False, False, True, True, False, False]
 
     def body(r, comm):
         out = []
@@ -189,7 +208,7 @@ def test_the_ring_writes_into_views_and_tensors_that_require_grad(store):
         column = base[:, 1]                       # not contiguous
         comm.allreduce(column)
         leaf = torch.full((2000,), float(r + 1), requires_grad=True)
-        for _ in range(2):                        # the second one takes the ring
+        for _ in range(3):                        # the third one takes the ring
             leaf.data.fill_(r + 1)
             comm.allreduce(leaf)
         return base, leaf.detach(), comm.stats.ring_collectives
@@ -214,7 +233,7 @@ def test_ranks_that_disagree_on_a_large_ring_call_all_get_mismatch_error(store):
     """Both kinds take the ring: the first, fixed-size round tells every rank."""
     def body(r, comm):
         a, b = torch.ones(BIG), torch.ones(BIG + 256)
-        for tensor in (a, b, a, b):               # both kinds learned dense: both take the ring
+        for tensor in (a, b) * 3:                 # both kinds dense: their third calls take the ring
             comm.allreduce(tensor.fill_(1))
         assert comm.stats.ring_collectives == 2
         comm.allreduce(a if r == 0 else b)
@@ -225,7 +244,7 @@ def test_a_large_ring_call_against_a_tiny_one_is_a_mismatch_not_an_abort(store):
     """gloo aborts the process when buffer sizes differ; every ring call starts with the same one."""
     def body(r, comm):
         big = torch.ones(BIG)
-        for _ in range(2):
+        for _ in range(3):
             comm.allreduce(big.fill_(1))
         comm.allreduce(big if r == 0 else torch.ones(5))
     assert_mismatch_on_every_rank(run_ranks(store, 2, body))
@@ -254,8 +273,8 @@ def test_ranks_on_different_paths_get_mismatch_error_at_once(store):
     the timeout."""
     def body(r, comm):
         a = torch.ones(BIG)
-        comm.allreduce(a)
-        comm.allreduce(a.fill_(1))                # both learned: this kind is dense
+        for _ in range(3):                        # dense: the next call of this kind takes the ring
+            comm.allreduce(a.fill_(1))
         start = time.monotonic()
         try:
             comm.allreduce(torch.ones(BIG) if r == 0 else torch.ones(BIG + 256))

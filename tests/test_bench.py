@@ -314,15 +314,17 @@ def test_end_to_end_loopback_sparcoll_and_sweep(tmp_path):
 
 
 def test_end_to_end_auto_next_to_forced_sparse(tmp_path):
-    """"sparcoll" is the default choice (dense data goes through gloo's ring once a warm-up showed it
-    dense), "sparse" the sparse AllReduce forced; both sums are checked by the harness."""
+    """"sparcoll" is the default choice (dense data takes the faster of gloo's ring and the sparse
+    path once the warm-up timed both), "sparse" the sparse AllReduce forced; the harness checks
+    both sums."""
     records, cp = _bench(tmp_path, "--workers", "2", "--numel", "8K", "--network", "none",
                          "--density", "0.1,1", "--algos", "sparcoll,sparse,ring", "--repeat", "2",
-                         "--warmup", "1")
+                         "--warmup", "5")
     bytes_sent = {(r["algo"], r["input"], r["density"]): r["bytes_sent_per_worker"] for r in records}
     ring_bytes = bounds.ring(2, 8192 * 4)
-    assert bytes_sent["sparcoll", "dense", 1.0] == ring_bytes           # all on the ring
     assert bytes_sent["sparse", "dense", 1.0] > ring_bytes              # blocks, headers, indices
+    # dense: after its trials (in the warm-up) the faster path on this machine, one or the other
+    assert bytes_sent["sparcoll", "dense", 1.0] in (ring_bytes, bytes_sent["sparse", "dense", 1.0])
     assert bytes_sent["sparcoll", "dense", 0.1] == bytes_sent["sparse", "dense", 0.1]
     assert bytes_sent["sparcoll", "coo", 1.0] == bytes_sent["sparse", "coo", 1.0]  # COO: never the ring
     assert "sparse (coo)" in cp.stdout

@@ -1,18 +1,21 @@
-"""Which algorithm runs a collective: the sparse AllReduce, or gloo's ring for what it does better.
+"""Which algorithm runs a collective: the sparse AllReduce, or gloo's ring where it is faster.
 
-The sparse AllReduce wins when blocks are zero; a dense tensor gains nothing from its scan and
-per-block bookkeeping, and a tiny one pays its round trip through the aggregators' threads. With
-algorithm "auto" (the default) a rank sends
-  - a tiny tensor (at most TINY_NUMEL elements) through the ring, in one round;
-  - a tensor whose last result of the same kind was dense (at least `ring_density` of its blocks
-    non-zero) through the ring, with colocated aggregators only: dedicated ones beat the ring even
-    on dense data, since no worker's link carries more than its own tensor each way;
-  - everything else, COO tensors and a kind's first collective included, through the sparse path.
-"Of the same kind": the same number of elements, dtype and op (a DDP bucket each step). Every rank
-must choose the same, without a message to agree: the choice depends only on the ranks' calls and
-on earlier results, which are identical on every rank. The engine runs one collective at a time,
-so the result a choice depends on is always complete. A kind switches back to the sparse path once
-its result's density falls below `ring_density` * HYSTERESIS.
+The sparse AllReduce wins when blocks are zero; on dense data its scan and per-block bookkeeping cost
+CPU the ring does not spend (it loses on loopback), while on a slow link it may still win (with
+dedicated aggregators no worker link carries more than its tensor each way). So with "auto" (the
+default) the choice is measured, per kind of collective ("kind": the same number of elements, dtype
+and op, as a DDP bucket each step):
+  - a tiny tensor (at most TINY_NUMEL elements) goes through the ring, in one round (ring.py);
+  - a kind's collectives go the sparse way while its last result was sparse (less than
+    CANDIDATE_DENSITY of its blocks non-zero): there the sparse path wins everywhere we measured;
+  - once a result is dense, the kind is timed on both paths: TRIALS collectives on the sparse path,
+    TRIALS on the ring, then one more on the ring whose first round (ring.py) carries every rank's
+    best time on each path, so every rank learns the same averages; the faster path keeps the kind
+    while it stays dense (a kind's first collectives are slower: the best of TRIALS discounts that).
+COO tensors always go the sparse way. Every rank must choose alike without a message of its own:
+the choice depends only on the ranks' calls, on earlier results (identical on every rank), and on
+times averaged in a ring round (identical too). The engine runs one collective at a time, so what a
+choice depends on is complete before the next collective starts.
 
 "sparse" and "ring" force one algorithm (a COO tensor always goes the sparse way).
 
@@ -33,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 
 TINY_NUMEL = 1024       # at most this many elements: one ring round (ring.py) beats any protocol
-RING_DENSITY = 0.75     # colocated, a result at least this dense sends its kind through the ring
-HYSTERESIS = 0.8        # ... and one below RING_DENSITY * HYSTERESIS sends it back
-SAMPLE_BLOCKS = 512     # blocks of a result looked at to estimate its density
+CANDIDATE_DENSITY = 0.4  # a result at least this dense (at its block size) has its kind try the ring
+TRIALS = 2              # collectives timed on each path before a dense kind's path is chosen
+SAMPLE_BLOCKS = 256     # blocks of a result looked at to estimate its density
 MIN_BLOCK = 16          # the smallest block size chosen: below it, indices outweigh the data
 SLACK = 0.1             # a smaller block size must save more than this share of the bytes
 INDEX_BYTES = 4         # per block on the wire (wire.INDEX_BYTES)
@@ -59,44 +62,77 @@ Kind = tuple[int, int, int]     # (numel, dtype code, op code)
 
 
 @dataclass
+class KindState:
+    block: int                                  # elements per block on the sparse path
+    dense: bool = False                         # its last result was at least CANDIDATE_DENSITY
+    times: dict = field(default_factory=dict)   # this rank's times per Algorithm since it is dense
+    chosen: Algorithm | None = None             # the faster path on average, once known
+
+    def next_trial(self) -> Algorithm:
+        """The path to time next (RING also for the collective that shares the times)."""
+        return Algorithm.SPARSE if len(self.times.get(Algorithm.SPARSE, ())) < TRIALS \
+            else Algorithm.RING
+
+
+@dataclass
 class Chooser:
     """The choice for every collective of one communicator, and what it learned from results."""
     mode: Algorithm
     largest_block: int              # the communicator's block size
-    dedicated: bool
-    ring_density: float = RING_DENSITY
-    _dense: dict[Kind, bool] = field(default_factory=dict)      # kind -> its last result was dense
+    _kinds: dict[Kind, KindState] = field(default_factory=dict)
     _samples: dict[Kind, torch.Tensor] = field(default_factory=dict)
-    _blocks: dict[Kind, int] = field(default_factory=dict)      # kind -> its block size
 
     def choose(self, kind: Kind, coo: bool) -> Algorithm:
         """SPARSE or RING for the next collective of `kind`."""
         if coo or self.mode is Algorithm.SPARSE:
             return Algorithm.SPARSE
-        if self.mode is Algorithm.RING or kind[0] <= TINY_NUMEL or self._dense.get(kind, False):
+        if self.mode is Algorithm.RING or kind[0] <= TINY_NUMEL:
             return Algorithm.RING
-        return Algorithm.SPARSE
+        state = self._kinds.get(kind)
+        if state is None or not state.dense:
+            return Algorithm.SPARSE
+        return state.chosen or state.next_trial()
 
     def block_size(self, kind: Kind, tensor: torch.Tensor) -> int:
         """Elements per block for the next sparse-path collective of `kind` on `tensor`."""
         if tensor.layout == torch.sparse_coo:
             return entry_block_size(math.prod(tensor.shape[tensor.sparse_dim():]),
                                     self.largest_block)
-        return self._blocks.get(kind, self.largest_block)
+        state = self._kinds.get(kind)
+        return self.largest_block if state is None else state.block
 
-    def learn(self, kind: Kind, result: torch.Tensor) -> None:
-        """Note how dense the result of a collective of `kind` was, and at which granularity."""
+    def to_share(self, kind: Kind) -> list[float] | None:
+        """For a ring collective of `kind` that should end its trials: this rank's best times on
+        the sparse path and on the ring, to be averaged over the ranks; else None."""
+        state = self._kinds.get(kind)
+        if state is None or not state.dense or state.chosen is not None \
+                or len(state.times.get(Algorithm.RING, ())) < TRIALS:
+            return None
+        return [min(state.times[Algorithm.SPARSE]), min(state.times[Algorithm.RING])]
+
+    def shared(self, kind: Kind, averages: list[float]) -> None:
+        """Every rank's averages of what `to_share` gave: the faster path keeps the kind."""
+        sparse_s, ring_s = averages
+        self._kinds[kind].chosen = Algorithm.RING if ring_s < sparse_s else Algorithm.SPARSE
+
+    def learn(self, kind: Kind, result: torch.Tensor, algorithm: Algorithm,
+              seconds: float) -> None:
+        """Note how long a collective of `kind` took on `algorithm`, how dense its result was and
+        at which granularity."""
         if self.mode is Algorithm.RING or kind[0] <= TINY_NUMEL or result.layout != torch.strided:
             return
         shares = self.densities(kind, result)
-        density = shares[self.largest_block]
         costs = {b: share * (1 + INDEX_BYTES / (b * result.element_size()))
                  for b, share in shares.items()}
         best = min(costs.values())
-        self._blocks[kind] = max(b for b, cost in costs.items() if cost <= best * (1 + SLACK))
-        if self.mode is Algorithm.AUTO and not self.dedicated:
-            was_dense = self._dense.get(kind, False)
-            self._dense[kind] = density >= self.ring_density * (HYSTERESIS if was_dense else 1.0)
+        block = max(b for b, cost in costs.items() if cost <= best * (1 + SLACK))
+        state = self._kinds.setdefault(kind, KindState(block))
+        state.block = block
+        dense = self.mode is Algorithm.AUTO and shares[block] >= CANDIDATE_DENSITY
+        if dense != state.dense:        # times measured on other data say nothing about this
+            state.dense, state.times, state.chosen = dense, {}, None
+        if dense:
+            state.times.setdefault(algorithm, []).append(seconds)
 
     def densities(self, kind: Kind, result: torch.Tensor) -> dict[int, float]:
         """Share of non-zero blocks for every candidate block size, among SAMPLE_BLOCKS blocks of
@@ -116,9 +152,14 @@ class Chooser:
                 sample = torch.randperm(full, generator=generator)[:SAMPLE_BLOCKS]
                 self._samples[kind] = sample
             blocks = blocks[sample]
-        nonzero = blocks.ne(0)
-        return {b: nonzero.view(len(nonzero), size // b, b).any(dim=2).float().mean().item()
-                for b in candidate_block_sizes(size)}
+        sizes = candidate_block_sizes(size)         # largest first, each half the one before
+        marks = blocks.ne(0).view(len(blocks), size // sizes[-1], sizes[-1]).any(dim=2)
+        shares = {}
+        for b in reversed(sizes):                   # pairs of marks of b are the marks of 2b
+            shares[b] = marks.sum().item() / marks.numel()
+            if b != size:
+                marks = marks.view(len(marks), -1, 2).any(dim=2)
+        return shares
 
 
 def candidate_block_sizes(largest: int) -> list[int]:

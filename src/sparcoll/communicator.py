@@ -77,8 +77,7 @@ class Communicator:
             secret = self.options.secret
         self._worker = WorkerJob(self.rank, self.job, self.config, self.block_size, addresses,
                                  self._poisoned, server, local_job)
-        chooser = Chooser(self.options.algorithm, self.block_size,
-                          dedicated=self.aggregators is not None)
+        chooser = Chooser(self.options.algorithm, self.block_size)
         self._engine = Engine(self.rank, self._worker, chooser, ring=None)
         if local_job is not None:
             local_job.attach(self.rank, LocalWorker(self._worker.local_inbox()))

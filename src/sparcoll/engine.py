@@ -1,8 +1,9 @@
 """The engine: runs a communicator's collectives one at a time, in the order the rank submitted them.
 
 Each runs on the sparse AllReduce or on gloo's ring, as the chooser says (algorithm.py); what it
-learns from a result decides later collectives of the same kind, identically on every rank, because
-the result it learns from is complete before the next collective starts.
+learns from a result (and from times the ranks average in a ring round) decides later collectives of
+the same kind, identically on every rank, because all of it is complete before the next collective
+starts.
 
 Only one collective is in flight, so a worker's memory and the aggregators' stay bounded. Ranks must
 call collectives in one order; each gets the next id. Three ways a collective runs:
@@ -262,11 +263,16 @@ class Engine:
     def _run(self, coll: WorkerCollective) -> BaseException | None:
         """Run `coll` with the algorithm (and block size) chosen for it; learn from its result."""
         kind, op = coll.kind, coll.kind[2]
-        if self.chooser.choose(kind, coll.sparse) is Algorithm.RING:
+        algorithm = self.chooser.choose(kind, coll.sparse)
+        start = time.monotonic()
+        if algorithm is Algorithm.RING:
             def peer_report():
                 return self.worker.take_early_error(coll.id) or self.worker.sparse_peer(coll.id)
             try:
-                self.ring.allreduce(coll.id, coll.tensor, op, coll.timeout, peer_report)
+                averages = self.ring.allreduce(coll.id, coll.tensor, op, coll.timeout, peer_report,
+                                               self.chooser.to_share(kind))
+                if averages is not None:
+                    self.chooser.shared(kind, averages)
                 error = None
             except SparcollError as exc:    # peers on the sparse path (if any) must hear of it
                 self.worker.abort(coll.id, str(exc), wire.code_of(exc))
@@ -274,7 +280,7 @@ class Engine:
         else:
             error = self.worker.run(coll, self.chooser.block_size(kind, coll.tensor))
         if error is None:
-            self.chooser.learn(kind, coll.tensor)
+            self.chooser.learn(kind, coll.tensor, algorithm, time.monotonic() - start)
         return error
 
     def close(self) -> bool:

@@ -6,7 +6,9 @@ agree. So every ring collective starts with the same allreduce, of a buffer whos
 depends on the call: float64, TINY_NUMEL slots for data, then a check of (id, numel, dtype, op) as
 16-bit digits x and their squares. Summed, all ranks agree iff sum(x) == world * x and
 sum(x^2) == world * x^2 on every rank (the ranks' values then have zero variance), so every rank
-sees a disagreement and raises MismatchError; none aborts.
+sees a disagreement and raises MismatchError; none aborts. Two more slots carry numbers the ranks
+must agree on (the chooser's times, algorithm.py): summed and divided by the world, every rank gets
+the same averages.
   - A tiny tensor (at most TINY_NUMEL elements) travels in that buffer: one round, as fast as gloo's
     own (docs/benchmarks.md), summed in float64 and rounded once, as the sparse path's float32
     accumulation would.
@@ -28,6 +30,7 @@ from .errors import CollectiveTimeout, MismatchError, PeerError
 
 _DIGITS = 4                 # 16-bit digits per checked field (id, numel, dtype, op)
 _CHECK = 2 * 4 * _DIGITS    # the digits and their squares
+_SHARED = 2                 # numbers averaged over the ranks in the first round
 _POLL = 0.05                # seconds between looks for a peer's report while gloo runs
 
 
@@ -40,14 +43,15 @@ class Ring:
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         self.rank, self.world = rank, world
         self.group = dist.ProcessGroupGloo(store, rank, world, options)
-        self._first = torch.zeros(TINY_NUMEL + _CHECK, dtype=torch.float64)
+        self._first = torch.zeros(TINY_NUMEL + _CHECK + _SHARED, dtype=torch.float64)
         self.collectives = 0
         self.bytes = 0              # bytes of tensors handed to gloo (each crosses the ring twice)
 
-    def allreduce(self, cid: int, tensor: torch.Tensor, op: int, timeout: float,
-                  peer_report) -> None:
-        """Sum (or average) `tensor` in place over all ranks. `peer_report()` returns a peer's
-        error for this collective, if one arrived."""
+    def allreduce(self, cid: int, tensor: torch.Tensor, op: int, timeout: float, peer_report,
+                  share: list[float] | None = None) -> list[float] | None:
+        """Sum (or average) `tensor` in place over all ranks; returns the ranks' averages of the
+        _SHARED numbers in `share` (None if none given: then every rank must give none).
+        `peer_report()` returns a peer's error for this collective, if one arrived."""
         data = tensor.detach()
         fields = [cid, data.numel(), wire.DTYPE_CODES[data.dtype], op]
         tiny = data.numel() <= TINY_NUMEL
@@ -57,9 +61,11 @@ class Ring:
             buffer[:data.numel()] = data.reshape(-1)
         digits = torch.tensor([(f >> (16 * d)) & 0xFFFF for f in fields for d in range(_DIGITS)],
                               dtype=torch.float64)
-        check = buffer[TINY_NUMEL:]
+        check = buffer[TINY_NUMEL:TINY_NUMEL + _CHECK]
         check[:len(digits)] = digits
         check[len(digits):] = digits * digits
+        shared = buffer[TINY_NUMEL + _CHECK:]
+        shared[:] = torch.tensor(share or [0.0] * _SHARED, dtype=torch.float64)
         self._run(buffer, timeout, peer_report)
         if not (torch.equal(check[:len(digits)], digits * self.world)
                 and torch.equal(check[len(digits):], digits * digits * self.world)):
@@ -78,6 +84,7 @@ class Ring:
             data.copy_(total.view(data.shape))
         self.collectives += 1
         self.bytes += data.numel() * data.element_size()
+        return None if share is None else (shared / self.world).tolist()
 
     def _run(self, tensor: torch.Tensor, timeout: float, peer_report) -> None:
         """One gloo SUM allreduce, waited for until done, a peer's report, or the deadline. gloo's
