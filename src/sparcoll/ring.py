@@ -98,10 +98,14 @@ class Ring:
             try:
                 work.wait(timedelta(seconds=max(0.001, min(_POLL, deadline - time.monotonic()))))
                 return
-            except Exception as exc:    # gloo: "Operation timed out!" from this wait, or a failure
-                if work.is_completed():     # the allreduce failed: a dead peer, gloo's timeout
-                    raise PeerError(f"rank {self.rank}: gloo's ring allreduce failed: {exc}") \
-                        from exc
+            except Exception:   # gloo: "Operation timed out!" from this wait, or a failure
+                if work.is_completed():     # done meanwhile, or failed: its own outcome says which
+                    try:
+                        work.wait()
+                        return
+                    except Exception as exc:    # a dead peer, gloo's own timeout
+                        raise PeerError(f"rank {self.rank}: gloo's ring allreduce failed: "
+                                        f"{exc}") from exc
             report = peer_report()
             if report is not None:
                 raise report
