@@ -346,3 +346,37 @@ def test_a_peer_that_dies_during_a_ring_collective_fails_it_at_once():
     survivor, _ = run_processes(peer_dies_during_ring, 2, timeout=90)
     assert survivor["error"] is not None, survivor
     assert survivor["seconds"] < 15, survivor
+
+
+class CompletedWork:
+    """A gloo Work that completed just as a wait slice timed out: the slice raises anyway."""
+
+    def __init__(self, failure: BaseException | None):
+        self.failure = failure
+
+    def wait(self, timeout=None):
+        if timeout is not None:
+            raise RuntimeError("Operation timed out!")
+        if self.failure is not None:
+            raise self.failure
+        return True
+
+    def is_completed(self):
+        return True
+
+
+@pytest.mark.parametrize("failure", [None, RuntimeError("Connection reset by peer")])
+def test_a_wait_slice_that_times_out_as_the_allreduce_completes_is_not_a_failure(failure):
+    from types import SimpleNamespace
+
+    from sparcoll.errors import PeerError
+    from sparcoll.ring import Ring
+
+    ring = object.__new__(Ring)     # only _run is under test: no gloo group needed
+    ring.rank = 0
+    ring.group = SimpleNamespace(allreduce=lambda tensors, options: CompletedWork(failure))
+    if failure is None:
+        ring._run(torch.ones(4), 5.0, lambda: None)
+    else:
+        with pytest.raises(PeerError, match="Connection reset by peer"):
+            ring._run(torch.ones(4), 5.0, lambda: None)
