@@ -10,8 +10,10 @@ and op, as a DDP bucket each step):
     CANDIDATE_DENSITY of its blocks non-zero): there the sparse path wins everywhere we measured;
   - once a result is dense, the kind is timed on both paths: TRIALS collectives on the sparse path,
     TRIALS on the ring, then one more on the ring whose first round (ring.py) carries every rank's
-    best time on each path, so every rank learns the same averages; the faster path keeps the kind
-    while it stays dense (a kind's first collectives are slower: the best of TRIALS discounts that).
+    best time on each path, so every rank learns the same averages; the ring keeps the kind while it
+    stays dense unless the sparse path was clearly faster (by SPARSE_MARGIN: on dense data the sparse
+    path's scan and bookkeeping take CPU from the training around it, and on loopback the two are
+    within noise of each other). The best of TRIALS discounts a kind's slower first collectives.
 COO tensors always go the sparse way. Every rank must choose alike without a message of its own:
 the choice depends only on the ranks' calls, on earlier results (identical on every rank), and on
 times averaged in a ring round (identical too). The engine runs one collective at a time, so what a
@@ -38,6 +40,7 @@ import torch
 TINY_NUMEL = 1024       # at most this many elements: one ring round (ring.py) beats any protocol
 CANDIDATE_DENSITY = 0.4  # a result at least this dense (at its block size) has its kind try the ring
 TRIALS = 2              # collectives timed on each path before a dense kind's path is chosen
+SPARSE_MARGIN = 0.9     # a dense kind stays sparse only if that was this much faster than the ring
 SAMPLE_BLOCKS = 256     # blocks of a result looked at to estimate its density
 MIN_BLOCK = 16          # the smallest block size chosen: below it, indices outweigh the data
 SLACK = 0.1             # a smaller block size must save more than this share of the bytes
@@ -111,9 +114,10 @@ class Chooser:
         return [min(state.times[Algorithm.SPARSE]), min(state.times[Algorithm.RING])]
 
     def shared(self, kind: Kind, averages: list[float]) -> None:
-        """Every rank's averages of what `to_share` gave: the faster path keeps the kind."""
+        """Every rank's averages of what `to_share` gave: the path that keeps the kind."""
         sparse_s, ring_s = averages
-        self._kinds[kind].chosen = Algorithm.RING if ring_s < sparse_s else Algorithm.SPARSE
+        clearly_faster = sparse_s < ring_s * SPARSE_MARGIN
+        self._kinds[kind].chosen = Algorithm.SPARSE if clearly_faster else Algorithm.RING
 
     def learn(self, kind: Kind, result: torch.Tensor, algorithm: Algorithm,
               seconds: float) -> None:
