@@ -32,6 +32,8 @@ _DIGITS = 4                 # 16-bit digits per checked field (id, numel, dtype,
 _CHECK = 2 * 4 * _DIGITS    # the digits and their squares
 _SHARED = 2                 # numbers averaged over the ranks in the first round
 _POLL = 0.05                # seconds between looks for a peer's report while gloo runs
+_SPIN = 0.002               # seconds of looking at is_completed() first: gloo's timed wait wakes
+                            # about 0.9 ms late (8 floats on loopback: 1.9 ms against 1.0 untimed)
 
 
 class Ring:
@@ -87,12 +89,15 @@ class Ring:
         return None if share is None else (shared / self.world).tolist()
 
     def _run(self, tensor: torch.Tensor, timeout: float, peer_report) -> None:
-        """One gloo SUM allreduce, waited for until done, a peer's report, or the deadline. gloo's
-        own wait (in C++, without the GIL) wakes at once when the allreduce completes; between
-        waits of _POLL seconds, this rank looks for a peer's report."""
+        """One gloo SUM allreduce, waited for until done, a peer's report, or the deadline: first
+        _SPIN seconds of polling (a short collective is done by then), then gloo's own wait in
+        slices of _POLL seconds, between which this rank looks for a peer's report."""
         options = dist.AllreduceOptions()
         options.timeout = timedelta(seconds=timeout)
         work = self.group.allreduce([tensor], options)
+        spin_end = time.monotonic() + _SPIN
+        while not work.is_completed() and time.monotonic() < spin_end:
+            time.sleep(0)       # yields the GIL; a short collective ends here, woken at once
         deadline = time.monotonic() + timeout
         while True:
             try:
