@@ -37,14 +37,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-TINY_NUMEL = 1024       # at most this many elements: one ring round (ring.py) beats any protocol
+from .wire import INDEX_BYTES
+
+TINY_NUMEL = 1024       # at most this many elements: one ring round (ring.py), no trials
 CANDIDATE_DENSITY = 0.4  # a result at least this dense (at its block size) has its kind try the ring
 TRIALS = 2              # collectives timed on each path before a dense kind's path is chosen
 SPARSE_MARGIN = 0.9     # a dense kind stays sparse only if that was this much faster than the ring
 SAMPLE_BLOCKS = 256     # blocks of a result looked at to estimate its density
 MIN_BLOCK = 16          # the smallest block size chosen: below it, indices outweigh the data
 SLACK = 0.1             # a smaller block size must save more than this share of the bytes
-INDEX_BYTES = 4         # per block on the wire (wire.INDEX_BYTES)
 
 
 class Algorithm(enum.Enum):

@@ -9,9 +9,9 @@ sum(x^2) == world * x^2 on every rank (the ranks' values then have zero variance
 sees a disagreement and raises MismatchError; none aborts. Two more slots carry numbers the ranks
 must agree on (the chooser's times, algorithm.py): summed and divided by the world, every rank gets
 the same averages.
-  - A tiny tensor (at most TINY_NUMEL elements) travels in that buffer: one round, as fast as gloo's
-    own (docs/benchmarks.md), summed in float64 and rounded once, as the sparse path's float32
-    accumulation would.
+  - A tiny tensor (at most TINY_NUMEL elements) travels in that buffer: one round (still about
+    twice gloo's own time per call on loopback, docs/benchmarks.md), summed in float64 and rounded
+    once, as the sparse path's float32 accumulation would.
   - A larger one follows in a second allreduce of the tensor itself, in its own dtype.
 A ring collective waits for gloo or for a peer's report of the same collective (a peer that refused
 its input tells the aggregators; see WorkerJob.abort), whichever comes first, at most `timeout`.
