@@ -56,6 +56,7 @@ class Compressor:
     variable = False        # payload size depends on the data: the Reducer gathers sizes first
     entries = False         # compresses the entries of a sparse COO tensor without densifying
     keeps_entries = False   # ... and keeps every one of them (a cast)
+    carries_exact = False   # its collective can also carry uncompressed tensors (`whole`)
     block_size = 256        # sparcoll's, for the sparse AllReduce (the Reducer sets the comm's)
 
     def __init__(self, spec: Spec):

@@ -12,13 +12,18 @@ import math
 
 import torch
 
-from .base import Compressor, Payload, block_bytes
+from .base import Compressor, Entries, Payload, block_bytes
 
 
 class BlockTopK(Compressor):
-    """Error: the dropped blocks, each of norm no larger than the smallest kept block's."""
+    """Error: the dropped blocks, each of norm no larger than the smallest kept block's.
+
+    The payload is compact: (kept block indices, ascending; their rows, the last block zero-padded),
+    so neither side ever builds or scans a dense tensor of the dropped blocks; the Reducer hands it
+    to the sparse AllReduce as a COO tensor of blocks."""
     scheme = "sparse"
     entries = True
+    carries_exact = True
 
     def _keep(self, nblocks: int) -> int:
         return min(nblocks, max(1, math.ceil(self.spec.arg * nblocks)))
@@ -33,15 +38,24 @@ class BlockTopK(Compressor):
         full = n // bs
         rows = flat[:full * bs].view(full, bs)
         norms = rows.norm(dim=1)            # 12x faster than square().sum(dim=1): no temporary
+        tail = None
         if n % bs:
-            norms = torch.cat([norms, flat[full * bs:].norm().reshape(1)])
-        keep = self._top(norms, norms.numel())
-        out = torch.zeros(n)
-        kept_full = keep[keep < full]
-        out[:full * bs].view(full, bs)[kept_full] = rows[kept_full]
-        if kept_full.numel() < keep.numel():
-            out[full * bs:] = flat[full * bs:]
-        return Payload((out,), keep.numel())
+            tail = torch.zeros(1, bs)
+            tail[0, :n - full * bs] = flat[full * bs:]
+            norms = torch.cat([norms, tail.norm().reshape(1)])
+        keep = self._top(norms, norms.numel()).sort().values
+        if tail is not None and keep.numel() and int(keep[-1]) == full:
+            kept = torch.cat([rows.index_select(0, keep[:-1]), tail])
+        else:
+            kept = rows.index_select(0, keep)
+        return Payload((keep, kept), n)
+
+    def whole(self, x: torch.Tensor) -> Payload:
+        """Every block of `x`: an uncompressed tensor riding in the same sparse AllReduce."""
+        n, bs = x.numel(), self.block_size
+        rows = torch.zeros(-(-n // bs), bs)
+        rows.view(-1)[:n] = x.reshape(-1)
+        return Payload((torch.arange(rows.shape[0]), rows), n)
 
     def compress_entries(self, idx: torch.Tensor, vals: torch.Tensor, numel: int):
         """The same choice over the blocks a COO tensor's entries touch (linear indices)."""
@@ -52,12 +66,24 @@ class BlockTopK(Compressor):
         mask = kept[where]
         return idx[mask], vals[mask]
 
-    def decompress(self, parts: tuple, ctx) -> torch.Tensor:
-        return parts[0]
+    def decompress(self, parts: tuple, numel: int) -> torch.Tensor:
+        indices, rows = parts
+        bs = self.block_size
+        out = torch.zeros(-(-numel // bs), bs)
+        out.index_copy_(0, indices, rows)
+        return out.view(-1)[:numel]
+
+    def sent(self, payload: Payload) -> Entries:
+        """The kept elements, for error feedback (the last block's padding left out)."""
+        indices, rows = payload.parts
+        bs, numel = self.block_size, payload.ctx
+        positions = (indices.unsqueeze(1) * bs + torch.arange(bs)).view(-1)
+        inside = positions < numel
+        return Entries(positions[inside], rows.reshape(-1)[inside])
 
     def sent_bytes(self, payload: Payload) -> int:
-        """The kept blocks (`payload.ctx` of them) and their indices, as sparcoll sends them."""
-        return self._blocks_bytes(payload.ctx)
+        """The kept blocks and their indices, as sparcoll sends them."""
+        return self._blocks_bytes(payload.parts[0].numel())
 
     def _blocks_bytes(self, count: int) -> int:
         return block_bytes(count, self.block_size, 4)

@@ -35,33 +35,39 @@ class Channel:
         return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]),
                                                        tensors)]
 
-    def sparse_mean_many(self, tensors: list, block_size: int) -> list:
-        """Average dense block-sparse tensors in one sparse AllReduce, each starting on a block
-        boundary so its zero blocks stay zero blocks."""
-        if len(tensors) == 1 or self.world == 1:
-            return [self.sparse_mean(t) for t in tensors]
-        slots = [-(-t.numel() // block_size) * block_size for t in tensors]
-        flat = torch.zeros(sum(slots))
-        for slot, t in zip(flat.split(slots), tensors):
-            slot[:t.numel()] = t
-        flat = self.sparse_mean(flat)
-        return [slot[:t.numel()] for slot, t in zip(flat.split(slots), tensors)]
+    def blocks_mean(self, tensors: list, block_size: int, into: list | None = None) -> list:
+        """Average block-sparse tensors given as (block indices ascending, rows, numel) in one sparse
+        AllReduce: their blocks side by side as one COO tensor of rows, so nothing dense is built,
+        scanned or sent for the blocks no rank kept. Returns each tensor's flat dense average,
+        written into `into`'s flat float32 tensors when given."""
+        counts = [-(-numel // block_size) for _, _, numel in tensors]
+        offsets = [0]
+        for count in counts[:-1]:
+            offsets.append(offsets[-1] + count)
+        indices = torch.cat([idx + off for (idx, _, _), off in zip(tensors, offsets)])
+        rows = torch.cat([r for _, r, _ in tensors])
+        coo = torch.sparse_coo_tensor(indices.unsqueeze(0), rows, (sum(counts), block_size),
+                                      is_coalesced=True, check_invariants=False)
+        summed = self.sparse_mean(coo)
+        got, vals = summed.indices()[0], summed.values()
+        bounds = torch.searchsorted(got, torch.tensor(offsets + [sum(counts)])).tolist()
+        out = []
+        for j, ((_, _, numel), off, lo, hi) in enumerate(zip(tensors, offsets, bounds, bounds[1:])):
+            dense = torch.empty(numel) if into is None else into[j]
+            out.append(_scatter_rows(dense.zero_(), got[lo:hi] - off, vals[lo:hi], block_size))
+        return out
 
     def sparse_mean(self, t: torch.Tensor) -> torch.Tensor:
-        """Average a block-sparse dense tensor (in place) or a COO tensor (a new one) with sparcoll's
-        sparse AllReduce: only blocks that are non-zero somewhere cross the wire. Without a
-        communicator, the group's own all_reduce (sparcoll's too on a sparcoll group)."""
+        """Average a sparse COO tensor (a new coalesced one) with sparcoll's sparse AllReduce: only
+        blocks that are non-zero somewhere cross the wire. Without a communicator, the group's own
+        sparse all_reduce (gloo's gathers; a sparcoll group's is sparcoll's)."""
         if self.world == 1:
             return t
         if self.comm is not None:
-            if t.is_sparse:
-                return self.comm.allreduce_coo(t, op="avg")
-            return self.comm.allreduce(t, op="avg")
-        if t.is_sparse:
-            t = t / self.world
-            dist.all_reduce(t, group=self.group)
-            return t.coalesce()
-        return self.allreduce_mean(t)
+            return self.comm.allreduce_coo(t, op="avg")
+        t = t / self.world
+        dist.all_reduce(t, group=self.group)
+        return t.coalesce()
 
     def allgather(self, parts: tuple, variable: bool) -> list[tuple]:
         """Every rank's `parts` (1-D tensors, the same dtypes on every rank), in rank order. With
@@ -85,6 +91,17 @@ class Channel:
         gathered = [torch.empty_like(data) for _ in range(self.world)]
         dist.all_gather(gathered, data, group=self.group)
         return [_split(buf, n, parts) for buf, n in zip(gathered, every)]
+
+
+def _scatter_rows(flat: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, width: int):
+    """Write `rows` (width elements each, ascending block `indices`) into the flat tensor; the
+    last block may be partial (its padding dropped)."""
+    full = flat.numel() // width
+    inside = int(torch.searchsorted(indices, full))
+    flat[:full * width].view(full, width).index_copy_(0, indices[:inside], rows[:inside])
+    if inside < indices.numel():
+        flat[full * width:] = rows[inside, :flat.numel() - full * width]
+    return flat
 
 
 def _split(buf: torch.Tensor, lengths: torch.Tensor, like: tuple) -> tuple:

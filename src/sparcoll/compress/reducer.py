@@ -44,10 +44,18 @@ class Reducer:
     def reduce(self, tensor: torch.Tensor, key=None) -> torch.Tensor:
         return self.reduce_many([tensor], [key])[0]
 
-    def reduce_many(self, tensors: list, keys: list) -> list:
+    def reduce_many(self, tensors: list, keys: list, exact: list = (), into: list | None = None) -> list:
         """`reduce` for several tensors, with one collective for all of them (two for PowerSGD and
         variable-size gathers) instead of one per tensor: latency is paid once. Sparse COO tensors
-        of compressors that keep them sparse are reduced one by one."""
+        of compressors that keep them sparse are reduced one by one. `exact`: dense tensors averaged
+        uncompressed in the same collective (every block of them; only where the compressor's
+        collective can carry them, `carries_exact`), their averages after the others'. `into`: flat
+        float32 tensors, one per dense input then per exact one, that receive the averages (the
+        sparse AllReduce writes there directly, saving a dense temporary and a copy); returned."""
+        if exact and not self.compressor.carries_exact:
+            raise ValueError(f"{self.spec} cannot carry uncompressed tensors in its collective")
+        if into is not None and any(t.is_sparse for t in tensors):
+            raise ValueError("`into` takes dense inputs only")
         c, results, dense = self.compressor, [None] * len(tensors), []
         for i, (tensor, key) in enumerate(zip(tensors, keys)):
             if tensor.is_sparse and c.entries:
@@ -56,7 +64,7 @@ class Reducer:
                 dense.append(i)
         shapes = [tuple(tensors[i].shape) for i in dense]
         comps = [self.memory.compensate(_flat_float(tensors[i]), keys[i]) for i in dense]
-        if not comps:
+        if not comps and not exact:
             return results
         if c.scheme == "powersgd":
             outs = c.reduce_many(comps, shapes, [keys[i] for i in dense],
@@ -71,18 +79,26 @@ class Reducer:
                 if self.memory.active:
                     # before the collective, which may reuse the parts' memory
                     self.memory.update(comp, c.sent(payload), keys[i])
-            outs = self._communicate(payloads)
+            riders = [c.whole(_flat_float(t)) for t in exact]
+            self.sent_bytes += sum(c.sent_bytes(payload) for payload in riders)
+            outs = self._communicate(payloads + riders, into)
+        if into is not None:
+            for target, out in zip(into, outs):
+                if out.data_ptr() != target.data_ptr():
+                    target.copy_(out.reshape(-1))
+            return into
         for i, out, shape in zip(dense, outs, shapes):
             results[i] = out.view(shape).to(tensors[i].dtype)
-        return results
+        return results + [out.view(t.shape).to(t.dtype) for out, t in zip(outs[len(dense):], exact)]
 
-    def _communicate(self, payloads: list) -> list:
+    def _communicate(self, payloads: list, into: list | None = None) -> list:
         c, count = self.compressor, len(payloads[0].parts)
         parts = [p for payload in payloads for p in payload.parts]
         if c.scheme == "allreduce":
             parts = self.channel.allreduce_mean_many(parts)
         elif c.scheme == "sparse":
-            parts = self.channel.sparse_mean_many(parts, c.block_size)
+            return self.channel.blocks_mean([(*payload.parts, payload.ctx) for payload in payloads],
+                                            c.block_size, into)
         else:
             gathered = self.channel.allgather(tuple(parts), c.variable)
             return [c.combine([ranks[j * count:(j + 1) * count] for ranks in gathered], payload.ctx)

@@ -99,21 +99,31 @@ class CompressionState:
             view = buffer[offset:offset + param.numel()]
             offset += param.numel()
             groups.setdefault(self.reducer(self.spec_for(param)), []).append((param, view))
+        # Uncompressed gradients (biases, norms) ride in a compressed group's collective where it
+        # can carry them (blocktopk's sparse AllReduce): one collective per bucket, not two.
+        carrier = next((r for r in groups if r.compressor.carries_exact), None)
+        riders = groups.pop(self.reducer(_NONE), []) if carrier is not None else []
         for reducer, members in groups.items():
             if reducer.spec == _NONE and len(members) == len(params):
                 # the whole bucket uncompressed: in place, bit for bit what DDP computes
                 reducer.channel.allreduce_mean(buffer)
                 reducer.sent_bytes += buffer.numel() * buffer.element_size()
                 continue
+            extra = riders if reducer is carrier else []
+            exact = [view for _, view in extra]
             if self.whole_bucket and reducer.compressor.scheme != "powersgd":
                 views = [view for _, view in members]
-                result = reducer.reduce(torch.cat(views), key=tuple(id(p) for p, _ in members))
-                results = result.split([view.numel() for view in views])
+                outs = reducer.reduce_many([torch.cat(views)], [tuple(id(p) for p, _ in members)],
+                                           exact)
+                results = list(outs[0].split([view.numel() for view in views])) + outs[1:]
             else:
+                # the averages land in the bucket itself (float32 buckets: a view is a target)
+                into = [view for _, view in members + extra] if buffer.dtype == torch.float32 else None
                 results = reducer.reduce_many([view.view(param.shape) for param, view in members],
-                                              [param for param, _ in members])
-            for (_, view), result in zip(members, results):
-                view.copy_(result.reshape(-1))
+                                              [param for param, _ in members], exact, into)
+            for (_, view), result in zip(members + extra, results):
+                if result.data_ptr() != view.data_ptr():
+                    view.copy_(result.reshape(-1))
         return buffer
 
 
