@@ -61,6 +61,27 @@ def test_compare_runs_sparcoll_and_ddp_to_the_same_losses(tmp_path):
     (versus,) = report["compare"]["modes"]
     assert versus["label"] == "sparcoll" and versus["max_loss_difference"] < 1e-5
     assert versus["speedup"] == pytest.approx(ddp_run["step_s"] / sparcoll_run["step_s"])
+    # no held-out split: the final loss is the last tenth of the steps' training loss (1 of 4)
+    assert ddp_run["final_loss"] == ddp_run["loss"][-1]
+    assert ddp_run["final_loss_kind"] == "training, mean of the last 1 steps"
+    assert abs(versus["final_loss_difference"]) < 1e-5
+
+
+def test_final_loss_is_the_held_out_loss_where_the_workload_has_one(tmp_path):
+    """gpt evaluates on its held-out split after the last step: the same parameters (DDP, the
+    uncompressed hook) give the same held-out loss, which is none of the training losses."""
+    from sparcoll.train.command import final_loss
+
+    report = train(tmp_path, "--workload", "gpt", "--steps", "3", *TINY,
+                   "--compare", "ddp,hook:compress=none,hook:compress=signsgd")
+    ddp, plain, signs = report["runs"]
+    assert ddp["final_loss_kind"] == "held-out" and math.isfinite(ddp["final_loss"])
+    assert plain["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5)
+    assert ddp["final_loss"] not in ddp["loss"] and signs["final_loss"] != ddp["final_loss"]
+    versus = {m["label"]: m for m in report["compare"]["modes"]}
+    assert versus["hook:signsgd"]["final_loss_difference"] == pytest.approx(
+        (signs["final_loss"] - ddp["final_loss"]) / ddp["final_loss"])
+    assert final_loss([9.0] * 18 + [1.0, 2.0], None)[0] == 1.5     # the last tenth: 2 of 20
 
 
 def test_compare_compressed_hooks_against_ddp(tmp_path):

@@ -150,17 +150,29 @@ def launch(config: dict, workers: int, network: str, timeout: float, on_event) -
                 env={"SPARCOLL_BLOCK_SIZE": str(config["block_size"])}), on_event)
 
 
-def summarize(mode: tuple[str, str | None], steps: list[dict], args) -> dict:
-    """One run's record: means over the steps after the warm-up, and every step's values."""
+def final_loss(losses: list[float], held_out: float | None) -> tuple[float, str]:
+    """The loss a run ended with: on the held-out split where the workload has one, else the mean
+    training loss of the last tenth of the steps (one step's loss on a small batch is noise)."""
+    if held_out is not None:
+        return held_out, "held-out"
+    window = max(1, len(losses) // 10)
+    return statistics.fmean(losses[-window:]), f"training, mean of the last {window} steps"
+
+
+def summarize(mode: tuple[str, str | None], steps: list[dict], args, held_out: float | None = None) -> dict:
+    """One run's record: means over the steps after the warm-up, every step's values, and the
+    final loss."""
     keys = ("step_s", "compute_s", "comm_s", "density_local", "density_union")
     timed = steps[args.warmup:] or steps
     mean = {key: statistics.fmean(s[key] for s in timed) for key in keys}
     sent = [s["bytes_sent"] for s in timed if s.get("bytes_sent") is not None]
     comm, spec = mode
+    losses = [s["loss"] for s in steps]
+    final, kind = final_loss(losses, held_out)
     return {"comm": comm, "compress": spec, "label": label(mode),
             "samples_per_s": args.batch_size * args.workers / mean["step_s"], **mean,
             "bytes_sent_per_step": statistics.fmean(sent) if sent else None,
-            "timed_steps": len(timed), "loss": [s["loss"] for s in steps],
+            "timed_steps": len(timed), "loss": losses, "final_loss": final, "final_loss_kind": kind,
             "per_step": {key: [s[key] for s in steps] for key in keys}}
 
 
@@ -171,11 +183,12 @@ def label(mode: tuple[str, str | None]) -> str:
 
 def compare(runs: list[dict]) -> dict:
     """Every run against the baseline (ddp if it ran, else the last run): how much faster its steps
-    are, and how far its losses drift."""
+    are, how far its losses drift, and its final loss relative to the baseline's."""
     base = next((r for r in runs if r["comm"] == "ddp" and r["compress"] is None), runs[-1])
     return {"baseline": base["label"], "modes": [
         {"label": r["label"], "speedup": base["step_s"] / r["step_s"],
-         "max_loss_difference": max(abs(a - b) for a, b in zip(r["loss"], base["loss"]))}
+         "max_loss_difference": max(abs(a - b) for a, b in zip(r["loss"], base["loss"])),
+         "final_loss_difference": (r["final_loss"] - base["final_loss"]) / abs(base["final_loss"])}
         for r in runs if r is not base]}
 
 
@@ -190,6 +203,8 @@ def report(runs: list[dict], args) -> str:
                      f"{1e3 * r['compute_s']:>10.1f} {1e3 * r['comm_s']:>8.1f} {sent:>8} "
                      f"{r['density_local']:>11.4f} / {r['density_union']:.4f}  "
                      f"{r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}")
+    lines.append(f"final loss ({runs[0]['final_loss_kind']}): "
+                 + ", ".join(f"{r['label']} {r['final_loss']:.4f}" for r in runs))
     for r in runs:
         loss = r["loss"]
         shown = sorted({round(i * (len(loss) - 1) / (CURVE_POINTS - 1)) for i in range(CURVE_POINTS)})
@@ -214,14 +229,18 @@ def run(args) -> int:
     def body(advance) -> None:
         for mode in modes:
             steps: list[dict] = []
+            held_out: list[float] = []
 
             def on_event(event: dict) -> None:
+                if event.get("event") == "eval":
+                    held_out.append(event["loss"])
+                    return
                 steps.append(event)
                 advance(f"{label(mode)}: step {event['step'] + 1}, loss {event['loss']:.4f}")
 
             launch({**config, "comm": mode[0], "compress": mode[1]}, args.workers, args.network,
                    args.timeout, on_event)
-            runs.append(summarize(mode, steps, args))
+            runs.append(summarize(mode, steps, args, held_out[0] if held_out else None))
 
     status = run_jobs("train", args.steps * len(modes), body)
     if status:
@@ -233,7 +252,7 @@ def run(args) -> int:
         for m in result["compare"]["modes"]:
             print(f"{m['label']} is {m['speedup']:.2f}x as fast as {result['compare']['baseline']} "
                   f"per step; largest loss difference over {args.steps} steps: "
-                  f"{m['max_loss_difference']:.3g}")
+                  f"{m['max_loss_difference']:.3g}; final loss {100 * m['final_loss_difference']:+.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -15,7 +15,8 @@ A step is timed from the forward to the end of the optimizer step. Its communica
 that did not overlap computation: from the moment the last local gradient was computed (DDP then hands
 over the last bucket) to the end of backward, which waits for every bucket. The rest is computation.
 The gradient probes run inside backward; their time is left out of the step. On an emulated network
-each step also reports the bytes this host's interface sent (every mode alike; none on loopback). Per step, rank 0 reports
+each step also reports the bytes this host's interface sent (every mode alike; none on loopback). After
+the last step, a workload with a held-out split (gpt) reports its loss there. Per step, rank 0 reports
 the mean loss over ranks (the full global batch's loss), the slowest rank's times, the block density of
 the local gradients (mean over ranks) and of the reduced gradient: the fraction of `block_size`-element
 blocks of all gradients, flattened in parameter order, that hold a non-zero element.
@@ -132,6 +133,8 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
                   "compute_s": (slowest[1] - slowest[2]).item(),
                   "density_local": table[:, 3].mean().item(), "density_union": row[4].item(),
                   "bytes_sent": None if not interface else table[:, 5].mean().item()})
+    if rank == 0 and hasattr(workload, "eval_loss"):      # parameters are identical on every rank
+        emit({"event": "eval", "loss": workload.eval_loss(workload.model)})
 
 
 def main(argv: list[str] | None = None) -> int:
