@@ -1,5 +1,5 @@
-"""sparcoll.torch.compression_hook under DDP on 2 gloo processes (SPARCOLL_HOOK_TEST_WORLD=4: on 4,
-about 60 s on 2 cores): with `none` the gradients are DDP's bit for bit (no_sync accumulation
+"""sparcoll.torch.compression_hook under DDP on 4 gloo processes (about 30 s on 2 cores;
+SPARCOLL_HOOK_TEST_WORLD=N for another count): with `none` the gradients are DDP's bit for bit (no_sync accumulation
 included); with every compressor, training runs through several buckets, the loss falls and every
 rank holds the same parameters after every step; sparse embedding gradients, a Communicator, a
 sparcoll group and per-parameter specs work."""
@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import sparcoll.torch
 from ranks import run_ranks
 
-WORLD = int(os.environ.get("SPARCOLL_HOOK_TEST_WORLD", "2"))
+WORLD = int(os.environ.get("SPARCOLL_HOOK_TEST_WORLD", "4"))
 STEPS = 25
 SPECS = ["none", "fp16", "bf16", "topk:0.1", "randomk:0.25", "threshold:0.01", "dgc:0.1", "qsgd:64",
          "terngrad", "signsgd", "efsignsgd", "onebit", "powersgd:2", "blocktopk:0.25"]
