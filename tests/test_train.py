@@ -110,6 +110,12 @@ def test_modes_parse_and_refuse_what_cannot_run():
         parse_mode("sparcoll:compress=topk:0.01")
     with pytest.raises(ValueError, match="unknown compressor"):
         parse_mode("hook:compress=zip")
+    assert _split_modes("ddp,poseidon:strategy=sfb,poseidon,poseidon:strategy=topk:0.1,ef=off") == \
+        [("ddp", None), ("poseidon", "sfb"), ("poseidon", None), ("poseidon", "topk:0.1,ef=off")]
+    with pytest.raises(ValueError, match="unknown compressor"):
+        parse_mode("poseidon:strategy=zip")
+    with pytest.raises(ValueError, match="poseidon:strategy"):
+        parse_mode("ddp:strategy=sfb")
 
 
 def test_bad_arguments_exit_with_2(capsys):

@@ -6,7 +6,8 @@
     sparcoll train --workload vgg --compare ddp,hook:compress=powersgd:4,hook:compress=blocktopk:0.01
 
 A mode is a --comm value, optionally with `:compress=SPEC` (a sparcoll.compress spec, for `hook`: DDP on
-gloo with sparcoll's compression hook). Each compared mode gets its speedup over `ddp` and its largest
+gloo with sparcoll's compression hook) or, for `poseidon` (sparcoll.torch.DataParallel), `:strategy=S`
+(ring, ps, sparse, sfb, auto, a compressor spec, or a JSON file of tensor name -> strategy). Each compared mode gets its speedup over `ddp` and its largest
 loss difference against `ddp` (when ddp is among them; else against the last mode).
 
 A process per worker, on the hosts of an emulated network shaped to --network (root needed) or on
@@ -59,13 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sparcoll: DDP on the sparcoll backend; ddp: DDP on gloo; hook: DDP on gloo "
                              "with sparcoll's allreduce hook; agsparse: DDP on gloo with sparse "
                              "embedding gradients (default sparcoll). --workload-option "
-                             "sparse_embeddings=true gives any mode nn.Embedding(sparse=True)")
+                             "sparse_embeddings=true gives any mode nn.Embedding(sparse=True); poseidon: "
+                             "sparcoll.torch.DataParallel, wait-free, a strategy per tensor")
     parser.add_argument("--compress", metavar="SPEC", default=None,
                         help="with --comm hook: compress gradients with this sparcoll.compress spec, e.g. "
                              "powersgd:4, topk:0.01, blocktopk:0.01 (default: none)")
+    parser.add_argument("--strategy", default=None,
+                        help="with --comm poseidon: ring, ps, sparse, sfb, auto (Poseidon's hybrid "
+                             "choice, the default), a compressor spec, or a JSON file of tensor name -> "
+                             "strategy")
     parser.add_argument("--compare", nargs="?", const=",".join(COMPARED), default=None, metavar="MODES",
                         help="run several modes, comma separated, each a --comm value optionally with "
-                             ":compress=SPEC (default when given alone: sparcoll,ddp); print each one's "
+                             ":compress=SPEC (hook) or :strategy=S (poseidon) (default when given alone: "
+                             "sparcoll,ddp); print each one's "
                              "speedup over ddp and largest loss difference")
     parser.add_argument("--network", default="1gbit", type=lambda text: text.strip().lower(),
                         help="link rate of the emulated network (1gbit, 10gbit ...; needs root), or none: "
@@ -95,18 +102,28 @@ def workload_options(name: str, given: list[tuple[str, object]]) -> dict:
 
 
 def parse_mode(text: str) -> tuple[str, str | None]:
-    """'hook:compress=topk:0.01' -> ('hook', 'topk:0.01'); 'ddp' -> ('ddp', None). ValueError if bad."""
+    """'hook:compress=topk:0.01' -> ('hook', 'topk:0.01'); 'poseidon:strategy=sfb' -> ('poseidon',
+    'sfb'); 'ddp' -> ('ddp', None). ValueError if bad."""
     from sparcoll.compress import parse
+    from sparcoll.torch.parallel import check_strategy
 
-    comm, sep, spec = text.strip().partition(":compress=")
+    text = text.strip()
+    comm, _, option = text.partition(":")
     if comm not in MODES:
         raise ValueError(f"unknown mode {comm!r}; modes are {', '.join(MODES)}, optionally with "
-                         f":compress=SPEC")
-    if sep and comm != "hook":
+                         f":compress=SPEC (hook) or :strategy=S (poseidon)")
+    if not option:
+        return comm, None
+    key, _, value = option.partition("=")
+    if (comm, key) == ("hook", "compress"):
+        parse(value)
+    elif (comm, key) == ("poseidon", "strategy"):
+        check_strategy(value)
+    elif key == "compress":
         raise ValueError(f"{text!r}: compression runs in the hook; use hook:compress=SPEC")
-    if sep:
-        parse(spec)
-    return comm, spec if sep else None
+    else:
+        raise ValueError(f"{text!r}: expected hook:compress=SPEC or poseidon:strategy=S")
+    return comm, value
 
 
 def modes_of(args) -> list[tuple[str, str | None]]:
@@ -114,7 +131,13 @@ def modes_of(args) -> list[tuple[str, str | None]]:
         return _split_modes(args.compare)
     if args.compress is not None and args.comm != "hook":
         raise ValueError("--compress needs --comm hook (compression runs in the DDP hook)")
-    return [parse_mode(args.comm if args.compress is None else f"hook:compress={args.compress}")]
+    if args.strategy is not None and args.comm != "poseidon":
+        raise ValueError("--strategy needs --comm poseidon")
+    if args.compress is not None:
+        return [parse_mode(f"hook:compress={args.compress}")]
+    if args.strategy is not None:
+        return [parse_mode(f"poseidon:strategy={args.strategy}")]
+    return [parse_mode(args.comm)]
 
 
 def _split_modes(text: str) -> list[tuple[str, str | None]]:
@@ -166,14 +189,23 @@ def summarize(mode: tuple[str, str | None], steps: list[dict], args, held_out: f
     timed = steps[args.warmup:] or steps
     mean = {key: statistics.fmean(s[key] for s in timed) for key in keys}
     sent = [s["bytes_sent"] for s in timed if s.get("bytes_sent") is not None]
-    comm, spec = mode
     losses = [s["loss"] for s in steps]
     final, kind = final_loss(losses, held_out)
-    return {"comm": comm, "compress": spec, "label": label(mode),
+    predicted = [s["predicted_bytes"] for s in timed if s.get("predicted_bytes") is not None]
+    return {"comm": mode[0], **option_of(mode), "label": label(mode),
+            "predicted_bytes_per_step": statistics.fmean(predicted) if predicted else None,
             "samples_per_s": args.batch_size * args.workers / mean["step_s"], **mean,
             "bytes_sent_per_step": statistics.fmean(sent) if sent else None,
             "timed_steps": len(timed), "loss": losses, "final_loss": final, "final_loss_kind": kind,
             "per_step": {key: [s[key] for s in steps] for key in keys}}
+
+
+def option_of(mode: tuple[str, str | None]) -> dict:
+    """The mode's option as the worker's config and the report name it: a hook's compressor spec,
+    DataParallel's strategy."""
+    comm, option = mode
+    return {"compress": option if comm == "hook" else None,
+            "strategy": (option or "auto") if comm == "poseidon" else None}
 
 
 def label(mode: tuple[str, str | None]) -> str:
@@ -184,7 +216,7 @@ def label(mode: tuple[str, str | None]) -> str:
 def compare(runs: list[dict]) -> dict:
     """Every run against the baseline (ddp if it ran, else the last run): how much faster its steps
     are, how far its losses drift, and its final loss relative to the baseline's."""
-    base = next((r for r in runs if r["comm"] == "ddp" and r["compress"] is None), runs[-1])
+    base = next((r for r in runs if r["comm"] == "ddp"), runs[-1])
     return {"baseline": base["label"], "modes": [
         {"label": r["label"], "speedup": base["step_s"] / r["step_s"],
          "max_loss_difference": max(abs(a - b) for a, b in zip(r["loss"], base["loss"])),
@@ -238,7 +270,7 @@ def run(args) -> int:
                 steps.append(event)
                 advance(f"{label(mode)}: step {event['step'] + 1}, loss {event['loss']:.4f}")
 
-            launch({**config, "comm": mode[0], "compress": mode[1]}, args.workers, args.network,
+            launch({**config, "comm": mode[0], **option_of(mode)}, args.workers, args.network,
                    args.timeout, on_event)
             runs.append(summarize(mode, steps, args, held_out[0] if held_out else None))
 

@@ -10,6 +10,9 @@ Modes (the same model, seeds and per-step global batches, so loss curves compare
   hook      DDP on gloo with sparcoll.torch.allreduce_hook, or with sparcoll.torch.compression_hook
             when the config names a compressor spec ("compress")
   agsparse  DDP on gloo with sparse embedding gradients (gloo's AllGather-based sparse all_reduce)
+  poseidon  sparcoll.torch.DataParallel (wait-free backpropagation, a strategy per tensor: the config's
+            "strategy", default Poseidon's hybrid choice); each step also reports the bytes the
+            wrapper's cost model predicts this worker sends
 
 A step is timed from the forward to the end of the optimizer step. Its communication time is the part
 that did not overlap computation: from the moment the last local gradient was computed (DDP then hands
@@ -42,7 +45,7 @@ from sparcoll.bench.netns import interface_counters
 from sparcoll.blocks import BlockTensor
 from sparcoll.workloads import get_workload
 
-MODES = ("sparcoll", "ddp", "hook", "agsparse")
+MODES = ("sparcoll", "ddp", "hook", "agsparse", "poseidon")
 
 
 def nonzero_elements(grad: torch.Tensor) -> torch.Tensor:
@@ -95,7 +98,10 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
     mode = cfg["comm"]
     options = {"sparse_embeddings": mode == "agsparse", **cfg["options"]}   # or as the user says
     workload = get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **options)
-    model = DistributedDataParallel(workload.model)
+    if mode == "poseidon":
+        model = sparcoll.torch.DataParallel(workload.model, comm=comm, strategy=cfg.get("strategy") or "auto")
+    else:
+        model = DistributedDataParallel(workload.model)
     if mode == "hook" and cfg.get("compress"):
         model.register_comm_hook(sparcoll.torch.CompressionState(comm, cfg["compress"]),
                                  sparcoll.torch.compression_hook)
@@ -121,8 +127,10 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
         comm_s = max(0.0, backward_end - probe.last_gradient) if probe.last_gradient else 0.0
         # Every rank measures (the same reduced density too) before the gather, which then lines the
         # ranks up again: no rank's bookkeeping shows up as communication time in the next step.
+        predicted = (sum(e.get("predicted_bytes", float("nan")) for e in model.strategy().values())
+                     if mode == "poseidon" else float("nan"))
         row = torch.tensor([loss.item(), step_s, comm_s, probe.local_density(), probe.reduced_density(),
-                            sent], dtype=torch.float64)
+                            sent, predicted], dtype=torch.float64)
         rows = [torch.empty_like(row) for _ in range(world)]
         dist.all_gather(rows, row)
         if rank == 0:
@@ -132,9 +140,12 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
                   "step_s": slowest[1].item(), "comm_s": slowest[2].item(),
                   "compute_s": (slowest[1] - slowest[2]).item(),
                   "density_local": table[:, 3].mean().item(), "density_union": row[4].item(),
-                  "bytes_sent": None if not interface else table[:, 5].mean().item()})
+                  "bytes_sent": None if not interface else table[:, 5].mean().item(),
+                  **({"predicted_bytes": table[:, 6].mean().item()} if mode == "poseidon" else {})})
     if rank == 0 and hasattr(workload, "eval_loss"):      # parameters are identical on every rank
         emit({"event": "eval", "loss": workload.eval_loss(workload.model)})
+    if mode == "poseidon":
+        model.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     comm = None
     try:
         with reporting(rank):
-            if cfg["comm"] == "hook":
+            if cfg["comm"] in ("hook", "poseidon"):
                 comm = sparcoll.init(timeout=cfg["timeout"])
             train(cfg, rank, world, comm)
     finally:

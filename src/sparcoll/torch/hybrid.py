@@ -1,0 +1,60 @@
+"""Poseidon's hybrid communication choice, per tensor, by the bytes each worker sends per step.
+
+For an M x N fully connected layer with P workers (Zhang et al., ATC 2017), a ring allreduce or a
+sharded parameter server moves 2 MN (P - 1) / P floats out of each worker; sufficient-factor
+broadcasting (SFB) sends the layer's factors, K (M + N) floats for a batch of K rows (batch x tokens),
+to each of the P - 1 others. SFB wins when K P (M + N) < 2 M N (the paper's rule; a 4096 x 21841
+layer with P = 4 crosses over at K ~ 1724). The counts here are our collectives' own: gloo's ring
+allreduce, gloo's ring allgather for SFB's factors (after a gather of their lengths), and sparcoll's
+sparse AllReduce, which sends a worker's non-zero blocks to their aggregators and the union's blocks of
+its own shard back, each block with a 4-byte index.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ITEMSIZE = 4            # float32
+LENGTH_BYTES = 8        # one int64 length per part in a variable-size allgather
+RING, PS, SPARSE, SFB = "ring", "ps", "sparse", "sfb"
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """What the model needs of one gradient: its shape as the (M, N) matrix of a linear layer (or
+    numel elements otherwise), whether SFB applies, and the density its blocks had last step."""
+    numel: int
+    linear: tuple[int, int] | None = None     # (M, N) = (out_features, in_features)
+    bias: bool = False                         # the layer's bias travels with SFB's factors
+    density: float = 1.0                       # block density of the reduced gradient, last step
+
+
+def sent_bytes(strategy: str, t: Tensor, workers: int, rows: int = 0, block_size: int = 256) -> float:
+    """Bytes one worker sends per step for `t` under `strategy` (rows: K, for SFB)."""
+    p = workers
+    if p == 1:
+        return 0.0
+    if strategy in (RING, PS):
+        return 2 * t.numel * (p - 1) / p * ITEMSIZE
+    if strategy == SPARSE:
+        blocks = -(-t.numel // block_size)
+        local = min(1.0, t.density)
+        union = 1 - (1 - local) ** p if local < 1 else 1.0
+        return (local + union) * blocks * (p - 1) / p * (block_size * ITEMSIZE + 4)
+    if strategy == SFB:
+        if t.linear is None:
+            raise ValueError("SFB applies to linear layers only")
+        m, n = t.linear
+        return (p - 1) * (rows * (m + n) * ITEMSIZE + 2 * LENGTH_BYTES)
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def choose(t: Tensor, workers: int, rows: int, sparse: bool, block_size: int = 256) -> str:
+    """The strategy of fewest bytes among those that apply (SFB for linear layers, the sparse
+    AllReduce when a communicator is there); ties go to the ring."""
+    options = [RING] + ([SFB] if t.linear is not None and rows > 0 else []) + ([SPARSE] if sparse else [])
+    return min(options, key=lambda s: (sent_bytes(s, t, workers, rows, block_size), s != RING))
+
+
+def sfb_crossover(m: int, n: int, workers: int) -> float:
+    """The K below which SFB sends fewer floats than a ring or parameter server: 2MN / (P (M + N))."""
+    return 2 * m * n / (workers * (m + n))

@@ -1,0 +1,337 @@
+"""Poseidon's data parallelism: a wrapper that goes where DDP would, synchronizes each parameter the
+moment autograd has produced its gradient (wait-free backpropagation: communication overlaps the rest
+of backward), and picks per tensor how: gloo's ring allreduce, sparcoll's sparse AllReduce, a sharded
+parameter server, sufficient-factor broadcasting for linear layers, or a compressor from
+sparcoll.compress.
+
+    model = sparcoll.torch.DataParallel(model, comm=sparcoll.init())   # after init_process_group
+    loss_fn(model(x), y).backward()      # returns with every gradient averaged over ranks
+    optimizer.step()
+
+Per tensor the strategy is the user's (`strategy=`: a dict or a JSON file, tensor name -> strategy)
+or Poseidon's hybrid choice (sparcoll.torch.hybrid): the fewest bytes per step among the ring, SFB
+for nn.Linear weights (by the rows K the layer saw this step and the world size) and, with a
+communicator, the sparse AllReduce (by the block density of the tensor's previous averaged gradient,
+which every rank knows alike). Every rank takes the same decisions from the same facts, so ranks need
+the same model and, for SFB, the same batch size.
+
+Gradients are synchronized on one thread, in the order backward produces them (the same on every
+rank); backward waits for the last of them before it returns. Under `no_sync()` gradients
+accumulate locally; the next synchronized step reduces the accumulated gradients (SFB layers then take
+the ring: their factors cover one step only). `trace` records, for the last step, when each tensor
+was ready and when its synchronization started and ended, and when backward finished computing.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparcoll.blocks import BlockTensor
+from sparcoll.communicator import Communicator
+from sparcoll.compress import Reducer, parse
+from sparcoll.compress.channel import Channel
+from sparcoll.errors import CollectiveTimeout
+
+from . import hybrid
+from .ps import ps_allreduce
+from .sfb import Factors, reduce_factors
+
+AUTO = "auto"
+STRATEGIES = (hybrid.RING, hybrid.PS, hybrid.SPARSE, hybrid.SFB)
+
+
+@dataclass
+class Event:
+    """One tensor's synchronization in a step (perf_counter seconds)."""
+    name: str
+    strategy: str
+    ready: float
+    start: float = float("nan")
+    end: float = float("nan")
+
+
+class DataParallel(nn.Module):
+    """module: the model (same on every rank; parameters are broadcast from rank 0). comm: a sparcoll
+    Communicator (needed for the "sparse" strategy). group: the torch.distributed group of the ring,
+    the parameter server, SFB's gathers and compressors (default: the whole job). strategy: "auto", a
+    strategy for every tensor, or per tensor name a dict / JSON file path (names as in
+    module.named_parameters(); unnamed ones take "auto"): "ring", "ps", "sparse", "sfb" (nn.Linear
+    weights), "auto", or a sparcoll.compress spec. timeout: seconds backward waits for the last
+    synchronization. wait_free=False holds every synchronization until backward has finished (as
+    without Poseidon's overlap; for comparison)."""
+
+    def __init__(self, module: nn.Module, comm: Communicator | None = None, group=None,
+                 strategy: Union[str, Mapping, Path] = AUTO, timeout: float = 300.0,
+                 wait_free: bool = True):
+        super().__init__()
+        self.module = module
+        self.comm, self.group, self.timeout, self.wait_free = comm, group, timeout, wait_free
+        self._held: list = []
+        self.world = dist.get_world_size(group)
+        self.channel = Channel(group, comm)
+        self._explicit = _load(strategy)
+        wanted = self._explicit.values() if isinstance(self._explicit, dict) else [self._explicit]
+        if hybrid.SPARSE in wanted and comm is None:
+            raise ValueError("the sparse strategy needs a sparcoll Communicator (comm=)")
+        self._handles: list = []
+        self._names = {id(p): name for name, p in module.named_parameters()}
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._factors: dict[int, Factors] = {}       # weight id -> its layer's factors
+        self._bias_of: dict[int, nn.Parameter] = {}  # weight id -> its layer's bias
+        self._weight_of: dict[int, nn.Parameter] = {}  # bias id -> its layer's weight
+        for layer in module.modules():
+            if isinstance(layer, nn.Linear) and layer.weight.requires_grad:
+                factors = Factors(layer)
+                self._handles.append(layer.register_forward_hook(factors.forward_hook))
+                self._factors[id(layer.weight)] = factors
+                if layer.bias is not None and layer.bias.requires_grad:
+                    self._bias_of[id(layer.weight)] = layer.bias
+                    self._weight_of[id(layer.bias)] = layer.weight
+        self._layer_choice: dict[int, str] = {}       # this step's choice per linear weight
+        self._bias_results: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._density: dict[int, float] = {}
+        self._reducers: dict[str, Reducer] = {}
+        self._scratch: dict[int, list] = {}
+        self._sync = True
+        self._accumulated = False
+        self._rows: dict[int, int] = {}
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._error: BaseException | None = None
+        self._armed = False
+        self.trace: list[Event] = []
+        self.backward_end = float("nan")
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="sparcoll-dataparallel", daemon=True)
+        self._thread.start()
+        self._broadcast_from_rank0()
+        self._handles += [p.register_post_accumulate_grad_hook(self._ready) for p in self._params]
+
+    # ---- the user's side --------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the first backward after the block synchronizes them."""
+        before, self._sync = self._sync, False
+        for factors in self._factors.values():
+            factors.enabled = False
+        try:
+            yield
+        finally:
+            self._sync = before
+            for factors in self._factors.values():
+                factors.enabled = before
+            self._accumulated = True
+
+    def strategy(self, rows: int | None = None) -> dict[str, dict]:
+        """Each tensor's strategy and predicted bytes sent per step by this worker, for a batch of
+        `rows` rows per linear layer (default: what each layer saw last step)."""
+        out = {}
+        for p in self._params:
+            weight = self._weight_of.get(id(p))
+            if weight is not None and self._choose(weight, self._rows_of(weight, rows)) == hybrid.SFB:
+                continue                    # travels with its weight's factors
+            k = self._rows_of(p, rows)
+            chosen = self._choose(p, k)
+            entry = {"strategy": chosen, "numel": p.numel()}
+            if chosen in STRATEGIES:
+                entry["predicted_bytes"] = hybrid.sent_bytes(chosen, self._model_of(p), self.world, k,
+                                                             self._block_size())
+            out[self._names.get(id(p), str(id(p)))] = entry
+        return out
+
+    def close(self) -> None:
+        """Remove the hooks and stop the synchronization thread (the communicator stays the
+        caller's)."""
+        for handle in self._handles:
+            handle.remove()
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    # ---- decisions --------------------------------------------------------------------------------
+    def _rows_of(self, p: torch.Tensor, rows: int | None) -> int:
+        return rows if rows is not None else self._rows.get(id(p), 0)
+
+    def _block_size(self) -> int:
+        return self.comm.block_size if self.comm is not None else 256
+
+    def _model_of(self, p: torch.Tensor) -> hybrid.Tensor:
+        linear = tuple(p.shape) if id(p) in self._factors else None
+        return hybrid.Tensor(p.numel(), linear, id(p) in self._bias_of, self._density.get(id(p), 1.0))
+
+    def _choose(self, p: torch.Tensor, rows: int) -> str:
+        chosen = self._explicit.get(self._names.get(id(p)), AUTO) if isinstance(self._explicit, dict) \
+            else self._explicit
+        if chosen == AUTO:
+            chosen = hybrid.choose(self._model_of(p), self.world, rows, self.comm is not None,
+                                   self._block_size())
+        if chosen == hybrid.SFB and (id(p) not in self._factors or self._accumulated):
+            chosen = hybrid.RING            # not a linear weight, or gradients accumulated
+        if chosen == hybrid.SPARSE and self.comm is None:
+            raise ValueError("the sparse strategy needs a sparcoll Communicator (comm=)")
+        return chosen
+
+    # ---- backward --------------------------------------------------------------------------------
+    def _ready(self, p: torch.Tensor) -> None:
+        """Autograd has accumulated p's gradient for this backward: hand it to the thread."""
+        if not self._sync or self.world == 1:
+            return
+        if not self._armed:
+            self._armed = True
+            self.trace = []
+            self._layer_choice = {}
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        weight = self._weight_of.get(id(p))
+        if weight is not None and self._linear_choice(weight) == hybrid.SFB:
+            return                          # a bias SFB rebuilds with its weight
+        if id(p) in self._factors:
+            chosen = self._linear_choice(p)
+            factors = self._factors[id(p)]
+            extra = (factors.take(), self._bias_of.get(id(p))) if chosen == hybrid.SFB else None
+            factors.clear()
+        else:
+            chosen, extra = self._choose(p, 0), None
+        event = Event(self._names.get(id(p), "?"), chosen, time.perf_counter())
+        self.trace.append(event)
+        with self._idle:
+            self._pending += 1
+        if self.wait_free:
+            self._queue.put((p, chosen, extra, event))
+        else:
+            self._held.append((p, chosen, extra, event))
+
+    def _linear_choice(self, weight: torch.Tensor) -> str:
+        """A linear layer's strategy this step, from the rows it saw (taken once: the weight's and the
+        bias's gradients may be ready in either order)."""
+        if id(weight) not in self._layer_choice:
+            rows = sum(v.shape[0] for v in self._factors[id(weight)].inputs)
+            self._rows[id(weight)] = rows
+            self._layer_choice[id(weight)] = self._choose(weight, rows)
+        return self._layer_choice[id(weight)]
+
+    def _finish(self) -> None:
+        """End of backward: wait for every synchronization, then let backward return."""
+        self.backward_end = time.perf_counter()
+        self._armed = False
+        self._accumulated = False
+        held, self._held = self._held, []
+        for item in held:
+            self._queue.put(item)
+        deadline = time.monotonic() + self.timeout
+        with self._idle:
+            while self._pending and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CollectiveTimeout(f"gradient synchronization did not finish within "
+                                            f"{self.timeout} s")
+                self._idle.wait(left)
+            error, self._error = self._error, None
+        for factors in self._factors.values():
+            factors.clear()
+        results, self._bias_results = self._bias_results, []
+        if error is not None:
+            raise RuntimeError(f"gradient synchronization failed: {error}") from error
+        for bias, grad in results:          # now that autograd has accumulated every bias
+            bias.grad = grad
+
+    # ---- the synchronization thread ----------------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            p, chosen, extra, event = item
+            event.start = time.perf_counter()
+            try:
+                if self._error is None:        # after a failure, later tensors are moot
+                    self._synchronize(p, chosen, extra)
+            except BaseException as exc:       # every error reaches backward, none kills the thread
+                self._error = exc
+            event.end = time.perf_counter()
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def _synchronize(self, p: torch.Tensor, chosen: str, extra) -> None:
+        grad = p.grad
+        if chosen == hybrid.SFB:
+            (u, v), bias = extra
+            weight, bias_grad = reduce_factors(u, v, self.channel, bias is not None)
+            grad.copy_(weight)
+            if bias is not None:
+                self._bias_results.append((bias, bias_grad))
+            return
+        if grad.is_sparse:
+            p.grad = self._synchronize_coo(p, grad.coalesce(), chosen)
+            return
+        flat = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1).clone()
+        if chosen == hybrid.RING:
+            self.channel.allreduce_mean(flat)
+        elif chosen == hybrid.PS:
+            if id(p) not in self._scratch:
+                shard = -(-flat.numel() // self.world)
+                self._scratch[id(p)] = [torch.empty(shard, dtype=flat.dtype) for _ in range(self.world - 1)]
+            ps_allreduce(flat, self.group, self._scratch[id(p)]).div_(self.world)
+        elif chosen == hybrid.SPARSE:
+            self.comm.allreduce(flat, op="avg")
+        else:
+            flat.copy_(self._reducer(chosen).reduce(flat, key=id(p)).reshape(-1))
+        if flat.data_ptr() != grad.data_ptr():
+            grad.copy_(flat.view_as(grad))
+        if self.comm is not None:
+            blocks = BlockTensor(flat, self._block_size())
+            self._density[id(p)] = blocks.nonzero().size / max(1, blocks.nblocks)
+
+    def _synchronize_coo(self, p: torch.Tensor, grad: torch.Tensor, chosen: str) -> torch.Tensor:
+        """A sparse COO gradient (nn.Embedding(sparse=True)): averaged without densifying."""
+        if chosen == hybrid.SPARSE:
+            return self.comm.allreduce_coo(grad, op="avg")
+        if chosen in (hybrid.RING, hybrid.PS):        # the group's sparse all_reduce (gloo's gathers)
+            return Channel(self.group).sparse_mean(grad)
+        return self._reducer(chosen).reduce(grad, key=id(p))
+
+    def _reducer(self, spec: str) -> Reducer:
+        if spec not in self._reducers:
+            self._reducers[spec] = Reducer(spec, self.group, self.comm)
+        return self._reducers[spec]
+
+    def _broadcast_from_rank0(self) -> None:
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                dist.broadcast(t.data, src, group=self.group)
+
+
+def _load(strategy) -> Union[str, dict]:
+    """"auto", one strategy for all, or {name: strategy} from a dict or a JSON file; each checked."""
+    if isinstance(strategy, Path) or (isinstance(strategy, str) and strategy.endswith(".json")):
+        strategy = json.loads(Path(strategy).read_text())
+    if isinstance(strategy, Mapping):
+        table = {str(name): str(s) for name, s in strategy.items()}
+        for s in table.values():
+            check_strategy(s)
+        return table
+    check_strategy(strategy)
+    return strategy
+
+
+def check_strategy(strategy: str) -> None:
+    """ValueError unless `strategy` is one (or a JSON file of them, which is then read)."""
+    if strategy.endswith(".json"):
+        _load(strategy)
+        return
+    if strategy in STRATEGIES or strategy == AUTO:
+        return
+    parse(strategy)          # a compressor spec, or a ValueError naming the problem

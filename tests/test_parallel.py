@@ -1,0 +1,251 @@
+"""sparcoll.torch.DataParallel (Poseidon) on 3 gloo processes: SFB rebuilds DDP's gradient (2-D and 3-D
+inputs, with and without bias, several K), every strategy gives the average that an independent
+float64 computation over every rank's batch gives, parameters stay identical on every rank, no_sync
+accumulation works, and the trace shows communication starting before backward ends. Plus the hybrid
+cost model's choice (no processes)."""
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sparcoll
+import sparcoll.torch
+from sparcoll.torch import hybrid
+from ranks import run_ranks
+
+WORLD = 3
+
+
+def batch(rank: int, rows: int, shape_in: tuple, seed: int = 0):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randn(rows, *shape_in, generator=g), torch.randn(rows, *shape_in[:-1], 5, generator=g)
+
+
+class SlowBackward(nn.Module):
+    """The identity, whose backward takes 300 ms."""
+
+    class _Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(0.3)
+            return grad
+
+    def forward(self, x):
+        return self._Fn.apply(x)
+
+
+def wide() -> nn.Module:
+    """Layer 0 (200 x 12) takes SFB at K = 6 on 3 ranks (6 * 3 * 212 <= 2 * 2400); layer 2 not."""
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(12, 200), nn.ReLU(), nn.Linear(200, 5))
+
+
+def mlp(bias: bool = True) -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(12, 16, bias=bias), nn.ReLU(), nn.Linear(16, 5, bias=bias))
+
+
+def reference_grads(make, rows: int, shape_in: tuple, world: int, seed: int = 0) -> list:
+    """The gradient of the mean of every rank's loss, on one float64 copy of the model given every
+    rank's batch: what data parallelism must produce, computed without any collective."""
+    model = make().double()
+    total = 0
+    for r in range(world):
+        x, y = batch(r, rows, shape_in, seed)
+        total = total + nn.functional.mse_loss(model(x.double()), y.double())
+    (total / world).backward()
+    return [p.grad.float() for p in model.parameters()]
+
+
+def step(wrapped: nn.Module, rank: int, rows: int, shape_in: tuple, seed: int = 0) -> list:
+    for p in wrapped.parameters():
+        p.grad = None
+    x, y = batch(rank, rows, shape_in, seed)
+    nn.functional.mse_loss(wrapped(x), y).backward()
+    return [p.grad.clone() for p in wrapped.module.parameters()]
+
+
+def relative_error(got: list, want: list) -> float:
+    return max(((g - w).norm() / w.norm()).item() for g, w in zip(got, want))
+
+
+def scenario(rank: int, world: int) -> dict:
+    out = {}
+    comm = sparcoll.init()
+    try:
+        # SFB against the independent reference: 2-D and 3-D inputs, bias or not, several K
+        for rows, shape_in, bias in ((8, (12,), True), (3, (12,), False), (4, (6, 12), True),
+                                     (2, (3, 12), False)):
+            dp = sparcoll.torch.DataParallel(mlp(bias), strategy="sfb")
+            got = step(dp, rank, rows, shape_in)
+            out[f"sfb {rows} {shape_in} {bias}"] = relative_error(
+                got, reference_grads(lambda: mlp(bias), rows, shape_in, world))
+            out[f"sfb used {rows} {shape_in} {bias}"] = sorted({e.strategy for e in dp.trace})
+            dp.close()
+        # every strategy, and the hybrid choice, against the reference
+        for strategy in ("ring", "ps", "sparse", "auto", "fp16", {"0.weight": "sfb", "2.weight": "ps"}):
+            dp = sparcoll.torch.DataParallel(mlp(), comm=comm, strategy=strategy)
+            got = step(dp, rank, 6, (12,))
+            out[f"strategy {strategy}"] = relative_error(got, reference_grads(mlp, 6, (12,), world))
+            out[f"strategy {strategy} used"] = sorted({e.strategy for e in dp.trace})
+            dp.close()
+        # training with the hybrid choice: parameters identical on every rank after every step
+        dp = sparcoll.torch.DataParallel(wide(), comm=comm)
+        optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
+        sums = []
+        for s in range(4):
+            step(dp, rank, 6, (12,), seed=s)
+            optimizer.step()
+            sums.append(torch.cat([p.detach().reshape(-1) for p in dp.parameters()]).double().sum().item())
+        out["parameter sums"] = sums
+        out["strategy table"] = dp.strategy()
+        dp.close()
+        # no_sync: two local micro-steps, then one synchronized: the average of all three batches'
+        # gradients summed over micro-steps (SFB layers take the ring for the accumulated gradient)
+        dp = sparcoll.torch.DataParallel(mlp(), strategy="sfb")
+        for p in dp.parameters():
+            p.grad = None
+        for s in range(3):
+            x, y = batch(rank, 4, (12,), seed=s)
+            if s < 2:
+                with dp.no_sync():
+                    nn.functional.mse_loss(dp(x), y).backward()
+            else:
+                nn.functional.mse_loss(dp(x), y).backward()
+        want = [sum(gs) for gs in zip(*(reference_grads(mlp, 4, (12,), world, seed=s) for s in range(3)))]
+        out["no_sync"] = relative_error([p.grad for p in dp.module.parameters()], want)
+        out["no_sync strategies"] = sorted({e.strategy for e in dp.trace})
+        # after accumulation, the next step is SFB again
+        step(dp, rank, 4, (12,))
+        out["sfb after no_sync"] = sorted({e.strategy for e in dp.trace})
+        dp.close()
+        # wait-free: with a slow collective (20 ms) and a slow backward below the third layer
+        # (300 ms), the upper layers' synchronization is over before backward has finished
+        deep = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), SlowBackward(), nn.Linear(64, 64),
+                             nn.Linear(64, 64))
+        dp = sparcoll.torch.DataParallel(deep, strategy="ring")
+        fast = dp.channel.allreduce_mean
+
+        def slow_allreduce(t):
+            time.sleep(0.02)
+            return fast(t)
+        dp.channel.allreduce_mean = slow_allreduce
+        dp(torch.randn(32, 64)).pow(2).mean().backward()
+        out["events"] = [e.name for e in dp.trace]
+        out["upper layers done before backward end"] = all(
+            e.end < dp.backward_end for e in dp.trace if e.name[0] in "34")
+        out["lower layers after"] = all(e.start > dp.backward_end - 0.3 for e in dp.trace if e.name[0] in "01")
+        dp.close()
+        with pytest.raises(ValueError, match="needs a sparcoll Communicator"):
+            dp = sparcoll.torch.DataParallel(mlp(), strategy="sparse")
+            step(dp, rank, 2, (12,))
+        out["sparse needs comm"] = True
+    finally:
+        comm.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcome():
+    return run_ranks(scenario, WORLD, timeout=120)
+
+
+def test_sfb_gradients_equal_the_dense_average(outcome):
+    for out in outcome:
+        for key, value in out.items():
+            if key.startswith("sfb ") and not key.startswith("sfb used") and not key.startswith("sfb after"):
+                assert value <= 1e-5, (key, value)
+            if key.startswith("sfb used"):
+                assert value == ["sfb"], key        # the biases travel with their weights' factors
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ps", "sparse", "auto", "fp16",
+                                      "{'0.weight': 'sfb', '2.weight': 'ps'}"])
+def test_every_strategy_gives_the_average(outcome, strategy):
+    limit = 1e-3 if strategy == "fp16" else 1e-5
+    assert all(out[f"strategy {strategy}"] <= limit for out in outcome)
+    if strategy in ("ring", "ps", "sparse", "fp16"):
+        assert all(out[f"strategy {strategy} used"] == [strategy] for out in outcome)
+
+
+def test_parameters_stay_identical_on_every_rank(outcome):
+    assert all(out["parameter sums"] == outcome[0]["parameter sums"] for out in outcome)
+
+
+def test_strategy_table_reports_choice_and_bytes(outcome):
+    table = outcome[0]["strategy table"]
+    assert table["0.weight"]["strategy"] == "sfb" and "0.bias" not in table     # K = 6 rows
+    # 2 peers each get 6 rows of u (200) and v (12) floats, after one int64 length per factor
+    assert table["0.weight"]["predicted_bytes"] == (WORLD - 1) * (6 * (200 + 12) * 4 + 2 * 8)
+    assert table["2.weight"]["strategy"] in ("ring", "sparse")
+    assert table["2.weight"]["predicted_bytes"] <= 2 * 1000 * 2 / 3 * 4
+
+
+def test_no_sync_accumulates_and_takes_the_ring_for_sfb_layers(outcome):
+    for out in outcome:
+        assert out["no_sync"] <= 1e-5
+        assert out["no_sync strategies"] == ["ring"]
+        assert out["sfb after no_sync"] == ["sfb"]
+
+
+def test_communication_overlaps_backward(outcome):
+    for out in outcome:
+        assert sorted(out["events"]) == sorted(f"{i}.{k}" for i in (0, 1, 3, 4) for k in ("weight", "bias"))
+        assert out["upper layers done before backward end"] and out["lower layers after"]
+
+
+def test_sparse_strategy_without_communicator_is_refused(outcome):
+    assert all(out["sparse needs comm"] for out in outcome)
+
+
+def test_hybrid_choice_flips_at_poseidons_crossover():
+    layer = hybrid.Tensor(4096 * 21841, (4096, 21841))
+    crossover = hybrid.sfb_crossover(4096, 21841, 4)
+    assert crossover == pytest.approx(1724.6, abs=0.1)
+    assert hybrid.choose(layer, 4, 32, sparse=False) == "sfb"
+    assert hybrid.choose(layer, 4, 4096, sparse=False) == "ring"
+    assert hybrid.choose(layer, 4, int(crossover), sparse=False) == "sfb"
+    assert hybrid.choose(layer, 4, int(crossover) + 1, sparse=False) == "ring"
+    # the sparse AllReduce wins for a gradient whose blocks were 1% non-zero
+    sparse_layer = hybrid.Tensor(4096 * 21841, (4096, 21841), density=0.01)
+    assert hybrid.choose(sparse_layer, 4, 4096, sparse=True) == "sparse"
+
+
+def test_strategy_file_and_bad_strategies(tmp_path):
+    from sparcoll.torch.parallel import _load
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"0.weight": "sfb", "2.weight": "topk:0.1"}))
+    assert _load(path) == {"0.weight": "sfb", "2.weight": "topk:0.1"}
+    assert _load(str(path))["0.weight"] == "sfb"
+    with pytest.raises(ValueError, match="unknown compressor"):
+        _load({"0.weight": "zip"})
+
+
+@pytest.mark.parametrize("workload", ["ncf", "vgg"])
+def test_training_with_the_wrapper_follows_ddps_loss_curve(tmp_path, workload):
+    """`sparcoll train --compare ddp,poseidon` (hybrid choice: SFB for vgg's wide layers, the sparse
+    AllReduce for ncf's embeddings once their density is known): 30 steps, the same losses."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sparcoll", "train", "--workload", workload, "--workers", "2",
+         "--network", "none", "--steps", "30", "--batch-size", "8", "--workload-option", "tiny=true",
+         "--compare", "ddp,poseidon", "--json", str(out)],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    ddp, poseidon = report["runs"]
+    assert poseidon["comm"] == "poseidon" and poseidon["strategy"] == "auto"
+    assert max(abs(a - b) for a, b in zip(ddp["loss"], poseidon["loss"])) <= 1e-4
