@@ -14,12 +14,8 @@ COO tensor. A new variant (e.g. sparcoll from COO) is one more `register(Algorit
 ring, see sparcoll.algorithm); "sparse" is sparcoll forced onto its sparse AllReduce
 (SPARCOLL_ALGORITHM=sparse), so the two are never mistaken for one another.
 
-Parameter server ("ps") design: the tensor is cut into n contiguous shards and rank r serves shard r, so
-the servers are colocated with the workers, as in Poseidon's sharded PS. Each rank pushes shard s of its
-tensor to rank s (gloo isend, tag PUSH), receives shard r from every other rank into preallocated buffers,
-sums them into its own shard in place, sends the sum back to every rank (tag PULL) and receives every
-other shard's sum straight into its tensor. All transfers are posted at once, so the pushes to different
-servers and the pulls proceed concurrently, as in a real PS.
+Parameter server ("ps"): sparcoll.torch.ps, the sharded parameter server colocated with the workers
+(as Poseidon's) that sparcoll.torch.DataParallel also offers, with its receive buffers reused here.
 """
 from __future__ import annotations
 
@@ -31,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from sparcoll.blocks import nonzero_mask
+from sparcoll.torch import ps
 
-PUSH, PULL = 1, 2
 
 
 @dataclass(frozen=True)
@@ -148,19 +144,8 @@ def agsparse_from_coo(ctx: Context, coo: torch.Tensor) -> None:
 
 
 def ps_allreduce(ctx: Context, tensor: torch.Tensor) -> None:
-    shards = torch.tensor_split(tensor, ctx.world)
-    mine = shards[ctx.rank]
-    others = [r for r in range(ctx.world) if r != ctx.rank]
-    pushes = [dist.isend(shards[r], r, tag=PUSH) for r in others]
-    incoming = [(ctx.buffer(f"ps{r}", mine.numel()), r) for r in others]
-    arrivals = [dist.irecv(buf, r, tag=PUSH) for buf, r in incoming]
-    pulls = [dist.irecv(shards[r], r, tag=PULL) for r in others]
-    for (buf, _), arrival in zip(incoming, arrivals):
-        arrival.wait()
-        mine.add_(buf)
-    replies = [dist.isend(mine, r, tag=PULL) for r in others]
-    for work in pushes + pulls + replies:
-        work.wait()
+    shard = -(-tensor.numel() // ctx.world)
+    ps.ps_allreduce(tensor, scratch=[ctx.buffer(f"ps{r}", shard) for r in range(ctx.world - 1)])
 
 
 def sparcoll_variants(name: str, mode: str) -> None:
