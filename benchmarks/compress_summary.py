@@ -12,8 +12,10 @@ import sys
 
 
 def span(values, fmt):
-    low, high = min(values), max(values)
-    return fmt.format(low) if fmt.format(low) == fmt.format(high) else f"{fmt.format(low)}-{fmt.format(high)}"
+    low, high = (fmt.format(v).replace("-0.0", "+0.0") for v in (min(values), max(values)))
+    if low == high:
+        return low
+    return f"{low} to {high}" if "-" in low + high else f"{low}-{high}"     # a range, not a minus
 
 
 def main(out_dir: str) -> None:

@@ -144,6 +144,23 @@ def scenario(rank: int, world: int) -> dict:
             e.end < dp.backward_end for e in dp.trace if e.name[0] in "34")
         out["lower layers after"] = all(e.start > dp.backward_end - 0.3 for e in dp.trace if e.name[0] in "01")
         dp.close()
+        # an error on the synchronization thread (any exception) reaches backward, and the wrapper
+        # keeps working afterwards
+        dp = sparcoll.torch.DataParallel(mlp(), strategy="ring")
+        working = dp.channel.allreduce_mean
+
+        def broken(t):
+            raise KeyError("injected")
+        dp.channel.allreduce_mean = broken
+        try:
+            step(dp, rank, 2, (12,))
+            out["error reached backward"] = None
+        except RuntimeError as exc:
+            out["error reached backward"] = str(exc)
+        dp.channel.allreduce_mean = working
+        out["works after an error"] = relative_error(step(dp, rank, 6, (12,)),
+                                                     reference_grads(mlp, 6, (12,), world))
+        dp.close()
         with pytest.raises(ValueError, match="needs a sparcoll Communicator"):
             dp = sparcoll.torch.DataParallel(mlp(), strategy="sparse")
             step(dp, rank, 2, (12,))
@@ -200,6 +217,13 @@ def test_communication_overlaps_backward(outcome):
     for out in outcome:
         assert sorted(out["events"]) == sorted(f"{i}.{k}" for i in (0, 1, 3, 4) for k in ("weight", "bias"))
         assert out["upper layers done before backward end"] and out["lower layers after"]
+
+
+def test_a_thread_error_reaches_backward_and_the_wrapper_recovers(outcome):
+    for out in outcome:
+        assert "gradient synchronization failed" in out["error reached backward"]
+        assert "injected" in out["error reached backward"]
+        assert out["works after an error"] <= 1e-5
 
 
 def test_sparse_strategy_without_communicator_is_refused(outcome):

@@ -231,7 +231,9 @@ class DataParallel(nn.Module):
             self._queue.put(item)
         deadline = time.monotonic() + self.timeout
         with self._idle:
-            while self._pending and self._error is None:
+            # after an error the thread skips the rest of the step at once: wait for all of it, so
+            # that nothing of this step runs after the error is cleared
+            while self._pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CollectiveTimeout(f"gradient synchronization did not finish within "
