@@ -161,6 +161,15 @@ def scenario(rank: int, world: int) -> dict:
         out["works after an error"] = relative_error(step(dp, rank, 6, (12,)),
                                                      reference_grads(mlp, 6, (12,), world))
         dp.close()
+        # ranks that feed different batch sizes under the hybrid choice: a clear error on every
+        # rank instead of mismatched collectives
+        dp = sparcoll.torch.DataParallel(wide())
+        try:
+            step(dp, rank, 4 + rank, (12,))
+            out["different rows"] = None
+        except RuntimeError as exc:
+            out["different rows"] = str(exc)
+        dp.close()
         with pytest.raises(ValueError, match="needs a sparcoll Communicator"):
             dp = sparcoll.torch.DataParallel(mlp(), strategy="sparse")
             step(dp, rank, 2, (12,))
@@ -224,6 +233,12 @@ def test_a_thread_error_reaches_backward_and_the_wrapper_recovers(outcome):
         assert "gradient synchronization failed" in out["error reached backward"]
         assert "injected" in out["error reached backward"]
         assert out["works after an error"] <= 1e-5
+
+
+def test_different_batch_sizes_under_the_hybrid_choice_fail_on_every_rank(outcome):
+    for out in outcome:
+        assert "different numbers of rows to linear layers 0.weight (4-6), 2.weight (4-6)" \
+            in out["different rows"]
 
 
 def test_sparse_strategy_without_communicator_is_refused(outcome):

@@ -40,13 +40,14 @@ from sparcoll.blocks import BlockTensor
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, parse
 from sparcoll.compress.channel import Channel
-from sparcoll.errors import CollectiveTimeout
+from sparcoll.errors import CollectiveTimeout, MismatchError
 
 from . import hybrid
 from .ps import ps_allreduce
 from .sfb import Factors, reduce_factors
 
 AUTO = "auto"
+ROWS = "rows"           # the per-step check that ranks agree on the rows of their linear layers
 STRATEGIES = (hybrid.RING, hybrid.PS, hybrid.SPARSE, hybrid.SFB)
 
 
@@ -172,8 +173,7 @@ class DataParallel(nn.Module):
         return hybrid.Tensor(p.numel(), linear, id(p) in self._bias_of, self._density.get(id(p), 1.0))
 
     def _choose(self, p: torch.Tensor, rows: int) -> str:
-        chosen = self._explicit.get(self._names.get(id(p)), AUTO) if isinstance(self._explicit, dict) \
-            else self._explicit
+        chosen = self._requested(p)
         if chosen == AUTO:
             chosen = hybrid.choose(self._model_of(p), self.world, rows, self.comm is not None,
                                    self._block_size())
@@ -193,6 +193,7 @@ class DataParallel(nn.Module):
             self.trace = []
             self._layer_choice = {}
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._check_rows()
         weight = self._weight_of.get(id(p))
         if weight is not None and self._linear_choice(weight) == hybrid.SFB:
             return                          # a bias SFB rebuilds with its weight
@@ -211,6 +212,25 @@ class DataParallel(nn.Module):
             self._queue.put((p, chosen, extra, event))
         else:
             self._held.append((p, chosen, extra, event))
+
+    def _check_rows(self) -> None:
+        """Queue, first in the step, a check that every rank fed the same rows to each linear layer
+        whose strategy the hybrid model picks: the choice depends on them, and ranks that choose
+        differently would run different collectives. A mismatch fails backward on every rank."""
+        auto = [w for w in self._factors.values() if self._requested(w.layer.weight) == AUTO]
+        if not auto:
+            return
+        rows = torch.tensor([sum(v.shape[0] for v in f.inputs) for f in auto], dtype=torch.float64)
+        names = [self._names.get(id(f.layer.weight), "?") for f in auto]
+        with self._idle:
+            self._pending += 1
+        self._queue.put((None, ROWS, (rows, names), Event("(rows of linear layers)", ROWS,
+                                                           time.perf_counter())))
+
+    def _requested(self, p: torch.Tensor) -> str:
+        if isinstance(self._explicit, dict):
+            return self._explicit.get(self._names.get(id(p)), AUTO)
+        return self._explicit
 
     def _linear_choice(self, weight: torch.Tensor) -> str:
         """A linear layer's strategy this step, from the rows it saw (taken once: the weight's and the
@@ -267,6 +287,17 @@ class DataParallel(nn.Module):
                 self._idle.notify_all()
 
     def _synchronize(self, p: torch.Tensor, chosen: str, extra) -> None:
+        if chosen == ROWS:
+            rows, names = extra
+            both = torch.cat([rows, -rows])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+            most, least = both[:len(names)], -both[len(names):]
+            if not torch.equal(most, least):
+                differ = [f"{n} ({int(lo)}-{int(hi)})" for n, lo, hi in zip(names, least, most) if lo != hi]
+                raise MismatchError(f"ranks fed different numbers of rows to linear layers "
+                                    f"{', '.join(differ)}; the hybrid strategy is chosen from them, "
+                                    f"so every rank needs the same batch size")
+            return
         grad = p.grad
         if chosen == hybrid.SFB:
             (u, v), bias = extra
