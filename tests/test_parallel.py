@@ -42,6 +42,25 @@ class SlowBackward(nn.Module):
         return self._Fn.apply(x)
 
 
+class Tied(nn.Module):
+    """A softmax tied to its embedding: the shared weight gets gradient from both modules."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.emb = nn.Embedding(20, 8)
+        self.dec = nn.Linear(8, 20, bias=False)
+        self.dec.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.dec(self.emb(ids))
+
+
+def tied_loss(model: nn.Module, rank: int) -> torch.Tensor:
+    ids = torch.randint(20, (3,), generator=torch.Generator().manual_seed(rank))
+    return model(ids).pow(2).mean()
+
+
 def wide() -> nn.Module:
     """Layer 0 (200 x 12) takes SFB at K = 6 on 3 ranks (6 * 3 * 212 <= 2 * 2400); layer 2 not."""
     torch.manual_seed(4)
@@ -161,6 +180,15 @@ def scenario(rank: int, world: int) -> dict:
         out["works after an error"] = relative_error(step(dp, rank, 6, (12,)),
                                                      reference_grads(mlp, 6, (12,), world))
         dp.close()
+        # a tied weight never takes SFB (its factors would miss the embedding's part), even when asked
+        dp = sparcoll.torch.DataParallel(Tied(), strategy="sfb")
+        tied_loss(dp, rank).backward()
+        reference = Tied().double()
+        (sum(tied_loss(reference, r) for r in range(world)) / world).backward()
+        out["tied"] = relative_error([p.grad for p in dp.module.parameters()],
+                                     [p.grad.float() for p in reference.parameters()])
+        out["tied strategies"] = sorted({e.strategy for e in dp.trace})
+        dp.close()
         # ranks that feed different batch sizes under the hybrid choice: a clear error on every
         # rank instead of mismatched collectives
         dp = sparcoll.torch.DataParallel(wide())
@@ -241,6 +269,11 @@ def test_different_batch_sizes_under_the_hybrid_choice_fail_on_every_rank(outcom
             in out["different rows"]
 
 
+def test_a_tied_weight_never_takes_sfb(outcome):
+    for out in outcome:
+        assert out["tied"] <= 1e-5 and out["tied strategies"] == ["ring"]
+
+
 def test_sparse_strategy_without_communicator_is_refused(outcome):
     assert all(out["sparse needs comm"] for out in outcome)
 
@@ -269,8 +302,8 @@ def test_strategy_file_and_bad_strategies(tmp_path):
         _load({"0.weight": "zip"})
 
 
-@pytest.mark.parametrize("workload", ["ncf", "vgg"])
-def test_training_with_the_wrapper_follows_ddps_loss_curve(tmp_path, workload):
+@pytest.mark.parametrize("workload, batch", [("ncf", "8"), ("vgg", "8")])
+def test_training_with_the_wrapper_follows_ddps_loss_curve(tmp_path, workload, batch):
     """`sparcoll train --compare ddp,poseidon` (hybrid choice: SFB for vgg's wide layers, the sparse
     AllReduce for ncf's embeddings once their density is known): 30 steps, the same losses."""
     import os
@@ -280,7 +313,7 @@ def test_training_with_the_wrapper_follows_ddps_loss_curve(tmp_path, workload):
     out = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, "-m", "sparcoll", "train", "--workload", workload, "--workers", "2",
-         "--network", "none", "--steps", "30", "--batch-size", "8", "--workload-option", "tiny=true",
+         "--network", "none", "--steps", "30", "--batch-size", batch, "--workload-option", "tiny=true",
          "--compare", "ddp,poseidon", "--json", str(out)],
         capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,7 +13,10 @@ or Poseidon's hybrid choice (sparcoll.torch.hybrid): the fewest bytes per step a
 for nn.Linear weights (by the rows K the layer saw this step and the world size) and, with a
 communicator, the sparse AllReduce (by the block density of the tensor's previous averaged gradient,
 which every rank knows alike). Every rank takes the same decisions from the same facts, so ranks need
-the same model and, for SFB, the same batch size.
+the same model and, for SFB, the same batch size. A linear layer whose weight another module owns too
+(a tied softmax) never takes SFB: its factors would miss the other module's part of the gradient. (A
+weight used outside its module, as in `F.linear(x, layer.weight)` elsewhere, cannot be detected: give
+such a layer an explicit strategy.)
 
 Gradients are synchronized on one thread, in the order backward produces them (the same on every
 rank); backward waits for the last of them before it returns. Under `no_sync()` gradients
@@ -90,8 +93,14 @@ class DataParallel(nn.Module):
         self._factors: dict[int, Factors] = {}       # weight id -> its layer's factors
         self._bias_of: dict[int, nn.Parameter] = {}  # weight id -> its layer's bias
         self._weight_of: dict[int, nn.Parameter] = {}  # bias id -> its layer's weight
+        # A weight that another module owns too (a tied embedding and softmax) gets gradient from
+        # both; SFB's factors cover only the linear layer's part, so such a weight never takes SFB.
+        owners: dict[int, int] = {}
         for layer in module.modules():
-            if isinstance(layer, nn.Linear) and layer.weight.requires_grad:
+            for param in layer.parameters(recurse=False):
+                owners[id(param)] = owners.get(id(param), 0) + 1
+        for layer in module.modules():
+            if isinstance(layer, nn.Linear) and layer.weight.requires_grad and owners[id(layer.weight)] == 1:
                 factors = Factors(layer)
                 self._handles.append(layer.register_forward_hook(factors.forward_hook))
                 self._factors[id(layer.weight)] = factors
