@@ -83,6 +83,7 @@ class DataParallel(nn.Module):
         self._held: list = []
         self.world = dist.get_world_size(group)
         self.channel = Channel(group, comm)
+        self._group_channel = Channel(group)     # the group's own collectives, without sparcoll
         self._explicit = _load(strategy)
         wanted = self._explicit.values() if isinstance(self._explicit, dict) else [self._explicit]
         if hybrid.SPARSE in wanted and comm is None:
@@ -341,7 +342,7 @@ class DataParallel(nn.Module):
         if chosen == hybrid.SPARSE:
             return self.comm.allreduce_coo(grad, op="avg")
         if chosen in (hybrid.RING, hybrid.PS):        # the group's sparse all_reduce (gloo's gathers)
-            return Channel(self.group).sparse_mean(grad)
+            return self._group_channel.sparse_mean(grad)
         return self._reducer(chosen).reduce(grad, key=id(p))
 
     def _reducer(self, spec: str) -> Reducer:
