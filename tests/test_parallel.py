@@ -72,6 +72,19 @@ def mlp(bias: bool = True) -> nn.Module:
     return nn.Sequential(nn.Linear(12, 16, bias=bias), nn.ReLU(), nn.Linear(16, 5, bias=bias))
 
 
+class Twice(nn.Module):
+    """A linear layer called twice a step: SFB must sum both calls' factors."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(6)
+        self.inner = nn.Linear(12, 12)
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.head(self.inner(torch.relu(self.inner(x))))
+
+
 def reference_grads(make, rows: int, shape_in: tuple, world: int, seed: int = 0) -> list:
     """The gradient of the mean of every rank's loss, on one float64 copy of the model given every
     rank's batch: what data parallelism must produce, computed without any collective."""
@@ -109,6 +122,45 @@ def scenario(rank: int, world: int) -> dict:
                 got, reference_grads(lambda: mlp(bias), rows, shape_in, world))
             out[f"sfb used {rows} {shape_in} {bias}"] = sorted({e.strategy for e in dp.trace})
             dp.close()
+        # SFB's local weight gradient is never computed (autograd never accumulates into the
+        # weights), and the averages add to existing gradients as DDP's do: two backwards without
+        # zeroing give the sum of both steps' averages; zeroing between forward and backward works
+        dp = sparcoll.torch.DataParallel(mlp(), strategy="sfb")
+        accumulated = []
+        for layer in (dp.module[0], dp.module[2]):
+            layer.weight.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.shape))
+        step(dp, rank, 4, (12,), seed=0)
+        x, y = batch(rank, 4, (12,), seed=1)
+        nn.functional.mse_loss(dp(x), y).backward()
+        out["SFB local weight gradients"] = len(accumulated)
+        out["SFB accumulates"] = relative_error(
+            [p.grad for p in dp.module.parameters()],
+            [a + b for a, b in zip(reference_grads(mlp, 4, (12,), world, seed=0),
+                                   reference_grads(mlp, 4, (12,), world, seed=1))])
+        loss = nn.functional.mse_loss(dp(x), y)
+        dp.zero_grad()
+        loss.backward()
+        out["SFB zero_grad after forward"] = relative_error(
+            [p.grad for p in dp.module.parameters()], reference_grads(mlp, 4, (12,), world, seed=1))
+        # a forward without backward on one rank only (an evaluation outside no_grad, its output
+        # kept) leaves nothing behind; a layer called twice a step sums both calls
+        kept = dp(torch.randn(7, 12)) if rank == 0 else None
+        out["SFB after an abandoned forward"] = relative_error(
+            step(dp, rank, 4, (12,), seed=2), reference_grads(mlp, 4, (12,), world, seed=2))
+        del kept
+        loss = nn.functional.mse_loss(dp(x), y)
+        loss.backward(retain_graph=True)
+        try:
+            loss.backward()
+            out["SFB second backward"] = None
+        except RuntimeError as exc:
+            out["SFB second backward"] = str(exc)
+        dp.close()
+        dp = sparcoll.torch.DataParallel(Twice(), strategy="sfb")
+        out["SFB layer called twice"] = relative_error(step(dp, rank, 5, (12,)),
+                                                      reference_grads(Twice, 5, (12,), world))
+        out["SFB layer called twice used"] = sorted({e.strategy for e in dp.trace})
+        dp.close()
         # every strategy, and the hybrid choice, against the reference
         for strategy in ("ring", "ps", "sparse", "auto", "fp16", {"0.weight": "sfb", "2.weight": "ps"}):
             dp = sparcoll.torch.DataParallel(mlp(), comm=comm, strategy=strategy)
@@ -219,6 +271,16 @@ def test_sfb_gradients_equal_the_dense_average(outcome):
                 assert value <= 1e-5, (key, value)
             if key.startswith("sfb used"):
                 assert value == ["sfb"], key        # the biases travel with their weights' factors
+
+
+def test_sfb_skips_the_local_weight_gradient_and_accumulates_like_ddp(outcome):
+    for out in outcome:
+        assert out["SFB local weight gradients"] == 0
+        assert out["SFB accumulates"] <= 1e-5
+        assert out["SFB zero_grad after forward"] <= 1e-5
+        assert out["SFB after an abandoned forward"] <= 1e-5
+        assert out["SFB layer called twice"] <= 1e-5 and out["SFB layer called twice used"] == ["sfb"]
+        assert "second backward through the same graph" in out["SFB second backward"]
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ps", "sparse", "auto", "fp16",

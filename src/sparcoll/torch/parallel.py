@@ -27,6 +27,7 @@ was ready and when its synchronization started and ended, and when backward fini
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import queue
 import threading
@@ -47,7 +48,7 @@ from sparcoll.errors import CollectiveTimeout, MismatchError
 
 from . import hybrid
 from .ps import ps_allreduce
-from .sfb import Factors, reduce_factors
+from .sfb import Call, LinearState, gather_factors
 
 AUTO = "auto"
 ROWS = "rows"           # the per-step check that ranks agree on the rows of their linear layers
@@ -91,8 +92,7 @@ class DataParallel(nn.Module):
         self._handles: list = []
         self._names = {id(p): name for name, p in module.named_parameters()}
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self._factors: dict[int, Factors] = {}       # weight id -> its layer's factors
-        self._bias_of: dict[int, nn.Parameter] = {}  # weight id -> its layer's bias
+        self._linear: dict[int, LinearState] = {}    # weight id -> its layer's step
         self._weight_of: dict[int, nn.Parameter] = {}  # bias id -> its layer's weight
         # A weight that another module owns too (a tied embedding and softmax) gets gradient from
         # both; SFB's factors cover only the linear layer's part, so such a weight never takes SFB.
@@ -102,14 +102,14 @@ class DataParallel(nn.Module):
                 owners[id(param)] = owners.get(id(param), 0) + 1
         for layer in module.modules():
             if isinstance(layer, nn.Linear) and layer.weight.requires_grad and owners[id(layer.weight)] == 1:
-                factors = Factors(layer)
-                self._handles.append(layer.register_forward_hook(factors.forward_hook))
-                self._factors[id(layer.weight)] = factors
+                state = LinearState(layer, self._names.get(id(layer.weight), "?"))
+                self._handles.append(layer.register_forward_pre_hook(
+                    functools.partial(self._before_linear, state)))
+                self._handles.append(layer.register_forward_hook(
+                    functools.partial(self._after_linear, state), always_call=True))
+                self._linear[id(layer.weight)] = state
                 if layer.bias is not None and layer.bias.requires_grad:
-                    self._bias_of[id(layer.weight)] = layer.bias
                     self._weight_of[id(layer.bias)] = layer.weight
-        self._layer_choice: dict[int, str] = {}       # this step's choice per linear weight
-        self._bias_results: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._density: dict[int, float] = {}
         self._reducers: dict[str, Reducer] = {}
         self._scratch: dict[int, list] = {}
@@ -136,14 +136,10 @@ class DataParallel(nn.Module):
     def no_sync(self):
         """Accumulate gradients locally; the first backward after the block synchronizes them."""
         before, self._sync = self._sync, False
-        for factors in self._factors.values():
-            factors.enabled = False
         try:
             yield
         finally:
             self._sync = before
-            for factors in self._factors.values():
-                factors.enabled = before
             self._accumulated = True
 
     def strategy(self, rows: int | None = None) -> dict[str, dict]:
@@ -179,41 +175,88 @@ class DataParallel(nn.Module):
         return self.comm.block_size if self.comm is not None else 256
 
     def _model_of(self, p: torch.Tensor) -> hybrid.Tensor:
-        linear = tuple(p.shape) if id(p) in self._factors else None
-        return hybrid.Tensor(p.numel(), linear, id(p) in self._bias_of, self._density.get(id(p), 1.0))
+        state = self._linear.get(id(p))
+        linear = tuple(p.shape) if state is not None else None
+        bias = state is not None and state.bias is not None
+        return hybrid.Tensor(p.numel(), linear, bias, self._density.get(id(p), 1.0))
 
     def _choose(self, p: torch.Tensor, rows: int) -> str:
         chosen = self._requested(p)
         if chosen == AUTO:
             chosen = hybrid.choose(self._model_of(p), self.world, rows, self.comm is not None,
                                    self._block_size())
-        if chosen == hybrid.SFB and (id(p) not in self._factors or self._accumulated):
+        if chosen == hybrid.SFB and (id(p) not in self._linear or self._accumulated):
             chosen = hybrid.RING            # not a linear weight, or gradients accumulated
         if chosen == hybrid.SPARSE and self.comm is None:
             raise ValueError("the sparse strategy needs a sparcoll Communicator (comm=)")
         return chosen
+
+    # ---- a linear layer's call ----------------------------------------------------------------------
+    def _before_linear(self, state: LinearState, layer: nn.Linear, args) -> None:
+        """Choose the layer's strategy at its first call of a step, from that call's rows; under SFB,
+        keep autograd from computing the local weight gradient that SFB replaces."""
+        if not (self._sync and self.world > 1 and torch.is_grad_enabled() and layer.weight.requires_grad):
+            return
+        x = args[0]
+        if state.strategy is None or not (state.calls or self._armed):
+            # a new step (calls of a forward that never got a backward have vanished with its graph)
+            state.reset()
+            state.rows = x.numel() // layer.in_features
+            self._rows[id(layer.weight)] = state.rows
+            state.strategy = self._choose(layer.weight, state.rows)
+        if state.strategy != hybrid.SFB:
+            return
+        if x.requires_grad or state.bias is not None:
+            layer.weight.requires_grad_(False)     # the output still gets a gradient, SFB takes u
+            state.skipping = True
+        else:
+            state.local_grad = True                # nothing else makes the output differentiable
+
+    def _after_linear(self, state: LinearState, layer: nn.Linear, args, output) -> None:
+        if state.skipping:
+            layer.weight.requires_grad_(True)
+            state.skipping = False
+        if state.strategy is None or not (self._sync and torch.is_grad_enabled() and output.requires_grad):
+            return
+        call = Call(args[0].detach() if state.strategy == hybrid.SFB else None)
+        state.calls.add(call)
+        output.grad_fn.metadata["sparcoll call"] = call      # alive as long as the graph
+        if state.strategy == hybrid.SFB:
+            output.register_hook(functools.partial(self._factors_ready, state, call))
+
+    def _factors_ready(self, state: LinearState, call: Call, grad: torch.Tensor) -> None:
+        """The gradient of one call's output has arrived: queue the call's SFB."""
+        self._arm()
+        if call not in state.calls:      # the step this call belonged to is over
+            self._error = self._error or RuntimeError(
+                f"SFB cannot rebuild {state.name}'s gradient from a second backward through the "
+                f"same graph; give it another strategy")
+            return
+        state.calls.discard(call)
+        if not state.started:
+            state.start()
+        dtype, layer = state.layer.weight.dtype, state.layer
+        u = grad.detach().reshape(-1, layer.out_features).to(dtype).contiguous()
+        v = call.inputs.reshape(-1, layer.in_features).to(dtype).contiguous()
+        call.inputs = None
+        self._enqueue(state.layer.weight, hybrid.SFB, (state, u, v))
 
     # ---- backward --------------------------------------------------------------------------------
     def _ready(self, p: torch.Tensor) -> None:
         """Autograd has accumulated p's gradient for this backward: hand it to the thread."""
         if not self._sync or self.world == 1:
             return
-        if not self._armed:
-            self._armed = True
-            self.trace = []
-            self._layer_choice = {}
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._check_rows()
-        weight = self._weight_of.get(id(p))
-        if weight is not None and self._linear_choice(weight) == hybrid.SFB:
-            return                          # a bias SFB rebuilds with its weight
-        if id(p) in self._factors:
-            chosen = self._linear_choice(p)
-            factors = self._factors[id(p)]
-            extra = (factors.take(), self._bias_of.get(id(p))) if chosen == hybrid.SFB else None
-            factors.clear()
-        else:
-            chosen, extra = self._choose(p, 0), None
+        self._arm()
+        weight = self._weight_of.get(id(p), p)
+        state = self._linear.get(id(weight))
+        if state is not None and state.strategy == hybrid.SFB:
+            return                          # its layer's factors carry it
+        chosen = state.strategy if state is not None and p is weight else None
+        if chosen is None or chosen == hybrid.SFB:
+            chosen = self._choose(p, 0)
+        self._enqueue(p, hybrid.RING if chosen == hybrid.SFB else chosen, None)
+
+    def _enqueue(self, p: torch.Tensor, chosen: str, extra) -> None:
         event = Event(self._names.get(id(p), "?"), chosen, time.perf_counter())
         self.trace.append(event)
         with self._idle:
@@ -223,15 +266,24 @@ class DataParallel(nn.Module):
         else:
             self._held.append((p, chosen, extra, event))
 
+    def _arm(self) -> None:
+        """At the first gradient of a backward: make its end wait for the synchronizations."""
+        if self._armed:
+            return
+        self._armed = True
+        self.trace = []
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self._check_rows()
+
     def _check_rows(self) -> None:
         """Queue, first in the step, a check that every rank fed the same rows to each linear layer
         whose strategy the hybrid model picks: the choice depends on them, and ranks that choose
         differently would run different collectives. A mismatch fails backward on every rank."""
-        auto = [w for w in self._factors.values() if self._requested(w.layer.weight) == AUTO]
+        auto = [s for s in self._linear.values() if self._requested(s.layer.weight) == AUTO]
         if not auto:
             return
-        rows = torch.tensor([sum(v.shape[0] for v in f.inputs) for f in auto], dtype=torch.float64)
-        names = [self._names.get(id(f.layer.weight), "?") for f in auto]
+        rows = torch.tensor([s.rows for s in auto], dtype=torch.float64)
+        names = [s.name for s in auto]
         with self._idle:
             self._pending += 1
         self._queue.put((None, ROWS, (rows, names), Event("(rows of linear layers)", ROWS,
@@ -241,15 +293,6 @@ class DataParallel(nn.Module):
         if isinstance(self._explicit, dict):
             return self._explicit.get(self._names.get(id(p)), AUTO)
         return self._explicit
-
-    def _linear_choice(self, weight: torch.Tensor) -> str:
-        """A linear layer's strategy this step, from the rows it saw (taken once: the weight's and the
-        bias's gradients may be ready in either order)."""
-        if id(weight) not in self._layer_choice:
-            rows = sum(v.shape[0] for v in self._factors[id(weight)].inputs)
-            self._rows[id(weight)] = rows
-            self._layer_choice[id(weight)] = self._choose(weight, rows)
-        return self._layer_choice[id(weight)]
 
     def _finish(self) -> None:
         """End of backward: wait for every synchronization, then let backward return."""
@@ -270,13 +313,15 @@ class DataParallel(nn.Module):
                                             f"{self.timeout} s")
                 self._idle.wait(left)
             error, self._error = self._error, None
-        for factors in self._factors.values():
-            factors.clear()
-        results, self._bias_results = self._bias_results, []
+        for state in self._linear.values():
+            started, weight, bias = state.started, state.weight_sum, state.bias_sum
+            state.reset()
+            if error is None and started:       # SFB's averages replace the local gradients
+                state.layer.weight.grad = weight
+                if state.bias is not None:
+                    state.bias.grad = bias
         if error is not None:
             raise RuntimeError(f"gradient synchronization failed: {error}") from error
-        for bias, grad in results:          # now that autograd has accumulated every bias
-            bias.grad = grad
 
     # ---- the synchronization thread ----------------------------------------------------------------
     def _serve(self) -> None:
@@ -308,14 +353,11 @@ class DataParallel(nn.Module):
                                     f"{', '.join(differ)}; the hybrid strategy is chosen from them, "
                                     f"so every rank needs the same batch size")
             return
-        grad = p.grad
         if chosen == hybrid.SFB:
-            (u, v), bias = extra
-            weight, bias_grad = reduce_factors(u, v, self.channel, bias is not None)
-            grad.copy_(weight)
-            if bias is not None:
-                self._bias_results.append((bias, bias_grad))
+            state, u, v = extra
+            state.add(*gather_factors(u, v, self.channel))
             return
+        grad = p.grad
         if grad.is_sparse:
             p.grad = self._synchronize_coo(p, grad.coalesce(), chosen)
             return

@@ -4,8 +4,16 @@ extra leading dimensions), and the bias gradient the column sums of u. Every ran
 (u, v) and rebuilds the exact sum: W's gradient U^T V with U, V the ranks' factors stacked (one
 matmul), b's the column sums of U. Lossless: the gradient equals an allreduce's up to float summation
 order. Ranks may hold different K (the gather is variable-size).
+
+The local weight gradient is never needed, so autograd does not compute it: the wrapper turns the
+weight's requires_grad off for the layer's call (when the output still needs a gradient through
+the input or the bias) and starts SFB from the output's gradient hook. Each call of the layer is
+rebuilt on its own and summed into the gradient, so a call whose graph never reaches backward (an
+evaluation forward outside torch.no_grad) leaves nothing behind.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -13,47 +21,70 @@ from torch import nn
 from sparcoll.compress.channel import Channel
 
 
-class Factors:
-    """Captures one nn.Linear's factors during a step: its inputs in forward, the gradients of its
-    outputs in backward (a layer called several times a step gives several of each)."""
+class Call:
+    """One call of the layer in a step: its input (v), until its output's gradient (u) arrives. Only
+    the autograd graph holds it, so it vanishes with a graph that never gets a backward."""
 
-    def __init__(self, layer: nn.Linear):
-        self.layer = layer
-        self.inputs: list[torch.Tensor] = []
-        self.output_grads: list[torch.Tensor] = []
-        self.enabled = True
-
-    def forward_hook(self, module, args, output) -> None:
-        if not (self.enabled and torch.is_grad_enabled() and output.requires_grad):
-            return
-        self.inputs.append(args[0].detach().reshape(-1, self.layer.in_features))
-        output.register_hook(self._output_grad)
-
-    def _output_grad(self, grad: torch.Tensor) -> None:
-        self.output_grads.append(grad.detach().reshape(-1, self.layer.out_features))
-
-    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(u, v) of this step, every call's rows stacked, and forget them. Output gradients arrive
-        in reverse call order, so they are reversed to meet their inputs."""
-        u = torch.cat(self.output_grads[::-1]) if self.output_grads else None
-        v = torch.cat(self.inputs) if self.inputs else None
-        self.clear()
-        if u is None or v is None or u.shape[0] != v.shape[0]:
-            raise RuntimeError("SFB needs every call of the layer to take part in the loss")
-        return u.float().contiguous(), v.float().contiguous()
-
-    def clear(self) -> None:
-        self.inputs.clear()
-        self.output_grads.clear()
+    def __init__(self, inputs: torch.Tensor | None):
+        self.inputs = inputs
 
 
-def reduce_factors(u: torch.Tensor, v: torch.Tensor, channel: Channel,
-                   bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The average over ranks of the layer's weight gradient (M x N) and bias gradient (M,), from
-    every rank's factors: one variable-size allgather of (u, v)."""
+class LinearState:
+    """One nn.Linear's synchronization in the current step: the strategy chosen at its first call
+    (from that call's rows), the live calls, and the averaged gradients being summed."""
+
+    def __init__(self, layer: nn.Linear, name: str):
+        self.layer, self.name = layer, name
+        self.bias = layer.bias if layer.bias is not None and layer.bias.requires_grad else None
+        self.skipping = False      # the weight's requires_grad is off during the current call
+        self.result: torch.Tensor | None = None    # storage for the weight gradient, kept across steps
+        self.reset()
+
+    def reset(self) -> None:
+        self.strategy: str | None = None
+        self.rows = 0
+        self.calls: weakref.WeakSet = weakref.WeakSet()
+        self.local_grad = False            # some call left requires_grad on: autograd adds to .grad
+        self.started = False               # the first factors of the step have been queued
+        self.base: tuple = (None, None)    # the gradients the step's averages add to
+        self.weight_sum: torch.Tensor | None = None
+        self.bias_sum: torch.Tensor | None = None
+
+    def start(self) -> None:
+        """At the step's first output gradient, before autograd accumulates anything of this
+        backward into the layer: keep the gradients the averages add to, as DDP's would."""
+        self.started = True
+        weight, bias = self.layer.weight.grad, self.bias
+        if weight is not None and self.local_grad:
+            weight = weight.clone()        # autograd will add the local gradient to .grad
+        bias = bias.grad.clone() if bias is not None and bias.grad is not None else None
+        self.base = (weight, bias)
+
+    def add(self, big_u: torch.Tensor, big_v: torch.Tensor) -> None:
+        """Add one call's rebuilt average (U^T V with U already divided by the world) to the
+        step's sums, the first onto start()'s gradients. One matmul written in place: no M x N
+        temporary, no copy."""
+        if self.weight_sum is None:
+            before, bias_before = self.base
+            if before is not None:
+                self.weight_sum = before.addmm_(big_u.t(), big_v)
+            else:
+                if self.result is None:
+                    self.result = torch.empty_like(self.layer.weight)
+                self.weight_sum = torch.mm(big_u.t(), big_v, out=self.result)
+            if self.bias is not None:
+                column = big_u.sum(0)
+                self.bias_sum = column if bias_before is None else bias_before.add_(column)
+        else:
+            self.weight_sum.addmm_(big_u.t(), big_v)
+            if self.bias is not None:
+                self.bias_sum.add_(big_u.sum(0))
+
+
+def gather_factors(u: torch.Tensor, v: torch.Tensor, channel: Channel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's factors stacked, (U / P, V): one variable-size allgather of (u, v)."""
     m, n = u.shape[1], v.shape[1]
     gathered = channel.allgather((u.reshape(-1), v.reshape(-1)), variable=True)
-    big_u = torch.cat([parts[0].view(-1, m) for parts in gathered])
+    big_u = torch.cat([parts[0].view(-1, m) for parts in gathered]).div_(channel.world)
     big_v = torch.cat([parts[1].view(-1, n) for parts in gathered])
-    weight = (big_u.t() @ big_v).div_(channel.world)
-    return weight, (big_u.sum(0).div_(channel.world) if bias else None)
+    return big_u, big_v
