@@ -16,6 +16,9 @@ import sparcoll
 import sparcoll.torch
 from sparcoll.torch import hybrid
 from ranks import run_ranks
+from sparcoll.bench.netem import netem_available
+
+NETEM_OK, NETEM_WHY = netem_available()
 
 WORLD = 3
 
@@ -383,3 +386,68 @@ def test_training_with_the_wrapper_follows_ddps_loss_curve(tmp_path, workload, b
     ddp, poseidon = report["runs"]
     assert poseidon["comm"] == "poseidon" and poseidon["strategy"] == "auto"
     assert max(abs(a - b) for a, b in zip(ddp["loss"], poseidon["loss"])) <= 1e-4
+
+
+def sfb_errors(rank: int, world: int) -> list:
+    errors = []
+    for rows, shape_in, bias in ((5, (12,), True), (1, (2, 12), False)):
+        dp = sparcoll.torch.DataParallel(mlp(bias), strategy="sfb")
+        errors.append(relative_error(step(dp, rank, rows, shape_in),
+                                     reference_grads(lambda: mlp(bias), rows, shape_in, world)))
+        dp.close()
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sfb_gradients_for_other_world_sizes(world):
+    assert max(max(errors) for errors in run_ranks(sfb_errors, world, timeout=90)) <= 1e-5
+
+
+def peer_dies(rank: int, world: int) -> dict:
+    """One step together, then the last rank dies before its backward: the others' SFB gathers meet
+    a dead peer."""
+    import os
+
+    dp = sparcoll.torch.DataParallel(mlp(), strategy="sfb", timeout=30)
+    step(dp, rank, 4, (12,))
+    if rank == world - 1:
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        step(dp, rank, 4, (12,), seed=1)
+        return {"error": None}
+    except RuntimeError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start}
+    finally:
+        dp.close()
+
+
+def test_a_dead_peer_fails_backward_on_the_others_within_the_timeout():
+    for out in run_ranks(peer_dies, WORLD, timeout=90, dying=1):
+        assert out["error"] is not None and "gradient synchronization" in out["error"], out
+        assert out["seconds"] <= 35
+
+
+@pytest.mark.skipif(not NETEM_OK, reason=f"emulated network unavailable: {NETEM_WHY}")
+def test_bytes_on_the_wire_match_the_cost_model(tmp_path):
+    """Bytes each worker's interface sent per step (3 workers on an emulated 1 Gbit/s network)
+    against DataParallel's prediction: the hybrid choice (SFB for every layer at 32 rows), the ring
+    and the parameter server, within 2%."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sparcoll", "train", "--workload", "vgg", "--workers", "3",
+         "--network", "1gbit", "--steps", "4", "--warmup", "1", "--batch-size", "32",
+         "--workload-option", "input_dim=2048", "--workload-option", "hidden=1024,1024",
+         "--workload-option", "num_classes=2000",
+         "--compare", "poseidon,poseidon:strategy=ring,poseidon:strategy=ps", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {run["label"]: run for run in json.loads(out.read_text())["runs"]}
+    sfb = 2 * (32 * (2048 + 1024 + 1024 + 1024 + 1024 + 2000) * 4 + 3 * 2 * 8)   # 3 layers, 2 peers
+    assert runs["poseidon"]["predicted_bytes_per_step"] == sfb
+    for run in runs.values():
+        assert abs(run["bytes_sent_per_step"] / run["predicted_bytes_per_step"] - 1) <= 0.02, run["label"]

@@ -6,8 +6,9 @@
     sparcoll train --workload vgg --compare ddp,hook:compress=powersgd:4,hook:compress=blocktopk:0.01
 
 A mode is a --comm value, optionally with `:compress=SPEC` (a sparcoll.compress spec, for `hook`: DDP on
-gloo with sparcoll's compression hook) or, for `poseidon` (sparcoll.torch.DataParallel), `:strategy=S`
-(ring, ps, sparse, sfb, auto, a compressor spec, or a JSON file of tensor name -> strategy). Each compared mode gets its speedup over `ddp` and its largest
+gloo with sparcoll's compression hook) or, for `poseidon` (sparcoll.torch.DataParallel) and
+`poseidon-blocking` (the same without wait-free backpropagation), `:strategy=S` (ring, ps, sparse, sfb,
+auto, a compressor spec, or a JSON file of tensor name -> strategy). Each compared mode gets its speedup over `ddp` and its largest
 loss difference against `ddp` (when ddp is among them; else against the last mode).
 
 A process per worker, on the hosts of an emulated network shaped to --network (root needed) or on
@@ -61,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with sparcoll's allreduce hook; agsparse: DDP on gloo with sparse "
                              "embedding gradients (default sparcoll). --workload-option "
                              "sparse_embeddings=true gives any mode nn.Embedding(sparse=True); poseidon: "
-                             "sparcoll.torch.DataParallel, wait-free, a strategy per tensor")
+                             "sparcoll.torch.DataParallel, wait-free, a strategy per tensor; "
+                             "poseidon-blocking: the same, synchronizing only after backward")
     parser.add_argument("--compress", metavar="SPEC", default=None,
                         help="with --comm hook: compress gradients with this sparcoll.compress spec, e.g. "
                              "powersgd:4, topk:0.01, blocktopk:0.01 (default: none)")
@@ -117,7 +119,7 @@ def parse_mode(text: str) -> tuple[str, str | None]:
     key, _, value = option.partition("=")
     if (comm, key) == ("hook", "compress"):
         parse(value)
-    elif (comm, key) == ("poseidon", "strategy"):
+    elif comm.startswith("poseidon") and key == "strategy":
         check_strategy(value)
     elif key == "compress":
         raise ValueError(f"{text!r}: compression runs in the hook; use hook:compress=SPEC")
@@ -131,12 +133,12 @@ def modes_of(args) -> list[tuple[str, str | None]]:
         return _split_modes(args.compare)
     if args.compress is not None and args.comm != "hook":
         raise ValueError("--compress needs --comm hook (compression runs in the DDP hook)")
-    if args.strategy is not None and args.comm != "poseidon":
+    if args.strategy is not None and not args.comm.startswith("poseidon"):
         raise ValueError("--strategy needs --comm poseidon")
     if args.compress is not None:
         return [parse_mode(f"hook:compress={args.compress}")]
     if args.strategy is not None:
-        return [parse_mode(f"poseidon:strategy={args.strategy}")]
+        return [parse_mode(f"{args.comm}:strategy={args.strategy}")]
     return [parse_mode(args.comm)]
 
 
@@ -192,12 +194,14 @@ def summarize(mode: tuple[str, str | None], steps: list[dict], args, held_out: f
     losses = [s["loss"] for s in steps]
     final, kind = final_loss(losses, held_out)
     predicted = [s["predicted_bytes"] for s in timed if s.get("predicted_bytes") is not None]
+    overlap = {key: statistics.fmean(s[key] for s in timed) for key in ("comm_total_s", "comm_hidden_s")
+               if all(key in s for s in timed)}
     return {"comm": mode[0], **option_of(mode), "label": label(mode),
-            "predicted_bytes_per_step": statistics.fmean(predicted) if predicted else None,
+            "predicted_bytes_per_step": statistics.fmean(predicted) if predicted else None, **overlap,
             "samples_per_s": args.batch_size * args.workers / mean["step_s"], **mean,
             "bytes_sent_per_step": statistics.fmean(sent) if sent else None,
             "timed_steps": len(timed), "loss": losses, "final_loss": final, "final_loss_kind": kind,
-            "per_step": {key: [s[key] for s in steps] for key in keys}}
+            "per_step": {key: [s[key] for s in steps] for key in keys + tuple(overlap)}}
 
 
 def option_of(mode: tuple[str, str | None]) -> dict:
@@ -205,7 +209,7 @@ def option_of(mode: tuple[str, str | None]) -> dict:
     DataParallel's strategy."""
     comm, option = mode
     return {"compress": option if comm == "hook" else None,
-            "strategy": (option or "auto") if comm == "poseidon" else None}
+            "strategy": (option or "auto") if comm.startswith("poseidon") else None}
 
 
 def label(mode: tuple[str, str | None]) -> str:
@@ -235,6 +239,12 @@ def report(runs: list[dict], args) -> str:
                      f"{1e3 * r['compute_s']:>10.1f} {1e3 * r['comm_s']:>8.1f} {sent:>8} "
                      f"{r['density_local']:>11.4f} / {r['density_union']:.4f}  "
                      f"{r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}")
+    for r in runs:
+        if r.get("comm_total_s"):
+            lines.append(f"{r['label']}: synchronization {1e3 * r['comm_total_s']:.1f} ms per step, "
+                         f"{100 * r['comm_hidden_s'] / r['comm_total_s']:.0f}% of it before backward "
+                         f"had finished computing; predicted {r['predicted_bytes_per_step'] / 1e6:.2f} "
+                         f"MB sent per step")
     lines.append(f"final loss ({runs[0]['final_loss_kind']}): "
                  + ", ".join(f"{r['label']} {r['final_loss']:.4f}" for r in runs))
     for r in runs:

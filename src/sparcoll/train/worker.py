@@ -12,7 +12,14 @@ Modes (the same model, seeds and per-step global batches, so loss curves compare
   agsparse  DDP on gloo with sparse embedding gradients (gloo's AllGather-based sparse all_reduce)
   poseidon  sparcoll.torch.DataParallel (wait-free backpropagation, a strategy per tensor: the config's
             "strategy", default Poseidon's hybrid choice); each step also reports the bytes the
-            wrapper's cost model predicts this worker sends
+            wrapper's cost model predicts this worker sends, and how long its synchronizations took
+            in all and before backward had finished computing (the part hidden behind backward)
+  poseidon-blocking  the same without wait-free backpropagation: every synchronization waits for the
+            end of backward (Poseidon's ablation)
+
+DDP runs with gradient_as_bucket_view=True: gradients live in DDP's buckets, one copy of the
+gradients fewer per step and per process (what a memory-minded user sets; vgg's 8 workers fit in
+memory only so).
 
 A step is timed from the forward to the end of the optimizer step. Its communication time is the part
 that did not overlap computation: from the moment the last local gradient was computed (DDP then hands
@@ -45,7 +52,7 @@ from sparcoll.bench.netns import interface_counters
 from sparcoll.blocks import BlockTensor
 from sparcoll.workloads import get_workload
 
-MODES = ("sparcoll", "ddp", "hook", "agsparse", "poseidon")
+MODES = ("sparcoll", "ddp", "hook", "agsparse", "poseidon", "poseidon-blocking")
 
 
 def nonzero_elements(grad: torch.Tensor) -> torch.Tensor:
@@ -98,10 +105,12 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
     mode = cfg["comm"]
     options = {"sparse_embeddings": mode == "agsparse", **cfg["options"]}   # or as the user says
     workload = get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **options)
-    if mode == "poseidon":
-        model = sparcoll.torch.DataParallel(workload.model, comm=comm, strategy=cfg.get("strategy") or "auto")
+    poseidon = mode.startswith("poseidon")
+    if poseidon:
+        model = sparcoll.torch.DataParallel(workload.model, comm=comm, strategy=cfg.get("strategy") or "auto",
+                                            wait_free=mode == "poseidon")
     else:
-        model = DistributedDataParallel(workload.model)
+        model = DistributedDataParallel(workload.model, gradient_as_bucket_view=True)
     if mode == "hook" and cfg.get("compress"):
         model.register_comm_hook(sparcoll.torch.CompressionState(comm, cfg["compress"]),
                                  sparcoll.torch.compression_hook)
@@ -127,10 +136,9 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
         comm_s = max(0.0, backward_end - probe.last_gradient) if probe.last_gradient else 0.0
         # Every rank measures (the same reduced density too) before the gather, which then lines the
         # ranks up again: no rank's bookkeeping shows up as communication time in the next step.
-        predicted = (sum(e.get("predicted_bytes", float("nan")) for e in model.strategy().values())
-                     if mode == "poseidon" else float("nan"))
+        predicted, total, hidden = synchronization(model) if poseidon else (float("nan"),) * 3
         row = torch.tensor([loss.item(), step_s, comm_s, probe.local_density(), probe.reduced_density(),
-                            sent, predicted], dtype=torch.float64)
+                            sent, predicted, total, hidden], dtype=torch.float64)
         rows = [torch.empty_like(row) for _ in range(world)]
         dist.all_gather(rows, row)
         if rank == 0:
@@ -141,11 +149,21 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
                   "compute_s": (slowest[1] - slowest[2]).item(),
                   "density_local": table[:, 3].mean().item(), "density_union": row[4].item(),
                   "bytes_sent": None if not interface else table[:, 5].mean().item(),
-                  **({"predicted_bytes": table[:, 6].mean().item()} if mode == "poseidon" else {})})
+                  **({"predicted_bytes": table[:, 6].mean().item(), "comm_total_s": slowest[7].item(),
+                      "comm_hidden_s": slowest[8].item()} if poseidon else {})})
     if rank == 0 and hasattr(workload, "eval_loss"):      # parameters are identical on every rank
         emit({"event": "eval", "loss": workload.eval_loss(workload.model)})
-    if mode == "poseidon":
+    if poseidon:
         model.close()
+
+
+def synchronization(model: sparcoll.torch.DataParallel) -> tuple[float, float, float]:
+    """DataParallel's last step: the bytes its cost model predicts this worker sent, the seconds its
+    synchronizations took, and the part of them before backward finished computing."""
+    predicted = sum(e.get("predicted_bytes", float("nan")) for e in model.strategy().values())
+    total = sum(e.end - e.start for e in model.trace)
+    hidden = sum(max(0.0, min(e.end, model.backward_end) - e.start) for e in model.trace)
+    return predicted, total, hidden
 
 
 def main(argv: list[str] | None = None) -> int:
