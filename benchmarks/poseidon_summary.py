@@ -5,7 +5,7 @@ prediction, speedup over DDP, loss curve against DDP's and the communication hid
 as ranges over the rounds. sweep-*.json: DDP and Poseidon's hybrid over workers and link rates, with
 the speedup over DDP and over one worker (P t1 / tP: throughput against a single worker's), plotted.
 
-    python3 benchmarks/poseidon_summary.py OUT_DIR
+    .venv/bin/python benchmarks/poseidon_summary.py OUT_DIR      (matplotlib for the plot)
 """
 import collections
 import json
@@ -13,6 +13,8 @@ import pathlib
 import sys
 
 from compress_summary import span
+
+from sparcoll.bench.netem import parse_rate
 
 
 def main_table(reports: list) -> None:
@@ -42,7 +44,7 @@ def main_table(reports: list) -> None:
         hidden = span(r["hidden"], "{:.0f}") + "%" if r["hidden"] else ""
         print(f"| {label} | {len(r['step'])} | {span(r['step'], '{:.0f}')} | {span(r['comm'], '{:.0f}')} | "
               f"{span(r['mb'], '{:.2f}')} | {predicted} | {span(r['speedup'], '{:.2f}')} | "
-              f"{span(r['dloss'], '{:.4f}')} | {hidden} |")
+              f"{span(r['dloss'], '{:.1e}')} | {hidden} |")
     print()
 
 
@@ -52,6 +54,7 @@ def sweep(out: pathlib.Path) -> None:
     for path in sorted(out.glob("sweep-*.json")):
         report = json.loads(path.read_text())
         points[report["network"]][report["workers"]] = {r["label"]: r["step_s"] for r in report["runs"]}
+    points = dict(sorted(points.items(), key=lambda item: parse_rate(item[0])))
     print(f"### sweep: vgg, batch 32 per worker; one worker alone: {1e3 * single:.0f} ms per step\n")
     print("| network | workers | DDP ms | hybrid ms | hybrid x DDP | DDP x one worker | hybrid x one worker |")
     print("|---|---|---|---|---|---|---|")
@@ -66,14 +69,15 @@ def sweep(out: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for network, by_workers in points.items():
+    for color, (network, by_workers) in zip(("C0", "C1", "C2", "C3", "C4"), points.items()):
         workers = sorted(by_workers)
         for label, style in (("poseidon", "-o"), ("ddp", "--s")):
-            left.plot(workers, [w * single / by_workers[w][label] for w in workers], style,
+            left.plot(workers, [w * single / by_workers[w][label] for w in workers], style, color=color,
                       label=f"{'hybrid' if label == 'poseidon' else 'DDP'}, {network}")
         right.plot(workers, [by_workers[w]["ddp"] / by_workers[w]["poseidon"] for w in workers], "-o",
-                   label=network)
+                   color=color, label=network)
     left.plot([1, 8], [1, 8], ":", color="grey", label="linear")
+    left.axhline(2, color="black", linewidth=0.8, linestyle="-.", label="2 cores: the most this machine does")
     left.set(xlabel="workers", ylabel="speedup over one worker (throughput)", xticks=[1, 2, 4, 8])
     right.set(xlabel="workers", ylabel="hybrid step speedup over DDP", xticks=[2, 4, 8])
     left.legend(fontsize=7)

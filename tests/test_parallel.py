@@ -15,6 +15,7 @@ from torch import nn
 import sparcoll
 import sparcoll.torch
 from sparcoll.torch import hybrid
+from pause import Pause
 from ranks import run_ranks
 from sparcoll.bench.netem import netem_available
 
@@ -26,23 +27,6 @@ WORLD = 3
 def batch(rank: int, rows: int, shape_in: tuple, seed: int = 0):
     g = torch.Generator().manual_seed(1000 * seed + rank)
     return torch.randn(rows, *shape_in, generator=g), torch.randn(rows, *shape_in[:-1], 5, generator=g)
-
-
-class SlowBackward(nn.Module):
-    """The identity, whose backward takes 300 ms."""
-
-    class _Fn(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            time.sleep(0.3)
-            return grad
-
-    def forward(self, x):
-        return self._Fn.apply(x)
 
 
 class Tied(nn.Module):
@@ -203,7 +187,7 @@ def scenario(rank: int, world: int) -> dict:
         dp.close()
         # wait-free: with a slow collective (20 ms) and a slow backward below the third layer
         # (300 ms), the upper layers' synchronization is over before backward has finished
-        deep = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), SlowBackward(), nn.Linear(64, 64),
+        deep = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), Pause(0.3), nn.Linear(64, 64),
                              nn.Linear(64, 64))
         dp = sparcoll.torch.DataParallel(deep, strategy="ring")
         fast = dp.channel.allreduce_mean

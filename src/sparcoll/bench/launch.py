@@ -207,13 +207,13 @@ def _progress_bar(steps: int):
     of `what`. It redraws only when a step finishes (no refresh thread: the processes being timed
     share the machine's cores). Off a terminal nothing is redrawn: a line is printed per new `what`
     and at the end."""
-    console = Console(stderr=True)
+    console = Console(stderr=True, emoji=False)   # "poseidon:ring: step 3" is no emoji code
     if not console.is_terminal:
         console.width = LOG_WIDTH   # a log line is not cut to a screen's width
     # On a terminal the description takes what the other columns leave and is cut to fit one line.
     description = Column(ratio=1, no_wrap=True, overflow="ellipsis")
     columns = (BarColumn(bar_width=30), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.description}", table_column=description))
+               TextColumn("{task.description}", table_column=description, markup=False))
     with Progress(*columns, console=console, auto_refresh=False, expand=console.is_terminal,
                   disable=not console.is_terminal) as bar:
         task = bar.add_task("", total=steps)

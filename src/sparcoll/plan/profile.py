@@ -1,0 +1,86 @@
+"""The planner's view of a model: what each gradient is (`facts`), and when backward produces it
+(`backward_timeline`: each parameter's ready time over a few uncompressed iterations, from autograd's
+post-accumulate hooks, as ByteComp traces its models).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .options import TensorFacts
+from .timeline import Step
+
+
+def facts(model: nn.Module) -> list[TensorFacts]:
+    """Each trainable parameter's facts, in model.named_parameters() order: linear layers' weights
+    (SFB applies, unless another module shares the weight) and sparse embeddings' COO gradients."""
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    out = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        mods = owners.get(id(param), [])
+        linear = len(mods) == 1 and isinstance(mods[0], nn.Linear) and param is mods[0].weight
+        coo = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse for m in mods)
+        out.append(TensorFacts(name, param.numel(), linear=linear, coo=coo))
+    return out
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A model's measured backward: parameter names in the order their gradients became ready, and
+    the Step the simulator takes (ready times from backward's start, its end, the optimizer step),
+    medians over the measured iterations; the forward time is kept for reports."""
+    order: tuple[str, ...]
+    step: Step
+    forward: float
+
+
+def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor],
+                      iterations: int = 5, warmup: int = 1) -> Timeline:
+    """Time `iterations` (after `warmup`) steps of the model alone, uncompressed: loss_of(model)
+    builds the loss, backward and a plain SGD step follow. The parameters are restored afterwards."""
+    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in params]
+    seen: list[tuple[str, float]] = []
+    handles = [p.register_post_accumulate_grad_hook(lambda p: seen.append((names[id(p)], time.perf_counter())))
+               for p in params]
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+    runs = []
+    try:
+        for i in range(warmup + iterations):
+            optimizer.zero_grad()
+            seen.clear()
+            start = time.perf_counter()
+            loss = loss_of(model)
+            forward_end = time.perf_counter()
+            loss.backward()
+            backward_end = time.perf_counter()
+            optimizer.step()
+            done = time.perf_counter()
+            if i >= warmup:
+                runs.append((dict((n, t - forward_end) for n, t in seen), [n for n, _ in seen],
+                             backward_end - forward_end, done - backward_end, forward_end - start))
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for p, value in zip(params, saved):
+                p.copy_(value)
+        optimizer.zero_grad()
+    order = runs[-1][1]
+    if any(r[1] != order for r in runs):
+        raise RuntimeError("the model's gradients became ready in different orders across iterations")
+    ready = tuple(statistics.median(r[0][n] for r in runs) for n in order)
+    return Timeline(tuple(order), Step(ready, statistics.median(r[2] for r in runs),
+                                       statistics.median(r[3] for r in runs)),
+                    statistics.median(r[4] for r in runs))
