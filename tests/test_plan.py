@@ -1,14 +1,14 @@
 """The planner's core (sparcoll.plan): the option tree's pruning, the timeline simulator against
-hand-computed timelines, ByteComp's greedy decision against brute force, and the exact offload search
-against brute force. No processes: pure computation on seeded random instances."""
+hand-computed timelines, the decision against brute force (seeded random instances), the exact
+offload search against brute force, and what the profile reads of a model (its gradients' kinds,
+its backward timeline)."""
 import random
-import time
 
 import pytest
 import torch
-from torch import nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from sparcoll.compress import make
 from sparcoll.plan import decide
@@ -16,6 +16,7 @@ from sparcoll.plan.options import (ALLGATHER, COLLECTIVES, COMPRESSORS, DEDICATE
                                    JobFacts, Option, TensorFacts, options, why_invalid)
 from sparcoll.plan.profile import backward_timeline, facts
 from sparcoll.plan.timeline import Cost, Simulation, Step, simulate
+from pause import Pause
 
 # What may carry each compressor scheme's payload, written out independently of the rules.
 FITS = {"allreduce": {RING}, "powersgd": {RING}, "sparse": {SPARSE, DEDICATED}, "allgather": {ALLGATHER}}
@@ -151,23 +152,6 @@ def test_the_plan_never_loses_to_every_tensor_uncompressed():
         assert f_of(step, tensors, decide.plan(step, tensors)) <= f_of(step, tensors, plain) + 1e-12
 
 
-class Pause(nn.Module):
-    """The identity, whose backward sleeps 50 ms: a gap in backward the timeline must show."""
-
-    class _Fn(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            time.sleep(0.05)
-            return grad
-
-    def forward(self, x):
-        return self._Fn.apply(x)
-
-
 class Mixed(nn.Module):
     def __init__(self):
         super().__init__()
@@ -193,7 +177,7 @@ def test_facts_tell_linear_weights_and_sparse_embeddings():
 
 def test_backward_timeline_follows_autograd_and_restores_the_parameters():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), Pause(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(16, 16), Pause(0.05), nn.Linear(16, 4))
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(8, 16)
     timeline = backward_timeline(model, lambda m: m(x).pow(2).mean(), iterations=3)
