@@ -154,6 +154,7 @@ def scenario(rank: int, world: int) -> dict:
             got = step(dp, rank, 6, (12,))
             out[f"strategy {strategy}"] = relative_error(got, reference_grads(mlp, 6, (12,), world))
             out[f"strategy {strategy} used"] = sorted({e.strategy for e in dp.trace})
+            out[f"strategy {strategy} collectives"] = len({e.start for e in dp.trace})
             dp.close()
         # training with the hybrid choice: parameters identical on every rank after every step
         dp = sparcoll.torch.DataParallel(wide(), comm=comm)
@@ -186,9 +187,10 @@ def scenario(rank: int, world: int) -> dict:
         out["sfb after no_sync"] = sorted({e.strategy for e in dp.trace})
         dp.close()
         # wait-free: with a slow collective (20 ms) and a slow backward below the third layer
-        # (300 ms), the upper layers' synchronization is over before backward has finished
-        deep = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), Pause(0.3), nn.Linear(64, 64),
-                             nn.Linear(64, 64))
+        # (300 ms), the upper layers' weights (1 MB each: too big for a bucket) are synchronized
+        # before backward has finished
+        deep = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), Pause(0.3), nn.Linear(512, 512),
+                             nn.Linear(512, 512))
         dp = sparcoll.torch.DataParallel(deep, strategy="ring")
         fast = dp.channel.allreduce_mean
 
@@ -196,11 +198,11 @@ def scenario(rank: int, world: int) -> dict:
             time.sleep(0.02)
             return fast(t)
         dp.channel.allreduce_mean = slow_allreduce
-        dp(torch.randn(32, 64)).pow(2).mean().backward()
+        dp(torch.randn(32, 512)).pow(2).mean().backward()
         out["events"] = [e.name for e in dp.trace]
-        out["upper layers done before backward end"] = all(
-            e.end < dp.backward_end for e in dp.trace if e.name[0] in "34")
-        out["lower layers after"] = all(e.start > dp.backward_end - 0.3 for e in dp.trace if e.name[0] in "01")
+        weights = [e for e in dp.trace if e.name.endswith("weight")]
+        out["upper layers done before backward end"] = all(e.end < dp.backward_end for e in weights if e.name[0] in "34")
+        out["lower layers after"] = all(e.start > dp.backward_end - 0.3 for e in weights if e.name[0] in "01")
         dp.close()
         # an error on the synchronization thread (any exception) reaches backward, and the wrapper
         # keeps working afterwards
@@ -277,6 +279,8 @@ def test_every_strategy_gives_the_average(outcome, strategy):
     assert all(out[f"strategy {strategy}"] <= limit for out in outcome)
     if strategy in ("ring", "ps", "sparse", "fp16"):
         assert all(out[f"strategy {strategy} used"] == [strategy] for out in outcome)
+    if strategy == "ring":       # the four small gradients travel in one bucket
+        assert all(out["strategy ring collectives"] == 1 for out in outcome)
 
 
 def test_parameters_stay_identical_on_every_rank(outcome):

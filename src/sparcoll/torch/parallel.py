@@ -19,7 +19,7 @@ weight used outside its module, as in `F.linear(x, layer.weight)` elsewhere, can
 such a layer an explicit strategy.)
 
 Gradients are synchronized on one thread, in the order backward produces them (the same on every
-rank); backward waits for the last of them before it returns. Under `no_sync()` gradients
+rank), small ring gradients in buckets as DDP's; backward waits for the last of them before it returns. Under `no_sync()` gradients
 accumulate locally; the next synchronized step reduces the accumulated gradients (SFB layers then take
 the ring: their factors cover one step only). `trace` records, for the last step, when each tensor
 was ready and when its synchronization started and ended, and when backward finished computing.
@@ -52,6 +52,9 @@ from .sfb import Call, LinearState, gather_factors
 
 AUTO = "auto"
 ROWS = "rows"           # the per-step check that ranks agree on the rows of their linear layers
+BUCKET = "bucket"       # small dense gradients that take the ring, averaged in one allreduce
+SMALL_BYTES = 256 << 10     # a gradient this small joins the bucket ...
+BUCKET_BYTES = 1 << 20      # ... which goes when it holds this much (as DDP's first bucket)
 STRATEGIES = (hybrid.RING, hybrid.PS, hybrid.SPARSE, hybrid.SFB)
 
 
@@ -82,6 +85,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.comm, self.group, self.timeout, self.wait_free = comm, group, timeout, wait_free
         self._held: list = []
+        self._bucket: list = []           # (parameter, event) of small ring gradients, in ready order
         self.world = dist.get_world_size(group)
         self.channel = Channel(group, comm)
         self._group_channel = Channel(group)     # the group's own collectives, without sparcoll
@@ -254,17 +258,44 @@ class DataParallel(nn.Module):
         chosen = state.strategy if state is not None and p is weight else None
         if chosen is None or chosen == hybrid.SFB:
             chosen = self._choose(p, 0)
-        self._enqueue(p, hybrid.RING if chosen == hybrid.SFB else chosen, None)
+        chosen = hybrid.RING if chosen == hybrid.SFB else chosen
+        grad = p.grad
+        if chosen == hybrid.RING and not grad.is_sparse and grad.numel() * grad.element_size() <= SMALL_BYTES:
+            self._add_to_bucket(p)
+        else:
+            self._enqueue(p, chosen, None)
 
     def _enqueue(self, p: torch.Tensor, chosen: str, extra) -> None:
+        self._flush()                   # the bucket goes first: it was ready first
         event = Event(self._names.get(id(p), "?"), chosen, time.perf_counter())
         self.trace.append(event)
+        self._put((p, chosen, extra, [event]))
+
+    def _put(self, item: tuple) -> None:
         with self._idle:
             self._pending += 1
         if self.wait_free:
-            self._queue.put((p, chosen, extra, event))
+            self._queue.put(item)
         else:
-            self._held.append((p, chosen, extra, event))
+            self._held.append(item)
+
+    def _add_to_bucket(self, p: torch.Tensor) -> None:
+        """Small ring gradients travel together, as DDP's buckets: one allreduce instead of one
+        each. The bucket is formed on the training thread in ready order and sent when it is full,
+        when a gradient that does not join it is ready, or at the end of backward, so it is the
+        same on every rank without a message."""
+        if self._bucket and self._bucket[0][0].grad.dtype != p.grad.dtype:
+            self._flush()
+        event = Event(self._names.get(id(p), "?"), hybrid.RING, time.perf_counter())
+        self.trace.append(event)
+        self._bucket.append((p, event))
+        if sum(q.grad.numel() * q.grad.element_size() for q, _ in self._bucket) >= BUCKET_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._bucket:
+            bucket, self._bucket = self._bucket, []
+            self._put((None, BUCKET, [q for q, _ in bucket], [e for _, e in bucket]))
 
     def _arm(self) -> None:
         """At the first gradient of a backward: make its end wait for the synchronizations."""
@@ -284,10 +315,7 @@ class DataParallel(nn.Module):
             return
         rows = torch.tensor([s.rows for s in auto], dtype=torch.float64)
         names = [s.name for s in auto]
-        with self._idle:
-            self._pending += 1
-        self._queue.put((None, ROWS, (rows, names), Event("(rows of linear layers)", ROWS,
-                                                           time.perf_counter())))
+        self._put((None, ROWS, (rows, names), [Event("(rows of linear layers)", ROWS, time.perf_counter())]))
 
     def _requested(self, p: torch.Tensor) -> str:
         if isinstance(self._explicit, dict):
@@ -297,6 +325,7 @@ class DataParallel(nn.Module):
     def _finish(self) -> None:
         """End of backward: wait for every synchronization, then let backward return."""
         self.backward_end = time.perf_counter()
+        self._flush()
         self._armed = False
         self._accumulated = False
         held, self._held = self._held, []
@@ -329,14 +358,16 @@ class DataParallel(nn.Module):
             item = self._queue.get()
             if item is None:
                 return
-            p, chosen, extra, event = item
-            event.start = time.perf_counter()
+            p, chosen, extra, events = item
+            start = time.perf_counter()
             try:
                 if self._error is None:        # after a failure, later tensors are moot
                     self._synchronize(p, chosen, extra)
             except BaseException as exc:       # every error reaches backward, none kills the thread
                 self._error = exc
-            event.end = time.perf_counter()
+            end = time.perf_counter()
+            for event in events:
+                event.start, event.end = start, end
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()
@@ -357,6 +388,13 @@ class DataParallel(nn.Module):
             state, u, v = extra
             state.add(*gather_factors(u, v, self.channel))
             return
+        if chosen == BUCKET:
+            grads = [q.grad for q in extra]
+            for q, grad, flat in zip(extra, grads, self.channel.allreduce_mean_many([g.reshape(-1) for g in grads])):
+                if flat.data_ptr() != grad.data_ptr():
+                    grad.copy_(flat.view_as(grad))
+                self._learn_density(q, flat)
+            return
         grad = p.grad
         if grad.is_sparse:
             p.grad = self._synchronize_coo(p, grad.coalesce(), chosen)
@@ -375,8 +413,12 @@ class DataParallel(nn.Module):
             flat.copy_(self._reducer(chosen).reduce(flat, key=id(p)).reshape(-1))
         if flat.data_ptr() != grad.data_ptr():
             grad.copy_(flat.view_as(grad))
+        self._learn_density(p, flat)
+
+    def _learn_density(self, p: torch.Tensor, averaged: torch.Tensor) -> None:
+        """The block density of p's averaged gradient, which the hybrid choice reads next step."""
         if self.comm is not None:
-            blocks = BlockTensor(flat, self._block_size())
+            blocks = BlockTensor(averaged, self._block_size())
             self._density[id(p)] = blocks.nonzero().size / max(1, blocks.nblocks)
 
     def _synchronize_coo(self, p: torch.Tensor, grad: torch.Tensor, chosen: str) -> torch.Tensor:
