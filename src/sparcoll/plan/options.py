@@ -9,6 +9,7 @@ levels with every invalid combination pruned, and `why_invalid` names the rule a
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Callable
@@ -52,9 +53,17 @@ class JobFacts:
 CARRIERS = {"allreduce": (RING,), "powersgd": (RING,), "sparse": (SPARSE, DEDICATED), "allgather": (ALLGATHER,)}
 
 
+@functools.lru_cache(maxsize=None)
 def scheme(compressor: str) -> str | None:
-    """How a compressor's payload travels; None for an uncompressed gradient."""
+    """How a compressor's payload travels; None for an uncompressed gradient. Cached: the rules ask
+    for every option of every tensor."""
     return None if compressor == "none" else make(compressor).scheme
+
+
+@functools.lru_cache(maxsize=None)
+def compresses_entries(compressor: str) -> bool:
+    """Whether the compressor takes a sparse COO gradient's entries without densifying it."""
+    return make(compressor).entries
 
 
 @dataclass(frozen=True)
@@ -82,7 +91,7 @@ RULES = (
     Rule("a sparse COO gradient is never densified: no parameter server, and only compressors of "
          "its entries",
          lambda t, j, o: t.coo and (o.collective == PS or (o.compressor != "none"
-                                                            and not make(o.compressor).entries))),
+                                                            and not compresses_entries(o.compressor)))),
 )
 
 

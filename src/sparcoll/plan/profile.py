@@ -12,30 +12,23 @@ from typing import Callable
 import torch
 from torch import nn
 
+from sparcoll.torch.sfb import eligible_layers
+
 from .options import TensorFacts
 from .timeline import Step
 
 
 def facts(model: nn.Module) -> list[TensorFacts]:
     """Each trainable parameter's facts, in model.named_parameters() order: linear layers' weights
-    (SFB applies, unless another module shares the weight) and sparse embeddings' COO gradients."""
-    owners: dict[int, list[nn.Module]] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            owners.setdefault(id(param), []).append(module)
-    out = []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        mods = owners.get(id(param), [])
-        linear = len(mods) == 1 and isinstance(mods[0], nn.Linear) and param is mods[0].weight
-        coo = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse for m in mods)
-        out.append(TensorFacts(name, param.numel(), linear=linear, coo=coo))
-    return out
+    that SFB can serve (sparcoll.torch.sfb.eligible_layers) and sparse embeddings' COO gradients."""
+    linear = {id(layer.weight) for layer in eligible_layers(model)}
+    coo = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+    return [TensorFacts(name, p.numel(), linear=id(p) in linear, coo=id(p) in coo)
+            for name, p in model.named_parameters() if p.requires_grad]
 
 
 @dataclass(frozen=True)
-class Timeline:
+class BackwardProfile:
     """A model's measured backward: parameter names in the order their gradients became ready, and
     the Step the simulator takes (ready times from backward's start, its end, the optimizer step),
     medians over the measured iterations; the forward time is kept for reports."""
@@ -45,7 +38,7 @@ class Timeline:
 
 
 def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor],
-                      iterations: int = 5, warmup: int = 1) -> Timeline:
+                      iterations: int = 5, warmup: int = 1) -> BackwardProfile:
     """Time `iterations` (after `warmup`) steps of the model alone, uncompressed: loss_of(model)
     builds the loss, backward and a plain SGD step follow. The parameters are restored afterwards."""
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
@@ -81,6 +74,6 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
     if any(r[1] != order for r in runs):
         raise RuntimeError("the model's gradients became ready in different orders across iterations")
     ready = tuple(statistics.median(r[0][n] for r in runs) for n in order)
-    return Timeline(tuple(order), Step(ready, statistics.median(r[2] for r in runs),
+    return BackwardProfile(tuple(order), Step(ready, statistics.median(r[2] for r in runs),
                                        statistics.median(r[3] for r in runs)),
                     statistics.median(r[4] for r in runs))

@@ -48,7 +48,7 @@ from sparcoll.errors import CollectiveTimeout, MismatchError
 
 from . import hybrid
 from .ps import ps_allreduce
-from .sfb import Call, LinearState, gather_factors
+from .sfb import Call, LinearState, eligible_layers, gather_factors
 
 AUTO = "auto"
 ROWS = "rows"           # the per-step check that ranks agree on the rows of their linear layers
@@ -98,22 +98,14 @@ class DataParallel(nn.Module):
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._linear: dict[int, LinearState] = {}    # weight id -> its layer's step
         self._weight_of: dict[int, nn.Parameter] = {}  # bias id -> its layer's weight
-        # A weight that another module owns too (a tied embedding and softmax) gets gradient from
-        # both; SFB's factors cover only the linear layer's part, so such a weight never takes SFB.
-        owners: dict[int, int] = {}
-        for layer in module.modules():
-            for param in layer.parameters(recurse=False):
-                owners[id(param)] = owners.get(id(param), 0) + 1
-        for layer in module.modules():
-            if isinstance(layer, nn.Linear) and layer.weight.requires_grad and owners[id(layer.weight)] == 1:
-                state = LinearState(layer, self._names.get(id(layer.weight), "?"))
-                self._handles.append(layer.register_forward_pre_hook(
-                    functools.partial(self._before_linear, state)))
-                self._handles.append(layer.register_forward_hook(
-                    functools.partial(self._after_linear, state), always_call=True))
-                self._linear[id(layer.weight)] = state
-                if layer.bias is not None and layer.bias.requires_grad:
-                    self._weight_of[id(layer.bias)] = layer.weight
+        for layer in eligible_layers(module):      # a tied weight never takes SFB
+            state = LinearState(layer, self._names.get(id(layer.weight), "?"))
+            self._handles.append(layer.register_forward_pre_hook(functools.partial(self._before_linear, state)))
+            self._handles.append(layer.register_forward_hook(functools.partial(self._after_linear, state),
+                                                             always_call=True))
+            self._linear[id(layer.weight)] = state
+            if state.bias is not None:
+                self._weight_of[id(state.bias)] = layer.weight
         self._density: dict[int, float] = {}
         self._reducers: dict[str, Reducer] = {}
         self._scratch: dict[int, list] = {}
@@ -191,8 +183,6 @@ class DataParallel(nn.Module):
                                    self._block_size())
         if chosen == hybrid.SFB and (id(p) not in self._linear or self._accumulated):
             chosen = hybrid.RING            # not a linear weight, or gradients accumulated
-        if chosen == hybrid.SPARSE and self.comm is None:
-            raise ValueError("the sparse strategy needs a sparcoll Communicator (comm=)")
         return chosen
 
     # ---- a linear layer's call ----------------------------------------------------------------------
@@ -256,9 +246,10 @@ class DataParallel(nn.Module):
         if state is not None and state.strategy == hybrid.SFB:
             return                          # its layer's factors carry it
         chosen = state.strategy if state is not None and p is weight else None
-        if chosen is None or chosen == hybrid.SFB:
+        if chosen is None:
             chosen = self._choose(p, 0)
-        chosen = hybrid.RING if chosen == hybrid.SFB else chosen
+        if chosen == hybrid.SFB:            # a weight whose gradient came from outside its layer's call
+            chosen = hybrid.RING
         grad = p.grad
         if chosen == hybrid.RING and not grad.is_sparse and grad.numel() * grad.element_size() <= SMALL_BYTES:
             self._add_to_bucket(p)

@@ -21,6 +21,17 @@ from torch import nn
 from sparcoll.compress.channel import Channel
 
 
+def eligible_layers(model: nn.Module) -> list[nn.Linear]:
+    """The model's nn.Linear layers SFB can serve: a trainable weight that no other module owns too
+    (a tied embedding and softmax get gradient from both; the factors cover only the layer's part)."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return [m for m in model.modules()
+            if isinstance(m, nn.Linear) and m.weight.requires_grad and owners[id(m.weight)] == 1]
+
+
 class Call:
     """One call of the layer in a step: its input (v), until its output's gradient (u) arrives. Only
     the autograd graph holds it, so it vanishes with a graph that never gets a backward."""
