@@ -30,7 +30,7 @@ def runnable(t: TensorFacts, job: JobFacts, o: Option) -> bool:
         return False
     if o.collective == DEDICATED and not job.dedicated:
         return False
-    if o.offload and not compressed:
+    if o.offload and (not compressed or make(o.compressor).scheme == "powersgd"):
         return False
     if t.coo and (o.collective == PS or (compressed and not make(o.compressor).entries)):
         return False

@@ -1,4 +1,4 @@
-"""The `sparcoll` command: `aggregator` (a dedicated aggregator), `bench`, `demo` and `train`."""
+"""The `sparcoll` command: `aggregator` (a dedicated aggregator), `bench`, `demo`, `plan` and `train`."""
 from __future__ import annotations
 
 import argparse
@@ -92,6 +92,8 @@ COMMANDS: dict[str, tuple[str, Loader]] = {
     "bench": ("compare sparcoll with gloo ring, sparse AllGather and a parameter server, on loopback or "
               "an emulated network", _entry("sparcoll.bench.command")),
     "demo": ("4 local workers: sparse allreduce vs gloo at several densities", _entry("sparcoll.demo")),
+    "plan": ("profile a model on this machine and network and choose a strategy per tensor "
+             "(ByteComp's planner)", _entry("sparcoll.plan.command")),
     "train": ("train a workload data-parallel on sparcoll, gloo DDP, the hook or sparse AllGather, on "
               "loopback or an emulated network", _entry("sparcoll.train.command")),
 }

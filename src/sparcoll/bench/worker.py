@@ -106,19 +106,26 @@ def bench(cfg: dict, rank: int, world: int) -> None:
             comm.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_worker(argv: list[str] | None, body, backend=lambda cfg: "gloo") -> int:
+    """A job's worker process as the launcher starts it: read the configuration file argv[0], join the
+    job's torch.distributed group (the launcher's environment, backend(cfg)), run body(cfg, rank,
+    world) with rank 0 reporting how it ended, and leave the group on every way out."""
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
         cfg = json.load(f)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+    dist.init_process_group(backend(cfg), init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
     try:
         with reporting(rank):
-            bench(cfg, rank, world)
+            body(cfg, rank, world)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker(argv, bench)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import coo
-from .base import block_bytes, index_dtype, parts_bytes
+from .base import Payload, block_bytes, index_dtype, parts_bytes
 from .channel import Channel
 from .memory import make_memory
 from .registry import make
@@ -73,12 +73,7 @@ class Reducer:
                 self.memory.update(comp, out, keys[i])
                 self.sent_bytes += c.payload_bytes(comp.numel(), shape)
         else:
-            payloads = [c.compress(comp) for comp in comps]
-            for comp, payload, i in zip(comps, payloads, dense):
-                self.sent_bytes += c.sent_bytes(payload)
-                if self.memory.active:
-                    # before the collective, which may reuse the parts' memory
-                    self.memory.update(comp, c.sent(payload), keys[i])
+            payloads = [self._compress(comp, keys[i]) for comp, i in zip(comps, dense)]
             riders = [c.whole(_flat_float(t)) for t in exact]
             self.sent_bytes += sum(c.sent_bytes(payload) for payload in riders)
             outs = self._communicate(payloads + riders, into)
@@ -90,6 +85,32 @@ class Reducer:
         for i, out, shape in zip(dense, outs, shapes):
             results[i] = out.view(shape).to(tensors[i].dtype)
         return results + [out.view(t.shape).to(t.dtype) for out, t in zip(outs[len(dense):], exact)]
+
+    @property
+    def splits(self) -> bool:
+        """Whether `compress` and `communicate` can run apart (PowerSGD computes between its two
+        allreduces: it cannot)."""
+        return self.compressor.scheme != "powersgd"
+
+    def compress(self, tensor: torch.Tensor, key=None) -> Payload:
+        """The part of `reduce` before the collective, for a dense tensor: error feedback's
+        compensation, the compressor and the memory's update. It may run on another thread than
+        `communicate`, which takes its payload (in the same order on every rank)."""
+        if not self.splits or tensor.is_sparse:
+            raise ValueError(f"{self.spec} cannot compress apart from its collective"
+                             if tensor.is_dense else "compress takes dense tensors")
+        return self._compress(self.memory.compensate(_flat_float(tensor), key), key)
+
+    def communicate(self, payload: Payload, like: torch.Tensor) -> torch.Tensor:
+        """The average over ranks of what `compress` kept, shaped and typed as `like`."""
+        return self._communicate([payload])[0].view(like.shape).to(like.dtype)
+
+    def _compress(self, comp: torch.Tensor, key) -> Payload:
+        payload = self.compressor.compress(comp)
+        self.sent_bytes += self.compressor.sent_bytes(payload)
+        if self.memory.active:      # before the collective, which may reuse the parts' memory
+            self.memory.update(comp, self.compressor.sent(payload), key)
+        return payload
 
     def _communicate(self, payloads: list, into: list | None = None) -> list:
         c, count = self.compressor, len(payloads[0].parts)

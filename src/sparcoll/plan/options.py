@@ -84,6 +84,8 @@ RULES = (
          lambda t, j, o: o.compressor == "none" and o.collective == ALLGATHER),
     Rule("nothing to offload without compression",
          lambda t, j, o: o.offload and o.compressor == "none"),
+    Rule("PowerSGD computes between its two allreduces, on the channel: nothing to offload",
+         lambda t, j, o: o.offload and scheme(o.compressor) == "powersgd"),
     Rule("the sparse AllReduce needs a sparcoll Communicator",
          lambda t, j, o: o.collective in (SPARSE, DEDICATED) and not j.communicator),
     Rule("dedicated aggregators only in a job that has them",

@@ -26,6 +26,7 @@ was ready and when its synchronization started and ended, and when backward fini
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -53,6 +54,8 @@ from .sfb import Call, LinearState, eligible_layers, gather_factors
 AUTO = "auto"
 ROWS = "rows"           # the per-step check that ranks agree on the rows of their linear layers
 BUCKET = "bucket"       # small dense gradients that take the ring, averaged in one allreduce
+COMPRESSED = "compressed"   # a payload compressed off the synchronization thread, to communicate
+CHANNEL, THREAD, OFFLOAD = "channel", "thread", "offload"     # where a compressor runs
 SMALL_BYTES = 256 << 10     # a gradient this small joins the bucket ...
 BUCKET_BYTES = 1 << 20      # ... which goes when it holds this much (as DDP's first bucket)
 STRATEGIES = (hybrid.RING, hybrid.PS, hybrid.SPARSE, hybrid.SFB)
@@ -74,7 +77,10 @@ class DataParallel(nn.Module):
     the parameter server, SFB's gathers and compressors (default: the whole job). strategy: "auto", a
     strategy for every tensor, or per tensor name a dict / JSON file path (names as in
     module.named_parameters(); unnamed ones take "auto"): "ring", "ps", "sparse", "sfb" (nn.Linear
-    weights), "auto", or a sparcoll.compress spec. timeout: seconds backward waits for the last
+    weights), "auto", or a sparcoll.compress spec; or a plan of `sparcoll plan` (its JSON file or
+    dict), which also says where each compressor runs: on the training thread as the gradient is
+    ready ("thread"), on a worker thread of its own ("offload"), or (unplanned) on the
+    synchronization thread before its collective. timeout: seconds backward waits for the last
     synchronization. wait_free=False holds every synchronization until backward has finished (as
     without Poseidon's overlap; for comparison)."""
 
@@ -89,7 +95,8 @@ class DataParallel(nn.Module):
         self.world = dist.get_world_size(group)
         self.channel = Channel(group, comm)
         self._group_channel = Channel(group)     # the group's own collectives, without sparcoll
-        self._explicit = _load(strategy)
+        self._explicit, self._placement = _load(strategy)
+        self._offload: concurrent.futures.ThreadPoolExecutor | None = None
         wanted = self._explicit.values() if isinstance(self._explicit, dict) else [self._explicit]
         if hybrid.SPARSE in wanted and comm is None:
             raise ValueError("the sparse strategy needs a sparcoll Communicator (comm=)")
@@ -162,6 +169,8 @@ class DataParallel(nn.Module):
             handle.remove()
         self._queue.put(None)
         self._thread.join(timeout=5)
+        if self._offload is not None:
+            self._offload.shutdown(wait=False, cancel_futures=True)
 
     # ---- decisions --------------------------------------------------------------------------------
     def _rows_of(self, p: torch.Tensor, rows: int | None) -> int:
@@ -251,10 +260,32 @@ class DataParallel(nn.Module):
         if chosen == hybrid.SFB:            # a weight whose gradient came from outside its layer's call
             chosen = hybrid.RING
         grad = p.grad
+        placement = self._placement.get(self._names.get(id(p)), CHANNEL)
         if chosen == hybrid.RING and not grad.is_sparse and grad.numel() * grad.element_size() <= SMALL_BYTES:
             self._add_to_bucket(p)
+        elif placement != CHANNEL and chosen not in STRATEGIES and not grad.is_sparse \
+                and self._reducer(chosen, placement).splits:
+            self._compress_apart(p, chosen, placement)
         else:
             self._enqueue(p, chosen, None)
+
+    def _compress_apart(self, p: torch.Tensor, spec: str, placement: str) -> None:
+        """Compress p's gradient here (the training thread) or on the offload thread; the
+        synchronization thread communicates the payload, in backward order as every other tensor.
+        Each placement has its own Reducer, so that each compresses in the same order on every rank
+        (randomk's shared indices and PowerSGD's seeds follow the order of calls)."""
+        reducer = self._reducer(spec, placement)
+        if placement == OFFLOAD:
+            if self._offload is None:
+                self._offload = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparcoll-offload")
+            payload = self._offload.submit(reducer.compress, p.grad, id(p))
+        else:
+            try:
+                payload = reducer.compress(p.grad, id(p))
+            except BaseException as exc:      # reaches backward at its end, as the thread's errors
+                self._error = self._error or exc
+                return
+        self._enqueue(p, COMPRESSED, (reducer, payload))
 
     def _enqueue(self, p: torch.Tensor, chosen: str, extra) -> None:
         self._flush()                   # the bucket goes first: it was ready first
@@ -387,6 +418,12 @@ class DataParallel(nn.Module):
                 self._learn_density(q, flat)
             return
         grad = p.grad
+        if chosen == COMPRESSED:
+            reducer, payload = extra
+            if isinstance(payload, concurrent.futures.Future):
+                payload = payload.result(timeout=self.timeout)
+            grad.copy_(reducer.communicate(payload, grad))
+            return
         if grad.is_sparse:
             p.grad = self._synchronize_coo(p, grad.coalesce(), chosen)
             return
@@ -420,10 +457,10 @@ class DataParallel(nn.Module):
             return self._group_channel.sparse_mean(grad)
         return self._reducer(chosen).reduce(grad, key=id(p))
 
-    def _reducer(self, spec: str) -> Reducer:
-        if spec not in self._reducers:
-            self._reducers[spec] = Reducer(spec, self.group, self.comm)
-        return self._reducers[spec]
+    def _reducer(self, spec: str, placement: str = CHANNEL) -> Reducer:
+        if (spec, placement) not in self._reducers:
+            self._reducers[spec, placement] = Reducer(spec, self.group, self.comm)
+        return self._reducers[spec, placement]
 
     def _broadcast_from_rank0(self) -> None:
         src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
@@ -432,17 +469,25 @@ class DataParallel(nn.Module):
                 dist.broadcast(t.data, src, group=self.group)
 
 
-def _load(strategy) -> Union[str, dict]:
-    """"auto", one strategy for all, or {name: strategy} from a dict or a JSON file; each checked."""
+def _load(strategy) -> tuple[Union[str, dict], dict]:
+    """"auto", one strategy for all, or {name: strategy} from a dict, a plan or a JSON file of either;
+    each checked. Also {name: placement} of a plan's compressed tensors."""
     if isinstance(strategy, Path) or (isinstance(strategy, str) and strategy.endswith(".json")):
         strategy = json.loads(Path(strategy).read_text())
+    placement = {}
+    if isinstance(strategy, Mapping) and isinstance(strategy.get("tensors"), list):     # a plan
+        placement = {str(t["name"]): str(t.get("placement", CHANNEL)) for t in strategy["tensors"]}
+        strategy = {t["name"]: t["strategy"] for t in strategy["tensors"]}
+        wrong = sorted(set(placement.values()) - {CHANNEL, THREAD, OFFLOAD})
+        if wrong:
+            raise ValueError(f"unknown placement {wrong[0]!r} in the plan; expected {THREAD} or {OFFLOAD}")
     if isinstance(strategy, Mapping):
         table = {str(name): str(s) for name, s in strategy.items()}
         for s in table.values():
             check_strategy(s)
-        return table
+        return table, placement
     check_strategy(strategy)
-    return strategy
+    return strategy, placement
 
 
 def check_strategy(strategy: str) -> None:

@@ -4,11 +4,13 @@
                    --batch-size 256 --json out.json
     sparcoll train --workload ncf --workers 4 --compare          # sparcoll, then ddp: speedup, loss gap
     sparcoll train --workload vgg --compare ddp,hook:compress=powersgd:4,hook:compress=blocktopk:0.01
+    sparcoll train --workload ncf --compare ddp,poseidon,planned --plan plan.json
 
 A mode is a --comm value, optionally with `:compress=SPEC` (a sparcoll.compress spec, for `hook`: DDP on
 gloo with sparcoll's compression hook) or, for `poseidon` (sparcoll.torch.DataParallel) and
 `poseidon-blocking` (the same without wait-free backpropagation), `:strategy=S` (ring, ps, sparse, sfb,
-auto, a compressor spec, or a JSON file of tensor name -> strategy). Each compared mode gets its speedup over `ddp` and its largest
+auto, a compressor spec, or a JSON file of tensor name -> strategy); `planned` runs the plan of
+`sparcoll plan` given by --plan. Each compared mode gets its speedup over `ddp` and its largest
 loss difference against `ddp` (when ddp is among them; else against the last mode).
 
 A process per worker, on the hosts of an emulated network shaped to --network (root needed) or on
@@ -71,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --comm poseidon: ring, ps, sparse, sfb, auto (Poseidon's hybrid "
                              "choice, the default), a compressor spec, or a JSON file of tensor name -> "
                              "strategy")
+    parser.add_argument("--plan", metavar="FILE",
+                        help="with --comm planned (or planned among --compare): the plan `sparcoll "
+                             "plan` wrote for this workload and worker count")
     parser.add_argument("--compare", nargs="?", const=",".join(COMPARED), default=None, metavar="MODES",
                         help="run several modes, comma separated, each a --comm value optionally with "
                              ":compress=SPEC (hook) or :strategy=S (poseidon) (default when given alone: "
@@ -169,6 +174,28 @@ def _validate(args) -> None:
         parse_rate(args.network)
 
 
+def load_plan(args, modes) -> dict | None:
+    """The plan of the planned mode (None if no mode is planned): for this workload's tensors and
+    worker count, else a ValueError saying what differs."""
+    if not any(comm == "planned" for comm, _ in modes):
+        if args.plan:
+            raise ValueError("--plan needs --comm planned or planned among --compare")
+        return None
+    if not args.plan:
+        raise ValueError("the planned mode needs --plan FILE (written by `sparcoll plan --json FILE`)")
+    try:
+        with open(args.plan) as f:
+            plan = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the plan {args.plan}: {exc}") from None
+    if not isinstance(plan, dict) or not isinstance(plan.get("tensors"), list):
+        raise ValueError(f"{args.plan} is not a plan of `sparcoll plan` (no 'tensors' list)")
+    for key, want in (("workload", args.workload), ("workers", args.workers), ("batch_size", args.batch_size)):
+        if key in plan and plan[key] != want:
+            raise ValueError(f"{args.plan} was made for {key} {plan[key]}, this run has {want}")
+    return plan
+
+
 def launch(config: dict, workers: int, network: str, timeout: float, on_event) -> None:
     """Run the workers of one training job with the bench harness's launcher."""
     run_job(Job(workers, network, 0, config, timeout, worker="sparcoll.train.worker",
@@ -259,6 +286,7 @@ def run(args) -> int:
     try:
         _validate(args)
         modes = modes_of(args)
+        plan = load_plan(args, modes)
     except ValueError as exc:
         print(f"sparcoll train: error: {exc}", file=sys.stderr)
         return 2
@@ -280,8 +308,9 @@ def run(args) -> int:
                 steps.append(event)
                 advance(f"{label(mode)}: step {event['step'] + 1}, loss {event['loss']:.4f}")
 
-            launch({**config, "comm": mode[0], **option_of(mode)}, args.workers, args.network,
-                   args.timeout, on_event)
+            launch({**config, "comm": mode[0], **option_of(mode),
+                    **({"strategy": plan} if mode[0] == "planned" else {})},
+                   args.workers, args.network, args.timeout, on_event)
             runs.append(summarize(mode, steps, args, held_out[0] if held_out else None))
 
     status = run_jobs("train", args.steps * len(modes), body)

@@ -16,6 +16,7 @@ Modes (the same model, seeds and per-step global batches, so loss curves compare
             in all and before backward had finished computing (the part hidden behind backward)
   poseidon-blocking  the same without wait-free backpropagation: every synchronization waits for the
             end of backward (Poseidon's ablation)
+  planned   sparcoll.torch.DataParallel executing a plan of `sparcoll plan` (the config's "strategy")
 
 DDP runs with gradient_as_bucket_view=True: gradients live in DDP's buckets, one copy of the
 gradients fewer per step and per process (what a memory-minded user sets; vgg's 8 workers fit in
@@ -34,11 +35,8 @@ blocks of all gradients, flattened in parameter order, that hold a non-zero elem
 from __future__ import annotations
 
 import functools
-import json
-import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -47,12 +45,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 import sparcoll
 import sparcoll.torch  # registers the "sparcoll" backend
-from sparcoll.bench.events import emit, reporting
+from sparcoll.bench.events import emit
 from sparcoll.bench.netns import interface_counters
+from sparcoll.bench.worker import run_worker
 from sparcoll.blocks import BlockTensor
 from sparcoll.workloads import get_workload
 
-MODES = ("sparcoll", "ddp", "hook", "agsparse", "poseidon", "poseidon-blocking")
+MODES = ("sparcoll", "ddp", "hook", "agsparse", "poseidon", "poseidon-blocking", "planned")
+DATA_PARALLEL = ("poseidon", "poseidon-blocking", "planned")     # the modes of sparcoll.torch.DataParallel
 
 
 def nonzero_elements(grad: torch.Tensor) -> torch.Tensor:
@@ -105,10 +105,10 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
     mode = cfg["comm"]
     options = {"sparse_embeddings": mode == "agsparse", **cfg["options"]}   # or as the user says
     workload = get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **options)
-    poseidon = mode.startswith("poseidon")
+    poseidon = mode in DATA_PARALLEL
     if poseidon:
         model = sparcoll.torch.DataParallel(workload.model, comm=comm, strategy=cfg.get("strategy") or "auto",
-                                            wait_free=mode == "poseidon")
+                                            wait_free=mode != "poseidon-blocking")
     else:
         model = DistributedDataParallel(workload.model, gradient_as_bucket_view=True)
     if mode == "hook" and cfg.get("compress"):
@@ -166,25 +166,18 @@ def synchronization(model: sparcoll.torch.DataParallel) -> tuple[float, float, f
     return predicted, total, hidden
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    with open(argv[0]) as f:
-        cfg = json.load(f)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("sparcoll" if cfg["comm"] == "sparcoll" else "gloo",
-                            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
-    comm = None
+def run_with_communicator(cfg: dict, rank: int, world: int) -> None:
+    comm = sparcoll.init(timeout=cfg["timeout"]) if cfg["comm"] in ("hook", "poseidon", "planned") else None
     try:
-        with reporting(rank):
-            if cfg["comm"] in ("hook", "poseidon"):
-                comm = sparcoll.init(timeout=cfg["timeout"])
-            train(cfg, rank, world, comm)
+        train(cfg, rank, world, comm)
     finally:
         if comm is not None:
             comm.close()
-        dist.destroy_process_group()
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker(argv, run_with_communicator,
+                      backend=lambda cfg: "sparcoll" if cfg["comm"] == "sparcoll" else "gloo")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,263 @@
+"""`sparcoll plan`: a strategy per tensor for a model on this machine and network (ByteComp's planner).
+
+    sudo sparcoll plan --workload ncf --workers 4 --network 1gbit --json plan.json
+    sparcoll plan --model mypackage.models:build --workers 4 --network none --json plan.json
+    sparcoll train --workload ncf --comm planned --plan plan.json
+
+The profile (profiler.py: the model's backward timeline under load, compressors' and collectives' times,
+measured by a job of --workers processes on the --network, emulated or loopback) is written to
+--profile and reused by later runs that ask for the same model, workers and network (--reprofile
+measures again). The decision (decide.plan) then prints a per-tensor table and the predicted step time
+F against every uniform strategy and a free-communication bound, and writes the plan as JSON
+(`decision_ms`, `predicted_step_s`, `uniform`, `bound_s`, `tensors`: one entry per tensor in backward
+order, with the strategy sparcoll.torch.DataParallel executes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from sparcoll.bench.launch import Job, run_job, run_jobs
+from sparcoll.bench.netem import netem_available, parse_rate
+from sparcoll.train.command import BATCH_SIZES, _option, workload_options
+from sparcoll.workloads import WORKLOADS
+
+from . import decide
+from sparcoll.torch.parallel import BUCKET_BYTES, SMALL_BYTES
+
+from .costs import ITEMSIZE, Costing, Measured
+from .options import COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, options
+from .profiler import expected_events, fit
+from .timeline import Cost, Simulation, Step, simulate
+
+PROFILE_VERSION = 1
+UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--workload", choices=list(WORKLOADS), default="ncf", help="default ncf")
+    what.add_argument("--model", metavar="MODULE:FUNCTION",
+                      help="your own model: FUNCTION() returns (nn.Module, example input of one worker); "
+                           "the loss is the output's sum unless it is a scalar")
+    parser.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
+    parser.add_argument("--network", default="1gbit", type=lambda text: text.strip().lower(),
+                        help="link rate of the emulated network (needs root), or none: loopback "
+                             "(default 1gbit)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="samples per worker (default as sparcoll train's)")
+    parser.add_argument("--workload-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                        help="a field of the workload's config, as for sparcoll train; repeatable")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compressors", default=",".join(COMPRESSORS),
+                        help="compressor specs to choose from, comma separated (default: all families)")
+    parser.add_argument("--profile", metavar="PATH", default="sparcoll-profile.json",
+                        help="profile file: reused when it matches, else measured and written there "
+                             "(default sparcoll-profile.json)")
+    parser.add_argument("--reprofile", action="store_true", help="measure the profile again")
+    parser.add_argument("--json", metavar="PATH", help="write the plan to PATH")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds without progress before profiling is declared hung (default 600)")
+
+
+def identity(args) -> dict:
+    """What a profile was measured for: a stored profile is reused only for the same."""
+    model = {"model_spec": args.model} if args.model else {
+        "workload": args.workload, "options": workload_options(args.workload, args.workload_option),
+        "batch_size": args.batch_size or BATCH_SIZES.get(args.workload, 256), "seed": args.seed}
+    return {"version": PROFILE_VERSION, "workers": args.workers, "network": args.network,
+            "compressors": args.compressors.split(","), **model}
+
+
+def measure(ident: dict, timeout: float) -> dict:
+    """Run the profiling job; the profile (identity, the model's measurements, the points, fits)."""
+    model, points = {}, []
+
+    def body(advance) -> None:
+        def on_event(event: dict) -> None:
+            if event["event"] == "model":
+                model.update({k: v for k, v in event.items() if k != "event"})
+                advance("model timeline")
+            elif event["event"] == "point":
+                points.append({k: v for k, v in event.items() if k != "event"})
+                advance(f"{event['kind']} {event['what']}")
+        run_job(Job(ident["workers"], ident["network"], 0, {**ident, "timeout": timeout},
+                    timeout, worker="sparcoll.plan.profiler"), on_event)
+
+    status = run_jobs("plan --profile", expected_events(ident), body)
+    if status:
+        raise RuntimeError(f"profiling failed (exit status {status})")
+    return {**ident, "model": model, "points": points, "fits": fit(points)}
+
+
+def load_or_measure(args) -> dict:
+    ident = identity(args)
+    path = Path(args.profile)
+    if path.exists() and not args.reprofile:
+        stored = json.loads(path.read_text())
+        if {k: stored.get(k) for k in ident} == ident:
+            return stored
+        print(f"sparcoll plan: {path} was measured for another model, worker count or network; "
+              f"measuring again", file=sys.stderr)
+    profile = measure(ident, args.timeout)
+    path.write_text(json.dumps(profile, indent=1))
+    return profile
+
+
+def tensors_of(profile: dict) -> tuple[Step, list[Measured]]:
+    """The profiled model's Step and tensors, in backward order."""
+    m = profile["model"]
+    measured = []
+    for name in m["order"]:
+        t = m["tensors"][name]
+        measured.append(Measured(TensorFacts(name, t["numel"], t["linear"] and t["rows"] > 0, t["coo"]),
+                                 tuple(t["shape"]), t["rows"], t["density"], t["union"]))
+    return Step(tuple(m["ready"]), m["backward_end"], m["optimizer"]), measured
+
+
+def units_of(step: Step, measured: list[Measured]) -> tuple[Step, list[Measured], list[list[int]]]:
+    """The units the plan chooses for: each tensor, except that consecutive small dense ones form a
+    group as sparcoll.torch.DataParallel's buckets do (up to BUCKET_BYTES, in ready order), one
+    option for the group: on the ring they travel as one allreduce, under any other option one by
+    one. A group is ready with its last member. Returns the units' Step, the units, their members."""
+    groups: list[list[int]] = []
+    open_group: list[int] = []
+    for i, t in enumerate(measured):
+        small = not t.facts.coo and t.facts.numel * ITEMSIZE <= SMALL_BYTES
+        if not small:
+            if open_group:
+                groups.append(open_group)
+                open_group = []
+            groups.append([i])
+            continue
+        open_group.append(i)
+        if sum(measured[j].facts.numel for j in open_group) * ITEMSIZE >= BUCKET_BYTES:
+            groups.append(open_group)
+            open_group = []
+    if open_group:
+        groups.append(open_group)
+    units = [measured[g[0]] if len(g) == 1 else _group(measured[g[0]:g[-1] + 1]) for g in groups]
+    return Step(tuple(step.ready[g[-1]] for g in groups), step.backward_end, step.optimizer), units, groups
+
+
+def _group(members: list[Measured]) -> Measured:
+    numel = sum(t.facts.numel for t in members)
+    density, union = (sum(getattr(t, k) * t.facts.numel for t in members) / numel for k in ("density", "union"))
+    return Measured(TensorFacts("+".join(t.facts.name for t in members), numel), (numel,), 0, density, union)
+
+
+def choices_of(units: list[Measured], groups: list[list[int]], measured: list[Measured], costing: Costing,
+               compressors, job: JobFacts) -> list[decide.Choices]:
+    """Each unit's valid options and their costs; a group's are its members' one by one, but on the
+    ring, where they travel as one."""
+    out = []
+    for unit, members in zip(units, groups):
+        costs = {}
+        for o in options(unit.facts, job, compressors):
+            if len(members) == 1 or o == Option():
+                costs[o] = costing.cost(unit, o)
+            else:
+                parts = [costing.cost(measured[i], o) for i in members]
+                costs[o] = Cost(sum(c.compress for c in parts), sum(c.comm for c in parts),
+                                sum(c.decompress for c in parts), o.offload)
+        out.append(decide.Choices(unit.facts.name, unit.facts.numel, costs))
+    return out
+
+
+def uniform(tensors: list[decide.Choices], compressor: str, collective: str | None) -> list[Option] | None:
+    """Every tensor the same option where it is valid (SFB: linear layers; a compressor: by its
+    carrier), the others their cheapest uncompressed one; None if no tensor can take it."""
+    out, used = [], False
+    for t in tensors:
+        fits = [o for o in t.costs if o.compressor == compressor and not o.offload
+                and (collective is None or o.collective == collective)]
+        out.append(fits[0] if fits else decide.uncompressed(t))
+        used = used or bool(fits)
+    return out if used else None
+
+
+def predict(step: Step, tensors: list[decide.Choices], chosen: list[Option]) -> float:
+    return Simulation(step, [t.costs[o] for t, o in zip(tensors, chosen)]).iteration
+
+
+def strategy_of(option: Option) -> str:
+    """What sparcoll.torch.DataParallel calls the option (its placement is separate)."""
+    if option.compressor != "none":
+        return option.compressor
+    return "sparse" if option.collective == DEDICATED else option.collective
+
+
+def make_plan(profile: dict, compressors: list[str]) -> dict:
+    step, measured = tensors_of(profile)
+    step, units, groups = units_of(step, measured)
+    tensors = choices_of(units, groups, measured, Costing(profile["fits"], profile["workers"]), compressors,
+                         JobFacts())
+    start = time.perf_counter()
+    chosen = decide.plan(step, tensors)
+    decision_ms = 1e3 * (time.perf_counter() - start)
+    costs = [t.costs[o] for t, o in zip(tensors, chosen)]
+    timeline = simulate(step, costs)
+    uniforms = {}
+    for compressor in compressors:
+        for collective in (UNIFORM_COLLECTIVES if compressor == "none" else (None,)):
+            strategy = uniform(tensors, compressor, collective)
+            if strategy is not None:
+                uniforms[collective if compressor == "none" else compressor] = predict(step, tensors, strategy)
+    entries = []
+    for unit, (members, o, c, s, e) in enumerate(zip(groups, chosen, costs, timeline.comm_start, timeline.comm_end)):
+        for i in members:
+            entries.append({"name": measured[i].facts.name, "numel": measured[i].facts.numel, "unit": unit,
+                            "ready_s": profile["model"]["ready"][i], "strategy": strategy_of(o),
+                            "placement": "offload" if o.offload else "thread", "option": str(o),
+                            "unit_compress_s": c.compress, "unit_comm_s": c.comm,
+                            "unit_decompress_s": c.decompress, "unit_comm_start_s": s, "unit_comm_end_s": e})
+    return {"workers": profile["workers"], "network": profile["network"],
+            **{k: profile[k] for k in ("workload", "options", "batch_size", "model_spec") if k in profile},
+            "decision_ms": decision_ms, "units": len(units), "predicted_step_s": timeline.iteration,
+            "bound_s": simulate(step, [Cost()] * len(tensors)).iteration,
+            "forward_s": profile["model"]["forward"], "uniform": uniforms, "tensors": entries}
+
+
+def table(plan: dict) -> str:
+    """The plan per unit (a tensor, or a group of small ones as one bucket) and its predictions."""
+    lines = [f"{'tensor (unit)':<44} {'numel':>10} {'ready ms':>9} {'option':<30} {'sync ms':>8}"]
+    rows: dict[int, list[dict]] = {}
+    for t in plan["tensors"]:
+        rows.setdefault(t["unit"], []).append(t)
+    for members in rows.values():
+        t = members[-1]
+        name = t["name"] if len(members) == 1 else f"{len(members)} small tensors ({members[0]['name']}...)"
+        lines.append(f"{name[:44]:<44} {sum(m['numel'] for m in members):>10} {1e3 * t['ready_s']:>9.2f} "
+                     f"{t['option'][:30]:<30} {1e3 * (t['unit_comm_s'] + t['unit_decompress_s']):>8.2f}")
+    lines.append(f"predicted step (backward + synchronization + optimizer): "
+                 f"{1e3 * plan['predicted_step_s']:.1f} ms planned, {1e3 * plan['bound_s']:.1f} ms with "
+                 f"free communication; {len(plan['tensors'])} tensors in {plan['units']} units, decided in "
+                 f"{plan['decision_ms']:.1f} ms")
+    for name, f in sorted(plan["uniform"].items(), key=lambda kv: kv[1]):
+        lines.append(f"  every tensor {name:<16} {1e3 * f:>10.1f} ms  ({f / plan['predicted_step_s']:.2f}x planned)")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    if args.batch_size is not None and args.batch_size < 1 or args.workers < 2:
+        print("sparcoll plan: error: --workers must be >= 2 and --batch-size >= 1", file=sys.stderr)
+        return 2
+    if args.network != "none":
+        ok, reason = netem_available()
+        if not ok:
+            print(f"sparcoll plan: error: {reason} (or use --network none)", file=sys.stderr)
+            return 2
+        parse_rate(args.network)
+    try:
+        profile = load_or_measure(args)
+    except RuntimeError as exc:
+        print(f"sparcoll plan: {exc}", file=sys.stderr)
+        return 1
+    plan = make_plan(profile, args.compressors.split(","))
+    print(table(plan))
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan, indent=1))
+    return 0

@@ -1,0 +1,120 @@
+"""Empirical cost models: what each option costs each tensor, from a profile measured on the user's
+machine and network (sparcoll.plan.profiler, `sparcoll plan --profile`).
+
+Every measured quantity is a Curve, time by size x through the measured points:
+  collectives  ring, ps, allgather: x = the bytes each worker contributes; sparse: x = the bytes of a
+               dense tensor times (local + union block density) / 2, the share of it the sparse AllReduce
+               sends and receives back (a dense tensor: its own size)
+  compressors  compress and decompress: x = the tensor's elements (measured while every worker of the
+               job computes at once, as in training)
+  matmul       one rate (flop/s) under the same load: SFB's rebuild, the weight gradient SFB spares
+               backward, PowerSGD's products
+How an option's cost is built from them is `Costing.cost`.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparcoll.compress import make
+from sparcoll.compress.powersgd import matrix_shape
+
+from .options import ALLGATHER, DEDICATED, RING, SFB, SPARSE, Option, TensorFacts
+from .timeline import Cost
+
+ITEMSIZE = 4
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Time by size through the measured points: linear between them, the smallest point's time
+    below them (a latency floor), the last two points' line above them. Made non-decreasing (a
+    larger size never takes less time; noise in the measurements would say otherwise)."""
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if x <= xs[-1] or len(xs) == 1:
+            return float(np.interp(x, xs, ys))
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + slope * (x - xs[-1])
+
+    @classmethod
+    def of(cls, points) -> "Curve":
+        """From measured (x, seconds) points; points of one x are averaged."""
+        by_x: dict = {}
+        for x, y in points:
+            by_x.setdefault(float(x), []).append(float(y))
+        xs = sorted(by_x)
+        ys = np.maximum.accumulate([float(np.mean(by_x[x])) for x in xs])
+        return cls(tuple(xs), tuple(float(y) for y in ys))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One tensor as the profile saw it (besides its facts): its shape, the rows K its layer saw per
+    step (linear layers), and the block density of its gradient on one worker and of their union."""
+    facts: TensorFacts
+    shape: tuple
+    rows: int = 0
+    density: float = 1.0
+    union: float = 1.0
+
+
+def sparse_volume(numel: int, density: float, union: float) -> float:
+    """The sparse AllReduce's x: what a worker sends (its non-zero blocks) and receives (the union's)
+    as a share of a dense tensor of `numel` float32."""
+    return numel * ITEMSIZE * (density + union) / 2
+
+
+class Costing:
+    """Options' costs from a profile's curves (its "fits": per quantity the points' xs and ys, see
+    profiler.fit)."""
+
+    def __init__(self, fits: dict, workers: int):
+        self.collective = {name: Curve(*xy) for name, xy in fits["collectives"].items()}
+        self.compress = {spec: Curve(*xy) for spec, xy in fits["compress"].items()}
+        self.decompress = {spec: Curve(*xy) for spec, xy in fits["decompress"].items()}
+        self.flops = fits["matmul_flops_per_s"]
+        self.workers = workers
+
+    def cost(self, t: Measured, option: Option) -> Cost:
+        """The option's compression time (on the training thread or offloaded), channel time and
+        decompression time for tensor t."""
+        numel, c = t.facts.numel, option.compressor
+        if option.collective == SFB:
+            m, n = t.shape
+            factors = t.rows * (m + n) * ITEMSIZE
+            rebuild = 2 * m * n * t.rows * self.workers / self.flops      # every worker's factors
+            spared = -2 * m * n * t.rows / self.flops      # backward no longer computes the local one
+            return Cost(spared, self.collective[ALLGATHER](factors), rebuild)
+        if c == "none":
+            if option.collective in (SPARSE, DEDICATED):
+                return Cost(comm=self.collective[option.collective](sparse_volume(numel, t.density, t.union)))
+            return Cost(comm=self.collective[option.collective](numel * ITEMSIZE))
+        compressor = _compressor(c)
+        if compressor.scheme == "powersgd":
+            return self._powersgd(t, compressor.rank)
+        payload = compressor.payload_bytes(numel, t.shape)
+        if compressor.scheme == "sparse":
+            kept = payload / (numel * ITEMSIZE)
+            comm = self.collective[option.collective](sparse_volume(numel, kept, 1 - (1 - kept) ** self.workers))
+        else:
+            comm = self.collective[RING if compressor.scheme == "allreduce" else ALLGATHER](payload)
+        return Cost(self.compress[c](numel), comm, self.decompress[c](numel), option.offload)
+
+    def _powersgd(self, t: Measured, rank: int) -> Cost:
+        """PowerSGD computes between its two allreduces: all of it on the channel."""
+        rows, cols = matrix_shape(tuple(t.shape), t.facts.numel)
+        r = min(rank, rows, cols)
+        compute = 6 * rows * cols * r / self.flops
+        return Cost(comm=self.collective[RING](r * rows * ITEMSIZE) + self.collective[RING](r * cols * ITEMSIZE)
+                    + compute)
+
+
+@functools.lru_cache(maxsize=None)
+def _compressor(spec: str):
+    return make(spec)

@@ -1,0 +1,229 @@
+"""`sparcoll plan --profile`'s worker: one process per worker of a job on the user's network (or the
+emulated one), measuring what the planner's cost models are fitted to (costs.py):
+
+  model        the backward timeline (profile.backward_timeline) with every worker computing at once,
+               the slowest worker's per tensor; each gradient's block density on one worker and over
+               the union of workers; the rows each linear layer sees per step (SFB's K)
+  matmul       the flop rate of a float32 matrix product, every worker at once
+  compressors  compress and decompress time of each compressor by tensor size, every worker at once
+  collectives  the real collectives' time by size (ring allreduce, parameter server, allgather, and
+               sparcoll's sparse AllReduce at several densities): the slowest worker's median
+
+Rank 0 reports each measurement as an event (sparcoll.bench.events); `fit` turns them into the fits
+costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`) or the user's
+(`model_spec`: "module:function" returning (nn.Module, example input of one worker)).
+"""
+from __future__ import annotations
+
+import importlib
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sparcoll
+from sparcoll.bench.events import emit
+from sparcoll.bench.worker import run_worker
+from sparcoll.blocks import BlockTensor
+from sparcoll.compress import Reducer
+from sparcoll.compress.channel import Channel
+from sparcoll.torch.ps import ps_allreduce
+from sparcoll.torch.sfb import eligible_layers
+
+from .costs import Curve, sparse_volume
+from .options import ALLGATHER, COMPRESSORS, PS, RING, SPARSE
+from .profile import backward_timeline, facts
+
+COLLECTIVE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 25)
+ALLGATHER_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)
+SPARSE_NUMELS = (1 << 14, 1 << 18, 1 << 22)
+SPARSE_DENSITIES = (0.01, 0.1, 1.0)
+COMPRESSOR_NUMELS = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+REPEAT = 3
+MAX_REPEAT = 25
+BUDGET = 0.2      # seconds of timed runs per point, at least
+
+
+def model_and_loss(cfg: dict, rank: int, world: int):
+    """The model and a function giving the loss of its next batch."""
+    if cfg.get("model_spec"):
+        module, _, function = cfg["model_spec"].partition(":")
+        model, batch = getattr(importlib.import_module(module), function)()
+        inputs = batch if isinstance(batch, tuple) else (batch,)
+
+        def loss_of(m: nn.Module) -> torch.Tensor:
+            out = m(*inputs)
+            return out if out.dim() == 0 else out.sum()
+        return model, loss_of
+    from sparcoll.workloads import get_workload
+    workload = get_workload(cfg["workload"], data=cfg.get("data"), seed=cfg["seed"], **cfg["options"])
+    batches = workload.batches(cfg["batch_size"], rank, world, cfg["seed"])
+    return workload.model, lambda m: workload.loss(m, next(batches))
+
+
+def slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def timed(run, prepare=lambda: None) -> float:
+    """The median of the slowest worker's time over at least REPEAT runs after an untimed one, more
+    for short ones (until BUDGET seconds or MAX_REPEAT runs: small collectives are noisy on a busy
+    machine); every run starts together, and every worker sees the same times, so all run as many."""
+    times: list[float] = []
+    for i in range(MAX_REPEAT + 1):
+        arg = prepare()
+        dist.barrier()
+        start = time.perf_counter()
+        run(arg)
+        if i:
+            times.append(slowest(time.perf_counter() - start))
+            if len(times) >= REPEAT and sum(times) >= BUDGET:
+                break
+    return statistics.median(times)
+
+
+def profile_model(cfg: dict, rank: int, world: int, block_size: int) -> dict:
+    model, loss_of = model_and_loss(cfg, rank, world)
+    rows = {}
+    hooks = [layer.register_forward_pre_hook(
+        lambda layer, args: rows.__setitem__(id(layer.weight), rows.get(id(layer.weight), 0)
+                                             + args[0].numel() // layer.in_features))
+        for layer in eligible_layers(model)]
+    model.zero_grad()
+    loss_of(model).backward()
+    for hook in hooks:
+        hook.remove()
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    masks = [BlockTensor((p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1).float(), block_size)
+             for p in params.values()]
+    local = [b.nonzero().size / max(1, b.nblocks) for b in masks]
+    marks = torch.cat([torch.from_numpy(np.isin(np.arange(b.nblocks), b.nonzero())).float() for b in masks])
+    dist.all_reduce(marks, op=dist.ReduceOp.MAX)
+    sizes = [b.nblocks for b in masks]
+    union = [part.mean().item() if part.numel() else 0.0 for part in marks.split(sizes)]
+    density = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(density)
+    model.zero_grad()
+    timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5))
+    times = torch.tensor([*timeline.step.ready, timeline.step.backward_end, timeline.step.optimizer,
+                          timeline.forward], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    times = times.tolist()
+    n = len(timeline.order)
+    by_name = {f.name: f for f in facts(model)}
+    tensors = {name: {"numel": p.numel(), "shape": list(p.shape), "linear": by_name[name].linear,
+                      "coo": by_name[name].coo, "rows": rows.get(id(p), 0),
+                      "density": d / world, "union": u}
+               for (name, p), d, u in zip(params.items(), density.tolist(), union)}
+    return {"order": list(timeline.order), "ready": times[:n], "backward_end": times[n],
+            "optimizer": times[n + 1], "forward": times[n + 2], "tensors": tensors}
+
+
+def matmul_rate() -> float:
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    return 2 * 1024 ** 3 / timed(lambda _: torch.mm(a, b))
+
+
+def profile_compressors(specs: list[str], world: int):
+    """(spec, numel, compress seconds, decompress seconds): the decompression each scheme runs
+    after its collective (allreduce: decompress the average; allgather: combine every rank's parts;
+    the sparse AllReduce's result needs none)."""
+    for spec in specs:
+        reducer = Reducer(spec)
+        c = reducer.compressor
+        for numel in COMPRESSOR_NUMELS:
+            x = torch.randn(numel)
+            payloads = []
+            compress = timed(lambda _: payloads.append(reducer.compress(x, key=numel)))
+            payload = payloads[-1]
+            if c.scheme == "allgather":
+                decompress = timed(lambda _: c.combine([payload.parts] * world, payload.ctx))
+            elif c.scheme == "allreduce":
+                decompress = timed(lambda _: c.decompress(payload.parts, payload.ctx))
+            else:
+                decompress = 0.0
+            yield spec, numel, compress, decompress
+
+
+def profile_collectives(comm, block_size: int, rank: int, world: int):
+    """(collective, x, seconds) as costs.py defines x."""
+    channel = Channel(None, comm)
+    for size in COLLECTIVE_BYTES:
+        x = torch.randn(size // 4)
+        yield RING, size, timed(channel.allreduce_mean, lambda: x.clone())
+        scratch = [torch.empty(-(-x.numel() // world)) for _ in range(world - 1)]
+        yield PS, size, timed(lambda t: ps_allreduce(t, None, scratch), lambda: x.clone())
+    for size in ALLGATHER_BYTES:
+        x = torch.randn(size // 4)
+        yield ALLGATHER, size, timed(lambda _: channel.allgather((x,), variable=False))
+    for numel in SPARSE_NUMELS:
+        nblocks = -(-numel // block_size)
+        for density in SPARSE_DENSITIES:
+            kept = [np.random.default_rng(r + 1000 * numel).random(nblocks) < density for r in range(world)]
+            mask = torch.from_numpy(np.repeat(kept[rank], block_size)[:numel])
+            x = torch.randn(numel) * mask
+            union = float(np.mean(np.logical_or.reduce(kept)))
+            local = float(np.mean([k.mean() for k in kept]))
+            yield SPARSE, sparse_volume(numel, local, union), timed(
+                lambda t: comm.allreduce(t, op="avg"), lambda: x.clone())
+
+
+def fit(events: list[dict]) -> dict:
+    """The curves costs.Costing takes, from the profile's measurement events."""
+    points: dict = {}
+    for e in events:
+        points.setdefault((e["kind"], e["what"]), []).append((e["x"], e["seconds"]))
+    out = {"collectives": {}, "compress": {}, "decompress": {}}
+    for (kind, what), pts in points.items():
+        if kind == "matmul":
+            out["matmul_flops_per_s"] = pts[0][1]
+        else:
+            curve = Curve.of(pts)
+            out[kind][what] = [list(curve.xs), list(curve.ys)]
+    return out
+
+
+def timed_compressors(cfg: dict) -> list[str]:
+    """The compressors whose times are measured (PowerSGD's are built from the matmul rate)."""
+    return [s for s in cfg.get("compressors", COMPRESSORS) if s != "none" and not s.startswith("powersgd")]
+
+
+def expected_events(cfg: dict) -> int:
+    """How many events a profile reports (for progress)."""
+    return (2 + 2 * len(timed_compressors(cfg)) * len(COMPRESSOR_NUMELS) + 2 * len(COLLECTIVE_BYTES)
+            + len(ALLGATHER_BYTES) + len(SPARSE_NUMELS) * len(SPARSE_DENSITIES))
+
+
+def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
+    block_size = comm.block_size
+    say = emit if rank == 0 else (lambda event: None)
+    say({"event": "model", **profile_model(cfg, rank, world, block_size)})
+    say({"event": "point", "kind": "matmul", "what": "mm", "x": 0, "seconds": matmul_rate()})
+    specs = timed_compressors(cfg)
+    for spec, numel, compress, decompress in profile_compressors(specs, world):
+        say({"event": "point", "kind": "compress", "what": spec, "x": numel, "seconds": compress})
+        say({"event": "point", "kind": "decompress", "what": spec, "x": numel, "seconds": decompress})
+    for kind, x, seconds in profile_collectives(comm, block_size, rank, world):
+        say({"event": "point", "kind": "collectives", "what": kind, "x": x, "seconds": seconds})
+
+
+def profile_job(cfg: dict, rank: int, world: int) -> None:
+    comm = sparcoll.init(timeout=cfg["timeout"], algorithm="sparse")
+    try:
+        run_profile(cfg, rank, world, comm)
+    finally:
+        comm.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker(argv, profile_job)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

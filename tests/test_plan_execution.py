@@ -1,0 +1,177 @@
+"""A plan from the cost models to training: the fits and costs (no processes), sparcoll.torch.DataParallel
+executing a plan on 3 gloo processes (a lossless plan gives the float64 full-batch gradient; a
+compressor on the training thread or offloaded gives exactly what it gives on the synchronization
+thread; an offloaded compressor's error reaches backward; the planner's units are DataParallel's
+buckets), and `sparcoll plan` then `sparcoll train --comm planned` on loopback."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import sparcoll
+import sparcoll.torch
+from ranks import run_ranks
+from sparcoll.plan.command import units_of
+from sparcoll.plan.costs import Costing, Curve, Measured
+from sparcoll.plan.options import ALLGATHER, PS, RING, SPARSE, Option, TensorFacts
+from sparcoll.plan.timeline import Step
+from test_parallel import mlp, reference_grads, relative_error, step
+
+WORLD = 3
+TIMEOUT = 240
+
+
+def test_a_curve_goes_through_the_points_floors_below_and_extends_above():
+    c = Curve.of([(1e3, 0.002), (1e5, 0.003), (1e5, 0.005), (1e7, 0.1), (1e6, 0.003)])
+    assert c.xs == (1e3, 1e5, 1e6, 1e7) and c.ys == (0.002, 0.004, 0.004, 0.1)   # averaged, non-decreasing
+    assert c(10) == 0.002 and c(5.5e6) == pytest.approx(0.052)
+    assert c(2e7) == pytest.approx(0.1 + (0.1 - 0.004) / 9e6 * 1e7)
+
+
+def line(a: float, b: float) -> list:
+    """A curve's points on the line a + b x."""
+    xs = [0.0, 1e3, 1e6, 1e8]
+    return [xs, [a + b * x for x in xs]]
+
+
+FITS = {"collectives": {RING: line(1e-3, 1e-8), PS: line(2e-3, 1e-8), ALLGATHER: line(5e-4, 3e-8),
+                        SPARSE: line(3e-3, 1e-8)},
+        "compress": {"topk:0.01": line(1e-4, 2e-9), "fp16": line(0.0, 1e-9)},
+        "decompress": {"topk:0.01": line(2e-4, 1e-9), "fp16": line(0.0, 5e-10)}, "matmul_flops_per_s": 1e10}
+
+
+def test_costs_follow_the_curves_hand_computed():
+    costing = Costing(FITS, workers=4)
+    t = Measured(TensorFacts("w", 1000 * 500, linear=True), (1000, 500), rows=32, density=0.1, union=0.3)
+    n = 500_000
+    assert costing.cost(t, Option()).comm == pytest.approx(1e-3 + 1e-8 * 4 * n)
+    assert costing.cost(t, Option("none", SPARSE)).comm == pytest.approx(3e-3 + 1e-8 * 4 * n * 0.2)
+    topk = costing.cost(t, Option("topk:0.01", ALLGATHER, True))
+    payload = 5000 * (4 + 4)                  # int32 index and float32 value per kept element
+    assert topk.offload and [topk.compress, topk.comm, topk.decompress] == pytest.approx(
+        [1e-4 + 2e-9 * n, 5e-4 + 3e-8 * payload, 2e-4 + 1e-9 * n])
+def small_and_large() -> nn.Module:
+    """Small layers (buckets) around a large one (sent alone): 300 x 300 floats is over 256 KB."""
+    torch.manual_seed(8)
+    return nn.Sequential(nn.Linear(12, 40), nn.ReLU(), nn.Linear(40, 300), nn.ReLU(), nn.Linear(300, 300),
+                         nn.ReLU(), nn.Linear(300, 30), nn.ReLU(), nn.Linear(30, 5))
+
+
+def plan_of(table: dict, placement: str = "thread") -> dict:
+    return {"tensors": [{"name": n, "strategy": s, "placement": placement} for n, s in table.items()]}
+
+
+def execution(rank: int, world: int) -> dict:
+    out = {}
+    comm = sparcoll.init()
+    try:
+        lossless = plan_of({"0.weight": "sfb", "0.bias": "ring", "2.weight": "sparse", "2.bias": "ps"})
+        dp = sparcoll.torch.DataParallel(mlp(), comm=comm, strategy=lossless)
+        out["lossless"] = relative_error(step(dp, rank, 6, (12,)), reference_grads(mlp, 6, (12,), world))
+        out["lossless used"] = sorted({e.strategy for e in dp.trace})
+        dp.close()
+        for spec in ("topk:0.3", "randomk:0.3"):
+            names = [n for n, _ in mlp().named_parameters()]
+            got = {}
+            for placement in ("channel", "thread", "offload"):
+                dp = sparcoll.torch.DataParallel(mlp(), comm=comm, strategy=plan_of(dict.fromkeys(names, spec),
+                                                                                    placement))
+                got[placement] = [step(dp, rank, 6, (12,), seed=s) for s in range(3)]   # memory carries over
+                out[f"{spec} {placement} used"] = sorted({e.strategy for e in dp.trace})
+                dp.close()
+            for placement in ("thread", "offload"):
+                out[f"{spec} {placement}"] = max(relative_error(a, b) for a, b in zip(got[placement], got["channel"]))
+        dp = sparcoll.torch.DataParallel(mlp(), strategy=plan_of({"0.weight": "topk:0.3"}, "offload"))
+
+        def broken(tensor, key=None):
+            raise ZeroDivisionError("injected on the offload thread")
+        dp._reducer("topk:0.3", "offload").compress = broken
+        try:
+            step(dp, rank, 6, (12,))
+            out["offload error"] = None
+        except RuntimeError as exc:
+            out["offload error"] = str(exc)
+        dp.close()
+        # the planner's units are DataParallel's buckets: every tensor on the ring, the trace's
+        # collectives (events sharing a start) group the names as units_of does
+        dp = sparcoll.torch.DataParallel(small_and_large(), strategy="ring")
+        step(dp, rank, 6, (12,))
+        collectives: dict = {}
+        for e in dp.trace:
+            collectives.setdefault(e.start, []).append(e.name)
+        out["buckets"] = sorted(collectives.values())
+        sizes = dict((n, p.numel()) for n, p in dp.module.named_parameters())
+        measured = [Measured(TensorFacts(e.name, sizes[e.name]), (sizes[e.name],)) for e in dp.trace]
+        _, _, groups = units_of(Step((0.0,) * len(measured), 0.0), measured)
+        out["units"] = sorted([measured[i].facts.name for i in g] for g in groups)
+        dp.close()
+    finally:
+        comm.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def executed():
+    return run_ranks(execution, WORLD, timeout=120)
+
+
+def test_a_lossless_plan_gives_the_full_batch_gradient(executed):
+    for rank in executed:
+        assert rank["lossless"] < 1e-5
+        assert rank["lossless used"] == ["ps", "sfb", "sparse"]      # 0.bias travels with SFB's factors
+
+
+@pytest.mark.parametrize("spec", ["topk:0.3", "randomk:0.3"])
+def test_compressing_on_the_training_or_offload_thread_changes_nothing(executed, spec):
+    for rank in executed:
+        assert rank[f"{spec} thread"] < 1e-6 and rank[f"{spec} offload"] < 1e-6
+        assert rank[f"{spec} thread used"] == ["compressed"] and rank[f"{spec} channel used"] == [spec]
+
+
+def test_an_offloaded_compressors_error_reaches_backward(executed):
+    for rank in executed:
+        assert "injected on the offload thread" in rank["offload error"]
+
+
+def test_the_planners_units_are_dataparallels_buckets(executed):
+    for rank in executed:
+        assert rank["buckets"] == rank["units"]
+        assert ["4.weight"] in rank["units"]          # the large one alone
+
+
+@pytest.mark.auto_algorithm
+def test_plan_then_train_the_plan(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tiny = ["--workload", "ncf", "--workers", "2", "--network", "none", "--batch-size", "8",
+            "--workload-option", "tiny=true"]
+    profile, plan_file = tmp_path / "profile.json", tmp_path / "plan.json"
+    command = [sys.executable, "-m", "sparcoll", "plan", *tiny, "--profile", str(profile), "--json", str(plan_file),
+               "--compressors", "none,fp16,topk:0.01"]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    plan = json.loads(plan_file.read_text())
+    names = [n for n, _ in __import__("sparcoll.workloads", fromlist=["get_workload"]).get_workload(
+        "ncf", tiny=True).model.named_parameters()]
+    assert sorted(t["name"] for t in plan["tensors"]) == sorted(names)
+    assert plan["decision_ms"] > 0 and plan["bound_s"] <= plan["predicted_step_s"]
+    assert plan["predicted_step_s"] <= min(plan["uniform"].values()) + 1e-12
+    assert set(plan["uniform"]) >= {"ring", "ps", "sparse", "fp16", "topk:0.01"}
+    assert "every tensor ring" in first.stdout
+    stamp = profile.stat().st_mtime_ns
+    again = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert again.returncode == 0 and profile.stat().st_mtime_ns == stamp      # the profile reused
+    out = tmp_path / "train.json"
+    trained = subprocess.run([sys.executable, "-m", "sparcoll", "train", *tiny, "--steps", "3", "--compare",
+                              "ddp,planned", "--plan", str(plan_file), "--json", str(out)],
+                             capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["comm"] for r in runs] == ["ddp", "planned"] and len(runs[1]["loss"]) == 3
+    wrong = subprocess.run([sys.executable, "-m", "sparcoll", "train", *tiny[:2], "--workers", "3", "--network",
+                            "none", "--comm", "planned", "--plan", str(plan_file)],
+                           capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert wrong.returncode == 2 and "made for workers 2" in wrong.stderr
