@@ -30,7 +30,7 @@ def runnable(t: TensorFacts, job: JobFacts, o: Option) -> bool:
         return False
     if o.collective == DEDICATED and not job.dedicated:
         return False
-    if o.offload and (not compressed or make(o.compressor).scheme == "powersgd"):
+    if o.offload and (not compressed or make(o.compressor).scheme == "powersgd" or not job.offload_core):
         return False
     if t.coo and (o.collective == PS or (compressed and not make(o.compressor).entries)):
         return False
@@ -41,7 +41,7 @@ def runnable(t: TensorFacts, job: JobFacts, o: Option) -> bool:
 
 tensor_facts = st.builds(TensorFacts, name=st.just("t"), numel=st.integers(1, 10**8), linear=st.booleans(),
                   coo=st.booleans())
-jobs = st.builds(JobFacts, dedicated=st.booleans(), communicator=st.booleans())
+jobs = st.builds(JobFacts, dedicated=st.booleans(), communicator=st.booleans(), offload_core=st.booleans())
 
 
 @settings(max_examples=60, deadline=None)

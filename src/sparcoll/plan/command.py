@@ -9,8 +9,9 @@ measured by a job of --workers processes on the --network, emulated or loopback)
 --profile and reused by later runs that ask for the same model, workers and network (--reprofile
 measures again). The decision (decide.plan) then prints a per-tensor table and the predicted step time
 F against every uniform strategy and a free-communication bound, and writes the plan as JSON
-(`decision_ms`, `predicted_step_s`, `uniform`, `bound_s`, `tensors`: one entry per tensor in backward
-order, with the strategy sparcoll.torch.DataParallel executes).
+(`decision_ms`, `predicted_step_s`: forward, backward, synchronization and optimizer, as `sparcoll train`
+measures a step; `uniform`, `bound_s`, `tensors`: one entry per tensor in backward order, with the
+strategy sparcoll.torch.DataParallel executes and its unit's predicted times from backward's start).
 """
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ from .options import COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Op
 from .profiler import expected_events, fit
 from .timeline import Cost, Simulation, Step, simulate
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 4
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
+DIMENSIONS = ("compression", "collective", "offload")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="profile file: reused when it matches, else measured and written there "
                              "(default sparcoll-profile.json)")
     parser.add_argument("--reprofile", action="store_true", help="measure the profile again")
+    parser.add_argument("--without", action="append", default=[], choices=DIMENSIONS,
+                        help="decide without this dimension (the ablation): compression, collective "
+                             "or offload; repeatable")
+    parser.add_argument("--uniform", metavar="NAME",
+                        help="write the uniform strategy NAME (a row of the table: ring, ps, sparse, sfb or "
+                             "a compressor spec) instead of the decision, to run it with the same executor")
     parser.add_argument("--json", metavar="PATH", help="write the plan to PATH")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds without progress before profiling is declared hung (default 600)")
@@ -190,22 +198,46 @@ def strategy_of(option: Option) -> str:
     return "sparse" if option.collective == DEDICATED else option.collective
 
 
-def make_plan(profile: dict, compressors: list[str]) -> dict:
-    step, measured = tensors_of(profile)
-    step, units, groups = units_of(step, measured)
-    tensors = choices_of(units, groups, measured, Costing(profile["fits"], profile["workers"]), compressors,
-                         JobFacts())
-    start = time.perf_counter()
-    chosen = decide.plan(step, tensors)
-    decision_ms = 1e3 * (time.perf_counter() - start)
-    costs = [t.costs[o] for t, o in zip(tensors, chosen)]
-    timeline = simulate(step, costs)
-    uniforms = {}
+def without(tensors: list[decide.Choices], dimensions) -> list[decide.Choices]:
+    """The planner with dimensions removed (ByteComp's ablation): "compression" (uncompressed only),
+    "collective" (an uncompressed tensor on the ring; a compressed one's carrier is its
+    compressor's, no choice), "offload" (compression on the training thread only)."""
+    def kept(o: Option) -> bool:
+        return not (("compression" in dimensions and o.compressor != "none")
+                    or ("collective" in dimensions and o.compressor == "none" and o.collective != RING)
+                    or ("offload" in dimensions and o.offload))
+    return [decide.Choices(t.name, t.numel, {o: c for o, c in t.costs.items() if kept(o)}) for t in tensors]
+
+
+def uniforms_of(step: Step, tensors: list[decide.Choices], compressors) -> dict[str, list[Option]]:
+    """Every uniform strategy by name: an uncompressed collective's name, or a compressor spec."""
+    out = {}
     for compressor in compressors:
         for collective in (UNIFORM_COLLECTIVES if compressor == "none" else (None,)):
             strategy = uniform(tensors, compressor, collective)
             if strategy is not None:
-                uniforms[collective if compressor == "none" else compressor] = predict(step, tensors, strategy)
+                out[collective if compressor == "none" else compressor] = strategy
+    return out
+
+
+def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str | None = None) -> dict:
+    """The plan for a profile: the decision over `compressors` without `dimensions` (see `without`),
+    or with `fixed` the uniform strategy of that name; with every uniform strategy's prediction."""
+    step, measured = tensors_of(profile)
+    step, units, groups = units_of(step, measured)
+    job = JobFacts(offload_core=profile["model"]["cores_per_worker"] >= 2)
+    tensors = choices_of(units, groups, measured, Costing(profile["fits"], profile["workers"]), compressors, job)
+    uniforms = uniforms_of(step, tensors, compressors)
+    start = time.perf_counter()
+    if fixed is not None:
+        if fixed not in uniforms:
+            raise ValueError(f"no uniform strategy {fixed!r}; there are {', '.join(uniforms)}")
+        chosen = uniforms[fixed]
+    else:
+        chosen = decide.plan(step, without(tensors, dimensions))
+    decision_ms = 1e3 * (time.perf_counter() - start)
+    costs = [t.costs[o] for t, o in zip(tensors, chosen)]
+    timeline = simulate(step, costs)
     entries = []
     for unit, (members, o, c, s, e) in enumerate(zip(groups, chosen, costs, timeline.comm_start, timeline.comm_end)):
         for i in members:
@@ -214,11 +246,15 @@ def make_plan(profile: dict, compressors: list[str]) -> dict:
                             "placement": "offload" if o.offload else "thread", "option": str(o),
                             "unit_compress_s": c.compress, "unit_comm_s": c.comm,
                             "unit_decompress_s": c.decompress, "unit_comm_start_s": s, "unit_comm_end_s": e})
+    forward = profile["model"]["forward"]
     return {"workers": profile["workers"], "network": profile["network"],
             **{k: profile[k] for k in ("workload", "options", "batch_size", "model_spec") if k in profile},
-            "decision_ms": decision_ms, "units": len(units), "predicted_step_s": timeline.iteration,
-            "bound_s": simulate(step, [Cost()] * len(tensors)).iteration,
-            "forward_s": profile["model"]["forward"], "uniform": uniforms, "tensors": entries}
+            "strategy": f"uniform {fixed}" if fixed else "planned", "without": sorted(dimensions),
+            "decision_ms": decision_ms, "units": len(units), "predicted_step_s": forward + timeline.iteration,
+            "bound_s": forward + simulate(step, [Cost()] * len(tensors)).iteration, "forward_s": forward,
+            "cores_per_worker": profile["model"]["cores_per_worker"],
+            "uniform": {name: forward + predict(step, tensors, strategy) for name, strategy in uniforms.items()},
+            "tensors": entries}
 
 
 def table(plan: dict) -> str:
@@ -232,12 +268,13 @@ def table(plan: dict) -> str:
         name = t["name"] if len(members) == 1 else f"{len(members)} small tensors ({members[0]['name']}...)"
         lines.append(f"{name[:44]:<44} {sum(m['numel'] for m in members):>10} {1e3 * t['ready_s']:>9.2f} "
                      f"{t['option'][:30]:<30} {1e3 * (t['unit_comm_s'] + t['unit_decompress_s']):>8.2f}")
-    lines.append(f"predicted step (backward + synchronization + optimizer): "
-                 f"{1e3 * plan['predicted_step_s']:.1f} ms planned, {1e3 * plan['bound_s']:.1f} ms with "
+    what = plan["strategy"] + (f" without {', '.join(plan['without'])}" if plan["without"] else "")
+    lines.append(f"predicted step (forward, backward, synchronization, optimizer): "
+                 f"{1e3 * plan['predicted_step_s']:.1f} ms {what}, {1e3 * plan['bound_s']:.1f} ms with "
                  f"free communication; {len(plan['tensors'])} tensors in {plan['units']} units, decided in "
                  f"{plan['decision_ms']:.1f} ms")
     for name, f in sorted(plan["uniform"].items(), key=lambda kv: kv[1]):
-        lines.append(f"  every tensor {name:<16} {1e3 * f:>10.1f} ms  ({f / plan['predicted_step_s']:.2f}x planned)")
+        lines.append(f"  every tensor {name:<16} {1e3 * f:>10.1f} ms  ({f / plan['predicted_step_s']:.2f}x this plan)")
     return "\n".join(lines)
 
 
@@ -256,7 +293,11 @@ def run(args) -> int:
     except RuntimeError as exc:
         print(f"sparcoll plan: {exc}", file=sys.stderr)
         return 1
-    plan = make_plan(profile, args.compressors.split(","))
+    try:
+        plan = make_plan(profile, args.compressors.split(","), args.without, args.uniform)
+    except ValueError as exc:
+        print(f"sparcoll plan: error: {exc}", file=sys.stderr)
+        return 2
     print(table(plan))
     if args.json:
         Path(args.json).write_text(json.dumps(plan, indent=1))

@@ -47,6 +47,7 @@ class TensorFacts:
 class JobFacts:
     dedicated: bool = False       # the job has dedicated aggregators
     communicator: bool = True     # a sparcoll Communicator is there (the sparse AllReduce)
+    offload_core: bool = True     # each worker has a core besides its training thread's
 
 
 # The collective that carries each compressor scheme's payload (sparcoll.compress's `scheme`).
@@ -84,6 +85,9 @@ RULES = (
          lambda t, j, o: o.compressor == "none" and o.collective == ALLGATHER),
     Rule("nothing to offload without compression",
          lambda t, j, o: o.offload and o.compressor == "none"),
+    Rule("offloading needs a core the training thread does not use (else it only takes the training "
+         "thread's time)",
+         lambda t, j, o: o.offload and not j.offload_core),
     Rule("PowerSGD computes between its two allreduces, on the channel: nothing to offload",
          lambda t, j, o: o.offload and scheme(o.compressor) == "powersgd"),
     Rule("the sparse AllReduce needs a sparcoll Communicator",

@@ -1,13 +1,16 @@
 """`sparcoll plan --profile`'s worker: one process per worker of a job on the user's network (or the
 emulated one), measuring what the planner's cost models are fitted to (costs.py):
 
-  model        the backward timeline (profile.backward_timeline) with every worker computing at once,
+  model        the backward timeline (profile.backward_timeline) with every worker training at once,
+               its gradients synchronized on the ring as in training (communication takes CPU too),
                the slowest worker's per tensor; each gradient's block density on one worker and over
-               the union of workers; the rows each linear layer sees per step (SFB's K)
+               the union of workers; the rows each linear layer sees per step (SFB's K); the cores each
+               worker has (offloading needs a spare one)
   matmul       the flop rate of a float32 matrix product, every worker at once
   compressors  compress and decompress time of each compressor by tensor size, every worker at once
   collectives  the real collectives' time by size (ring allreduce, parameter server, allgather, and
-               sparcoll's sparse AllReduce at several densities): the slowest worker's median
+               sparcoll's sparse AllReduce at several densities, with the communicator's default
+               algorithm as the executor runs it: a dense input may take its ring): the slowest worker's median
 
 Rank 0 reports each measurement as an event (sparcoll.bench.events); `fit` turns them into the fits
 costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`) or the user's
@@ -16,6 +19,8 @@ costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`)
 from __future__ import annotations
 
 import importlib
+import os
+import socket
 import statistics
 import sys
 import time
@@ -31,6 +36,7 @@ from sparcoll.bench.worker import run_worker
 from sparcoll.blocks import BlockTensor
 from sparcoll.compress import Reducer
 from sparcoll.compress.channel import Channel
+from sparcoll.torch.parallel import DataParallel
 from sparcoll.torch.ps import ps_allreduce
 from sparcoll.torch.sfb import eligible_layers
 
@@ -88,7 +94,8 @@ def timed(run, prepare=lambda: None) -> float:
     return statistics.median(times)
 
 
-def profile_model(cfg: dict, rank: int, world: int, block_size: int) -> dict:
+def profile_model(cfg: dict, rank: int, world: int, comm) -> dict:
+    block_size = comm.block_size
     model, loss_of = model_and_loss(cfg, rank, world)
     rows = {}
     hooks = [layer.register_forward_pre_hook(
@@ -110,7 +117,11 @@ def profile_model(cfg: dict, rank: int, world: int, block_size: int) -> dict:
     density = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(density)
     model.zero_grad()
-    timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5))
+    wrapper = DataParallel(model, comm=comm, strategy="ring")
+    try:
+        timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5), wrapper=wrapper)
+    finally:
+        wrapper.close()
     times = torch.tensor([*timeline.step.ready, timeline.step.backward_end, timeline.step.optimizer,
                           timeline.forward], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -123,6 +134,14 @@ def profile_model(cfg: dict, rank: int, world: int, block_size: int) -> dict:
                for (name, p), d, u in zip(params.items(), density.tolist(), union)}
     return {"order": list(timeline.order), "ready": times[:n], "backward_end": times[n],
             "optimizer": times[n + 1], "forward": times[n + 2], "tensors": tensors}
+
+
+def cores_per_worker(world: int) -> float:
+    """The CPU cores each worker of this machine has (the cores this process may use, shared by the
+    job's workers on the same host)."""
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    return len(os.sched_getaffinity(0)) / hosts.count(socket.gethostname())
 
 
 def matmul_rate() -> float:
@@ -203,7 +222,7 @@ def expected_events(cfg: dict) -> int:
 def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     block_size = comm.block_size
     say = emit if rank == 0 else (lambda event: None)
-    say({"event": "model", **profile_model(cfg, rank, world, block_size)})
+    say({"event": "model", **profile_model(cfg, rank, world, comm), "cores_per_worker": cores_per_worker(world)})
     say({"event": "point", "kind": "matmul", "what": "mm", "x": 0, "seconds": matmul_rate()})
     specs = timed_compressors(cfg)
     for spec, numel, compress, decompress in profile_compressors(specs, world):
@@ -214,7 +233,7 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
 
 
 def profile_job(cfg: dict, rank: int, world: int) -> None:
-    comm = sparcoll.init(timeout=cfg["timeout"], algorithm="sparse")
+    comm = sparcoll.init(timeout=cfg["timeout"])      # as sparcoll train's executor gets it
     try:
         run_profile(cfg, rank, world, comm)
     finally:

@@ -300,10 +300,14 @@ def run(args) -> int:
         for mode in modes:
             steps: list[dict] = []
             held_out: list[float] = []
+            traces: list[dict] = []
 
             def on_event(event: dict) -> None:
                 if event.get("event") == "eval":
                     held_out.append(event["loss"])
+                    return
+                if event.get("event") == "trace":
+                    traces.append({k: v for k, v in event.items() if k != "event"})
                     return
                 steps.append(event)
                 advance(f"{label(mode)}: step {event['step'] + 1}, loss {event['loss']:.4f}")
@@ -312,6 +316,8 @@ def run(args) -> int:
                     **({"strategy": plan} if mode[0] == "planned" else {})},
                    args.workers, args.network, args.timeout, on_event)
             runs.append(summarize(mode, steps, args, held_out[0] if held_out else None))
+            if traces:
+                runs[-1]["trace"] = traces[0]
 
     status = run_jobs("train", args.steps * len(modes), body)
     if status:

@@ -13,7 +13,8 @@ Modes (the same model, seeds and per-step global batches, so loss curves compare
   poseidon  sparcoll.torch.DataParallel (wait-free backpropagation, a strategy per tensor: the config's
             "strategy", default Poseidon's hybrid choice); each step also reports the bytes the
             wrapper's cost model predicts this worker sends, and how long its synchronizations took
-            in all and before backward had finished computing (the part hidden behind backward)
+            in all and before backward had finished computing (the part hidden behind backward); the
+            last step's trace (each tensor's ready, start and end) is reported once
   poseidon-blocking  the same without wait-free backpropagation: every synchronization waits for the
             end of backward (Poseidon's ablation)
   planned   sparcoll.torch.DataParallel executing a plan of `sparcoll plan` (the config's "strategy")
@@ -128,6 +129,7 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
         sent = interface_counters(interface)[0] if interface else 0
         start = time.perf_counter()
         loss = workload.loss(model, batch)
+        backward_start = time.perf_counter()
         loss.backward()
         backward_end = time.perf_counter()
         optimizer.step()
@@ -151,10 +153,21 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
                   "bytes_sent": None if not interface else table[:, 5].mean().item(),
                   **({"predicted_bytes": table[:, 6].mean().item(), "comm_total_s": slowest[7].item(),
                       "comm_hidden_s": slowest[8].item()} if poseidon else {})})
+    if poseidon and rank == 0:
+        emit(trace(model, backward_start))
     if rank == 0 and hasattr(workload, "eval_loss"):      # parameters are identical on every rank
         emit({"event": "eval", "loss": workload.eval_loss(workload.model)})
     if poseidon:
         model.close()
+
+
+def trace(model: sparcoll.torch.DataParallel, backward_start: float) -> dict:
+    """Rank 0's last step as DataParallel traced it, in seconds from the start of backward: when each
+    tensor was ready and its synchronization started and ended, and when backward finished computing
+    (what `sparcoll plan` predicts, to compare)."""
+    return {"event": "trace", "backward_end": model.backward_end - backward_start,
+            "tensors": [[e.name, e.strategy, e.ready - backward_start, e.start - backward_start,
+                         e.end - backward_start] for e in model.trace]}
 
 
 def synchronization(model: sparcoll.torch.DataParallel) -> tuple[float, float, float]:

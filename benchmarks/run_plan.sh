@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The planner's figures of docs/benchmarks.md, 4 workers at 1 Gbit/s (emulated; root needed), per
+# workload (default: deeplight ncf gpt vgg):
+#   W-profile.json, W-plan.{json,txt}   `sparcoll plan`: the profile, the plan and its predictions
+#   W-u-NAME.json                       the uniform strategies the plan predicts best (three) and the ring
+#   W-without-DIM.json                  the planner without compression, collective or offload choice
+#   W-rN.{json,txt}                     one `sparcoll train --compare` per round: DDP, the plan, each
+#                                       uniform strategy and each ablation whose plan differs from the plan,
+#                                       all run by the same executor (sparcoll.torch.DataParallel)
+# Run it idle: about 15 minutes per round for the four workloads, plus 5 for the profiles.
+#   benchmarks/run_plan.sh OUT_DIR [ROUNDS=3] [WORKLOADS="deeplight ncf gpt vgg"]
+# then: python3 benchmarks/plan_summary.py OUT_DIR
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=$(realpath -m "$1") rounds=${2:-3} workloads=${3:-"deeplight ncf gpt vgg"}
+mkdir -p "$out"
+export OMP_NUM_THREADS=1
+declare -A steps=([deeplight]=30 [ncf]=30 [gpt]=20 [vgg]=6 [lstm]=20 [cnn]=20 [narrowrec]=30)
+py=.venv/bin/python
+for w in $workloads; do
+  plan() { timeout 3600 ./dev sparcoll plan --workload "$w" --workers 4 --network 1gbit \
+             --profile "$out/$w-profile.json" "$@"; }
+  plan --json "$out/$w-plan.json" > "$out/$w-plan.txt"
+  modes=ddp,planned
+  best=$($py -c "import json, sys; u = json.load(open(sys.argv[1]))['uniform']; \
+print(' '.join(dict.fromkeys(sorted(u, key=u.get)[:3] + ['ring'])))" "$out/$w-plan.json")
+  for name in $best; do
+    file="$out/$w-u-${name//:/_}.json"
+    plan --uniform "$name" --json "$file" > /dev/null
+    modes="$modes,poseidon:strategy=$file"
+  done
+  for dim in compression collective offload; do
+    file="$out/$w-without-$dim.json"
+    plan --without "$dim" --json "$file" > /dev/null
+    # an ablation that plans the same as the planner runs as the plan did
+    if ! $py -c "import json, sys; a, b = (json.load(open(f))['tensors'] for f in sys.argv[1:]); \
+sys.exit(0 if [(t['strategy'], t['placement']) for t in a] == [(t['strategy'], t['placement']) for t in b] else 1)" \
+         "$file" "$out/$w-plan.json"; then
+      modes="$modes,poseidon:strategy=$file"
+    fi
+  done
+  for round in $(seq 1 "$rounds"); do
+    timeout 3600 ./dev sparcoll train --workload "$w" --workers 4 --network 1gbit --steps "${steps[$w]}" \
+      --warmup 2 --compare "$modes" --plan "$out/$w-plan.json" --json "$out/$w-r$round.json" \
+      > "$out/$w-r$round.txt" 2> "$out/$w-r$round.err" && rm -f "$out/$w-r$round.err" \
+      || echo "$(date +%T) FAILED: $w round $round" >&2
+  done
+done
