@@ -54,6 +54,9 @@ def test_costs_follow_the_curves_hand_computed():
     payload = 5000 * (4 + 4)                  # int32 index and float32 value per kept element
     assert topk.offload and [topk.compress, topk.comm, topk.decompress] == pytest.approx(
         [1e-4 + 2e-9 * n, 5e-4 + 3e-8 * payload, 2e-4 + 1e-9 * n])
+    own = Costing({**FITS, "compress_own": {"topk:0.01": {"w": 0.5}}}, workers=4)     # measured on w itself
+    assert own.cost(t, Option("topk:0.01", ALLGATHER)).compress == 0.5
+    assert own.cost(t, Option("topk:0.01", ALLGATHER)).decompress == topk.decompress
 def small_and_large() -> nn.Module:
     """Small layers (buckets) around a large one (sent alone): 300 x 300 floats is over 256 KB."""
     torch.manual_seed(8)

@@ -6,7 +6,8 @@ Every measured quantity is a Curve, time by size x through the measured points:
                dense tensor times (local + union block density) / 2, the share of it the sparse AllReduce
                sends and receives back (a dense tensor: its own size)
   compressors  compress and decompress: x = the tensor's elements (measured while every worker of the
-               job computes at once, as in training)
+               job computes at once, as in training); a large gradient of the model's own takes the
+               times measured on it instead (a compressor's time depends on the data)
   matmul       one rate (flop/s) under the same load: SFB's rebuild, the weight gradient SFB spares
                backward, PowerSGD's products
 How an option's cost is built from them is `Costing.cost`.
@@ -78,6 +79,8 @@ class Costing:
         self.collective = {name: Curve(*xy) for name, xy in fits["collectives"].items()}
         self.compress = {spec: Curve(*xy) for spec, xy in fits["compress"].items()}
         self.decompress = {spec: Curve(*xy) for spec, xy in fits["decompress"].items()}
+        self.compress_own = fits.get("compress_own", {})       # spec -> tensor name -> seconds
+        self.decompress_own = fits.get("decompress_own", {})
         self.flops = fits["matmul_flops_per_s"]
         self.workers = workers
 
@@ -104,7 +107,9 @@ class Costing:
             comm = self.collective[option.collective](sparse_volume(numel, kept, 1 - (1 - kept) ** self.workers))
         else:
             comm = self.collective[RING if compressor.scheme == "allreduce" else ALLGATHER](payload)
-        return Cost(self.compress[c](numel), comm, self.decompress[c](numel), option.offload)
+        own = [table.get(c, {}).get(t.facts.name) for table in (self.compress_own, self.decompress_own)]
+        return Cost(self.compress[c](numel) if own[0] is None else own[0], comm,
+                    self.decompress[c](numel) if own[1] is None else own[1], option.offload)
 
     def _powersgd(self, t: Measured, rank: int) -> Cost:
         """PowerSGD computes between its two allreduces: all of it on the channel."""

@@ -7,7 +7,9 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
                the union of workers; the rows each linear layer sees per step (SFB's K); the cores each
                worker has (offloading needs a spare one)
   matmul       the flop rate of a float32 matrix product, every worker at once
-  compressors  compress and decompress time of each compressor by tensor size, every worker at once
+  compressors  compress and decompress time of each compressor by tensor size, and on each of the
+               model's gradients of at least OWN_GRADIENT elements (the time depends on the data), every
+               worker at once
   collectives  the real collectives' time by size (ring allreduce, parameter server, allgather, and
                sparcoll's sparse AllReduce at several densities, with the communicator's default
                algorithm as the executor runs it: a dense input may take its ring): the slowest worker's median
@@ -49,6 +51,7 @@ ALLGATHER_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)
 SPARSE_NUMELS = (1 << 14, 1 << 18, 1 << 22)
 SPARSE_DENSITIES = (0.01, 0.1, 1.0)
 COMPRESSOR_NUMELS = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+OWN_GRADIENT = 1 << 16      # gradients this large get their own compressor timings
 REPEAT = 3
 MAX_REPEAT = 25
 BUDGET = 0.2      # seconds of timed runs per point, at least
@@ -94,7 +97,8 @@ def timed(run, prepare=lambda: None) -> float:
     return statistics.median(times)
 
 
-def profile_model(cfg: dict, rank: int, world: int, comm) -> dict:
+def profile_model(cfg: dict, rank: int, world: int, comm) -> tuple[dict, dict]:
+    """The model's measurements, and its large gradients (for the compressors' timing)."""
     block_size = comm.block_size
     model, loss_of = model_and_loss(cfg, rank, world)
     rows = {}
@@ -116,6 +120,8 @@ def profile_model(cfg: dict, rank: int, world: int, comm) -> dict:
     union = [part.mean().item() if part.numel() else 0.0 for part in marks.split(sizes)]
     density = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(density)
+    gradients = {name: (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().clone()
+                 for name, p in params.items() if p.numel() >= OWN_GRADIENT}
     model.zero_grad()
     wrapper = DataParallel(model, comm=comm, strategy="ring")
     try:
@@ -133,7 +139,7 @@ def profile_model(cfg: dict, rank: int, world: int, comm) -> dict:
                       "density": d / world, "union": u}
                for (name, p), d, u in zip(params.items(), density.tolist(), union)}
     return {"order": list(timeline.order), "ready": times[:n], "backward_end": times[n],
-            "optimizer": times[n + 1], "forward": times[n + 2], "tensors": tensors}
+            "optimizer": times[n + 1], "forward": times[n + 2], "tensors": tensors}, gradients
 
 
 def cores_per_worker(world: int) -> float:
@@ -149,25 +155,28 @@ def matmul_rate() -> float:
     return 2 * 1024 ** 3 / timed(lambda _: torch.mm(a, b))
 
 
-def profile_compressors(specs: list[str], world: int):
-    """(spec, numel, compress seconds, decompress seconds): the decompression each scheme runs
-    after its collective (allreduce: decompress the average; allgather: combine every rank's parts;
-    the sparse AllReduce's result needs none)."""
+def profile_compressors(specs: list[str], world: int, gradients: dict):
+    """(spec, numel, tensor name or None, compress seconds, decompress seconds), on random tensors of
+    COMPRESSOR_NUMELS elements (the curves) and on the model's own large gradients (a compressor's time
+    depends on the data: sampled thresholds, ties, momentum). The decompression is what each scheme runs
+    after its collective (allreduce: decompress the average; allgather: combine every rank's parts; the
+    sparse AllReduce's result needs none)."""
+    samples = [(None, torch.randn(numel)) for numel in COMPRESSOR_NUMELS] + list(gradients.items())
     for spec in specs:
         reducer = Reducer(spec)
         c = reducer.compressor
-        for numel in COMPRESSOR_NUMELS:
-            x = torch.randn(numel)
+        for name, x in samples:
             payloads = []
-            compress = timed(lambda _: payloads.append(reducer.compress(x, key=numel)))
+            compress = timed(lambda _: payloads.append(reducer.compress(x, key=name or x.numel())))
             payload = payloads[-1]
+            payloads.clear()
             if c.scheme == "allgather":
                 decompress = timed(lambda _: c.combine([payload.parts] * world, payload.ctx))
             elif c.scheme == "allreduce":
                 decompress = timed(lambda _: c.decompress(payload.parts, payload.ctx))
             else:
                 decompress = 0.0
-            yield spec, numel, compress, decompress
+            yield spec, x.numel(), name, compress, decompress
 
 
 def profile_collectives(comm, block_size: int, rank: int, world: int):
@@ -194,17 +203,20 @@ def profile_collectives(comm, block_size: int, rank: int, world: int):
 
 
 def fit(events: list[dict]) -> dict:
-    """The curves costs.Costing takes, from the profile's measurement events."""
+    """What costs.Costing takes, from the profile's measurement events: a curve per quantity (points
+    on random tensors), and the compressors' times on the model's own gradients by tensor name."""
     points: dict = {}
+    out: dict = {"collectives": {}, "compress": {}, "decompress": {}, "compress_own": {}, "decompress_own": {}}
     for e in events:
-        points.setdefault((e["kind"], e["what"]), []).append((e["x"], e["seconds"]))
-    out = {"collectives": {}, "compress": {}, "decompress": {}}
-    for (kind, what), pts in points.items():
-        if kind == "matmul":
-            out["matmul_flops_per_s"] = pts[0][1]
+        if e["kind"] == "matmul":
+            out["matmul_flops_per_s"] = e["seconds"]
+        elif e.get("tensor"):
+            out[f"{e['kind']}_own"].setdefault(e["what"], {})[e["tensor"]] = e["seconds"]
         else:
-            curve = Curve.of(pts)
-            out[kind][what] = [list(curve.xs), list(curve.ys)]
+            points.setdefault((e["kind"], e["what"]), []).append((e["x"], e["seconds"]))
+    for (kind, what), pts in points.items():
+        curve = Curve.of(pts)
+        out[kind][what] = [list(curve.xs), list(curve.ys)]
     return out
 
 
@@ -214,7 +226,7 @@ def timed_compressors(cfg: dict) -> list[str]:
 
 
 def expected_events(cfg: dict) -> int:
-    """How many events a profile reports (for progress)."""
+    """How many events a profile reports at least (for progress; the model's own gradients add more)."""
     return (2 + 2 * len(timed_compressors(cfg)) * len(COMPRESSOR_NUMELS) + 2 * len(COLLECTIVE_BYTES)
             + len(ALLGATHER_BYTES) + len(SPARSE_NUMELS) * len(SPARSE_DENSITIES))
 
@@ -222,12 +234,14 @@ def expected_events(cfg: dict) -> int:
 def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     block_size = comm.block_size
     say = emit if rank == 0 else (lambda event: None)
-    say({"event": "model", **profile_model(cfg, rank, world, comm), "cores_per_worker": cores_per_worker(world)})
+    model, gradients = profile_model(cfg, rank, world, comm)
+    say({"event": "model", **model, "cores_per_worker": cores_per_worker(world)})
     say({"event": "point", "kind": "matmul", "what": "mm", "x": 0, "seconds": matmul_rate()})
     specs = timed_compressors(cfg)
-    for spec, numel, compress, decompress in profile_compressors(specs, world):
-        say({"event": "point", "kind": "compress", "what": spec, "x": numel, "seconds": compress})
-        say({"event": "point", "kind": "decompress", "what": spec, "x": numel, "seconds": decompress})
+    for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients):
+        say({"event": "point", "kind": "compress", "what": spec, "x": numel, "tensor": name, "seconds": compress})
+        say({"event": "point", "kind": "decompress", "what": spec, "x": numel, "tensor": name,
+             "seconds": decompress})
     for kind, x, seconds in profile_collectives(comm, block_size, rank, world):
         say({"event": "point", "kind": "collectives", "what": kind, "x": x, "seconds": seconds})
 
