@@ -1,0 +1,84 @@
+"""Tables of the planner's figures from benchmarks/run_plan.sh's output (docs/benchmarks.md).
+
+    python3 benchmarks/plan_summary.py OUT_DIR
+
+Per workload: each mode's predicted step (`sparcoll plan`) and measured step (range over rounds), the
+prediction's error, the speedup over DDP, bytes sent and the largest loss difference from DDP; then the
+plan against the best uniform strategy measured in the same round, and DDP's communication share.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def name_of(label: str, workload: str) -> str:
+    """A report's name for a mode: ddp, planned, uniform NAME or without DIM."""
+    if not label.startswith("poseidon:"):
+        return label
+    stem = Path(label.split(":", 1)[1]).stem.removeprefix(f"{workload}-")
+    kind, _, rest = stem.partition("-")
+    return f"uniform {rest.replace('_', ':')}" if kind == "u" else f"without {rest}"
+
+
+def predictions(out: Path, workload: str) -> dict[str, float]:
+    plan = json.loads((out / f"{workload}-plan.json").read_text())
+    pred = {"planned": plan["predicted_step_s"]}
+    pred.update({f"uniform {k}": v for k, v in plan["uniform"].items()})
+    for f in out.glob(f"{workload}-without-*.json"):
+        pred[f"without {f.stem.rsplit('-', 1)[1]}"] = json.loads(f.read_text())["predicted_step_s"]
+    return pred
+
+
+def span(values: list[float], fmt: str = "{:.1f}") -> str:
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if len(values) == 1 or fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
+
+
+def summarize(out: Path, workload: str) -> str:
+    rounds = [json.loads(f.read_text()) for f in sorted(out.glob(f"{workload}-r*.json"))]
+    if not rounds:
+        return f"{workload}: no rounds"
+    pred = predictions(out, workload)
+    by_mode: dict[str, list[dict]] = {}
+    for r in rounds:
+        for run in r["runs"]:
+            by_mode.setdefault(name_of(run["label"], workload), []).append(run)
+    lines = [f"### {workload} ({len(rounds)} rounds, {rounds[0]['steps']} steps, batch {rounds[0]['batch_size']})",
+             "", "| mode | predicted ms | measured ms | predicted / measured | x DDP | MB/step | max loss diff vs DDP |",
+             "|---|---|---|---|---|---|---|"]
+    ddp = [next(run for run in r["runs"] if run["comm"] == "ddp") for r in rounds]
+    for mode, runs in by_mode.items():
+        steps = [1e3 * run["step_s"] for run in runs]
+        speed = [d["step_s"] / run["step_s"] for d, run in zip(ddp, runs)]
+        sent = [run["bytes_sent_per_step"] / 1e6 for run in runs if run["bytes_sent_per_step"] is not None]
+        diff = max(max(abs(a - b) for a, b in zip(run["loss"], d["loss"])) for d, run in zip(ddp, runs))
+        p = pred.get(mode)
+        ratio = span([1e3 * p / s for s in steps], "{:.2f}") if p else "-"
+        lines.append(f"| {mode} | {1e3 * p:.1f} | " if p else f"| {mode} | - | ")
+        lines[-1] += (f"{span(steps)} | {ratio} | {span(speed, '{:.2f}')} | {span(sent, '{:.2f}') if sent else '-'} | "
+                      f"{diff:.2g} |")
+    vs_best = []
+    for r in rounds:
+        uniform = [run for run in r["runs"] if name_of(run["label"], workload).startswith("uniform")]
+        planned = next(run for run in r["runs"] if run["comm"] == "planned")
+        best = min(uniform, key=lambda run: run["step_s"])
+        vs_best.append((best["step_s"] / planned["step_s"], name_of(best["label"], workload)))
+    share = [d["comm_s"] / d["step_s"] for d in ddp]
+    lines += ["", f"plan vs the best uniform strategy measured in the same round: "
+                  + ", ".join(f"{x:.2f}x ({name})" for x, name in vs_best)
+              + f"; DDP's communication share of its step: {span([100 * s for s in share], '{:.0f}')}%"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    out = Path(argv[0])
+    workloads = sorted({f.name.split("-")[0] for f in out.glob("*-plan.json")})
+    print("\n\n".join(summarize(out, w) for w in workloads))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
