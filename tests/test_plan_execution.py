@@ -40,7 +40,7 @@ def line(a: float, b: float) -> list:
 
 FITS = {"collectives": {RING: line(1e-3, 1e-8), PS: line(2e-3, 1e-8), ALLGATHER: line(5e-4, 3e-8),
                         SPARSE: line(3e-3, 1e-8)},
-        "compress": {"topk:0.01": line(1e-4, 2e-9), "fp16": line(0.0, 1e-9)},
+        "compress": {"topk:0.01": line(1e-4, 2e-9), "fp16": line(0.0, 1e-9), "powersgd:4": line(2e-3, 4e-9)},
         "decompress": {"topk:0.01": line(2e-4, 1e-9), "fp16": line(0.0, 5e-10)}, "matmul_flops_per_s": 1e10}
 
 
@@ -54,6 +54,8 @@ def test_costs_follow_the_curves_hand_computed():
     payload = 5000 * (4 + 4)                  # int32 index and float32 value per kept element
     assert topk.offload and [topk.compress, topk.comm, topk.decompress] == pytest.approx(
         [1e-4 + 2e-9 * n, 5e-4 + 3e-8 * payload, 2e-4 + 1e-9 * n])
+    rank4 = costing.cost(t, Option("powersgd:4", RING))            # measured whole, on the channel
+    assert rank4.compress == 0 and rank4.comm == pytest.approx(2e-3 + 4e-9 * n)
     own = Costing({**FITS, "compress_own": {"topk:0.01": {"w": 0.5}}}, workers=4)     # measured on w itself
     assert own.cost(t, Option("topk:0.01", ALLGATHER)).compress == 0.5
     assert own.cost(t, Option("topk:0.01", ALLGATHER)).decompress == topk.decompress

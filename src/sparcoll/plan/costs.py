@@ -9,7 +9,9 @@ Every measured quantity is a Curve, time by size x through the measured points:
                job computes at once, as in training); a large gradient of the model's own takes the
                times measured on it instead (a compressor's time depends on the data)
   matmul       one rate (flop/s) under the same load: SFB's rebuild, the weight gradient SFB spares
-               backward, PowerSGD's products
+               backward
+  PowerSGD     measured whole (its products, its error feedback and its two allreduces: thin products
+               are bound by memory, not flops), on the channel
 How an option's cost is built from them is `Costing.cost`.
 """
 from __future__ import annotations
@@ -20,7 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparcoll.compress import make
-from sparcoll.compress.powersgd import matrix_shape
 
 from .options import ALLGATHER, DEDICATED, RING, SFB, SPARSE, Option, TensorFacts
 from .timeline import Cost
@@ -99,25 +100,17 @@ class Costing:
                 return Cost(comm=self.collective[option.collective](sparse_volume(numel, t.density, t.union)))
             return Cost(comm=self.collective[option.collective](numel * ITEMSIZE))
         compressor = _compressor(c)
-        if compressor.scheme == "powersgd":
-            return self._powersgd(t, compressor.rank)
+        own = [table.get(c, {}).get(t.facts.name) for table in (self.compress_own, self.decompress_own)]
+        compress = self.compress[c](numel) if own[0] is None else own[0]
+        if compressor.scheme == "powersgd":        # its time is measured whole: all on the channel
+            return Cost(comm=compress)
         payload = compressor.payload_bytes(numel, t.shape)
         if compressor.scheme == "sparse":
             kept = payload / (numel * ITEMSIZE)
             comm = self.collective[option.collective](sparse_volume(numel, kept, 1 - (1 - kept) ** self.workers))
         else:
             comm = self.collective[RING if compressor.scheme == "allreduce" else ALLGATHER](payload)
-        own = [table.get(c, {}).get(t.facts.name) for table in (self.compress_own, self.decompress_own)]
-        return Cost(self.compress[c](numel) if own[0] is None else own[0], comm,
-                    self.decompress[c](numel) if own[1] is None else own[1], option.offload)
-
-    def _powersgd(self, t: Measured, rank: int) -> Cost:
-        """PowerSGD computes between its two allreduces: all of it on the channel."""
-        rows, cols = matrix_shape(tuple(t.shape), t.facts.numel)
-        r = min(rank, rows, cols)
-        compute = 6 * rows * cols * r / self.flops
-        return Cost(comm=self.collective[RING](r * rows * ITEMSIZE) + self.collective[RING](r * cols * ITEMSIZE)
-                    + compute)
+        return Cost(compress, comm, self.decompress[c](numel) if own[1] is None else own[1], option.offload)
 
 
 @functools.lru_cache(maxsize=None)

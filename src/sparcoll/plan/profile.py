@@ -1,7 +1,6 @@
 """The planner's view of a model: what each gradient is (`facts`), and when backward produces it
 (`backward_timeline`: each parameter's ready time over a few uncompressed iterations, from autograd's
-post-accumulate hooks as ByteComp traces its models, or from DataParallel's trace while it
-synchronizes as in training).
+post-accumulate hooks, as ByteComp traces its models).
 """
 from __future__ import annotations
 
@@ -39,19 +38,15 @@ class BackwardProfile:
 
 
 def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor],
-                      iterations: int = 5, warmup: int = 1, wrapper=None) -> BackwardProfile:
-    """Time `iterations` (after `warmup`) steps, uncompressed: loss_of(model) builds the loss, backward
-    and a plain SGD step follow. Alone, the ready times come from autograd's hooks; under `wrapper`
-    (a sparcoll.torch.DataParallel of the model, whose synchronization then runs as in training and
-    takes its share of the CPU) from its trace, and backward ends when it finished computing. The
-    parameters are restored afterwards."""
+                      iterations: int = 5, warmup: int = 1) -> BackwardProfile:
+    """Time `iterations` (after `warmup`) steps of the model alone, uncompressed: loss_of(model)
+    builds the loss, backward and a plain SGD step follow. The parameters are restored afterwards."""
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in params]
     seen: list[tuple[str, float]] = []
-    handles = [] if wrapper is not None else [
-        p.register_post_accumulate_grad_hook(lambda p: seen.append((names[id(p)], time.perf_counter())))
-        for p in params]
+    handles = [p.register_post_accumulate_grad_hook(lambda p: seen.append((names[id(p)], time.perf_counter())))
+               for p in params]
     optimizer = torch.optim.SGD(params, lr=1e-3)
     runs = []
     try:
@@ -59,18 +54,15 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
             optimizer.zero_grad()
             seen.clear()
             start = time.perf_counter()
-            loss = loss_of(model if wrapper is None else wrapper)
+            loss = loss_of(model)
             forward_end = time.perf_counter()
             loss.backward()
-            backward_end = returned = time.perf_counter()
-            if wrapper is not None:
-                seen[:] = [(e.name, e.ready) for e in wrapper.trace]
-                backward_end = wrapper.backward_end
+            backward_end = time.perf_counter()
             optimizer.step()
             done = time.perf_counter()
             if i >= warmup:
                 runs.append((dict((n, t - forward_end) for n, t in seen), [n for n, _ in seen],
-                             backward_end - forward_end, done - returned, forward_end - start))
+                             backward_end - forward_end, done - backward_end, forward_end - start))
     finally:
         for handle in handles:
             handle.remove()

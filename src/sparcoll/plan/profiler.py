@@ -1,9 +1,10 @@
 """`sparcoll plan --profile`'s worker: one process per worker of a job on the user's network (or the
 emulated one), measuring what the planner's cost models are fitted to (costs.py):
 
-  model        the backward timeline (profile.backward_timeline) with every worker training at once,
-               its gradients synchronized on the ring as in training (communication takes CPU too),
-               the slowest worker's per tensor; each gradient's block density on one worker and over
+  model        the backward timeline (profile.backward_timeline) with every worker computing at once
+               (without communication: under DataParallel's ring, communication's CPU made vgg's
+               backward 3x longer than under SFB, which sends 2% of the ring's bytes, so one
+               strategy's interference cannot stand for all), the slowest worker's per tensor; each gradient's block density on one worker and over
                the union of workers; the rows each linear layer sees per step (SFB's K); the cores each
                worker has (offloading needs a spare one)
   matmul       the flop rate of a float32 matrix product, every worker at once
@@ -38,7 +39,6 @@ from sparcoll.bench.worker import run_worker
 from sparcoll.blocks import BlockTensor
 from sparcoll.compress import Reducer
 from sparcoll.compress.channel import Channel
-from sparcoll.torch.parallel import DataParallel
 from sparcoll.torch.ps import ps_allreduce
 from sparcoll.torch.sfb import eligible_layers
 
@@ -123,11 +123,7 @@ def profile_model(cfg: dict, rank: int, world: int, comm) -> tuple[dict, dict]:
     gradients = {name: (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().clone()
                  for name, p in params.items() if p.numel() >= OWN_GRADIENT}
     model.zero_grad()
-    wrapper = DataParallel(model, comm=comm, strategy="ring")
-    try:
-        timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5), wrapper=wrapper)
-    finally:
-        wrapper.close()
+    timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5))
     times = torch.tensor([*timeline.step.ready, timeline.step.backward_end, timeline.step.optimizer,
                           timeline.forward], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -160,12 +156,16 @@ def profile_compressors(specs: list[str], world: int, gradients: dict):
     COMPRESSOR_NUMELS elements (the curves) and on the model's own large gradients (a compressor's time
     depends on the data: sampled thresholds, ties, momentum). The decompression is what each scheme runs
     after its collective (allreduce: decompress the average; allgather: combine every rank's parts; the
-    sparse AllReduce's result needs none)."""
+    sparse AllReduce's result needs none); PowerSGD's whole reduction, its allreduces included.
+    """
     samples = [(None, torch.randn(numel)) for numel in COMPRESSOR_NUMELS] + list(gradients.items())
     for spec in specs:
         reducer = Reducer(spec)
         c = reducer.compressor
         for name, x in samples:
+            if c.scheme == "powersgd":      # computes between its allreduces: timed whole, with them
+                yield spec, x.numel(), name, timed(lambda _: reducer.reduce(x, key=name or x.numel())), 0.0
+                continue
             payloads = []
             compress = timed(lambda _: payloads.append(reducer.compress(x, key=name or x.numel())))
             payload = payloads[-1]
@@ -221,8 +221,8 @@ def fit(events: list[dict]) -> dict:
 
 
 def timed_compressors(cfg: dict) -> list[str]:
-    """The compressors whose times are measured (PowerSGD's are built from the matmul rate)."""
-    return [s for s in cfg.get("compressors", COMPRESSORS) if s != "none" and not s.startswith("powersgd")]
+    """The compressors whose times are measured (every one but none)."""
+    return [s for s in cfg.get("compressors", COMPRESSORS) if s != "none"]
 
 
 def expected_events(cfg: dict) -> int:
