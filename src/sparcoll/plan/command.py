@@ -34,7 +34,7 @@ from .options import COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Op
 from .profiler import expected_events, fit
 from .timeline import Cost, Simulation, Step, simulate
 
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 

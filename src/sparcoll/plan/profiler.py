@@ -156,7 +156,8 @@ def profile_compressors(specs: list[str], world: int, gradients: dict):
     COMPRESSOR_NUMELS elements (the curves) and on the model's own large gradients (a compressor's time
     depends on the data: sampled thresholds, ties, momentum). The decompression is what each scheme runs
     after its collective (allreduce: decompress the average; allgather: combine every rank's parts; the
-    sparse AllReduce's result needs none); PowerSGD's whole reduction, its allreduces included.
+    sparse AllReduce: its blocks into a dense tensor); PowerSGD's whole reduction, its allreduces
+    included.
     """
     samples = [(None, torch.randn(numel)) for numel in COMPRESSOR_NUMELS] + list(gradients.items())
     for spec in specs:
@@ -172,10 +173,8 @@ def profile_compressors(specs: list[str], world: int, gradients: dict):
             payloads.clear()
             if c.scheme == "allgather":
                 decompress = timed(lambda _: c.combine([payload.parts] * world, payload.ctx))
-            elif c.scheme == "allreduce":
+            else:       # the average, or the sparse AllReduce's blocks, written into a dense tensor
                 decompress = timed(lambda _: c.decompress(payload.parts, payload.ctx))
-            else:
-                decompress = 0.0
             yield spec, x.numel(), name, compress, decompress
 
 
