@@ -2,17 +2,19 @@
 tensors, the workloads as `sparcoll plan` profiled them and a ResNet-101-shaped table of 314 tensors
 (ByteComp's largest model; its Python implementation decides it in 179 ms) priced with a profile's
 curves, with the small tensors grouped into DataParallel's buckets (what `sparcoll plan` decides on)
-and with every tensor a unit of its own (the algorithm's worst case). Median of 5 decisions, idle
-machine.
+and with every tensor a unit of its own (the algorithm's worst case), each with offloading allowed (a
+machine with a spare core per worker) and without (this one). Median of 5 decisions, idle machine.
 
-    python3 benchmarks/plan_decision.py PROFILE_DIR [--json OUT]
+    python3 benchmarks/plan_decision.py PROFILE_DIR... [--json OUT]
 
-PROFILE_DIR holds W-profile.json files (benchmarks/run_plan.sh); the ResNet table takes vgg's curves
+A PROFILE_DIR holds W-profile.json files (benchmarks/run_plan.sh; a later directory's profile of the
+same workload replaces an earlier one's); the ResNet table takes vgg's curves
 (4 workers, 1 Gbit/s) and a backward of 300 ms whose tensors are ready in proportion to their size.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -66,12 +68,13 @@ def _numel(shape: tuple) -> int:
     return out
 
 
-def decision_ms(step: Step, measured: list[Measured], costing: Costing, grouped: bool) -> tuple[float, int]:
+def decision_ms(step: Step, measured: list[Measured], costing: Costing, grouped: bool,
+                compressors, offload: bool) -> tuple[float, int]:
     groups = [[i] for i in range(len(measured))]
     units = measured
     if grouped:
         step, units, groups = units_of(step, measured)
-    tensors = choices_of(units, groups, measured, costing, COMPRESSORS, JobFacts(offload_core=True))
+    tensors = choices_of(units, groups, measured, costing, compressors, JobFacts(offload_core=offload))
     times = []
     for _ in range(REPEAT):
         start = time.perf_counter()
@@ -80,32 +83,40 @@ def decision_ms(step: Step, measured: list[Measured], costing: Costing, grouped:
     return statistics.median(times), len(units)
 
 
+def compressors_of(profile: dict) -> list[str]:
+    """The compressors the profile timed (an older profile may lack some), and none."""
+    return ["none"] + [c for c in COMPRESSORS if c in profile["fits"]["compress"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("profiles", type=Path)
+    parser.add_argument("profiles", type=Path, nargs="+", help="directories of W-profile.json files")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     rows = []
     profiles = {p.name.removesuffix("-profile.json"): json.loads(p.read_text())
-                for p in sorted(args.profiles.glob("*-profile.json"))}
+                for d in args.profiles for p in sorted(d.glob("*-profile.json"))}     # a later one wins
+    profiles = {name: p for name, p in profiles.items() if "fits" in p}
     for name, profile in profiles.items():
         step, measured = tensors_of(profile)
         costing = Costing(profile["fits"], profile["workers"])
-        for grouped in (True, False):
-            ms, units = decision_ms(step, measured, costing, grouped)
+        for grouped, offload in itertools.product((True, False), repeat=2):
+            ms, units = decision_ms(step, measured, costing, grouped, compressors_of(profile), offload)
             rows.append({"model": name, "tensors": len(measured), "units": units, "grouped": grouped,
-                         "decision_ms": ms})
+                         "offload": offload, "decision_ms": ms})
     base = profiles.get("vgg") or next(iter(profiles.values()))
     costing = Costing(base["fits"], base["workers"])
     for count in (10, 32, 150, 300, 314):
         step, measured = resnet_instance(count)
-        for grouped in (True, False):
-            ms, units = decision_ms(step, measured, costing, grouped)
+        for grouped, offload in itertools.product((True, False), repeat=2):
+            ms, units = decision_ms(step, measured, costing, grouped, compressors_of(base), offload)
             rows.append({"model": f"resnet101 (last {count})" if count < 314 else "resnet101",
-                         "tensors": count, "units": units, "grouped": grouped, "decision_ms": ms})
-    print(f"{'model':<24} {'tensors':>7} {'units':>6} {'grouped':>8} {'decision ms':>12}")
+                         "tensors": count, "units": units, "grouped": grouped, "offload": offload,
+                         "decision_ms": ms})
+    print(f"{'model':<24} {'tensors':>7} {'units':>6} {'grouped':>8} {'offload':>8} {'decision ms':>12}")
     for r in rows:
-        print(f"{r['model']:<24} {r['tensors']:>7} {r['units']:>6} {str(r['grouped']):>8} {r['decision_ms']:>12.1f}")
+        print(f"{r['model']:<24} {r['tensors']:>7} {r['units']:>6} {str(r['grouped']):>8} {str(r['offload']):>8} "
+              f"{r['decision_ms']:>12.1f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
