@@ -4,7 +4,8 @@ ByteComp's Algorithm 1 (`greedy`): every tensor starts uncompressed on its cheap
 Tensors are taken largest first (ties: the one closer to the output, earlier in backward); a tensor
 whose communication already hides in an idle gap of the channel (F does not change when it costs
 nothing) keeps that; each other tensor gets the option of smallest F with every other tensor's
-fixed. Passes repeat while F falls. Then `offload_search`: with the options fixed, which compressed
+fixed (among its `useful` options: one that another beats in both compression and channel time
+cannot lower F). Passes repeat while F falls. Then `offload_search`: with the options fixed, which compressed
 tensors to compress on the offload lane instead of the training thread.
 
 The greedy can stop far from the best (on random instances of 8 tensors, F up to 1.6x the best), so
@@ -49,16 +50,17 @@ def greedy(step: Step, tensors: list[Choices]) -> list[Option]:
     current = [uncompressed(t) for t in tensors]
     sim = Simulation(step, [t.costs[o] for t, o in zip(tensors, current)])
     order = sorted(range(len(tensors)), key=lambda i: (-tensors[i].numel, i))
+    candidates = [[o for o in useful(t) if not o.offload] for t in tensors]    # the others never win
     for _ in range(MAX_PASSES):
         before = sim.iteration
         for i in order:
             if sim.with_cost(i, Cost()) >= sim.iteration:
                 continue                     # its communication hides in a gap: nothing to gain
             best, best_f = current[i], sim.iteration
-            for option, cost in tensors[i].costs.items():
-                if option.offload or option == current[i]:
+            for option in candidates[i]:
+                if option == current[i]:
                     continue
-                f = sim.with_cost(i, cost)
+                f = sim.with_cost(i, tensors[i].costs[option])
                 if f < best_f:
                     best, best_f = option, f
             if best != current[i]:
