@@ -29,7 +29,7 @@ from sparcoll.bench.sizes import format_count, parse_count
 RUN_TIMEOUT = 120.0
 NETEM_OK, NETEM_WHY = netem_available()
 RECORD_KEYS = {"algo", "input", "workers", "aggregators", "num_aggregators", "numel", "block_size", "row_width", "dtype",
-               "density", "density_actual", "union_density", "overlap", "network", "seed", "repeat",
+               "density", "density_actual", "union_density", "overlap", "network", "launcher", "seed", "repeat",
                "median_s", "p10_s", "p90_s", "times_s", "algbw_gbps", "busbw_gbps", "bytes_sent_per_worker",
                "bytes_received_per_worker", "bytes_source", "lower_bound_bytes", "lower_bound_s",
                "link_burst_bytes", "ratio_to_bound", "speedup_vs_ring"}
@@ -217,6 +217,7 @@ def _args(*argv):
     ["--density", "0,1", "--network", "none"],
     ["--algos", "ring,nccl", "--network", "none"],
     ["--overlap", "1.5", "--network", "none"],
+    ["--launcher", "torchrun", "--network", "none"],
 ])
 def test_bad_arguments_return_2(argv, capsys):
     assert command.run(_args(*argv)) == 2

@@ -58,6 +58,12 @@ def collectives(rank: int, world: int) -> dict:
     t = torch.arange(1000.0) * (rank + 1)
     dist.all_reduce(t, group=pg)
     out["sum"] = torch.equal(t, torch.arange(1000.0) * 3)
+    traffic = sparcoll.torch.stats(pg)
+    out["stats"] = (traffic.collectives, traffic.bytes_sent + traffic.ring_bytes >= 2000)
+    try:
+        sparcoll.torch.stats()          # run_ranks's default group is gloo's
+    except ValueError as e:
+        out["stats_of_gloo"] = str(e)
     t = torch.full((300,), float(rank + 1), dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
     out["avg"] = torch.equal(t, torch.full((300,), 1.5, dtype=torch.float64))
@@ -179,6 +185,8 @@ def test_collectives_against_expected_values():
         assert out["reduce_scatter_tensor"] == [[1.0, 3.0], [5.0, 7.0]][rank]
         assert out["async_future"] == [2.0] * 10
         assert out["loss"] == 15.0 and out["monitored_barrier"]
+        assert out["stats"] == (1, True), out["stats"]
+        assert "'gloo' backend" in out["stats_of_gloo"], out
     assert outcomes[0]["barrier_waited"] >= LATE     # rank 1 came to the barrier LATE s late
 
 

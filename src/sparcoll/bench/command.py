@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the input patterns and values")
     parser.add_argument("--json", metavar="PATH", help="write one record per result row to PATH")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG figure to PATH")
+    parser.add_argument("--launcher", choices=["direct", "torchrun"], default="direct",
+                        help="how workers start: direct (this command starts each one) or torchrun (an "
+                             "agent per emulated host, c10d rendezvous, as multi-host jobs launch; needs "
+                             "--network)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds without progress before a job is declared hung (default 600)")
 
@@ -99,6 +103,8 @@ def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
     if args.num_aggregators is not None and args.num_aggregators < 1:
         raise ValueError("--num-aggregators must be >= 1")
     if args.network == "none":
+        if args.launcher == "torchrun":
+            raise ValueError("--launcher torchrun runs one agent per emulated host: give --network")
         return algos, None
     ok, reason = netem_available()
     if not ok:
@@ -112,7 +118,7 @@ def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int 
     counts each finished repetition."""
     num_aggregators = args.num_aggregators or n
     dedicated = args.aggregators == "dedicated" and any(a.needs_communicator for a in algos)
-    setup = Setup(args.network, rate_bps, args.aggregators, num_aggregators)
+    setup = Setup(args.network, rate_bps, args.aggregators, num_aggregators, args.launcher)
     specs = {d: InputSpec(args.numel, args.row_width, n, d, args.overlap, args.seed) for d in args.density}
     unions = {d: spec.union_density() for d, spec in specs.items()}
     config = {"numel": args.numel, "block_size": args.block_size, "row_width": args.row_width,
@@ -129,7 +135,8 @@ def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int 
             density = event["density"]
             records.append(make_record(event, specs[density], setup, unions[density], args.block_size))
 
-    run_job(Job(n, args.network, num_aggregators if dedicated else 0, config, args.timeout), on_event)
+    run_job(Job(n, args.network, num_aggregators if dedicated else 0, config, args.timeout,
+                launcher=args.launcher), on_event)
     return records
 
 

@@ -1,5 +1,7 @@
 """Run one benchmark job: the worker processes (one per host) and any dedicated aggregators, on loopback
-or on an EmulatedNetwork, streaming rank 0's events back to the caller.
+or on an EmulatedNetwork, streaming rank 0's events back to the caller. Workers are started directly, or
+(launcher "torchrun") by a torchrun agent per emulated host with c10d rendezvous, as users launch
+multi-host jobs, so the two can be compared on the same links.
 
 Every child is stopped on every way out (success, error, timeout, Ctrl-C): terminated, then killed. Each
 child also gets SIGKILL from the kernel if the launcher dies without cleaning up (PR_SET_PDEATHSIG, kept
@@ -36,6 +38,7 @@ from sparcoll.bench.netem import EmulatedNetwork, NetemError
 # In a namespace of our own nothing else listens, so fixed ports cannot collide there.
 NETNS_MASTER_PORT = 29500
 NETNS_AGGREGATOR_PORT = 29600
+NETNS_RDZV_PORT = 29400
 EXIT_GRACE = 30.0   # seconds the workers get to exit after rank 0 said it is done
 LOG_TAIL = 20       # lines of a child's log shown in a failure
 LOG_WIDTH = 200     # columns of a progress line off a terminal (rich assumes 80 there)
@@ -54,6 +57,7 @@ class Job:
     timeout: float             # seconds without an event before the job is declared hung
     worker: str = "sparcoll.bench.worker"   # the module each worker process runs with the config
     env: dict = field(default_factory=dict)  # extra environment of the workers
+    launcher: str = "direct"   # "direct": we start every worker; "torchrun": an agent per host does
 
 
 @dataclass
@@ -107,11 +111,32 @@ def _describe_exit(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
 
 
+#: torchrun's agents give the workers rank, world size and the Store's address; restarts need their own
+#: Store per attempt with torch 2.13 (docs/cluster.md).
+TORCHRUN_ENV = {"RANK": None, "WORLD_SIZE": None, "MASTER_ADDR": None, "MASTER_PORT": None,
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def torchrun_agent(hosts: list[str], host: int, nnodes: int, module: str, config: str) -> list[str]:
+    """The torchrun command of emulated host `host`, one worker per host, as users launch multi-host
+    jobs: c10d rendezvous on host 0, whose agent hosts it (is_host), every agent advertising its own
+    address (--local-addr; the machine's hostname resolves outside the namespaces). Node ranks follow
+    the agents' addresses, so rank 0, whose events the launcher follows, runs on host 0."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0]}:{NETNS_RDZV_PORT}",
+            "--local-addr", hosts[host], "--monitor-interval", "0.5"]
+    if host == 0:
+        argv += ["--rdzv-conf", "is_host=true"]
+    return argv + ["-m", module, config]
+
+
 def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
     """Run `job`, passing every event of rank 0 but the last ("done") to `on_event`; raise BenchError."""
     children: list[_Child] = []
     with tempfile.TemporaryDirectory(prefix="sparcoll-bench-") as tmp, contextlib.ExitStack() as stack:
         total = job.workers + job.dedicated_aggregators
+        if job.launcher == "torchrun" and job.network == "none":
+            raise BenchError("the torchrun launcher runs one agent per emulated host: it needs --network")
         if job.network == "none":
             hosts = ["127.0.0.1"] * total
             master_port, *agg_ports = free_ports(1 + job.dedicated_aggregators)
@@ -133,8 +158,9 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
 
         def start(name: str, host: int, argv: list[str], extra_env: dict, stdout=None) -> subprocess.Popen:
             log = os.path.join(tmp, f"{name.replace(' ', '')}.log")
+            child_env = {k: v for k, v in {**env, **extra_env}.items() if v is not None}
             with open(log, "wb") as f:
-                proc = spawn(host, argv, env={**env, **extra_env}, stdin=subprocess.DEVNULL,
+                proc = spawn(host, argv, env=child_env, stdin=subprocess.DEVNULL,
                              stdout=stdout or f, stderr=f, preexec_fn=_die_with_parent)
             children.append(_Child(name, proc, log))
             return proc
@@ -148,9 +174,14 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
         config = os.path.join(tmp, "config.json")
         with open(config, "w") as f:
             json.dump({**job.config, "interface": counted_interface, "aggregators": aggregators or None}, f)
-        workers = [start(f"worker {rank}", rank, [sys.executable, "-m", job.worker, config],
-                         {**job.env, "RANK": str(rank)}, stdout=subprocess.PIPE if rank == 0 else None)
-                   for rank in range(job.workers)]
+        if job.launcher == "torchrun":
+            workers = [start(f"torchrun agent {host}", host, torchrun_agent(hosts, host, job.workers, job.worker, config),
+                             {**job.env, **TORCHRUN_ENV}, stdout=subprocess.PIPE if host == 0 else None)
+                       for host in range(job.workers)]
+        else:
+            workers = [start(f"worker {rank}", rank, [sys.executable, "-m", job.worker, config],
+                             {**job.env, "RANK": str(rank)}, stdout=subprocess.PIPE if rank == 0 else None)
+                       for rank in range(job.workers)]
         _follow(workers[0], children, job, on_event)
         _await_workers(children[job.dedicated_aggregators:])
 

@@ -359,6 +359,21 @@ class EmulatedNetwork:
                 except (OSError, subprocess.TimeoutExpired):
                     pass
         self._procs = [p for p in self._procs if p.poll() is None]
+        self._kill_descendants()
+
+    def _kill_descendants(self) -> None:
+        """SIGKILL whatever still runs in our host namespaces: the children of our children (torchrun's
+        workers live in sessions of their own, so stopping the agent we started may not reach them)."""
+        for ns in self.namespaces:
+            try:
+                pids = [int(pid) for pid in netns.run(["ip", "netns", "pids", ns]).split()]
+            except (NetemError, ValueError):
+                continue
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
 
     # ------------------------------------------------------------------ running things
 

@@ -36,6 +36,7 @@ class Setup:
     rate_bps: int | None    # None on loopback
     aggregators: str        # colocated or dedicated (sparcoll)
     num_aggregators: int    # dedicated aggregators (sparcoll)
+    launcher: str = "direct"  # direct, or torchrun (an agent per host)
 
 
 def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: float,
@@ -68,7 +69,8 @@ def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: floa
         "num_aggregators": num_aggregators, "numel": spec.numel,
         "block_size": spec.block_size if block_size is None else block_size, "row_width": spec.block_size,
         "dtype": "float32", "density": spec.density, "density_actual": density, "union_density": union_density,
-        "overlap": spec.overlap, "network": setup.network, "seed": spec.seed, "repeat": len(times),
+        "overlap": spec.overlap, "network": setup.network, "launcher": setup.launcher, "seed": spec.seed,
+        "repeat": len(times),
         "median_s": median, "p10_s": p10, "p90_s": p90, "times_s": times,
         "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (n - 1) / n,
         "bytes_sent_per_worker": sent, "bytes_received_per_worker": received, "bytes_source": source,
@@ -123,7 +125,8 @@ def title(records: list[dict]) -> str:
     ours = [r for r in records if r["algo"] in bounds.SPARCOLL_ALGOS]
     rows = f", rows of {first['row_width']}" if first["row_width"] != first["block_size"] else ""
     aggregators = f", sparcoll aggregators {ours[0]['aggregators']}" if ours else ""
-    return (f"workers={workers}, network={first['network']}, numel={format_count(first['numel'])} float32\n"
+    launcher = ", launched by torchrun (an agent per host)" if first.get("launcher") == "torchrun" else ""
+    return (f"workers={workers}, network={first['network']}{launcher}, numel={format_count(first['numel'])} float32\n"
             f"block {first['block_size']}{rows}, overlap {first['overlap']:g}{aggregators}")
 
 

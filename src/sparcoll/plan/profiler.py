@@ -25,7 +25,6 @@ import importlib
 import os
 import socket
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -35,7 +34,7 @@ from torch import nn
 
 import sparcoll
 from sparcoll.bench.events import emit
-from sparcoll.bench.worker import run_worker
+from sparcoll.bench.worker import exit_process, run_worker
 from sparcoll.blocks import BlockTensor
 from sparcoll.compress import Reducer
 from sparcoll.compress.channel import Channel
@@ -258,4 +257,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

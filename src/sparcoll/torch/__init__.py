@@ -14,7 +14,7 @@ or, instead of DDP, per-tensor strategies and wait-free backpropagation:
 """
 from __future__ import annotations
 
-from .backend import NAME, ProcessGroupSparcoll, SparcollWork, monitored_barrier, register
+from .backend import NAME, ProcessGroupSparcoll, SparcollWork, monitored_barrier, register, stats
 from .compression import CompressionState, compression_hook
 from .hooks import HookState, allreduce_hook
 from .parallel import DataParallel
@@ -22,4 +22,4 @@ from .parallel import DataParallel
 register()
 
 __all__ = ["NAME", "ProcessGroupSparcoll", "SparcollWork", "HookState", "allreduce_hook",
-           "CompressionState", "compression_hook", "DataParallel", "monitored_barrier", "register"]
+           "CompressionState", "compression_hook", "DataParallel", "monitored_barrier", "register", "stats"]

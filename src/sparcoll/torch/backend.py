@@ -171,6 +171,17 @@ def monitored_barrier(group=None, timeout: timedelta | None = None,
     return inner.gloo.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
 
+def stats(group=None):
+    """The traffic and collective counts (sparcoll.Stats) of a "sparcoll" group (default: the whole job):
+    how a training script checks that its gradients really go through sparcoll, and how many bytes."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    inner = pg if isinstance(pg, ProcessGroupSparcoll) else _backend_of(pg)
+    if inner is None:
+        raise ValueError(f"the group uses the {dist.get_backend(pg)!r} backend, not {NAME!r}: "
+                         f"init_process_group({NAME!r}) after importing sparcoll.torch")
+    return inner.comm.stats
+
+
 def _backend_of(pg) -> ProcessGroupSparcoll | None:
     """The sparcoll group behind a torch ProcessGroup, if that is what it wraps."""
     try:

@@ -36,7 +36,6 @@ blocks of all gradients, flattened in parameter order, that hold a non-zero elem
 from __future__ import annotations
 
 import functools
-import sys
 import time
 
 import torch
@@ -48,7 +47,7 @@ import sparcoll
 import sparcoll.torch  # registers the "sparcoll" backend
 from sparcoll.bench.events import emit
 from sparcoll.bench.netns import interface_counters
-from sparcoll.bench.worker import run_worker
+from sparcoll.bench.worker import exit_process, run_worker
 from sparcoll.blocks import BlockTensor
 from sparcoll.workloads import get_workload
 
@@ -194,4 +193,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
