@@ -33,12 +33,12 @@ DEADLINE = 150.0          # seconds a whole job (every agent, restarts included)
 STEPS, BATCH, LR = 5, 32, 0.05
 
 
-def reference(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(world: int, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and parameters of one process training on each step's global batch of `world` workers."""
     workload = get_workload("ncf", tiny=True, seed=0)
     optimizer = torch.optim.SGD(workload.model.parameters(), lr=LR)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         optimizer.zero_grad()
         loss = workload.loss(workload.model, workload.global_batch(step, BATCH, world, seed=0))
         loss.backward()
@@ -172,3 +172,52 @@ def test_bench_through_torchrun_agents_with_a_dedicated_aggregator(tmp_path):
     sparse = next(r for r in records if (r["algo"], r["input"], r["density"]) == ("sparcoll", "coo", 0.01))
     assert sparse["aggregators"] == "dedicated" and sparse["num_aggregators"] == 1
     assert sparse["bytes_sent_per_worker"] < 0.2 * sparse["numel"] * 4      # only the non-zero blocks
+
+
+def test_a_host_that_dies_is_replaced_and_the_job_restarts(tmp_path):
+    """2 hosts x 1 worker. Mid-training everything on host 1 (agent and worker) is killed, as when a
+    machine fails, and a new agent starts there, as a scheduler would reschedule it: the survivor raises
+    sparcoll's PeerError instead of waiting, its agent restarts it, the rendezvous admits the new host,
+    and the restarted job matches the reference."""
+    steps = 150
+    out = tmp_path / "result.pt"
+    logs = [tmp_path / "host0.log", tmp_path / "host1.log", tmp_path / "host1-replacement.log"]
+    with EmulatedNetwork(2, "1gbit", prefix=PREFIX) as net:
+        env = environment()
+        argvs = [agent(net, i, 2, 1, out, "--max-restarts", "1") for i in range(2)]
+        argvs = [argv[:argv.index("--steps") + 1] + [str(steps)] + argv[argv.index("--steps") + 2:] for argv in argvs]
+        procs = []
+        try:
+            for i in range(2):
+                with open(logs[i], "wb") as log:
+                    procs.append(net.popen(i, argvs[i], env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                           stderr=subprocess.STDOUT))
+            assert wait_for_text(logs[0], "step 20 loss", 60), tails(logs)
+            killed = net.kill_host(1)
+            assert killed, "nothing was running on host 1"
+            with open(logs[2], "wb") as log:
+                procs.append(net.popen(1, argvs[1], env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                       stderr=subprocess.STDOUT))
+            codes = [procs[0].wait(timeout=DEADLINE), procs[2].wait(timeout=DEADLINE)]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=10)
+    assert codes == [0, 0], tails(logs)
+    survivor = logs[0].read_text()
+    assert "PeerError" in survivor and survivor.count("rank 0/2 on") == 2, tails(logs[:1])
+    result = torch.load(out)
+    losses, params = reference(2, steps)
+    assert result["losses"] == pytest.approx(losses, rel=1e-4)
+    for name, p in params.items():
+        torch.testing.assert_close(result["params"][name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def wait_for_text(path: Path, text: str, limit: float) -> bool:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return True
+        time.sleep(0.1)
+    return False

@@ -364,16 +364,23 @@ class EmulatedNetwork:
     def _kill_descendants(self) -> None:
         """SIGKILL whatever still runs in our host namespaces: the children of our children (torchrun's
         workers live in sessions of their own, so stopping the agent we started may not reach them)."""
-        for ns in self.namespaces:
+        for i in range(self.hosts):
+            self.kill_host(i)
+
+    def kill_host(self, i: int) -> list[int]:
+        """SIGKILL every process in host ``i``'s namespace, as when a machine fails; the pids signalled."""
+        try:
+            pids = [int(pid) for pid in netns.run(["ip", "netns", "pids", self.namespaces[i]]).split()]
+        except (NetemError, ValueError):
+            return []
+        killed = []
+        for pid in pids:
             try:
-                pids = [int(pid) for pid in netns.run(["ip", "netns", "pids", ns]).split()]
-            except (NetemError, ValueError):
-                continue
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except OSError:
+                pass
+        return killed
 
     # ------------------------------------------------------------------ running things
 
