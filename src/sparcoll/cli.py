@@ -1,4 +1,5 @@
-"""The `sparcoll` command: `aggregator` (a dedicated aggregator), `bench`, `demo`, `plan` and `train`."""
+"""The `sparcoll` command: `aggregator` (a dedicated aggregator), `bench`, `demo`, `plan`, `simulate` and
+`train`."""
 from __future__ import annotations
 
 import argparse
@@ -94,6 +95,8 @@ COMMANDS: dict[str, tuple[str, Loader]] = {
     "demo": ("4 local workers: sparse allreduce vs gloo at several densities", _entry("sparcoll.demo")),
     "plan": ("profile a model on this machine and network and choose a strategy per tensor "
              "(ByteComp's planner)", _entry("sparcoll.plan.command")),
+    "simulate": ("predict time per allreduce at worker counts and link rates beyond this machine, "
+                 "from costs measured on it", _entry("sparcoll.simulate.command")),
     "train": ("train a workload data-parallel on sparcoll, gloo DDP, the hook or sparse AllGather, on "
               "loopback or an emulated network", _entry("sparcoll.train.command")),
 }

@@ -1,0 +1,202 @@
+"""sparcoll simulate: the discrete-event model against closed forms it must reduce to, the trends the
+papers publish, the physical bound, and the command's output."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from sparcoll.bench import bounds
+from sparcoll.simulate import calibrate, model
+from sparcoll.simulate.costs import Costs
+from sparcoll.simulate.model import Point, predict
+
+GBIT = 1e9
+NUMEL = 16 << 20
+#: A network and nothing else: no CPU costs, no latency, the full rate for payload.
+WIRE_ONLY = Costs(scan_s_per_byte=0, add_s_per_byte=0, copy_s_per_byte=0, socket_s_per_byte=0,
+                  coalesce_s_per_byte=0, message_s=0, collective_s=0, gloo_step_s=0, latency_s=0, goodput=1.0)
+MEASURED = Costs.load()
+
+
+def wire_seconds(nbytes: float, rate: float = GBIT) -> float:
+    return nbytes * 8 / rate
+
+
+def test_ring_on_the_wire_alone_is_its_closed_form():
+    """2(n-1) steps, each a segment through the links (cut through: one hop's time)."""
+    for n in (2, 4, 8):
+        step = wire_seconds(NUMEL * 4 / n)
+        assert predict(Point("ring", n, NUMEL, 1.0, GBIT), WIRE_ONLY) == pytest.approx(2 * (n - 1) * step)
+
+
+def test_an_incast_is_limited_by_the_receivers_downlink():
+    """Every rank's push to one server at once (the parameter server's first phase with 2 ranks is a
+    pair; with 4, each server takes 3 shards in): ps moves 2(n-1)/n N per direction, the ring's bytes."""
+    for n in (2, 4, 8):
+        expected = wire_seconds(2 * (n - 1) / n * NUMEL * 4)
+        assert predict(Point("ps", n, NUMEL, 1.0, GBIT), WIRE_ONLY) == pytest.approx(expected, rel=0.02)
+
+
+def test_a_token_bucket_lets_a_burst_through_at_once():
+    small = Point("sparse", 2, 1 << 16, 1.0, GBIT)          # 256 KiB, half of it crosses the link
+    unshaped = predict(dataclasses.replace(small, rate_bps=None), WIRE_ONLY)
+    assert predict(small, WIRE_ONLY) > unshaped + wire_seconds(64 << 10)
+    assert predict(dataclasses.replace(small, burst_bytes=1 << 20), WIRE_ONLY) == pytest.approx(unshaped)
+
+
+def test_latency_adds_per_step_of_the_ring():
+    slow = dataclasses.replace(WIRE_ONLY, latency_s=1e-3)
+    for n in (2, 8):
+        extra = predict(Point("ring", n, NUMEL, 1.0, GBIT), slow) - predict(Point("ring", n, NUMEL, 1.0, GBIT), WIRE_ONLY)
+        assert extra == pytest.approx(2 * (n - 1) * 1e-3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(algo=st.sampled_from(["sparse", "ring", "ps", "agsparse"]), n=st.integers(2, 8),
+       density=st.sampled_from([0.01, 0.1, 0.5, 1.0]), dedicated=st.booleans(),
+       rate=st.sampled_from([2e8, GBIT, 10 * GBIT]))
+def test_no_prediction_beats_the_physical_bound(algo, n, density, dedicated, rate):
+    point = Point(algo, n, 1 << 20, density, rate, aggregators="dedicated" if dedicated else "colocated")
+    bound = bounds.link_bytes(algo, workers=n, nbytes=point.nbytes, density=density, union_density=point.union,
+                              nblocks=point.nblocks, aggregators=point.aggregators,
+                              num_aggregators=point.shards)
+    assert predict(point, MEASURED) >= bounds.seconds(bound, rate) / MEASURED.goodput * 0.999
+
+
+def test_dense_ring_is_flat_in_n_while_its_latency_term_grows():
+    times = {n: predict(Point("ring", n, NUMEL, 1.0, GBIT), MEASURED) for n in (8, 64, 256)}
+    wire = {n: wire_seconds(2 * (n - 1) / n * NUMEL * 4, GBIT * MEASURED.goodput) for n in times}
+    assert times[256] / times[8] < 1.5                      # flat: the bytes per link hardly change
+    assert times[256] - wire[256] > 2 * (times[8] - wire[8])  # but the per-step overhead grows with n
+
+
+def test_dedicated_aggregators_beat_the_ring_by_its_bytes_ratio_on_the_wire():
+    """At 100% density a dedicated aggregator per worker puts N bytes on the busiest link against the
+    ring's 2(n-1)/n N, once the round trips are hidden: here by a token bucket as the emulated network's
+    (at 1 Gbit/s sparcoll keeps one message in flight to dedicated aggregators)."""
+    for n in (4, 8, 16):
+        ring = predict(Point("ring", n, NUMEL, 1.0, GBIT), WIRE_ONLY)
+        dedicated = predict(Point("sparse", n, NUMEL, 1.0, GBIT, aggregators="dedicated", burst_bytes=1 << 20),
+                            WIRE_ONLY)
+        assert ring / dedicated == pytest.approx(2 * (n - 1) / n, rel=0.1)
+
+
+def test_one_message_in_flight_exposes_the_round_trips_without_a_bucket():
+    """Without the bucket each (worker, aggregator) stream waits a round trip per message."""
+    point = Point("sparse", 4, NUMEL, 1.0, GBIT, aggregators="dedicated")
+    assert predict(point, WIRE_ONLY) > 1.2 * predict(dataclasses.replace(point, burst_bytes=1 << 20), WIRE_ONLY)
+
+
+def speedup(n: int, density: float, **options) -> float:
+    return (predict(Point("ring", n, NUMEL, density, GBIT), MEASURED)
+            / predict(Point("sparse", n, NUMEL, density, GBIT, **options), MEASURED))
+
+
+def test_sparse_advantage_grows_with_n_while_the_union_stays_sparse():
+    """Shared patterns, dedicated aggregators: sparcoll's busiest link carries d N at any n, the ring's
+    2(n-1)/n N."""
+    shared = {n: speedup(n, 0.01, aggregators="dedicated", union_density=0.01) for n in (2, 4, 16)}
+    assert shared[2] < shared[4] < shared[16]
+
+
+def test_sparse_advantage_falls_as_independent_patterns_fill_the_union():
+    at_10 = {n: speedup(n, 0.1) for n in (2, 8, 64, 256)}
+    assert at_10[2] > at_10[8] > at_10[64]          # the union: 19%, 57%, 99.9%
+    assert at_10[64] < 2 / (0.1 + 1)                 # the bytes' ratio once the union is full
+
+
+def test_grouped_simulation_agrees_with_the_exact_one(monkeypatch):
+    """Beyond MAX_GROUPS hosts, symmetric hosts are simulated in lockstep groups."""
+    cases = [(algo, density, rate) for algo in ("sparse", "ps") for density in (0.01, 0.1, 1.0)
+             for rate in (GBIT, 10 * GBIT)]
+    grouped = [predict(Point(algo, 32, 4 << 20, density, rate), MEASURED) for algo, density, rate in cases]
+    monkeypatch.setattr(model, "MAX_GROUPS", 32)
+    exact = [predict(Point(algo, 32, 4 << 20, density, rate), MEASURED) for algo, density, rate in cases]
+    for case, g, e in zip(cases, grouped, exact):
+        assert g == pytest.approx(e, rel=0.1), case
+
+
+def test_shared_cores_slow_a_cpu_bound_point_down():
+    point = Point("sparse", 8, NUMEL, 1.0, None)
+    own = predict(point, MEASURED)
+    assert predict(dataclasses.replace(point, cores=2), MEASURED) > 1.5 * own
+    assert predict(dataclasses.replace(point, cores=1), MEASURED) > predict(dataclasses.replace(point, cores=2), MEASURED)
+
+
+def test_message_plan_follows_sparcolls_policy():
+    blocks, credits = model.message_plan(Point("sparse", 4, NUMEL, 1.0, GBIT), MEASURED)
+    assert (blocks, credits) == (256, 2)           # 4 ms of a 1 Gbit/s link, two in flight
+    assert model.message_plan(Point("sparse", 4, NUMEL, 1.0, GBIT, aggregators="dedicated"), MEASURED)[1] == 1
+    assert model.message_plan(Point("sparse", 4, NUMEL, 0.01, GBIT), MEASURED)[0] == 2048  # too little read
+
+
+def test_bad_points_are_refused_by_name():
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        Point("allgather", 4, NUMEL, 1.0, GBIT)
+    with pytest.raises(ValueError, match="at least 2"):
+        Point("ring", 1, NUMEL, 1.0, GBIT)
+    with pytest.raises(ValueError, match="density"):
+        Point("ring", 4, NUMEL, 0.0, GBIT)
+    with pytest.raises(ValueError, match="colocated or dedicated"):
+        Point("sparse", 4, NUMEL, 1.0, GBIT, aggregators="remote")
+
+
+def test_costs_round_trip_and_missing_fields(tmp_path):
+    path = tmp_path / "costs.json"
+    MEASURED.save(path)
+    assert Costs.load(path) == MEASURED
+    data = json.loads(path.read_text())
+    del data["message_s"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="message_s"):
+        Costs.load(path)
+
+
+def test_fit_inverts_an_increasing_function():
+    assert calibrate.fit(7.0, lambda x: 3 * x + 1, high=10) == pytest.approx(2.0, abs=1e-9)
+
+
+def test_socket_costs_are_measured():
+    per_byte, latency = calibrate.socket_costs()
+    assert 1e-12 < per_byte < 1e-8      # 0.1 to 1000 GB/s of CPU through loopback
+    assert 1e-7 < latency < 1e-2
+
+
+def test_command_writes_table_json_and_plot(tmp_path):
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    proc = subprocess.run([sys.executable, "-m", "sparcoll", "simulate", "--workers", "2,64", "--network",
+                           "1gbit,100gbit", "--density", "0.01,1", "--aggregators", "colocated,dedicated",
+                           "--json", str(out), "--plot", str(png)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(out.read_text())
+    # 4 algorithms colocated, sparse dedicated: 5 per (network, density, workers)
+    assert len(records) == 2 * 2 * 2 * 5
+    for r in records:
+        assert r["predicted_s"] > 0 and r["algo"] in model.ALGOS and r["workers"] in (2, 64)
+        if r["algo"] == "ring":
+            assert r["speedup_vs_ring"] == 1
+    assert png.stat().st_size > 10_000
+    assert "predicted ms" in proc.stdout
+
+
+def test_command_refuses_a_bad_layout():
+    proc = subprocess.run([sys.executable, "-m", "sparcoll", "simulate", "--workers", "2", "--aggregators",
+                           "remote"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "colocated or dedicated" in proc.stderr
+
+
+def test_auto_takes_the_ring_on_dense_data_unless_sparse_is_clearly_faster():
+    point = Point("sparcoll", 4, NUMEL, 1.0, GBIT)
+    ring = predict(dataclasses.replace(point, algo="ring"), MEASURED)
+    sparse = predict(dataclasses.replace(point, algo="sparse"), MEASURED)
+    assert predict(point, MEASURED) == (sparse if sparse <= 0.9 * ring else ring)
+    low = Point("sparcoll", 4, NUMEL, 0.01, GBIT)
+    assert predict(low, MEASURED) == predict(dataclasses.replace(low, algo="sparse"), MEASURED)
+    assert math.isfinite(predict(low, MEASURED))
