@@ -1,5 +1,5 @@
-"""`sparcoll simulate`'s predictions next to measured runs of `sparcoll bench` (the JSON files of
-benchmarks/run_simulate_validation.sh), as a markdown table and JSON.
+"""`sparcoll simulate`'s predictions next to measured runs of `sparcoll bench` (the *-colocated.json and
+*-dedicated.json files of benchmarks/run_simulate_validation.sh), as a markdown table and JSON.
 
     .venv/bin/python benchmarks/simulate_validate.py docs/results/simulate [--costs PATH]
 
@@ -40,9 +40,9 @@ def main() -> None:
     args = parser.parse_args()
     costs = Costs.load(args.costs)
     rows = []
-    for path in sorted(glob.glob(os.path.join(args.directory, "*.json"))):
-        if path.endswith("validation.json"):
-            continue
+    measured = [path for layout in ("colocated", "dedicated")
+                for path in glob.glob(os.path.join(args.directory, f"*-{layout}.json"))]
+    for path in sorted(measured):
         with open(path) as f:
             records = json.load(f)
         for r in records:
@@ -53,13 +53,19 @@ def main() -> None:
                          "workers": r["workers"], "density": r["density"], "measured_s": r["median_s"],
                          "p10_s": r["p10_s"], "p90_s": r["p90_s"], "predicted_s": predicted,
                          "error": predicted / r["median_s"] - 1})
-    print("| network | aggregators | algo | workers | density | measured ms (p10-p90) | predicted ms | error |")
-    print("|---|---|---|---|---|---|---|---|")
+    densities = sorted({r["density"] for r in rows})
+    print("| network | aggregators | algo | workers | " + " | ".join(
+        f"{d:g}: measured, predicted ms" for d in densities) + " |")
+    print("|---|---|---|---|" + "---|" * len(densities))
+    lines = {}
     for r in rows:
+        key = (r["network"], r["aggregators"], r["algo"], r["workers"])
         mark = "" if abs(r["error"]) <= TOLERANCE else " **miss**"
-        print(f"| {r['network']} | {r['aggregators']} | {r['algo']} | {r['workers']} | {r['density']:g} | "
-              f"{r['measured_s'] * 1e3:.1f} ({r['p10_s'] * 1e3:.1f}-{r['p90_s'] * 1e3:.1f}) | "
-              f"{r['predicted_s'] * 1e3:.1f} | {r['error'] * 100:+.0f}%{mark} |")
+        lines.setdefault(key, {})[r["density"]] = (f"{r['measured_s'] * 1e3:.1f}, {r['predicted_s'] * 1e3:.1f} "
+                                                   f"({r['error'] * 100:+.0f}%{mark})")
+    for key, cells in lines.items():
+        print("| " + " | ".join(str(k) for k in key) + " | "
+              + " | ".join(cells.get(d, "-") for d in densities) + " |")
     print()
     groups = {}
     for r in rows:

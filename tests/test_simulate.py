@@ -113,8 +113,7 @@ def test_sparse_advantage_falls_as_independent_patterns_fill_the_union():
 
 def test_grouped_simulation_agrees_with_the_exact_one(monkeypatch):
     """Beyond MAX_GROUPS hosts, symmetric hosts are simulated in lockstep groups."""
-    cases = [(algo, density, rate) for algo in ("sparse", "ps") for density in (0.01, 0.1, 1.0)
-             for rate in (GBIT, 10 * GBIT)]
+    cases = [("sparse", 0.01, GBIT), ("sparse", 0.1, 10 * GBIT), ("sparse", 1.0, GBIT), ("ps", 1.0, GBIT)]
     grouped = [predict(Point(algo, 32, 4 << 20, density, rate), MEASURED) for algo, density, rate in cases]
     monkeypatch.setattr(model, "MAX_GROUPS", 32)
     exact = [predict(Point(algo, 32, 4 << 20, density, rate), MEASURED) for algo, density, rate in cases]
@@ -170,16 +169,16 @@ def test_socket_costs_are_measured():
 
 def test_command_writes_table_json_and_plot(tmp_path):
     out, png = tmp_path / "p.json", tmp_path / "p.png"
-    proc = subprocess.run([sys.executable, "-m", "sparcoll", "simulate", "--workers", "2,64", "--network",
-                           "1gbit,100gbit", "--density", "0.01,1", "--aggregators", "colocated,dedicated",
-                           "--json", str(out), "--plot", str(png)],
+    proc = subprocess.run([sys.executable, "-m", "sparcoll", "simulate", "--workers", "2,4", "--network",
+                           "1gbit,100gbit", "--numel", "1M", "--density", "0.01,1", "--aggregators",
+                           "colocated,dedicated", "--json", str(out), "--plot", str(png)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     records = json.loads(out.read_text())
     # 4 algorithms colocated, sparse dedicated: 5 per (network, density, workers)
     assert len(records) == 2 * 2 * 2 * 5
     for r in records:
-        assert r["predicted_s"] > 0 and r["algo"] in model.ALGOS and r["workers"] in (2, 64)
+        assert r["predicted_s"] > 0 and r["algo"] in model.ALGOS and r["workers"] in (2, 4)
         if r["algo"] == "ring":
             assert r["speedup_vs_ring"] == 1
     assert png.stat().st_size > 10_000
