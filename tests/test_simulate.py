@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from sparcoll.bench import bounds
+from sparcoll.bench.patterns import InputSpec
 from sparcoll.simulate import calibrate, model
 from sparcoll.simulate.costs import Costs
 from sparcoll.simulate.model import Point, predict
@@ -101,14 +102,15 @@ def speedup(n: int, density: float, **options) -> float:
 def test_sparse_advantage_grows_with_n_while_the_union_stays_sparse():
     """Shared patterns, dedicated aggregators: sparcoll's busiest link carries d N at any n, the ring's
     2(n-1)/n N."""
-    shared = {n: speedup(n, 0.01, aggregators="dedicated", union_density=0.01) for n in (2, 4, 16)}
+    shared = {n: speedup(n, 0.01, aggregators="dedicated", overlap=1.0) for n in (2, 4, 16)}
     assert shared[2] < shared[4] < shared[16]
 
 
 def test_sparse_advantage_falls_as_independent_patterns_fill_the_union():
     at_10 = {n: speedup(n, 0.1) for n in (2, 8, 64, 256)}
     assert at_10[2] > at_10[8] > at_10[64]          # the union: 19%, 57%, 99.9%
-    assert at_10[64] < 2 / (0.1 + 1)                 # the bytes' ratio once the union is full
+    union = 1 - 0.9 ** 64
+    assert at_10[64] == pytest.approx(2 / (0.1 + union), rel=0.1)   # no more than the bytes' ratio
 
 
 def test_grouped_simulation_agrees_with_the_exact_one(monkeypatch):
@@ -135,6 +137,14 @@ def test_message_plan_follows_sparcolls_policy():
     assert model.message_plan(Point("sparse", 4, NUMEL, 0.01, GBIT), MEASURED)[0] == 2048  # too little read
 
 
+def test_union_density_matches_the_bench_inputs():
+    """The model's union against the union of `sparcoll bench`'s generated patterns."""
+    for workers, density, overlap in ((4, 0.1, 0.0), (8, 0.05, 0.5), (3, 0.2, 1.0)):
+        spec = InputSpec(numel=1 << 20, block_size=256, workers=workers, density=density, overlap=overlap, seed=1)
+        point = Point("sparse", workers, 1 << 20, density, GBIT, overlap=overlap)
+        assert point.union == pytest.approx(spec.union_density(), abs=0.01)
+
+
 def test_bad_points_are_refused_by_name():
     with pytest.raises(ValueError, match="unknown algorithm"):
         Point("allgather", 4, NUMEL, 1.0, GBIT)
@@ -144,6 +154,8 @@ def test_bad_points_are_refused_by_name():
         Point("ring", 4, NUMEL, 0.0, GBIT)
     with pytest.raises(ValueError, match="colocated or dedicated"):
         Point("sparse", 4, NUMEL, 1.0, GBIT, aggregators="remote")
+    with pytest.raises(ValueError, match="overlap"):
+        Point("sparse", 4, NUMEL, 0.1, GBIT, overlap=1.5)
 
 
 def test_costs_round_trip_and_missing_fields(tmp_path):

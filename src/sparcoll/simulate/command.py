@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=parse_count, default=parse_count("16M"), help="float32 elements (default 16M)")
     parser.add_argument("--density", type=_comma_list(float), default=[0.01, 0.1, 1.0],
                         help="block densities of every worker, independent patterns (default 0.01,0.1,1)")
+    parser.add_argument("--overlap", type=float, default=0.0,
+                        help="share of each worker's blocks common to all workers, as sparcoll bench's "
+                             "(default 0: independent patterns)")
     parser.add_argument("--algos", type=_comma_list(str), default=["sparse", "ring", "ps", "agsparse"],
                         help="from: " + ", ".join(ALGOS) + " (sparcoll: as users get it, its chooser settled; "
                              "sparse: its sparse AllReduce forced)")
@@ -68,7 +71,7 @@ def points(args: argparse.Namespace) -> list[Point]:
             continue          # only sparcoll has aggregators of its own
         out.append(Point(algo, workers, args.numel, density, _rate(network), aggregators=layout,
                          num_aggregators=args.num_aggregators if layout == "dedicated" else None,
-                         cores=args.cores, block_size=args.block_size))
+                         overlap=args.overlap, cores=args.cores, block_size=args.block_size))
     return out
 
 
@@ -92,7 +95,8 @@ def record(point: Point, seconds: float) -> dict:
     return {"algo": point.algo, "input": "dense", "workers": point.workers,
             "aggregators": point.aggregators if point.algo in bounds.SPARCOLL_ALGOS else None,
             "num_aggregators": num_aggregators, "numel": point.numel, "block_size": point.block_size,
-            "density": point.density, "union_density": point.union, "network": network_name(point.rate_bps),
+            "density": point.density, "union_density": point.union, "overlap": point.overlap,
+            "network": network_name(point.rate_bps),
             "rate_bps": point.rate_bps, "cores": point.cores, "predicted_s": seconds,
             "lower_bound_bytes": bound, "lower_bound_s": bound_s,
             "ratio_to_bound": None if bound_s is None else seconds / bound_s, "speedup_vs_ring": None}

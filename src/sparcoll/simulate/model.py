@@ -43,7 +43,9 @@ CHOOSER_MARGIN = 0.9         # ...and above it only when the sparse path is 10% 
 
 @dataclass(frozen=True)
 class Point:
-    """One allreduce to predict. `union_density` None: independent patterns, 1 - (1 - d)^n."""
+    """One allreduce to predict. The union of the workers' blocks is `union_density` if given, else
+    that of `sparcoll bench --overlap`'s inputs: a share `overlap` of every worker's blocks common to
+    all, the rest independent (overlap 0: 1 - (1 - d)^n)."""
     algo: str
     workers: int
     numel: int
@@ -52,6 +54,7 @@ class Point:
     aggregators: str = "colocated"
     num_aggregators: int | None = None       # dedicated only; default as many as workers
     union_density: float | None = None
+    overlap: float = 0.0
     cores: int | None = None                 # all hosts share this many cores; None: each its own
     block_size: int = 256
     message_blocks: int = DEFAULT_MESSAGE_BLOCKS   # sparcoll's most blocks per message
@@ -72,6 +75,8 @@ class Point:
             raise ValueError(f"link rate {self.rate_bps} bit/s must be positive")
         if self.cores is not None and self.cores < 1:
             raise ValueError(f"cores {self.cores} must be at least 1")
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"overlap {self.overlap} outside [0, 1]")
         if self.num_aggregators is not None and self.num_aggregators < 1:
             raise ValueError(f"num_aggregators {self.num_aggregators} must be at least 1")
 
@@ -87,7 +92,11 @@ class Point:
     def union(self) -> float:
         if self.union_density is not None:
             return self.union_density
-        return 1 - (1 - self.density) ** self.workers
+        shared = self.overlap * self.density
+        if shared >= 1:
+            return 1.0
+        own = (self.density - shared) / (1 - shared)     # a worker's share of the other blocks
+        return shared + (1 - shared) * (1 - (1 - own) ** self.workers)
 
     @property
     def dedicated(self) -> bool:
@@ -375,10 +384,14 @@ def predict_sparse(point: Point, costs: Costs) -> float:
         yield from cluster.native(g, pairs * result_blocks * block_bytes * costs.copy_s_per_byte)
         yield credits[g, h].put(1)
 
+    # A worker's streams and an aggregator's answers go out over separate connections at once, which
+    # TCP interleaves; in FIFO queues, rotating each one's order spreads them as fairly (otherwise
+    # every worker would start with aggregator 0 and every aggregator with worker 0: an incast each).
     processes = [scan(g) for g in range(worker_groups)]
-    processes += [stream(g, h) for g in range(worker_groups) for h in range(aggregator_groups)]
-    processes += [answer(h, j, g) for h in range(aggregator_groups) for j in range(rounds)
-                  for g in range(worker_groups)]
+    processes += [stream(g, (g + k) % aggregator_groups) for g in range(worker_groups)
+                  for k in range(aggregator_groups)]
+    processes += [answer(h, j, (h + k) % worker_groups) for h in range(aggregator_groups)
+                  for j in range(rounds) for k in range(worker_groups)]
     return cluster.run(processes)
 
 
