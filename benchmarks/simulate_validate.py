@@ -14,7 +14,7 @@ import json
 import os
 import statistics
 
-from sparcoll.bench.netem import parse_rate, tbf_burst_bytes
+from sparcoll.bench.netem import parse_rate
 from sparcoll.simulate.costs import DEFAULT_PATH, Costs
 from sparcoll.simulate.model import ALGOS, Point, predict
 
@@ -29,7 +29,7 @@ def point_of(record: dict, cores: int) -> Point:
                  float(rate), aggregators="dedicated" if dedicated else "colocated",
                  num_aggregators=record["num_aggregators"] if dedicated else None,
                  union_density=record["union_density"], cores=cores, block_size=record["block_size"],
-                 burst_bytes=tbf_burst_bytes(rate))
+                 burst_bytes=record["link_burst_bytes"])
 
 
 def main() -> None:

@@ -218,6 +218,8 @@ def _args(*argv):
     ["--algos", "ring,nccl", "--network", "none"],
     ["--overlap", "1.5", "--network", "none"],
     ["--launcher", "torchrun", "--network", "none"],
+    ["--link-burst", "128K", "--network", "none"],
+    ["--link-burst", "1500", "--network", "1gbit"],
 ])
 def test_bad_arguments_return_2(argv, capsys):
     assert command.run(_args(*argv)) == 2

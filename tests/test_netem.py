@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -283,6 +284,22 @@ def test_unshaped_network_has_no_qdisc():
         assert "tbf" not in out
         names = [net.bridge_namespace, *net.namespaces]
     assert not set(names) & _netns_names()
+
+
+@needs_netem
+def test_a_chosen_bucket_shapes_both_directions():
+    with EmulatedNetwork(2, "1gbit", prefix=PREFIX, burst_bytes=128 * 1024) as net:
+        up = subprocess.run(net.command(0, ["tc", "qdisc", "show", "dev", net.interface]),
+                            capture_output=True, text=True, timeout=10, check=True).stdout
+        down = subprocess.run(["tc", "-n", net.bridge_namespace, "qdisc", "show"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout
+    bursts = [int(b) for b in re.findall(r"burst (\d+)b", up + down)]   # tc rounds to its clock ticks
+    assert len(bursts) == 3 and all(abs(b - 128 * 1024) < 0.01 * 128 * 1024 for b in bursts), (up, down)
+
+
+def test_a_bucket_below_one_gso_packet_is_refused():
+    with pytest.raises(ValueError, match="at least 65536"):
+        EmulatedNetwork(2, "1gbit", prefix=PREFIX, burst_bytes=1500)
 
 
 @needs_netem

@@ -58,6 +58,7 @@ class Job:
     worker: str = "sparcoll.bench.worker"   # the module each worker process runs with the config
     env: dict = field(default_factory=dict)  # extra environment of the workers
     launcher: str = "direct"   # "direct": we start every worker; "torchrun": an agent per host does
+    link_burst: int | None = None  # the links' token bucket in bytes (None: netem's default for the rate)
 
 
 @dataclass
@@ -145,7 +146,7 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
             def spawn(host: int, argv: list[str], **kw) -> subprocess.Popen:
                 return subprocess.Popen(argv, **kw)
         else:
-            net = stack.enter_context(EmulatedNetwork(total, job.network))
+            net = stack.enter_context(EmulatedNetwork(total, job.network, burst_bytes=job.link_burst))
             hosts = net.addresses
             master_port, agg_ports = NETNS_MASTER_PORT, [NETNS_AGGREGATOR_PORT] * job.dedicated_aggregators
             interface = counted_interface = net.interface

@@ -30,6 +30,11 @@ bucket always covers several timer ticks, and never goes below two maximal
 (64 KiB) GSO packets that veth hands to the qdisc, so tbf does not have to
 re-segment them.  ``latency 50ms`` bounds the queue (limit = R * 50 ms + B).
 
+A bucket lets B bytes through at once after the link idled, faster than a real link: a protocol that
+waits a round trip per message looks better here than on real hardware (benchmarks/run_burst.sh,
+dedicated aggregators at 1 Gbit/s, 4 workers, 3 rounds: 593-691 ms with the 1 MB bucket, 782-896 ms
+with 128 KiB; the ring 841-855 ms either way). ``burst_bytes`` (``sparcoll bench --link-burst``) sets B to check a result's sensitivity.
+
 What cannot be emulated here
 ----------------------------
 The kernel on the project's machines has ``tbf`` and ``htb`` but no ``netem``
@@ -74,6 +79,7 @@ from sparcoll.bench.netns import NetemError, NetemUnavailable, cleanup_stale, ne
 
 __all__ = [
     "EmulatedNetwork",
+    "MIN_BURST_BYTES",
     "NetemError",
     "NetemUnavailable",
     "cleanup_stale",
@@ -130,6 +136,9 @@ def parse_rate(rate: str | int) -> int:
     if bps < 1:
         raise ValueError(f"invalid rate {rate!r}: must be at least 1 bit/s")
     return bps
+
+
+MIN_BURST_BYTES = 64 * 1024
 
 
 def tbf_burst_bytes(rate_bps: int) -> int:
@@ -212,7 +221,8 @@ class EmulatedNetwork:
     terminated (then killed after 2 s): their network is about to disappear.
     """
 
-    def __init__(self, hosts: int, rate: str | int | None, prefix: str = "sparcoll"):
+    def __init__(self, hosts: int, rate: str | int | None, prefix: str = "sparcoll",
+                 burst_bytes: int | None = None):
         if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be an int in 1..{MAX_HOSTS}, got {hosts!r}")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", prefix or ""):
@@ -221,7 +231,9 @@ class EmulatedNetwork:
             self.rate_bps: int | None = None
         else:
             self.rate_bps = parse_rate(rate)
-        self.burst_bytes = None if self.rate_bps is None else tbf_burst_bytes(self.rate_bps)
+        if burst_bytes is not None and burst_bytes < MIN_BURST_BYTES:
+            raise ValueError(f"burst {burst_bytes} bytes: at least {MIN_BURST_BYTES} (one 64 KiB GSO packet)")
+        self.burst_bytes = None if self.rate_bps is None else burst_bytes or tbf_burst_bytes(self.rate_bps)
         self.hosts = hosts
         self.prefix = prefix
         self._owner_pid = os.getpid()

@@ -37,6 +37,7 @@ class Setup:
     aggregators: str        # colocated or dedicated (sparcoll)
     num_aggregators: int    # dedicated aggregators (sparcoll)
     launcher: str = "direct"  # direct, or torchrun (an agent per host)
+    link_burst: int | None = None  # the links' token bucket, None: netem's default for the rate
 
 
 def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: float,
@@ -76,7 +77,7 @@ def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: floa
         "bytes_sent_per_worker": sent, "bytes_received_per_worker": received, "bytes_source": source,
         "lower_bound_bytes": bound, "lower_bound_s": bound_s,
         # tbf lets this many bytes through at once: transfers of about this size can beat the bound
-        "link_burst_bytes": None if setup.rate_bps is None else tbf_burst_bytes(setup.rate_bps),
+        "link_burst_bytes": None if setup.rate_bps is None else setup.link_burst or tbf_burst_bytes(setup.rate_bps),
         "ratio_to_bound": None if bound_s is None else median / bound_s,
         "speedup_vs_ring": None,
     }
