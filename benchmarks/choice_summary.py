@@ -1,6 +1,6 @@
 """Summarize benchmarks/run_choice.sh: per configuration and density, the range over the rounds of
-sparcoll's speedup over gloo's ring (as users get it, and forced sparse) and of each one's time
-against the lower bound of its bytes.   python3 benchmarks/choice_summary.py OUT_DIR"""
+sparcoll's speedup over gloo's ring (as users get it, and forced sparse; "-" where a run did not
+time that one) and of each one's time against the lower bound of its bytes; runs counts the rounds.   python3 benchmarks/choice_summary.py OUT_DIR"""
 import collections
 import glob
 import json
@@ -27,7 +27,7 @@ def main(out: str) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for (config, density), algos in sorted(rows.items()):
         ours, forced, ring = algos["sparcoll"], algos["sparse"], algos["ring"]
-        print(f"| {config} | {density:g} | {len(ours)} "
+        print(f"| {config} | {density:g} | {len(ring)} "
               f"| {span([r['speedup_vs_ring'] for r in ours])} "
               f"| {span([r['speedup_vs_ring'] for r in forced])} "
               f"| {span([r['median_s'] * 1e3 for r in ring], '{:.0f}')} "

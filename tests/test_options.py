@@ -75,16 +75,6 @@ def test_message_size_policy_follows_the_observed_rate():
     assert policy.blocks(kib) == 2048
 
 
-def test_one_message_in_flight_only_for_dedicated_aggregators_on_a_slow_link():
-    policy = MessageSizePolicy(limit=2048)
-    assert policy.in_flight(2, dedicated=True) == 2       # nothing measured yet
-    policy.observe(110_000_000, 1.0)                      # about 1 Gbit/s
-    assert policy.in_flight(2, dedicated=True) == 1
-    assert policy.in_flight(2, dedicated=False) == 2      # colocated: results share the links
-    policy.observe(2_000_000_000, 1.0)                    # loopback-like
-    assert policy.in_flight(2, dedicated=True) == 2
-
-
 @pytest.mark.parametrize("raw", ["   \n", "short-secret"])
 def test_workers_refuse_a_blank_or_short_secret_for_dedicated_aggregators(monkeypatch, raw):
     monkeypatch.setenv("SPARCOLL_SECRET", raw)

@@ -1,5 +1,4 @@
-"""How many blocks a rank puts in one message, and how many messages it keeps in flight: adapted to
-the rate its links deliver.
+"""How many blocks a rank puts in one message: adapted to the rate its links deliver.
 
 On a fast link each message costs CPU (Python, thread wake-ups), so big messages win; on a slow one
 big messages make every aggregator wait longer for the slowest worker's next message (measured at
@@ -11,7 +10,6 @@ from __future__ import annotations
 import math
 
 MESSAGE_SECONDS = 0.004
-SLOW_LINK = 250e6           # bytes/s (2 Gbit/s): below it, dedicated aggregators get one message in flight
 ADAPT_MIN_BYTES = 8 << 20   # a collective that read less says too little about the rate
 
 
@@ -43,14 +41,3 @@ class MessageSizePolicy:
         if self.rate is None:
             return self.limit
         return fit_message_blocks(self.rate, block_bytes, self.limit)
-
-    def in_flight(self, credits: int, dedicated: bool) -> int:
-        """Messages a stream keeps in flight (at most the `credits` agreed with the aggregators).
-        With dedicated aggregators on a slow link, one: each worker's uplink is one queue shared by
-        its flows to every aggregator, and an aggregator sends result k only once every worker's
-        message k has come through those queues, so a second message in each only delays the first
-        (measured at 1 Gbit/s: 594 ms with one, 609-635 ms with two, docs/benchmarks.md). On fast
-        links, and with colocated aggregators (whose results share the links), two are faster."""
-        if dedicated and self.rate is not None and self.rate < SLOW_LINK:
-            return 1
-        return credits

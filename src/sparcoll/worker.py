@@ -115,11 +115,10 @@ class WorkerJob:
     def _stream(self, coll: WorkerCollective, ranges: list) -> None:
         """Send the first contributions of every range, then wait for the results or the deadline."""
         message_blocks = self.message_size.blocks(coll.descriptor[1] * coll.tensor.element_size())
-        in_flight = self.message_size.in_flight(self.config.credits, dedicated=self.local_job is None)
         try:
             for agg, stream, lo, hi in ranges:
                 coll.streams[agg, stream] = WorkerStream(lo, hi, coll.blocks.nonzero(lo, hi),
-                                                         message_blocks, in_flight)
+                                                         message_blocks, self.config.credits)
                 self._advance(coll, agg, stream)
         except SparcollError as exc:
             coll.fail(exc)

@@ -31,9 +31,9 @@ bucket always covers several timer ticks, and never goes below two maximal
 re-segment them.  ``latency 50ms`` bounds the queue (limit = R * 50 ms + B).
 
 A bucket lets B bytes through at once after the link idled, faster than a real link: a protocol that
-waits a round trip per message looks better here than on real hardware (benchmarks/run_burst.sh,
-dedicated aggregators at 1 Gbit/s, 4 workers, 3 rounds: 593-691 ms with the 1 MB bucket, 782-896 ms
-with 128 KiB; the ring 841-855 ms either way). ``burst_bytes`` (``sparcoll bench --link-burst``) sets B to check a result's sensitivity.
+waits a round trip per message looks better here than on real hardware (benchmarks/run_in_flight.sh,
+dedicated aggregators at 1 Gbit/s, 4 workers, one message in flight, 3 rounds: 585-608 ms with the
+1 MB bucket, 772-902 ms with 128 KiB; the ring 838-855 ms either way). ``burst_bytes`` (``sparcoll bench --link-burst``) sets B to check a result's sensitivity.
 
 What cannot be emulated here
 ----------------------------

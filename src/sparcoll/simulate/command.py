@@ -12,6 +12,7 @@ from ..bench import bounds
 from ..bench.netem import parse_rate
 from ..bench.sizes import format_count, parse_count
 from .costs import DEFAULT_PATH, Costs
+from ..options import DEFAULT_CREDITS
 from .model import ALGOS, Point, predict
 
 DEFAULT_WORKERS = [2, 4, 8, 16, 32, 64, 128, 256]
@@ -50,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-aggregators", type=int, default=None,
                         help="dedicated aggregators (default: as many as workers)")
     parser.add_argument("--block-size", type=int, default=256, help="elements per block (default 256)")
+    parser.add_argument("--credits", type=int, default=DEFAULT_CREDITS,
+                        help=f"sparcoll's messages in flight per stream, as SPARCOLL_CREDITS (default {DEFAULT_CREDITS})")
+    parser.add_argument("--link-burst", type=parse_count, default=None, metavar="BYTES",
+                        help="a token bucket on every link, as sparcoll bench --link-burst's (e.g. 1M, the "
+                             "emulated network's at 1gbit); default none: links that never send above their rate")
     parser.add_argument("--cores", type=int, default=None,
                         help="all hosts share this many cores, as the emulated hosts of one machine do "
                              "(default: every host has its own)")
@@ -71,7 +77,8 @@ def points(args: argparse.Namespace) -> list[Point]:
             continue          # only sparcoll has aggregators of its own
         out.append(Point(algo, workers, args.numel, density, _rate(network), aggregators=layout,
                          num_aggregators=args.num_aggregators if layout == "dedicated" else None,
-                         overlap=args.overlap, cores=args.cores, block_size=args.block_size))
+                         overlap=args.overlap, cores=args.cores, block_size=args.block_size,
+                         credits=args.credits, burst_bytes=args.link_burst))
     return out
 
 
@@ -97,7 +104,8 @@ def record(point: Point, seconds: float) -> dict:
             "num_aggregators": num_aggregators, "numel": point.numel, "block_size": point.block_size,
             "density": point.density, "union_density": point.union, "overlap": point.overlap,
             "network": network_name(point.rate_bps),
-            "rate_bps": point.rate_bps, "cores": point.cores, "predicted_s": seconds,
+            "rate_bps": point.rate_bps, "link_burst_bytes": point.burst_bytes, "cores": point.cores,
+            "credits": point.credits if point.algo in bounds.SPARCOLL_ALGOS else None, "predicted_s": seconds,
             "lower_bound_bytes": bound, "lower_bound_s": bound_s,
             "ratio_to_bound": None if bound_s is None else seconds / bound_s, "speedup_vs_ring": None}
 

@@ -58,6 +58,7 @@ class Point:
     cores: int | None = None                 # all hosts share this many cores; None: each its own
     block_size: int = 256
     message_blocks: int = DEFAULT_MESSAGE_BLOCKS   # sparcoll's most blocks per message
+    credits: int = DEFAULT_CREDITS           # sparcoll's messages in flight per stream
     burst_bytes: float | None = None         # a token bucket per link (the emulated network's tbf)
 
     def __post_init__(self):
@@ -77,6 +78,8 @@ class Point:
             raise ValueError(f"cores {self.cores} must be at least 1")
         if not 0 <= self.overlap <= 1:
             raise ValueError(f"overlap {self.overlap} outside [0, 1]")
+        if self.credits < 1:
+            raise ValueError(f"credits {self.credits} must be at least 1")
         if self.num_aggregators is not None and self.num_aggregators < 1:
             raise ValueError(f"num_aggregators {self.num_aggregators} must be at least 1")
 
@@ -312,7 +315,7 @@ def message_plan(point: Point, costs: Costs) -> tuple[int, int]:
     read = u * point.nbytes if point.dedicated else (n - 1) / n * (d + u) * point.nbytes
     if point.rate_bps is not None and read >= ADAPT_MIN_BYTES:
         policy.observe(int(read), read / (point.rate_bps / 8 * costs.goodput))
-    return policy.blocks(point.block_size * ITEMSIZE), policy.in_flight(DEFAULT_CREDITS, point.dedicated)
+    return policy.blocks(point.block_size * ITEMSIZE), point.credits
 
 
 def predict_sparse(point: Point, costs: Costs) -> float:
