@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/simulate_validate.py docs/results/simulate [--costs PATH]
 
 Every measured point is predicted with the same inputs: workers, numel, the measured union density, the
-link rate, the layout, and this machine's cores shared by every emulated host.
+link rate and its token bucket, the layout, sparcoll's credits (records made before the bench wrote
+them: the default), and this machine's cores shared by every emulated host.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import os
 import statistics
 
 from sparcoll.bench.netem import parse_rate
+from sparcoll.options import DEFAULT_CREDITS
 from sparcoll.simulate.costs import DEFAULT_PATH, Costs
 from sparcoll.simulate.model import ALGOS, Point, predict
 
@@ -29,7 +31,7 @@ def point_of(record: dict, cores: int) -> Point:
                  float(rate), aggregators="dedicated" if dedicated else "colocated",
                  num_aggregators=record["num_aggregators"] if dedicated else None,
                  union_density=record["union_density"], cores=cores, block_size=record["block_size"],
-                 burst_bytes=record["link_burst_bytes"])
+                 burst_bytes=record["link_burst_bytes"], credits=record.get("credits") or DEFAULT_CREDITS)
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ RECORD_KEYS = {"algo", "input", "workers", "aggregators", "num_aggregators", "nu
                "density", "density_actual", "union_density", "overlap", "network", "launcher", "seed", "repeat",
                "median_s", "p10_s", "p90_s", "times_s", "algbw_gbps", "busbw_gbps", "bytes_sent_per_worker",
                "bytes_received_per_worker", "bytes_source", "lower_bound_bytes", "lower_bound_s",
-               "link_burst_bytes", "ratio_to_bound", "speedup_vs_ring"}
+               "link_burst_bytes", "credits", "ratio_to_bound", "speedup_vs_ring"}
 MIB = 1 << 20
 
 
@@ -151,7 +151,7 @@ def test_check_rejects_wrong_sums():
 
 def _result(algo, input="dense", times=(0.2, 0.1, 0.3), sent=None):
     return {"event": "result", "algo": algo, "input": input, "density": 0.01, "times_s": list(times),
-            "bytes_source": "interface" if sent else None,
+            "bytes_source": "interface" if sent else None, "credits": 2 if algo == "sparcoll" else None,
             "bytes_sent": [sent] * len(times) if sent else None,
             "bytes_received": [sent] * len(times) if sent else None}
 
@@ -277,11 +277,11 @@ def test_failing_worker_fails_the_job_quickly():
         run_job(Job(2, "none", 0, cfg, timeout=30), lambda event: None)
 
 
-def _bench(tmp_path, *argv):
+def _bench(tmp_path, *argv, env=None):
     out = tmp_path / "results.json"
     fig = tmp_path / "results.png"
     cp = subprocess.run([sys.executable, "-m", "sparcoll.bench", *argv, "--json", str(out), "--plot", str(fig)],
-                        env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+                        env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert fig.read_bytes()[:4] == b"\x89PNG"
     records = json.loads(out.read_text())
@@ -350,8 +350,10 @@ def test_end_to_end_narrow_rows_ship_at_their_width(tmp_path):
 def test_end_to_end_loopback_dedicated_aggregators(tmp_path):
     records, _ = _bench(tmp_path, "--workers", "2", "--numel", "8K", "--network", "none", "--density", "0.1",
                         "--algos", "sparcoll,ring", "--repeat", "2", "--warmup", "1",
-                        "--aggregators", "dedicated", "--num-aggregators", "1")
+                        "--aggregators", "dedicated", "--num-aggregators", "1", env={"SPARCOLL_CREDITS": "3"})
     assert records[0]["aggregators"] == "dedicated" and records[0]["num_aggregators"] == 1
+    # the messages in flight the workers ran with, as the environment set them
+    assert [(r["algo"], r["credits"]) for r in records] == [("sparcoll", 3), ("sparcoll", 3), ("ring", None)]
 
 
 @pytest.mark.skipif(not NETEM_OK, reason=f"emulated network unavailable: {NETEM_WHY}")

@@ -78,6 +78,8 @@ def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: floa
         "lower_bound_bytes": bound, "lower_bound_s": bound_s,
         # tbf lets this many bytes through at once: transfers of about this size can beat the bound
         "link_burst_bytes": None if setup.rate_bps is None else setup.link_burst or tbf_burst_bytes(setup.rate_bps),
+        # sparcoll's messages in flight per stream ($SPARCOLL_CREDITS); None for the others
+        "credits": result["credits"],
         "ratio_to_bound": None if bound_s is None else median / bound_s,
         "speedup_vs_ring": None,
     }

@@ -80,8 +80,9 @@ def run_series(ctx: Context, algo: Algorithm, inputs: Inputs, spec: InputSpec, e
     per_rank = torch.tensor(traffic, dtype=torch.float64)
     dist.all_reduce(per_rank)
     mean = (per_rank / ctx.world).tolist()
+    credits = ctx.comms[algo.communicator].config.credits if algo.needs_communicator else None
     return {"event": "result", "algo": algo.name, "input": algo.input, "density": spec.density,
-            "times_s": times, "bytes_source": source,
+            "times_s": times, "bytes_source": source, "credits": credits,
             "bytes_sent": [s for s, _ in mean] if source else None,
             "bytes_received": [r for _, r in mean] if source else None}
 
