@@ -1,6 +1,7 @@
 """Summarize benchmarks/run_choice.sh: per configuration and density, the range over the rounds of
 sparcoll's speedup over gloo's ring (as users get it, and forced sparse; "-" where a run did not
-time that one) and of each one's time against the lower bound of its bytes; runs counts the rounds.   python3 benchmarks/choice_summary.py OUT_DIR"""
+time that one) and of each one's time against the lower bound of its bytes; runs counts the rounds.
+    python3 benchmarks/choice_summary.py OUT_DIR"""
 import collections
 import glob
 import json

@@ -3,7 +3,7 @@
 # links' default token bucket (1 MB, which lets a link burst after an idle gap) and a 128 KiB one
 # (closer to a real NIC, which never sends above its rate): 4 workers, 16M float32, 1 Gbit/s,
 # 10% and 100%, ROUNDS rounds, each run next to gloo's ring.
-#   benchmarks/run_in_flight.sh OUT [ROUNDS]        # as root; about 2.5 minutes a run
+#   benchmarks/run_in_flight.sh OUT [ROUNDS]        # as root; about 1 minute a run
 # A run whose JSON already exists is skipped, so an interrupted sweep resumes where it stopped.
 set -euo pipefail
 out=$(realpath "${1:?output directory}")

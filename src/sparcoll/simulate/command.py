@@ -11,8 +11,8 @@ import sys
 from ..bench import bounds
 from ..bench.netem import parse_rate
 from ..bench.sizes import format_count, parse_count
-from .costs import DEFAULT_PATH, Costs
 from ..options import DEFAULT_CREDITS
+from .costs import DEFAULT_PATH, Costs
 from .model import ALGOS, Point, predict
 
 DEFAULT_WORKERS = [2, 4, 8, 16, 32, 64, 128, 256]

@@ -307,22 +307,22 @@ def predict_ps(point: Point, costs: Costs) -> float:
 
 # ---- sparcoll ------------------------------------------------------------------------------------
 
-def message_plan(point: Point, costs: Costs) -> tuple[int, int]:
-    """(blocks per message, messages in flight per stream) as a rank of sparcoll sets them once it
-    has measured the link (sparcoll.message_size), from the bytes a collective reads."""
+def message_blocks(point: Point, costs: Costs) -> int:
+    """Blocks per message as a rank of sparcoll sets them once it has measured the link
+    (sparcoll.message_size), from the bytes a collective reads."""
     policy = MessageSizePolicy(point.message_blocks)
     n, d, u = point.workers, point.density, point.union
     read = u * point.nbytes if point.dedicated else (n - 1) / n * (d + u) * point.nbytes
     if point.rate_bps is not None and read >= ADAPT_MIN_BYTES:
         policy.observe(int(read), read / (point.rate_bps / 8 * costs.goodput))
-    return policy.blocks(point.block_size * ITEMSIZE), point.credits
+    return policy.blocks(point.block_size * ITEMSIZE)
 
 
 def predict_sparse(point: Point, costs: Costs) -> float:
     """sparcoll's sparse AllReduce from a dense tensor: scan, then every (worker, aggregator) stream."""
     n = point.workers
     block_bytes = point.block_size * ITEMSIZE
-    per_message, in_flight = message_plan(point, costs)
+    per_message, in_flight = message_blocks(point, costs), point.credits
     range_blocks = point.nblocks / point.shards
     own = point.density * range_blocks                       # a worker's blocks in one stream's range
     rounds = max(1, math.ceil(own / per_message))
