@@ -253,6 +253,58 @@ def test_a_large_ring_call_against_a_tiny_one_is_a_mismatch_not_an_abort(store):
     assert_mismatch_on_every_rank(run_ranks(store, 2, body))
 
 
+def test_a_repeating_sequence_of_ring_calls_stops_waiting_for_its_checks(store):
+    """Calls that follow each other as they did last time (a DDP step's buckets) start their data
+    with their check; sums stay exact, tiny calls and a new order in between included."""
+    world = 3
+    sizes = [BIG, 3 * BIG, 8, BIG, 3 * BIG, 8, BIG, 3 * BIG, 8, 2 * BIG, BIG, 3 * BIG]
+    inputs = [[torch.randn(n, generator=torch.Generator().manual_seed(100 * i + r))
+               for r in range(world)] for i, n in enumerate(sizes)]
+
+    def body(r, comm):
+        out = []
+        for i in range(len(sizes)):
+            tensor = inputs[i][r].clone()
+            comm.allreduce(tensor)
+            out.append(tensor)
+        return out, comm.stats
+    results = run_ranks(store, world, body, algorithm="ring")
+    for r in range(world):
+        assert not isinstance(results[r], Exception), results[r]
+        out, stats = results[r]
+        for i, tensor in enumerate(out):
+            reference = sum(t.double() for t in inputs[i])
+            torch.testing.assert_close(tensor.double(), reference, rtol=1e-5, atol=1e-5)
+            assert torch.equal(tensor, results[0][0][i])
+        # waited: the first three large calls (what follows a kind is learned when it follows),
+        # 2*BIG (not the expected BIG) and the BIG after it (nothing had followed 2*BIG before);
+        # the 3*BIG after that BIG was expected again
+        assert stats.ring_collectives == len(sizes)
+        assert stats.ring_checked_first == 5
+
+
+@pytest.mark.parametrize("case", ["numel", "dtype", "tiny"])
+def test_a_rank_whose_call_differs_from_the_expected_one_is_a_mismatch_on_every_rank(store, case):
+    """Every rank expects the same large call next: rank 0 makes it and starts its data at once,
+    rank 1 makes another. Both get MismatchError from the check round, long before the timeout,
+    and nobody aborts (in-process ranks: gloo's abort would end the test run)."""
+    def body(r, comm):
+        big = torch.ones(BIG)
+        for _ in range(3):
+            comm.allreduce(big.fill_(1))
+        assert comm.stats.ring_checked_first == 2       # the third started with its check
+        other = {"numel": torch.ones(BIG + 256), "dtype": torch.ones(BIG, dtype=torch.float64),
+                 "tiny": torch.ones(8)}[case]
+        start = time.monotonic()
+        try:
+            comm.allreduce(big if r == 0 else other)
+        finally:
+            body.elapsed[r] = time.monotonic() - start
+    body.elapsed = {}
+    assert_mismatch_on_every_rank(run_ranks(store, 2, body, timeout=30.0, algorithm="ring"))
+    assert max(body.elapsed.values()) < 10.0
+
+
 def test_a_rank_that_rejects_its_input_releases_peers_waiting_on_the_ring(store):
     """Rank 1 refuses its own call (an integer tensor); rank 0 is already in gloo's ring for that
     collective and hears of it through the aggregators long before the timeout."""
@@ -370,16 +422,14 @@ class CompletedWork:
 
 @pytest.mark.parametrize("failure", [None, RuntimeError("Connection reset by peer")])
 def test_a_wait_slice_that_times_out_as_the_allreduce_completes_is_not_a_failure(failure):
-    from types import SimpleNamespace
-
     from sparcoll.errors import PeerError
     from sparcoll.ring import Ring
 
-    ring = object.__new__(Ring)     # only _run is under test: no gloo group needed
+    ring = object.__new__(Ring)     # only _wait is under test: no gloo group needed
     ring.rank = 0
-    ring.group = SimpleNamespace(allreduce=lambda tensors, options: CompletedWork(failure))
+    deadline = time.monotonic() + 5.0
     if failure is None:
-        ring._run(torch.ones(4), 5.0, lambda: None)
+        ring._wait(CompletedWork(failure), deadline, lambda: None)
     else:
         with pytest.raises(PeerError, match="Connection reset by peer"):
-            ring._run(torch.ones(4), 5.0, lambda: None)
+            ring._wait(CompletedWork(failure), deadline, lambda: None)

@@ -9,7 +9,7 @@ and op, as a DDP bucket each step):
   - a kind's collectives go the sparse way while its last result was sparse (less than
     CANDIDATE_DENSITY of its blocks non-zero): there the sparse path wins everywhere we measured;
   - once a result is dense, the kind is timed on both paths: TRIALS collectives on the sparse path,
-    TRIALS on the ring, then one more on the ring whose first round (ring.py) carries every rank's
+    TRIALS on the ring, then one more on the ring whose check round (ring.py) carries every rank's
     best time on each path, so every rank learns the same averages; the ring keeps the kind while it
     stays dense unless the sparse path was clearly faster (by SPARSE_MARGIN: on dense data the sparse
     path's scan and bookkeeping take CPU from the training around it, and on loopback the two are

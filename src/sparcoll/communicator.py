@@ -30,10 +30,12 @@ __all__ = ["Communicator", "Stats", "Work"]
 @dataclass
 class Stats(transport.TrafficStats):
     """Traffic this process's transport wrote and read on the worker's behalf, and collectives run
-    (of which `ring_collectives` on gloo's ring, handed `ring_bytes` of tensors: see algorithm.py)."""
+    (of which `ring_collectives` on gloo's ring, handed `ring_bytes` of tensors: see algorithm.py;
+    `ring_checked_first` of them larger ones that waited for their check round: see ring.py)."""
     collectives: int = 0
     ring_collectives: int = 0
     ring_bytes: int = 0
+    ring_checked_first: int = 0
 
 
 class Communicator:
@@ -154,6 +156,7 @@ class Communicator:
         ring = self._engine.ring if self._engine else None
         if ring is not None:
             total.ring_collectives, total.ring_bytes = ring.collectives, ring.bytes
+            total.ring_checked_first = ring.checked_first
         if self._worker is not None:
             for conn in self._worker.connections.values():
                 total.add(conn.stats)
