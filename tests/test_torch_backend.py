@@ -155,6 +155,39 @@ def ddp_backward_fails(rank: int, world: int) -> dict:
     return out
 
 
+def ddp_dense_buckets_on_the_ring(rank: int, world: int) -> dict:
+    """DDP with three dense buckets for 12 iterations: once timed, they take gloo's ring, and from
+    then on their order repeats, so their data starts with their check rounds. Every iteration's
+    averaged gradients against the same local gradients averaged by the gloo default group."""
+    import sparcoll.torch
+    pg = sparcoll_group()
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+              torch.nn.ReLU(), torch.nn.Linear(512, 64)]
+    model = torch.nn.Sequential(*layers)
+    reference = torch.nn.Sequential(*[type(m)(m.in_features, m.out_features)
+                                      if isinstance(m, torch.nn.Linear) else m for m in layers])
+    reference.load_state_dict(model.state_dict())
+    ddp = DDP(model, process_group=pg, bucket_cap_mb=0.5)
+    largest = 0.0
+    for step in range(12):
+        batch = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * step + rank))
+        ddp.zero_grad()
+        ddp(batch).square().sum().backward()
+        reference.zero_grad()
+        reference(batch).square().sum().backward()
+        for mine, theirs in zip(model.parameters(), reference.parameters()):
+            expected = theirs.grad.clone()
+            dist.all_reduce(expected)                 # the default group: gloo
+            expected /= world
+            largest = max(largest, ((mine.grad - expected).abs().max()
+                                    / expected.abs().max().clamp_min(1e-12)).item())
+    traffic = sparcoll.torch.stats(pg)
+    dist.destroy_process_group(pg)
+    return {"largest_relative_error": largest, "ring": traffic.ring_collectives,
+            "checked_first": traffic.ring_checked_first}
+
+
 def init_outside_the_group(rank: int, world: int) -> dict:
     """sparcoll.init on a group this rank is not in: a ValueError saying so (it used to be a
     ProtocolError about world=-1); the group's own member gets a working communicator."""
@@ -218,3 +251,10 @@ def test_ddp_on_default_group_matches_full_batch_reference():
     for out in outcomes:
         assert out.pop("sum") == [1.0, 1.0]
     assert_all_match(outcomes)
+
+
+def test_ddp_buckets_on_the_ring_stop_waiting_for_their_checks_and_sum_exactly():
+    for out in run_ranks(ddp_dense_buckets_on_the_ring, WORLD, timeout=TIMEOUT):
+        assert out["largest_relative_error"] < 1e-5, out
+        assert out["ring"] >= 12, out                     # the buckets took the ring once timed
+        assert 1 <= out["checked_first"] <= out["ring"] // 2, out
