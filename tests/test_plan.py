@@ -144,6 +144,23 @@ def test_offload_search_equals_brute_force():
                                                          rel=0, abs=1e-12)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(*[st.integers(0, 3).map(float)] * 3), min_size=1, max_size=40),
+       st.integers(1, 50))
+def test_the_frontier_keeps_exactly_the_undominated_lane_states(lanes, beam):
+    """Against the definition, with many ties: a state is dropped iff another is at most it in every
+    lane (of equal states one is kept); beyond `beam`, the kept are the smallest by the bound."""
+    states = [(lane, k, None) for k, lane in enumerate(lanes)]
+    pareto = {a for a in lanes
+              if not any(all(x <= y for x, y in zip(b, a)) and b != a for b in lanes)}
+    kept = [s[0] for s in decide._undominated(states, beam, sum)]
+    assert len(kept) == len(set(kept)) == min(beam, len(pareto))
+    assert set(kept) <= pareto
+    dropped = pareto - set(kept)
+    if dropped:
+        assert max(map(sum, kept)) <= min(map(sum, dropped))
+
+
 def test_the_plan_never_loses_to_every_tensor_uncompressed():
     rng = random.Random(13)
     for _ in range(40):

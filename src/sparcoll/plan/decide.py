@@ -132,7 +132,9 @@ def _undominated(states: list, beam: int, bound) -> list:
     lanes = np.array([s[0] for s in states])
     order = np.lexsort(lanes.T[::-1])              # lexicographic: a dominating state comes first
     lanes = lanes[order]
-    at_most = (lanes[:, None, :] <= lanes[None, :, :]).all(axis=2)     # [j, i]: j <= i everywhere
+    # [j, i]: state j at most state i in every lane; for j < i the sort already gives the first
+    at_most = lanes[:, None, 1] <= lanes[None, :, 1]
+    at_most &= lanes[:, None, 2] <= lanes[None, :, 2]
     dominated = np.triu(at_most, k=1).any(axis=0)
     kept = [states[k] for k in order[~dominated]]
     if len(kept) > beam:
