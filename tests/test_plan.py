@@ -90,6 +90,27 @@ def test_an_offloaded_lane_overlaps_and_on_thread_compression_delays_backward():
     assert both.payload_ready == [0.5, 1.0] and both.iteration == 1.2
 
 
+def test_a_changed_cost_gives_the_iteration_time_of_a_full_simulation():
+    """Simulation.with_cost reads F off per-tensor terms; simulate() walks the whole changed
+    timeline: they agree, for every tensor and option of random strategies, across updates."""
+    rng = random.Random(13)
+    for _ in range(40):
+        step, tensors = instance(rng, rng.randint(1, 12), rng.randint(1, 4), offload=True)
+        strategy = [rng.choice(list(t.costs)) for t in tensors]
+        sim = Simulation(step, [t.costs[o] for t, o in zip(tensors, strategy)])
+        for _ in range(3):
+            for i, t in enumerate(tensors):
+                for option, cost in t.costs.items():
+                    changed = [tensors[j].costs[o] for j, o in enumerate(strategy)]
+                    changed[i] = cost
+                    assert sim.with_cost(i, cost) == pytest.approx(simulate(step, changed).iteration,
+                                                                   rel=1e-12, abs=1e-12)
+            i = rng.randrange(len(tensors))
+            strategy[i] = rng.choice(list(tensors[i].costs))
+            sim.set(i, tensors[i].costs[strategy[i]])
+            assert sim.iteration == simulate(step, [tensors[j].costs[o] for j, o in enumerate(strategy)]).iteration
+
+
 def instance(rng: random.Random, n: int, kinds: int, offload: bool = False):
     """n tensors of `kinds` kinds (equal size and costs within a kind), each with a raw option, a
     cheaper-to-send compressed one and (with `offload`) its offloaded variant."""

@@ -45,12 +45,14 @@ def _total(cost: Cost) -> float:
     return cost.compress + cost.comm + cost.decompress
 
 
-def greedy(step: Step, tensors: list[Choices]) -> list[Option]:
-    """Algorithm 1 with compression on the training thread: one option per tensor."""
+def greedy(step: Step, tensors: list[Choices], options: list[list[Option]] | None = None) -> list[Option]:
+    """Algorithm 1 with compression on the training thread: one option per tensor (among
+    options[i], default: its useful ones)."""
     current = [uncompressed(t) for t in tensors]
     sim = Simulation(step, [t.costs[o] for t, o in zip(tensors, current)])
     order = sorted(range(len(tensors)), key=lambda i: (-tensors[i].numel, i))
-    candidates = [[o for o in useful(t) if not o.offload] for t in tensors]    # the others never win
+    options = options or [useful(t) for t in tensors]                           # the others never win
+    candidates = [[o for o in each if not o.offload] for each in options]
     for _ in range(MAX_PASSES):
         before = sim.iteration
         for i in order:
@@ -146,9 +148,10 @@ def plan(step: Step, tensors: list[Choices]) -> list[Option]:
     """ByteComp's greedy decision and its offload search, and the frontier search over every useful
     option: whichever predicts the smaller F (the greedy alone can stop far from the best, the
     frontier search is exact while its frontier stays small enough to keep whole)."""
-    greedy_choice = greedy(step, tensors)
+    options = [useful(t) for t in tensors]
+    greedy_choice = greedy(step, tensors, options)
     candidates = [greedy_choice, offload_search(step, tensors, greedy_choice),
-                  frontier(step, tensors, [useful(t) for t in tensors])]
+                  frontier(step, tensors, options)]
     return min(candidates, key=lambda c: Simulation(step, [t.costs[o] for t, o in zip(tensors, c)]).iteration)
 
 

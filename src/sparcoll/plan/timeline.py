@@ -80,29 +80,56 @@ def simulate(step: Step, costs) -> Timeline:
 
 
 class Simulation:
-    """The iteration time of a strategy, re-simulating only from the tensor that changed: the lanes'
-    state after each tensor of the current strategy is kept, and a candidate's simulation stops as
-    soon as its state meets the current one again (the rest of the timeline is then the same)."""
+    """The iteration time of a strategy, and of the same strategy with one tensor's cost changed, in
+    constant time. Each tensor moves the lanes' state (delay, lane, channel) by maxima and sums
+    only, so F as a function of the state before tensor j is max(gd + delay, gL + lane, gC +
+    channel) + optimizer for three numbers g[j] that follow from the tensors after j: kept for every
+    j, with the state before every tensor; setting a tensor's cost recomputes the states after it
+    and the terms before it."""
 
     def __init__(self, step: Step, costs):
         self.step, self.costs = step, list(costs)
         self._rebuild()
 
     def _rebuild(self) -> None:
-        self.states = [(0.0, 0.0, 0.0)]               # the state before tensor i
-        for i, cost in enumerate(self.costs):
-            self.states.append(advance(self.step, self.states[-1], i, cost)[0])
+        n = len(self.costs)
+        self.states = [(0.0, 0.0, 0.0)] * (n + 1)   # the state before tensor i (after the last: n)
+        self.after = [(self.step.backward_end, 0.0, 0.0)] * max(1, n)   # g for the state after i
+        self._forward(0)
+        self._backward(n - 1)
+
+    def _forward(self, first: int) -> None:
+        """The states after tensors first, first + 1, ..., and F."""
+        for i in range(first, len(self.costs)):
+            self.states[i + 1] = advance(self.step, self.states[i], i, self.costs[i])[0]
         self.iteration = finish(self.step, self.states[-1])
+
+    def _backward(self, last: int) -> None:
+        """g for the states after tensors last - 1, last - 2, ..., 0 (F's terms after the last
+        tensor are backward's end for the delay and nothing for the lanes)."""
+        for j in range(last, 0, -1):
+            self.after[j - 1] = _before(self.after[j], self.step.ready[j], self.costs[j])
 
     def with_cost(self, i: int, cost: Cost) -> float:
         """F if tensor i had `cost` and every other tensor its current one."""
-        state = advance(self.step, self.states[i], i, cost)[0]
-        for j in range(i + 1, len(self.costs)):
-            if state == self.states[j]:
-                return self.iteration
-            state = advance(self.step, state, j, self.costs[j])[0]
-        return finish(self.step, state)
+        delay, lane, channel = advance(self.step, self.states[i], i, cost)[0]
+        gd, gl, gc = self.after[i]
+        return max(gd + delay, gl + lane, gc + channel) + self.step.optimizer
 
     def set(self, i: int, cost: Cost) -> None:
+        """Tensor i's cost changes: the states after it and the terms before it."""
         self.costs[i] = cost
-        self._rebuild()
+        self._forward(i)
+        self._backward(i)
+
+
+def _before(g: tuple, ready: float, cost: Cost) -> tuple:
+    """F's terms (gd, gl, gc) for the state before a tensor, from those for the state after it
+    (advance, read backwards)."""
+    gd, gl, gc = g
+    t = cost.comm + cost.decompress
+    if cost.compress and cost.offload:
+        c = cost.compress
+        return max(gd, gl + c + ready, gc + t + c + ready), max(gl + c, gc + t + c), gc + t
+    c = cost.compress
+    return max(gd + c, gc + ready + c + t), gl, gc + t
