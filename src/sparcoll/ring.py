@@ -18,7 +18,8 @@ the same averages.
     check start together, and a check round (one round trip through every process: 6-15 ms with 4
     processes on 2 cores) no longer delays the data. A rank whose call differs from what all
     expected waits for its check first, so it never joins that data allreduce; the check round,
-    which every rank joins, then tells every rank, and those whose data was under way abort it.
+    which every rank joins, then tells every rank, and those whose data had not started give the
+    others' data allreduce a zero partner of its size (gloo cannot cancel an allreduce).
 A ring collective waits for gloo or for a peer's report of the same collective (a peer that refused
 its input tells the aggregators; see WorkerJob.abort), whichever comes first, at most `timeout`.
 """
@@ -60,7 +61,7 @@ class Ring:
 
     def __init__(self, store, rank: int, world: int, timeout: float, host: str):
         self.rank, self.world = rank, world
-        self.group = self._group(dist.PrefixStore("check", store), timeout, host)
+        self.check_group = self._group(dist.PrefixStore("check", store), timeout, host)
         self.data_group = self._group(dist.PrefixStore("data", store), timeout, host)
         self._check = torch.zeros(TINY_NUMEL + 2 * _CALL + _SHARED, dtype=torch.float64)
         self._expected: Call | None = None  # the next call every rank expected, if they agreed
@@ -99,7 +100,7 @@ class Ring:
         expected, self._expected, data_work = self._expected, None, None
         if expected == call and not tiny:
             data_work = self.data_group.allreduce([total], self._options(timeout))
-        self._wait(self.group.allreduce([buffer], self._options(timeout)), deadline, peer_report)
+        self._wait(self.check_group.allreduce([buffer], self._options(timeout)), deadline, peer_report)
         if not torch.equal(checks[:_CALL], mine[:_CALL] * self.world):
             if data_work is None and expected is not None and expected[1] > TINY_NUMEL:
                 # peers whose call was the expected one have started its data: a partner of the
@@ -186,9 +187,9 @@ class Ring:
         """Abort what gloo still runs (after a failure) and release its connections: a peer's
         allreduce that this rank never joined then fails at once ("Connection closed by peer"),
         and this rank's own waits until its peers close, at most gloo's timeout."""
-        for group in (self.group, self.data_group):
+        for group in (self.check_group, self.data_group):
             try:
                 group.abort()
             except Exception:   # closing must not raise; the group may already be gone
                 pass
-        self.group = self.data_group = None
+        self.check_group = self.data_group = None

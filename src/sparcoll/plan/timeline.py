@@ -127,9 +127,7 @@ def _before(g: tuple, ready: float, cost: Cost) -> tuple:
     """F's terms (gd, gl, gc) for the state before a tensor, from those for the state after it
     (advance, read backwards)."""
     gd, gl, gc = g
-    t = cost.comm + cost.decompress
-    if cost.compress and cost.offload:
-        c = cost.compress
+    c, t = cost.compress, cost.comm + cost.decompress
+    if c and cost.offload:
         return max(gd, gl + c + ready, gc + t + c + ready), max(gl + c, gc + t + c), gc + t
-    c = cost.compress
     return max(gd + c, gc + ready + c + t), gl, gc + t
