@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from sparcoll.compress import make
-from sparcoll.plan import decide
+from sparcoll.plan import decide, trial
 from sparcoll.plan.options import (ALLGATHER, COLLECTIVES, COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE,
                                    JobFacts, Option, TensorFacts, options, why_invalid)
 from sparcoll.plan.profile import backward_timeline, facts
@@ -188,6 +188,26 @@ def test_the_plan_never_loses_to_every_tensor_uncompressed():
         step, tensors = instance(rng, rng.randint(1, 30), 3, offload=True)
         plain = [decide.uncompressed(t) for t in tensors]
         assert f_of(step, tensors, decide.plan(step, tensors)) <= f_of(step, tensors, plain) + 1e-12
+
+
+def plan_of(*strategies: str) -> dict:
+    return {"tensors": [{"name": f"t{i}", "strategy": s, "placement": "thread"} for i, s in enumerate(strategies)]}
+
+
+def test_a_trial_runs_each_distinct_strategy_once_the_plan_first():
+    plan = plan_of("ring", "topk:0.01")
+    others = {"without compression": plan_of("ring", "ring"), "without collective": plan_of("ring", "topk:0.01"),
+              "uniform ring": plan_of("ring", "ring"), "uniform topk:0.01": plan_of("topk:0.01", "topk:0.01")}
+    got = trial.candidates(plan, others)
+    assert list(got) == ["planned", "without compression", "uniform topk:0.01"]
+    assert got["planned"] is plan
+
+
+def test_a_trial_keeps_the_plan_unless_another_is_clearly_faster():
+    margin = trial.MARGIN
+    assert trial.choose({"planned": 1.0, "uniform sfb": 1.0 / (1 + margin / 2), "uniform ring": 3.0}) == "planned"
+    assert trial.choose({"planned": 1.0, "uniform sfb": 0.8, "without compression": 0.9}) == "uniform sfb"
+    assert trial.choose({"planned": 0.5, "uniform sfb": 0.8}) == "planned"
 
 
 class Mixed(nn.Module):

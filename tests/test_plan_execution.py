@@ -156,9 +156,20 @@ def test_plan_then_train_the_plan(tmp_path):
     profile, plan_file = tmp_path / "profile.json", tmp_path / "plan.json"
     command = [sys.executable, "-m", "sparcoll", "plan", *tiny, "--profile", str(profile), "--json", str(plan_file),
                "--compressors", "none,fp16,topk:0.01"]
-    first = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    first = subprocess.run(command + ["--trial", "2"], capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
+    tried = json.loads(plan_file.read_text())["trial"]
+    assert tried["kept"] in tried["step_s"] and "planned" in tried["step_s"] and len(tried["step_s"]) >= 2
+    assert all(s > 0 for s in tried["step_s"].values()) and f"kept: {tried['kept']}" in first.stdout
+    stamp = profile.stat().st_mtime_ns
+    fastest = min(tried["step_s"].values())
+    assert tried["step_s"][tried["kept"]] <= fastest * (1 + tried["margin"])
+    assert tried["kept"] == "planned" or tried["step_s"]["planned"] > fastest * (1 + tried["margin"])
+    first = subprocess.run(command + ["--trial", "0"], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert first.returncode == 0 and "trial (" not in first.stdout, first.stderr[-3000:]
+    assert profile.stat().st_mtime_ns == stamp      # the profile reused
     plan = json.loads(plan_file.read_text())
+    assert "trial" not in plan
     names = [n for n, _ in __import__("sparcoll.workloads", fromlist=["get_workload"]).get_workload(
         "ncf", tiny=True).model.named_parameters()]
     assert sorted(t["name"] for t in plan["tensors"]) == sorted(names)
@@ -166,9 +177,6 @@ def test_plan_then_train_the_plan(tmp_path):
     assert plan["predicted_step_s"] <= min(plan["uniform"].values()) + 1e-12
     assert set(plan["uniform"]) >= {"ring", "ps", "sparse", "fp16", "topk:0.01"}
     assert "every tensor ring" in first.stdout
-    stamp = profile.stat().st_mtime_ns
-    again = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env)
-    assert again.returncode == 0 and profile.stat().st_mtime_ns == stamp      # the profile reused
     out = tmp_path / "train.json"
     trained = subprocess.run([sys.executable, "-m", "sparcoll", "train", *tiny, "--steps", "3", "--compare",
                               "ddp,planned", "--plan", str(plan_file), "--json", str(out)],

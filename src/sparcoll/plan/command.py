@@ -23,10 +23,11 @@ from pathlib import Path
 
 from sparcoll.bench.launch import Job, run_job, run_jobs
 from sparcoll.bench.netem import netem_available, parse_rate
+from sparcoll.train import command as train_command
 from sparcoll.train.command import BATCH_SIZES, _option, workload_options
 from sparcoll.workloads import WORKLOADS
 
-from . import decide
+from . import decide, trial
 from sparcoll.torch.parallel import BUCKET_BYTES, SMALL_BYTES
 
 from .costs import ITEMSIZE, Costing, Measured
@@ -37,6 +38,8 @@ from .timeline import Cost, Simulation, Step, simulate
 PROFILE_VERSION = 7
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
+TRIAL_UNIFORMS = 3
+TRIAL_WARMUP = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uniform", metavar="NAME",
                         help="write the uniform strategy NAME (a row of the table: ring, ps, sparse, sfb or "
                              "a compressor spec) instead of the decision, to run it with the same executor")
+    parser.add_argument("--trial", type=int, default=3, metavar="STEPS",
+                        help="train the plan, the planner without each dimension and the %d uniform "
+                             "strategies predicted best for STEPS steps each (after one warm-up) on the "
+                             "same network, and keep the fastest measured (the plan unless another is "
+                             "more than %d%%%% faster); 0: the model's decision alone (default 3; "
+                             "workloads only, not --model)" % (TRIAL_UNIFORMS, round(100 * trial.MARGIN)))
     parser.add_argument("--json", metavar="PATH", help="write the plan to PATH")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds without progress before profiling is declared hung (default 600)")
@@ -275,12 +284,51 @@ def table(plan: dict) -> str:
                  f"{plan['decision_ms']:.1f} ms")
     for name, f in sorted(plan["uniform"].items(), key=lambda kv: kv[1]):
         lines.append(f"  every tensor {name:<16} {1e3 * f:>10.1f} ms  ({f / plan['predicted_step_s']:.2f}x this plan)")
+    if "trial" in plan:
+        tr = plan["trial"]
+        lines.append(f"trial ({tr['steps']} steps each after {tr['warmup']} warm-up, trained on this network), "
+                     f"kept: {tr['kept']}")
+        for name, s in sorted(tr["step_s"].items(), key=lambda kv: kv[1]):
+            lines.append(f"  {name:<29} measured {1e3 * s:>10.1f} ms, predicted {1e3 * tr['predicted_step_s'][name]:.1f}")
     return "\n".join(lines)
 
 
+def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
+    """The trial (trial.py) of the plan against the planner without each dimension and the uniform
+    strategies it predicts best, trained as `sparcoll train` does by default; the exit status and the
+    plan kept, with the trial's measurements."""
+    compressors = args.compressors.split(",")
+    others = {f"without {dim}": make_plan(profile, compressors, (dim,)) for dim in DIMENSIONS}
+    for name in sorted(plan["uniform"], key=plan["uniform"].get)[:TRIAL_UNIFORMS]:
+        others[f"uniform {name}"] = make_plan(profile, compressors, fixed=name)
+    plans = trial.candidates(plan, others)
+    defaults = vars(argparse_defaults(train_command.add_arguments))
+    config = {**{k: defaults[k] for k in ("lr", "block_size", "data")}, "timeout": args.timeout,
+              **{k: profile[k] for k in ("workload", "options", "batch_size", "seed")}}
+    step_s: dict[str, float] = {}
+
+    def body(advance) -> None:
+        step_s.update(trial.measure(config, plans, args.workers, args.network, args.trial, TRIAL_WARMUP,
+                                    args.timeout, advance))
+
+    status = run_jobs("plan --trial", (TRIAL_WARMUP + args.trial) * len(plans), body)
+    if status:
+        return status, plan
+    kept = trial.choose(step_s)
+    return 0, {**plans[kept], "decision_ms": plan["decision_ms"],
+               "trial": {"steps": args.trial, "warmup": TRIAL_WARMUP, "margin": trial.MARGIN, "kept": kept,
+                         "step_s": step_s, "predicted_step_s": {n: p["predicted_step_s"] for n, p in plans.items()}}}
+
+
+def argparse_defaults(add_arguments) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([])
+
+
 def run(args) -> int:
-    if args.batch_size is not None and args.batch_size < 1 or args.workers < 2:
-        print("sparcoll plan: error: --workers must be >= 2 and --batch-size >= 1", file=sys.stderr)
+    if args.batch_size is not None and args.batch_size < 1 or args.workers < 2 or args.trial < 0:
+        print("sparcoll plan: error: --workers must be >= 2, --batch-size >= 1 and --trial >= 0", file=sys.stderr)
         return 2
     if args.network != "none":
         ok, reason = netem_available()
@@ -298,6 +346,14 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"sparcoll plan: error: {exc}", file=sys.stderr)
         return 2
+    if args.trial > 0 and args.uniform is None and not args.without:
+        if args.model:
+            print("sparcoll plan: no trial for --model (sparcoll train runs the workloads only): the "
+                  "model's decision alone", file=sys.stderr)
+        else:
+            status, plan = tried(plan, profile, args)
+            if status:
+                return status
     print(table(plan))
     if args.json:
         Path(args.json).write_text(json.dumps(plan, indent=1))

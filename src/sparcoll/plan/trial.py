@@ -1,0 +1,65 @@
+"""`sparcoll plan`'s trial: the few strategies the cost models rank highest, each trained for a few
+steps on the job's own network, and the fastest measured kept.
+
+The cost models price each operation as the profile timed it, every worker doing the same thing at
+once. In training, backward, the synchronization threads and colocated aggregators of all workers
+share the cores and their memory bandwidth, which no per-operation timing sees: on vgg (4 workers on
+2 cores) blocktopk on the 400 MB layer was predicted 4% faster than SFB and measured 1.5-2x slower.
+So the decision narrows the options to a handful (the plan, the planner without each dimension, the
+uniform strategies it predicts best), and a short run of each decides among them. The plan stays
+unless another candidate is measured more than MARGIN faster: a few steps are noisy, and the model's
+choice is the one that generalizes to other step counts.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+from sparcoll.bench.launch import BenchError
+from sparcoll.train.command import launch
+
+MARGIN = 0.03
+PLANNED = "planned"
+
+
+def signature(plan: dict) -> tuple:
+    """What DataParallel executes of a plan: each tensor's strategy and where it is compressed."""
+    return tuple((t["name"], t["strategy"], t["placement"]) for t in plan["tensors"])
+
+
+def candidates(plan: dict, others: dict[str, dict]) -> dict[str, dict]:
+    """The plan first, then each other plan (by name) that executes differently from all before it."""
+    out, seen = {PLANNED: plan}, {signature(plan)}
+    for name, other in others.items():
+        if signature(other) not in seen:
+            seen.add(signature(other))
+            out[name] = other
+    return out
+
+
+def choose(step_s: dict[str, float], margin: float = MARGIN) -> str:
+    """The candidate to keep: the plan, unless another was measured more than `margin` faster."""
+    best = min(step_s, key=step_s.get)
+    return PLANNED if step_s[PLANNED] <= step_s[best] * (1 + margin) else best
+
+
+def measure(config: dict, plans: dict[str, dict], workers: int, network: str, steps: int, warmup: int,
+            timeout: float, advance: Callable[[str], None]) -> dict[str, float]:
+    """Each plan's mean step time (the slowest worker's, as `sparcoll train` reports it) over `steps`
+    steps after `warmup` untimed ones, trained by sparcoll.torch.DataParallel as `sparcoll train
+    --comm planned` does, one job after another."""
+    out = {}
+    for name, plan in plans.items():
+        times: list[float] = []
+
+        def on_event(event: dict) -> None:
+            if event.get("event") == "step":
+                times.append(event["step_s"])
+                advance(f"trial {name}: step {len(times)}")
+
+        launch({**config, "steps": warmup + steps, "comm": PLANNED, "compress": None, "strategy": plan},
+               workers, network, timeout, on_event)
+        if len(times) != warmup + steps:
+            raise BenchError(f"the trial of {name} reported {len(times)} of {warmup + steps} steps")
+        out[name] = statistics.fmean(times[warmup:])
+    return out
