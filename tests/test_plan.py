@@ -233,6 +233,19 @@ def test_facts_tell_linear_weights_and_sparse_embeddings():
     assert "tied.weight" not in got                                     # the same tensor as emb's
 
 
+def test_a_payload_ready_sooner_starts_sooner_and_spared_work_shortens_backward():
+    # SFB on tensor 1: backward skips 0.2 s of work (its gradient would be ready at 0.4, backward
+    # ends at 0.8) and the factors are ready 0.3 s before that gradient (0.1); they wait for tensor
+    # 0's 0.25 s on the channel
+    step = Step((0.1, 0.6), 1.0, optimizer=0.05)
+    costs = [Cost(comm=0.25), Cost(compress=-0.2, comm=0.1, decompress=0.4, sooner=0.3)]
+    timeline = simulate(step, costs)
+    assert timeline.payload_ready == pytest.approx([0.1, 0.1])      # 0.6 - 0.2 spared - 0.3 sooner
+    assert timeline.comm_start == pytest.approx([0.1, 0.35]) and timeline.comm_end == pytest.approx([0.35, 0.85])
+    assert timeline.backward_end == pytest.approx(0.8) and timeline.iteration == pytest.approx(0.9)
+    assert Simulation(step, [costs[0], Cost()]).with_cost(1, costs[1]) == pytest.approx(0.9)
+
+
 def test_backward_timeline_follows_autograd_and_restores_the_parameters():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), Pause(0.05), nn.Linear(16, 4))
@@ -246,3 +259,9 @@ def test_backward_timeline_follows_autograd_and_restores_the_parameters():
     assert ready[2] - ready[1] >= 0.05                                   # the pause shows
     assert timeline.step.backward_end >= ready[-1] and timeline.step.optimizer > 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # SFB's factors are ready at each layer's output gradient: the last layer's at once, the first's
+    # after the pause and before its own weight gradient
+    arrived, at = timeline.output_gradient, dict(zip(timeline.order, ready))
+    assert set(arrived) == {"0.weight", "2.weight"}
+    assert 0 <= arrived["2.weight"] <= at["2.weight"]
+    assert max(at["2.weight"], at["2.bias"]) + 0.05 <= arrived["0.weight"] <= at["0.weight"]

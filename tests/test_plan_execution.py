@@ -17,7 +17,7 @@ import sparcoll.torch
 from ranks import run_ranks
 from sparcoll.plan.command import units_of
 from sparcoll.plan.costs import Costing, Curve, Measured
-from sparcoll.plan.options import ALLGATHER, PS, RING, SPARSE, Option, TensorFacts
+from sparcoll.plan.options import ALLGATHER, PS, RING, SFB, SPARSE, Option, TensorFacts
 from sparcoll.plan.timeline import Step
 from test_parallel import mlp, reference_grads, relative_error, step
 
@@ -41,7 +41,7 @@ def line(a: float, b: float) -> list:
 FITS = {"collectives": {RING: line(1e-3, 1e-8), PS: line(2e-3, 1e-8), ALLGATHER: line(5e-4, 3e-8),
                         SPARSE: line(3e-3, 1e-8)},
         "compress": {"topk:0.01": line(1e-4, 2e-9), "fp16": line(0.0, 1e-9), "powersgd:4": line(2e-3, 4e-9)},
-        "decompress": {"topk:0.01": line(2e-4, 1e-9), "fp16": line(0.0, 5e-10)}, "matmul_flops_per_s": 1e10}
+        "decompress": {"topk:0.01": line(2e-4, 1e-9), "fp16": line(0.0, 5e-10)}}
 
 
 def test_costs_follow_the_curves_hand_computed():
@@ -59,6 +59,12 @@ def test_costs_follow_the_curves_hand_computed():
     own = Costing({**FITS, "compress_own": {"topk:0.01": {"w": 0.5}}}, workers=4)     # measured on w itself
     assert own.cost(t, Option("topk:0.01", ALLGATHER)).compress == 0.5
     assert own.cost(t, Option("topk:0.01", ALLGATHER)).decompress == topk.decompress
+    # SFB: the measured products, the factors' allgather, ready at the output gradient
+    layer = Measured(TensorFacts("w", 1000 * 500, linear=True), (1000, 500), rows=32, node=0.05, spared=0.02,
+                     rebuild=0.3)
+    sfb = costing.cost(layer, Option("none", SFB))
+    assert [sfb.compress, sfb.comm, sfb.decompress, sfb.sooner] == pytest.approx(
+        [-0.02, 5e-4 + 3e-8 * 32 * (1000 + 500) * 4, 0.3, 0.03])
 def small_and_large() -> nn.Module:
     """Small layers (buckets) around a large one (sent alone): 300 x 300 floats is over 256 KB."""
     torch.manual_seed(8)

@@ -35,7 +35,7 @@ from .options import COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Op
 from .profiler import expected_events, fit
 from .timeline import Cost, Simulation, Step, simulate
 
-PROFILE_VERSION = 7
+PROFILE_VERSION = 8
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 TRIAL_UNIFORMS = 3
@@ -131,7 +131,8 @@ def tensors_of(profile: dict) -> tuple[Step, list[Measured]]:
     for name in m["order"]:
         t = m["tensors"][name]
         measured.append(Measured(TensorFacts(name, t["numel"], t["linear"] and t["rows"] > 0, t["coo"]),
-                                 tuple(t["shape"]), t["rows"], t["density"], t["union"]))
+                                 tuple(t["shape"]), t["rows"], t["density"], t["union"],
+                                 *(t.get(k, 0.0) for k in ("node", "spared", "rebuild"))))
     return Step(tuple(m["ready"]), m["backward_end"], m["optimizer"]), measured
 
 

@@ -8,8 +8,10 @@ Every measured quantity is a Curve, time by size x through the measured points:
   compressors  compress and decompress: x = the tensor's elements (measured while every worker of the
                job computes at once, as in training); a large gradient of the model's own takes the
                times measured on it instead (a compressor's time depends on the data)
-  matmul       one rate (flop/s) under the same load: SFB's rebuild, the weight gradient SFB spares
-               backward
+  SFB          per linear layer, measured at its shapes under the same load: the weight gradient it
+               spares backward, its rebuild from every worker's factors, and how long the layer's
+               backward takes from its output gradient (when the factors are ready) to its weight
+               gradient
   PowerSGD     measured whole (its products, its error feedback and its two allreduces: thin products
                are bound by memory, not flops), on the channel
 How an option's cost is built from them is `Costing.cost`.
@@ -58,12 +60,18 @@ class Curve:
 @dataclass(frozen=True)
 class Measured:
     """One tensor as the profile saw it (besides its facts): its shape, the rows K its layer saw per
-    step (linear layers), and the block density of its gradient on one worker and of their union."""
+    step (linear layers), the block density of its gradient on one worker and of their union, and
+    for a linear layer's weight SFB's times (seconds): its layer's backward from the output gradient
+    to the weight gradient (`node`), the local weight gradient's product (`spared`) and the rebuild
+    from every worker's factors (`rebuild`)."""
     facts: TensorFacts
     shape: tuple
     rows: int = 0
     density: float = 1.0
     union: float = 1.0
+    node: float = 0.0
+    spared: float = 0.0
+    rebuild: float = 0.0
 
 
 def sparse_volume(numel: int, density: float, union: float) -> float:
@@ -82,19 +90,17 @@ class Costing:
         self.decompress = {spec: Curve(*xy) for spec, xy in fits["decompress"].items()}
         self.compress_own = fits.get("compress_own", {})       # spec -> tensor name -> seconds
         self.decompress_own = fits.get("decompress_own", {})
-        self.flops = fits["matmul_flops_per_s"]
         self.workers = workers
 
     def cost(self, t: Measured, option: Option) -> Cost:
         """The option's compression time (on the training thread or offloaded), channel time and
         decompression time for tensor t."""
         numel, c = t.facts.numel, option.compressor
-        if option.collective == SFB:
+        if option.collective == SFB:        # backward no longer computes the local weight gradient
             m, n = t.shape
             factors = t.rows * (m + n) * ITEMSIZE
-            rebuild = 2 * m * n * t.rows * self.workers / self.flops      # every worker's factors
-            spared = -2 * m * n * t.rows / self.flops      # backward no longer computes the local one
-            return Cost(spared, self.collective[ALLGATHER](factors), rebuild)
+            return Cost(-t.spared, self.collective[ALLGATHER](factors), t.rebuild,
+                        sooner=max(0.0, t.node - t.spared))
         if c == "none":
             if option.collective in (SPARSE, DEDICATED):
                 return Cost(comm=self.collective[option.collective](sparse_volume(numel, t.density, t.union)))

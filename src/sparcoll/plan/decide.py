@@ -119,12 +119,13 @@ def frontier(step: Step, tensors: list[Choices], alternatives: list[list[Option]
 
 
 def useful(choices: Choices) -> list[Option]:
-    """The tensor's options that no other option of the same lane beats in both compression time
-    and channel time (a beaten one can never give a smaller F)."""
+    """The tensor's options that no other option of the same lane beats in compression time, channel
+    time and how soon its payload is ready (a beaten one can never give a smaller F)."""
     costs = choices.costs
     return [o for o, c in costs.items() if not any(
         d.offload == c.offload and d.compress <= c.compress and d.comm + d.decompress <= c.comm + c.decompress
-        and (d.compress, d.comm + d.decompress) != (c.compress, c.comm + c.decompress)
+        and d.sooner >= c.sooner
+        and (d.compress, d.comm + d.decompress, d.sooner) != (c.compress, c.comm + c.decompress, c.sooner)
         for d in costs.values())]
 
 

@@ -31,10 +31,13 @@ def facts(model: nn.Module) -> list[TensorFacts]:
 class BackwardProfile:
     """A model's measured backward: parameter names in the order their gradients became ready, and
     the Step the simulator takes (ready times from backward's start, its end, the optimizer step),
-    medians over the measured iterations; the forward time is kept for reports."""
+    medians over the measured iterations; the forward time is kept for reports. `output_gradient`:
+    for each weight of a layer SFB can serve, when its layer's output gradient arrived (SFB's
+    factors are ready then, before the layer's backward runs)."""
     order: tuple[str, ...]
     step: Step
     forward: float
+    output_gradient: dict[str, float]
 
 
 def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor],
@@ -45,14 +48,23 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in params]
     seen: list[tuple[str, float]] = []
+    outputs: list[tuple[str, float]] = []
     handles = [p.register_post_accumulate_grad_hook(lambda p: seen.append((names[id(p)], time.perf_counter())))
                for p in params]
+
+    def watch_output(layer: nn.Linear, args, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            name = names[id(layer.weight)]
+            output.register_hook(lambda grad: outputs.append((name, time.perf_counter())))
+    handles += [layer.register_forward_hook(watch_output) for layer in eligible_layers(model)
+                if id(layer.weight) in names]
     optimizer = torch.optim.SGD(params, lr=1e-3)
     runs = []
     try:
         for i in range(warmup + iterations):
             optimizer.zero_grad()
             seen.clear()
+            outputs.clear()
             start = time.perf_counter()
             loss = loss_of(model)
             forward_end = time.perf_counter()
@@ -62,7 +74,8 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
             done = time.perf_counter()
             if i >= warmup:
                 runs.append((dict((n, t - forward_end) for n, t in seen), [n for n, _ in seen],
-                             backward_end - forward_end, done - backward_end, forward_end - start))
+                             backward_end - forward_end, done - backward_end, forward_end - start,
+                             {n: t - forward_end for n, t in reversed(outputs)}))    # a layer's first to arrive
     finally:
         for handle in handles:
             handle.remove()
@@ -76,4 +89,5 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
     ready = tuple(statistics.median(r[0][n] for r in runs) for n in order)
     return BackwardProfile(tuple(order), Step(ready, statistics.median(r[2] for r in runs),
                                        statistics.median(r[3] for r in runs)),
-                    statistics.median(r[4] for r in runs))
+                           statistics.median(r[4] for r in runs),
+                           {n: statistics.median(r[5][n] for r in runs) for n in runs[-1][5]})

@@ -4,10 +4,15 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
   model        the backward timeline (profile.backward_timeline) with every worker computing at once
                (without communication: under DataParallel's ring, communication's CPU made vgg's
                backward 3x longer than under SFB, which sends 2% of the ring's bytes, so one
-               strategy's interference cannot stand for all), the slowest worker's per tensor; each gradient's block density on one worker and over
-               the union of workers; the rows each linear layer sees per step (SFB's K); the cores each
-               worker has (offloading needs a spare one)
-  matmul       the flop rate of a float32 matrix product, every worker at once
+               strategy's interference cannot stand for all), the slowest worker's per tensor; each
+               gradient's block density on one worker and over the union of workers; the rows each
+               linear layer sees per step (SFB's K); the cores each worker has (offloading needs a
+               spare one)
+  SFB          per linear layer, the two products SFB changes, at the layer's shapes, every worker at
+               once: the local weight gradient it spares backward (u^T v, K rows) and its rebuild from
+               every worker's factors (K x workers rows), written into a preallocated gradient as the
+               executor does (a flop rate from a square product missed both by 2-4x on vgg: large
+               products are bound by memory and allocation, not flops)
   compressors  compress and decompress time of each compressor by tensor size, and on each of the
                model's gradients of at least OWN_GRADIENT elements (the time depends on the data), every
                worker at once
@@ -123,16 +128,22 @@ def profile_model(cfg: dict, rank: int, world: int, comm) -> tuple[dict, dict]:
                  for name, p in params.items() if p.numel() >= OWN_GRADIENT}
     model.zero_grad()
     timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5))
+    n = len(timeline.order)
+    # how long each SFB-able layer's backward takes from its output gradient to its weight gradient
+    node = [timeline.step.ready[timeline.order.index(name)] - timeline.output_gradient[name]
+            if name in timeline.output_gradient else 0.0 for name in params]
     times = torch.tensor([*timeline.step.ready, timeline.step.backward_end, timeline.step.optimizer,
-                          timeline.forward], dtype=torch.float64)
+                          timeline.forward, *node], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     times = times.tolist()
-    n = len(timeline.order)
     by_name = {f.name: f for f in facts(model)}
+    sfb = {name: sfb_products(p.shape, rows[id(p)], world)
+           for name, p in params.items() if by_name[name].linear and rows.get(id(p))}
     tensors = {name: {"numel": p.numel(), "shape": list(p.shape), "linear": by_name[name].linear,
                       "coo": by_name[name].coo, "rows": rows.get(id(p), 0),
-                      "density": d / world, "union": u}
-               for (name, p), d, u in zip(params.items(), density.tolist(), union)}
+                      "density": d / world, "union": u, "node": nd,
+                      **dict(zip(("spared", "rebuild"), sfb.get(name, ())))}
+               for (name, p), d, u, nd in zip(params.items(), density.tolist(), union, times[n + 3:])}
     return {"order": list(timeline.order), "ready": times[:n], "backward_end": times[n],
             "optimizer": times[n + 1], "forward": times[n + 2], "tensors": tensors}, gradients
 
@@ -145,9 +156,14 @@ def cores_per_worker(world: int) -> float:
     return len(os.sched_getaffinity(0)) / hosts.count(socket.gethostname())
 
 
-def matmul_rate() -> float:
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    return 2 * 1024 ** 3 / timed(lambda _: torch.mm(a, b))
+def sfb_products(shape, rows: int, world: int) -> tuple[float, float]:
+    """The seconds of the local weight gradient SFB spares backward (u^T v, a new tensor as autograd
+    makes it) and of its rebuild from every worker's factors (written into a preallocated gradient,
+    as sfb.LinearState does), for a weight of `shape` whose layer saw `rows` rows."""
+    m, n = shape
+    u, v = torch.randn(rows, m), torch.randn(rows, n)
+    big_u, big_v, result = torch.randn(rows * world, m), torch.randn(rows * world, n), torch.empty(m, n)
+    return timed(lambda _: torch.mm(u.t(), v)), timed(lambda _: torch.mm(big_u.t(), big_v, out=result))
 
 
 def profile_compressors(specs: list[str], world: int, gradients: dict):
@@ -206,9 +222,7 @@ def fit(events: list[dict]) -> dict:
     points: dict = {}
     out: dict = {"collectives": {}, "compress": {}, "decompress": {}, "compress_own": {}, "decompress_own": {}}
     for e in events:
-        if e["kind"] == "matmul":
-            out["matmul_flops_per_s"] = e["seconds"]
-        elif e.get("tensor"):
+        if e.get("tensor"):
             out[f"{e['kind']}_own"].setdefault(e["what"], {})[e["tensor"]] = e["seconds"]
         else:
             points.setdefault((e["kind"], e["what"]), []).append((e["x"], e["seconds"]))
@@ -225,7 +239,7 @@ def timed_compressors(cfg: dict) -> list[str]:
 
 def expected_events(cfg: dict) -> int:
     """How many events a profile reports at least (for progress; the model's own gradients add more)."""
-    return (2 + 2 * len(timed_compressors(cfg)) * len(COMPRESSOR_NUMELS) + 2 * len(COLLECTIVE_BYTES)
+    return (1 + 2 * len(timed_compressors(cfg)) * len(COMPRESSOR_NUMELS) + 2 * len(COLLECTIVE_BYTES)
             + len(ALLGATHER_BYTES) + len(SPARSE_NUMELS) * len(SPARSE_DENSITIES))
 
 
@@ -234,7 +248,6 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     say = emit if rank == 0 else (lambda event: None)
     model, gradients = profile_model(cfg, rank, world, comm)
     say({"event": "model", **model, "cores_per_worker": cores_per_worker(world)})
-    say({"event": "point", "kind": "matmul", "what": "mm", "x": 0, "seconds": matmul_rate()})
     specs = timed_compressors(cfg)
     for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients):
         say({"event": "point", "kind": "compress", "what": spec, "x": numel, "tensor": name, "seconds": compress})

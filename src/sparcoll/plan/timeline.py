@@ -17,11 +17,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Cost:
-    """One tensor under one option, in seconds (0 compress: sent as it is)."""
+    """One tensor under one option, in seconds (0 compress: sent as it is; a negative one is backward
+    work the option spares). `sooner`: the payload is ready that long before the gradient would be
+    (SFB's factors: at the layer's output gradient, before its backward has run)."""
     compress: float = 0.0
     comm: float = 0.0
     decompress: float = 0.0
     offload: bool = False
+    sooner: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ def advance(step: Step, state: State, i: int, cost: Cost) -> tuple[State, float,
     """Tensor i through the lanes: the state after it, when its payload was ready and when its
     communication started."""
     delay, lane, channel = state
-    ready = step.ready[i] + delay
+    ready = step.ready[i] + delay - cost.sooner
     if cost.compress and cost.offload:
         lane = ready = max(ready, lane) + cost.compress
     elif cost.compress:
@@ -127,7 +130,7 @@ def _before(g: tuple, ready: float, cost: Cost) -> tuple:
     """F's terms (gd, gl, gc) for the state before a tensor, from those for the state after it
     (advance, read backwards)."""
     gd, gl, gc = g
-    c, t = cost.compress, cost.comm + cost.decompress
+    c, t, ready = cost.compress, cost.comm + cost.decompress, ready - cost.sooner
     if c and cost.offload:
         return max(gd, gl + c + ready, gc + t + c + ready), max(gl + c, gc + t + c), gc + t
     return max(gd + c, gc + ready + c + t), gl, gc + t
