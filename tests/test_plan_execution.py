@@ -15,9 +15,9 @@ from torch import nn
 import sparcoll
 import sparcoll.torch
 from ranks import run_ranks
-from sparcoll.plan.command import units_of
+from sparcoll.plan.command import choices_of, units_of
 from sparcoll.plan.costs import Costing, Curve, Measured
-from sparcoll.plan.options import ALLGATHER, PS, RING, SFB, SPARSE, Option, TensorFacts
+from sparcoll.plan.options import ALLGATHER, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts
 from sparcoll.plan.timeline import Step
 from test_parallel import mlp, reference_grads, relative_error, step
 
@@ -65,6 +65,31 @@ def test_costs_follow_the_curves_hand_computed():
     sfb = costing.cost(layer, Option("none", SFB))
     assert [sfb.compress, sfb.comm, sfb.decompress, sfb.sooner] == pytest.approx(
         [-0.02, 5e-4 + 3e-8 * 32 * (1000 + 500) * 4, 0.3, 0.03])
+def test_a_linear_layers_bias_shares_its_weights_unit_and_rides_with_sfb():
+    """Backward order: a small tensor, then two layers' bias and weight. The first bias leaves the bucket
+    it would have joined; under SFB a layer unit costs its weight's SFB (the factors carry the bias),
+    under anything else its members one by one."""
+    costing = Costing(FITS, workers=4)
+    linear = dict(linear=True)
+    measured = [Measured(TensorFacts("norm.weight", 64), (64,)),
+                Measured(TensorFacts("a.bias", 500), (500,)),
+                Measured(TensorFacts("a.weight", 500_000, **linear), (500, 1000), rows=32, node=0.05, spared=0.02,
+                         rebuild=0.3),
+                Measured(TensorFacts("b.bias", 100), (100,)),
+                Measured(TensorFacts("b.weight", 100_000, **linear), (100, 1000), rows=32, node=0.01, spared=0.005,
+                         rebuild=0.06)]
+    step = Step((0.1, 0.2, 0.2, 0.3, 0.3), 0.4)
+    units_step, units, groups = units_of(step, measured)
+    assert groups == [[0], [1, 2], [3, 4]] and units_step.ready == (0.1, 0.2, 0.3)
+    assert [u.facts.numel for u in units] == [64, 500_500, 100_100] and units[1].facts.linear
+    choices = choices_of(units, groups, measured, costing, ["none", "topk:0.01"], JobFacts())
+    assert choices[1].costs[Option("none", SFB)] == costing.cost(measured[2], Option("none", SFB))
+    for option in (Option(), Option("none", PS), Option("topk:0.01", ALLGATHER)):
+        bias, weight = (costing.cost(measured[i], option) for i in (1, 2))
+        assert choices[1].costs[option].comm == pytest.approx(bias.comm + weight.comm)
+        assert choices[1].costs[option].compress == pytest.approx(bias.compress + weight.compress)
+
+
 def small_and_large() -> nn.Module:
     """Small layers (buckets) around a large one (sent alone): 300 x 300 floats is over 256 KB."""
     torch.manual_seed(8)

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from sparcoll.bench.launch import Job, run_job, run_jobs
@@ -140,16 +141,25 @@ def units_of(step: Step, measured: list[Measured]) -> tuple[Step, list[Measured]
     """The units the plan chooses for: each tensor, except that consecutive small dense ones form a
     group as sparcoll.torch.DataParallel's buckets do (up to BUCKET_BYTES, in ready order), one
     option for the group: on the ring they travel as one allreduce, under any other option one by
-    one. A group is ready with its last member. Returns the units' Step, the units, their members."""
+    one; and a linear layer's weight that SFB can serve takes its bias, which backward produces just
+    before it, into its unit: under SFB the factors carry the bias (DataParallel sends nothing for it)
+    and are ready at the layer's output gradient, before the bias; under any other option the two go
+    one by one. A unit is ready with its last member. Returns the units' Step, the units, their
+    members."""
     groups: list[list[int]] = []
     open_group: list[int] = []
     for i, t in enumerate(measured):
         small = not t.facts.coo and t.facts.numel * ITEMSIZE <= SMALL_BYTES
         if not small:
+            bias = _own_bias(measured, i)
+            if bias is not None and open_group and open_group[-1] == bias:
+                open_group.pop()
+            elif bias is not None and groups and groups[-1] == [bias]:
+                groups.pop()
             if open_group:
                 groups.append(open_group)
                 open_group = []
-            groups.append([i])
+            groups.append([i] if bias is None else [bias, i])
             continue
         open_group.append(i)
         if sum(measured[j].facts.numel for j in open_group) * ITEMSIZE >= BUCKET_BYTES:
@@ -157,8 +167,29 @@ def units_of(step: Step, measured: list[Measured]) -> tuple[Step, list[Measured]
             open_group = []
     if open_group:
         groups.append(open_group)
-    units = [measured[g[0]] if len(g) == 1 else _group(measured[g[0]:g[-1] + 1]) for g in groups]
+    units = [measured[g[0]] if len(g) == 1 else _layer(measured[g[0]], measured[g[1]]) if _is_layer(measured, g)
+             else _group(measured[g[0]:g[-1] + 1]) for g in groups]
     return Step(tuple(step.ready[g[-1]] for g in groups), step.backward_end, step.optimizer), units, groups
+
+
+def _own_bias(measured: list[Measured], i: int) -> int | None:
+    """The index of weight i's bias if i is a linear layer's weight SFB can serve and its bias came
+    just before it in backward, else None."""
+    name = measured[i].facts.name
+    if i and measured[i].facts.linear and name.endswith(".weight") \
+            and measured[i - 1].facts.name == name[:-len("weight")] + "bias":
+        return i - 1
+    return None
+
+
+def _is_layer(measured: list[Measured], members: list[int]) -> bool:
+    return len(members) == 2 and _own_bias(measured, members[1]) == members[0]
+
+
+def _layer(bias: Measured, weight: Measured) -> Measured:
+    facts = replace(weight.facts, name=f"{bias.facts.name}+{weight.facts.name}",
+                    numel=bias.facts.numel + weight.facts.numel)
+    return replace(weight, facts=facts)
 
 
 def _group(members: list[Measured]) -> Measured:
@@ -170,13 +201,16 @@ def _group(members: list[Measured]) -> Measured:
 def choices_of(units: list[Measured], groups: list[list[int]], measured: list[Measured], costing: Costing,
                compressors, job: JobFacts) -> list[decide.Choices]:
     """Each unit's valid options and their costs; a group's are its members' one by one, but on the
-    ring, where they travel as one."""
+    ring, where a bucket travels as one, and under SFB, where the weight's factors carry its bias."""
     out = []
     for unit, members in zip(units, groups):
         costs = {}
+        layer = _is_layer(measured, members)
         for o in options(unit.facts, job, compressors):
-            if len(members) == 1 or o == Option():
+            if len(members) == 1 or (o == Option() and not layer):
                 costs[o] = costing.cost(unit, o)
+            elif o.collective == SFB:
+                costs[o] = costing.cost(measured[members[-1]], o)
             else:
                 parts = [costing.cost(measured[i], o) for i in members]
                 costs[o] = Cost(sum(c.compress for c in parts), sum(c.comm for c in parts),
@@ -195,6 +229,12 @@ def uniform(tensors: list[decide.Choices], compressor: str, collective: str | No
         out.append(fits[0] if fits else decide.uncompressed(t))
         used = used or bool(fits)
     return out if used else None
+
+
+def free(t: decide.Choices) -> Cost:
+    """The unit with free communication: nothing on the channel, and as little backward work as any
+    of its options leaves (SFB spares the local weight gradient)."""
+    return Cost(compress=min(0.0, *(c.compress for c in t.costs.values())))
 
 
 def predict(step: Step, tensors: list[decide.Choices], chosen: list[Option]) -> float:
@@ -261,7 +301,7 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
             **{k: profile[k] for k in ("workload", "options", "batch_size", "model_spec") if k in profile},
             "strategy": f"uniform {fixed}" if fixed else "planned", "without": sorted(dimensions),
             "decision_ms": decision_ms, "units": len(units), "predicted_step_s": forward + timeline.iteration,
-            "bound_s": forward + simulate(step, [Cost()] * len(tensors)).iteration, "forward_s": forward,
+            "bound_s": forward + simulate(step, [free(t) for t in tensors]).iteration, "forward_s": forward,
             "cores_per_worker": profile["model"]["cores_per_worker"],
             "uniform": {name: forward + predict(step, tensors, strategy) for name, strategy in uniforms.items()},
             "tensors": entries}
@@ -275,7 +315,8 @@ def table(plan: dict) -> str:
         rows.setdefault(t["unit"], []).append(t)
     for members in rows.values():
         t = members[-1]
-        name = t["name"] if len(members) == 1 else f"{len(members)} small tensors ({members[0]['name']}...)"
+        name = (t["name"] if len(members) == 1 else f"{t['name']} and its bias" if members[0]["name"].endswith(".bias")
+                and members[0]["name"][:-4] == t["name"][:-6] else f"{len(members)} small tensors ({members[0]['name']}...)")
         lines.append(f"{name[:44]:<44} {sum(m['numel'] for m in members):>10} {1e3 * t['ready_s']:>9.2f} "
                      f"{t['option'][:30]:<30} {1e3 * (t['unit_comm_s'] + t['unit_decompress_s']):>8.2f}")
     what = plan["strategy"] + (f" without {', '.join(plan['without'])}" if plan["without"] else "")
