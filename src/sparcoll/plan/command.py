@@ -144,7 +144,8 @@ def units_of(step: Step, measured: list[Measured]) -> tuple[Step, list[Measured]
     one; and a linear layer's weight that SFB can serve takes its bias, which backward produces just
     before it, into its unit: under SFB the factors carry the bias (DataParallel sends nothing for it)
     and are ready at the layer's output gradient, before the bias; under any other option the two go
-    one by one. A unit is ready with its last member. Returns the units' Step, the units, their
+    one by one (DataParallel may put the bias in the bucket before the weight: one small allreduce
+    fewer than priced). A unit is ready with its last member. Returns the units' Step, the units, their
     members."""
     groups: list[list[int]] = []
     open_group: list[int] = []
