@@ -4,7 +4,8 @@
 
 Per workload: each mode's predicted step (`sparcoll plan`) and measured step (range over rounds), the
 prediction's error, the speedup over DDP, bytes sent and the largest loss difference from DDP; then the
-plan against the best uniform strategy measured in the same round, and DDP's communication share.
+plan against the best uniform strategy measured in the same round, DDP's communication share, and what
+the plan's trial measured.
 """
 from __future__ import annotations
 
@@ -69,6 +70,12 @@ def summarize(out: Path, workload: str) -> str:
     lines += ["", f"plan vs the best uniform strategy measured in the same round: "
                   + ", ".join(f"{x:.2f}x ({name})" for x, name in vs_best)
               + f"; DDP's communication share of its step: {span([100 * s for s in share], '{:.0f}')}%"]
+    tried = json.loads((out / f"{workload}-plan.json").read_text()).get("trial")
+    if tried:
+        lines += ["", f"`sparcoll plan`'s trial ({tried['steps']} steps each after {tried['warmup']} warm-up) kept "
+                      f"**{tried['kept']}**; measured (predicted) ms: " + ", ".join(
+                          f"{name} {1e3 * s:.0f} ({1e3 * tried['predicted_step_s'][name]:.0f})"
+                          for name, s in sorted(tried["step_s"].items(), key=lambda kv: kv[1]))]
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from sparcoll.bench.launch import BenchError
 from sparcoll.compress import make
 from sparcoll.plan import decide, trial
 from sparcoll.plan.options import (ALLGATHER, COLLECTIVES, COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE,
@@ -208,6 +209,29 @@ def test_a_trial_keeps_the_plan_unless_another_is_clearly_faster():
     assert trial.choose({"planned": 1.0, "uniform sfb": 1.0 / (1 + margin / 2), "uniform ring": 3.0}) == "planned"
     assert trial.choose({"planned": 1.0, "uniform sfb": 0.8, "without compression": 0.9}) == "uniform sfb"
     assert trial.choose({"planned": 0.5, "uniform sfb": 0.8}) == "planned"
+    assert trial.choose({"uniform sfb": 0.8, "uniform ring": 0.9}) == "uniform sfb"     # the plan's run failed
+
+
+def test_a_candidate_whose_trial_fails_is_left_out_and_the_others_still_run(monkeypatch):
+    """A fake launcher: each candidate reports steps of its own duration, one fails midway."""
+    durations = {"planned": 0.3, "uniform sfb": None, "uniform ring": 0.5}
+
+    def launch(config, workers, network, timeout, on_event):
+        seconds = durations[config["strategy"]["name"]]
+        for step in range(config["steps"]):
+            if seconds is None and step == 1:
+                raise BenchError("worker 2 exited with status 1")
+            on_event({"event": "step", "step_s": 9.0 if step == 0 else (seconds or 1.0)})
+            on_event({"event": "trace"})
+    monkeypatch.setattr(trial, "launch", launch)
+    advanced = []
+    step_s, failed = trial.measure({}, {n: {"name": n} for n in durations}, 4, "none", 3, 1, 10.0, advanced.append)
+    assert step_s == pytest.approx({"planned": 0.3, "uniform ring": 0.5})      # the warm-up left out
+    assert list(failed) == ["uniform sfb"] and "status 1" in failed["uniform sfb"]
+    assert len(advanced) == 3 * 4                                              # the progress bar completes
+    durations.update({"planned": None, "uniform ring": None})
+    with pytest.raises(BenchError, match="every candidate"):
+        trial.measure({}, {n: {"name": n} for n in durations}, 4, "none", 3, 1, 10.0, advanced.append)
 
 
 class Mixed(nn.Module):

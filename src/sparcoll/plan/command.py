@@ -333,6 +333,8 @@ def table(plan: dict) -> str:
                      f"kept: {tr['kept']}")
         for name, s in sorted(tr["step_s"].items(), key=lambda kv: kv[1]):
             lines.append(f"  {name:<29} measured {1e3 * s:>10.1f} ms, predicted {1e3 * tr['predicted_step_s'][name]:.1f}")
+        for name, reason in tr.get("failed", {}).items():
+            lines.append(f"  {name:<29} failed: {reason}")
     return "\n".join(lines)
 
 
@@ -349,18 +351,24 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
     config = {**{k: defaults[k] for k in ("lr", "block_size", "data")}, "timeout": args.timeout,
               **{k: profile[k] for k in ("workload", "options", "batch_size", "seed")}}
     step_s: dict[str, float] = {}
+    failed: dict[str, str] = {}
 
     def body(advance) -> None:
-        step_s.update(trial.measure(config, plans, args.workers, args.network, args.trial, TRIAL_WARMUP,
-                                    args.timeout, advance))
+        measured, broken = trial.measure(config, plans, args.workers, args.network, args.trial, TRIAL_WARMUP,
+                                         args.timeout, advance)
+        step_s.update(measured)
+        failed.update(broken)
 
     status = run_jobs("plan --trial", (TRIAL_WARMUP + args.trial) * len(plans), body)
     if status:
         return status, plan
+    for name, reason in failed.items():
+        print(f"sparcoll plan: the trial of {name} failed and is left out: {reason}", file=sys.stderr)
     kept = trial.choose(step_s)
     return 0, {**plans[kept], "decision_ms": plan["decision_ms"],
                "trial": {"steps": args.trial, "warmup": TRIAL_WARMUP, "margin": trial.MARGIN, "kept": kept,
-                         "step_s": step_s, "predicted_step_s": {n: p["predicted_step_s"] for n, p in plans.items()}}}
+                         "step_s": step_s, "failed": failed,
+                         "predicted_step_s": {n: p["predicted_step_s"] for n, p in plans.items()}}}
 
 
 def argparse_defaults(add_arguments) -> argparse.Namespace:

@@ -38,17 +38,19 @@ def candidates(plan: dict, others: dict[str, dict]) -> dict[str, dict]:
 
 
 def choose(step_s: dict[str, float], margin: float = MARGIN) -> str:
-    """The candidate to keep: the plan, unless another was measured more than `margin` faster."""
+    """The candidate to keep: the plan, unless another was measured more than `margin` faster (or
+    the plan's own run failed)."""
     best = min(step_s, key=step_s.get)
-    return PLANNED if step_s[PLANNED] <= step_s[best] * (1 + margin) else best
+    return PLANNED if PLANNED in step_s and step_s[PLANNED] <= step_s[best] * (1 + margin) else best
 
 
 def measure(config: dict, plans: dict[str, dict], workers: int, network: str, steps: int, warmup: int,
-            timeout: float, advance: Callable[[str], None]) -> dict[str, float]:
+            timeout: float, advance: Callable[[str], None]) -> tuple[dict[str, float], dict[str, str]]:
     """Each plan's mean step time (the slowest worker's, as `sparcoll train` reports it) over `steps`
     steps after `warmup` untimed ones, trained by sparcoll.torch.DataParallel as `sparcoll train
-    --comm planned` does, one job after another."""
-    out = {}
+    --comm planned` does, one job after another; and the reason of each candidate whose job failed
+    (it is left out: one strategy that cannot run here must not cost the user the others)."""
+    out, failed = {}, {}
     for name, plan in plans.items():
         times: list[float] = []
 
@@ -57,9 +59,17 @@ def measure(config: dict, plans: dict[str, dict], workers: int, network: str, st
                 times.append(event["step_s"])
                 advance(f"trial {name}: step {len(times)}")
 
-        launch({**config, "steps": warmup + steps, "comm": PLANNED, "compress": None, "strategy": plan},
-               workers, network, timeout, on_event)
-        if len(times) != warmup + steps:
-            raise BenchError(f"the trial of {name} reported {len(times)} of {warmup + steps} steps")
+        try:
+            launch({**config, "steps": warmup + steps, "comm": PLANNED, "compress": None, "strategy": plan},
+                   workers, network, timeout, on_event)
+            if len(times) != warmup + steps:
+                raise BenchError(f"it reported {len(times)} of {warmup + steps} steps")
+        except BenchError as exc:
+            failed[name] = str(exc)
+            for _ in range(warmup + steps - len(times)):
+                advance(f"trial {name}: failed")
+            continue
         out[name] = statistics.fmean(times[warmup:])
-    return out
+    if not out:
+        raise BenchError("every candidate of the trial failed: " + "; ".join(f"{n}: {r}" for n, r in failed.items()))
+    return out, failed
