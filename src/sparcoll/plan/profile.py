@@ -90,4 +90,5 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
     return BackwardProfile(tuple(order), Step(ready, statistics.median(r[2] for r in runs),
                                        statistics.median(r[3] for r in runs)),
                            statistics.median(r[4] for r in runs),
-                           {n: statistics.median(r[5][n] for r in runs) for n in runs[-1][5]})
+                           {n: statistics.median(r[5][n] for r in runs if n in r[5])
+                            for n in set().union(*(r[5] for r in runs))})

@@ -11,8 +11,9 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
   SFB          per linear layer, the two products SFB changes, at the layer's shapes, every worker at
                once: the local weight gradient it spares backward (u^T v, K rows) and its rebuild from
                every worker's factors (K x workers rows), written into a preallocated gradient as the
-               executor does (a flop rate from a square product missed both by 2-4x on vgg: large
-               products are bound by memory and allocation, not flops)
+               executor does (a flop rate from a square product put vgg's spared work at a quarter of
+               the measured, its rebuilds 3-30% low: a product of 32 rows into a fresh gradient is
+               bound by memory and allocation, not flops)
   compressors  compress and decompress time of each compressor by tensor size, and on each of the
                model's gradients of at least OWN_GRADIENT elements (the time depends on the data), every
                worker at once
