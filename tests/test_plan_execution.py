@@ -219,3 +219,27 @@ def test_plan_then_train_the_plan(tmp_path):
                             "none", "--comm", "planned", "--plan", str(plan_file)],
                            capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert wrong.returncode == 2 and "made for workers 2" in wrong.stderr
+
+
+def test_plan_a_users_own_model(tmp_path):
+    """`sparcoll plan --model module:function`: the function returns the model and one worker's input;
+    the loss is the output's sum. There is no training loop to run a trial with, which it says."""
+    (tmp_path / "users_model.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(16, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4)), "
+        "torch.randn(8, 16)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    plan_file = tmp_path / "plan.json"
+    done = subprocess.run([sys.executable, "-m", "sparcoll", "plan", "--model", "users_model:build", "--workers", "2",
+                           "--network", "none", "--compressors", "none,fp16", "--profile", str(tmp_path / "p.json"),
+                           "--json", str(plan_file)], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "no trial for --model" in done.stderr
+    plan = json.loads(plan_file.read_text())
+    assert plan["model_spec"] == "users_model:build" and "trial" not in plan
+    assert [t["name"] for t in plan["tensors"]] == ["4.bias", "4.weight", "2.bias", "2.weight", "0.bias", "0.weight"]
+    assert "2.weight and its bias" in done.stdout          # a layer SFB can serve is one unit with its bias
+    assert plan["predicted_step_s"] <= min(plan["uniform"].values()) + 1e-12
