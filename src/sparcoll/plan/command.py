@@ -168,17 +168,19 @@ def units_of(step: Step, measured: list[Measured]) -> tuple[Step, list[Measured]
             open_group = []
     if open_group:
         groups.append(open_group)
-    units = [measured[g[0]] if len(g) == 1 else _layer(measured[g[0]], measured[g[1]]) if _is_layer(measured, g)
-             else _group(measured[g[0]:g[-1] + 1]) for g in groups]
+    units = [_unit(measured, g) for g in groups]
     return Step(tuple(step.ready[g[-1]] for g in groups), step.backward_end, step.optimizer), units, groups
+
+
+def bias_of(weight: str) -> str | None:
+    """The name of the bias beside a layer's weight (module.weight -> module.bias)."""
+    return weight[:-len("weight")] + "bias" if weight.endswith(".weight") else None
 
 
 def _own_bias(measured: list[Measured], i: int) -> int | None:
     """The index of weight i's bias if i is a linear layer's weight SFB can serve and its bias came
     just before it in backward, else None."""
-    name = measured[i].facts.name
-    if i and measured[i].facts.linear and name.endswith(".weight") \
-            and measured[i - 1].facts.name == name[:-len("weight")] + "bias":
+    if i and measured[i].facts.linear and measured[i - 1].facts.name == bias_of(measured[i].facts.name):
         return i - 1
     return None
 
@@ -187,16 +189,20 @@ def _is_layer(measured: list[Measured], members: list[int]) -> bool:
     return len(members) == 2 and _own_bias(measured, members[1]) == members[0]
 
 
-def _layer(bias: Measured, weight: Measured) -> Measured:
-    facts = replace(weight.facts, name=f"{bias.facts.name}+{weight.facts.name}",
-                    numel=bias.facts.numel + weight.facts.numel)
-    return replace(weight, facts=facts)
-
-
-def _group(members: list[Measured]) -> Measured:
-    numel = sum(t.facts.numel for t in members)
-    density, union = (sum(getattr(t, k) * t.facts.numel for t in members) / numel for k in ("density", "union"))
-    return Measured(TensorFacts("+".join(t.facts.name for t in members), numel), (numel,), 0, density, union)
+def _unit(measured: list[Measured], members: list[int]) -> Measured:
+    """What a unit is to the options and costs: a tensor alone; a layer, as its weight (SFB's facts)
+    with the bias's elements; a bucket, its members' elements and their average densities."""
+    if len(members) == 1:
+        return measured[members[0]]
+    if _is_layer(measured, members):
+        bias, weight = (measured[i] for i in members)
+        facts = replace(weight.facts, name=f"{bias.facts.name}+{weight.facts.name}",
+                        numel=bias.facts.numel + weight.facts.numel)
+        return replace(weight, facts=facts)
+    group = [measured[i] for i in members]
+    numel = sum(t.facts.numel for t in group)
+    density, union = (sum(getattr(t, k) * t.facts.numel for t in group) / numel for k in ("density", "union"))
+    return Measured(TensorFacts("+".join(t.facts.name for t in group), numel), (numel,), 0, density, union)
 
 
 def choices_of(units: list[Measured], groups: list[list[int]], measured: list[Measured], costing: Costing,
@@ -316,8 +322,8 @@ def table(plan: dict) -> str:
         rows.setdefault(t["unit"], []).append(t)
     for members in rows.values():
         t = members[-1]
-        name = (t["name"] if len(members) == 1 else f"{t['name']} and its bias" if members[0]["name"].endswith(".bias")
-                and members[0]["name"][:-4] == t["name"][:-6] else f"{len(members)} small tensors ({members[0]['name']}...)")
+        name = (t["name"] if len(members) == 1 else f"{t['name']} and its bias" if members[0]["name"] == bias_of(t["name"])
+                else f"{len(members)} small tensors ({members[0]['name']}...)")
         lines.append(f"{name[:44]:<44} {sum(m['numel'] for m in members):>10} {1e3 * t['ready_s']:>9.2f} "
                      f"{t['option'][:30]:<30} {1e3 * (t['unit_comm_s'] + t['unit_decompress_s']):>8.2f}")
     what = plan["strategy"] + (f" without {', '.join(plan['without'])}" if plan["without"] else "")
