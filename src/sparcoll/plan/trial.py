@@ -4,7 +4,7 @@ steps on the job's own network, and the fastest measured kept.
 The cost models price each operation as the profile timed it, every worker doing the same thing at
 once. In training, backward, the synchronization threads and colocated aggregators of all workers
 share the cores and their memory bandwidth, which no per-operation timing sees: on vgg (4 workers on
-2 cores) blocktopk on the 400 MB layer was predicted 4% faster than SFB and measured 1.5-2x slower.
+2 cores) blocktopk on the 400 MB layer was predicted 4% faster than SFB and measured 1.4-2x slower.
 So the decision narrows the options to a handful (the plan, the planner without each dimension, the
 uniform strategies it predicts best), and a short run of each decides among them. The plan stays
 unless another candidate is measured more than MARGIN faster: a few steps are noisy, and the model's
