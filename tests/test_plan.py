@@ -4,6 +4,8 @@ offload search against brute force, and what the profile reads of a model (its g
 its backward timeline)."""
 import random
 
+import numpy as np
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,7 +18,7 @@ from sparcoll.plan import decide, trial
 from sparcoll.plan.options import (ALLGATHER, COLLECTIVES, COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE,
                                    JobFacts, Option, TensorFacts, options, why_invalid)
 from sparcoll.plan.profile import backward_timeline, facts
-from sparcoll.plan.timeline import Cost, Simulation, Step, simulate
+from sparcoll.plan.timeline import Cost, Simulation, Step, advance, simulate
 from pause import Pause
 
 # What may carry each compressor scheme's payload, written out independently of the rules.
@@ -166,16 +168,31 @@ def test_offload_search_equals_brute_force():
                                                          rel=0, abs=1e-12)
 
 
+def test_the_frontier_moves_every_state_as_the_simulator_does():
+    """The frontier search's vectorized step against timeline.advance, state by state and cost by
+    cost: on-thread, offloaded and plain costs, with SFB's `sooner`, from states where each lane leads."""
+    rng = random.Random(14)
+    for _ in range(30):
+        step = Step(tuple(sorted(rng.uniform(0, 1) for _ in range(3))), 1.0)
+        lanes = np.array([[rng.uniform(0, 0.3), rng.uniform(0, 1.5), rng.uniform(0, 1.5)] for _ in range(5)])
+        costs = [Cost(rng.choice([0.0, rng.uniform(0, 0.2)]), rng.uniform(0, 0.5), rng.uniform(0, 0.05),
+                      rng.random() < 0.5, rng.choice([0.0, rng.uniform(0, 0.3)])) for _ in range(4)]
+        i = rng.randrange(3)
+        got = decide._advance_all(step.ready[i], lanes, costs)
+        want = [advance(step, tuple(state), i, cost)[0] for state in lanes.tolist() for cost in costs]
+        assert got.tolist() == [list(w) for w in want]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(*[st.integers(0, 3).map(float)] * 3), min_size=1, max_size=40),
        st.integers(1, 50))
 def test_the_frontier_keeps_exactly_the_undominated_lane_states(lanes, beam):
     """Against the definition, with many ties: a state is dropped iff another is at most it in every
     lane (of equal states one is kept); beyond `beam`, the kept are the smallest by the bound."""
-    states = [(lane, k, None) for k, lane in enumerate(lanes)]
+    array = np.array(lanes)
     pareto = {a for a in lanes
               if not any(all(x <= y for x, y in zip(b, a)) and b != a for b in lanes)}
-    kept = [s[0] for s in decide._undominated(states, beam, sum)]
+    kept = [lanes[k] for k in decide._undominated(array, array.sum(axis=1), beam)]
     assert len(kept) == len(set(kept)) == min(beam, len(pareto))
     assert set(kept) <= pareto
     dropped = pareto - set(kept)
