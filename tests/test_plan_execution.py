@@ -223,7 +223,7 @@ def test_plan_then_train_the_plan(tmp_path):
 
 def test_plan_a_users_own_model(tmp_path):
     """`sparcoll plan --model module:function`: the function returns the model and one worker's input;
-    the loss is the output's sum. There is no training loop to run a trial with, which it says."""
+    the loss is the output's sum. Its trial trains each candidate on that input, as for a workload."""
     (tmp_path / "users_model.py").write_text(
         "import torch\nfrom torch import nn\n\n"
         "def build():\n"
@@ -233,13 +233,22 @@ def test_plan_a_users_own_model(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     plan_file = tmp_path / "plan.json"
-    done = subprocess.run([sys.executable, "-m", "sparcoll", "plan", "--model", "users_model:build", "--workers", "2",
-                           "--network", "none", "--compressors", "none,fp16", "--profile", str(tmp_path / "p.json"),
-                           "--json", str(plan_file)], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    command = [sys.executable, "-m", "sparcoll", "plan", "--workers", "2", "--network", "none",
+               "--compressors", "none,fp16", "--profile", str(tmp_path / "p.json"), "--json", str(plan_file)]
+    done = subprocess.run(command + ["--model", "users_model:build", "--trial", "1"],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "no trial for --model" in done.stderr
     plan = json.loads(plan_file.read_text())
-    assert plan["model_spec"] == "users_model:build" and "trial" not in plan
+    assert plan["model_spec"] == "users_model:build"
     assert [t["name"] for t in plan["tensors"]] == ["4.bias", "4.weight", "2.bias", "2.weight", "0.bias", "0.weight"]
     assert "2.weight and its bias" in done.stdout          # a layer SFB can serve is one unit with its bias
-    assert plan["predicted_step_s"] <= min(plan["uniform"].values()) + 1e-12
+    tried = plan["trial"]
+    assert tried["steps"] == 1 and not tried["failed"] and "planned" in tried["step_s"]
+    assert len(tried["step_s"]) >= 2 and all(s > 0 for s in tried["step_s"].values())
+    assert tried["step_s"][tried["kept"]] <= min(tried["step_s"].values()) * (1 + tried["margin"])
+    assert f"kept: {tried['kept']}" in done.stdout
+    decided = tried["predicted_step_s"]["planned"]
+    assert plan["bound_s"] <= decided <= min(plan["uniform"].values()) + 1e-12
+    wrong = subprocess.run(command + ["--model", "users_model"], capture_output=True, text=True,
+                           timeout=TIMEOUT, env=env)
+    assert wrong.returncode == 2 and "expected MODULE:FUNCTION" in wrong.stderr

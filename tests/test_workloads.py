@@ -12,6 +12,7 @@ from sparcoll.workloads.data import zipf
 from sparcoll.workloads.deeplight import field_rows, read_criteo, table_ids
 from sparcoll.workloads.lstm import read_text
 from sparcoll.workloads.ncf import CSV_HEADER, read_movielens
+from sparcoll.workloads.user import UserModel
 
 NAMES = sorted(WORKLOADS)
 LEARNING_RATES = {"cnn": 0.3, "deeplight": 0.1, "gpt": 0.3, "lstm": 1.0, "narrowrec": 0.5, "ncf": 0.5, "vgg": 0.1}
@@ -401,3 +402,32 @@ def test_narrowrec_default_tables_get_narrow_coo_rows():
         assert set(grad.indices()[0].tolist()) == set(ids[:, i].tolist())
         assert grad.indices().shape[1] < 256  # Zipf: popular ids repeat within a batch
     assert get_workload("narrowrec", tiny=True, embedding_dim=16).model.tables[0].embedding_dim == 16
+
+
+def test_a_users_model_trains_on_its_example_input(tmp_path, monkeypatch):
+    """`--model MODULE:FUNCTION` as a workload: the loss is a scalar output itself, else the output's
+    sum, on the function's input every step (a tuple is the model's positional arguments)."""
+    (tmp_path / "users_models.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Pair(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.a, self.b = nn.Linear(3, 2), nn.Linear(4, 2)\n"
+        "    def forward(self, x, y):\n        return (self.a(x) * self.b(y)).mean()\n\n"
+        "def pair():\n    torch.manual_seed(1)\n    return Pair(), (torch.randn(5, 3), torch.randn(5, 4))\n\n"
+        "def linear():\n    torch.manual_seed(2)\n    return nn.Linear(3, 2), torch.randn(6, 3)\n\n"
+        "def wrong():\n    return 'not a model'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    wl = UserModel("users_models:pair")
+    x, y = wl.batch
+    first, second = itertools.islice(wl.batches(8, 1, 2, 0), 2)
+    assert first is wl.batch and second is wl.batch
+    assert wl.loss(wl.model, first).item() == pytest.approx((wl.model.a(x) * wl.model.b(y)).mean().item(), abs=0)
+    wl = UserModel("users_models:linear")
+    (x,) = wl.batch
+    assert wl.loss(wl.model, wl.batch).item() == pytest.approx((x @ wl.model.weight.T + wl.model.bias).sum().item(),
+                                                              rel=1e-6)
+    with pytest.raises(ValueError, match="expected MODULE:FUNCTION"):
+        UserModel("users_models")
+    with pytest.raises(ValueError, match="has no function nope"):
+        UserModel("users_models:nope")
+    with pytest.raises(ValueError, match=r"must return \(nn.Module, example input\), got str"):
+        UserModel("users_models:wrong")

@@ -238,7 +238,8 @@ def _progress_bar(steps: int):
     """A progress bar of `steps` steps on stderr; yields advance(what), which counts one finished step
     of `what`. It redraws only when a step finishes (no refresh thread: the processes being timed
     share the machine's cores). Off a terminal nothing is redrawn: a line is printed per new `what`
-    and at the end."""
+    and at the end. advance(what, more) also adds `more` steps to the total (a job that learns how
+    much work it has only once started)."""
     console = Console(stderr=True, emoji=False)   # "poseidon:ring: step 3" is no emoji code
     if not console.is_terminal:
         console.width = LOG_WIDTH   # a log line is not cut to a screen's width
@@ -251,9 +252,9 @@ def _progress_bar(steps: int):
         task = bar.add_task("", total=steps)
         (state,) = bar.tasks
 
-        def advance(what: str) -> None:
+        def advance(what: str, more: int = 0) -> None:
             new = what != state.description
-            bar.update(task, advance=1, description=what, refresh=True)
+            bar.update(task, total=state.total + more, advance=1, description=what, refresh=True)
             if not console.is_terminal and (new or state.finished):
                 console.print(bar.get_renderable())
         yield advance

@@ -26,14 +26,14 @@ from sparcoll.bench.launch import Job, run_job, run_jobs
 from sparcoll.bench.netem import netem_available, parse_rate
 from sparcoll.train import command as train_command
 from sparcoll.train.command import BATCH_SIZES, _option, workload_options
-from sparcoll.workloads import WORKLOADS
+from sparcoll.workloads import WORKLOADS, user
 
 from . import decide, trial
 from sparcoll.torch.parallel import BUCKET_BYTES, SMALL_BYTES
 
 from .costs import ITEMSIZE, Costing, Measured
 from .options import COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, options
-from .profiler import expected_events, fit
+from .profiler import expected_events, fit, gradient_events
 from .timeline import Cost, Simulation, Step, simulate
 
 PROFILE_VERSION = 8
@@ -74,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train the plan, the planner without each dimension and the %d uniform "
                              "strategies predicted best for STEPS steps each (after one warm-up) on the "
                              "same network, and keep the fastest measured (the plan unless another is "
-                             "more than %d%%%% faster); 0: the model's decision alone (default 3; "
-                             "workloads only, not --model)" % (TRIAL_UNIFORMS, round(100 * trial.MARGIN)))
+                             "more than %d%%%% faster); 0: the model's decision alone (default 3; a "
+                             "--model trains on its example input)" % (TRIAL_UNIFORMS, round(100 * trial.MARGIN)))
     parser.add_argument("--json", metavar="PATH", help="write the plan to PATH")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds without progress before profiling is declared hung (default 600)")
@@ -98,7 +98,7 @@ def measure(ident: dict, timeout: float) -> dict:
         def on_event(event: dict) -> None:
             if event["event"] == "model":
                 model.update({k: v for k, v in event.items() if k != "event"})
-                advance("model timeline")
+                advance("model timeline", gradient_events(ident, model))
             elif event["event"] == "point":
                 points.append({k: v for k, v in event.items() if k != "event"})
                 advance(f"{event['kind']} {event['what']}")
@@ -354,8 +354,9 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
         others[f"uniform {name}"] = make_plan(profile, compressors, fixed=name)
     plans = trial.candidates(plan, others)
     defaults = vars(argparse_defaults(train_command.add_arguments))
-    config = {**{k: defaults[k] for k in ("lr", "block_size", "data")}, "timeout": args.timeout,
-              **{k: profile[k] for k in ("workload", "options", "batch_size", "seed")}}
+    model = ({"model_spec": profile["model_spec"], "workload": None, "options": {}, "batch_size": None, "seed": 0}
+             if "model_spec" in profile else {k: profile[k] for k in ("workload", "options", "batch_size", "seed")})
+    config = {**{k: defaults[k] for k in ("lr", "block_size", "data")}, "timeout": args.timeout, **model}
     step_s: dict[str, float] = {}
     failed: dict[str, str] = {}
 
@@ -387,6 +388,12 @@ def run(args) -> int:
     if args.batch_size is not None and args.batch_size < 1 or args.workers < 2 or args.trial < 0:
         print("sparcoll plan: error: --workers must be >= 2, --batch-size >= 1 and --trial >= 0", file=sys.stderr)
         return 2
+    if args.model:
+        try:
+            user.split(args.model)
+        except ValueError as exc:
+            print(f"sparcoll plan: error: {exc}", file=sys.stderr)
+            return 2
     if args.network != "none":
         ok, reason = netem_available()
         if not ok:
@@ -404,13 +411,9 @@ def run(args) -> int:
         print(f"sparcoll plan: error: {exc}", file=sys.stderr)
         return 2
     if args.trial > 0 and args.uniform is None and not args.without:
-        if args.model:
-            print("sparcoll plan: no trial for --model (sparcoll train runs the workloads only): the "
-                  "model's decision alone", file=sys.stderr)
-        else:
-            status, plan = tried(plan, profile, args)
-            if status:
-                return status
+        status, plan = tried(plan, profile, args)
+        if status:
+            return status
     print(table(plan))
     if args.json:
         Path(args.json).write_text(json.dumps(plan, indent=1))

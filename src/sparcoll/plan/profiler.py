@@ -27,7 +27,6 @@ costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`)
 """
 from __future__ import annotations
 
-import importlib
 import os
 import socket
 import statistics
@@ -36,7 +35,6 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import sparcoll
 from sparcoll.bench.events import emit
@@ -46,6 +44,8 @@ from sparcoll.compress import Reducer
 from sparcoll.compress.channel import Channel
 from sparcoll.torch.ps import ps_allreduce
 from sparcoll.torch.sfb import eligible_layers
+from sparcoll.workloads import get_workload
+from sparcoll.workloads.user import UserModel
 
 from .costs import Curve, sparse_volume
 from .options import ALLGATHER, COMPRESSORS, PS, RING, SPARSE
@@ -65,17 +65,11 @@ BUDGET = 0.2      # seconds of timed runs per point, at least
 def model_and_loss(cfg: dict, rank: int, world: int):
     """The model and a function giving the loss of its next batch."""
     if cfg.get("model_spec"):
-        module, _, function = cfg["model_spec"].partition(":")
-        model, batch = getattr(importlib.import_module(module), function)()
-        inputs = batch if isinstance(batch, tuple) else (batch,)
-
-        def loss_of(m: nn.Module) -> torch.Tensor:
-            out = m(*inputs)
-            return out if out.dim() == 0 else out.sum()
-        return model, loss_of
-    from sparcoll.workloads import get_workload
-    workload = get_workload(cfg["workload"], data=cfg.get("data"), seed=cfg["seed"], **cfg["options"])
-    batches = workload.batches(cfg["batch_size"], rank, world, cfg["seed"])
+        workload = UserModel(cfg["model_spec"])
+        batches = workload.batches()
+    else:
+        workload = get_workload(cfg["workload"], data=cfg.get("data"), seed=cfg["seed"], **cfg["options"])
+        batches = workload.batches(cfg["batch_size"], rank, world, cfg["seed"])
     return workload.model, lambda m: workload.loss(m, next(batches))
 
 
@@ -242,6 +236,11 @@ def expected_events(cfg: dict) -> int:
     """How many events a profile reports at least (for progress; the model's own gradients add more)."""
     return (1 + 2 * len(timed_compressors(cfg)) * len(COMPRESSOR_NUMELS) + 2 * len(COLLECTIVE_BYTES)
             + len(ALLGATHER_BYTES) + len(SPARSE_NUMELS) * len(SPARSE_DENSITIES))
+
+
+def gradient_events(cfg: dict, model: dict) -> int:
+    """The events the model's own large gradients add (known from its "model" event)."""
+    return 2 * len(timed_compressors(cfg)) * sum(t["numel"] >= OWN_GRADIENT for t in model["tensors"].values())
 
 
 def run_profile(cfg: dict, rank: int, world: int, comm) -> None:

@@ -17,7 +17,9 @@ Modes (the same model, seeds and per-step global batches, so loss curves compare
             last step's trace (each tensor's ready, start and end) is reported once
   poseidon-blocking  the same without wait-free backpropagation: every synchronization waits for the
             end of backward (Poseidon's ablation)
-  planned   sparcoll.torch.DataParallel executing a plan of `sparcoll plan` (the config's "strategy")
+  planned   sparcoll.torch.DataParallel executing a plan of `sparcoll plan` (the config's "strategy");
+            with the config's "model_spec" instead of a workload, on a user's own model (the
+            planner's trial of `sparcoll plan --model`; workloads.user)
 
 DDP runs with gradient_as_bucket_view=True: gradients live in DDP's buckets, one copy of the
 gradients fewer per step and per process (what a memory-minded user sets; vgg's 8 workers fit in
@@ -50,6 +52,7 @@ from sparcoll.bench.netns import interface_counters
 from sparcoll.bench.worker import exit_process, run_worker
 from sparcoll.blocks import BlockTensor
 from sparcoll.workloads import get_workload
+from sparcoll.workloads.user import UserModel
 
 MODES = ("sparcoll", "ddp", "hook", "agsparse", "poseidon", "poseidon-blocking", "planned")
 DATA_PARALLEL = ("poseidon", "poseidon-blocking", "planned")     # the modes of sparcoll.torch.DataParallel
@@ -104,7 +107,8 @@ class GradientProbe:
 def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) -> None:
     mode = cfg["comm"]
     options = {"sparse_embeddings": mode == "agsparse", **cfg["options"]}   # or as the user says
-    workload = get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **options)
+    workload = (UserModel(cfg["model_spec"]) if cfg.get("model_spec")      # sparcoll plan --model's trial
+                else get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **options))
     poseidon = mode in DATA_PARALLEL
     if poseidon:
         model = sparcoll.torch.DataParallel(workload.model, comm=comm, strategy=cfg.get("strategy") or "auto",
