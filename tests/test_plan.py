@@ -18,7 +18,8 @@ from sparcoll.plan import decide, trial
 from sparcoll.plan.options import (ALLGATHER, COLLECTIVES, COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE,
                                    JobFacts, Option, TensorFacts, options, why_invalid)
 from sparcoll.plan.profile import backward_timeline, facts
-from sparcoll.plan.timeline import Cost, Simulation, Step, advance, simulate
+from sparcoll.plan import timeline
+from sparcoll.plan.timeline import Cost, Simulation, Step, advance, contended, simulate
 from pause import Pause
 
 # What may carry each compressor scheme's payload, written out independently of the rules.
@@ -91,6 +92,53 @@ def test_an_offloaded_lane_overlaps_and_on_thread_compression_delays_backward():
     # offloaded behind a busy lane: tensor 1 waits for the lane, backward is not delayed
     both = simulate(Step((0.0, 0.3), 1.0), [costs[0], Cost(compress=0.5, comm=0.2, offload=True)])
     assert both.payload_ready == [0.5, 1.0] and both.iteration == 1.2
+
+
+def test_collectives_and_backward_slow_each_other_down_hand_computed():
+    """Backward has 0.3 s of work; tensor 0 (ready at 0.1) communicates under load for 0.2 s while
+    backward runs at half its rate, so tensor 1's 0.2 s of work is ready at 0.3; its communication
+    (0.15 s under load, backward at 1/1.5) ends exactly with backward, at 0.45; tensor 2, ready at
+    backward's end, starts after it and takes its time alone."""
+    step = Step((0.1, 0.2, 0.3), 0.3, optimizer=0.01)
+    costs = [Cost(comm=0.1, loaded=0.2, slowdown=2.0), Cost(comm=0.05, loaded=0.15, slowdown=1.5),
+             Cost(comm=0.02, loaded=0.5, slowdown=3.0)]
+    timeline = contended(step, costs)
+    assert timeline.payload_ready == pytest.approx([0.1, 0.3, 0.45])
+    assert timeline.comm_start == pytest.approx([0.1, 0.3, 0.45])
+    assert timeline.comm_end == pytest.approx([0.3, 0.45, 0.47])
+    assert timeline.backward_end == pytest.approx(0.45) and timeline.iteration == pytest.approx(0.48)
+    # on-thread compression is backward's work too: slowed alike, and it pushes what follows
+    pushed = contended(step, [Cost(comm=0.1, loaded=0.2, slowdown=2.0), Cost(compress=0.05, comm=0.01)])
+    # 0.25 s of work: 0.2 done at 0.3 (at half rate from 0.1), the rest at full rate after the interval
+    assert pushed.payload_ready[1] == pytest.approx(0.35) and pushed.backward_end == pytest.approx(0.45)
+    # backward ends during a communication: 0.1 s of work at half rate overlaps its first 0.2 s, in
+    # which it advances at 1/3 of its rate (0.1 s alone, 0.3 s loaded); the rest at full rate
+    partly = contended(Step((0.0,), 0.1), [Cost(comm=0.1, loaded=0.3, slowdown=2.0)])
+    assert partly.backward_end == pytest.approx(0.2)
+    assert partly.comm_end[0] == pytest.approx(0.2 + (0.1 - 0.2 / 3)) and partly.iteration == partly.comm_end[0]
+
+
+def test_without_contention_measured_the_timeline_is_the_simulators():
+    rng = random.Random(15)
+    for _ in range(40):
+        step, tensors = instance(rng, rng.randint(1, 12), 3, offload=True)
+        costs = [rng.choice(list(t.costs.values())) for t in tensors]
+        want, got = simulate(step, costs), contended(step, costs)
+        assert got.comm_start == pytest.approx(want.comm_start, abs=1e-12)
+        assert got.iteration == pytest.approx(want.iteration, abs=1e-12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1), st.floats(1, 4)), max_size=8),
+       st.floats(0, 10))
+def test_backwards_work_and_time_are_inverse_along_the_busy_channel(gaps, work):
+    busy, t = timeline._Busy(), 0.0
+    for gap, length, slowdown in gaps:
+        busy.add(t + gap, t + gap + length, slowdown)
+        t += gap + length
+    at = busy.time_of(work)
+    assert at >= work - 1e-9 and busy.work_at(at) == pytest.approx(work, abs=1e-9)
+    assert at <= work * max([1.0] + [g[2] for g in gaps]) + 1e-9
 
 
 def test_a_changed_cost_gives_the_iteration_time_of_a_full_simulation():

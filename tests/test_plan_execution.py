@@ -16,9 +16,9 @@ import sparcoll
 import sparcoll.torch
 from ranks import run_ranks
 from sparcoll.plan.command import choices_of, units_of
-from sparcoll.plan.costs import Costing, Curve, Measured
+from sparcoll.plan.costs import Costing, Curve, Measured, in_sequence
 from sparcoll.plan.options import ALLGATHER, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts
-from sparcoll.plan.timeline import Step
+from sparcoll.plan.timeline import Cost, Step
 from test_parallel import mlp, reference_grads, relative_error, step
 
 WORLD = 3
@@ -52,8 +52,11 @@ def test_costs_follow_the_curves_hand_computed():
     assert costing.cost(t, Option("none", SPARSE)).comm == pytest.approx(3e-3 + 1e-8 * 4 * n * 0.2)
     topk = costing.cost(t, Option("topk:0.01", ALLGATHER, True))
     payload = 5000 * (4 + 4)                  # int32 index and float32 value per kept element
+    sizes = 5e-4 + 3e-8 * 16                  # a round that gathers the two parts' lengths first
     assert topk.offload and [topk.compress, topk.comm, topk.decompress] == pytest.approx(
-        [1e-4 + 2e-9 * n, 5e-4 + 3e-8 * payload, 2e-4 + 1e-9 * n])
+        [1e-4 + 2e-9 * n, sizes + 5e-4 + 3e-8 * payload, 2e-4 + 1e-9 * n])
+    fp16 = costing.cost(t, Option("fp16", RING))              # summable, a fixed size: one ring allreduce
+    assert fp16.comm == pytest.approx(1e-3 + 1e-8 * 2 * n)
     rank4 = costing.cost(t, Option("powersgd:4", RING))            # measured whole, on the channel
     assert rank4.compress == 0 and rank4.comm == pytest.approx(2e-3 + 4e-9 * n)
     own = Costing({**FITS, "compress_own": {"topk:0.01": {"w": 0.5}}}, workers=4)     # measured on w itself
@@ -64,7 +67,32 @@ def test_costs_follow_the_curves_hand_computed():
                      rebuild=0.3)
     sfb = costing.cost(layer, Option("none", SFB))
     assert [sfb.compress, sfb.comm, sfb.decompress, sfb.sooner] == pytest.approx(
-        [-0.02, 5e-4 + 3e-8 * 32 * (1000 + 500) * 4, 0.3, 0.03])
+        [-0.02, sizes + 5e-4 + 3e-8 * 32 * (1000 + 500) * 4, 0.3, 0.03])
+def test_contention_follows_its_curves_and_adds_up_one_by_one():
+    """With the profile's contention curves a cost carries its collective's time under load and
+    backward's slowdown (SFB's on the allgathers of its factors' sizes and its factors; PowerSGD's at
+    the ring's ratio); parts sent in sequence sum their times and weigh each part's slowdown by how
+    long it runs."""
+    fits = {**FITS, "loaded": {RING: line(4e-3, 2e-8), ALLGATHER: line(1e-3, 3e-8)},
+            "slowdown": {RING: [[0.0, 1e6, 1e8], [3.0, 1.5, 2.0]], ALLGATHER: line(1.2, 0.0)}}
+    costing = Costing(fits, workers=4)
+    t = Measured(TensorFacts("w", 1000 * 500, linear=True), (1000, 500), rows=32, density=0.1, union=0.3)
+    ring = costing.cost(t, Option())
+    assert ring.comm == pytest.approx(1e-3 + 1e-8 * 2e6) and ring.loaded == pytest.approx(4e-3 + 2e-8 * 2e6)
+    assert ring.slowdown == pytest.approx(1.5 + 0.5 * 1e6 / 99e6)        # not made monotone
+    assert costing.cost(t, Option("none", PS)).loaded is None            # not measured: no contention
+    factors = 32 * 1500 * 4                                   # after a round of their sizes (16 bytes)
+    assert costing.cost(t, Option("none", SFB)).loaded == pytest.approx(1e-3 + 3e-8 * 16 + 1e-3 + 3e-8 * factors)
+    rank4 = costing.cost(t, Option("powersgd:4", RING))
+    payload = 4 * (1000 + 500) * 4
+    assert rank4.loaded == pytest.approx(rank4.comm * (4e-3 + 2e-8 * payload) / (1e-3 + 1e-8 * payload))
+    parts = [Cost(comm=1.0, loaded=2.0, decompress=1.0, slowdown=3.0), Cost(comm=0.5), Cost(comm=1.0, slowdown=1.0)]
+    unit = in_sequence(parts)
+    assert (unit.comm, unit.loaded, unit.decompress) == (2.5, 3.5, 1.0)
+    assert unit.slowdown == pytest.approx((3.0 * 3.0 + 0.5 * 1.0 + 1.0 * 1.0) / 4.5)
+    assert in_sequence([Cost(comm=1.0)]).loaded is None
+
+
 def test_a_linear_layers_bias_shares_its_weights_unit_and_rides_with_sfb():
     """Backward order: a small tensor, then two layers' bias and weight. The first bias leaves the bucket
     it would have joined; under SFB a layer unit costs its weight's SFB (the factors carry the bias),

@@ -31,12 +31,12 @@ from sparcoll.workloads import WORKLOADS, user
 from . import decide, trial
 from sparcoll.torch.parallel import BUCKET_BYTES, SMALL_BYTES
 
-from .costs import ITEMSIZE, Costing, Measured
+from .costs import ITEMSIZE, Costing, Measured, in_sequence
 from .options import COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, options
 from .profiler import expected_events, fit, gradient_events
-from .timeline import Cost, Simulation, Step, simulate
+from .timeline import Cost, Step, contended, simulate
 
-PROFILE_VERSION = 8
+PROFILE_VERSION = 9
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 TRIAL_UNIFORMS = 3
@@ -219,9 +219,7 @@ def choices_of(units: list[Measured], groups: list[list[int]], measured: list[Me
             elif o.collective == SFB:
                 costs[o] = costing.cost(measured[members[-1]], o)
             else:
-                parts = [costing.cost(measured[i], o) for i in members]
-                costs[o] = Cost(sum(c.compress for c in parts), sum(c.comm for c in parts),
-                                sum(c.decompress for c in parts), o.offload)
+                costs[o] = in_sequence([costing.cost(measured[i], o) for i in members], o.offload)
         out.append(decide.Choices(unit.facts.name, unit.facts.numel, costs))
     return out
 
@@ -245,7 +243,8 @@ def free(t: decide.Choices) -> Cost:
 
 
 def predict(step: Step, tensors: list[decide.Choices], chosen: list[Option]) -> float:
-    return Simulation(step, [t.costs[o] for t, o in zip(tensors, chosen)]).iteration
+    """F of a strategy, collectives and backward slowing each other down (timeline.contended)."""
+    return contended(step, [t.costs[o] for t, o in zip(tensors, chosen)]).iteration
 
 
 def strategy_of(option: Option) -> str:
@@ -291,10 +290,14 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
             raise ValueError(f"no uniform strategy {fixed!r}; there are {', '.join(uniforms)}")
         chosen = uniforms[fixed]
     else:
-        chosen = decide.plan(step, without(tensors, dimensions))
+        allowed = without(tensors, dimensions)
+        chosen = decide.plan(step, allowed)
     decision_ms = 1e3 * (time.perf_counter() - start)
+    if fixed is None:       # the searches price operations alone: a uniform strategy may predict less
+        others = uniforms_of(step, allowed, compressors).values() if dimensions else uniforms.values()
+        chosen = min([chosen, *others], key=lambda strategy: predict(step, tensors, strategy))
     costs = [t.costs[o] for t, o in zip(tensors, chosen)]
-    timeline = simulate(step, costs)
+    timeline = contended(step, costs)
     entries = []
     for unit, (members, o, c, s, e) in enumerate(zip(groups, chosen, costs, timeline.comm_start, timeline.comm_end)):
         for i in members:

@@ -14,12 +14,16 @@ Every measured quantity is a Curve, time by size x through the measured points:
                gradient
   PowerSGD     measured whole (its products, its error feedback and its two allreduces: thin products
                are bound by memory, not flops), on the channel
+  contention   per collective kind and size, its time while the model's forward and backward run on
+               the training thread (`loaded`), and how many times longer they take meanwhile
+               (`slowdown`; neither made monotone); PowerSGD, whose allreduces are the ring's, takes the
+               ring's at its payload
 How an option's cost is built from them is `Costing.cost`.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -47,13 +51,15 @@ class Curve:
         return ys[-1] + slope * (x - xs[-1])
 
     @classmethod
-    def of(cls, points) -> "Curve":
-        """From measured (x, seconds) points; points of one x are averaged."""
+    def of(cls, points, monotone: bool = True) -> "Curve":
+        """From measured (x, y) points; points of one x are averaged."""
         by_x: dict = {}
         for x, y in points:
             by_x.setdefault(float(x), []).append(float(y))
         xs = sorted(by_x)
-        ys = np.maximum.accumulate([float(np.mean(by_x[x])) for x in xs])
+        ys = [float(np.mean(by_x[x])) for x in xs]
+        if monotone:
+            ys = np.maximum.accumulate(ys)
         return cls(tuple(xs), tuple(float(y) for y in ys))
 
 
@@ -90,7 +96,31 @@ class Costing:
         self.decompress = {spec: Curve(*xy) for spec, xy in fits["decompress"].items()}
         self.compress_own = fits.get("compress_own", {})       # spec -> tensor name -> seconds
         self.decompress_own = fits.get("decompress_own", {})
+        self.loaded = {name: Curve(*xy) for name, xy in fits.get("loaded", {}).items()}
+        self.slowdown = {name: Curve(*xy) for name, xy in fits.get("slowdown", {}).items()}
         self.workers = workers
+
+    def _on(self, kind: str, x: float, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
+            sooner: float = 0.0, comm: float | None = None) -> Cost:
+        """A cost whose payload of size x travels on collective `kind` (its time alone `comm`, if not
+        the kind's curve's), with that kind's contention where the profile measured it."""
+        alone = self.collective[kind](x) if comm is None else comm
+        contention = {}
+        if kind in self.loaded:
+            curve = self.loaded[kind]
+            contention = {"loaded": alone * curve(x) / max(self.collective[kind](x), 1e-9) if comm is not None
+                          else curve(x), "slowdown": max(1.0, self.slowdown[kind](x))}
+        return Cost(compress, alone, decompress, offload, sooner, **contention)
+
+    def _gathered(self, x: float, parts: int, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
+                  sooner: float = 0.0, variable: bool = True) -> Cost:
+        """An allgather of `parts` tensors of x bytes in all, as the Channel runs it: sizes that vary
+        between ranks (SFB's factors, a sparsifier's entries) are gathered first, a round of their own."""
+        data = self._on(ALLGATHER, x, compress, decompress, offload, sooner)
+        if not variable:
+            return data
+        both = in_sequence([self._on(ALLGATHER, 8 * parts), data])
+        return replace(data, comm=both.comm, loaded=both.loaded, slowdown=both.slowdown)
 
     def cost(self, t: Measured, option: Option) -> Cost:
         """The option's compression time (on the training thread or offloaded), channel time and
@@ -98,25 +128,39 @@ class Costing:
         numel, c = t.facts.numel, option.compressor
         if option.collective == SFB:        # backward no longer computes the local weight gradient
             m, n = t.shape
-            factors = t.rows * (m + n) * ITEMSIZE
-            return Cost(-t.spared, self.collective[ALLGATHER](factors), t.rebuild,
-                        sooner=max(0.0, t.node - t.spared))
+            return self._gathered(t.rows * (m + n) * ITEMSIZE, 2, -t.spared, t.rebuild,
+                                  sooner=max(0.0, t.node - t.spared))
         if c == "none":
             if option.collective in (SPARSE, DEDICATED):
-                return Cost(comm=self.collective[option.collective](sparse_volume(numel, t.density, t.union)))
-            return Cost(comm=self.collective[option.collective](numel * ITEMSIZE))
+                return self._on(option.collective, sparse_volume(numel, t.density, t.union))
+            return self._on(option.collective, numel * ITEMSIZE)
         compressor = _compressor(c)
         own = [table.get(c, {}).get(t.facts.name) for table in (self.compress_own, self.decompress_own)]
         compress = self.compress[c](numel) if own[0] is None else own[0]
-        if compressor.scheme == "powersgd":        # its time is measured whole: all on the channel
-            return Cost(comm=compress)
         payload = compressor.payload_bytes(numel, t.shape)
+        if compressor.scheme == "powersgd":        # its time is measured whole: all on the channel
+            return self._on(RING, payload, comm=compress)
+        decompress = self.decompress[c](numel) if own[1] is None else own[1]
         if compressor.scheme == "sparse":
             kept = payload / (numel * ITEMSIZE)
-            comm = self.collective[option.collective](sparse_volume(numel, kept, 1 - (1 - kept) ** self.workers))
-        else:
-            comm = self.collective[RING if compressor.scheme == "allreduce" else ALLGATHER](payload)
-        return Cost(compress, comm, self.decompress[c](numel) if own[1] is None else own[1], option.offload)
+            return self._on(option.collective, sparse_volume(numel, kept, 1 - (1 - kept) ** self.workers),
+                            compress, decompress, option.offload)
+        if compressor.scheme == "allreduce":
+            return self._on(RING, payload, compress, decompress, option.offload)
+        return self._gathered(payload, 2, compress, decompress, option.offload, variable=compressor.variable)
+
+
+def in_sequence(parts: list[Cost], offload: bool = False) -> Cost:
+    """Tensors or collectives sent one after another as one: their times add up; backward's slowdown
+    is that of each part for as long as it runs."""
+    total = Cost(sum(c.compress for c in parts), sum(c.comm for c in parts), sum(c.decompress for c in parts),
+                 offload)
+    if all(c.loaded is None for c in parts):
+        return total
+    loaded = [c.comm if c.loaded is None else c.loaded for c in parts]
+    spans = [t + c.decompress for t, c in zip(loaded, parts)]
+    slowdown = sum(s * c.slowdown for s, c in zip(spans, parts)) / sum(spans) if sum(spans) > 0 else 1.0
+    return replace(total, loaded=sum(loaded), slowdown=slowdown)
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,6 +20,12 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
   collectives  the real collectives' time by size (ring allreduce, parameter server, allgather, and
                sparcoll's sparse AllReduce at several densities, with the communicator's default
                algorithm as the executor runs it: a dense input may take its ring): the slowest worker's median
+  contention   each of those collectives again on a second thread while the training thread runs the
+               model's forward and backward back to back, as under DataParallel: the collective's
+               median time then (`loaded`) and how many times longer a step took meanwhile
+               (`slowdown`; 4 workers on 2 cores: a 4 KB ring allreduce took 2.6x its time alone
+               under gpt's backward, which took up to 3x longer under it). Where a step is longer
+               than LOADED_RUNS collectives, the slowdown is of the part of a step they overlap
 
 Rank 0 reports each measurement as an event (sparcoll.bench.events); `fit` turns them into the fits
 costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`) or the user's
@@ -30,11 +36,13 @@ from __future__ import annotations
 import os
 import socket
 import statistics
+import threading
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import sparcoll
 from sparcoll.bench.events import emit
@@ -59,6 +67,7 @@ COMPRESSOR_NUMELS = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 OWN_GRADIENT = 1 << 16      # gradients this large get their own compressor timings
 REPEAT = 3
 MAX_REPEAT = 25
+LOADED_RUNS = 4     # collectives timed per point under the training thread's load
 BUDGET = 0.2      # seconds of timed runs per point, at least
 
 
@@ -96,10 +105,9 @@ def timed(run, prepare=lambda: None) -> float:
     return statistics.median(times)
 
 
-def profile_model(cfg: dict, rank: int, world: int, comm) -> tuple[dict, dict]:
+def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tuple[dict, dict]:
     """The model's measurements, and its large gradients (for the compressors' timing)."""
     block_size = comm.block_size
-    model, loss_of = model_and_loss(cfg, rank, world)
     rows = {}
     hooks = [layer.register_forward_pre_hook(
         lambda layer, args: rows.__setitem__(id(layer.weight), rows.get(id(layer.weight), 0)
@@ -188,17 +196,17 @@ def profile_compressors(specs: list[str], world: int, gradients: dict):
             yield spec, x.numel(), name, compress, decompress
 
 
-def profile_collectives(comm, block_size: int, rank: int, world: int):
-    """(collective, x, seconds) as costs.py defines x."""
+def collectives(comm, block_size: int, rank: int, world: int):
+    """(collective, x as costs.py defines it, run, prepare): what profile_collectives times."""
     channel = Channel(None, comm)
     for size in COLLECTIVE_BYTES:
         x = torch.randn(size // 4)
-        yield RING, size, timed(channel.allreduce_mean, lambda: x.clone())
+        yield RING, size, channel.allreduce_mean, x.clone
         scratch = [torch.empty(-(-x.numel() // world)) for _ in range(world - 1)]
-        yield PS, size, timed(lambda t: ps_allreduce(t, None, scratch), lambda: x.clone())
+        yield PS, size, lambda t, scratch=scratch: ps_allreduce(t, None, scratch), x.clone
     for size in ALLGATHER_BYTES:
         x = torch.randn(size // 4)
-        yield ALLGATHER, size, timed(lambda _: channel.allgather((x,), variable=False))
+        yield ALLGATHER, size, lambda _, x=x: channel.allgather((x,), variable=False), lambda: None
     for numel in SPARSE_NUMELS:
         nblocks = -(-numel // block_size)
         for density in SPARSE_DENSITIES:
@@ -207,22 +215,68 @@ def profile_collectives(comm, block_size: int, rank: int, world: int):
             x = torch.randn(numel) * mask
             union = float(np.mean(np.logical_or.reduce(kept)))
             local = float(np.mean([k.mean() for k in kept]))
-            yield SPARSE, sparse_volume(numel, local, union), timed(
-                lambda t: comm.allreduce(t, op="avg"), lambda: x.clone())
+            yield SPARSE, sparse_volume(numel, local, union), lambda t: comm.allreduce(t, op="avg"), x.clone
+
+
+def profile_collectives(comm, block_size: int, rank: int, world: int, train_step, timeout: float):
+    """(collective, x, seconds alone, seconds under load, slowdown of a training step) for each; see
+    `under_load`."""
+    alone_step = timed(lambda _: train_step())
+    for kind, x, run, prepare in collectives(comm, block_size, rank, world):
+        yield (kind, x, timed(run, prepare), *under_load(run, prepare, train_step, alone_step, timeout))
+
+
+def under_load(run, prepare, train_step, alone_step: float, timeout: float) -> tuple[float, float]:
+    """run(prepare())'s median time over LOADED_RUNS runs on a second thread while this one runs
+    train_step back to back (at least once), and how many times longer a step took meanwhile than
+    `alone_step`: the slowest worker's. Every worker runs as many collectives, whatever its steps."""
+    times: list[float] = []
+    failure: list[BaseException] = []
+    done = threading.Event()
+
+    def loop() -> None:
+        try:
+            for _ in range(LOADED_RUNS):
+                arg = prepare()
+                start = time.perf_counter()
+                run(arg)
+                times.append(time.perf_counter() - start)
+        except BaseException as exc:        # reaches the training thread, which raises it
+            failure.append(exc)
+        finally:
+            done.set()
+
+    dist.barrier()
+    thread = threading.Thread(target=loop, name="sparcoll-profile-load", daemon=True)
+    thread.start()
+    steps, start = 0, time.perf_counter()
+    while not done.is_set() or not steps:
+        train_step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    thread.join(timeout)
+    if failure:
+        raise failure[0]
+    slowest = torch.tensor([statistics.median(times), elapsed / steps / alone_step], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest[0].item(), slowest[1].item()
 
 
 def fit(events: list[dict]) -> dict:
     """What costs.Costing takes, from the profile's measurement events: a curve per quantity (points
-    on random tensors), and the compressors' times on the model's own gradients by tensor name."""
+    on random tensors; contention's not made monotone: one noisy point would lift every larger size),
+    and the compressors' times on the model's own
+    gradients by tensor name."""
     points: dict = {}
-    out: dict = {"collectives": {}, "compress": {}, "decompress": {}, "compress_own": {}, "decompress_own": {}}
+    out: dict = {"collectives": {}, "compress": {}, "decompress": {}, "compress_own": {}, "decompress_own": {},
+                 "loaded": {}, "slowdown": {}}
     for e in events:
         if e.get("tensor"):
             out[f"{e['kind']}_own"].setdefault(e["what"], {})[e["tensor"]] = e["seconds"]
         else:
             points.setdefault((e["kind"], e["what"]), []).append((e["x"], e["seconds"]))
     for (kind, what), pts in points.items():
-        curve = Curve.of(pts)
+        curve = Curve.of(pts, monotone=kind not in ("loaded", "slowdown"))
         out[kind][what] = [list(curve.xs), list(curve.ys)]
     return out
 
@@ -234,8 +288,8 @@ def timed_compressors(cfg: dict) -> list[str]:
 
 def expected_events(cfg: dict) -> int:
     """How many events a profile reports at least (for progress; the model's own gradients add more)."""
-    return (1 + 2 * len(timed_compressors(cfg)) * len(COMPRESSOR_NUMELS) + 2 * len(COLLECTIVE_BYTES)
-            + len(ALLGATHER_BYTES) + len(SPARSE_NUMELS) * len(SPARSE_DENSITIES))
+    return (1 + 2 * len(timed_compressors(cfg)) * len(COMPRESSOR_NUMELS)
+            + 3 * (2 * len(COLLECTIVE_BYTES) + len(ALLGATHER_BYTES) + len(SPARSE_NUMELS) * len(SPARSE_DENSITIES)))
 
 
 def gradient_events(cfg: dict, model: dict) -> int:
@@ -246,15 +300,24 @@ def gradient_events(cfg: dict, model: dict) -> int:
 def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     block_size = comm.block_size
     say = emit if rank == 0 else (lambda event: None)
-    model, gradients = profile_model(cfg, rank, world, comm)
-    say({"event": "model", **model, "cores_per_worker": cores_per_worker(world)})
+    model, loss_of = model_and_loss(cfg, rank, world)
+    measured, gradients = profile_model(cfg, model, loss_of, world, comm)
+    say({"event": "model", **measured, "cores_per_worker": cores_per_worker(world)})
     specs = timed_compressors(cfg)
     for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients):
         say({"event": "point", "kind": "compress", "what": spec, "x": numel, "tensor": name, "seconds": compress})
         say({"event": "point", "kind": "decompress", "what": spec, "x": numel, "tensor": name,
              "seconds": decompress})
-    for kind, x, seconds in profile_collectives(comm, block_size, rank, world):
-        say({"event": "point", "kind": "collectives", "what": kind, "x": x, "seconds": seconds})
+
+    def train_step() -> None:
+        model.zero_grad()
+        loss_of(model).backward()
+
+    for kind, x, alone, loaded, slowdown in profile_collectives(comm, block_size, rank, world, train_step,
+                                                               cfg["timeout"]):
+        say({"event": "point", "kind": "collectives", "what": kind, "x": x, "seconds": alone})
+        say({"event": "point", "kind": "loaded", "what": kind, "x": x, "seconds": loaded})
+        say({"event": "point", "kind": "slowdown", "what": kind, "x": x, "seconds": slowdown})
 
 
 def profile_job(cfg: dict, rank: int, world: int) -> None:

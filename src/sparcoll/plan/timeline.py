@@ -9,9 +9,16 @@ Three lanes, as sparcoll.torch.DataParallel runs them:
                    its payload is ready; it communicates and then decompresses (the Reducer's order)
 F = the last of: backward's end (delayed by on-thread compression), the channel's last finish, the
 offload lane's last finish; plus the optimizer step, which waits for all of them.
+
+That is ByteComp's model, with every operation taking the time it takes alone (`simulate`,
+`Simulation`: what the decision searches with). With 4 workers on 2 cores, a collective that runs
+while backward computes takes longer and slows backward down (the profile measures both per kind
+and size: `Cost.loaded`, `Cost.slowdown`); `contended` predicts F with that (what `sparcoll plan`
+reports and chooses among its candidates by).
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 
@@ -19,12 +26,16 @@ from dataclasses import dataclass
 class Cost:
     """One tensor under one option, in seconds (0 compress: sent as it is; a negative one is backward
     work the option spares). `sooner`: the payload is ready that long before the gradient would be
-    (SFB's factors: at the layer's output gradient, before its backward has run)."""
+    (SFB's factors: at the layer's output gradient, before its backward has run). `loaded`: the
+    communication's time when it starts while backward computes (None: as `comm`); `slowdown`: how
+    many times longer backward's work takes while it runs."""
     compress: float = 0.0
     comm: float = 0.0
     decompress: float = 0.0
     offload: bool = False
     sooner: float = 0.0
+    loaded: float | None = None
+    slowdown: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,88 @@ def simulate(step: Step, costs) -> Timeline:
         starts.append(start)
         ends.append(state[2])
     return Timeline(payload, starts, ends, step.backward_end + state[0], finish(step, state))
+
+
+def contended(step: Step, costs) -> Timeline:
+    """The timeline with collectives and backward slowing each other down: a tensor's communication
+    advances at comm / `loaded` of its rate alone while backward computes (its own work and the
+    on-thread compression), and while it runs backward advances at 1 / `slowdown` of its rate alone.
+    Backward's work is in seconds alone (the Step's ready times), turned into time along the
+    channel's busy intervals so far (a tensor is ready before any later tensor's communication
+    starts)."""
+    busy = _Busy()
+    delay = lane = channel = 0.0
+    payload, starts, ends = [], [], []
+    for i, cost in enumerate(costs):
+        work = step.ready[i] + delay - cost.sooner
+        if cost.compress and cost.offload:
+            lane = ready = max(busy.time_of(work), lane) + cost.compress
+        else:
+            if cost.compress:
+                delay += cost.compress
+                work += cost.compress
+            ready = busy.time_of(work)
+        start = max(ready, channel)
+        comm = cost.comm
+        left = step.backward_end + delay - busy.work_at(start)       # backward's work still to do
+        if cost.loaded is not None and left > 0:
+            comm = _under_load(cost, left * max(1.0, cost.slowdown))
+            busy.add(start, start + comm + cost.decompress, cost.slowdown)
+        channel = start + comm + cost.decompress
+        payload.append(ready)
+        starts.append(start)
+        ends.append(channel)
+    backward_end = busy.time_of(step.backward_end + delay)
+    return Timeline(payload, starts, ends, backward_end, max(backward_end, channel, lane) + step.optimizer)
+
+
+def _under_load(cost: Cost, overlap: float) -> float:
+    """The communication's time when backward computes for the first `overlap` seconds of it: it
+    advances at comm / loaded of its rate alone meanwhile, then at its rate alone."""
+    loaded = max(cost.loaded, cost.comm)
+    if overlap >= loaded or loaded <= 0:
+        return loaded
+    return cost.comm + overlap * (1 - cost.comm / loaded)
+
+
+class _Busy:
+    """The channel's intervals while backward computes, each with backward's slowdown in it: time
+    (from backward's start) to backward's work done (in seconds alone) and back, by bisection."""
+
+    def __init__(self):
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.slowdowns: list[float] = []
+        self.work_starts: list[float] = []      # backward's work done at each interval's start
+        self.work_ends: list[float] = []
+
+    def add(self, start: float, end: float, slowdown: float) -> None:
+        """An interval after every one before it."""
+        work = self.work_at(start)
+        slowdown = max(1.0, slowdown)
+        self.starts.append(start)
+        self.ends.append(end)
+        self.slowdowns.append(slowdown)
+        self.work_starts.append(work)
+        self.work_ends.append(work + (end - start) / slowdown)
+
+    def time_of(self, work: float) -> float:
+        """When backward has done `work`."""
+        k = bisect.bisect_right(self.work_starts, work) - 1
+        if k < 0:
+            return work
+        if work <= self.work_ends[k]:
+            return self.starts[k] + (work - self.work_starts[k]) * self.slowdowns[k]
+        return self.ends[k] + work - self.work_ends[k]
+
+    def work_at(self, time: float) -> float:
+        """Backward's work done by `time` (the inverse of time_of)."""
+        k = bisect.bisect_right(self.starts, time) - 1
+        if k < 0:
+            return time
+        if time <= self.ends[k]:
+            return self.work_starts[k] + (time - self.starts[k]) / self.slowdowns[k]
+        return self.work_ends[k] + time - self.ends[k]
 
 
 class Simulation:

@@ -1,0 +1,72 @@
+"""The planner's predictions against steps already measured: each candidate strategy of a
+`run_plan.sh` directory (its plan JSON and its measured step in every round) predicted from another
+profile of the same workload, both ways the simulator can (timeline.py): every operation taking its
+time alone (ByteComp's model, what the decision searches with) and with collectives and backward
+slowing each other down (`contended`, what `sparcoll plan` reports). Prints predicted / measured per
+candidate and workload, and with --json writes them.
+
+    python3 benchmarks/contention_predict.py MEASURED_DIR PROFILE_DIR [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from sparcoll.plan.command import choices_of, predict, tensors_of, units_of
+from sparcoll.plan.costs import Costing
+from sparcoll.plan.options import JobFacts
+from sparcoll.plan.profiler import fit
+from sparcoll.plan.timeline import Simulation
+
+
+def measured_steps(directory: Path, workload: str) -> dict[str, list[float]]:
+    """Each candidate's step time per round: the plan as "planned", the others by plan file name."""
+    out: dict[str, list[float]] = {}
+    for round_file in sorted(directory.glob(f"{workload}-r*.json")):
+        for run in json.loads(round_file.read_text())["runs"]:
+            if run["comm"] != "ddp":
+                name = "planned" if run["comm"] == "planned" else Path(run["strategy"]).name
+                out.setdefault(name, []).append(run["step_s"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("measured", type=Path, help="a run_plan.sh output directory")
+    parser.add_argument("profiles", type=Path, help="a directory of W-profile.json files")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    rows = []
+    for profile_file in sorted(args.profiles.glob("*-profile.json")):
+        workload = profile_file.name.removesuffix("-profile.json")
+        steps = measured_steps(args.measured, workload)
+        if not steps:
+            continue
+        profile = json.loads(profile_file.read_text())
+        profile["fits"] = fit(profile["points"])        # as this version fits the stored points
+        step, measured = tensors_of(profile)
+        step, units, groups = units_of(step, measured)
+        tensors = choices_of(units, groups, measured, Costing(profile["fits"], profile["workers"]),
+                             list(profile["compressors"]),
+                             JobFacts(offload_core=profile["model"]["cores_per_worker"] >= 2))
+        forward = profile["model"]["forward"]
+        print(f"{workload}: predicted / measured (measured: median of {len(next(iter(steps.values())))} rounds)")
+        for name, times in steps.items():
+            plan = json.loads((args.measured / (f"{workload}-plan.json" if name == "planned" else name)).read_text())
+            by_unit = {t["unit"]: t["option"] for t in plan["tensors"]}
+            chosen = [next(o for o in t.costs if str(o) == by_unit[u]) for u, t in enumerate(tensors)]
+            alone = forward + Simulation(step, [t.costs[o] for t, o in zip(tensors, chosen)]).iteration
+            contended = forward + predict(step, tensors, chosen)
+            m = statistics.median(times)
+            rows.append({"workload": workload, "candidate": name, "measured_s": m, "alone_s": alone,
+                         "contended_s": contended})
+            print(f"  {name:38s} measured {1e3 * m:8.1f} ms   alone {alone / m:5.2f}   contended {contended / m:5.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
