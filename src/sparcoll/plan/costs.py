@@ -105,12 +105,10 @@ class Costing:
         """A cost whose payload of size x travels on collective `kind` (its time alone `comm`, if not
         the kind's curve's), with that kind's contention where the profile measured it."""
         alone = self.collective[kind](x) if comm is None else comm
-        contention = {}
-        if kind in self.loaded:
-            curve = self.loaded[kind]
-            contention = {"loaded": alone * curve(x) / max(self.collective[kind](x), 1e-9) if comm is not None
-                          else curve(x), "slowdown": max(1.0, self.slowdown[kind](x))}
-        return Cost(compress, alone, decompress, offload, sooner, **contention)
+        if kind not in self.loaded:
+            return Cost(compress, alone, decompress, offload, sooner)
+        loaded = alone * self.loaded[kind](x) / max(self.collective[kind](x), 1e-12)
+        return Cost(compress, alone, decompress, offload, sooner, loaded, max(1.0, self.slowdown[kind](x)))
 
     def _gathered(self, x: float, parts: int, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
                   sooner: float = 0.0, variable: bool = True) -> Cost:
