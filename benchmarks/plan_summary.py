@@ -72,7 +72,9 @@ def summarize(out: Path, workload: str) -> str:
               + f"; DDP's communication share of its step: {span([100 * s for s in share], '{:.0f}')}%"]
     tried = json.loads((out / f"{workload}-plan.json").read_text()).get("trial")
     if tried:
-        lines += ["", f"`sparcoll plan`'s trial ({tried['steps']} steps each after {tried['warmup']} warm-up) kept "
+        each = tried.get("steps_each")     # since the trial's length follows the predicted step
+        length = (f"{min(each.values())}-{max(each.values())} steps" if each else f"{tried['steps']} steps")
+        lines += ["", f"`sparcoll plan`'s trial ({length} each after {tried['warmup']} warm-up) kept "
                       f"**{tried['kept']}**; measured (predicted) ms: " + ", ".join(
                           f"{name} {1e3 * s:.0f} ({1e3 * tried['predicted_step_s'][name]:.0f})"
                           for name, s in sorted(tried["step_s"].items(), key=lambda kv: kv[1]))]

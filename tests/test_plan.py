@@ -299,6 +299,26 @@ def test_a_candidate_whose_trial_fails_is_left_out_and_the_others_still_run(monk
         trial.measure({}, {n: {"name": n} for n in durations}, 4, "none", 3, 1, 10.0, advanced.append)
 
 
+def test_a_candidate_of_short_steps_trains_longer(monkeypatch):
+    """At least the steps asked for, and enough for trial.SECONDS by the predicted step, at most
+    trial.MOST_STEPS; the fake launcher sees as many steps as measure asks for."""
+    assert trial.steps_of({"predicted_step_s": 10.0}, 3) == 3
+    assert trial.steps_of({"predicted_step_s": trial.SECONDS / 7.5}, 3) == 8
+    assert trial.steps_of({"predicted_step_s": 1e-4}, 3) == trial.MOST_STEPS
+    assert trial.steps_of({}, 3) == 3
+    asked = {}
+
+    def launch(config, workers, network, timeout, on_event):
+        asked[config["strategy"]["name"]] = config["steps"]
+        for _ in range(config["steps"]):
+            on_event({"event": "step", "step_s": 0.01})
+    plans = {"planned": {"name": "planned", "predicted_step_s": trial.SECONDS / 7.5},
+             "uniform ring": {"name": "uniform ring", "predicted_step_s": 10.0}}
+    monkeypatch.setattr(trial, "launch", launch)
+    trial.measure({}, plans, 4, "none", 3, 1, 10.0, lambda what: None)
+    assert asked == {"planned": 1 + 8, "uniform ring": 1 + 3}
+
+
 class Mixed(nn.Module):
     def __init__(self):
         super().__init__()

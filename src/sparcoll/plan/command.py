@@ -72,10 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a compressor spec) instead of the decision, to run it with the same executor")
     parser.add_argument("--trial", type=int, default=3, metavar="STEPS",
                         help="train the plan, the planner without each dimension and the %d uniform "
-                             "strategies predicted best for STEPS steps each (after one warm-up) on the "
+                             "strategies predicted best for at least STEPS steps and %g s each (after one "
+                             "warm-up) on the "
                              "same network, and keep the fastest measured (the plan unless another is "
                              "more than %d%%%% faster); 0: the model's decision alone (default 3; a "
-                             "--model trains on its example input)" % (TRIAL_UNIFORMS, round(100 * trial.MARGIN)))
+                             "--model trains on its example input)" % (TRIAL_UNIFORMS, trial.SECONDS, round(100 * trial.MARGIN)))
     parser.add_argument("--json", metavar="PATH", help="write the plan to PATH")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds without progress before profiling is declared hung (default 600)")
@@ -338,7 +339,8 @@ def table(plan: dict) -> str:
         lines.append(f"  every tensor {name:<16} {1e3 * f:>10.1f} ms  ({f / plan['predicted_step_s']:.2f}x this plan)")
     if "trial" in plan:
         tr = plan["trial"]
-        lines.append(f"trial ({tr['steps']} steps each after {tr['warmup']} warm-up, trained on this network), "
+        lines.append(f"trial (at least {tr['steps']} steps and {trial.SECONDS:g} s each after {tr['warmup']} "
+                     f"warm-up, trained on this network), "
                      f"kept: {tr['kept']}")
         for name, s in sorted(tr["step_s"].items(), key=lambda kv: kv[1]):
             lines.append(f"  {name:<29} measured {1e3 * s:>10.1f} ms, predicted {1e3 * tr['predicted_step_s'][name]:.1f}")
@@ -369,7 +371,7 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
         step_s.update(measured)
         failed.update(broken)
 
-    status = run_jobs("plan --trial", (TRIAL_WARMUP + args.trial) * len(plans), body)
+    status = run_jobs("plan --trial", sum(TRIAL_WARMUP + trial.steps_of(p, args.trial) for p in plans.values()), body)
     if status:
         return status, plan
     for name, reason in failed.items():
@@ -377,6 +379,7 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
     kept = trial.choose(step_s)
     return 0, {**plans[kept], "decision_ms": plan["decision_ms"],
                "trial": {"steps": args.trial, "warmup": TRIAL_WARMUP, "margin": trial.MARGIN, "kept": kept,
+                         "steps_each": {n: trial.steps_of(p, args.trial) for n, p in plans.items()},
                          "step_s": step_s, "failed": failed,
                          "predicted_step_s": {n: p["predicted_step_s"] for n, p in plans.items()}}}
 

@@ -8,10 +8,14 @@ share the cores and their memory bandwidth, which no per-operation timing sees: 
 So the decision narrows the options to a handful (the plan, the planner without each dimension, the
 uniform strategies it predicts best), and a short run of each decides among them. The plan stays
 unless another candidate is measured more than MARGIN faster: a few steps are noisy, and the model's
-choice is the one that generalizes to other step counts.
+choice is the one that generalizes to other step counts. A candidate whose steps are short trains
+for at least SECONDS (by its predicted step, at most MOST_STEPS): three steps of ncf, 70 ms each, had
+the plan and the planner without compression 76.0 and 76.3 ms apart, which longer rounds then
+measured 3-8% apart.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Callable
 
@@ -20,6 +24,14 @@ from sparcoll.train.command import launch
 
 MARGIN = 0.03
 PLANNED = "planned"
+SECONDS = 2.0           # each candidate trains at least this long (by its predicted step) ...
+MOST_STEPS = 30         # ... in at most this many steps
+
+
+def steps_of(plan: dict, steps: int) -> int:
+    """The timed steps of a candidate: at least `steps`, and enough for SECONDS of its predicted step."""
+    predicted = plan.get("predicted_step_s") or 0.0
+    return max(steps, min(MOST_STEPS, math.ceil(SECONDS / predicted))) if predicted > 0 else steps
 
 
 def signature(plan: dict) -> tuple:
@@ -46,13 +58,14 @@ def choose(step_s: dict[str, float], margin: float = MARGIN) -> str:
 
 def measure(config: dict, plans: dict[str, dict], workers: int, network: str, steps: int, warmup: int,
             timeout: float, advance: Callable[[str], None]) -> tuple[dict[str, float], dict[str, str]]:
-    """Each plan's mean step time (the slowest worker's, as `sparcoll train` reports it) over `steps`
-    steps after `warmup` untimed ones, trained by sparcoll.torch.DataParallel as `sparcoll train
-    --comm planned` does, one job after another; and the reason of each candidate whose job failed
-    (it is left out: one strategy that cannot run here must not cost the user the others)."""
+    """Each plan's mean step time (the slowest worker's, as `sparcoll train` reports it) over
+    steps_of(plan, steps) steps after `warmup` untimed ones, trained by sparcoll.torch.DataParallel as
+    `sparcoll train --comm planned` does, one job after another; and the reason of each candidate whose
+    job failed (it is left out: one strategy that cannot run here must not cost the user the others)."""
     out, failed = {}, {}
     for name, plan in plans.items():
         times: list[float] = []
+        timed = steps_of(plan, steps)
 
         def on_event(event: dict) -> None:
             if event.get("event") == "step":
@@ -60,13 +73,13 @@ def measure(config: dict, plans: dict[str, dict], workers: int, network: str, st
                 advance(f"trial {name}: step {len(times)}")
 
         try:
-            launch({**config, "steps": warmup + steps, "comm": PLANNED, "compress": None, "strategy": plan},
+            launch({**config, "steps": warmup + timed, "comm": PLANNED, "compress": None, "strategy": plan},
                    workers, network, timeout, on_event)
-            if len(times) != warmup + steps:
-                raise BenchError(f"it reported {len(times)} of {warmup + steps} steps")
+            if len(times) != warmup + timed:
+                raise BenchError(f"it reported {len(times)} of {warmup + timed} steps")
         except BenchError as exc:
             failed[name] = str(exc)
-            for _ in range(warmup + steps - len(times)):
+            for _ in range(warmup + timed - len(times)):
                 advance(f"trial {name}: failed")
             continue
         out[name] = statistics.fmean(times[warmup:])
