@@ -339,9 +339,8 @@ def table(plan: dict) -> str:
         lines.append(f"  every tensor {name:<16} {1e3 * f:>10.1f} ms  ({f / plan['predicted_step_s']:.2f}x this plan)")
     if "trial" in plan:
         tr = plan["trial"]
-        lines.append(f"trial (at least {tr['steps']} steps and {trial.SECONDS:g} s each after {tr['warmup']} "
-                     f"warm-up, trained on this network), "
-                     f"kept: {tr['kept']}")
+        lines.append(f"trial (at least {tr['steps']} step{'s' * (tr['steps'] != 1)} and {trial.SECONDS:g} s each "
+                     f"after {tr['warmup']} warm-up, trained on this network), kept: {tr['kept']}")
         for name, s in sorted(tr["step_s"].items(), key=lambda kv: kv[1]):
             lines.append(f"  {name:<29} measured {1e3 * s:>10.1f} ms, predicted {1e3 * tr['predicted_step_s'][name]:.1f}")
         for name, reason in tr.get("failed", {}).items():
