@@ -2,7 +2,7 @@
 `run_plan.sh` directory (its plan JSON and its measured step in every round) predicted from another
 profile of the same workload, both ways the simulator can (timeline.py): every operation taking its
 time alone (ByteComp's model, what the decision searches with) and with collectives and backward
-slowing each other down (`contended`, what `sparcoll plan` reports). Prints predicted / measured per
+slowing each other down (`simulate` with the profile's contention, what `sparcoll plan` reports). Prints predicted / measured per
 candidate and workload, and with --json writes them.
 
     python3 benchmarks/contention_predict.py MEASURED_DIR PROFILE_DIR [--json OUT]
@@ -14,9 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-from sparcoll.plan.command import choices_of, predict, tensors_of, units_of
-from sparcoll.plan.costs import Costing
-from sparcoll.plan.options import JobFacts
+from sparcoll.plan.command import predict, priced
 from sparcoll.plan.profiler import fit
 from sparcoll.plan.timeline import Simulation
 
@@ -46,11 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         profile = json.loads(profile_file.read_text())
         profile["fits"] = fit(profile["points"])        # as this version fits the stored points
-        step, measured = tensors_of(profile)
-        step, units, groups = units_of(step, measured)
-        tensors = choices_of(units, groups, measured, Costing(profile["fits"], profile["workers"]),
-                             list(profile["compressors"]),
-                             JobFacts(offload_core=profile["model"]["cores_per_worker"] >= 2))
+        step, _, _, tensors = priced(profile, list(profile["compressors"]))
         forward = profile["model"]["forward"]
         print(f"{workload}: predicted / measured (measured: median of {len(next(iter(steps.values())))} rounds)")
         for name, times in steps.items():

@@ -19,7 +19,7 @@ from sparcoll.plan.options import (ALLGATHER, COLLECTIVES, COMPRESSORS, DEDICATE
                                    JobFacts, Option, TensorFacts, options, why_invalid)
 from sparcoll.plan.profile import backward_timeline, facts
 from sparcoll.plan import timeline
-from sparcoll.plan.timeline import Cost, Simulation, Step, advance, contended, simulate
+from sparcoll.plan.timeline import Cost, Simulation, Step, advance, simulate
 from pause import Pause
 
 # What may carry each compressor scheme's payload, written out independently of the rules.
@@ -102,30 +102,33 @@ def test_collectives_and_backward_slow_each_other_down_hand_computed():
     step = Step((0.1, 0.2, 0.3), 0.3, optimizer=0.01)
     costs = [Cost(comm=0.1, loaded=0.2, slowdown=2.0), Cost(comm=0.05, loaded=0.15, slowdown=1.5),
              Cost(comm=0.02, loaded=0.5, slowdown=3.0)]
-    timeline = contended(step, costs)
+    timeline = simulate(step, costs)
     assert timeline.payload_ready == pytest.approx([0.1, 0.3, 0.45])
     assert timeline.comm_start == pytest.approx([0.1, 0.3, 0.45])
     assert timeline.comm_end == pytest.approx([0.3, 0.45, 0.47])
     assert timeline.backward_end == pytest.approx(0.45) and timeline.iteration == pytest.approx(0.48)
     # on-thread compression is backward's work too: slowed alike, and it pushes what follows
-    pushed = contended(step, [Cost(comm=0.1, loaded=0.2, slowdown=2.0), Cost(compress=0.05, comm=0.01)])
+    pushed = simulate(step, [Cost(comm=0.1, loaded=0.2, slowdown=2.0), Cost(compress=0.05, comm=0.01)])
     # 0.25 s of work: 0.2 done at 0.3 (at half rate from 0.1), the rest at full rate after the interval
     assert pushed.payload_ready[1] == pytest.approx(0.35) and pushed.backward_end == pytest.approx(0.45)
     # backward ends during a communication: 0.1 s of work at half rate overlaps its first 0.2 s, in
     # which it advances at 1/3 of its rate (0.1 s alone, 0.3 s loaded); the rest at full rate
-    partly = contended(Step((0.0,), 0.1), [Cost(comm=0.1, loaded=0.3, slowdown=2.0)])
+    partly = simulate(Step((0.0,), 0.1), [Cost(comm=0.1, loaded=0.3, slowdown=2.0)])
     assert partly.backward_end == pytest.approx(0.2)
     assert partly.comm_end[0] == pytest.approx(0.2 + (0.1 - 0.2 / 3)) and partly.iteration == partly.comm_end[0]
 
 
-def test_without_contention_measured_the_timeline_is_the_simulators():
+def test_without_contention_measured_the_timeline_is_the_searches_max_plus_one():
+    """simulate() walks backward's work through the channel's busy intervals; Simulation moves the
+    lanes' state by maxima and sums. With no contention they are the same model."""
     rng = random.Random(15)
     for _ in range(40):
         step, tensors = instance(rng, rng.randint(1, 12), 3, offload=True)
         costs = [rng.choice(list(t.costs.values())) for t in tensors]
-        want, got = simulate(step, costs), contended(step, costs)
-        assert got.comm_start == pytest.approx(want.comm_start, abs=1e-12)
-        assert got.iteration == pytest.approx(want.iteration, abs=1e-12)
+        got, lanes = simulate(step, costs), Simulation(step, costs)
+        assert got.comm_end == pytest.approx([state[2] for state in lanes.states[1:]], abs=1e-12)
+        assert got.backward_end == pytest.approx(step.backward_end + lanes.states[-1][0], abs=1e-12)
+        assert got.iteration == pytest.approx(lanes.iteration, abs=1e-12)
 
 
 @settings(max_examples=100, deadline=None)

@@ -34,7 +34,7 @@ from sparcoll.torch.parallel import BUCKET_BYTES, SMALL_BYTES
 from .costs import ITEMSIZE, Costing, Measured, in_sequence
 from .options import COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, options
 from .profiler import expected_events, fit, gradient_events
-from .timeline import Cost, Step, contended, simulate
+from .timeline import Cost, Step, simulate
 
 PROFILE_VERSION = 9
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
@@ -244,8 +244,8 @@ def free(t: decide.Choices) -> Cost:
 
 
 def predict(step: Step, tensors: list[decide.Choices], chosen: list[Option]) -> float:
-    """F of a strategy, collectives and backward slowing each other down (timeline.contended)."""
-    return contended(step, [t.costs[o] for t, o in zip(tensors, chosen)]).iteration
+    """F of a strategy, collectives and backward slowing each other down (timeline.simulate)."""
+    return simulate(step, [t.costs[o] for t, o in zip(tensors, chosen)]).iteration
 
 
 def strategy_of(option: Option) -> str:
@@ -277,13 +277,20 @@ def uniforms_of(step: Step, tensors: list[decide.Choices], compressors) -> dict[
     return out
 
 
-def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str | None = None) -> dict:
-    """The plan for a profile: the decision over `compressors` without `dimensions` (see `without`),
-    or with `fixed` the uniform strategy of that name; with every uniform strategy's prediction."""
+def priced(profile: dict, compressors: list[str]):
+    """A profiled model's units as the plan chooses for them: the units' Step, the tensors, each
+    unit's members and its Choices over `compressors`."""
     step, measured = tensors_of(profile)
     step, units, groups = units_of(step, measured)
     job = JobFacts(offload_core=profile["model"]["cores_per_worker"] >= 2)
-    tensors = choices_of(units, groups, measured, Costing(profile["fits"], profile["workers"]), compressors, job)
+    costing = Costing(profile["fits"], profile["workers"])
+    return step, measured, groups, choices_of(units, groups, measured, costing, compressors, job)
+
+
+def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str | None = None) -> dict:
+    """The plan for a profile: the decision over `compressors` without `dimensions` (see `without`),
+    or with `fixed` the uniform strategy of that name; with every uniform strategy's prediction."""
+    step, measured, groups, tensors = priced(profile, compressors)
     uniforms = uniforms_of(step, tensors, compressors)
     start = time.perf_counter()
     if fixed is not None:
@@ -298,7 +305,7 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
         others = uniforms_of(step, allowed, compressors).values() if dimensions else uniforms.values()
         chosen = min([chosen, *others], key=lambda strategy: predict(step, tensors, strategy))
     costs = [t.costs[o] for t, o in zip(tensors, chosen)]
-    timeline = contended(step, costs)
+    timeline = simulate(step, costs)
     entries = []
     for unit, (members, o, c, s, e) in enumerate(zip(groups, chosen, costs, timeline.comm_start, timeline.comm_end)):
         for i in members:
@@ -311,7 +318,7 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
     return {"workers": profile["workers"], "network": profile["network"],
             **{k: profile[k] for k in ("workload", "options", "batch_size", "model_spec") if k in profile},
             "strategy": f"uniform {fixed}" if fixed else "planned", "without": sorted(dimensions),
-            "decision_ms": decision_ms, "units": len(units), "predicted_step_s": forward + timeline.iteration,
+            "decision_ms": decision_ms, "units": len(tensors), "predicted_step_s": forward + timeline.iteration,
             "bound_s": forward + simulate(step, [free(t) for t in tensors]).iteration, "forward_s": forward,
             "cores_per_worker": profile["model"]["cores_per_worker"],
             "uniform": {name: forward + predict(step, tensors, strategy) for name, strategy in uniforms.items()},
@@ -370,7 +377,8 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
         step_s.update(measured)
         failed.update(broken)
 
-    status = run_jobs("plan --trial", sum(TRIAL_WARMUP + trial.steps_of(p, args.trial) for p in plans.values()), body)
+    steps_each = {name: trial.steps_of(p, args.trial) for name, p in plans.items()}
+    status = run_jobs("plan --trial", sum(TRIAL_WARMUP + steps for steps in steps_each.values()), body)
     if status:
         return status, plan
     for name, reason in failed.items():
@@ -378,7 +386,7 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
     kept = trial.choose(step_s)
     return 0, {**plans[kept], "decision_ms": plan["decision_ms"],
                "trial": {"steps": args.trial, "warmup": TRIAL_WARMUP, "margin": trial.MARGIN, "kept": kept,
-                         "steps_each": {n: trial.steps_of(p, args.trial) for n, p in plans.items()},
+                         "steps_each": steps_each,
                          "step_s": step_s, "failed": failed,
                          "predicted_step_s": {n: p["predicted_step_s"] for n, p in plans.items()}}}
 

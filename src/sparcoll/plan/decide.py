@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .options import Option
-from .timeline import Cost, Simulation, Step, contended
+from .timeline import Cost, Simulation, Step, simulate
 
 MAX_PASSES = 4
 BEAM_WORK = 2048    # the frontier search keeps up to this many states / tensors (at least 16)
@@ -172,14 +172,14 @@ def _earlier(count: int) -> np.ndarray:
 
 def plan(step: Step, tensors: list[Choices]) -> list[Option]:
     """ByteComp's greedy decision and its offload search, and the frontier search over every useful
-    option: whichever predicts the smaller F with contention (timeline.contended; the searches price
+    option: whichever predicts the smaller F with contention (timeline.simulate; the searches price
     operations alone). The greedy alone can stop far from the best, the frontier search is exact
     while its frontier stays small enough to keep whole."""
     options = [useful(t) for t in tensors]
     greedy_choice = greedy(step, tensors, options)
     candidates = [greedy_choice, offload_search(step, tensors, greedy_choice),
                   frontier(step, tensors, options)]
-    return min(candidates, key=lambda c: contended(step, [t.costs[o] for t, o in zip(tensors, c)]).iteration)
+    return min(candidates, key=lambda c: simulate(step, [t.costs[o] for t, o in zip(tensors, c)]).iteration)
 
 
 def brute_force(step: Step, tensors: list[Choices], offload: bool = False) -> tuple[list[Option], float]:

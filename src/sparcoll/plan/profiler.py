@@ -265,8 +265,7 @@ def under_load(run, prepare, train_step, alone_step: float, timeout: float) -> t
 def fit(events: list[dict]) -> dict:
     """What costs.Costing takes, from the profile's measurement events: a curve per quantity (points
     on random tensors; contention's not made monotone: one noisy point would lift every larger size),
-    and the compressors' times on the model's own
-    gradients by tensor name."""
+    and the compressors' times on the model's own gradients by tensor name."""
     points: dict = {}
     out: dict = {"collectives": {}, "compress": {}, "decompress": {}, "compress_own": {}, "decompress_own": {},
                  "loaded": {}, "slowdown": {}}

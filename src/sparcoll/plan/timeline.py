@@ -10,11 +10,11 @@ Three lanes, as sparcoll.torch.DataParallel runs them:
 F = the last of: backward's end (delayed by on-thread compression), the channel's last finish, the
 offload lane's last finish; plus the optimizer step, which waits for all of them.
 
-That is ByteComp's model, with every operation taking the time it takes alone (`simulate`,
-`Simulation`: what the decision searches with). With 4 workers on 2 cores, a collective that runs
-while backward computes takes longer and slows backward down (the profile measures both per kind
-and size: `Cost.loaded`, `Cost.slowdown`); `contended` predicts F with that (what `sparcoll plan`
-reports and chooses among its candidates by).
+That is ByteComp's model, with every operation taking the time it takes alone (`Simulation`: what
+the decision searches with). With 4 workers on 2 cores, a collective that runs while backward
+computes takes longer and slows backward down (the profile measures both per kind and size:
+`Cost.loaded`, `Cost.slowdown`); `simulate` predicts F with that too (what `sparcoll plan` reports
+and chooses among its candidates by).
 """
 from __future__ import annotations
 
@@ -82,24 +82,13 @@ def finish(step: Step, state: State) -> float:
 
 
 def simulate(step: Step, costs) -> Timeline:
-    """The timeline of one iteration with costs[i] for tensor i (in backward order)."""
-    state: State = (0.0, 0.0, 0.0)
-    payload, starts, ends = [], [], []
-    for i, cost in enumerate(costs):
-        state, ready, start = advance(step, state, i, cost)
-        payload.append(ready)
-        starts.append(start)
-        ends.append(state[2])
-    return Timeline(payload, starts, ends, step.backward_end + state[0], finish(step, state))
-
-
-def contended(step: Step, costs) -> Timeline:
-    """The timeline with collectives and backward slowing each other down: a tensor's communication
-    advances at comm / `loaded` of its rate alone while backward computes (its own work and the
-    on-thread compression), and while it runs backward advances at 1 / `slowdown` of its rate alone.
-    Backward's work is in seconds alone (the Step's ready times), turned into time along the
-    channel's busy intervals so far (a tensor is ready before any later tensor's communication
-    starts)."""
+    """The timeline of one iteration with costs[i] for tensor i (in backward order), collectives and
+    backward slowing each other down where the costs say how: a tensor's communication advances at
+    comm / `loaded` of its rate alone while backward computes (its own work and the on-thread
+    compression), and while it runs backward advances at 1 / `slowdown` of its rate alone. Backward's
+    work is in seconds alone (the Step's ready times), turned into time along the channel's busy
+    intervals so far (a tensor is ready before any later tensor's communication starts). Without
+    contention (no `loaded`) every operation takes its time alone, as in `Simulation`."""
     busy = _Busy()
     delay = lane = channel = 0.0
     payload, starts, ends = [], [], []
