@@ -19,7 +19,7 @@ from sparcoll.plan.command import choices_of, units_of
 from sparcoll.plan.costs import Costing, Curve, Measured, in_sequence
 from sparcoll.plan.options import ALLGATHER, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts
 from sparcoll.plan.timeline import Cost, Step
-from test_parallel import mlp, reference_grads, relative_error, step
+from test_parallel import batch, mlp, reference_grads, relative_error, step
 
 WORLD = 3
 TIMEOUT = 240
@@ -96,7 +96,8 @@ def test_contention_follows_its_curves_and_adds_up_one_by_one():
 def test_a_linear_layers_bias_shares_its_weights_unit_and_rides_with_sfb():
     """Backward order: a small tensor, then two layers' bias and weight. The first bias leaves the bucket
     it would have joined; under SFB a layer unit costs its weight's SFB (the factors carry the bias),
-    under anything else its members one by one."""
+    under a compressor its members' compressions and one collective for both payloads, under anything
+    else its members one by one."""
     costing = Costing(FITS, workers=4)
     linear = dict(linear=True)
     measured = [Measured(TensorFacts("norm.weight", 64), (64,)),
@@ -112,10 +113,13 @@ def test_a_linear_layers_bias_shares_its_weights_unit_and_rides_with_sfb():
     assert [u.facts.numel for u in units] == [64, 500_500, 100_100] and units[1].facts.linear
     choices = choices_of(units, groups, measured, costing, ["none", "topk:0.01"], JobFacts())
     assert choices[1].costs[Option("none", SFB)] == costing.cost(measured[2], Option("none", SFB))
-    for option in (Option(), Option("none", PS), Option("topk:0.01", ALLGATHER)):
+    for option in (Option(), Option("none", PS)):
         bias, weight = (costing.cost(measured[i], option) for i in (1, 2))
         assert choices[1].costs[option].comm == pytest.approx(bias.comm + weight.comm)
-        assert choices[1].costs[option].compress == pytest.approx(bias.compress + weight.compress)
+    topk = choices[1].costs[Option("topk:0.01", ALLGATHER)]
+    kept = 5 + 5000                 # elements of the bias and the weight: 8 bytes each on the wire
+    assert [topk.compress, topk.comm, topk.decompress] == pytest.approx(
+        [2e-4 + 2e-9 * 500_500, (5e-4 + 3e-8 * 8 * 4) + (5e-4 + 3e-8 * 8 * kept), 4e-4 + 1e-9 * 500_500])
 
 
 def small_and_large() -> nn.Module:
@@ -160,19 +164,34 @@ def execution(rank: int, world: int) -> dict:
         except RuntimeError as exc:
             out["offload error"] = str(exc)
         dp.close()
-        # the planner's units are DataParallel's buckets: every tensor on the ring, the trace's
-        # collectives (events sharing a start) group the names as units_of does
-        dp = sparcoll.torch.DataParallel(small_and_large(), strategy="ring")
-        step(dp, rank, 6, (12,))
-        collectives: dict = {}
-        for e in dp.trace:
-            collectives.setdefault(e.start, []).append(e.name)
-        out["buckets"] = sorted(collectives.values())
-        sizes = dict((n, p.numel()) for n, p in dp.module.named_parameters())
-        measured = [Measured(TensorFacts(e.name, sizes[e.name]), (sizes[e.name],)) for e in dp.trace]
-        _, _, groups = units_of(Step((0.0,) * len(measured), 0.0), measured)
-        out["units"] = sorted([measured[i].facts.name for i in g] for g in groups)
-        dp.close()
+        # the planner's units are DataParallel's buckets: the trace's collectives (events sharing a
+        # start) group the names as units_of does. On the ring a large weight goes alone; under a
+        # compressor (compressing on any thread) it takes its bias along, a layer's unit
+        for strategy, placement in (("ring", "thread"), ("topk:0.3", "channel"), ("blocktopk:0.3", "offload"),
+                                    ("none", "thread")):
+            names = [n for n, _ in small_and_large().named_parameters()]
+            dp = sparcoll.torch.DataParallel(small_and_large(), comm=comm,
+                                             strategy=plan_of(dict.fromkeys(names, strategy), placement))
+            got = step(dp, rank, 6, (12,))
+            if strategy == "none":      # buckets of the uncompressing compressor: the exact average
+                out["bucketed none"] = relative_error(got, reference_grads(small_and_large, 6, (12,), world))
+            if strategy == "topk:0.3":  # a bucket's collective gives what one collective per tensor gives
+                plain = small_and_large()
+                nn.functional.mse_loss(plain(batch(rank, 6, (12,))[0]), batch(rank, 6, (12,))[1]).backward()
+                local = [q.grad for q in plain.parameters()]
+                one_by_one = sparcoll.compress.Reducer(strategy, comm=comm)
+                out["bucketed topk"] = relative_error(got, [one_by_one.reduce(g, key=i) for i, g in enumerate(local)])
+            collectives: dict = {}
+            for e in dp.trace:
+                collectives.setdefault(e.start, []).append(e.name)
+            out[f"buckets {strategy}"] = sorted(collectives.values())
+            params = dict(dp.module.named_parameters())
+            linear = strategy != "ring"
+            measured = [Measured(TensorFacts(e.name, params[e.name].numel(), linear and params[e.name].dim() == 2),
+                                 tuple(params[e.name].shape)) for e in dp.trace]
+            _, _, groups = units_of(Step((0.0,) * len(measured), 0.0), measured)
+            out[f"units {strategy}"] = sorted([measured[i].facts.name for i in g] for g in groups)
+            dp.close()
     finally:
         comm.close()
     return out
@@ -193,7 +212,7 @@ def test_a_lossless_plan_gives_the_full_batch_gradient(executed):
 def test_compressing_on_the_training_or_offload_thread_changes_nothing(executed, spec):
     for rank in executed:
         assert rank[f"{spec} thread"] < 1e-6 and rank[f"{spec} offload"] < 1e-6
-        assert rank[f"{spec} thread used"] == ["compressed"] and rank[f"{spec} channel used"] == [spec]
+        assert rank[f"{spec} thread used"] == [spec] and rank[f"{spec} channel used"] == [spec]
 
 
 def test_an_offloaded_compressors_error_reaches_backward(executed):
@@ -203,8 +222,12 @@ def test_an_offloaded_compressors_error_reaches_backward(executed):
 
 def test_the_planners_units_are_dataparallels_buckets(executed):
     for rank in executed:
-        assert rank["buckets"] == rank["units"]
-        assert ["4.weight"] in rank["units"]          # the large one alone
+        for strategy in ("ring", "topk:0.3", "blocktopk:0.3"):
+            assert rank[f"buckets {strategy}"] == rank[f"units {strategy}"]
+        assert ["4.weight"] in rank["units ring"]          # the large one alone
+        assert ["4.bias", "4.weight"] in rank["units topk:0.3"]     # with its bias: one collective
+        assert len(rank["units topk:0.3"]) == 3 == len(rank["units blocktopk:0.3"])
+        assert rank["bucketed none"] < 1e-5 and rank["bucketed topk"] < 1e-6
 
 
 @pytest.mark.auto_algorithm

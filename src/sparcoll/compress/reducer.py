@@ -101,9 +101,10 @@ class Reducer:
                              if tensor.is_dense else "compress takes dense tensors")
         return self._compress(self.memory.compensate(_flat_float(tensor), key), key)
 
-    def communicate(self, payload: Payload, like: torch.Tensor) -> torch.Tensor:
-        """The average over ranks of what `compress` kept, shaped and typed as `like`."""
-        return self._communicate([payload])[0].view(like.shape).to(like.dtype)
+    def communicate(self, payloads: list, likes: list) -> list:
+        """The averages over ranks of what `compress` kept, one collective for all the payloads (two
+        for variable-size gathers), each shaped and typed as its tensor in `likes`."""
+        return [out.view(like.shape).to(like.dtype) for out, like in zip(self._communicate(payloads), likes)]
 
     def _compress(self, comp: torch.Tensor, key) -> Payload:
         payload = self.compressor.compress(comp)

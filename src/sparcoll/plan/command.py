@@ -208,8 +208,10 @@ def _unit(measured: list[Measured], members: list[int]) -> Measured:
 
 def choices_of(units: list[Measured], groups: list[list[int]], measured: list[Measured], costing: Costing,
                compressors, job: JobFacts) -> list[decide.Choices]:
-    """Each unit's valid options and their costs; a group's are its members' one by one, but on the
-    ring, where a bucket travels as one, and under SFB, where the weight's factors carry its bias."""
+    """Each unit's valid options and their costs, as sparcoll.torch.DataParallel sends a group: on the
+    ring a bucket as one allreduce (a layer's bias and weight one by one); under a compressor each
+    member compressed, their payloads in one collective; under SFB the weight's factors carry its
+    bias; under any other option one by one."""
     out = []
     for unit, members in zip(units, groups):
         costs = {}
@@ -219,6 +221,8 @@ def choices_of(units: list[Measured], groups: list[list[int]], measured: list[Me
                 costs[o] = costing.cost(unit, o)
             elif o.collective == SFB:
                 costs[o] = costing.cost(measured[members[-1]], o)
+            elif o.compressor != "none":
+                costs[o] = costing.bucket([measured[i] for i in members], o)
             else:
                 costs[o] = in_sequence([costing.cost(measured[i], o) for i in members], o.offload)
         out.append(decide.Choices(unit.facts.name, unit.facts.numel, costs))

@@ -132,20 +132,32 @@ class Costing:
             if option.collective in (SPARSE, DEDICATED):
                 return self._on(option.collective, sparse_volume(numel, t.density, t.union))
             return self._on(option.collective, numel * ITEMSIZE)
+        return self.bucket([t], option)
+
+    def bucket(self, ts: list[Measured], option: Option) -> Cost:
+        """Dense tensors of one compressor as sparcoll.torch.DataParallel sends a bucket (or a layer's
+        bias and weight): each compressed and decompressed on its own, their payloads in one
+        collective (PowerSGD's, measured whole per tensor, one by one)."""
+        c = option.compressor
         compressor = _compressor(c)
-        own = [table.get(c, {}).get(t.facts.name) for table in (self.compress_own, self.decompress_own)]
-        compress = self.compress[c](numel) if own[0] is None else own[0]
-        payload = compressor.payload_bytes(numel, t.shape)
+        compress = decompress = 0.0
+        for t in ts:
+            own = [table.get(c, {}).get(t.facts.name) for table in (self.compress_own, self.decompress_own)]
+            compress += self.compress[c](t.facts.numel) if own[0] is None else own[0]
+            if compressor.scheme != "powersgd":
+                decompress += self.decompress[c](t.facts.numel) if own[1] is None else own[1]
+        numel = sum(t.facts.numel for t in ts)
+        payload = sum(compressor.payload_bytes(t.facts.numel, t.shape) for t in ts)
         if compressor.scheme == "powersgd":        # its time is measured whole: all on the channel
             return self._on(RING, payload, comm=compress)
-        decompress = self.decompress[c](numel) if own[1] is None else own[1]
         if compressor.scheme == "sparse":
-            kept = payload / (numel * ITEMSIZE)
+            kept = min(1.0, payload / (numel * ITEMSIZE))
             return self._on(option.collective, sparse_volume(numel, kept, 1 - (1 - kept) ** self.workers),
                             compress, decompress, option.offload)
         if compressor.scheme == "allreduce":
             return self._on(RING, payload, compress, decompress, option.offload)
-        return self._gathered(payload, 2, compress, decompress, option.offload, variable=compressor.variable)
+        return self._gathered(payload, 2 * len(ts), compress, decompress, option.offload,
+                              variable=compressor.variable)
 
 
 def in_sequence(parts: list[Cost], offload: bool = False) -> Cost:

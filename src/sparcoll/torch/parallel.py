@@ -19,7 +19,10 @@ weight used outside its module, as in `F.linear(x, layer.weight)` elsewhere, can
 such a layer an explicit strategy.)
 
 Gradients are synchronized on one thread, in the order backward produces them (the same on every
-rank), small ring gradients in buckets as DDP's; backward waits for the last of them before it returns. Under `no_sync()` gradients
+rank); backward waits for the last of them before it returns. Small dense gradients of the ring or of
+one compressor travel in buckets, as DDP's: one collective for several (each gradient compressed on
+its own, their payloads sent together), instead of a collective's latency each; a compressed weight
+takes its own bias along when the bias came just before it (as `sparcoll plan` prices a layer). Under `no_sync()` gradients
 accumulate locally; the next synchronized step reduces the accumulated gradients (SFB layers then take
 the ring: their factors cover one step only). `trace` records, for the last step, when each tensor
 was ready and when its synchronization started and ended, and when backward finished computing.
@@ -54,7 +57,7 @@ from .sfb import Call, LinearState, eligible_layers, gather_factors
 AUTO = "auto"
 ROWS = "rows"           # the per-step check that ranks agree on the rows of their linear layers
 BUCKET = "bucket"       # small dense gradients that take the ring, averaged in one allreduce
-COMPRESSED = "compressed"   # a payload compressed off the synchronization thread, to communicate
+COMPRESSED = "compressed"   # gradients of one compressor, their payloads in one collective
 CHANNEL, THREAD, OFFLOAD = "channel", "thread", "offload"     # where a compressor runs
 SMALL_BYTES = 256 << 10     # a gradient this small joins the bucket ...
 BUCKET_BYTES = 1 << 20      # ... which goes when it holds this much (as DDP's first bucket)
@@ -91,7 +94,8 @@ class DataParallel(nn.Module):
         self.module = module
         self.comm, self.group, self.timeout, self.wait_free = comm, group, timeout, wait_free
         self._held: list = []
-        self._bucket: list = []           # (parameter, event) of small ring gradients, in ready order
+        self._bucket: list = []           # (parameter, event, payload) of small gradients, in ready order
+        self._bucket_kind: tuple = ()     # the bucket's (strategy, placement): one collective for all
         self.world = dist.get_world_size(group)
         self.channel = Channel(group, comm)
         self._group_channel = Channel(group)     # the group's own collectives, without sparcoll
@@ -260,32 +264,52 @@ class DataParallel(nn.Module):
         if chosen == hybrid.SFB:            # a weight whose gradient came from outside its layer's call
             chosen = hybrid.RING
         grad = p.grad
-        placement = self._placement.get(self._names.get(id(p)), CHANNEL)
-        if chosen == hybrid.RING and not grad.is_sparse and grad.numel() * grad.element_size() <= SMALL_BYTES:
-            self._add_to_bucket(p)
-        elif placement != CHANNEL and chosen not in STRATEGIES and not grad.is_sparse \
-                and self._reducer(chosen, placement).splits:
-            self._compress_apart(p, chosen, placement)
-        else:
+        compressed = chosen not in STRATEGIES and not grad.is_sparse
+        small = not grad.is_sparse and grad.numel() * grad.element_size() <= SMALL_BYTES
+        if not (compressed or (chosen == hybrid.RING and small)):
             self._enqueue(p, chosen, None)
+            return
+        kind = (chosen, self._placement_of(p, chosen) if compressed else CHANNEL)
+        try:
+            payload = self._compress_apart(p, *kind) if compressed else None
+        except BaseException as exc:          # reaches backward at its end, as the thread's errors
+            self._error = self._error or exc
+            return
+        if small:
+            self._add_to_bucket(p, kind, payload)
+        else:
+            self._send_compressed(p, kind, payload)
 
-    def _compress_apart(self, p: torch.Tensor, spec: str, placement: str) -> None:
-        """Compress p's gradient here (the training thread) or on the offload thread; the
-        synchronization thread communicates the payload, in backward order as every other tensor.
-        Each placement has its own Reducer, so that each compresses in the same order on every rank
-        (randomk's shared indices and PowerSGD's seeds follow the order of calls)."""
+    def _send_compressed(self, p: torch.Tensor, kind: tuple, payload) -> None:
+        """A large compressed gradient goes at once, with its layer's bias if that is the last of the
+        open bucket (the same compressor): one collective for the layer."""
+        last = self._bucket[-1][0] if self._bucket and self._bucket_kind == kind else None
+        layer = [self._bucket.pop()] if last is not None and self._weight_of.get(id(last)) is p else []
+        self._flush()
+        event = Event(self._names.get(id(p), "?"), kind[0], time.perf_counter())
+        self.trace.append(event)
+        self._put_compressed(kind, layer + [(p, event, payload)])
+
+    def _placement_of(self, p: torch.Tensor, spec: str) -> str:
+        """Where p's compressor runs: the plan's placement, on the synchronization thread for a
+        compressor that cannot compress apart from its collective (PowerSGD)."""
+        placement = self._placement.get(self._names.get(id(p)), CHANNEL)
+        return placement if placement == CHANNEL or self._reducer(spec, placement).splits else CHANNEL
+
+    def _compress_apart(self, p: torch.Tensor, spec: str, placement: str):
+        """Compress p's gradient here (the training thread) or on the offload thread, or None: the
+        synchronization thread compresses it (CHANNEL). The synchronization thread communicates the
+        payload, in backward order as every other tensor. Each placement has its own Reducer, so that
+        each compresses in the same order on every rank (randomk's shared indices and PowerSGD's
+        seeds follow the order of calls)."""
+        if placement == CHANNEL:
+            return None
         reducer = self._reducer(spec, placement)
         if placement == OFFLOAD:
             if self._offload is None:
                 self._offload = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparcoll-offload")
-            payload = self._offload.submit(reducer.compress, p.grad, id(p))
-        else:
-            try:
-                payload = reducer.compress(p.grad, id(p))
-            except BaseException as exc:      # reaches backward at its end, as the thread's errors
-                self._error = self._error or exc
-                return
-        self._enqueue(p, COMPRESSED, (reducer, payload))
+            return self._offload.submit(reducer.compress, p.grad, id(p))
+        return reducer.compress(p.grad, id(p))
 
     def _enqueue(self, p: torch.Tensor, chosen: str, extra) -> None:
         self._flush()                   # the bucket goes first: it was ready first
@@ -301,23 +325,33 @@ class DataParallel(nn.Module):
         else:
             self._held.append(item)
 
-    def _add_to_bucket(self, p: torch.Tensor) -> None:
-        """Small ring gradients travel together, as DDP's buckets: one allreduce instead of one
-        each. The bucket is formed on the training thread in ready order and sent when it is full,
-        when a gradient that does not join it is ready, or at the end of backward, so it is the
-        same on every rank without a message."""
-        if self._bucket and self._bucket[0][0].grad.dtype != p.grad.dtype:
+    def _add_to_bucket(self, p: torch.Tensor, kind: tuple, payload) -> None:
+        """Small gradients of one kind (the ring, or one compressor in one placement) travel together,
+        as DDP's buckets: one collective instead of one each. The bucket is formed on the training
+        thread in ready order and sent when it is full, when a gradient that does not join it is
+        ready, or at the end of backward, so it is the same on every rank without a message."""
+        if self._bucket and (self._bucket_kind != kind or self._bucket[0][0].grad.dtype != p.grad.dtype):
             self._flush()
-        event = Event(self._names.get(id(p), "?"), hybrid.RING, time.perf_counter())
+        self._bucket_kind = kind
+        event = Event(self._names.get(id(p), "?"), kind[0], time.perf_counter())
         self.trace.append(event)
-        self._bucket.append((p, event))
-        if sum(q.grad.numel() * q.grad.element_size() for q, _ in self._bucket) >= BUCKET_BYTES:
+        self._bucket.append((p, event, payload))
+        if sum(q.grad.numel() * q.grad.element_size() for q, _, _ in self._bucket) >= BUCKET_BYTES:
             self._flush()
 
     def _flush(self) -> None:
-        if self._bucket:
-            bucket, self._bucket = self._bucket, []
-            self._put((None, BUCKET, [q for q, _ in bucket], [e for _, e in bucket]))
+        if not self._bucket:
+            return
+        bucket, self._bucket = self._bucket, []
+        if self._bucket_kind[0] == hybrid.RING:
+            self._put((None, BUCKET, [q for q, _, _ in bucket], [e for _, e, _ in bucket]))
+        else:
+            self._put_compressed(self._bucket_kind, bucket)
+
+    def _put_compressed(self, kind: tuple, members: list) -> None:
+        """(parameter, event, payload) of one compressor in one placement: one collective for all."""
+        self._put((None, COMPRESSED, (self._reducer(*kind), [(q, x) for q, _, x in members]),
+                   [e for _, e, _ in members]))
 
     def _arm(self) -> None:
         """At the first gradient of a backward: make its end wait for the synchronizations."""
@@ -417,13 +451,19 @@ class DataParallel(nn.Module):
                     grad.copy_(flat.view_as(grad))
                 self._learn_density(q, flat)
             return
-        grad = p.grad
         if chosen == COMPRESSED:
-            reducer, payload = extra
-            if isinstance(payload, concurrent.futures.Future):
-                payload = payload.result(timeout=self.timeout)
-            grad.copy_(reducer.communicate(payload, grad))
+            reducer, members = extra
+            grads = [q.grad for q, _ in members]
+            payloads = [x.result(timeout=self.timeout) if isinstance(x, concurrent.futures.Future) else x
+                        for _, x in members]
+            if payloads[0] is None:             # compressed here, on the synchronization thread
+                outs = reducer.reduce_many(grads, [id(q) for q, _ in members])
+            else:
+                outs = reducer.communicate(payloads, grads)
+            for grad, out in zip(grads, outs):
+                grad.copy_(out)
             return
+        grad = p.grad
         if grad.is_sparse:
             p.grad = self._synchronize_coo(p, grad.coalesce(), chosen)
             return
@@ -437,8 +477,6 @@ class DataParallel(nn.Module):
             ps_allreduce(flat, self.group, self._scratch[id(p)]).div_(self.world)
         elif chosen == hybrid.SPARSE:
             self.comm.allreduce(flat, op="avg")
-        else:
-            flat.copy_(self._reducer(chosen).reduce(flat, key=id(p)).reshape(-1))
         if flat.data_ptr() != grad.data_ptr():
             grad.copy_(flat.view_as(grad))
         self._learn_density(p, flat)
