@@ -349,13 +349,15 @@ def test_strategy_file_and_bad_strategies(tmp_path):
 
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"0.weight": "sfb", "2.weight": "topk:0.1"}))
-    assert _load(path) == ({"0.weight": "sfb", "2.weight": "topk:0.1"}, {})
+    assert _load(path) == ({"0.weight": "sfb", "2.weight": "topk:0.1"}, {}, {})
     assert _load(str(path))[0]["0.weight"] == "sfb"
     with pytest.raises(ValueError, match="unknown compressor"):
         _load({"0.weight": "zip"})
     plan = {"tensors": [{"name": "0.weight", "strategy": "topk:0.1", "placement": "offload"},
                         {"name": "0.bias", "strategy": "ring", "placement": "thread"}]}
-    assert _load(plan) == ({"0.weight": "topk:0.1", "0.bias": "ring"}, {"0.weight": "offload", "0.bias": "thread"})
+    assert _load(plan) == ({"0.weight": "topk:0.1", "0.bias": "ring"}, {"0.weight": "offload", "0.bias": "thread"}, {})
+    plan["tensors"][0]["unit"] = 3
+    assert _load(plan)[2] == {"0.weight": 3}
     with pytest.raises(ValueError, match="unknown placement 'gpu'"):
         _load({"tensors": [{"name": "0.weight", "strategy": "fp16", "placement": "gpu"}]})
 

@@ -192,6 +192,13 @@ def execution(rank: int, world: int) -> dict:
             _, _, groups = units_of(Step((0.0,) * len(measured), 0.0), measured)
             out[f"units {strategy}"] = sorted([measured[i].facts.name for i in g] for g in groups)
             dp.close()
+        # a plan's units close a bucket as soon as they are complete: here each small tensor is a unit
+        names = [n for n, _ in small_and_large().named_parameters()]
+        alone = {"tensors": [{"name": n, "strategy": "ring", "unit": i} for i, n in enumerate(names)]}
+        dp = sparcoll.torch.DataParallel(small_and_large(), strategy=alone)
+        out["units alone"] = relative_error(step(dp, rank, 6, (12,)), reference_grads(small_and_large, 6, (12,), world))
+        out["collectives alone"] = len({e.start for e in dp.trace})
+        dp.close()
     finally:
         comm.close()
     return out
@@ -228,6 +235,7 @@ def test_the_planners_units_are_dataparallels_buckets(executed):
         assert ["4.bias", "4.weight"] in rank["units topk:0.3"]     # with its bias: one collective
         assert len(rank["units topk:0.3"]) == 3 == len(rank["units blocktopk:0.3"])
         assert rank["bucketed none"] < 1e-5 and rank["bucketed topk"] < 1e-6
+        assert rank["collectives alone"] == 10 and rank["units alone"] < 1e-5
 
 
 @pytest.mark.auto_algorithm

@@ -29,6 +29,7 @@ was ready and when its synchronization started and ended, and when backward fini
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -99,7 +100,8 @@ class DataParallel(nn.Module):
         self.world = dist.get_world_size(group)
         self.channel = Channel(group, comm)
         self._group_channel = Channel(group)     # the group's own collectives, without sparcoll
-        self._explicit, self._placement = _load(strategy)
+        self._explicit, self._placement, self._unit = _load(strategy)
+        self._unit_size = collections.Counter(self._unit.values())
         self._offload: concurrent.futures.ThreadPoolExecutor | None = None
         wanted = self._explicit.values() if isinstance(self._explicit, dict) else [self._explicit]
         if hybrid.SPARSE in wanted and comm is None:
@@ -329,14 +331,19 @@ class DataParallel(nn.Module):
         """Small gradients of one kind (the ring, or one compressor in one placement) travel together,
         as DDP's buckets: one collective instead of one each. The bucket is formed on the training
         thread in ready order and sent when it is full, when a gradient that does not join it is
-        ready, or at the end of backward, so it is the same on every rank without a message."""
+        ready, or at the end of backward, so it is the same on every rank without a message; under a
+        plan, as soon as it holds all of a unit of the plan (the plan priced the unit ready with its
+        last member: waiting for the next gradient cost ncf's first bucket 9 ms)."""
         if self._bucket and (self._bucket_kind != kind or self._bucket[0][0].grad.dtype != p.grad.dtype):
             self._flush()
         self._bucket_kind = kind
         event = Event(self._names.get(id(p), "?"), kind[0], time.perf_counter())
         self.trace.append(event)
         self._bucket.append((p, event, payload))
-        if sum(q.grad.numel() * q.grad.element_size() for q, _, _ in self._bucket) >= BUCKET_BYTES:
+        unit = self._unit.get(event.name)
+        if sum(q.grad.numel() * q.grad.element_size() for q, _, _ in self._bucket) >= BUCKET_BYTES or (
+                unit is not None and sum(self._unit.get(e.name) == unit for _, e, _ in self._bucket)
+                == self._unit_size[unit]):
             self._flush()
 
     def _flush(self) -> None:
@@ -507,14 +514,15 @@ class DataParallel(nn.Module):
                 dist.broadcast(t.data, src, group=self.group)
 
 
-def _load(strategy) -> tuple[Union[str, dict], dict]:
+def _load(strategy) -> tuple[Union[str, dict], dict, dict]:
     """"auto", one strategy for all, or {name: strategy} from a dict, a plan or a JSON file of either;
-    each checked. Also {name: placement} of a plan's compressed tensors."""
+    each checked. Also, from a plan, {name: placement} of its compressed tensors and {name: unit}."""
     if isinstance(strategy, Path) or (isinstance(strategy, str) and strategy.endswith(".json")):
         strategy = json.loads(Path(strategy).read_text())
-    placement = {}
+    placement, units = {}, {}
     if isinstance(strategy, Mapping) and isinstance(strategy.get("tensors"), list):     # a plan
         placement = {str(t["name"]): str(t.get("placement", CHANNEL)) for t in strategy["tensors"]}
+        units = {str(t["name"]): t["unit"] for t in strategy["tensors"] if "unit" in t}
         strategy = {t["name"]: t["strategy"] for t in strategy["tensors"]}
         wrong = sorted(set(placement.values()) - {CHANNEL, THREAD, OFFLOAD})
         if wrong:
@@ -523,9 +531,9 @@ def _load(strategy) -> tuple[Union[str, dict], dict]:
         table = {str(name): str(s) for name, s in strategy.items()}
         for s in table.values():
             check_strategy(s)
-        return table, placement
+        return table, placement, units
     check_strategy(strategy)
-    return strategy, placement
+    return strategy, placement, units
 
 
 def check_strategy(strategy: str) -> None:
