@@ -101,10 +101,12 @@ class Reducer:
                              if tensor.is_dense else "compress takes dense tensors")
         return self._compress(self.memory.compensate(_flat_float(tensor), key), key)
 
-    def communicate(self, payloads: list, likes: list) -> list:
+    def communicate(self, payloads: list, likes: list, into: list | None = None) -> list:
         """The averages over ranks of what `compress` kept, one collective for all the payloads (two
-        for variable-size gathers), each shaped and typed as its tensor in `likes`."""
-        return [out.view(like.shape).to(like.dtype) for out, like in zip(self._communicate(payloads), likes)]
+        for variable-size gathers), each shaped and typed as its tensor in `likes`. `into`: flat
+        float32 tensors the sparse AllReduce writes the averages into (as `reduce_many`'s)."""
+        outs = self._communicate(payloads, into)
+        return [out.view(like.shape).to(like.dtype) for out, like in zip(outs, likes)]
 
     def _compress(self, comp: torch.Tensor, key) -> Payload:
         payload = self.compressor.compress(comp)

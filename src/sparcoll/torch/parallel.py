@@ -463,12 +463,17 @@ class DataParallel(nn.Module):
             grads = [q.grad for q, _ in members]
             payloads = [x.result(timeout=self.timeout) if isinstance(x, concurrent.futures.Future) else x
                         for _, x in members]
+            # the averages straight into the gradients where they are flat float32 (vgg's layers:
+            # 400 MB of copy fewer per step)
+            into = [g.view(-1) for g in grads] if all(
+                g.dtype == torch.float32 and g.is_contiguous() for g in grads) else None
             if payloads[0] is None:             # compressed here, on the synchronization thread
-                outs = reducer.reduce_many(grads, [id(q) for q, _ in members])
+                outs = reducer.reduce_many(grads, [id(q) for q, _ in members], into=into)
             else:
-                outs = reducer.communicate(payloads, grads)
+                outs = reducer.communicate(payloads, grads, into)
             for grad, out in zip(grads, outs):
-                grad.copy_(out)
+                if out.data_ptr() != grad.data_ptr():
+                    grad.copy_(out.view_as(grad))
             return
         grad = p.grad
         if grad.is_sparse:
