@@ -17,7 +17,6 @@ import sparcoll.torch
 from ranks import run_ranks
 from sparcoll.plan.command import choices_of, units_of
 from sparcoll.plan.costs import Costing, Curve, Measured, in_sequence
-from sparcoll.plan.profiler import block_densities
 from sparcoll.plan.options import ALLGATHER, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts
 from sparcoll.plan.timeline import Cost, Step
 from test_parallel import batch, mlp, reference_grads, relative_error, step
@@ -121,23 +120,6 @@ def test_a_linear_layers_bias_shares_its_weights_unit_and_rides_with_sfb():
     kept = 5 + 5000                 # elements of the bias and the weight: 8 bytes each on the wire
     assert [topk.compress, topk.comm, topk.decompress] == pytest.approx(
         [2e-4 + 2e-9 * 500_500, (5e-4 + 3e-8 * 8 * 4) + (5e-4 + 3e-8 * 8 * kept), 4e-4 + 1e-9 * 500_500])
-
-
-def densities(rank: int, world: int) -> tuple:
-    """Gradients whose non-zero elements are known: rows 8 wide (rank 0 the first of 1024 elements,
-    rank 1 elements 512-519), the same rows as a COO embedding gradient, and a dense one."""
-    narrow = torch.zeros(1024)
-    narrow[512 * rank:512 * rank + 8] = 1.0
-    coo = torch.sparse_coo_tensor(torch.tensor([[rank * 64]]), torch.ones(1, 8), (128, 8))
-    return block_densities([narrow, coo, torch.ones(300)], 256)
-
-
-def test_block_densities_are_at_the_block_size_the_communicator_takes():
-    """1024 elements are 64 blocks of 16 (the smallest), 4 of 256: each rank holds 1 of 64, the union
-    2, and blocks of 16 move the fewest bytes (at 256 it would be 1 of 4 and 2 of 4). The COO
-    gradient's rows are 8 wide: blocks of 16 (entry_block_size), whatever moves the fewest bytes."""
-    for density, union in run_ranks(densities, 2, timeout=60):
-        assert density == pytest.approx([1 / 64, 1 / 64, 1.0]) and union == pytest.approx([2 / 64, 2 / 64, 1.0])
 
 
 def small_and_large() -> nn.Module:

@@ -127,7 +127,10 @@ class Chooser:
         if self.mode is Algorithm.RING or kind[0] <= TINY_NUMEL or result.layout != torch.strided:
             return
         shares = self.densities(kind, result)
-        block = block_for(shares, result.element_size())
+        costs = {b: share * (1 + INDEX_BYTES / (b * result.element_size()))
+                 for b, share in shares.items()}
+        best = min(costs.values())
+        block = max(b for b, cost in costs.items() if cost <= best * (1 + SLACK))
         state = self._kinds.setdefault(kind, KindState(block))
         state.block = block
         dense = self.mode is Algorithm.AUTO and shares[block] >= CANDIDATE_DENSITY
@@ -162,15 +165,6 @@ class Chooser:
             if b != size:
                 marks = marks.view(len(marks), -1, 2).any(dim=2)
         return shares
-
-
-def block_for(shares: dict[int, float], itemsize: int) -> int:
-    """The block size that moves the fewest bytes (data and a 4-byte index per block) at these shares
-    of non-zero blocks (block size -> share): the largest within SLACK of the fewest, since smaller
-    blocks cost CPU per block."""
-    costs = {b: share * (1 + INDEX_BYTES / (b * itemsize)) for b, share in shares.items()}
-    best = min(costs.values())
-    return max(b for b, cost in costs.items() if cost <= best * (1 + SLACK))
 
 
 def candidate_block_sizes(largest: int) -> list[int]:

@@ -36,7 +36,7 @@ from .options import COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Op
 from .profiler import expected_events, fit, gradient_events
 from .timeline import Cost, Step, simulate
 
-PROFILE_VERSION = 10
+PROFILE_VERSION = 9
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 TRIAL_UNIFORMS = 3
@@ -119,8 +119,8 @@ def load_or_measure(args) -> dict:
         stored = json.loads(path.read_text())
         if {k: stored.get(k) for k in ident} == ident:
             return stored
-        print(f"sparcoll plan: {path} was measured for another model, worker count or network, or by "
-              f"another version of the profiler; measuring again", file=sys.stderr)
+        print(f"sparcoll plan: {path} was measured for another model, worker count or network; "
+              f"measuring again", file=sys.stderr)
     profile = measure(ident, args.timeout)
     path.write_text(json.dumps(profile, indent=1))
     return profile

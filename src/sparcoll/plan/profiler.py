@@ -5,8 +5,7 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
                (without communication: under DataParallel's ring, communication's CPU made vgg's
                backward 3x longer than under SFB, which sends 2% of the ring's bytes, so one
                strategy's interference cannot stand for all), the slowest worker's per tensor; each
-               gradient's block density on one worker and over the union of workers, at the block
-               size the communicator takes for it (block_densities); the rows each
+               gradient's block density on one worker and over the union of workers; the rows each
                linear layer sees per step (SFB's K); the cores each worker has (offloading needs a
                spare one)
   SFB          per linear layer, the two products SFB changes, at the layer's shapes, every worker at
@@ -34,7 +33,6 @@ costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`)
 """
 from __future__ import annotations
 
-import math
 import os
 import socket
 import statistics
@@ -49,7 +47,7 @@ from torch import nn
 import sparcoll
 from sparcoll.bench.events import emit
 from sparcoll.bench.worker import exit_process, run_worker
-from sparcoll.algorithm import block_for, candidate_block_sizes, entry_block_size
+from sparcoll.blocks import BlockTensor
 from sparcoll.compress import Reducer
 from sparcoll.compress.channel import Channel
 from sparcoll.torch.ps import ps_allreduce
@@ -107,48 +105,6 @@ def timed(run, prepare=lambda: None) -> float:
     return statistics.median(times)
 
 
-def block_densities(grads: list[torch.Tensor], largest: int) -> tuple[list[float], list[float]]:
-    """Each gradient's share of non-zero blocks, on average over the workers and in their union (the
-    sparse AllReduce's result), at the block size the communicator takes for it: a COO gradient's
-    rows (algorithm.entry_block_size), a dense one's the size that moves the fewest bytes for that
-    union (algorithm.block_for, as the communicator learns it from its results). ncf's 64-wide
-    embedding rows counted at 256-element blocks had the planner price up to 4x the bytes sent."""
-    sizes = candidate_block_sizes(largest)          # largest first, each half the one before
-    local, finest = [], []
-    for g in grads:
-        flat = (g.to_dense() if g.is_sparse else g).detach().reshape(-1)
-        padded = torch.zeros(-(-flat.numel() // largest) * largest, dtype=flat.dtype)
-        padded[:flat.numel()] = flat
-        marks = padded.view(-1, sizes[-1]).ne(0).any(dim=1)
-        finest.append(marks.float())
-        counts = []
-        for b in reversed(sizes):                   # pairs of blocks of b are the blocks of 2b
-            counts.append(marks.sum().item() / max(1, -(-g.numel() // b)))
-            if b != largest:
-                marks = marks.view(-1, 2).any(dim=1)
-        local.append(counts[::-1])
-    local = torch.tensor(local, dtype=torch.float64).reshape(len(grads), len(sizes))
-    dist.all_reduce(local)
-    local /= dist.get_world_size()
-    marks = torch.cat(finest)
-    dist.all_reduce(marks, op=dist.ReduceOp.MAX)
-    density, union = [], []
-    for g, row, anyone in zip(grads, local.tolist(), marks.split([m.numel() for m in finest])):
-        shares = {}
-        for b in reversed(sizes):
-            shares[b] = anyone.sum().item() / max(1, -(-g.numel() // b))
-            if b != largest:
-                anyone = anyone.view(-1, 2).amax(dim=1)
-        if g.is_sparse:
-            rows = entry_block_size(math.prod(g.shape[g.sparse_dim():]), largest)
-            block = min(sizes, key=lambda b: abs(b - rows))       # the nearest size measured
-        else:
-            block = block_for(shares, 4)
-        density.append(row[sizes.index(block)])
-        union.append(shares[block])
-    return density, union
-
-
 def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tuple[dict, dict]:
     """The model's measurements, and its large gradients (for the compressors' timing)."""
     block_size = comm.block_size
@@ -162,7 +118,15 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
     for hook in hooks:
         hook.remove()
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    density, union = block_densities([p.grad for p in params.values()], block_size)
+    masks = [BlockTensor((p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1).float(), block_size)
+             for p in params.values()]
+    local = [b.nonzero().size / max(1, b.nblocks) for b in masks]
+    marks = torch.cat([torch.from_numpy(np.isin(np.arange(b.nblocks), b.nonzero())).float() for b in masks])
+    dist.all_reduce(marks, op=dist.ReduceOp.MAX)
+    sizes = [b.nblocks for b in masks]
+    union = [part.mean().item() if part.numel() else 0.0 for part in marks.split(sizes)]
+    density = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(density)
     gradients = {name: (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().clone()
                  for name, p in params.items() if p.numel() >= OWN_GRADIENT}
     model.zero_grad()
@@ -180,9 +144,9 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
            for name, p in params.items() if by_name[name].linear and rows.get(id(p))}
     tensors = {name: {"numel": p.numel(), "shape": list(p.shape), "linear": by_name[name].linear,
                       "coo": by_name[name].coo, "rows": rows.get(id(p), 0),
-                      "density": d, "union": u, "node": nd,
+                      "density": d / world, "union": u, "node": nd,
                       **dict(zip(("spared", "rebuild"), sfb.get(name, ())))}
-               for (name, p), d, u, nd in zip(params.items(), density, union, times[n + 3:])}
+               for (name, p), d, u, nd in zip(params.items(), density.tolist(), union, times[n + 3:])}
     return {"order": list(timeline.order), "ready": times[:n], "backward_end": times[n],
             "optimizer": times[n + 1], "forward": times[n + 2], "tensors": tensors}, gradients
 
