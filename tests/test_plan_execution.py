@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ import sparcoll.torch
 from ranks import run_ranks
 from sparcoll.plan.command import choices_of, units_of
 from sparcoll.plan.costs import Costing, Curve, Measured, in_sequence
+from sparcoll.plan.profile import backward_timeline
+from sparcoll.plan.profiler import Together
 from sparcoll.plan.options import ALLGATHER, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts
 from sparcoll.plan.timeline import Cost, Step
 from test_parallel import batch, mlp, reference_grads, relative_error, step
@@ -120,6 +123,29 @@ def test_a_linear_layers_bias_shares_its_weights_unit_and_rides_with_sfb():
     kept = 5 + 5000                 # elements of the bias and the weight: 8 bytes each on the wire
     assert [topk.compress, topk.comm, topk.decompress] == pytest.approx(
         [2e-4 + 2e-9 * 500_500, (5e-4 + 3e-8 * 8 * 4) + (5e-4 + 3e-8 * 8 * kept), 4e-4 + 1e-9 * 500_500])
+
+
+def timed_together(rank: int, world: int) -> tuple:
+    """Rank 1's forward sleeps 50 ms; rank 0's takes a fraction of a millisecond."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), torch.randn(4, 8)
+
+    def loss_of(m: nn.Module) -> torch.Tensor:
+        if rank == 1:
+            time.sleep(0.05)
+        return m(x).pow(2).mean()
+    t = backward_timeline(model, loss_of, iterations=3, seconds=0.3, peers=Together())
+    return t.forward, t.step.backward_end, t.step.ready, t.order
+
+
+def test_the_backward_timeline_is_the_slowest_workers_from_a_common_start():
+    """Every worker gets the same timeline, that of the slowest (the forward of 50 ms), and they agree
+    on how many iterations to run (else a barrier would hang)."""
+    timelines = run_ranks(timed_together, 2, timeout=60)
+    assert timelines[0] == timelines[1]
+    forward, backward_end, ready, order = timelines[0]
+    assert 0.05 <= forward < 0.5 and 0 <= min(ready) and max(ready) <= backward_end
+    assert set(order) == {"0.weight", "0.bias", "1.weight", "1.bias"}
 
 
 def small_and_large() -> nn.Module:

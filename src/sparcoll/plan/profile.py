@@ -4,7 +4,6 @@ post-accumulate hooks, as ByteComp traces its models).
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -31,7 +30,7 @@ def facts(model: nn.Module) -> list[TensorFacts]:
 class BackwardProfile:
     """A model's measured backward: parameter names in the order their gradients became ready, and
     the Step the simulator takes (ready times from backward's start, its end, the optimizer step),
-    medians over the measured iterations; the forward time is kept for reports. `output_gradient`:
+    means over the measured iterations; the forward time is kept for reports. `output_gradient`:
     for each weight of a layer SFB can serve, when its layer's output gradient arrived (SFB's
     factors are ready then, before the layer's backward runs)."""
     order: tuple[str, ...]
@@ -40,10 +39,30 @@ class BackwardProfile:
     output_gradient: dict[str, float]
 
 
-def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor],
-                      iterations: int = 5, warmup: int = 1) -> BackwardProfile:
-    """Time `iterations` (after `warmup`) steps of the model alone, uncompressed: loss_of(model)
-    builds the loss, backward and a plain SGD step follow. The parameters are restored afterwards."""
+class Alone:
+    """Iterations of one process on its own: each timed from its own start."""
+
+    def start(self) -> None:
+        pass
+
+    def most(self, seconds: float) -> float:
+        return seconds
+
+    def slowest(self, times: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """Per iteration (row), the time each point (column) was reached from the iteration's start."""
+        return times
+
+
+def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor], iterations: int = 5,
+                      warmup: int = 1, seconds: float = 1.0, most: int = 200, peers=Alone()) -> BackwardProfile:
+    """Time steps of the model, uncompressed: loss_of(model) builds the loss, backward and a plain SGD
+    step follow; at least `iterations` after `warmup`, as many as fit in `seconds` by the warm-up's
+    length (at most `most`). `peers` starts every iteration on every worker together and takes, per
+    iteration, the time the slowest worker reached each point (profiler.Together): a training step
+    starts on every worker at once, and with more workers than cores a step of a few ms either runs
+    whole or waits for a time slice, so each worker's own times (the median of five: ncf's backward
+    ended at 2.1 ms in one profile, 9.3 in another) said little. The parameters are restored
+    afterwards."""
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in params]
@@ -56,15 +75,17 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
         if output.requires_grad:
             name = names[id(layer.weight)]
             output.register_hook(lambda grad: outputs.append((name, time.perf_counter())))
-    handles += [layer.register_forward_hook(watch_output) for layer in eligible_layers(model)
-                if id(layer.weight) in names]
+    watched = [layer for layer in eligible_layers(model) if id(layer.weight) in names]
+    handles += [layer.register_forward_hook(watch_output) for layer in watched]
     optimizer = torch.optim.SGD(params, lr=1e-3)
-    runs = []
+    rows, starts, orders, count = [], [], [], warmup + iterations
     try:
-        for i in range(warmup + iterations):
+        i = 0
+        while i < count:
             optimizer.zero_grad()
             seen.clear()
             outputs.clear()
+            peers.start()
             start = time.perf_counter()
             loss = loss_of(model)
             forward_end = time.perf_counter()
@@ -72,10 +93,16 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
             backward_end = time.perf_counter()
             optimizer.step()
             done = time.perf_counter()
-            if i >= warmup:
-                runs.append((dict((n, t - forward_end) for n, t in seen), [n for n, _ in seen],
-                             backward_end - forward_end, done - backward_end, forward_end - start,
-                             {n: t - forward_end for n, t in reversed(outputs)}))    # a layer's first to arrive
+            if i == 0:      # the warm-up's length says how many iterations fit (the same on every worker)
+                count = warmup + min(most, max(iterations, int(seconds / peers.most(max(done - start, 1e-6)))))
+            elif i >= warmup:
+                arrived = dict(reversed(outputs))       # a layer's first output gradient to arrive
+                rows.append([forward_end, *(t for _, t in seen), backward_end, done,
+                             *(arrived.get(names[id(layer.weight)], float("nan")) for layer in watched)])
+                rows[-1] = [t - start for t in rows[-1]]
+                starts.append(start)
+                orders.append([n for n, _ in seen])
+            i += 1
     finally:
         for handle in handles:
             handle.remove()
@@ -83,12 +110,17 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
             for p, value in zip(params, saved):
                 p.copy_(value)
         optimizer.zero_grad()
-    order = runs[-1][1]
-    if any(r[1] != order for r in runs):
+    order = orders[-1]
+    if any(o != order for o in orders):
         raise RuntimeError("the model's gradients became ready in different orders across iterations")
-    ready = tuple(statistics.median(r[0][n] for r in runs) for n in order)
-    return BackwardProfile(tuple(order), Step(ready, statistics.median(r[2] for r in runs),
-                                       statistics.median(r[3] for r in runs)),
-                           statistics.median(r[4] for r in runs),
-                           {n: statistics.median(r[5][n] for r in runs if n in r[5])
-                            for n in set().union(*(r[5] for r in runs))})
+    times = peers.slowest(torch.tensor(rows, dtype=torch.float64), torch.tensor(starts, dtype=torch.float64))
+    n = len(order)
+    forward = times[:, 0]
+    mean = lambda column: column.nanmean().item()      # noqa: E731 (a layer never called: no time)
+    return BackwardProfile(tuple(order),
+                           Step(tuple(mean(times[:, 1 + i] - forward) for i in range(n)),
+                                mean(times[:, n + 1] - forward), mean(times[:, n + 2] - times[:, n + 1])),
+                           mean(forward),
+                           {names[id(layer.weight)]: mean(times[:, n + 3 + j] - forward)
+                            for j, layer in enumerate(watched)
+                            if not torch.isnan(times[:, n + 3 + j]).all()})

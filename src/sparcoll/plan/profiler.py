@@ -1,10 +1,11 @@
 """`sparcoll plan --profile`'s worker: one process per worker of a job on the user's network (or the
 emulated one), measuring what the planner's cost models are fitted to (costs.py):
 
-  model        the backward timeline (profile.backward_timeline) with every worker computing at once
-               (without communication: under DataParallel's ring, communication's CPU made vgg's
-               backward 3x longer than under SFB, which sends 2% of the ring's bytes, so one
-               strategy's interference cannot stand for all), the slowest worker's per tensor; each
+  model        the backward timeline (profile.backward_timeline) with every worker computing at once,
+               each iteration started together and timed when the slowest worker got there
+               (Together) (without communication: under DataParallel's ring, communication's CPU made
+               vgg's backward 3x longer than under SFB, which sends 2% of the ring's bytes, so one
+               strategy's interference cannot stand for all); each
                gradient's block density on one worker and over the union of workers; the rows each
                linear layer sees per step (SFB's K); the cores each worker has (offloading needs a
                spare one)
@@ -105,6 +106,26 @@ def timed(run, prepare=lambda: None) -> float:
     return statistics.median(times)
 
 
+class Together:
+    """backward_timeline's iterations as training runs its steps: started together on every worker
+    (a barrier), each point timed when the slowest worker reached it, from the moment the first
+    worker started. The workers of a profile share one host (sparcoll plan runs them there), hence
+    one monotonic clock: perf_counter's times compare across them."""
+
+    def start(self) -> None:
+        dist.barrier()
+
+    def most(self, seconds: float) -> float:
+        return slowest(seconds)
+
+    def slowest(self, times: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        first = starts.clone()
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        shifted = times + (starts - first)[:, None]
+        dist.all_reduce(shifted, op=dist.ReduceOp.MAX)
+        return shifted
+
+
 def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tuple[dict, dict]:
     """The model's measurements, and its large gradients (for the compressors' timing)."""
     block_size = comm.block_size
@@ -130,15 +151,12 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
     gradients = {name: (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().clone()
                  for name, p in params.items() if p.numel() >= OWN_GRADIENT}
     model.zero_grad()
-    timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5))
+    timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5), peers=Together())
     n = len(timeline.order)
     # how long each SFB-able layer's backward takes from its output gradient to its weight gradient
     node = [timeline.step.ready[timeline.order.index(name)] - timeline.output_gradient[name]
             if name in timeline.output_gradient else 0.0 for name in params]
-    times = torch.tensor([*timeline.step.ready, timeline.step.backward_end, timeline.step.optimizer,
-                          timeline.forward, *node], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    times = times.tolist()
+    times = [*timeline.step.ready, timeline.step.backward_end, timeline.step.optimizer, timeline.forward, *node]
     by_name = {f.name: f for f in facts(model)}
     sfb = {name: sfb_products(p.shape, rows[id(p)], world)
            for name, p in params.items() if by_name[name].linear and rows.get(id(p))}
