@@ -153,7 +153,9 @@ class DataParallel(nn.Module):
 
     def strategy(self, rows: int | None = None) -> dict[str, dict]:
         """Each tensor's strategy and predicted bytes sent per step by this worker, for a batch of
-        `rows` rows per linear layer (default: what each layer saw last step)."""
+        `rows` rows per linear layer (default: what each layer saw last step); a tensor given the
+        sparse strategy explicitly is counted whole (its density is learned only where the hybrid
+        choice needs it)."""
         out = {}
         for p in self._params:
             weight = self._weight_of.get(id(p))
@@ -494,8 +496,10 @@ class DataParallel(nn.Module):
         self._learn_density(p, flat)
 
     def _learn_density(self, p: torch.Tensor, averaged: torch.Tensor) -> None:
-        """The block density of p's averaged gradient, which the hybrid choice reads next step."""
-        if self.comm is not None:
+        """The block density of p's averaged gradient, which the hybrid choice reads next step; only
+        where it chooses (a scan of every block, on the synchronization thread: deeplight's embedding
+        is 68 MB)."""
+        if self.comm is not None and self._requested(p) == AUTO:
             blocks = BlockTensor(averaged, self._block_size())
             self._density[id(p)] = blocks.nonzero().size / max(1, blocks.nblocks)
 
