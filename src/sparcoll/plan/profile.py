@@ -43,9 +43,10 @@ class Alone:
     """Iterations of one process on its own: each timed from its own start."""
 
     def start(self) -> None:
-        pass
+        """Called before each iteration (profiler.Together: a barrier)."""
 
     def most(self, seconds: float) -> float:
+        """The first iteration's length as every worker counts it (Together: the slowest's)."""
         return seconds
 
     def slowest(self, times: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
@@ -93,13 +94,12 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
             backward_end = time.perf_counter()
             optimizer.step()
             done = time.perf_counter()
-            if i == 0:      # the warm-up's length says how many iterations fit (the same on every worker)
+            if i == 0:      # the first one's length says how many iterations fit (the same on every worker)
                 count = warmup + min(most, max(iterations, int(seconds / peers.most(max(done - start, 1e-6)))))
-            elif i >= warmup:
+            if i >= warmup:
                 arrived = dict(reversed(outputs))       # a layer's first output gradient to arrive
-                rows.append([forward_end, *(t for _, t in seen), backward_end, done,
-                             *(arrived.get(names[id(layer.weight)], float("nan")) for layer in watched)])
-                rows[-1] = [t - start for t in rows[-1]]
+                rows.append([t - start for t in (forward_end, *(t for _, t in seen), backward_end, done,
+                             *(arrived.get(names[id(layer.weight)], float("nan")) for layer in watched))])
                 starts.append(start)
                 orders.append([n for n, _ in seen])
             i += 1
