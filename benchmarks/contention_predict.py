@@ -14,7 +14,8 @@ import json
 import statistics
 from pathlib import Path
 
-from sparcoll.plan.command import predict, priced
+from sparcoll.plan.command import priced
+from sparcoll.plan.decide import predict
 from sparcoll.plan.profiler import fit
 from sparcoll.plan.timeline import Simulation
 

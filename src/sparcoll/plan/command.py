@@ -247,11 +247,6 @@ def free(t: decide.Choices) -> Cost:
     return Cost(compress=min(0.0, *(c.compress for c in t.costs.values())))
 
 
-def predict(step: Step, tensors: list[decide.Choices], chosen: list[Option]) -> float:
-    """F of a strategy, collectives and backward slowing each other down (timeline.simulate)."""
-    return simulate(step, [t.costs[o] for t, o in zip(tensors, chosen)]).iteration
-
-
 def strategy_of(option: Option) -> str:
     """What sparcoll.torch.DataParallel calls the option (its placement is separate)."""
     if option.compressor != "none":
@@ -307,7 +302,7 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
     decision_ms = 1e3 * (time.perf_counter() - start)
     if fixed is None:       # the searches price operations alone: a uniform strategy may predict less
         others = uniforms_of(step, allowed, compressors).values() if dimensions else uniforms.values()
-        chosen = min([chosen, *others], key=lambda strategy: predict(step, tensors, strategy))
+        chosen = min([chosen, *others], key=lambda strategy: decide.predict(step, tensors, strategy))
     costs = [t.costs[o] for t, o in zip(tensors, chosen)]
     timeline = simulate(step, costs)
     entries = []
@@ -325,7 +320,7 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
             "decision_ms": decision_ms, "units": len(tensors), "predicted_step_s": forward + timeline.iteration,
             "bound_s": forward + simulate(step, [free(t) for t in tensors]).iteration, "forward_s": forward,
             "cores_per_worker": profile["model"]["cores_per_worker"],
-            "uniform": {name: forward + predict(step, tensors, strategy) for name, strategy in uniforms.items()},
+            "uniform": {name: forward + decide.predict(step, tensors, strategy) for name, strategy in uniforms.items()},
             "tensors": entries}
 
 

@@ -179,7 +179,12 @@ def plan(step: Step, tensors: list[Choices]) -> list[Option]:
     greedy_choice = greedy(step, tensors, options)
     candidates = [greedy_choice, offload_search(step, tensors, greedy_choice),
                   frontier(step, tensors, options)]
-    return min(candidates, key=lambda c: simulate(step, [t.costs[o] for t, o in zip(tensors, c)]).iteration)
+    return min(candidates, key=lambda c: predict(step, tensors, c))
+
+
+def predict(step: Step, tensors: list[Choices], chosen: list[Option]) -> float:
+    """F of a strategy, collectives and backward slowing each other down (timeline.simulate)."""
+    return simulate(step, [t.costs[o] for t, o in zip(tensors, chosen)]).iteration
 
 
 def brute_force(step: Step, tensors: list[Choices], offload: bool = False) -> tuple[list[Option], float]:

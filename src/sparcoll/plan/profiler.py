@@ -152,11 +152,9 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
                  for name, p in params.items() if p.numel() >= OWN_GRADIENT}
     model.zero_grad()
     timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5), peers=Together())
-    n = len(timeline.order)
     # how long each SFB-able layer's backward takes from its output gradient to its weight gradient
     node = [timeline.step.ready[timeline.order.index(name)] - timeline.output_gradient[name]
             if name in timeline.output_gradient else 0.0 for name in params]
-    times = [*timeline.step.ready, timeline.step.backward_end, timeline.step.optimizer, timeline.forward, *node]
     by_name = {f.name: f for f in facts(model)}
     sfb = {name: sfb_products(p.shape, rows[id(p)], world)
            for name, p in params.items() if by_name[name].linear and rows.get(id(p))}
@@ -164,9 +162,10 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
                       "coo": by_name[name].coo, "rows": rows.get(id(p), 0),
                       "density": d / world, "union": u, "node": nd,
                       **dict(zip(("spared", "rebuild"), sfb.get(name, ())))}
-               for (name, p), d, u, nd in zip(params.items(), density.tolist(), union, times[n + 3:])}
-    return {"order": list(timeline.order), "ready": times[:n], "backward_end": times[n],
-            "optimizer": times[n + 1], "forward": times[n + 2], "tensors": tensors}, gradients
+               for (name, p), d, u, nd in zip(params.items(), density.tolist(), union, node)}
+    return {"order": list(timeline.order), "ready": list(timeline.step.ready),
+            "backward_end": timeline.step.backward_end, "optimizer": timeline.step.optimizer,
+            "forward": timeline.forward, "tensors": tensors}, gradients
 
 
 def cores_per_worker(world: int) -> float:
