@@ -41,8 +41,13 @@ class Residual(NoMemory):
 
     def compensate(self, x: torch.Tensor, key) -> torch.Tensor:
         r = self.residuals.get(key)
-        if r is None:
+        if r is None and x.is_sparse:
             return x
+        if r is None:
+            # owned from the start: update() then works in place, and the caller's tensor may
+            # receive the average before update() runs (PowerSGD writes it into the gradient)
+            self.residuals[key] = x.clone()
+            return self.residuals[key]
         if x.is_sparse and r.is_sparse:
             return _sparse_sum(x, r)
         # into the residual's own memory (no new tensor), which update() then reuses in place

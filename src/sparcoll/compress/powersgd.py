@@ -45,21 +45,37 @@ class PowerSGD(Compressor):
             q = torch.randn(cols, rank, generator=shared)
         return q
 
-    def reduce_many(self, xs: list, shapes: list, keys: list, allreduce_mean_many) -> list:
+    def reduce_many(self, xs: list, shapes: list, keys: list, allreduce_mean_many,
+                    into: list | None = None) -> list:
         """The average over ranks of each x's rank-r approximation (xs flat float32);
-        `allreduce_mean_many` averages a list of tensors over ranks in one collective."""
+        `allreduce_mean_many` averages a list of tensors over ranks in one collective. `into`: flat
+        float32 tensors that receive the approximations (one per x; a target may be x itself: it is
+        written only after the last product that reads x), saving a fresh tensor of x's size."""
         mats, starts = [], []
         for x, shape, key in zip(xs, shapes, keys):
             rows, cols = matrix_shape(tuple(shape), x.numel())
             pad = rows * cols - x.numel()
             mats.append((torch.cat([x, x.new_zeros(pad)]) if pad else x).view(rows, cols))
             starts.append(self._start(key, cols, min(self.rank, rows, cols)))
-        ps = allreduce_mean_many([m @ q for m, q in zip(mats, starts)])
+        # The skinny factor on the left (Q^T M^T rather than M Q, P^T M rather than M^T P): the same
+        # products, 3-14x faster on a CPU for ranks of 2 to 8 (BLAS walks the large matrix row by row).
+        ps = allreduce_mean_many([torch.mm(q.t(), m.t()).t().contiguous() for m, q in zip(mats, starts)])
         ps = [torch.linalg.qr(p).Q for p in ps]
-        qs = allreduce_mean_many([m.t() @ p for m, p in zip(mats, ps)])
+        qs = allreduce_mean_many([torch.mm(p.t(), m).t().contiguous() for m, p in zip(mats, ps)])
         self.q.update(zip(keys, qs))
-        return [(p @ q.t()).reshape(-1)[:x.numel()] for p, q, x in zip(ps, qs, xs)]
+        targets = into if into is not None else [None] * len(xs)
+        return [_product(p, q, m, x.numel(), target)
+                for p, q, m, x, target in zip(ps, qs, mats, xs, targets)]
 
     def payload_bytes(self, numel: int, shape: tuple | None = None) -> int:
         rows, cols = matrix_shape(tuple(shape or (numel,)), numel)
         return 4 * min(self.rank, rows, cols) * (rows + cols)
+
+
+def _product(p: torch.Tensor, q: torch.Tensor, mat: torch.Tensor, numel: int,
+             target: torch.Tensor | None) -> torch.Tensor:
+    """P Q^T as a flat tensor of `numel` elements, written into `target` where the matrix needs no
+    padding (a fresh tensor of this size costs more than the product: its pages are new)."""
+    if target is None or mat.numel() != numel:
+        return torch.mm(p, q.t()).reshape(-1)[:numel]
+    return torch.mm(p, q.t(), out=target.view(mat.shape)).view(-1)

@@ -68,7 +68,7 @@ class Reducer:
             return results
         if c.scheme == "powersgd":
             outs = c.reduce_many(comps, shapes, [keys[i] for i in dense],
-                                 self.channel.allreduce_mean_many)
+                                 self.channel.allreduce_mean_many, into)
             for comp, out, shape, i in zip(comps, outs, shapes, dense):
                 self.memory.update(comp, out, keys[i])
                 self.sent_bytes += c.payload_bytes(comp.numel(), shape)
