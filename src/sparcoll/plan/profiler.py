@@ -199,8 +199,11 @@ def profile_compressors(specs: list[str], world: int, gradients: dict):
         reducer = Reducer(spec)
         c = reducer.compressor
         for name, x in samples:
-            if c.scheme == "powersgd":      # computes between its allreduces: timed whole, with them
-                yield spec, x.numel(), name, timed(lambda _: reducer.reduce(x, key=name or x.numel())), 0.0
+            if c.scheme == "powersgd":      # computes between its allreduces: timed whole, with them,
+                # its product written into a gradient-sized tensor, as the executors have it
+                into = [torch.empty(x.numel())]
+                yield spec, x.numel(), name, timed(lambda _: reducer.reduce_many(
+                    [x], [name or x.numel()], into=into)), 0.0
                 continue
             payloads = []
             compress = timed(lambda _: payloads.append(reducer.compress(x, key=name or x.numel())))
