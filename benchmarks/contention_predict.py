@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sparcoll.plan.command import priced
 from sparcoll.plan.decide import predict
+from sparcoll.plan.fusion import as_planned
 from sparcoll.plan.profiler import fit
 from sparcoll.plan.timeline import Simulation
 
@@ -45,15 +46,18 @@ def main(argv: list[str] | None = None) -> int:
             continue
         profile = json.loads(profile_file.read_text())
         profile["fits"] = fit(profile["points"])        # as this version fits the stored points
-        step, _, _, tensors = priced(profile, list(profile["compressors"]))
+        step, measured, groups, tensors, costing = priced(profile, list(profile["compressors"]))
         forward = profile["model"]["forward"]
         print(f"{workload}: predicted / measured (measured: median of {len(next(iter(steps.values())))} rounds)")
         for name, times in steps.items():
             plan = json.loads((args.measured / (f"{workload}-plan.json" if name == "planned" else name)).read_text())
-            by_unit = {t["unit"]: t["option"] for t in plan["tensors"]}
-            chosen = [next(o for o in t.costs if str(o) == by_unit[u]) for u, t in enumerate(tensors)]
-            alone = forward + Simulation(step, [t.costs[o] for t, o in zip(tensors, chosen)]).iteration
-            contended = forward + predict(step, tensors, chosen)
+            by_name = {t["name"]: t for t in plan["tensors"]}
+            chosen = [next(o for o in t.costs if str(o) == by_name[measured[g[-1]].facts.name]["option"])
+                      for g, t in zip(groups, tensors)]
+            units = {name: t["unit"] for name, t in by_name.items()}
+            unit_step, unit_tensors, unit_chosen = as_planned(step, measured, groups, tensors, chosen, costing, units)
+            alone = forward + Simulation(unit_step, [t.costs[o] for t, o in zip(unit_tensors, unit_chosen)]).iteration
+            contended = forward + predict(unit_step, unit_tensors, unit_chosen)
             m = statistics.median(times)
             rows.append({"workload": workload, "candidate": name, "measured_s": m, "alone_s": alone,
                          "contended_s": contended})

@@ -34,7 +34,7 @@ print(' '.join(dict.fromkeys(sorted(u, key=u.get)[:3] + ['ring'])))" "$out/$w-pl
     plan --without "$dim" --json "$file" > /dev/null
     # an ablation that plans the same as the planner runs as the plan did
     if ! $py -c "import json, sys; a, b = (json.load(open(f))['tensors'] for f in sys.argv[1:]); \
-sys.exit(0 if [(t['strategy'], t['placement']) for t in a] == [(t['strategy'], t['placement']) for t in b] else 1)" \
+k = lambda t: (t['strategy'], t['placement'], t['unit']); sys.exit(0 if list(map(k, a)) == list(map(k, b)) else 1)" \
          "$file" "$out/$w-plan.json"; then
       modes="$modes,poseidon:strategy=$file"
     fi

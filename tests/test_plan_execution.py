@@ -16,6 +16,7 @@ from torch import nn
 import sparcoll
 import sparcoll.torch
 from ranks import run_ranks
+from sparcoll.plan import decide, fusion
 from sparcoll.plan.command import choices_of, units_of
 from sparcoll.plan.costs import Costing, Curve, Measured, in_sequence
 from sparcoll.plan.profile import backward_timeline
@@ -125,6 +126,32 @@ def test_a_linear_layers_bias_shares_its_weights_unit_and_rides_with_sfb():
         [2e-4 + 2e-9 * 500_500, (5e-4 + 3e-8 * 8 * 4) + (5e-4 + 3e-8 * 8 * kept), 4e-4 + 1e-9 * 500_500])
 
 
+def test_units_of_one_compressor_share_a_collective_where_the_timeline_predicts_no_slower():
+    """Two compressed tensors ready together pay one collective's fixed cost instead of two: fused,
+    priced as one bucket. Ready a second apart, the first one's collective hides in backward, and
+    waiting for the second would only add its bytes to the end: kept apart. Uncompressed units and
+    different compressors never share."""
+    costing = Costing(FITS, workers=4)
+    measured = [Measured(TensorFacts("a", 500_000), (500, 1000)), Measured(TensorFacts("b", 100_000), (100, 1000)),
+                Measured(TensorFacts("c", 100_000), (100, 1000)), Measured(TensorFacts("d", 100_000), (100, 1000))]
+    topk, fp16 = Option("topk:0.01", ALLGATHER), Option("fp16", RING)
+    chosen = [topk, topk, fp16, Option()]
+    for ready, fused_groups in (((0.1, 0.1, 0.1, 0.1), [[0, 1], [2], [3]]),
+                                ((0.0, 1.0, 1.0, 1.0), [[0], [1], [2], [3]])):
+        units_step, units, groups = units_of(Step(ready, max(ready)), measured)
+        tensors = choices_of(units, groups, measured, costing, ["none", "topk:0.01", "fp16"], JobFacts())
+        fused_step, got_groups, fused, options = fusion.fuse(units_step, measured, groups, tensors, chosen, costing)
+        assert got_groups == fused_groups
+        assert decide.predict(fused_step, fused, options) <= decide.predict(units_step, tensors, chosen)
+        if len(got_groups) == 3:
+            assert fused[0].costs[topk] == costing.bucket(measured[:2], topk) and fused_step.ready == (0.1,) * 3
+            assert decide.predict(fused_step, fused, options) < decide.predict(units_step, tensors, chosen)
+            # the plan's units as a plan file gives them: the same prediction
+            names = {"a": 0, "b": 0, "c": 1, "d": 2}
+            again = fusion.as_planned(units_step, measured, groups, tensors, chosen, costing, names)
+            assert decide.predict(*again) == decide.predict(fused_step, fused, options)
+
+
 def timed_together(rank: int, world: int) -> tuple:
     """Rank 1's forward sleeps 50 ms; rank 0's takes a fraction of a millisecond."""
     torch.manual_seed(0)
@@ -218,6 +245,18 @@ def execution(rank: int, world: int) -> dict:
             _, _, groups = units_of(Step((0.0,) * len(measured), 0.0), measured)
             out[f"units {strategy}"] = sorted([measured[i].facts.name for i in g] for g in groups)
             dp.close()
+        # a plan's unit of several compressed tensors, a large one among them, is one collective
+        # (sparcoll.plan.fusion), which gives what one collective per tensor gives
+        fused = {"tensors": [{"name": n, "strategy": "topk:0.3", "unit": 0} for n in names]}
+        dp = sparcoll.torch.DataParallel(small_and_large(), comm=comm, strategy=fused)
+        got = step(dp, rank, 6, (12,))
+        plain = small_and_large()
+        nn.functional.mse_loss(plain(batch(rank, 6, (12,))[0]), batch(rank, 6, (12,))[1]).backward()
+        one_by_one = sparcoll.compress.Reducer("topk:0.3", comm=comm)
+        out["fused topk"] = relative_error(got, [one_by_one.reduce(q.grad, key=i)
+                                                 for i, q in enumerate(plain.parameters())])
+        out["fused collectives"] = len({e.start for e in dp.trace})
+        dp.close()
         # a plan's units close a bucket as soon as they are complete: here each small tensor is a unit
         names = [n for n, _ in small_and_large().named_parameters()]
         alone = {"tensors": [{"name": n, "strategy": "ring", "unit": i} for i, n in enumerate(names)]}
@@ -262,6 +301,11 @@ def test_the_planners_units_are_dataparallels_buckets(executed):
         assert len(rank["units topk:0.3"]) == 3 == len(rank["units blocktopk:0.3"])
         assert rank["bucketed none"] < 1e-5 and rank["bucketed topk"] < 1e-6
         assert rank["collectives alone"] == 10 and rank["units alone"] < 1e-5
+
+
+def test_a_plans_unit_of_large_compressed_tensors_is_one_collective(executed):
+    for rank in executed:
+        assert rank["fused collectives"] == 1 and rank["fused topk"] < 1e-6
 
 
 @pytest.mark.auto_algorithm
@@ -326,7 +370,8 @@ def test_plan_a_users_own_model(tmp_path):
     plan = json.loads(plan_file.read_text())
     assert plan["model_spec"] == "users_model:build"
     assert [t["name"] for t in plan["tensors"]] == ["4.bias", "4.weight", "2.bias", "2.weight", "0.bias", "0.weight"]
-    assert "2.weight and its bias" in done.stdout          # a layer SFB can serve is one unit with its bias
+    units = {t["name"]: t["unit"] for t in plan["tensors"]}
+    assert units["2.bias"] == units["2.weight"]           # a layer SFB can serve is one unit with its bias
     tried = plan["trial"]
     assert tried["steps"] == 1 and not tried["failed"] and "planned" in tried["step_s"]
     assert len(tried["step_s"]) >= 2 and all(s > 0 for s in tried["step_s"].values())

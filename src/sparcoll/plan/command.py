@@ -28,7 +28,7 @@ from sparcoll.train import command as train_command
 from sparcoll.train.command import BATCH_SIZES, _option, workload_options
 from sparcoll.workloads import WORKLOADS, user
 
-from . import decide, trial
+from . import decide, fusion, trial
 from sparcoll.torch.parallel import BUCKET_BYTES, SMALL_BYTES
 
 from .costs import ITEMSIZE, Costing, Measured, in_sequence
@@ -278,19 +278,27 @@ def uniforms_of(step: Step, tensors: list[decide.Choices], compressors) -> dict[
 
 def priced(profile: dict, compressors: list[str]):
     """A profiled model's units as the plan chooses for them: the units' Step, the tensors, each
-    unit's members and its Choices over `compressors`."""
+    unit's members, its Choices over `compressors`, and the Costing that priced them."""
     step, measured = tensors_of(profile)
     step, units, groups = units_of(step, measured)
     job = JobFacts(offload_core=profile["model"]["cores_per_worker"] >= 2)
     costing = Costing(profile["fits"], profile["workers"])
-    return step, measured, groups, choices_of(units, groups, measured, costing, compressors, job)
+    return step, measured, groups, choices_of(units, groups, measured, costing, compressors, job), costing
 
 
 def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str | None = None) -> dict:
     """The plan for a profile: the decision over `compressors` without `dimensions` (see `without`),
     or with `fixed` the uniform strategy of that name; with every uniform strategy's prediction."""
-    step, measured, groups, tensors = priced(profile, compressors)
+    step, measured, groups, tensors, costing = priced(profile, compressors)
     uniforms = uniforms_of(step, tensors, compressors)
+
+    def fused(strategy: list[Option]):
+        return fusion.fuse(step, measured, groups, tensors, strategy, costing)
+
+    def predicted(strategy: list[Option]) -> float:
+        unit_step, _, unit_tensors, unit_chosen = fused(strategy)
+        return decide.predict(unit_step, unit_tensors, unit_chosen)
+
     start = time.perf_counter()
     if fixed is not None:
         if fixed not in uniforms:
@@ -299,14 +307,18 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
     else:
         allowed = without(tensors, dimensions)
         chosen = decide.plan(step, allowed)
+    unit_step, unit_groups, unit_tensors, unit_chosen = fused(chosen)
     decision_ms = 1e3 * (time.perf_counter() - start)
-    if fixed is None:       # the searches price operations alone: a uniform strategy may predict less
+    if fixed is None:   # the searches price operations alone and units apart: a uniform may predict less
         others = uniforms_of(step, allowed, compressors).values() if dimensions else uniforms.values()
-        chosen = min([chosen, *others], key=lambda strategy: decide.predict(step, tensors, strategy))
-    costs = [t.costs[o] for t, o in zip(tensors, chosen)]
-    timeline = simulate(step, costs)
+        best = min([chosen, *others], key=predicted)
+        if best is not chosen:
+            unit_step, unit_groups, unit_tensors, unit_chosen = fused(best)
+    costs = [t.costs[o] for t, o in zip(unit_tensors, unit_chosen)]
+    timeline = simulate(unit_step, costs)
     entries = []
-    for unit, (members, o, c, s, e) in enumerate(zip(groups, chosen, costs, timeline.comm_start, timeline.comm_end)):
+    for unit, (members, o, c, s, e) in enumerate(zip(unit_groups, unit_chosen, costs, timeline.comm_start,
+                                                     timeline.comm_end)):
         for i in members:
             entries.append({"name": measured[i].facts.name, "numel": measured[i].facts.numel, "unit": unit,
                             "ready_s": profile["model"]["ready"][i], "strategy": strategy_of(o),
@@ -317,15 +329,15 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
     return {"workers": profile["workers"], "network": profile["network"],
             **{k: profile[k] for k in ("workload", "options", "batch_size", "model_spec") if k in profile},
             "strategy": f"uniform {fixed}" if fixed else "planned", "without": sorted(dimensions),
-            "decision_ms": decision_ms, "units": len(tensors), "predicted_step_s": forward + timeline.iteration,
+            "decision_ms": decision_ms, "units": len(unit_tensors), "predicted_step_s": forward + timeline.iteration,
             "bound_s": forward + simulate(step, [free(t) for t in tensors]).iteration, "forward_s": forward,
             "cores_per_worker": profile["model"]["cores_per_worker"],
-            "uniform": {name: forward + decide.predict(step, tensors, strategy) for name, strategy in uniforms.items()},
+            "uniform": {name: forward + predicted(strategy) for name, strategy in uniforms.items()},
             "tensors": entries}
 
 
 def table(plan: dict) -> str:
-    """The plan per unit (a tensor, or a group of small ones as one bucket) and its predictions."""
+    """The plan per unit (a tensor, a layer, or tensors in one collective) and its predictions."""
     lines = [f"{'tensor (unit)':<44} {'numel':>10} {'ready ms':>9} {'option':<30} {'sync ms':>8}"]
     rows: dict[int, list[dict]] = {}
     for t in plan["tensors"]:
@@ -333,7 +345,7 @@ def table(plan: dict) -> str:
     for members in rows.values():
         t = members[-1]
         name = (t["name"] if len(members) == 1 else f"{t['name']} and its bias" if members[0]["name"] == bias_of(t["name"])
-                else f"{len(members)} small tensors ({members[0]['name']}...)")
+                else f"{len(members)} tensors ({members[0]['name']}...)")
         lines.append(f"{name[:44]:<44} {sum(m['numel'] for m in members):>10} {1e3 * t['ready_s']:>9.2f} "
                      f"{t['option'][:30]:<30} {1e3 * (t['unit_comm_s'] + t['unit_decompress_s']):>8.2f}")
     what = plan["strategy"] + (f" without {', '.join(plan['without'])}" if plan["without"] else "")

@@ -270,6 +270,9 @@ class DataParallel(nn.Module):
         grad = p.grad
         compressed = chosen not in STRATEGIES and not grad.is_sparse
         small = not grad.is_sparse and grad.numel() * grad.element_size() <= SMALL_BYTES
+        unit = self._unit.get(self._names.get(id(p)))
+        # a plan's unit of several compressed tensors is one bucket, whatever their sizes
+        small = small or (compressed and unit is not None and self._unit_size[unit] > 1)
         if not (compressed or (chosen == hybrid.RING and small)):
             self._enqueue(p, chosen, None)
             return
@@ -335,7 +338,8 @@ class DataParallel(nn.Module):
         thread in ready order and sent when it is full, when a gradient that does not join it is
         ready, or at the end of backward, so it is the same on every rank without a message; under a
         plan, as soon as it holds all of a unit of the plan (the plan priced the unit ready with its
-        last member: waiting for the next gradient cost ncf's first bucket 9 ms)."""
+        last member: waiting for the next gradient cost ncf's first bucket 9 ms), and then only: a
+        unit may hold several large compressed tensors (sparcoll.plan.fusion)."""
         if self._bucket and (self._bucket_kind != kind or self._bucket[0][0].grad.dtype != p.grad.dtype):
             self._flush()
         self._bucket_kind = kind
@@ -343,9 +347,11 @@ class DataParallel(nn.Module):
         self.trace.append(event)
         self._bucket.append((p, event, payload))
         unit = self._unit.get(event.name)
-        if sum(q.grad.numel() * q.grad.element_size() for q, _, _ in self._bucket) >= BUCKET_BYTES or (
-                unit is not None and sum(self._unit.get(e.name) == unit for _, e, _ in self._bucket)
-                == self._unit_size[unit]):
+        if unit is None:
+            full = sum(q.grad.numel() * q.grad.element_size() for q, _, _ in self._bucket) >= BUCKET_BYTES
+        else:
+            full = sum(self._unit.get(e.name) == unit for _, e, _ in self._bucket) == self._unit_size[unit]
+        if full:
             self._flush()
 
     def _flush(self) -> None:

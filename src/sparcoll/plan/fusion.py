@@ -1,0 +1,81 @@
+"""Units of one compressor fused into one collective after the decision.
+
+The decision gives each unit (a tensor, a layer, a bucket of small tensors) its option, and the
+timeline prices each unit's collective on its own. Every collective has a fixed cost besides its
+bytes (about 5 ms among 4 processes on 2 cores), so gpt's 17 large compressed tensors, each in its
+own collective, made DataParallel 1.6-1.8x slower than DDP's compression hook, which sends a few
+25 MB buckets. Here consecutive units (in backward order) under the same compressor and placement
+become one unit while the timeline predicts no slower a step: one collective of all their payloads
+(Costing.bucket), ready with its last member, which trades wait-free backpropagation's early start
+for fewer collectives. sparcoll.torch.DataParallel sends a plan's unit of several tensors as one
+bucket, whatever their sizes.
+"""
+from __future__ import annotations
+
+from .costs import Costing, Measured
+from .decide import Choices
+from .options import Option
+from .timeline import Step, simulate
+
+
+def fusable(option: Option, members: list[int], measured: list[Measured]) -> bool:
+    """Whether a unit under `option` may share a collective with its neighbours: compressed, dense."""
+    return option.compressor != "none" and not any(measured[i].facts.coo for i in members)
+
+
+def merged(members: list[int], option: Option, measured: list[Measured], costing: Costing) -> Choices:
+    """A unit of `members` under `option`, priced as one collective of their payloads."""
+    group = [measured[i] for i in members]
+    return Choices("+".join(t.facts.name for t in group), sum(t.facts.numel for t in group),
+                   {option: costing.bucket(group, option)})
+
+
+def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors: list[Choices],
+         chosen: list[Option], costing: Costing) -> tuple[Step, list[list[int]], list[Choices], list[Option]]:
+    """The plan's units with neighbours of one compressor merged where the timeline predicts a step
+    no slower (greedy, in backward order: each unit joins the previous one if that predicts no worse).
+    Returns the new units' Step, members, Choices and options."""
+    ready = list(step.ready)
+    costs = [t.costs[o] for t, o in zip(tensors, chosen)]
+
+    def predicted(head_costs: list, head_ready: list, i: int) -> float:
+        """F with the units up to i as given and the later ones as decided."""
+        return simulate(Step(tuple(head_ready + ready[i + 1:]), step.backward_end, step.optimizer),
+                        head_costs + costs[i + 1:]).iteration
+
+    out_groups, out_tensors, out_chosen, out_ready, out_costs = [], [], [], [], []
+    for i, (members, t, o) in enumerate(zip(groups, tensors, chosen)):
+        if out_chosen and o == out_chosen[-1] and fusable(o, members, measured) \
+                and fusable(o, out_groups[-1], measured):
+            joined = merged(out_groups[-1] + members, o, measured, costing)
+            apart = predicted(out_costs + [costs[i]], out_ready + [ready[i]], i)
+            together = predicted(out_costs[:-1] + [joined.costs[o]], out_ready[:-1] + [ready[i]], i)
+            if together <= apart:
+                out_groups[-1] = out_groups[-1] + members
+                out_tensors[-1], out_ready[-1], out_costs[-1] = joined, ready[i], joined.costs[o]
+                continue
+        out_groups.append(list(members))
+        out_tensors.append(t)
+        out_chosen.append(o)
+        out_ready.append(ready[i])
+        out_costs.append(costs[i])
+    return Step(tuple(out_ready), step.backward_end, step.optimizer), out_groups, out_tensors, out_chosen
+
+
+def as_planned(step: Step, measured: list[Measured], groups: list[list[int]], tensors: list[Choices],
+               chosen: list[Option], costing: Costing, plan_units: dict[str, int]):
+    """The decided units regrouped as a plan (tensor name -> unit) fused them: its Step, Choices and
+    options, for predicting a plan that was made from another profile."""
+    out_groups, out_tensors, out_chosen, out_ready = [], [], [], []
+    unit_of_group = [plan_units[measured[g[-1]].facts.name] for g in groups]
+    for members, t, o, ready, unit in zip(groups, tensors, chosen, step.ready, unit_of_group):
+        if out_groups and unit == out_groups[-1][0]:
+            whole = out_groups[-1][1] + members
+            out_groups[-1] = (unit, whole)
+            out_tensors[-1], out_ready[-1] = merged(whole, o, measured, costing), ready
+            continue
+        out_groups.append((unit, list(members)))
+        out_tensors.append(t)
+        out_chosen.append(o)
+        out_ready.append(ready)
+    return Step(tuple(out_ready), step.backward_end, step.optimizer), out_tensors, out_chosen
