@@ -272,7 +272,7 @@ class DataParallel(nn.Module):
         small = not grad.is_sparse and grad.numel() * grad.element_size() <= SMALL_BYTES
         unit = self._unit.get(self._names.get(id(p)))
         # a plan's unit of several compressed tensors is one bucket, whatever their sizes
-        small = small or (compressed and unit is not None and self._unit_size[unit] > 1)
+        bucketed = small or (compressed and unit is not None and self._unit_size[unit] > 1)
         if not (compressed or (chosen == hybrid.RING and small)):
             self._enqueue(p, chosen, None)
             return
@@ -282,7 +282,7 @@ class DataParallel(nn.Module):
         except BaseException as exc:          # reaches backward at its end, as the thread's errors
             self._error = self._error or exc
             return
-        if small:
+        if bucketed:
             self._add_to_bucket(p, kind, payload)
         else:
             self._send_compressed(p, kind, payload)
