@@ -295,8 +295,9 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
     def fused(strategy: list[Option]):
         return fusion.fuse(step, measured, groups, tensors, strategy, costing)
 
-    def predicted(strategy: list[Option]) -> float:
-        unit_step, _, unit_tensors, unit_chosen = fused(strategy)
+    def predicted(units: tuple) -> float:
+        """F of fusion.fuse's result."""
+        unit_step, _, unit_tensors, unit_chosen = units
         return decide.predict(unit_step, unit_tensors, unit_chosen)
 
     start = time.perf_counter()
@@ -307,13 +308,12 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
     else:
         allowed = without(tensors, dimensions)
         chosen = decide.plan(step, allowed)
-    unit_step, unit_groups, unit_tensors, unit_chosen = fused(chosen)
+    units = fused(chosen)
     decision_ms = 1e3 * (time.perf_counter() - start)
     if fixed is None:   # the searches price operations alone and units apart: a uniform may predict less
         others = uniforms_of(step, allowed, compressors).values() if dimensions else uniforms.values()
-        best = min([chosen, *others], key=predicted)
-        if best is not chosen:
-            unit_step, unit_groups, unit_tensors, unit_chosen = fused(best)
+        units = min([units, *map(fused, others)], key=predicted)
+    unit_step, unit_groups, unit_tensors, unit_chosen = units
     costs = [t.costs[o] for t, o in zip(unit_tensors, unit_chosen)]
     timeline = simulate(unit_step, costs)
     entries = []
@@ -332,7 +332,7 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
             "decision_ms": decision_ms, "units": len(unit_tensors), "predicted_step_s": forward + timeline.iteration,
             "bound_s": forward + simulate(step, [free(t) for t in tensors]).iteration, "forward_s": forward,
             "cores_per_worker": profile["model"]["cores_per_worker"],
-            "uniform": {name: forward + predicted(strategy) for name, strategy in uniforms.items()},
+            "uniform": {name: forward + predicted(fused(strategy)) for name, strategy in uniforms.items()},
             "tensors": entries}
 
 

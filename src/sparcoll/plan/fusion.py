@@ -12,6 +12,8 @@ bucket, whatever their sizes.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from .costs import Costing, Measured
 from .decide import Choices
 from .options import Option
@@ -31,10 +33,12 @@ def merged(members: list[int], option: Option, measured: list[Measured], costing
 
 
 def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors: list[Choices],
-         chosen: list[Option], costing: Costing) -> tuple[Step, list[list[int]], list[Choices], list[Option]]:
+         chosen: list[Option], costing: Costing, joins: Callable[[list[int], list[int]], bool] | None = None
+         ) -> tuple[Step, list[list[int]], list[Choices], list[Option]]:
     """The plan's units with neighbours of one compressor merged where the timeline predicts a step
-    no slower (greedy, in backward order: each unit joins the previous one if that predicts no worse).
-    Returns the new units' Step, members, Choices and options."""
+    no slower (greedy, in backward order: each unit joins the previous one if that predicts no worse),
+    or where `joins(previous members, members)` says so. Returns the new units' Step, members,
+    Choices and options."""
     ready = list(step.ready)
     costs = [t.costs[o] for t, o in zip(tensors, chosen)]
 
@@ -48,9 +52,9 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
         if out_chosen and o == out_chosen[-1] and fusable(o, members, measured) \
                 and fusable(o, out_groups[-1], measured):
             joined = merged(out_groups[-1] + members, o, measured, costing)
-            apart = predicted(out_costs + [costs[i]], out_ready + [ready[i]], i)
-            together = predicted(out_costs[:-1] + [joined.costs[o]], out_ready[:-1] + [ready[i]], i)
-            if together <= apart:
+            if joins(out_groups[-1], members) if joins is not None else (
+                    predicted(out_costs[:-1] + [joined.costs[o]], out_ready[:-1] + [ready[i]], i)
+                    <= predicted(out_costs + [costs[i]], out_ready + [ready[i]], i)):
                 out_groups[-1] = out_groups[-1] + members
                 out_tensors[-1], out_ready[-1], out_costs[-1] = joined, ready[i], joined.costs[o]
                 continue
@@ -66,16 +70,7 @@ def as_planned(step: Step, measured: list[Measured], groups: list[list[int]], te
                chosen: list[Option], costing: Costing, plan_units: dict[str, int]):
     """The decided units regrouped as a plan (tensor name -> unit) fused them: its Step, Choices and
     options, for predicting a plan that was made from another profile."""
-    out_groups, out_tensors, out_chosen, out_ready = [], [], [], []
-    unit_of_group = [plan_units[measured[g[-1]].facts.name] for g in groups]
-    for members, t, o, ready, unit in zip(groups, tensors, chosen, step.ready, unit_of_group):
-        if out_groups and unit == out_groups[-1][0]:
-            whole = out_groups[-1][1] + members
-            out_groups[-1] = (unit, whole)
-            out_tensors[-1], out_ready[-1] = merged(whole, o, measured, costing), ready
-            continue
-        out_groups.append((unit, list(members)))
-        out_tensors.append(t)
-        out_chosen.append(o)
-        out_ready.append(ready)
-    return Step(tuple(out_ready), step.backward_end, step.optimizer), out_tensors, out_chosen
+    def same_unit(previous: list[int], members: list[int]) -> bool:
+        return plan_units[measured[previous[-1]].facts.name] == plan_units[measured[members[-1]].facts.name]
+    unit_step, _, unit_tensors, unit_chosen = fuse(step, measured, groups, tensors, chosen, costing, same_unit)
+    return unit_step, unit_tensors, unit_chosen
