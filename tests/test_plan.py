@@ -36,7 +36,7 @@ def runnable(t: TensorFacts, job: JobFacts, o: Option) -> bool:
         return False
     if o.offload and (not compressed or make(o.compressor).scheme == "powersgd" or not job.offload_core):
         return False
-    if t.coo and (o.collective == PS or (compressed and not make(o.compressor).entries)):
+    if t.coo and (o.collective == PS or o.offload or (compressed and not make(o.compressor).entries)):
         return False
     if not compressed:
         return o.collective != ALLGATHER

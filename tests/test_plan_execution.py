@@ -21,7 +21,7 @@ from sparcoll.plan.command import choices_of, units_of
 from sparcoll.plan.costs import Costing, Curve, Measured, in_sequence
 from sparcoll.plan.profile import backward_timeline
 from sparcoll.plan.profiler import Together
-from sparcoll.plan.options import ALLGATHER, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts
+from sparcoll.plan.options import ALLGATHER, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, coo_labels
 from sparcoll.plan.timeline import Cost, Step
 from test_parallel import batch, mlp, reference_grads, relative_error, step
 
@@ -72,6 +72,22 @@ def test_costs_follow_the_curves_hand_computed():
     sfb = costing.cost(layer, Option("none", SFB))
     assert [sfb.compress, sfb.comm, sfb.decompress, sfb.sooner] == pytest.approx(
         [-0.02, sizes + 5e-4 + 3e-8 * 32 * (1000 + 500) * 4, 0.3, 0.03])
+def test_a_coo_gradients_option_costs_what_the_profile_measured_on_it():
+    """A sparse COO gradient's cost is its option's time measured whole on the gradient (alone, under
+    load, backward's slowdown), on the channel: never the dense curves of its numel."""
+    own = {"coo_own": {RING: {"e": 0.02}, SPARSE: {"e": 0.03}, "topk:0.01": {"e": 0.04}},
+           "coo_loaded_own": {RING: {"e": 0.05}, SPARSE: {"e": 0.06}, "topk:0.01": {"e": 0.07}},
+           "coo_slowdown_own": {RING: {"e": 1.5}, SPARSE: {"e": 0.9}, "topk:0.01": {"e": 2.0}}}
+    costing = Costing({**FITS, **own}, workers=4)
+    e = Measured(TensorFacts("e", 10**8, coo=True), (10**6, 100), density=0.01, union=0.04)
+    assert costing.cost(e, Option()) == Cost(0.0, 0.02, 0.0, False, 0.0, 0.05, 1.5)
+    assert costing.cost(e, Option("none", SPARSE)) == Cost(0.0, 0.03, 0.0, False, 0.0, 0.06, 1.0)
+    assert costing.cost(e, Option("none", DEDICATED)) == costing.cost(e, Option("none", SPARSE))
+    assert costing.cost(e, Option("topk:0.01", ALLGATHER)) == Cost(0.0, 0.04, 0.0, False, 0.0, 0.07, 2.0)
+    with pytest.raises(ValueError, match="no time for e's sparse COO gradient under fp16"):
+        costing.cost(e, Option("fp16", RING))
+
+
 def test_contention_follows_its_curves_and_adds_up_one_by_one():
     """With the profile's contention curves a cost carries its collective's time under load and
     backward's slowdown (SFB's on the allgathers of its factors' sizes and its factors; PowerSGD's at
@@ -312,7 +328,7 @@ def test_a_plans_unit_of_large_compressed_tensors_is_one_collective(executed):
 def test_plan_then_train_the_plan(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tiny = ["--workload", "ncf", "--workers", "2", "--network", "none", "--batch-size", "8",
-            "--workload-option", "tiny=true"]
+            "--workload-option", "tiny=true", "--workload-option", "sparse_embeddings=true"]
     profile, plan_file = tmp_path / "profile.json", tmp_path / "plan.json"
     command = [sys.executable, "-m", "sparcoll", "plan", *tiny, "--profile", str(profile), "--json", str(plan_file),
                "--compressors", "none,fp16,topk:0.01"]
@@ -322,6 +338,13 @@ def test_plan_then_train_the_plan(tmp_path):
     assert tried["kept"] in tried["step_s"] and "planned" in tried["step_s"] and len(tried["step_s"]) >= 2
     assert all(s > 0 for s in tried["step_s"].values()) and f"kept: {tried['kept']}" in first.stdout
     stamp = profile.stat().st_mtime_ns
+    measured = json.loads(profile.read_text())
+    coo = [n for n, t in measured["model"]["tensors"].items() if t["coo"]]
+    assert len(coo) == 4          # the embeddings' gradients: each option timed on each, alone and loaded
+    for kind in ("coo_own", "coo_loaded_own", "coo_slowdown_own"):
+        table = measured["fits"][kind]
+        assert set(table) == set(coo_labels(["fp16", "topk:0.01"])) == {RING, SPARSE, "fp16", "topk:0.01"}
+        assert all(set(by_name) == set(coo) and min(by_name.values()) > 0 for by_name in table.values())
     fastest = min(tried["step_s"].values())
     assert tried["step_s"][tried["kept"]] <= fastest * (1 + tried["margin"])
     assert tried["kept"] == "planned" or tried["step_s"]["planned"] > fastest * (1 + tried["margin"])

@@ -36,7 +36,7 @@ from .options import COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Op
 from .profiler import expected_events, fit, gradient_events
 from .timeline import Cost, Step, simulate
 
-PROFILE_VERSION = 12      # 10 was also the reverted 5362592's; 12: PowerSGD 2-4x faster (ac39baa)
+PROFILE_VERSION = 13      # 10 was also the reverted 5362592's; 12: PowerSGD 2-4x faster (ac39baa); 13: COO gradients measured whole
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 TRIAL_UNIFORMS = 3

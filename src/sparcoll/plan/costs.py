@@ -12,6 +12,9 @@ Every measured quantity is a Curve, time by size x through the measured points:
                spares backward, its rebuild from every worker's factors, and how long the layer's
                backward takes from its output gradient (when the factors are ready) to its weight
                gradient
+  COO          a sparse COO gradient's options (its compressor on the entries and its collective),
+               measured whole on the model's own gradient, alone and beside backward: its cost follows
+               its rows, not its dense size
   PowerSGD     measured whole (its products, its error feedback and its two allreduces: thin products
                are bound by memory, not flops), on the channel
   contention   per collective kind and size, its time while the model's forward and backward run on
@@ -29,7 +32,7 @@ import numpy as np
 
 from sparcoll.compress import make
 
-from .options import ALLGATHER, DEDICATED, RING, SFB, SPARSE, Option, TensorFacts
+from .options import ALLGATHER, DEDICATED, RING, SFB, SPARSE, Option, TensorFacts, coo_label
 from .timeline import Cost
 
 ITEMSIZE = 4
@@ -96,6 +99,8 @@ class Costing:
         self.decompress = {spec: Curve(*xy) for spec, xy in fits["decompress"].items()}
         self.compress_own = fits.get("compress_own", {})       # spec -> tensor name -> seconds
         self.decompress_own = fits.get("decompress_own", {})
+        # a COO gradient's options, measured whole: option -> tensor name -> seconds (or slowdown)
+        self.coo = {kind: fits.get(f"{kind}_own", {}) for kind in ("coo", "coo_loaded", "coo_slowdown")}
         self.loaded = {name: Curve(*xy) for name, xy in fits.get("loaded", {}).items()}
         self.slowdown = {name: Curve(*xy) for name, xy in fits.get("slowdown", {}).items()}
         self.workers = workers
@@ -124,6 +129,8 @@ class Costing:
         """The option's compression time (on the training thread or offloaded), channel time and
         decompression time for tensor t."""
         numel, c = t.facts.numel, option.compressor
+        if t.facts.coo:
+            return self._coo(t, option)
         if option.collective == SFB:        # backward no longer computes the local weight gradient
             m, n = t.shape
             return self._gathered(t.rows * (m + n) * ITEMSIZE, 2, -t.spared, t.rebuild,
@@ -133,6 +140,17 @@ class Costing:
                 return self._on(option.collective, sparse_volume(numel, t.density, t.union))
             return self._on(option.collective, numel * ITEMSIZE)
         return self.bucket([t], option)
+
+    def _coo(self, t: Measured, option: Option) -> Cost:
+        """A sparse COO gradient's option as the profile measured it on the gradient (compression and
+        collective, on the channel), alone and beside backward."""
+        label, name = coo_label(option), t.facts.name
+        try:
+            alone, loaded, slowdown = (self.coo[kind][label][name] for kind in ("coo", "coo_loaded", "coo_slowdown"))
+        except KeyError:
+            raise ValueError(f"the profile has no time for {name}'s sparse COO gradient under {label}; "
+                             f"profile again (--reprofile)") from None
+        return Cost(0.0, alone, 0.0, option.offload, 0.0, loaded, max(1.0, slowdown))
 
     def bucket(self, ts: list[Measured], option: Option) -> Cost:
         """Dense tensors of one compressor as sparcoll.torch.DataParallel sends a bucket (or a layer's

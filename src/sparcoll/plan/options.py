@@ -88,6 +88,8 @@ RULES = (
     Rule("offloading needs a core the training thread does not use (else it only takes the training "
          "thread's time)",
          lambda t, j, o: o.offload and not j.offload_core),
+    Rule("a sparse COO gradient is compressed with its collective, on the channel: nothing to offload",
+         lambda t, j, o: o.offload and t.coo),
     Rule("PowerSGD computes between its two allreduces, on the channel: nothing to offload",
          lambda t, j, o: o.offload and scheme(o.compressor) == "powersgd"),
     Rule("the sparse AllReduce needs a sparcoll Communicator",
@@ -99,6 +101,21 @@ RULES = (
          lambda t, j, o: t.coo and (o.collective == PS or (o.compressor != "none"
                                                             and not compresses_entries(o.compressor)))),
 )
+
+
+def coo_label(option: Option) -> str:
+    """The name a sparse COO gradient's option is measured under in a profile (profiler.profile_coo):
+    its compressor's spec, or for an uncompressed one its collective (the sparse AllReduce's, with
+    or without dedicated aggregators: the communicator's)."""
+    if option.compressor != "none":
+        return option.compressor
+    return SPARSE if option.collective == DEDICATED else option.collective
+
+
+def coo_labels(compressors) -> list[str]:
+    """Every option a sparse COO gradient can take, by coo_label: the group's sparse all_reduce
+    (gloo's gathers), sparcoll's sparse AllReduce, and each compressor of its entries."""
+    return [RING, SPARSE] + [c for c in compressors if c != "none" and compresses_entries(c)]
 
 
 def why_invalid(tensor: TensorFacts, job: JobFacts, option: Option) -> str | None:

@@ -18,6 +18,9 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
   compressors  compress and decompress time of each compressor by tensor size, and on each of the
                model's gradients of at least OWN_GRADIENT elements (the time depends on the data), every
                worker at once
+  COO          each sparse COO gradient of the model (nn.Embedding(sparse=True)) under each option it
+               can take, timed whole on the gradient itself, alone and under load as below: its cost
+               is its rows, which no curve by dense size predicts
   collectives  the real collectives' time by size (ring allreduce, parameter server, allgather, and
                sparcoll's sparse AllReduce at several densities, with the communicator's default
                algorithm as the executor runs it: a dense input may take its ring): the slowest worker's median
@@ -57,7 +60,7 @@ from sparcoll.workloads import get_workload
 from sparcoll.workloads.user import UserModel
 
 from .costs import Curve, sparse_volume
-from .options import ALLGATHER, COMPRESSORS, PS, RING, SPARSE
+from .options import ALLGATHER, COMPRESSORS, PS, RING, SPARSE, coo_labels
 from .profile import backward_timeline, facts
 
 COLLECTIVE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 25)
@@ -127,7 +130,8 @@ class Together:
 
 
 def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tuple[dict, dict]:
-    """The model's measurements, and its large gradients (for the compressors' timing)."""
+    """The model's measurements, its large dense gradients (for the compressors' timing) and its
+    sparse COO gradients, coalesced (for profile_coo)."""
     block_size = comm.block_size
     rows = {}
     hooks = [layer.register_forward_pre_hook(
@@ -148,8 +152,9 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
     union = [part.mean().item() if part.numel() else 0.0 for part in marks.split(sizes)]
     density = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(density)
-    gradients = {name: (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().clone()
-                 for name, p in params.items() if p.numel() >= OWN_GRADIENT}
+    gradients = {name: p.grad.detach().clone() for name, p in params.items()
+                 if p.numel() >= OWN_GRADIENT and not p.grad.is_sparse}
+    coo_gradients = {name: p.grad.detach().clone().coalesce() for name, p in params.items() if p.grad.is_sparse}
     model.zero_grad()
     timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5), peers=Together())
     # how long each SFB-able layer's backward takes from its output gradient to its weight gradient
@@ -165,7 +170,7 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
                for (name, p), d, u, nd in zip(params.items(), density.tolist(), union, node)}
     return {"order": list(timeline.order), "ready": list(timeline.step.ready),
             "backward_end": timeline.step.backward_end, "optimizer": timeline.step.optimizer,
-            "forward": timeline.forward, "tensors": tensors}, gradients
+            "forward": timeline.forward, "tensors": tensors}, gradients, coo_gradients
 
 
 def cores_per_worker(world: int) -> float:
@@ -214,6 +219,23 @@ def profile_compressors(specs: list[str], world: int, gradients: dict):
             else:       # the average, or the sparse AllReduce's blocks, written into a dense tensor
                 decompress = timed(lambda _: c.decompress(payload.parts, payload.ctx))
             yield spec, x.numel(), name, compress, decompress
+
+
+def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout: float):
+    """(option, tensor name, seconds alone, seconds under load, slowdown of a training step) for each
+    of the model's sparse COO gradients under each option it can take (options.coo_labels), measured
+    whole on the gradient itself as sparcoll.torch.DataParallel runs it: its compression of the
+    entries and its collective. A COO gradient's cost is its rows, not its dense size: deeplight's
+    embedding (17M elements) touches 3% of its blocks per worker, and gloo's gathers of them were
+    priced as a dense ring (1 s for a step that ran 75 ms)."""
+    alone_step = timed(lambda _: train_step())
+    group = Channel(None)       # the group's own sparse all_reduce: gloo's gathers
+    for name, g in coo_gradients.items():
+        runs = {RING: lambda _, g=g: group.sparse_mean(g), SPARSE: lambda _, g=g: comm.allreduce_coo(g, op="avg")}
+        for spec in coo_labels(specs)[2:]:
+            runs[spec] = lambda _, g=g, name=name, reducer=Reducer(spec, None, comm): reducer.reduce(g, key=name)
+        for label, run in runs.items():
+            yield label, name, timed(run), *under_load(run, lambda: None, train_step, alone_step, timeout)
 
 
 def collectives(comm, block_size: int, rank: int, world: int):
@@ -285,13 +307,14 @@ def under_load(run, prepare, train_step, alone_step: float, timeout: float) -> t
 def fit(events: list[dict]) -> dict:
     """What costs.Costing takes, from the profile's measurement events: a curve per quantity (points
     on random tensors; contention's not made monotone: one noisy point would lift every larger size),
-    and the compressors' times on the model's own gradients by tensor name."""
+    and the times on the model's own gradients by tensor name (KIND_own: the compressors'; a COO
+    gradient's options whole, alone and under load)."""
     points: dict = {}
     out: dict = {"collectives": {}, "compress": {}, "decompress": {}, "compress_own": {}, "decompress_own": {},
                  "loaded": {}, "slowdown": {}}
     for e in events:
         if e.get("tensor"):
-            out[f"{e['kind']}_own"].setdefault(e["what"], {})[e["tensor"]] = e["seconds"]
+            out.setdefault(f"{e['kind']}_own", {}).setdefault(e["what"], {})[e["tensor"]] = e["seconds"]
         else:
             points.setdefault((e["kind"], e["what"]), []).append((e["x"], e["seconds"]))
     for (kind, what), pts in points.items():
@@ -312,15 +335,18 @@ def expected_events(cfg: dict) -> int:
 
 
 def gradient_events(cfg: dict, model: dict) -> int:
-    """The events the model's own large gradients add (known from its "model" event)."""
-    return 2 * len(timed_compressors(cfg)) * sum(t["numel"] >= OWN_GRADIENT for t in model["tensors"].values())
+    """The events the model's own large dense gradients and its COO ones add (known from its "model"
+    event)."""
+    tensors = model["tensors"].values()
+    return (2 * len(timed_compressors(cfg)) * sum(t["numel"] >= OWN_GRADIENT and not t["coo"] for t in tensors)
+            + 3 * len(coo_labels(timed_compressors(cfg))) * sum(t["coo"] for t in tensors))
 
 
 def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     block_size = comm.block_size
     say = emit if rank == 0 else (lambda event: None)
     model, loss_of = model_and_loss(cfg, rank, world)
-    measured, gradients = profile_model(cfg, model, loss_of, world, comm)
+    measured, gradients, coo_gradients = profile_model(cfg, model, loss_of, world, comm)
     say({"event": "model", **measured, "cores_per_worker": cores_per_worker(world)})
     specs = timed_compressors(cfg)
     for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients):
@@ -332,6 +358,9 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
         model.zero_grad()
         loss_of(model).backward()
 
+    for label, name, alone, loaded, slowdown in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"]):
+        for kind, seconds in (("coo", alone), ("coo_loaded", loaded), ("coo_slowdown", slowdown)):
+            say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds})
     for kind, x, alone, loaded, slowdown in profile_collectives(comm, block_size, rank, world, train_step,
                                                                cfg["timeout"]):
         say({"event": "point", "kind": "collectives", "what": kind, "x": x, "seconds": alone})
