@@ -9,6 +9,8 @@
 #                                       all run by the same executor (sparcoll.torch.DataParallel)
 # Run it idle: about 15 minutes per round for the four workloads, plus 5 for the profiles.
 #   benchmarks/run_plan.sh OUT_DIR [ROUNDS=3] [WORKLOADS="deeplight ncf gpt vgg"]
+# A workload may carry options of its config after '+' (each as --workload-option, in every mode, DDP's
+# included), e.g. deeplight+sparse_embeddings=true; its files are then named deeplight+sparse_embeddings_true-*.
 # then: python3 benchmarks/plan_summary.py OUT_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,8 +19,12 @@ mkdir -p "$out"
 export OMP_NUM_THREADS=1
 declare -A steps=([deeplight]=30 [ncf]=30 [gpt]=20 [vgg]=6 [lstm]=20 [cnn]=20 [narrowrec]=30)
 py=.venv/bin/python
-for w in $workloads; do
-  plan() { timeout 3600 ./dev sparcoll plan --workload "$w" --workers 4 --network 1gbit \
+for word in $workloads; do
+  IFS=+ read -r name extra <<< "$word"
+  options=()
+  for o in ${extra//+/ }; do options+=(--workload-option "$o"); done
+  w=${word//=/_}
+  plan() { timeout 3600 ./dev sparcoll plan --workload "$name" "${options[@]}" --workers 4 --network 1gbit \
              --profile "$out/$w-profile.json" "$@"; }
   plan --json "$out/$w-plan.json" > "$out/$w-plan.txt"
   modes=ddp,planned
@@ -40,7 +46,7 @@ k = lambda t: (t['strategy'], t['placement'], t['unit']); sys.exit(0 if list(map
     fi
   done
   for round in $(seq 1 "$rounds"); do
-    timeout 3600 ./dev sparcoll train --workload "$w" --workers 4 --network 1gbit --steps "${steps[$w]}" \
+    timeout 3600 ./dev sparcoll train --workload "$name" "${options[@]}" --workers 4 --network 1gbit --steps "${steps[$name]}" \
       --warmup 2 --compare "$modes" --plan "$out/$w-plan.json" --json "$out/$w-r$round.json" \
       > "$out/$w-r$round.txt" 2> "$out/$w-r$round.err" && rm -f "$out/$w-r$round.err" \
       || echo "$(date +%T) FAILED: $w round $round" >&2

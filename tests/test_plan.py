@@ -15,7 +15,7 @@ from torch import nn
 from sparcoll.bench.launch import BenchError
 from sparcoll.compress import make
 from sparcoll.plan import decide, trial
-from sparcoll.plan.options import (ALLGATHER, COLLECTIVES, COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE,
+from sparcoll.plan.options import (ALLGATHER, ALL_COMPRESSORS, COLLECTIVES, DEDICATED, PS, RING, SFB, SPARSE,
                                    JobFacts, Option, TensorFacts, options, why_invalid)
 from sparcoll.plan.profile import backward_timeline, facts
 from sparcoll.plan import timeline
@@ -51,14 +51,25 @@ jobs = st.builds(JobFacts, dedicated=st.booleans(), communicator=st.booleans(), 
 @settings(max_examples=60, deadline=None)
 @given(tensor_facts, jobs)
 def test_no_invalid_combination_survives_and_no_valid_one_is_lost(tensor, job):
-    valid = set(options(tensor, job))
-    for compressor in COMPRESSORS:
+    valid = set(options(tensor, job, ALL_COMPRESSORS))
+    for compressor in ALL_COMPRESSORS:
         for collective in COLLECTIVES:
             for offload in (False, True):
                 option = Option(compressor, collective, offload)
                 assert (option in valid) == runnable(tensor, job, option), option
                 assert (why_invalid(tensor, job, option) is None) == (option in valid)
     assert Option() in valid                       # the ring, uncompressed, always runs
+
+
+def test_by_default_the_planner_chooses_among_compressors_that_kept_the_loss():
+    """The planner chooses by speed: its default candidates leave out the compressors that fell more
+    than 5% behind DDP's loss in the convergence runs; `--compressors all` brings them back."""
+    from sparcoll.plan.command import _compressors
+    from sparcoll.plan.options import COMPRESSORS, HURT_CONVERGENCE
+    assert set(COMPRESSORS) | set(HURT_CONVERGENCE) == set(ALL_COMPRESSORS)
+    assert not set(COMPRESSORS) & {"randomk:0.01", "topk:0.01", "dgc:0.01", "terngrad"}
+    assert {"none", "blocktopk:0.01", "powersgd:4"} <= set(COMPRESSORS)
+    assert _compressors("all").split(",") == list(ALL_COMPRESSORS) and _compressors("none,fp16") == "none,fp16"
 
 
 def test_a_pruned_option_says_why():

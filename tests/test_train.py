@@ -11,7 +11,7 @@ import torch
 
 from sparcoll.cli import main
 from sparcoll.train.command import _option, workload_options
-from sparcoll.train.worker import block_density, nonzero_elements
+from sparcoll.train.worker import block_density, nonzero_elements, synchronization
 
 pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
 
@@ -146,3 +146,22 @@ def test_density_counts_blocks_with_a_nonzero_element():
     assert nonzero_elements(rows).nonzero().flatten().tolist() == [2, 3, 6, 7]
     # 20 elements in blocks of 4: element 7 (dense), then 12, 13, 16, 17 (rows) -> blocks 1, 3 and 4
     assert block_density([nonzero_elements(dense), nonzero_elements(rows)], 4) == pytest.approx(3 / 5)
+
+
+def test_synchronization_counts_a_shared_collective_once():
+    """A bucket's members share one collective's span: the synchronization thread's busy time is the
+    union of the spans (overlaps counted once), and the hidden part is what lies before backward's
+    end. Checked against a millisecond grid of the same spans."""
+    from types import SimpleNamespace
+    from sparcoll.torch.parallel import Event
+    spans = [(1, 4), (1, 4), (1, 4), (3, 6), (8, 9), (8.5, 8.7)]       # ms; a unit of three, overlaps
+    model = SimpleNamespace(trace=[Event(f"t{i}", "ring", 0.0, s / 1e3, e / 1e3) for i, (s, e) in enumerate(spans)],
+                            backward_end=5e-3, strategy=lambda: {"t0": {"predicted_bytes": 10.0}, "t1": {}})
+    grid = torch.arange(0, 10, 0.001) + 0.0005
+    busy = torch.zeros_like(grid, dtype=torch.bool)
+    for s, e in spans:
+        busy |= (grid > s) & (grid < e)
+    predicted, total, hidden = synchronization(model)
+    assert math.isnan(predicted)                       # a compressed tensor's bytes are not predicted
+    assert total == pytest.approx(busy.sum().item() * 1e-6, abs=1e-8) == pytest.approx(6e-3)
+    assert hidden == pytest.approx((busy & (grid < 5)).sum().item() * 1e-6, abs=1e-8) == pytest.approx(4e-3)

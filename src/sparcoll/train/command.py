@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import statistics
 import sys
 
@@ -270,8 +271,9 @@ def report(runs: list[dict], args) -> str:
         if r.get("comm_total_s"):
             lines.append(f"{r['label']}: synchronization {1e3 * r['comm_total_s']:.1f} ms per step, "
                          f"{100 * r['comm_hidden_s'] / r['comm_total_s']:.0f}% of it before backward "
-                         f"had finished computing; predicted {r['predicted_bytes_per_step'] / 1e6:.2f} "
-                         f"MB sent per step")
+                         f"had finished computing"
+                         + (f"; predicted {r['predicted_bytes_per_step'] / 1e6:.2f} MB sent per step"
+                            if math.isfinite(r["predicted_bytes_per_step"] or float("nan")) else ""))
     lines.append(f"final loss ({runs[0]['final_loss_kind']}): "
                  + ", ".join(f"{r['label']} {r['final_loss']:.4f}" for r in runs))
     for r in runs:

@@ -174,11 +174,21 @@ def trace(model: sparcoll.torch.DataParallel, backward_start: float) -> dict:
 
 
 def synchronization(model: sparcoll.torch.DataParallel) -> tuple[float, float, float]:
-    """DataParallel's last step: the bytes its cost model predicts this worker sent, the seconds its
-    synchronizations took, and the part of them before backward finished computing."""
+    """DataParallel's last step: the bytes its cost model predicts this worker sent (nan where a
+    compressor's are not predicted), the seconds its synchronization thread was busy, and the part of
+    them before backward finished computing. Tensors that share a collective (a bucket, a unit) share
+    its span: it counts once (summed per tensor, deeplight's unit of ten tensors made 243 ms of
+    synchronization in a 78 ms step)."""
     predicted = sum(e.get("predicted_bytes", float("nan")) for e in model.strategy().values())
-    total = sum(e.end - e.start for e in model.trace)
-    hidden = sum(max(0.0, min(e.end, model.backward_end) - e.start) for e in model.trace)
+    spans = sorted({(e.start, e.end) for e in model.trace})
+    total = hidden = 0.0
+    reached = float("-inf")
+    for start, end in spans:
+        start = max(start, reached)
+        if end > start:
+            total += end - start
+            hidden += max(0.0, min(end, model.backward_end) - start)
+            reached = end
     return predicted, total, hidden
 
 
