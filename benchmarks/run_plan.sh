@@ -20,11 +20,11 @@ export OMP_NUM_THREADS=1
 declare -A steps=([deeplight]=30 [ncf]=30 [gpt]=20 [vgg]=6 [lstm]=20 [cnn]=20 [narrowrec]=30)
 py=.venv/bin/python
 for word in $workloads; do
-  IFS=+ read -r name extra <<< "$word"
+  IFS=+ read -r workload extra <<< "$word"
   options=()
   for o in ${extra//+/ }; do options+=(--workload-option "$o"); done
   w=${word//=/_}
-  plan() { timeout 3600 ./dev sparcoll plan --workload "$name" "${options[@]}" --workers 4 --network 1gbit \
+  plan() { timeout 3600 ./dev sparcoll plan --workload "$workload" "${options[@]}" --workers 4 --network 1gbit \
              --profile "$out/$w-profile.json" "$@"; }
   plan --json "$out/$w-plan.json" > "$out/$w-plan.txt"
   modes=ddp,planned
@@ -46,7 +46,7 @@ k = lambda t: (t['strategy'], t['placement'], t['unit']); sys.exit(0 if list(map
     fi
   done
   for round in $(seq 1 "$rounds"); do
-    timeout 3600 ./dev sparcoll train --workload "$name" "${options[@]}" --workers 4 --network 1gbit --steps "${steps[$name]}" \
+    timeout 3600 ./dev sparcoll train --workload "$workload" "${options[@]}" --workers 4 --network 1gbit --steps "${steps[$workload]}" \
       --warmup 2 --compare "$modes" --plan "$out/$w-plan.json" --json "$out/$w-r$round.json" \
       > "$out/$w-r$round.txt" 2> "$out/$w-r$round.err" && rm -f "$out/$w-r$round.err" \
       || echo "$(date +%T) FAILED: $w round $round" >&2
