@@ -131,7 +131,7 @@ class Together:
 
 def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tuple[dict, dict]:
     """The model's measurements, its large dense gradients (for the compressors' timing) and its
-    sparse COO gradients, coalesced (for profile_coo)."""
+    sparse COO gradients as backward left them, uncoalesced (for profile_coo)."""
     block_size = comm.block_size
     rows = {}
     hooks = [layer.register_forward_pre_hook(
@@ -154,7 +154,7 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
     dist.all_reduce(density)
     gradients = {name: p.grad.detach().clone() for name, p in params.items()
                  if p.numel() >= OWN_GRADIENT and not p.grad.is_sparse}
-    coo_gradients = {name: p.grad.detach().clone().coalesce() for name, p in params.items() if p.grad.is_sparse}
+    coo_gradients = {name: p.grad.detach().clone() for name, p in params.items() if p.grad.is_sparse}
     model.zero_grad()
     timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5), peers=Together())
     # how long each SFB-able layer's backward takes from its output gradient to its weight gradient
@@ -224,17 +224,18 @@ def profile_compressors(specs: list[str], world: int, gradients: dict):
 def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout: float):
     """(option, tensor name, seconds alone, seconds under load, slowdown of a training step) for each
     of the model's sparse COO gradients under each option it can take (options.coo_labels), measured
-    whole on the gradient itself as sparcoll.torch.DataParallel runs it: its compression of the
-    entries and its collective. A COO gradient's cost is its rows, not its dense size: deeplight's
+    whole on the gradient itself as sparcoll.torch.DataParallel runs it: coalesced, its entries
+    compressed, its collective. A COO gradient's cost is its rows, not its dense size: deeplight's
     embedding (17M elements) touches 3% of its blocks per worker, and gloo's gathers of them were
-    priced as a dense ring (1 s for a step that ran 75 ms)."""
+    priced as a dense ring (1 s predicted for a step that trains in about 0.11 s)."""
     alone_step = timed(lambda _: train_step())
     group = Channel(None)       # the group's own sparse all_reduce: gloo's gathers
     for name, g in coo_gradients.items():
-        runs = {RING: lambda _, g=g: group.sparse_mean(g), SPARSE: lambda _, g=g: comm.allreduce_coo(g, op="avg")}
+        runs = {RING: group.sparse_mean, SPARSE: lambda t: comm.allreduce_coo(t, op="avg")}
         for spec in coo_labels(specs)[2:]:
-            runs[spec] = lambda _, g=g, name=name, reducer=Reducer(spec, None, comm): reducer.reduce(g, key=name)
-        for label, run in runs.items():
+            runs[spec] = lambda t, name=name, reducer=Reducer(spec, None, comm): reducer.reduce(t, key=name)
+        for label, reduce in runs.items():
+            run = lambda _, g=g, reduce=reduce: reduce(g.coalesce())      # noqa: E731
             yield label, name, timed(run), *under_load(run, lambda: None, train_step, alone_step, timeout)
 
 
