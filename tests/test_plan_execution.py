@@ -116,8 +116,8 @@ def test_contention_follows_its_curves_and_adds_up_one_by_one():
 def test_a_linear_layers_bias_shares_its_weights_unit_and_rides_with_sfb():
     """Backward order: a small tensor, then two layers' bias and weight. The first bias leaves the bucket
     it would have joined; under SFB a layer unit costs its weight's SFB (the factors carry the bias),
-    under a compressor its members' compressions and one collective for both payloads, under anything
-    else its members one by one."""
+    under a compressor its members' compressions and one collective for both payloads, on the ring one
+    allreduce of both, under the parameter server its members one by one."""
     costing = Costing(FITS, workers=4)
     linear = dict(linear=True)
     measured = [Measured(TensorFacts("norm.weight", 64), (64,)),
@@ -133,9 +133,9 @@ def test_a_linear_layers_bias_shares_its_weights_unit_and_rides_with_sfb():
     assert [u.facts.numel for u in units] == [64, 500_500, 100_100] and units[1].facts.linear
     choices = choices_of(units, groups, measured, costing, ["none", "topk:0.01"], JobFacts())
     assert choices[1].costs[Option("none", SFB)] == costing.cost(measured[2], Option("none", SFB))
-    for option in (Option(), Option("none", PS)):
-        bias, weight = (costing.cost(measured[i], option) for i in (1, 2))
-        assert choices[1].costs[option].comm == pytest.approx(bias.comm + weight.comm)
+    bias, weight = (costing.cost(measured[i], Option("none", PS)) for i in (1, 2))
+    assert choices[1].costs[Option("none", PS)].comm == pytest.approx(bias.comm + weight.comm)
+    assert choices[1].costs[Option()].comm == pytest.approx(1e-3 + 1e-8 * 4 * 500_500)
     topk = choices[1].costs[Option("topk:0.01", ALLGATHER)]
     kept = 5 + 5000                 # elements of the bias and the weight: 8 bytes each on the wire
     assert [topk.compress, topk.comm, topk.decompress] == pytest.approx(
@@ -144,26 +144,31 @@ def test_a_linear_layers_bias_shares_its_weights_unit_and_rides_with_sfb():
 
 def test_units_of_one_compressor_share_a_collective_where_the_timeline_predicts_no_slower():
     """Two compressed tensors ready together pay one collective's fixed cost instead of two: fused,
-    priced as one bucket. Ready a second apart, the first one's collective hides in backward, and
-    waiting for the second would only add its bytes to the end: kept apart. Uncompressed units and
-    different compressors never share."""
+    priced as one bucket; two uncompressed ones on the ring likewise, as one allreduce of both. Ready
+    a second apart, the first one's collective hides in backward, and waiting for the second would
+    only add its bytes to the end: kept apart. Different compressors, and the parameter server's
+    tensors, never share."""
     costing = Costing(FITS, workers=4)
-    measured = [Measured(TensorFacts("a", 500_000), (500, 1000)), Measured(TensorFacts("b", 100_000), (100, 1000)),
-                Measured(TensorFacts("c", 100_000), (100, 1000)), Measured(TensorFacts("d", 100_000), (100, 1000))]
-    topk, fp16 = Option("topk:0.01", ALLGATHER), Option("fp16", RING)
-    chosen = [topk, topk, fp16, Option()]
-    for ready, fused_groups in (((0.1, 0.1, 0.1, 0.1), [[0, 1], [2], [3]]),
-                                ((0.0, 1.0, 1.0, 1.0), [[0], [1], [2], [3]])):
+    measured = [Measured(TensorFacts(name, numel), (numel // 1000, 1000))
+                for name, numel in (("a", 500_000), ("b", 100_000), ("c", 100_000), ("d", 100_000), ("e", 100_000),
+                                    ("f", 100_000), ("g", 100_000))]
+    topk, fp16, ps = Option("topk:0.01", ALLGATHER), Option("fp16", RING), Option("none", PS)
+    chosen = [topk, topk, fp16, Option(), Option(), ps, ps]
+    for ready, fused_groups in (((0.1,) * 7, [[0, 1], [2], [3, 4], [5], [6]]),
+                                ((0.0,) + (1.0,) * 6, [[0], [1], [2], [3, 4], [5], [6]])):
         units_step, units, groups = units_of(Step(ready, max(ready)), measured)
         tensors = choices_of(units, groups, measured, costing, ["none", "topk:0.01", "fp16"], JobFacts())
         fused_step, got_groups, fused, options = fusion.fuse(units_step, measured, groups, tensors, chosen, costing)
         assert got_groups == fused_groups
         assert decide.predict(fused_step, fused, options) <= decide.predict(units_step, tensors, chosen)
-        if len(got_groups) == 3:
-            assert fused[0].costs[topk] == costing.bucket(measured[:2], topk) and fused_step.ready == (0.1,) * 3
+        ring = fused[got_groups.index([3, 4])].costs[Option()]
+        assert ring == costing.cost(Measured(TensorFacts("d+e", 200_000), (200_000,)), Option())
+        assert ring.comm == pytest.approx(1e-3 + 1e-8 * 4 * 200_000)      # one allreduce of both
+        if got_groups[0] == [0, 1]:
+            assert fused[0].costs[topk] == costing.bucket(measured[:2], topk) and fused_step.ready == (0.1,) * 5
             assert decide.predict(fused_step, fused, options) < decide.predict(units_step, tensors, chosen)
             # the plan's units as a plan file gives them: the same prediction
-            names = {"a": 0, "b": 0, "c": 1, "d": 2}
+            names = {"a": 0, "b": 0, "c": 1, "d": 2, "e": 2, "f": 3, "g": 4}
             again = fusion.as_planned(units_step, measured, groups, tensors, chosen, costing, names)
             assert decide.predict(*again) == decide.predict(fused_step, fused, options)
 
@@ -273,6 +278,12 @@ def execution(rank: int, world: int) -> dict:
                                                  for i, q in enumerate(plain.parameters())])
         out["fused collectives"] = len({e.start for e in dp.trace})
         dp.close()
+        # likewise a unit of several dense tensors on the ring, uncompressed: one exact allreduce
+        ring_unit = {"tensors": [{"name": n, "strategy": "ring", "unit": 0} for n in names]}
+        dp = sparcoll.torch.DataParallel(small_and_large(), strategy=ring_unit)
+        out["ring unit"] = relative_error(step(dp, rank, 6, (12,)), reference_grads(small_and_large, 6, (12,), world))
+        out["ring unit collectives"] = len({e.start for e in dp.trace})
+        dp.close()
         # a plan's units close a bucket as soon as they are complete: here each small tensor is a unit
         names = [n for n, _ in small_and_large().named_parameters()]
         alone = {"tensors": [{"name": n, "strategy": "ring", "unit": i} for i, n in enumerate(names)]}
@@ -319,9 +330,10 @@ def test_the_planners_units_are_dataparallels_buckets(executed):
         assert rank["collectives alone"] == 10 and rank["units alone"] < 1e-5
 
 
-def test_a_plans_unit_of_large_compressed_tensors_is_one_collective(executed):
+def test_a_plans_unit_of_large_tensors_compressed_or_on_the_ring_is_one_collective(executed):
     for rank in executed:
         assert rank["fused collectives"] == 1 and rank["fused topk"] < 1e-6
+        assert rank["ring unit collectives"] == 1 and rank["ring unit"] < 1e-5
 
 
 @pytest.mark.auto_algorithm

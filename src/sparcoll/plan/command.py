@@ -148,13 +148,13 @@ def tensors_of(profile: dict) -> tuple[Step, list[Measured]]:
 def units_of(step: Step, measured: list[Measured]) -> tuple[Step, list[Measured], list[list[int]]]:
     """The units the plan chooses for: each tensor, except that consecutive small dense ones form a
     group as sparcoll.torch.DataParallel's buckets do (up to BUCKET_BYTES, in ready order), one
-    option for the group: on the ring they travel as one allreduce, under any other option one by
-    one; and a linear layer's weight that SFB can serve takes its bias, which backward produces just
-    before it, into its unit: under SFB the factors carry the bias (DataParallel sends nothing for it)
-    and are ready at the layer's output gradient, before the bias; under any other option the two go
-    one by one (DataParallel may put the bias in the bucket before the weight: one small allreduce
-    fewer than priced). A unit is ready with its last member. Returns the units' Step, the units, their
-    members."""
+    option for the group; and a linear layer's weight that SFB can serve takes its bias, which
+    backward produces just before it, into its unit: under SFB the factors carry the bias
+    (DataParallel sends nothing for it) and are ready at the layer's output gradient, before the
+    bias. A unit of several tensors travels as DataParallel sends a plan's unit: on the ring as one
+    allreduce, under a compressor as one collective of their payloads, under the parameter server or
+    the sparse AllReduce one by one (choices_of). A unit is ready with its last member. Returns the
+    units' Step, the units, their members."""
     groups: list[list[int]] = []
     open_group: list[int] = []
     for i, t in enumerate(measured):
@@ -216,15 +216,14 @@ def _unit(measured: list[Measured], members: list[int]) -> Measured:
 def choices_of(units: list[Measured], groups: list[list[int]], measured: list[Measured], costing: Costing,
                compressors, job: JobFacts) -> list[decide.Choices]:
     """Each unit's valid options and their costs, as sparcoll.torch.DataParallel sends a group: on the
-    ring a bucket as one allreduce (a layer's bias and weight one by one); under a compressor each
+    ring a bucket or a layer as one allreduce; under a compressor each
     member compressed, their payloads in one collective; under SFB the weight's factors carry its
     bias; under any other option one by one."""
     out = []
     for unit, members in zip(units, groups):
         costs = {}
-        layer = _is_layer(measured, members)
         for o in options(unit.facts, job, compressors):
-            if len(members) == 1 or (o == Option() and not layer):
+            if len(members) == 1 or o == Option():
                 costs[o] = costing.cost(unit, o)
             elif o.collective == SFB:
                 costs[o] = costing.cost(measured[members[-1]], o)

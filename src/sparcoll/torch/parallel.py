@@ -269,11 +269,13 @@ class DataParallel(nn.Module):
             chosen = hybrid.RING
         grad = p.grad
         compressed = chosen not in STRATEGIES and not grad.is_sparse
+        dense_ring = chosen == hybrid.RING and not grad.is_sparse
         small = not grad.is_sparse and grad.numel() * grad.element_size() <= SMALL_BYTES
         unit = self._unit.get(self._names.get(id(p)))
-        # a plan's unit of several compressed tensors is one bucket, whatever their sizes
-        bucketed = small or (compressed and unit is not None and self._unit_size[unit] > 1)
-        if not (compressed or (chosen == hybrid.RING and small)):
+        # a plan's unit of several compressed tensors, or of several dense ones on the ring, is one
+        # bucket, whatever their sizes
+        bucketed = small or ((compressed or dense_ring) and unit is not None and self._unit_size[unit] > 1)
+        if not (compressed or (dense_ring and bucketed)):
             self._enqueue(p, chosen, None)
             return
         kind = (chosen, self._placement_of(p, chosen) if compressed else CHANNEL)
@@ -339,7 +341,7 @@ class DataParallel(nn.Module):
         ready, or at the end of backward, so it is the same on every rank without a message; under a
         plan, as soon as it holds all of a unit of the plan (the plan priced the unit ready with its
         last member: waiting for the next gradient cost ncf's first bucket 9 ms), and then only: a
-        unit may hold several large compressed tensors (sparcoll.plan.fusion)."""
+        unit may hold several large tensors, compressed or on the ring (sparcoll.plan.fusion)."""
         if self._bucket and (self._bucket_kind != kind or self._bucket[0][0].grad.dtype != p.grad.dtype):
             self._flush()
         self._bucket_kind = kind
