@@ -5,11 +5,11 @@ timeline prices each unit's collective on its own. Every collective has a fixed 
 bytes (about 5 ms among 4 processes on 2 cores), so gpt's 17 large compressed tensors, each in its
 own collective, made DataParallel 1.6-1.8x slower than DDP's compression hook, which sends a few
 25 MB buckets; the ring's large gradients, one allreduce each, made deeplight's ring for every tensor
-115 ms a step against DDP's 72. Here consecutive units (in backward order) under the same compressor and
-placement, or on the ring uncompressed, become one unit while the timeline predicts no slower a step: one collective of all their payloads
-(Costing.bucket), ready with its last member, which trades wait-free backpropagation's early start
-for fewer collectives. sparcoll.torch.DataParallel sends a plan's unit of several tensors as one
-bucket, whatever their sizes.
+115 ms a step against DDP's 72. Here consecutive units (in backward order) under the same compressor
+and placement, or on the ring uncompressed, become one unit while the timeline predicts no slower a
+step: one collective of all their payloads (Costing.bucket; on the ring one allreduce), ready with its
+last member, which trades wait-free backpropagation's early start for fewer collectives.
+sparcoll.torch.DataParallel sends a plan's unit of several tensors as one bucket, whatever their sizes.
 """
 from __future__ import annotations
 

@@ -129,7 +129,7 @@ class Together:
         return shifted
 
 
-def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tuple[dict, dict]:
+def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tuple[dict, dict, dict]:
     """The model's measurements, its large dense gradients (for the compressors' timing) and its
     sparse COO gradients as backward left them, uncoalesced (for profile_coo)."""
     block_size = comm.block_size
