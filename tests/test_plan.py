@@ -388,3 +388,24 @@ def test_backward_timeline_follows_autograd_and_restores_the_parameters():
     assert set(arrived) == {"0.weight", "2.weight"}
     assert 0 <= arrived["2.weight"] <= at["2.weight"]
     assert max(at["2.weight"], at["2.bias"]) + 0.05 <= arrived["0.weight"] <= at["0.weight"]
+
+
+def test_the_trial_says_when_ddp_was_faster_than_every_candidate():
+    """DDP on gloo is measured beside the trial's candidates; the table says when it won, so a user is
+    never told to use a plan slower than what they have."""
+    from sparcoll.plan.command import table
+    unit = {"unit": 0, "name": "w", "numel": 10, "ready_s": 0.001, "option": "ring", "unit_comm_s": 0.002,
+            "unit_decompress_s": 0.0}
+    plan = {"tensors": [unit], "strategy": "planned", "without": [], "predicted_step_s": 0.05, "bound_s": 0.01,
+            "units": 1, "decision_ms": 1.0, "uniform": {"ring": 0.05},
+            "trial": {"steps": 3, "warmup": 1, "kept": "planned", "step_s": {"planned": 0.050, "uniform ring": 0.060},
+                      "predicted_step_s": {"planned": 0.05, "uniform ring": 0.05}}}
+    for ddp_s, keep_ddp in ((0.040, True), (0.049, False), (0.080, False)):
+        plan["trial"]["ddp"] = {"steps": 3, "step_s": ddp_s, "comm_share": 0.5}
+        text = table(plan)
+        assert f"measured {1e3 * ddp_s:>10.1f} ms, 50% of it communicating" in text
+        assert f"{ddp_s / 0.050:.2f}x as fast" in text
+        assert ("keep DDP" in text) == keep_ddp
+    plan["trial"]["ddp"] = {"steps": 3, "failed": "it reported 1 of 4 steps"}
+    text = table(plan)
+    assert "DDP on gloo (the reference)" in text and "failed: it reported 1 of 4 steps" in text

@@ -360,6 +360,9 @@ def test_plan_then_train_the_plan(tmp_path):
     fastest = min(tried["step_s"].values())
     assert tried["step_s"][tried["kept"]] <= fastest * (1 + tried["margin"])
     assert tried["kept"] == "planned" or tried["step_s"]["planned"] > fastest * (1 + tried["margin"])
+    reference = tried["ddp"]            # what the user has without sparcoll, trained the same way
+    assert reference["step_s"] > 0 and 0 <= reference["comm_share"] <= 1 and reference["steps"] >= 2
+    assert "DDP on gloo (the reference)" in first.stdout
     first = subprocess.run(command + ["--trial", "0"], capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert first.returncode == 0 and "trial (" not in first.stdout, first.stderr[-3000:]
     assert profile.stat().st_mtime_ns == stamp      # the profile reused
@@ -409,6 +412,7 @@ def test_plan_a_users_own_model(tmp_path):
     assert units["2.bias"] == units["2.weight"]           # a layer SFB can serve is one unit with its bias
     tried = plan["trial"]
     assert tried["steps"] == 1 and not tried["failed"] and "planned" in tried["step_s"]
+    assert tried["ddp"]["step_s"] > 0 and "DDP on gloo (the reference)" in done.stdout
     assert len(tried["step_s"]) >= 2 and all(s > 0 for s in tried["step_s"].values())
     assert tried["step_s"][tried["kept"]] <= min(tried["step_s"].values()) * (1 + tried["margin"])
     assert f"kept: {tried['kept']}" in done.stdout

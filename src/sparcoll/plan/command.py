@@ -369,6 +369,17 @@ def table(plan: dict) -> str:
             lines.append(f"  {name:<29} measured {1e3 * s:>10.1f} ms, predicted {1e3 * tr['predicted_step_s'][name]:.1f}")
         for name, reason in tr.get("failed", {}).items():
             lines.append(f"  {name:<29} failed: {reason}")
+        reference = tr.get("ddp", {})
+        if "step_s" in reference:
+            kept = tr["step_s"][tr["kept"]]
+            lines.append(f"  {'DDP on gloo (the reference)':<29} measured {1e3 * reference['step_s']:>10.1f} ms, "
+                         f"{100 * reference['comm_share']:.0f}% of it communicating: the plan kept is "
+                         f"{reference['step_s'] / kept:.2f}x as fast")
+            if reference["step_s"] < kept / (1 + trial.MARGIN):
+                lines.append("  DDP on gloo was faster than every candidate here: keep DDP for this model on "
+                             "this network")
+        elif "failed" in reference:
+            lines.append(f"  {'DDP on gloo (the reference)':<29} failed: {reference['failed']}")
     return "\n".join(lines)
 
 
@@ -387,15 +398,20 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
     config = {**{k: defaults[k] for k in ("lr", "block_size", "data")}, "timeout": args.timeout, **model}
     step_s: dict[str, float] = {}
     failed: dict[str, str] = {}
+    reference: dict = {}
+    steps_each = {name: trial.steps_of(p, args.trial) for name, p in plans.items()}
+    ddp_steps = max(steps_each.values())
 
     def body(advance) -> None:
         measured, broken = trial.measure(config, plans, args.workers, args.network, args.trial, TRIAL_WARMUP,
                                          args.timeout, advance)
         step_s.update(measured)
         failed.update(broken)
+        reference.update(trial.ddp(config, args.workers, args.network, ddp_steps, TRIAL_WARMUP, args.timeout,
+                                   advance))
 
-    steps_each = {name: trial.steps_of(p, args.trial) for name, p in plans.items()}
-    status = run_jobs("plan --trial", sum(TRIAL_WARMUP + steps for steps in steps_each.values()), body)
+    status = run_jobs("plan --trial", sum(TRIAL_WARMUP + steps for steps in [*steps_each.values(), ddp_steps]),
+                      body)
     if status:
         return status, plan
     for name, reason in failed.items():
@@ -404,7 +420,7 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
     return 0, {**plans[kept], "decision_ms": plan["decision_ms"],
                "trial": {"steps": args.trial, "warmup": TRIAL_WARMUP, "margin": trial.MARGIN, "kept": kept,
                          "steps_each": steps_each,
-                         "step_s": step_s, "failed": failed,
+                         "step_s": step_s, "failed": failed, "ddp": {"steps": ddp_steps, **reference},
                          "predicted_step_s": {n: p["predicted_step_s"] for n, p in plans.items()}}}
 
 
