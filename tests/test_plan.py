@@ -291,6 +291,21 @@ def test_a_trial_keeps_the_plan_unless_another_is_clearly_faster():
     assert trial.choose({"uniform sfb": 0.8, "uniform ring": 0.9}) == "uniform sfb"     # the plan's run failed
 
 
+def test_a_trial_keeps_a_lossless_candidate_level_with_the_fastest():
+    """Within the margin the candidates are level: a lossless one is kept over a lossy plan, the plan
+    over other lossless ones, and beyond the margin speed decides."""
+    margin = trial.MARGIN
+    near = 1.0 * (1 + margin / 2)
+    step_s = {"planned": 1.0, "without compression": near, "uniform sfb": near * 1.001, "uniform topk": 0.99}
+    assert trial.choose(step_s, {"without compression", "uniform sfb"}) == "without compression"
+    assert trial.choose(step_s, {"planned", "uniform sfb"}) == "planned"
+    assert trial.choose(step_s) == "planned"
+    assert trial.choose({**step_s, "without compression": 1.1}, {"without compression"}) == "planned"
+    assert trial.choose({"planned": 1.0, "uniform topk": 0.8, "uniform sfb": 0.81}, {"uniform sfb"}) == "uniform sfb"
+    assert trial.lossless({"tensors": [{"strategy": "ring"}, {"strategy": "sfb"}, {"strategy": "sparse"}]})
+    assert not trial.lossless({"tensors": [{"strategy": "ps"}, {"strategy": "fp16"}]})
+
+
 def test_a_candidate_whose_trial_fails_is_left_out_and_the_others_still_run(monkeypatch):
     """A fake launcher: each candidate reports steps of its own duration, one fails midway."""
     durations = {"planned": 0.3, "uniform sfb": None, "uniform ring": 0.5}

@@ -366,7 +366,8 @@ def table(plan: dict) -> str:
         lines.append(f"trial (at least {tr['steps']} step{'s' * (tr['steps'] != 1)} and {trial.SECONDS:g} s each "
                      f"after {tr['warmup']} warm-up, trained on this network), kept: {tr['kept']}")
         for name, s in sorted(tr["step_s"].items(), key=lambda kv: kv[1]):
-            lines.append(f"  {name:<29} measured {1e3 * s:>10.1f} ms, predicted {1e3 * tr['predicted_step_s'][name]:.1f}")
+            lines.append(f"  {name:<29} measured {1e3 * s:>10.1f} ms, predicted {1e3 * tr['predicted_step_s'][name]:.1f}"
+                         + (", lossless" if name in tr.get("lossless", ()) else ""))
         for name, reason in tr.get("failed", {}).items():
             lines.append(f"  {name:<29} failed: {reason}")
         reference = tr.get("ddp", {})
@@ -416,11 +417,13 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
         return status, plan
     for name, reason in failed.items():
         print(f"sparcoll plan: the trial of {name} failed and is left out: {reason}", file=sys.stderr)
-    kept = trial.choose(step_s)
+    lossless = sorted(name for name in step_s if trial.lossless(plans[name]))
+    kept = trial.choose(step_s, set(lossless))
     return 0, {**plans[kept], "decision_ms": plan["decision_ms"],
                "trial": {"steps": args.trial, "warmup": TRIAL_WARMUP, "margin": trial.MARGIN, "kept": kept,
                          "steps_each": steps_each,
-                         "step_s": step_s, "failed": failed, "ddp": {"steps": ddp_steps, **reference},
+                         "step_s": step_s, "lossless": lossless, "failed": failed,
+                         "ddp": {"steps": ddp_steps, **reference},
                          "predicted_step_s": {n: p["predicted_step_s"] for n, p in plans.items()}}}
 
 
