@@ -8,10 +8,10 @@ share the cores and their memory bandwidth, which no per-operation timing sees: 
 So the decision narrows the options to a handful (the plan, the planner without each dimension, the
 uniform strategies it predicts best), and a short run of each decides among them. Candidates within
 MARGIN of the fastest count as level (a few steps are noisy): of those a lossless one is kept if there
-is one, then the plan (the model's choice is the one that generalizes to other step counts). A candidate whose steps are short trains
-for at least SECONDS (by its predicted step, at most MOST_STEPS): three steps of ncf, 70 ms each, had
-the plan and the planner without compression 76.0 and 76.3 ms apart, which longer rounds then
-measured 3-8% apart.
+is one, then the plan (the model's choice is the one that generalizes to other step counts). A
+candidate whose steps are short trains for at least SECONDS (by its predicted step, at most
+MOST_STEPS): three steps of ncf, 70 ms each, had the plan and the planner without compression 76.0
+and 76.3 ms apart, which longer rounds then measured 3-8% apart.
 """
 from __future__ import annotations
 
@@ -58,8 +58,9 @@ def lossless(plan: dict) -> bool:
 def choose(step_s: dict[str, float], lossless_ones=frozenset(), margin: float = MARGIN) -> str:
     """The candidate to keep among those measured within `margin` of the fastest (a few steps cannot
     tell them apart): a lossless one if there is one, and of those (or of all) the plan if it is
-    there, else the fastest. vgg's plan, blocktopk on one layer, ran 2094 ms against 2110 for SFB and
-    the ring without compression, at a loss 2.4% above DDP's after 6 steps: speed alone kept it."""
+    there, else the fastest. vgg's plan, blocktopk on one layer, ran 2094 ms against 2110 for the
+    planner without compression (SFB for every layer), at a loss 2.4% above DDP's after 6 steps:
+    speed alone kept it."""
     best = min(step_s.values())
     near = [name for name in step_s if step_s[name] <= best * (1 + margin)]
     pool = [name for name in near if name in lossless_ones] or near
