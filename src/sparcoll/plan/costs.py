@@ -36,6 +36,9 @@ from .options import ALLGATHER, DEDICATED, RING, SFB, SPARSE, Option, TensorFact
 from .timeline import Cost
 
 ITEMSIZE = 4
+# A COO gradient's measurements per option (profiler.profile_coo): alone, beside backward, and
+# backward's slowdown meanwhile; the profile's fits hold each as KIND_own.
+COO_KINDS = ("coo", "coo_loaded", "coo_slowdown")
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class Costing:
         self.compress_own = fits.get("compress_own", {})       # spec -> tensor name -> seconds
         self.decompress_own = fits.get("decompress_own", {})
         # a COO gradient's options, measured whole: option -> tensor name -> seconds (or slowdown)
-        self.coo = {kind: fits.get(f"{kind}_own", {}) for kind in ("coo", "coo_loaded", "coo_slowdown")}
+        self.coo = {kind: fits.get(f"{kind}_own", {}) for kind in COO_KINDS}
         self.loaded = {name: Curve(*xy) for name, xy in fits.get("loaded", {}).items()}
         self.slowdown = {name: Curve(*xy) for name, xy in fits.get("slowdown", {}).items()}
         self.workers = workers
@@ -146,7 +149,7 @@ class Costing:
         collective, on the channel), alone and beside backward."""
         label, name = coo_label(option), t.facts.name
         try:
-            alone, loaded, slowdown = (self.coo[kind][label][name] for kind in ("coo", "coo_loaded", "coo_slowdown"))
+            alone, loaded, slowdown = (self.coo[kind][label][name] for kind in COO_KINDS)
         except KeyError:
             raise ValueError(f"the profile has no time for {name}'s sparse COO gradient under {label}; "
                              f"profile again (--reprofile)") from None

@@ -37,6 +37,7 @@ costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`)
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import statistics
@@ -59,7 +60,7 @@ from sparcoll.torch.sfb import eligible_layers
 from sparcoll.workloads import get_workload
 from sparcoll.workloads.user import UserModel
 
-from .costs import Curve, sparse_volume
+from .costs import COO_KINDS, Curve, sparse_volume
 from .options import ALLGATHER, COMPRESSORS, PS, RING, SPARSE, coo_labels
 from .profile import backward_timeline, facts
 
@@ -230,11 +231,10 @@ def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout
     priced as a dense ring (1 s predicted for a step that trains in about 0.11 s)."""
     alone_step = timed(lambda _: train_step())
     group = Channel(None)       # the group's own sparse all_reduce: gloo's gathers
+    uncompressed = {RING: group.sparse_mean, SPARSE: lambda t: comm.allreduce_coo(t, op="avg")}
     for name, g in coo_gradients.items():
-        runs = {RING: group.sparse_mean, SPARSE: lambda t: comm.allreduce_coo(t, op="avg")}
-        for spec in coo_labels(specs)[2:]:
-            runs[spec] = lambda t, name=name, reducer=Reducer(spec, None, comm): reducer.reduce(t, key=name)
-        for label, reduce in runs.items():
+        for label in coo_labels(specs):
+            reduce = uncompressed.get(label) or functools.partial(Reducer(label, None, comm).reduce, key=name)
             run = lambda _, g=g, reduce=reduce: reduce(g.coalesce())      # noqa: E731
             yield label, name, timed(run), *under_load(run, lambda: None, train_step, alone_step, timeout)
 
@@ -359,8 +359,8 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
         model.zero_grad()
         loss_of(model).backward()
 
-    for label, name, alone, loaded, slowdown in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"]):
-        for kind, seconds in (("coo", alone), ("coo_loaded", loaded), ("coo_slowdown", slowdown)):
+    for label, name, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"]):
+        for kind, seconds in zip(COO_KINDS, times):
             say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds})
     for kind, x, alone, loaded, slowdown in profile_collectives(comm, block_size, rank, world, train_step,
                                                                cfg["timeout"]):
