@@ -377,8 +377,8 @@ def table(plan: dict) -> str:
                          f"{100 * reference['comm_share']:.0f}% of it communicating: the plan kept is "
                          f"{reference['step_s'] / kept:.2f}x as fast")
             if reference["step_s"] < kept / (1 + trial.MARGIN):
-                lines.append("  DDP on gloo was faster than every candidate here: keep DDP for this model on "
-                             "this network")
+                lines.append("  DDP on gloo was faster than the plan kept, beyond the trial's margin: keep DDP "
+                             "for this model on this network")
         elif "failed" in reference:
             lines.append(f"  {'DDP on gloo (the reference)':<29} failed: {reference['failed']}")
     return "\n".join(lines)
