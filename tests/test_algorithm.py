@@ -232,6 +232,22 @@ def test_ranks_that_disagree_on_a_tiny_call_all_get_mismatch_error(store, case):
     assert_mismatch_on_every_rank(run_ranks(store, 2, body))
 
 
+def test_a_mismatch_names_the_ranks_whose_call_differs_and_their_calls(store):
+    """Every rank holds every rank's check buffer: the error says who called what."""
+    def body(r, comm):
+        comm.allreduce(torch.ones(9 if r == 2 else 8))
+    results = run_ranks(store, 3, body)
+    assert_mismatch_on_every_rank(results)
+    for r in (0, 1):
+        text = str(results[r])
+        assert "this rank: 8 elements of torch.float32, op sum" in text, text
+        assert "rank 2: allreduce 1: 9 elements of torch.float32, op sum" in text, text
+        assert f"rank {1 - r}:" not in text.split("this rank")[1], text   # it agrees
+    text = str(results[2])
+    assert "this rank: 9 elements" in text, text
+    assert "rank 0: allreduce 1: 8 elements" in text and "rank 1: allreduce 1: 8 elements" in text
+
+
 def test_ranks_that_disagree_on_a_large_ring_call_all_get_mismatch_error(store):
     """Both kinds take the ring: the first, fixed-size round tells every rank."""
     def body(r, comm):

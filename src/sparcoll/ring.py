@@ -1,16 +1,20 @@
 """gloo's ring allreduce for the collectives the chooser (algorithm.py) sends its way, made safe.
 
-gloo aborts the whole process when ranks pass buffers of different sizes to one allreduce ("Received
+gloo aborts the whole process when ranks pass buffers of different sizes to one collective ("Received
 data size doesn't match expected size"), and sums garbage when the dtypes differ but the byte counts
-agree. So every ring collective comes with a check: an allreduce, on a gloo group of its own, of a
-buffer whose length never depends on the call: float64, TINY_NUMEL slots for data, then (id, numel,
-dtype, op) as 16-bit digits and their squares. Summed, all ranks agree iff sum(x) == world * x and
-sum(x^2) == world * x^2 on every rank (the ranks' values then have zero variance), so every rank
-sees a disagreement and raises MismatchError; none aborts. Two more slots carry numbers the ranks
-must agree on (the chooser's times, algorithm.py): summed and divided by the world, every rank gets
-the same averages.
+agree. So every ring collective comes with a check: an allgather, on a gloo group of its own, of a
+float64 buffer whose length never depends on the call: TINY_NUMEL slots for data, then the call (id,
+numel, dtype, op), the call this rank expects next, and _SHARED numbers. Every rank then holds every
+rank's buffer: it compares the calls itself (and names the ranks whose call differs), so every rank
+sees a disagreement and raises MismatchError; none aborts. The shared numbers are the ranks' averages
+of what each put there (the chooser's times, algorithm.py), the same on every rank. An allgather
+rather than an allreduce: gloo's ring allgather takes world - 1 steps, its ring allreduce 2 (world - 1),
+and on 2 cores each step waits for a process to be scheduled (2 ranks on loopback, one-off script:
+this buffer gathered in 274-286 us median, 450-751 p90, where gloo's allreduce of 8 floats took 345,
+p90 3093; 4 ranks: 2934 against 4547).
   - A tiny tensor (at most TINY_NUMEL elements) travels in that buffer: one round, summed in float64
-    and rounded once, as the sparse path's float32 accumulation would.
+    in rank order (the same sum on every rank) and rounded once, as the sparse path's float32
+    accumulation would.
   - A larger one is summed by an allreduce of the tensor itself, in its own dtype, on a second gloo
     group. It waits for its check only when its size is not known to agree: each check also carries
     the call this rank expects next on the ring (the one that followed this call's kind last time),
@@ -30,29 +34,31 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions    # not re-exported by dist
 
 from . import wire
 from .algorithm import TINY_NUMEL
 from .errors import CollectiveTimeout, MismatchError, PeerError
 
-_DIGITS = 4                 # 16-bit digits per checked field
 _FIELDS = 4                 # a call: id, numel, dtype, op
-_CALL = 2 * _FIELDS * _DIGITS           # a call's digits and their squares
 _SHARED = 2                 # numbers averaged over the ranks in the check round
+_CALL = slice(TINY_NUMEL, TINY_NUMEL + _FIELDS)                     # this call
+_NEXT = slice(TINY_NUMEL + _FIELDS, TINY_NUMEL + 2 * _FIELDS)       # the call expected next
+_SHARE = slice(TINY_NUMEL + 2 * _FIELDS, TINY_NUMEL + 2 * _FIELDS + _SHARED)
 _POLL = 0.05                # seconds between looks for a peer's report while gloo runs
-_REPORT_GRACE = 0.5         # seconds a failed allreduce waits for a peer's report of why
+_REPORT_GRACE = 0.5         # seconds a failed collective waits for a peer's report of why
 _SPIN = 0.002               # seconds of looking at is_completed() first: gloo's timed wait wakes
                             # about 0.9 ms late (8 floats on loopback: 1.9 ms against 1.0 untimed)
 
 Call = tuple[int, int, int, int]        # (id, numel, dtype code, op)
 
 
-def _digits(call: Call | None) -> torch.Tensor:
-    """A call's fields as 16-bit digits and their squares; zeros for no call (ids start at 1)."""
-    fields = call or (0,) * _FIELDS
-    digits = torch.tensor([(f >> (16 * d)) & 0xFFFF for f in fields for d in range(_DIGITS)],
-                          dtype=torch.float64)
-    return torch.cat([digits, digits * digits])
+def _describe(call: list[float]) -> str:
+    """A call's fields as a rank put them in its check buffer, in words."""
+    cid, numel, dtype, op = (int(f) for f in call)
+    dtype_name = wire.DTYPES[dtype][0] if dtype in wire.DTYPES else f"dtype code {dtype}"
+    op_name = wire.Op(op).name.lower() if op in wire.Op._value2member_map_ else f"op code {op}"
+    return f"allreduce {cid}: {numel} elements of {dtype_name}, op {op_name}"
 
 
 class Ring:
@@ -63,7 +69,10 @@ class Ring:
         self.rank, self.world = rank, world
         self.check_group = self._group(dist.PrefixStore("check", store), timeout, host)
         self.data_group = self._group(dist.PrefixStore("data", store), timeout, host)
-        self._check = torch.zeros(TINY_NUMEL + 2 * _CALL + _SHARED, dtype=torch.float64)
+        self._check = torch.zeros(_SHARE.stop, dtype=torch.float64)
+        gathered = torch.zeros(world, _SHARE.stop, dtype=torch.float64)     # every rank's buffer
+        self._gathered_rows = list(gathered.unbind(0))      # where gloo writes each rank's
+        self._check_np, self._gathered_np = self._check.numpy(), gathered.numpy()
         self._expected: Call | None = None  # the next call every rank expected, if they agreed
         self._previous: tuple | None = None     # (id, kind) of the last call
         self._after: dict[tuple, tuple] = {}    # kind -> (kind, id distance) of the call after it
@@ -87,34 +96,35 @@ class Ring:
         tiny = data.numel() <= TINY_NUMEL
         total = data if tiny or data.is_contiguous() else data.contiguous()
         deadline = time.monotonic() + timeout
-        buffer = self._check
-        buffer.zero_()
-        if tiny:
-            buffer[:data.numel()] = data.reshape(-1)
-        checks = buffer[TINY_NUMEL:TINY_NUMEL + 2 * _CALL]
+        buffer, gathered = self._check_np, self._gathered_np  # numpy views: a few us less a call
         expected_next = self._next(call)
-        mine = torch.cat([_digits(call), _digits(expected_next)])
-        checks[:] = mine
-        shared = buffer[TINY_NUMEL + 2 * _CALL:]
-        shared[:] = torch.tensor(share or [0.0] * _SHARED, dtype=torch.float64)
+        if tiny:
+            self._check[:data.numel()] = data.reshape(-1)
+        buffer[_CALL.start:] = (*call, *(expected_next or (0,) * _FIELDS),
+                                *(share or (0.0,) * _SHARED))   # ids start at 1: zeros, none
         expected, self._expected, data_work = self._expected, None, None
         if expected == call and not tiny:
             data_work = self.data_group.allreduce([total], self._options(timeout))
-        self._wait(self.check_group.allreduce([buffer], self._options(timeout)), deadline, peer_report)
-        if not torch.equal(checks[:_CALL], mine[:_CALL] * self.world):
+        check_work = self.check_group.allgather([self._gathered_rows], [self._check],
+                                                self._gather_options(timeout))
+        self._wait(check_work, deadline, peer_report)
+        agree = gathered[:, _CALL] == buffer[_CALL]
+        if not agree.all():
             if data_work is None and expected is not None and expected[1] > TINY_NUMEL:
                 # peers whose call was the expected one have started its data: a partner of the
                 # same size lets it end (gloo cannot cancel it; its groups would wait at close)
                 dummy = torch.zeros(expected[1], dtype=wire.DTYPES[expected[2]][0])
                 self.data_group.allreduce([dummy], self._options(timeout))
+            others = "; ".join(f"rank {r}: {_describe(gathered[r, _CALL].tolist())}"
+                               for r in range(self.world) if not agree[r].all())
             raise MismatchError(
                 f"rank {self.rank}: ranks called allreduce {cid} with different tensors or ops "
                 f"(this rank: {data.numel()} elements of {data.dtype}, op "
-                f"{wire.Op(op).name.lower()})")
-        if torch.equal(checks[_CALL:], mine[_CALL:] * self.world):
+                f"{wire.Op(op).name.lower()}; {others})")
+        if expected_next is not None and (gathered[:, _NEXT] == buffer[_NEXT]).all():
             self._expected = expected_next      # every rank expects the same next call
         if tiny:
-            total = buffer[:data.numel()]
+            total = torch.from_numpy(gathered[:, :data.numel()].sum(axis=0))
         else:
             if data_work is None:
                 self.checked_first += 1
@@ -126,7 +136,7 @@ class Ring:
             data.copy_(total.view(data.shape))
         self.collectives += 1
         self.bytes += data.numel() * data.element_size()
-        return None if share is None else (shared / self.world).tolist()
+        return None if share is None else gathered[:, _SHARE].mean(axis=0).tolist()
 
     def _next(self, call: Call) -> Call | None:
         """The call expected after `call`: the kind that followed its kind last time, at the same
@@ -146,8 +156,14 @@ class Ring:
         options.timeout = timedelta(seconds=timeout)
         return options
 
+    @staticmethod
+    def _gather_options(timeout: float) -> AllgatherOptions:
+        options = AllgatherOptions()
+        options.timeout = timedelta(seconds=timeout)
+        return options
+
     def _wait(self, work, deadline: float, peer_report) -> None:
-        """Wait for one gloo allreduce until done, a peer's report, or the deadline: first _SPIN
+        """Wait for one gloo collective until done, a peer's report, or the deadline: first _SPIN
         seconds of polling (a short collective is done by then), then gloo's own wait in slices of
         _POLL seconds, between which this rank looks for a peer's report."""
         spin_end = time.monotonic() + _SPIN
@@ -165,7 +181,7 @@ class Ring:
                     except Exception as exc:    # a dead peer, gloo's own timeout, a peer
                         # that gave up and closed: its report says why, if it sent one
                         raise self._report_soon(peer_report) or PeerError(
-                            f"rank {self.rank}: gloo's ring allreduce failed: {exc}") from exc
+                            f"rank {self.rank}: gloo's ring failed: {exc}") from exc
             report = peer_report()
             if report is not None:
                 raise report
