@@ -16,6 +16,7 @@ from support import block_sparse, on_threads
 pytestmark = pytest.mark.auto_algorithm
 BIG = 64 * 1024
 KIND = (BIG, 0, 0)
+WORLD = 8       # the chooser's tests: KIND over 8 ranks is too large to gather (GATHER_ELEMENTS)
 
 
 def with_density(numel: int, density: float, seed: int = 0) -> torch.Tensor:
@@ -26,42 +27,61 @@ def with_density(numel: int, density: float, seed: int = 0) -> torch.Tensor:
 # ---- the chooser alone ----------------------------------------------------------------------------
 
 def test_tiny_goes_to_the_ring_and_a_kinds_first_collective_to_the_sparse_path():
-    chooser = Chooser(Algorithm.AUTO, 256)
+    chooser = Chooser(Algorithm.AUTO, 256, WORLD)
     assert chooser.choose((TINY_NUMEL, 0, 0), coo=False) is Algorithm.RING
     assert chooser.choose((TINY_NUMEL + 1, 0, 0), coo=False) is Algorithm.SPARSE
     assert chooser.choose((8, 0, 0), coo=True) is Algorithm.SPARSE
 
 
-def run_dense_kind(chooser: Chooser, sparse_s: float, ring_s: float) -> list[Algorithm]:
-    """Six collectives of a dense kind, on one rank whose peers measure the same; which path each
-    took. A ring round shares the times when asked, as ring.py does (the averages of one rank's
-    values are its values)."""
+def run_dense_kind(chooser: Chooser, sparse_s: float, ring_s: float, gather_s: float = 1.0,
+                   calls: int = 6) -> list[Algorithm]:
+    """`calls` collectives of a dense kind, on one rank whose peers measure the same; which path
+    each took. A round on gloo shares the times when asked, as ring.py does (the averages of one
+    rank's values are its values)."""
     taken = []
-    for _ in range(6):
+    seconds = {Algorithm.SPARSE: sparse_s, Algorithm.RING: ring_s, Algorithm.GATHER: gather_s}
+    for _ in range(calls):
         algorithm = chooser.choose(KIND, coo=False)
         share = chooser.to_share(KIND)
-        if algorithm is Algorithm.RING and share is not None:
+        if algorithm.on_gloo and share is not None:
             chooser.shared(KIND, share)
-        chooser.learn(KIND, with_density(BIG, 1.0), algorithm,
-                      ring_s if algorithm is Algorithm.RING else sparse_s)
+        chooser.learn(KIND, with_density(BIG, 1.0), algorithm, seconds[algorithm])
         taken.append(algorithm)
     return taken
 
 
 def test_a_dense_kind_is_timed_on_both_paths_then_keeps_the_faster():
     S, R = Algorithm.SPARSE, Algorithm.RING
-    assert run_dense_kind(Chooser(Algorithm.AUTO, 256), sparse_s=0.06, ring_s=0.05) == \
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, WORLD), sparse_s=0.06, ring_s=0.05) == \
         [S, S, R, R, R, R]
-    assert run_dense_kind(Chooser(Algorithm.AUTO, 256), sparse_s=0.6, ring_s=0.8) == \
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, WORLD), sparse_s=0.6, ring_s=0.8) == \
         [S, S, R, R, R, S]
     # within the margin the ring keeps it: dense data costs the sparse path CPU
-    assert run_dense_kind(Chooser(Algorithm.AUTO, 256), sparse_s=0.57, ring_s=0.6) == \
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, WORLD), sparse_s=0.57, ring_s=0.6) == \
         [S, S, R, R, R, R]
-    assert Chooser(Algorithm.AUTO, 256).choose((BIG, 0, 1), coo=False) is S   # another op: a kind
+    assert Chooser(Algorithm.AUTO, 256, WORLD).choose((BIG, 0, 1), coo=False) is S   # another op: a kind
+
+
+def test_a_kind_small_enough_is_also_timed_gathered_and_the_fastest_keeps_it():
+    """Over 2 ranks KIND fits GATHER_ELEMENTS: gather is timed after the ring and shares the times;
+    over 8 it does not."""
+    S, R, G = Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER
+    trials = [S, S, R, R, G, G, G]
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, 2), 0.06, 0.05, 0.04, calls=9) == \
+        trials + [G, G]
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, 2), 0.06, 0.04, 0.05, calls=9) == \
+        trials + [R, R]
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, 2), 0.03, 0.05, 0.04, calls=9) == \
+        trials + [S, S]
+    # within the margin of the faster gloo path, that one keeps it
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, 2), 0.038, 0.05, 0.04, calls=9) == \
+        trials + [G, G]
+    assert G not in run_dense_kind(Chooser(Algorithm.AUTO, 256, 8), 0.06, 0.05, 0.01, calls=9)
+    assert Chooser(Algorithm.RING, 256, 2).choose(KIND, coo=False) is R     # never forced
 
 
 def test_a_sparse_result_sends_a_kind_back_to_the_sparse_path_and_a_dense_one_tries_again():
-    chooser = Chooser(Algorithm.AUTO, 256)
+    chooser = Chooser(Algorithm.AUTO, 256, WORLD)
     run_dense_kind(chooser, sparse_s=0.06, ring_s=0.05)
     assert chooser.choose(KIND, coo=False) is Algorithm.RING
     chooser.learn(KIND, with_density(BIG, 0.05), Algorithm.RING, 0.05)
@@ -73,10 +93,10 @@ def test_a_sparse_result_sends_a_kind_back_to_the_sparse_path_and_a_dense_one_tr
 
 
 def test_forced_modes():
-    assert Chooser(Algorithm.SPARSE, 256).choose((8, 0, 0), coo=False) is Algorithm.SPARSE
-    assert run_dense_kind(Chooser(Algorithm.SPARSE, 256), 0.6, 0.1) == [Algorithm.SPARSE] * 6
-    assert Chooser(Algorithm.RING, 256).choose(KIND, coo=False) is Algorithm.RING
-    assert Chooser(Algorithm.RING, 256).choose(KIND, coo=True) is Algorithm.SPARSE
+    assert Chooser(Algorithm.SPARSE, 256, WORLD).choose((8, 0, 0), coo=False) is Algorithm.SPARSE
+    assert run_dense_kind(Chooser(Algorithm.SPARSE, 256, WORLD), 0.6, 0.1) == [Algorithm.SPARSE] * 6
+    assert Chooser(Algorithm.RING, 256, WORLD).choose(KIND, coo=False) is Algorithm.RING
+    assert Chooser(Algorithm.RING, 256, WORLD).choose(KIND, coo=True) is Algorithm.SPARSE
 
 
 @pytest.mark.parametrize("density", [0.0, 0.02, 0.5, 0.9, 1.0])
@@ -84,8 +104,8 @@ def test_density_estimate_is_close_and_the_same_for_equal_results(density):
     numel = 4096 * 256          # more blocks than are sampled
     tensor = with_density(numel, density, seed=3)
     exact = tensor.view(-1, 256).ne(0).any(1).float().mean().item()
-    a = Chooser(Algorithm.AUTO, 256).densities(KIND, tensor)[256]
-    b = Chooser(Algorithm.AUTO, 256).densities(KIND, tensor.clone())[256]
+    a = Chooser(Algorithm.AUTO, 256, WORLD).densities(KIND, tensor)[256]
+    b = Chooser(Algorithm.AUTO, 256, WORLD).densities(KIND, tensor.clone())[256]
     assert a == b
     # SAMPLE_BLOCKS draws without replacement: 4 standard deviations at most.
     assert abs(a - exact) <= 4 * (0.25 / SAMPLE_BLOCKS) ** 0.5
@@ -105,13 +125,13 @@ def test_block_sizes_follow_entries_and_rows():
     assert [entry_block_size(w, 256) for w in (1, 5, 16, 32, 64, 256, 300, 1024)] == \
         [16, 20, 16, 32, 64, 256, 256, 256]
     assert entry_block_size(32, 16) == 16
-    chooser = Chooser(Algorithm.AUTO, 256)
+    chooser = Chooser(Algorithm.AUTO, 256, WORLD)
     coo = torch.sparse_coo_tensor(torch.tensor([[3, 9]]), torch.ones(2, 32), (100, 32),
                                   check_invariants=True)
     assert chooser.block_size((3200, 0, 0), coo) == 32
     for width, touched, expected in ((32, 300, 32), (16, 300, 16), (64, 300, 64),
                                      (32, 65_536, 256), (256, 300, 256)):
-        chooser = Chooser(Algorithm.AUTO, 256)
+        chooser = Chooser(Algorithm.AUTO, 256, WORLD)
         grad = rows_touched(65_536 * 32 // width, width, touched)
         kind = (grad.numel(), 0, 0)
         assert chooser.block_size(kind, grad) == 256               # before it saw a result
@@ -145,8 +165,9 @@ def test_narrow_rows_ship_at_their_own_granularity(store):
 
 def test_parse_names_the_choices():
     assert Algorithm.parse(" Ring ") is Algorithm.RING
-    with pytest.raises(ValueError, match="auto, sparse, ring"):
-        Algorithm.parse("fast")
+    for wrong in ("fast", "gather"):     # gather is the chooser's, not a mode
+        with pytest.raises(ValueError, match="must be one of auto, sparse, ring, got"):
+            Algorithm.parse(wrong)
 
 
 # ---- ranks on threads -----------------------------------------------------------------------------
@@ -203,6 +224,59 @@ def test_every_path_sums_like_a_reference(store, dtype):
             tolerance = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6
             torch.testing.assert_close(tensor.double(), reference, rtol=tolerance, atol=tolerance)
             torch.testing.assert_close(tensor, results[0][order.index(name)][0])
+
+
+@pytest.mark.parametrize("dtype,op", [(torch.float32, "sum"), (torch.float16, "avg")])
+def test_a_gathered_kind_sums_like_a_reference_and_alike_on_every_rank(store, dtype, op):
+    """A dense kind of BIG elements over 2 ranks: its trials include two gathered calls, and the
+    path chosen after them (gathered or not) keeps the sums exact and identical on every rank."""
+    world, calls = 2, 9
+    inputs = [[(torch.randn(BIG, generator=torch.Generator().manual_seed(10 * i + r)) + 4)
+               .to(dtype) for r in range(world)] for i in range(calls)]
+
+    def body(r, comm):
+        out = []
+        for i in range(calls):
+            tensor = inputs[i][r].clone()
+            comm.allreduce(tensor, op=op)
+            out.append(tensor)
+        return out, comm.stats
+    results = run_ranks(store, world, body)
+    for r in range(world):
+        assert not isinstance(results[r], Exception), results[r]
+        out, stats = results[r]
+        assert stats.ring_gathered >= 2                 # the gather trials, at least
+        assert stats.ring_gathered == results[0][1].ring_gathered
+        for i, tensor in enumerate(out):
+            reference = sum(t.double() for t in inputs[i]) / (world if op == "avg" else 1)
+            tolerance = 1e-2 if dtype is torch.float16 else 1e-6
+            torch.testing.assert_close(tensor.double(), reference, rtol=tolerance, atol=tolerance)
+            assert torch.equal(tensor, results[0][0][i])
+
+
+def test_a_rank_that_leaves_an_expected_gathered_call_is_a_mismatch_on_every_rank(store):
+    """Six calls of a gatherable kind (trials: 2 sparse, 2 ring, 2 gathered): every rank expects a
+    seventh gathered call and rank 0 starts its data with its check; rank 1 makes a tiny call
+    instead. Both raise MismatchError from the check round; nobody aborts, and nobody waits for
+    the timeout, closing included (rank 1 gives rank 0's allgather a partner of its size: an
+    allreduce in its place left the ranks' close waiting 30 s)."""
+    def body(r, comm):
+        big = torch.ones(BIG)
+        for _ in range(6):
+            comm.allreduce(big.fill_(1))
+        assert comm.stats.ring_gathered == 2 and comm.stats.ring_checked_first == 4
+        start = time.monotonic()
+        try:
+            comm.allreduce(big if r == 0 else torch.ones(8))
+        finally:
+            body.elapsed[r] = time.monotonic() - start
+    body.elapsed = {}
+    start = time.monotonic()
+    results = run_ranks(store, 2, body, timeout=30.0)
+    assert time.monotonic() - start < 10.0
+    assert_mismatch_on_every_rank(results)
+    assert "gathered" in str(results[1])        # rank 0's call, as rank 1 reports it
+    assert max(body.elapsed.values()) < 10.0
 
 
 def test_the_ring_writes_into_views_and_tensors_that_require_grad(store):
@@ -449,3 +523,4 @@ def test_a_wait_slice_that_times_out_as_the_allreduce_completes_is_not_a_failure
     else:
         with pytest.raises(PeerError, match="Connection reset by peer"):
             ring._wait(CompletedWork(failure), deadline, lambda: None)
+

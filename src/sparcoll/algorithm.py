@@ -8,18 +8,23 @@ and op, as a DDP bucket each step):
   - a tiny tensor (at most TINY_NUMEL elements) goes through the ring, in one round (ring.py);
   - a kind's collectives go the sparse way while its last result was sparse (less than
     CANDIDATE_DENSITY of its blocks non-zero): there the sparse path wins everywhere we measured;
-  - once a result is dense, the kind is timed on both paths: TRIALS collectives on the sparse path,
-    TRIALS on the ring, then one more on the ring whose check round (ring.py) carries every rank's
-    best time on each path, so every rank learns the same averages; the ring keeps the kind while it
-    stays dense unless the sparse path was clearly faster (by SPARSE_MARGIN: on dense data the sparse
-    path's scan and bookkeeping take CPU from the training around it, and on loopback the two are
-    within noise of each other). The best of TRIALS discounts a kind's slower first collectives.
+  - once a result is dense, the kind is timed on each path: TRIALS collectives on the sparse path,
+    TRIALS on the ring, and for a kind small enough to gather (at most GATHER_ELEMENTS elements over
+    all ranks) TRIALS on GATHER, gloo's allgather and a local sum (ring.py: world - 1 steps where
+    the ring takes 2 (world - 1), for world - 1 times the bytes: it wins where steps cost more than
+    bytes, as on a busy machine or a fast link). Then one more on the last of them, whose check
+    round (ring.py) carries every rank's best time on each path, so every rank learns the same
+    averages; the faster of ring and gather keeps the kind while it stays dense unless the sparse
+    path was clearly faster (by SPARSE_MARGIN: on dense data the sparse path's scan and bookkeeping
+    take CPU from the training around it, and on loopback the two are within noise of each other).
+    The best of TRIALS discounts a kind's slower first collectives.
 COO tensors always go the sparse way. Every rank must choose alike without a message of its own:
 the choice depends only on the ranks' calls, on earlier results (identical on every rank), and on
 times averaged in a ring round (identical too). The engine runs one collective at a time, so what a
 choice depends on is complete before the next collective starts.
 
-"sparse" and "ring" force one algorithm (a COO tensor always goes the sparse way).
+"sparse" and "ring" force one algorithm (a COO tensor always goes the sparse way); gather is
+never forced (it is the ring's variant for small kinds).
 
 The sparse path's block size is chosen per collective too, at most the communicator's (256 by
 default): a block whose one row is touched ships all its rows, so an embedding table of 32-wide rows
@@ -46,20 +51,31 @@ SPARSE_MARGIN = 0.9     # a dense kind stays sparse only if that was this much f
 SAMPLE_BLOCKS = 256     # blocks of a result looked at to estimate its density
 MIN_BLOCK = 16          # the smallest block size chosen: below it, indices outweigh the data
 SLACK = 0.1             # a smaller block size must save more than this share of the bytes
+GATHER_ELEMENTS = 1 << 18   # a kind of at most this many elements times the world may be gathered
 
 
 class Algorithm(enum.Enum):
     AUTO = "auto"
     SPARSE = "sparse"
     RING = "ring"
+    GATHER = "gather"           # a path the chooser may take, not a mode a user sets
 
     @classmethod
     def parse(cls, value, name: str = "algorithm") -> "Algorithm":
+        modes = (cls.AUTO, cls.SPARSE, cls.RING)
         try:
-            return value if isinstance(value, cls) else cls(str(value).strip().lower())
+            mode = value if isinstance(value, cls) else cls(str(value).strip().lower())
         except ValueError:
-            raise ValueError(f"{name} must be one of {', '.join(a.value for a in cls)}, "
-                             f"got {value!r}") from None
+            mode = None
+        if mode not in modes:
+            raise ValueError(f"{name} must be one of {', '.join(a.value for a in modes)}, "
+                             f"got {value!r}")
+        return mode
+
+    @property
+    def on_gloo(self) -> bool:
+        """Runs on gloo's groups (ring.py), with a check round."""
+        return self in (Algorithm.RING, Algorithm.GATHER)
 
 
 Kind = tuple[int, int, int]     # (numel, dtype code, op code)
@@ -72,10 +88,10 @@ class KindState:
     times: dict = field(default_factory=dict)   # this rank's times per Algorithm since it is dense
     chosen: Algorithm | None = None             # the faster path on average, once known
 
-    def next_trial(self) -> Algorithm:
-        """The path to time next (RING also for the collective that shares the times)."""
-        return Algorithm.SPARSE if len(self.times.get(Algorithm.SPARSE, ())) < TRIALS \
-            else Algorithm.RING
+    def next_trial(self, paths: tuple[Algorithm, ...]) -> Algorithm:
+        """The path to time next among `paths` (the last also for the collective that shares the
+        times)."""
+        return next((p for p in paths if len(self.times.get(p, ())) < TRIALS), paths[-1])
 
 
 @dataclass
@@ -83,6 +99,7 @@ class Chooser:
     """The choice for every collective of one communicator, and what it learned from results."""
     mode: Algorithm
     largest_block: int              # the communicator's block size
+    world: int
     _kinds: dict[Kind, KindState] = field(default_factory=dict)
     _samples: dict[Kind, torch.Tensor] = field(default_factory=dict)
 
@@ -95,7 +112,13 @@ class Chooser:
         state = self._kinds.get(kind)
         if state is None or not state.dense:
             return Algorithm.SPARSE
-        return state.chosen or state.next_trial()
+        return state.chosen or state.next_trial(self.paths(kind))
+
+    def paths(self, kind: Kind) -> tuple[Algorithm, ...]:
+        """The paths a dense kind is timed on, in order."""
+        if kind[0] * self.world <= GATHER_ELEMENTS:
+            return Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER
+        return Algorithm.SPARSE, Algorithm.RING
 
     def block_size(self, kind: Kind, tensor: torch.Tensor) -> int:
         """Elements per block for the next sparse-path collective of `kind` on `tensor`."""
@@ -106,19 +129,25 @@ class Chooser:
         return self.largest_block if state is None else state.block
 
     def to_share(self, kind: Kind) -> list[float] | None:
-        """For a ring collective of `kind` that should end its trials: this rank's best times on
-        the sparse path and on the ring, to be averaged over the ranks; else None."""
+        """For a collective on gloo of `kind` that should end its trials: this rank's best times on
+        the sparse path, the ring and gather (0 where not timed), to be averaged over the ranks;
+        else None."""
         state = self._kinds.get(kind)
+        paths = self.paths(kind)
         if state is None or not state.dense or state.chosen is not None \
-                or len(state.times.get(Algorithm.RING, ())) < TRIALS:
+                or any(len(state.times.get(p, ())) < TRIALS for p in paths):
             return None
-        return [min(state.times[Algorithm.SPARSE]), min(state.times[Algorithm.RING])]
+        return [min(state.times[p]) if p in paths else 0.0
+                for p in (Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER)]
 
     def shared(self, kind: Kind, averages: list[float]) -> None:
         """Every rank's averages of what `to_share` gave: the path that keeps the kind."""
-        sparse_s, ring_s = averages
-        clearly_faster = sparse_s < ring_s * SPARSE_MARGIN
-        self._kinds[kind].chosen = Algorithm.SPARSE if clearly_faster else Algorithm.RING
+        sparse_s, ring_s, gather_s = averages
+        gloo, gloo_s = Algorithm.RING, ring_s
+        if Algorithm.GATHER in self.paths(kind) and gather_s < ring_s:
+            gloo, gloo_s = Algorithm.GATHER, gather_s
+        clearly_faster = sparse_s < gloo_s * SPARSE_MARGIN
+        self._kinds[kind].chosen = Algorithm.SPARSE if clearly_faster else gloo
 
     def learn(self, kind: Kind, result: torch.Tensor, algorithm: Algorithm,
               seconds: float) -> None:

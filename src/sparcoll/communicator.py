@@ -31,11 +31,13 @@ __all__ = ["Communicator", "Stats", "Work"]
 class Stats(transport.TrafficStats):
     """Traffic this process's transport wrote and read on the worker's behalf, and collectives run
     (of which `ring_collectives` on gloo's ring, handed `ring_bytes` of tensors: see algorithm.py;
-    `ring_checked_first` of them larger ones that waited for their check round: see ring.py)."""
+    `ring_checked_first` of them larger ones that waited for their check round, `ring_gathered`
+    larger ones whose data was gathered and summed locally: see ring.py)."""
     collectives: int = 0
     ring_collectives: int = 0
     ring_bytes: int = 0
     ring_checked_first: int = 0
+    ring_gathered: int = 0
 
 
 class Communicator:
@@ -79,7 +81,7 @@ class Communicator:
             secret = self.options.secret
         self._worker = WorkerJob(self.rank, self.job, self.config, self.block_size, addresses,
                                  self._poisoned, server, local_job)
-        chooser = Chooser(self.options.algorithm, self.block_size)
+        chooser = Chooser(self.options.algorithm, self.block_size, self.world)
         self._engine = Engine(self.rank, self._worker, chooser, ring=None)
         if local_job is not None:
             local_job.attach(self.rank, LocalWorker(self._worker.local_inbox()))
@@ -156,7 +158,7 @@ class Communicator:
         ring = self._engine.ring if self._engine else None
         if ring is not None:
             total.ring_collectives, total.ring_bytes = ring.collectives, ring.bytes
-            total.ring_checked_first = ring.checked_first
+            total.ring_checked_first, total.ring_gathered = ring.checked_first, ring.gathered
         if self._worker is not None:
             for conn in self._worker.connections.values():
                 total.add(conn.stats)

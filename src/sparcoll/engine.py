@@ -265,12 +265,13 @@ class Engine:
         kind, op = coll.kind, coll.kind[2]
         algorithm = self.chooser.choose(kind, coll.sparse)
         start = time.monotonic()
-        if algorithm is Algorithm.RING:
+        if algorithm.on_gloo:
             def peer_report():
                 return self.worker.take_early_error(coll.id) or self.worker.sparse_peer(coll.id)
             try:
                 averages = self.ring.allreduce(coll.id, coll.tensor, op, coll.timeout, peer_report,
-                                               self.chooser.to_share(kind))
+                                               self.chooser.to_share(kind),
+                                               gather=algorithm is Algorithm.GATHER)
                 if averages is not None:
                     self.chooser.shared(kind, averages)
                 error = None

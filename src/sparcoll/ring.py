@@ -16,14 +16,15 @@ p90 3093; 4 ranks: 2934 against 4547).
     in rank order (the same sum on every rank) and rounded once, as the sparse path's float32
     accumulation would.
   - A larger one is summed by an allreduce of the tensor itself, in its own dtype, on a second gloo
-    group. It waits for its check only when its size is not known to agree: each check also carries
+    group; or, on the chooser's gather path (algorithm.py), gathered there and summed by every rank
+    in rank order (the call's fields say which: ranks never pair an allreduce with an allgather). It waits for its check only when its size is not known to agree: each check also carries
     the call this rank expects next on the ring (the one that followed this call's kind last time),
     checked the same way. When every rank expected the same next call and it comes, its data and its
     check start together, and a check round (one round trip through every process: 6-15 ms with 4
     processes on 2 cores) no longer delays the data. A rank whose call differs from what all
     expected waits for its check first, so it never joins that data allreduce; the check round,
     which every rank joins, then tells every rank, and those whose data had not started give the
-    others' data allreduce a zero partner of its size (gloo cannot cancel an allreduce).
+    others' data a zero partner of its size and collective (gloo cannot cancel one).
 A ring collective waits for gloo or for a peer's report of the same collective (a peer that refused
 its input tells the aggregators; see WorkerJob.abort), whichever comes first, at most `timeout`.
 """
@@ -40,8 +41,8 @@ from . import wire
 from .algorithm import TINY_NUMEL
 from .errors import CollectiveTimeout, MismatchError, PeerError
 
-_FIELDS = 4                 # a call: id, numel, dtype, op
-_SHARED = 2                 # numbers averaged over the ranks in the check round
+_FIELDS = 5                 # a call: id, numel, dtype, op, and 1 if its data is gathered
+_SHARED = 3                 # numbers averaged over the ranks in the check round
 _CALL = slice(TINY_NUMEL, TINY_NUMEL + _FIELDS)                     # this call
 _NEXT = slice(TINY_NUMEL + _FIELDS, TINY_NUMEL + 2 * _FIELDS)       # the call expected next
 _SHARE = slice(TINY_NUMEL + 2 * _FIELDS, TINY_NUMEL + 2 * _FIELDS + _SHARED)
@@ -50,15 +51,16 @@ _REPORT_GRACE = 0.5         # seconds a failed collective waits for a peer's rep
 _SPIN = 0.002               # seconds of looking at is_completed() first: gloo's timed wait wakes
                             # about 0.9 ms late (8 floats on loopback: 1.9 ms against 1.0 untimed)
 
-Call = tuple[int, int, int, int]        # (id, numel, dtype code, op)
+Call = tuple[int, int, int, int, int]   # (id, numel, dtype code, op, gathered)
 
 
 def _describe(call: list[float]) -> str:
     """A call's fields as a rank put them in its check buffer, in words."""
-    cid, numel, dtype, op = (int(f) for f in call)
+    cid, numel, dtype, op, gathered = (int(f) for f in call)
     dtype_name = wire.DTYPES[dtype][0] if dtype in wire.DTYPES else f"dtype code {dtype}"
     op_name = wire.Op(op).name.lower() if op in wire.Op._value2member_map_ else f"op code {op}"
-    return f"allreduce {cid}: {numel} elements of {dtype_name}, op {op_name}"
+    return f"allreduce {cid}: {numel} elements of {dtype_name}, op {op_name}" + \
+        (", gathered" if gathered else "")
 
 
 class Ring:
@@ -79,6 +81,7 @@ class Ring:
         self.collectives = 0
         self.bytes = 0              # bytes of tensors handed to gloo (each crosses the ring twice)
         self.checked_first = 0      # larger calls whose data waited for their check
+        self.gathered = 0           # larger calls whose data was gathered
 
     def _group(self, store, timeout: float, host: str):
         options = dist.ProcessGroupGloo._Options()
@@ -87,13 +90,15 @@ class Ring:
         return dist.ProcessGroupGloo(store, self.rank, self.world, options)
 
     def allreduce(self, cid: int, tensor: torch.Tensor, op: int, timeout: float, peer_report,
-                  share: list[float] | None = None) -> list[float] | None:
+                  share: list[float] | None = None, gather: bool = False) -> list[float] | None:
         """Sum (or average) `tensor` in place over all ranks; returns the ranks' averages of the
         _SHARED numbers in `share` (None if none given: then every rank must give none).
+        `gather`: a larger tensor's data is gathered and summed here, not allreduced.
         `peer_report()` returns a peer's error for this collective, if one arrived."""
         data = tensor.detach()
-        call = (cid, data.numel(), wire.DTYPE_CODES[data.dtype], op)
         tiny = data.numel() <= TINY_NUMEL
+        gather = gather and not tiny
+        call = (cid, data.numel(), wire.DTYPE_CODES[data.dtype], op, int(gather))
         total = data if tiny or data.is_contiguous() else data.contiguous()
         deadline = time.monotonic() + timeout
         buffer, gathered = self._check_np, self._gathered_np  # numpy views: a few us less a call
@@ -104,7 +109,7 @@ class Ring:
                                 *(share or (0.0,) * _SHARED))   # ids start at 1: zeros, none
         expected, self._expected, data_work = self._expected, None, None
         if expected == call and not tiny:
-            data_work = self.data_group.allreduce([total], self._options(timeout))
+            data_work, rows = self._start_data(total, gather, timeout)
         check_work = self.check_group.allgather([self._gathered_rows], [self._check],
                                                 self._gather_options(timeout))
         self._wait(check_work, deadline, peer_report)
@@ -114,7 +119,7 @@ class Ring:
                 # peers whose call was the expected one have started its data: a partner of the
                 # same size lets it end (gloo cannot cancel it; its groups would wait at close)
                 dummy = torch.zeros(expected[1], dtype=wire.DTYPES[expected[2]][0])
-                self.data_group.allreduce([dummy], self._options(timeout))
+                self._start_data(dummy, bool(expected[4]), timeout)
             others = "; ".join(f"rank {r}: {_describe(gathered[r, _CALL].tolist())}"
                                for r in range(self.world) if not agree[r].all())
             raise MismatchError(
@@ -128,8 +133,12 @@ class Ring:
         else:
             if data_work is None:
                 self.checked_first += 1
-                data_work = self.data_group.allreduce([total], self._options(timeout))
+                data_work, rows = self._start_data(total, gather, timeout)
             self._wait(data_work, deadline, peer_report)
+            if gather:      # in rank order, the same sum on every rank; halves add in float32
+                wide = torch.float32 if rows.element_size() < 4 else rows.dtype
+                total = rows.sum(dim=0, dtype=wide)
+                self.gathered += 1
         if op == wire.Op.AVG:
             total.div_(self.world)
         if total is not data:
@@ -137,6 +146,16 @@ class Ring:
         self.collectives += 1
         self.bytes += data.numel() * data.element_size()
         return None if share is None else gathered[:, _SHARE].mean(axis=0).tolist()
+
+    def _start_data(self, tensor: torch.Tensor, gather: bool, timeout: float):
+        """Start a larger call's data on the data group: (gloo's work, the (world, numel) rows it
+        gathers into, or None for an allreduce in place)."""
+        if not gather:
+            return self.data_group.allreduce([tensor], self._options(timeout)), None
+        rows = torch.empty(self.world, tensor.numel(), dtype=tensor.dtype)
+        work = self.data_group.allgather([list(rows.unbind(0))], [tensor.reshape(-1)],
+                                         self._gather_options(timeout))
+        return work, rows
 
     def _next(self, call: Call) -> Call | None:
         """The call expected after `call`: the kind that followed its kind last time, at the same
