@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from sparcoll import Communicator, MismatchError, SparcollError
-from sparcoll.algorithm import (SAMPLE_BLOCKS, TINY_NUMEL, Algorithm, Chooser,
+from sparcoll.algorithm import (SAMPLE_BLOCKS, SMALL_TRIALS, TINY_NUMEL, Algorithm, Chooser,
                                 candidate_block_sizes, entry_block_size)
 from support import block_sparse, on_threads
 
 pytestmark = pytest.mark.auto_algorithm
-BIG = 64 * 1024
+BIG = 256 * 1024        # too large to gather over 2 or more ranks (GATHER_ELEMENTS)
+GATHERABLE = 64 * 1024  # small enough over up to 4
 KIND = (BIG, 0, 0)
-WORLD = 8       # the chooser's tests: KIND over 8 ranks is too large to gather (GATHER_ELEMENTS)
+WORLD = 8       # the chooser's tests: KIND is too large to gather over any world (GATHER_ELEMENTS)
 
 
 def with_density(numel: int, density: float, seed: int = 0) -> torch.Tensor:
@@ -34,18 +35,18 @@ def test_tiny_goes_to_the_ring_and_a_kinds_first_collective_to_the_sparse_path()
 
 
 def run_dense_kind(chooser: Chooser, sparse_s: float, ring_s: float, gather_s: float = 1.0,
-                   calls: int = 6) -> list[Algorithm]:
-    """`calls` collectives of a dense kind, on one rank whose peers measure the same; which path
-    each took. A round on gloo shares the times when asked, as ring.py does (the averages of one
-    rank's values are its values)."""
-    taken = []
+                   calls: int = 6, numel: int = BIG) -> list[Algorithm]:
+    """`calls` collectives of a dense kind of `numel` elements, on one rank whose peers measure
+    the same; which path each took. A round on gloo shares the times when asked, as ring.py does
+    (the averages of one rank's values are its values)."""
+    taken, kind = [], (numel, 0, 0)
     seconds = {Algorithm.SPARSE: sparse_s, Algorithm.RING: ring_s, Algorithm.GATHER: gather_s}
     for _ in range(calls):
-        algorithm = chooser.choose(KIND, coo=False)
-        share = chooser.to_share(KIND)
+        algorithm = chooser.choose(kind, coo=False)
+        share = chooser.to_share(kind)
         if algorithm.on_gloo and share is not None:
-            chooser.shared(KIND, share)
-        chooser.learn(KIND, with_density(BIG, 1.0), algorithm, seconds[algorithm])
+            chooser.shared(kind, share)
+        chooser.learn(kind, with_density(numel, 1.0), algorithm, seconds[algorithm])
         taken.append(algorithm)
     return taken
 
@@ -59,24 +60,25 @@ def test_a_dense_kind_is_timed_on_both_paths_then_keeps_the_faster():
     # within the margin the ring keeps it: dense data costs the sparse path CPU
     assert run_dense_kind(Chooser(Algorithm.AUTO, 256, WORLD), sparse_s=0.57, ring_s=0.6) == \
         [S, S, R, R, R, R]
-    assert Chooser(Algorithm.AUTO, 256, WORLD).choose((BIG, 0, 1), coo=False) is S   # another op: a kind
+    assert Chooser(Algorithm.AUTO, 256, WORLD).choose((BIG, 0, 1), coo=False) is S  # another op
 
 
 def test_a_kind_small_enough_is_also_timed_gathered_and_the_fastest_keeps_it():
-    """Over 2 ranks KIND fits GATHER_ELEMENTS: gather is timed after the ring and shares the times;
-    over 8 it does not."""
+    """Over 2 ranks GATHERABLE fits GATHER_ELEMENTS: each path is timed SMALL_TRIALS times, gather
+    last, and it shares the times; over 8 ranks it does not fit."""
     S, R, G = Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER
-    trials = [S, S, R, R, G, G, G]
-    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, 2), 0.06, 0.05, 0.04, calls=9) == \
+    trials = [S] * SMALL_TRIALS + [R] * SMALL_TRIALS + [G] * (SMALL_TRIALS + 1)
+    calls, n = len(trials) + 2, GATHERABLE
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, 2), 0.06, 0.05, 0.04, calls, n) == \
         trials + [G, G]
-    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, 2), 0.06, 0.04, 0.05, calls=9) == \
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, 2), 0.06, 0.04, 0.05, calls, n) == \
         trials + [R, R]
-    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, 2), 0.03, 0.05, 0.04, calls=9) == \
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, 2), 0.03, 0.05, 0.04, calls, n) == \
         trials + [S, S]
     # within the margin of the faster gloo path, that one keeps it
-    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, 2), 0.038, 0.05, 0.04, calls=9) == \
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, 2), 0.038, 0.05, 0.04, calls, n) == \
         trials + [G, G]
-    assert G not in run_dense_kind(Chooser(Algorithm.AUTO, 256, 8), 0.06, 0.05, 0.01, calls=9)
+    assert G not in run_dense_kind(Chooser(Algorithm.AUTO, 256, 8), 0.06, 0.05, 0.01, calls, n)
     assert Chooser(Algorithm.RING, 256, 2).choose(KIND, coo=False) is R     # never forced
 
 
@@ -228,10 +230,10 @@ def test_every_path_sums_like_a_reference(store, dtype):
 
 @pytest.mark.parametrize("dtype,op", [(torch.float32, "sum"), (torch.float16, "avg")])
 def test_a_gathered_kind_sums_like_a_reference_and_alike_on_every_rank(store, dtype, op):
-    """A dense kind of BIG elements over 2 ranks: its trials include two gathered calls, and the
+    """A dense kind of GATHERABLE elements over 2 ranks: its trials include gathered calls, and the
     path chosen after them (gathered or not) keeps the sums exact and identical on every rank."""
-    world, calls = 2, 9
-    inputs = [[(torch.randn(BIG, generator=torch.Generator().manual_seed(10 * i + r)) + 4)
+    world, calls = 2, 3 * SMALL_TRIALS + 3
+    inputs = [[(torch.randn(GATHERABLE, generator=torch.Generator().manual_seed(10 * i + r)) + 4)
                .to(dtype) for r in range(world)] for i in range(calls)]
 
     def body(r, comm):
@@ -245,7 +247,7 @@ def test_a_gathered_kind_sums_like_a_reference_and_alike_on_every_rank(store, dt
     for r in range(world):
         assert not isinstance(results[r], Exception), results[r]
         out, stats = results[r]
-        assert stats.ring_gathered >= 2                 # the gather trials, at least
+        assert stats.ring_gathered >= SMALL_TRIALS      # the gather trials, at least
         assert stats.ring_gathered == results[0][1].ring_gathered
         for i, tensor in enumerate(out):
             reference = sum(t.double() for t in inputs[i]) / (world if op == "avg" else 1)
@@ -255,16 +257,17 @@ def test_a_gathered_kind_sums_like_a_reference_and_alike_on_every_rank(store, dt
 
 
 def test_a_rank_that_leaves_an_expected_gathered_call_is_a_mismatch_on_every_rank(store):
-    """Six calls of a gatherable kind (trials: 2 sparse, 2 ring, 2 gathered): every rank expects a
-    seventh gathered call and rank 0 starts its data with its check; rank 1 makes a tiny call
-    instead. Both raise MismatchError from the check round; nobody aborts, and nobody waits for
-    the timeout, closing included (rank 1 gives rank 0's allgather a partner of its size: an
-    allreduce in its place left the ranks' close waiting 30 s)."""
+    """The trials of a gatherable kind (4 sparse, 4 ring, 4 gathered): every rank expects another
+    gathered call, whose allgather carries its check; rank 1 makes a tiny call instead and joins
+    that allgather with its own call's fields. Both raise MismatchError from it; nobody aborts,
+    and nobody waits for the timeout, closing included."""
     def body(r, comm):
-        big = torch.ones(BIG)
-        for _ in range(6):
+        big = torch.ones(GATHERABLE)
+        for _ in range(3 * SMALL_TRIALS):
             comm.allreduce(big.fill_(1))
-        assert comm.stats.ring_gathered == 2 and comm.stats.ring_checked_first == 4
+        # the first two ring and gathered calls waited for their checks; the later ones were
+        # expected
+        assert comm.stats.ring_gathered == SMALL_TRIALS and comm.stats.ring_checked_first == 4
         start = time.monotonic()
         try:
             comm.allreduce(big if r == 0 else torch.ones(8))
@@ -285,7 +288,8 @@ def test_the_ring_writes_into_views_and_tensors_that_require_grad(store):
         column = base[:, 1]                       # not contiguous
         comm.allreduce(column)
         leaf = torch.full((2000,), float(r + 1), requires_grad=True)
-        for _ in range(3):                        # the third one takes the ring
+        for _ in range(SMALL_TRIALS + 1):         # the last one takes the ring (a small kind:
+            # SMALL_TRIALS on the sparse path first)
             leaf.data.fill_(r + 1)
             comm.allreduce(leaf)
         return base, leaf.detach(), comm.stats.ring_collectives
@@ -314,11 +318,11 @@ def test_a_mismatch_names_the_ranks_whose_call_differs_and_their_calls(store):
     assert_mismatch_on_every_rank(results)
     for r in (0, 1):
         text = str(results[r])
-        assert "this rank: 8 elements of torch.float32, op sum" in text, text
+        assert "this rank: allreduce 1: 8 elements of torch.float32, op sum" in text, text
         assert "rank 2: allreduce 1: 9 elements of torch.float32, op sum" in text, text
         assert f"rank {1 - r}:" not in text.split("this rank")[1], text   # it agrees
     text = str(results[2])
-    assert "this rank: 9 elements" in text, text
+    assert "this rank: allreduce 1: 9 elements" in text, text
     assert "rank 0: allreduce 1: 8 elements" in text and "rank 1: allreduce 1: 8 elements" in text
 
 
@@ -524,3 +528,104 @@ def test_a_wait_slice_that_times_out_as_the_allreduce_completes_is_not_a_failure
         with pytest.raises(PeerError, match="Connection reset by peer"):
             ring._wait(CompletedWork(failure), deadline, lambda: None)
 
+
+# ---- the guarded ring alone ------------------------------------------------------------------------
+
+def run_rings(store, world: int, body, timeout: float = 10.0) -> dict:
+    """body(rank, ring) on `world` in-process Rings; {rank: its return value or its exception}.
+    Each ring counts the check rounds it joins (`check_rounds`)."""
+    import torch.distributed as dist
+    from sparcoll.ring import Ring
+    results = {}
+
+    def rank(r):
+        ring = Ring(dist.PrefixStore("rings", store), r, world, timeout, "127.0.0.1")
+        group, ring.check_rounds = ring.check_group, 0
+
+        class Counted:
+            def allgather(self, *args):
+                ring.check_rounds += 1
+                return group.allgather(*args)
+
+            def abort(self):
+                group.abort()
+        ring.check_group = Counted()
+        try:
+            results[r] = body(r, ring)
+        except Exception as exc:
+            results[r] = exc
+        finally:
+            ring.close()
+    on_threads(rank, world, timeout=timeout * 4)
+    return results
+
+
+def test_gathered_calls_every_rank_expects_carry_their_own_check(store):
+    """The first two gathered calls wait for a check round; from the third every rank expects the
+    call, and its allgather carries the check: no check round, sums still exact."""
+    world, numel, calls = 3, 5000, 5
+    inputs = [[torch.randn(numel, generator=torch.Generator().manual_seed(10 * i + r))
+               for r in range(world)] for i in range(calls)]
+
+    def body(r, ring):
+        out = []
+        for i in range(calls):
+            tensor = inputs[i][r].clone()
+            ring.allreduce(i + 1, tensor, 0, 10.0, lambda: None, gather=True)
+            out.append(tensor)
+        return out, ring.checked_first, ring.gathered, ring.check_rounds
+    results = run_rings(store, world, body)
+    for r in range(world):
+        assert not isinstance(results[r], Exception), results[r]
+        out, checked_first, gathered, check_rounds = results[r]
+        assert (checked_first, gathered, check_rounds) == (2, calls, 2)
+        for i, tensor in enumerate(out):
+            reference = sum(t.double() for t in inputs[i])
+            torch.testing.assert_close(tensor.double(), reference, rtol=1e-5, atol=1e-5)
+            assert torch.equal(tensor, results[0][0][i])
+
+
+@pytest.mark.parametrize("case", ["numel", "tiny", "allreduce"])
+def test_a_rank_that_leaves_a_gathered_call_all_expect_is_a_mismatch_on_every_rank(store, case):
+    """Every rank expects a third gathered call; rank 1 makes another (more elements, a tiny one,
+    or the same tensor allreduced). It joins the expected allgather with its own call's fields, so
+    every rank raises MismatchError from that one round, promptly, and nobody aborts."""
+    numel = 5000
+
+    def body(r, ring):
+        for cid in (1, 2):
+            ring.allreduce(cid, torch.ones(numel), 0, 10.0, lambda: None, gather=True)
+        tensor, gather = torch.ones(numel), True
+        if r == 1:
+            tensor = {"numel": torch.ones(numel + 8), "tiny": torch.ones(8),
+                      "allreduce": tensor}[case]
+            gather = case != "allreduce"
+        ring.allreduce(3, tensor, 0, 10.0, lambda: None, gather=gather)
+    start = time.monotonic()
+    results = run_rings(store, 2, body, timeout=30.0)
+    assert time.monotonic() - start < 10.0
+    assert_mismatch_on_every_rank(results)
+    assert f"rank 1: allreduce 3: " in str(results[0])
+
+
+@pytest.mark.parametrize("case", ["tiny", "allreduce", "numel"])
+def test_ranks_that_all_leave_a_gathered_call_they_expected_for_the_same_call_sum_it(store, case):
+    """Every rank expects a third gathered call and every rank makes the same other one: the
+    expected allgather only checks it, then its data goes its own way, exactly."""
+    world, numel = 3, 5000
+    sizes = {"tiny": 8, "allreduce": numel, "numel": numel + 8}
+    inputs = [torch.randn(sizes[case], generator=torch.Generator().manual_seed(r))
+              for r in range(world)]
+
+    def body(r, ring):
+        for cid in (1, 2):
+            ring.allreduce(cid, torch.ones(numel), 0, 10.0, lambda: None, gather=True)
+        tensor = inputs[r].clone()
+        ring.allreduce(3, tensor, 0, 10.0, lambda: None, gather=case == "numel")
+        return tensor
+    results = run_rings(store, world, body)
+    reference = sum(t.double() for t in inputs)
+    for r in range(world):
+        assert not isinstance(results[r], Exception), results[r]
+        torch.testing.assert_close(results[r].double(), reference, rtol=1e-5, atol=1e-5)
+        assert torch.equal(results[r], results[0])

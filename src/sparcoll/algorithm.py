@@ -9,15 +9,16 @@ and op, as a DDP bucket each step):
   - a kind's collectives go the sparse way while its last result was sparse (less than
     CANDIDATE_DENSITY of its blocks non-zero): there the sparse path wins everywhere we measured;
   - once a result is dense, the kind is timed on each path: TRIALS collectives on the sparse path,
-    TRIALS on the ring, and for a kind small enough to gather (at most GATHER_ELEMENTS elements over
-    all ranks) TRIALS on GATHER, gloo's allgather and a local sum (ring.py: world - 1 steps where
-    the ring takes 2 (world - 1), for world - 1 times the bytes: it wins where steps cost more than
-    bytes, as on a busy machine or a fast link). Then one more on the last of them, whose check
+    TRIALS on the ring; a kind small enough to gather (at most GATHER_ELEMENTS elements over all
+    ranks) SMALL_TRIALS on each of those and on GATHER, gloo's allgather and a local sum (ring.py:
+    world - 1 steps where the ring takes 2 (world - 1), for world - 1 times the bytes: it wins
+    where steps cost more than bytes, as on a busy machine or a fast link). Then one more on the
+    last of them, whose check
     round (ring.py) carries every rank's best time on each path, so every rank learns the same
     averages; the faster of ring and gather keeps the kind while it stays dense unless the sparse
     path was clearly faster (by SPARSE_MARGIN: on dense data the sparse path's scan and bookkeeping
     take CPU from the training around it, and on loopback the two are within noise of each other).
-    The best of TRIALS discounts a kind's slower first collectives.
+    The best of a path's trials discounts a kind's slower first collectives.
 COO tensors always go the sparse way. Every rank must choose alike without a message of its own:
 the choice depends only on the ranks' calls, on earlier results (identical on every rank), and on
 times averaged in a ring round (identical too). The engine runs one collective at a time, so what a
@@ -47,6 +48,8 @@ from .wire import INDEX_BYTES
 TINY_NUMEL = 1024       # at most this many elements: one ring round (ring.py), no trials
 CANDIDATE_DENSITY = 0.4  # a result at least this dense (at its block size) has its kind try the ring
 TRIALS = 2              # collectives timed on each path before a dense kind's path is chosen
+SMALL_TRIALS = 4        # the same for a kind small enough to gather: they cost little, and the
+                        # later ones run as the kind's steady state does (ring.py: expected calls)
 SPARSE_MARGIN = 0.9     # a dense kind stays sparse only if that was this much faster than the ring
 SAMPLE_BLOCKS = 256     # blocks of a result looked at to estimate its density
 MIN_BLOCK = 16          # the smallest block size chosen: below it, indices outweigh the data
@@ -88,10 +91,10 @@ class KindState:
     times: dict = field(default_factory=dict)   # this rank's times per Algorithm since it is dense
     chosen: Algorithm | None = None             # the faster path on average, once known
 
-    def next_trial(self, paths: tuple[Algorithm, ...]) -> Algorithm:
+    def next_trial(self, paths: tuple[Algorithm, ...], trials: int) -> Algorithm:
         """The path to time next among `paths` (the last also for the collective that shares the
         times)."""
-        return next((p for p in paths if len(self.times.get(p, ())) < TRIALS), paths[-1])
+        return next((p for p in paths if len(self.times.get(p, ())) < trials), paths[-1])
 
 
 @dataclass
@@ -112,13 +115,13 @@ class Chooser:
         state = self._kinds.get(kind)
         if state is None or not state.dense:
             return Algorithm.SPARSE
-        return state.chosen or state.next_trial(self.paths(kind))
+        return state.chosen or state.next_trial(*self.paths(kind))
 
-    def paths(self, kind: Kind) -> tuple[Algorithm, ...]:
-        """The paths a dense kind is timed on, in order."""
+    def paths(self, kind: Kind) -> tuple[tuple[Algorithm, ...], int]:
+        """The paths a dense kind is timed on, in order, and how many times each."""
         if kind[0] * self.world <= GATHER_ELEMENTS:
-            return Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER
-        return Algorithm.SPARSE, Algorithm.RING
+            return (Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER), SMALL_TRIALS
+        return (Algorithm.SPARSE, Algorithm.RING), TRIALS
 
     def block_size(self, kind: Kind, tensor: torch.Tensor) -> int:
         """Elements per block for the next sparse-path collective of `kind` on `tensor`."""
@@ -133,9 +136,9 @@ class Chooser:
         the sparse path, the ring and gather (0 where not timed), to be averaged over the ranks;
         else None."""
         state = self._kinds.get(kind)
-        paths = self.paths(kind)
+        paths, trials = self.paths(kind)
         if state is None or not state.dense or state.chosen is not None \
-                or any(len(state.times.get(p, ())) < TRIALS for p in paths):
+                or any(len(state.times.get(p, ())) < trials for p in paths):
             return None
         return [min(state.times[p]) if p in paths else 0.0
                 for p in (Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER)]
@@ -144,7 +147,7 @@ class Chooser:
         """Every rank's averages of what `to_share` gave: the path that keeps the kind."""
         sparse_s, ring_s, gather_s = averages
         gloo, gloo_s = Algorithm.RING, ring_s
-        if Algorithm.GATHER in self.paths(kind) and gather_s < ring_s:
+        if Algorithm.GATHER in self.paths(kind)[0] and gather_s < ring_s:
             gloo, gloo_s = Algorithm.GATHER, gather_s
         clearly_faster = sparse_s < gloo_s * SPARSE_MARGIN
         self._kinds[kind].chosen = Algorithm.SPARSE if clearly_faster else gloo

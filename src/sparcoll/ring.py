@@ -1,30 +1,36 @@
 """gloo's ring allreduce for the collectives the chooser (algorithm.py) sends its way, made safe.
 
-gloo aborts the whole process when ranks pass buffers of different sizes to one collective ("Received
-data size doesn't match expected size"), and sums garbage when the dtypes differ but the byte counts
-agree. So every ring collective comes with a check: an allgather, on a gloo group of its own, of a
-float64 buffer whose length never depends on the call: TINY_NUMEL slots for data, then the call (id,
-numel, dtype, op), the call this rank expects next, and _SHARED numbers. Every rank then holds every
-rank's buffer: it compares the calls itself (and names the ranks whose call differs), so every rank
-sees a disagreement and raises MismatchError; none aborts. The shared numbers are the ranks' averages
-of what each put there (the chooser's times, algorithm.py), the same on every rank. An allgather
-rather than an allreduce: gloo's ring allgather takes world - 1 steps, its ring allreduce 2 (world - 1),
-and on 2 cores each step waits for a process to be scheduled (2 ranks on loopback, one-off script:
-this buffer gathered in 274-286 us median, 450-751 p90, where gloo's allreduce of 8 floats took 345,
-p90 3093; 4 ranks: 2934 against 4547).
+gloo aborts the whole process when ranks pass buffers of different sizes to one collective
+("Received data size doesn't match expected size"), and sums garbage when the dtypes differ but the
+byte counts agree. So every ring collective comes with a check: an allgather, on a gloo group of its
+own, of a float64 buffer whose length never depends on the call: TINY_NUMEL slots for data, then the
+call (id, numel, dtype, op, gathered or not), the call this rank expects next, and _SHARED numbers.
+Every rank then holds every rank's buffer: it compares the calls itself (and names the ranks whose
+call differs), so every rank sees a disagreement and raises MismatchError; none aborts. The shared
+numbers are the ranks' averages of what each put there (the chooser's times, algorithm.py), the same
+on every rank. An allgather rather than an allreduce: gloo's ring allgather takes world - 1 steps,
+its ring allreduce 2 (world - 1), and on 2 cores each step waits for a process to be scheduled (2
+ranks on loopback, one-off script: this buffer gathered in 274-286 us median, 450-751 p90, where
+gloo's allreduce of 8 floats took 345, p90 3093; 4 ranks: 2934 against 4547).
   - A tiny tensor (at most TINY_NUMEL elements) travels in that buffer: one round, summed in float64
     in rank order (the same sum on every rank) and rounded once, as the sparse path's float32
     accumulation would.
   - A larger one is summed by an allreduce of the tensor itself, in its own dtype, on a second gloo
     group; or, on the chooser's gather path (algorithm.py), gathered there and summed by every rank
-    in rank order (the call's fields say which: ranks never pair an allreduce with an allgather). It waits for its check only when its size is not known to agree: each check also carries
-    the call this rank expects next on the ring (the one that followed this call's kind last time),
-    checked the same way. When every rank expected the same next call and it comes, its data and its
-    check start together, and a check round (one round trip through every process: 6-15 ms with 4
-    processes on 2 cores) no longer delays the data. A rank whose call differs from what all
-    expected waits for its check first, so it never joins that data allreduce; the check round,
-    which every rank joins, then tells every rank, and those whose data had not started give the
-    others' data a zero partner of its size and collective (gloo cannot cancel one).
+    in rank order (the call's fields say which: ranks never pair an allreduce with an allgather).
+    It waits for its check only when its size is not known to agree: each check also carries the
+    call this rank expects next on the ring (the one that followed this call's kind last time),
+    compared the same way. When every rank expected the same next call:
+      - an allreduce: if it comes, its data and its check start together, and a check round (one
+        round trip through every process: 6-15 ms with 4 processes on 2 cores) no longer delays
+        the data. A rank whose call differs waits for its check first, so it never joins that
+        data allreduce; the check round, which every rank joins, then tells every rank, and those
+        whose data had not started give the others' a zero partner of its size (gloo cannot
+        cancel an allreduce).
+      - a gathered call: there is no check round. Every rank joins that call's allgather, on the
+        data group, with its own call's fields in front of its data (zeros when its call is
+        another one): the sizes agree whatever the calls, and the one round both checks and
+        carries the data.
 A ring collective waits for gloo or for a peer's report of the same collective (a peer that refused
 its input tells the aggregators; see WorkerJob.abort), whichever comes first, at most `timeout`.
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions    # not re-exported by dist
@@ -43,9 +50,10 @@ from .errors import CollectiveTimeout, MismatchError, PeerError
 
 _FIELDS = 5                 # a call: id, numel, dtype, op, and 1 if its data is gathered
 _SHARED = 3                 # numbers averaged over the ranks in the check round
-_CALL = slice(TINY_NUMEL, TINY_NUMEL + _FIELDS)                     # this call
-_NEXT = slice(TINY_NUMEL + _FIELDS, TINY_NUMEL + 2 * _FIELDS)       # the call expected next
-_SHARE = slice(TINY_NUMEL + 2 * _FIELDS, TINY_NUMEL + 2 * _FIELDS + _SHARED)
+_CALL = slice(0, _FIELDS)                   # in a rank's fields: this call,
+_NEXT = slice(_FIELDS, 2 * _FIELDS)         # the call it expects next,
+_SHARE = slice(2 * _FIELDS, 2 * _FIELDS + _SHARED)     # and the numbers to average
+_HEAD = _SHARE.stop         # float64 fields in front of a gathered call's data
 _POLL = 0.05                # seconds between looks for a peer's report while gloo runs
 _REPORT_GRACE = 0.5         # seconds a failed collective waits for a peer's report of why
 _SPIN = 0.002               # seconds of looking at is_completed() first: gloo's timed wait wakes
@@ -71,8 +79,8 @@ class Ring:
         self.rank, self.world = rank, world
         self.check_group = self._group(dist.PrefixStore("check", store), timeout, host)
         self.data_group = self._group(dist.PrefixStore("data", store), timeout, host)
-        self._check = torch.zeros(_SHARE.stop, dtype=torch.float64)
-        gathered = torch.zeros(world, _SHARE.stop, dtype=torch.float64)     # every rank's buffer
+        self._check = torch.zeros(TINY_NUMEL + _HEAD, dtype=torch.float64)   # data, then fields
+        gathered = torch.zeros(world, TINY_NUMEL + _HEAD, dtype=torch.float64)  # every rank's
         self._gathered_rows = list(gathered.unbind(0))      # where gloo writes each rank's
         self._check_np, self._gathered_np = self._check.numpy(), gathered.numpy()
         self._expected: Call | None = None  # the next call every rank expected, if they agreed
@@ -101,51 +109,92 @@ class Ring:
         call = (cid, data.numel(), wire.DTYPE_CODES[data.dtype], op, int(gather))
         total = data if tiny or data.is_contiguous() else data.contiguous()
         deadline = time.monotonic() + timeout
-        buffer, gathered = self._check_np, self._gathered_np  # numpy views: a few us less a call
         expected_next = self._next(call)
-        if tiny:
-            self._check[:data.numel()] = data.reshape(-1)
-        buffer[_CALL.start:] = (*call, *(expected_next or (0,) * _FIELDS),
-                                *(share or (0.0,) * _SHARED))   # ids start at 1: zeros, none
-        expected, self._expected, data_work = self._expected, None, None
-        if expected == call and not tiny:
-            data_work, rows = self._start_data(total, gather, timeout)
-        check_work = self.check_group.allgather([self._gathered_rows], [self._check],
-                                                self._gather_options(timeout))
-        self._wait(check_work, deadline, peer_report)
-        agree = gathered[:, _CALL] == buffer[_CALL]
+        fields = np.array((*call, *(expected_next or (0,) * _FIELDS), *(share or (0.0,) * _SHARED)),
+                          dtype=np.float64)     # ids start at 1: zeros are no call expected
+        expected, self._expected = self._expected, None
+        started = rows = None
+        if expected is not None and expected[4]:
+            fields_of, rows = self._gather_with_check(total if call == expected else None,
+                                                      expected, fields, timeout, deadline,
+                                                      peer_report)
+        else:
+            fields_of, started = self._check_round(total, call, expected, fields, timeout,
+                                                   deadline, peer_report)
+        agree = (fields_of[:, _CALL] == fields[_CALL]).all(axis=1)
         if not agree.all():
-            if data_work is None and expected is not None and expected[1] > TINY_NUMEL:
-                # peers whose call was the expected one have started its data: a partner of the
-                # same size lets it end (gloo cannot cancel it; its groups would wait at close)
-                dummy = torch.zeros(expected[1], dtype=wire.DTYPES[expected[2]][0])
-                self._start_data(dummy, bool(expected[4]), timeout)
-            others = "; ".join(f"rank {r}: {_describe(gathered[r, _CALL].tolist())}"
-                               for r in range(self.world) if not agree[r].all())
+            if rows is None and started is None and expected is not None \
+                    and expected[1] > TINY_NUMEL:
+                # peers whose call was the expected one (an allreduce) have started its data: a
+                # partner of its size lets it end (gloo cannot cancel it; its groups would wait
+                # at close)
+                self._start_data(torch.zeros(expected[1], dtype=wire.DTYPES[expected[2]][0]),
+                                 False, timeout)
+            others = "; ".join(f"rank {r}: {_describe(fields_of[r, _CALL].tolist())}"
+                               for r in range(self.world) if not agree[r])
             raise MismatchError(
                 f"rank {self.rank}: ranks called allreduce {cid} with different tensors or ops "
-                f"(this rank: {data.numel()} elements of {data.dtype}, op "
-                f"{wire.Op(op).name.lower()}; {others})")
-        if expected_next is not None and (gathered[:, _NEXT] == buffer[_NEXT]).all():
+                f"(this rank: {_describe(fields[_CALL].tolist())}; {others})")
+        if expected_next is not None and (fields_of[:, _NEXT] == fields[_NEXT]).all():
             self._expected = expected_next      # every rank expects the same next call
+        if rows is not None and call != expected:
+            # every rank made the same call, not the gathered one all expected: that round was
+            # its check and carried none of its data
+            rows = None
+            if tiny:
+                self._check_round(total, call, None, fields, timeout, deadline, peer_report)
         if tiny:
-            total = torch.from_numpy(gathered[:, :data.numel()].sum(axis=0))
-        else:
-            if data_work is None:
+            total = torch.from_numpy(self._gathered_np[:, :data.numel()].sum(axis=0))
+        elif rows is None:
+            if started is None:
                 self.checked_first += 1
-                data_work, rows = self._start_data(total, gather, timeout)
-            self._wait(data_work, deadline, peer_report)
-            if gather:      # in rank order, the same sum on every rank; halves add in float32
-                wide = torch.float32 if rows.element_size() < 4 else rows.dtype
-                total = rows.sum(dim=0, dtype=wide)
-                self.gathered += 1
+                started = self._start_data(total, gather, timeout)
+            work, rows = started
+            self._wait(work, deadline, peer_report)
+        if rows is not None:    # in rank order, the same sum on every rank; halves add in float32
+            total = rows.sum(dim=0, dtype=torch.float32 if rows.element_size() < 4 else rows.dtype)
+            self.gathered += 1
         if op == wire.Op.AVG:
             total.div_(self.world)
         if total is not data:
             data.copy_(total.view(data.shape))
         self.collectives += 1
         self.bytes += data.numel() * data.element_size()
-        return None if share is None else gathered[:, _SHARE].mean(axis=0).tolist()
+        return None if share is None else fields_of[:, _SHARE].mean(axis=0).tolist()
+
+    def _check_round(self, data: torch.Tensor, call: Call, expected: Call | None,
+                     fields: np.ndarray, timeout: float, deadline: float, peer_report):
+        """The fixed-size check round, a tiny call's data in it; a larger call that every rank
+        expected (an allreduce) starts its data alongside. Returns (every rank's fields, the data's
+        (work, None) if started)."""
+        tiny = data.numel() <= TINY_NUMEL
+        if tiny:
+            self._check[:data.numel()] = data.reshape(-1)
+        self._check_np[TINY_NUMEL:] = fields        # numpy views: a few us less a call
+        started = self._start_data(data, False, timeout) if expected == call and not tiny else None
+        work = self.check_group.allgather([self._gathered_rows], [self._check],
+                                          self._gather_options(timeout))
+        self._wait(work, deadline, peer_report)
+        return self._gathered_np[:, TINY_NUMEL:], started
+
+    def _gather_with_check(self, data: torch.Tensor | None, expected: Call, fields: np.ndarray,
+                           timeout: float, deadline: float, peer_report):
+        """Every rank expects the gathered call `expected`: each joins its allgather with its own
+        call's fields in front of its data (zeros when its call is another one), so one round
+        both checks the calls and carries the data, and no check round runs. Returns (every
+        rank's fields, every rank's data as (world, numel) rows)."""
+        dtype = wire.DTYPES[expected[2]][0]
+        head, payload = _HEAD * 8, expected[1] * dtype.itemsize
+        size = head + -(-payload // 8) * 8      # rows of whole float64s: the views below need
+        mine = torch.zeros(size, dtype=torch.uint8)     # no copy
+        mine[:head].view(torch.float64).numpy()[:] = fields
+        if data is not None:
+            mine[head:head + payload].view(dtype).copy_(data.reshape(-1))
+        out = torch.empty(self.world, size, dtype=torch.uint8)
+        work = self.data_group.allgather([list(out.unbind(0))], [mine],
+                                         self._gather_options(timeout))
+        self._wait(work, deadline, peer_report)
+        return out[:, :head].view(torch.float64).numpy(), out[:, head:head + payload].view(dtype)
 
     def _start_data(self, tensor: torch.Tensor, gather: bool, timeout: float):
         """Start a larger call's data on the data group: (gloo's work, the (world, numel) rows it
