@@ -547,6 +547,13 @@ def run_rings(store, world: int, body, timeout: float = 10.0) -> dict:
                 ring.check_rounds += 1
                 return group.allgather(*args)
 
+            def gather(self, *args):            # 3 or more ranks: gathered at rank 0,
+                ring.check_rounds += 1
+                return group.gather(*args)
+
+            def broadcast(self, *args):         # then sent back
+                return group.broadcast(*args)
+
             def abort(self):
                 group.abort()
         ring.check_group = Counted()

@@ -11,7 +11,10 @@ numbers are the ranks' averages of what each put there (the chooser's times, alg
 on every rank. An allgather rather than an allreduce: gloo's ring allgather takes world - 1 steps,
 its ring allreduce 2 (world - 1), and on 2 cores each step waits for a process to be scheduled (2
 ranks on loopback, one-off script: this buffer gathered in 274-286 us median, 450-751 p90, where
-gloo's allreduce of 8 floats took 345, p90 3093; 4 ranks: 2934 against 4547).
+gloo's allreduce of 8 floats took 345, p90 3093). From _ROOTED ranks on, two steps whatever the
+world: the buffers gathered at rank 0, which sums the data slots and broadcasts the sums and every
+rank's fields (4 ranks: 669 us median against the allgather's 2994 and gloo's allreduce of 8 floats
+4459).
   - A tiny tensor (at most TINY_NUMEL elements) travels in that buffer: one round, summed in float64
     in rank order (the same sum on every rank) and rounded once, as the sparse path's float32
     accumulation would.
@@ -54,6 +57,7 @@ _CALL = slice(0, _FIELDS)                   # in a rank's fields: this call,
 _NEXT = slice(_FIELDS, 2 * _FIELDS)         # the call it expects next,
 _SHARE = slice(2 * _FIELDS, 2 * _FIELDS + _SHARED)     # and the numbers to average
 _HEAD = _SHARE.stop         # float64 fields in front of a gathered call's data
+_ROOTED = 3                 # from this many ranks the check round goes through rank 0
 _POLL = 0.05                # seconds between looks for a peer's report while gloo runs
 _REPORT_GRACE = 0.5         # seconds a failed collective waits for a peer's report of why
 _SPIN = 0.002               # seconds of looking at is_completed() first: gloo's timed wait wakes
@@ -83,6 +87,8 @@ class Ring:
         gathered = torch.zeros(world, TINY_NUMEL + _HEAD, dtype=torch.float64)  # every rank's
         self._gathered_rows = list(gathered.unbind(0))      # where gloo writes each rank's
         self._check_np, self._gathered_np = self._check.numpy(), gathered.numpy()
+        self._verdict = torch.zeros(TINY_NUMEL + world * _HEAD, dtype=torch.float64)
+        self._verdict_np = self._verdict.numpy()    # the sums, then every rank's fields
         self._expected: Call | None = None  # the next call every rank expected, if they agreed
         self._previous: tuple | None = None     # (id, kind) of the last call
         self._after: dict[tuple, tuple] = {}    # kind -> (kind, id distance) of the call after it
@@ -119,8 +125,8 @@ class Ring:
                                                       expected, fields, timeout, deadline,
                                                       peer_report)
         else:
-            fields_of, started = self._check_round(total, call, expected, fields, timeout,
-                                                   deadline, peer_report)
+            fields_of, sums, started = self._check_round(total, call, expected, fields, timeout,
+                                                         deadline, peer_report)
         agree = (fields_of[:, _CALL] == fields[_CALL]).all(axis=1)
         if not agree.all():
             if rows is None and started is None and expected is not None \
@@ -142,9 +148,10 @@ class Ring:
             # its check and carried none of its data
             rows = None
             if tiny:
-                self._check_round(total, call, None, fields, timeout, deadline, peer_report)
+                _, sums, _ = self._check_round(total, call, None, fields, timeout, deadline,
+                                               peer_report)
         if tiny:
-            total = torch.from_numpy(self._gathered_np[:, :data.numel()].sum(axis=0))
+            total = torch.from_numpy(sums[:data.numel()])
         elif rows is None:
             if started is None:
                 self.checked_first += 1
@@ -165,17 +172,41 @@ class Ring:
     def _check_round(self, data: torch.Tensor, call: Call, expected: Call | None,
                      fields: np.ndarray, timeout: float, deadline: float, peer_report):
         """The fixed-size check round, a tiny call's data in it; a larger call that every rank
-        expected (an allreduce) starts its data alongside. Returns (every rank's fields, the data's
-        (work, None) if started)."""
+        expected (an allreduce) starts its data alongside. Returns (every rank's fields, the sums
+        of the ranks' data slots (a tiny call's result; None where not needed), the data's (work,
+        None) if started)."""
         tiny = data.numel() <= TINY_NUMEL
         if tiny:
             self._check[:data.numel()] = data.reshape(-1)
         self._check_np[TINY_NUMEL:] = fields        # numpy views: a few us less a call
         started = self._start_data(data, False, timeout) if expected == call and not tiny else None
+        if self.world >= _ROOTED:
+            return (*self._rooted_round(timeout, deadline, peer_report), started)
         work = self.check_group.allgather([self._gathered_rows], [self._check],
                                           self._gather_options(timeout))
         self._wait(work, deadline, peer_report)
-        return self._gathered_np[:, TINY_NUMEL:], started
+        gathered = self._gathered_np
+        return gathered[:, TINY_NUMEL:], gathered[:, :TINY_NUMEL].sum(axis=0) if tiny else None, \
+            started
+
+    def _rooted_round(self, timeout: float, deadline: float, peer_report):
+        """The check round among _ROOTED or more ranks: every rank's buffer gathered at rank 0,
+        which sums the data slots (in rank order) and broadcasts the sums and every rank's fields.
+        Two steps whatever the world, where a ring allgather takes world - 1. Returns (every
+        rank's fields, the sums)."""
+        gather = dist.GatherOptions()
+        gather.rootRank, gather.timeout = 0, timedelta(seconds=timeout)
+        outputs = [self._gathered_rows] if self.rank == 0 else []
+        self._wait(self.check_group.gather(outputs, [self._check], gather), deadline, peer_report)
+        verdict = self._verdict_np
+        if self.rank == 0:
+            verdict[:TINY_NUMEL] = self._gathered_np[:, :TINY_NUMEL].sum(axis=0)
+            verdict[TINY_NUMEL:] = self._gathered_np[:, TINY_NUMEL:].reshape(-1)
+        broadcast = dist.BroadcastOptions()
+        broadcast.rootRank, broadcast.rootTensor = 0, 0
+        broadcast.timeout = timedelta(seconds=timeout)
+        self._wait(self.check_group.broadcast([self._verdict], broadcast), deadline, peer_report)
+        return verdict[TINY_NUMEL:].reshape(self.world, _HEAD), verdict[:TINY_NUMEL]
 
     def _gather_with_check(self, data: torch.Tensor | None, expected: Call, fields: np.ndarray,
                            timeout: float, deadline: float, peer_report):
