@@ -13,11 +13,11 @@ and op, as a DDP bucket each step):
     ranks) SMALL_TRIALS on each of those and on GATHER, gloo's allgather and a local sum (ring.py:
     world - 1 steps where the ring takes 2 (world - 1), for world - 1 times the bytes: it wins
     where steps cost more than bytes, as on a busy machine or a fast link). Then one more on the
-    last of them, whose check
-    round (ring.py) carries every rank's best time on each path, so every rank learns the same
-    averages; the faster of ring and gather keeps the kind while it stays dense unless the sparse
-    path was clearly faster (by SPARSE_MARGIN: on dense data the sparse path's scan and bookkeeping
-    take CPU from the training around it, and on loopback the two are within noise of each other).
+    last of them, whose check round (ring.py) carries every rank's best time on each path, so
+    every rank learns the same averages; the faster of ring and gather keeps the kind while it
+    stays dense unless the sparse path was clearly faster (by SPARSE_MARGIN: on dense data the
+    sparse path's scan and bookkeeping take CPU from the training around it, and on loopback the
+    two are within noise of each other).
     The best of a path's trials discounts a kind's slower first collectives.
 COO tensors always go the sparse way. Every rank must choose alike without a message of its own:
 the choice depends only on the ranks' calls, on earlier results (identical on every rank), and on
