@@ -60,8 +60,9 @@ _HEAD = _SHARE.stop         # float64 fields in front of a gathered call's data
 _ROOTED = 3                 # from this many ranks the check round goes through rank 0
 _POLL = 0.05                # seconds between looks for a peer's report while gloo runs
 _REPORT_GRACE = 0.5         # seconds a failed collective waits for a peer's report of why
-_SPIN = 0.002               # seconds of looking at is_completed() first: gloo's timed wait wakes
-                            # about 0.9 ms late (8 floats on loopback: 1.9 ms against 1.0 untimed)
+_SPIN = 0.002               # seconds of looking at is_completed() first: a short collective is
+                            # seen done at once (small calls on loopback: without it the median
+                            # call is faster, the mean and async batches slower; docs/benchmarks.md)
 
 Call = tuple[int, int, int, int, int]   # (id, numel, dtype code, op, gathered)
 
@@ -73,6 +74,15 @@ def _describe(call: list[float]) -> str:
     op_name = wire.Op(op).name.lower() if op in wire.Op._value2member_map_ else f"op code {op}"
     return f"allreduce {cid}: {numel} elements of {dtype_name}, op {op_name}" + \
         (", gathered" if gathered else "")
+
+
+def _timed(options, timeout: float, **fields):
+    """gloo's options of one collective (`options`, e.g. dist.GatherOptions()) with `timeout`
+    seconds and `fields` set."""
+    options.timeout = timedelta(seconds=timeout)
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
 
 
 class Ring:
@@ -134,8 +144,8 @@ class Ring:
                 # peers whose call was the expected one (an allreduce) have started its data: a
                 # partner of its size lets it end (gloo cannot cancel it; its groups would wait
                 # at close)
-                self._start_data(torch.zeros(expected[1], dtype=wire.DTYPES[expected[2]][0]),
-                                 False, timeout)
+                self._allreduce_data(torch.zeros(expected[1], dtype=wire.DTYPES[expected[2]][0]),
+                                     timeout)
             others = "; ".join(f"rank {r}: {_describe(fields_of[r, _CALL].tolist())}"
                                for r in range(self.world) if not agree[r])
             raise MismatchError(
@@ -152,12 +162,15 @@ class Ring:
                                                peer_report)
         if tiny:
             total = torch.from_numpy(sums[:data.numel()])
-        elif rows is None:
-            if started is None:
-                self.checked_first += 1
-                started = self._start_data(total, gather, timeout)
-            work, rows = started
-            self._wait(work, deadline, peer_report)
+        elif rows is None and started is None:      # its data waited for its check
+            self.checked_first += 1
+            if gather:
+                _, rows = self._gather_with_check(total, call, fields, timeout, deadline,
+                                                  peer_report)
+            else:
+                started = self._allreduce_data(total, timeout)
+        if started is not None:
+            self._wait(started, deadline, peer_report)
         if rows is not None:    # in rank order, the same sum on every rank; halves add in float32
             total = rows.sum(dim=0, dtype=torch.float32 if rows.element_size() < 4 else rows.dtype)
             self.gathered += 1
@@ -173,17 +186,17 @@ class Ring:
                      fields: np.ndarray, timeout: float, deadline: float, peer_report):
         """The fixed-size check round, a tiny call's data in it; a larger call that every rank
         expected (an allreduce) starts its data alongside. Returns (every rank's fields, the sums
-        of the ranks' data slots (a tiny call's result; None where not needed), the data's (work,
-        None) if started)."""
+        of the ranks' data slots (a tiny call's result; None where not needed), the data's
+        allreduce if started)."""
         tiny = data.numel() <= TINY_NUMEL
         if tiny:
             self._check[:data.numel()] = data.reshape(-1)
         self._check_np[TINY_NUMEL:] = fields        # numpy views: a few us less a call
-        started = self._start_data(data, False, timeout) if expected == call and not tiny else None
+        started = self._allreduce_data(data, timeout) if expected == call and not tiny else None
         if self.world >= _ROOTED:
             return (*self._rooted_round(timeout, deadline, peer_report), started)
         work = self.check_group.allgather([self._gathered_rows], [self._check],
-                                          self._gather_options(timeout))
+                                          _timed(AllgatherOptions(), timeout))
         self._wait(work, deadline, peer_report)
         gathered = self._gathered_np
         return gathered[:, TINY_NUMEL:], gathered[:, :TINY_NUMEL].sum(axis=0) if tiny else None, \
@@ -194,26 +207,23 @@ class Ring:
         which sums the data slots (in rank order) and broadcasts the sums and every rank's fields.
         Two steps whatever the world, where a ring allgather takes world - 1. Returns (every
         rank's fields, the sums)."""
-        gather = dist.GatherOptions()
-        gather.rootRank, gather.timeout = 0, timedelta(seconds=timeout)
         outputs = [self._gathered_rows] if self.rank == 0 else []
+        gather = _timed(dist.GatherOptions(), timeout, rootRank=0)
         self._wait(self.check_group.gather(outputs, [self._check], gather), deadline, peer_report)
         verdict = self._verdict_np
         if self.rank == 0:
             verdict[:TINY_NUMEL] = self._gathered_np[:, :TINY_NUMEL].sum(axis=0)
             verdict[TINY_NUMEL:] = self._gathered_np[:, TINY_NUMEL:].reshape(-1)
-        broadcast = dist.BroadcastOptions()
-        broadcast.rootRank, broadcast.rootTensor = 0, 0
-        broadcast.timeout = timedelta(seconds=timeout)
+        broadcast = _timed(dist.BroadcastOptions(), timeout, rootRank=0, rootTensor=0)
         self._wait(self.check_group.broadcast([self._verdict], broadcast), deadline, peer_report)
         return verdict[TINY_NUMEL:].reshape(self.world, _HEAD), verdict[:TINY_NUMEL]
 
     def _gather_with_check(self, data: torch.Tensor | None, expected: Call, fields: np.ndarray,
                            timeout: float, deadline: float, peer_report):
-        """Every rank expects the gathered call `expected`: each joins its allgather with its own
-        call's fields in front of its data (zeros when its call is another one), so one round
-        both checks the calls and carries the data, and no check round runs. Returns (every
-        rank's fields, every rank's data as (world, numel) rows)."""
+        """Every rank expects the gathered call `expected` (or its check round said they all make
+        it): each joins its allgather with its own call's fields in front of its data (zeros when
+        its call is another one), so one round both checks the calls and carries the data.
+        Returns (every rank's fields, every rank's data as (world, numel) rows)."""
         dtype = wire.DTYPES[expected[2]][0]
         head, payload = _HEAD * 8, expected[1] * dtype.itemsize
         size = head + -(-payload // 8) * 8      # rows of whole float64s: the views below need
@@ -223,19 +233,13 @@ class Ring:
             mine[head:head + payload].view(dtype).copy_(data.reshape(-1))
         out = torch.empty(self.world, size, dtype=torch.uint8)
         work = self.data_group.allgather([list(out.unbind(0))], [mine],
-                                         self._gather_options(timeout))
+                                         _timed(AllgatherOptions(), timeout))
         self._wait(work, deadline, peer_report)
         return out[:, :head].view(torch.float64).numpy(), out[:, head:head + payload].view(dtype)
 
-    def _start_data(self, tensor: torch.Tensor, gather: bool, timeout: float):
-        """Start a larger call's data on the data group: (gloo's work, the (world, numel) rows it
-        gathers into, or None for an allreduce in place)."""
-        if not gather:
-            return self.data_group.allreduce([tensor], self._options(timeout)), None
-        rows = torch.empty(self.world, tensor.numel(), dtype=tensor.dtype)
-        work = self.data_group.allgather([list(rows.unbind(0))], [tensor.reshape(-1)],
-                                         self._gather_options(timeout))
-        return work, rows
+    def _allreduce_data(self, tensor: torch.Tensor, timeout: float):
+        """Start a larger call's allreduce, in place, on the data group: gloo's work."""
+        return self.data_group.allreduce([tensor], _timed(dist.AllreduceOptions(), timeout))
 
     def _next(self, call: Call) -> Call | None:
         """The call expected after `call`: the kind that followed its kind last time, at the same
@@ -248,18 +252,6 @@ class Ring:
         self._previous = (cid, kind)
         after = self._after.get(kind)
         return None if after is None else (cid + after[1], *after[0])
-
-    @staticmethod
-    def _options(timeout: float) -> dist.AllreduceOptions:
-        options = dist.AllreduceOptions()
-        options.timeout = timedelta(seconds=timeout)
-        return options
-
-    @staticmethod
-    def _gather_options(timeout: float) -> AllgatherOptions:
-        options = AllgatherOptions()
-        options.timeout = timedelta(seconds=timeout)
-        return options
 
     def _wait(self, work, deadline: float, peer_report) -> None:
         """Wait for one gloo collective until done, a peer's report, or the deadline: first _SPIN
