@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sparcoll import Communicator, MismatchError, SparcollError
-from sparcoll.algorithm import (SAMPLE_BLOCKS, SMALL_TRIALS, TINY_NUMEL, Algorithm, Chooser,
-                                candidate_block_sizes, entry_block_size)
+from sparcoll.algorithm import (LOOK_EVERY, SAMPLE_BLOCKS, SMALL_TRIALS, TINY_NUMEL, Algorithm,
+                                Chooser, candidate_block_sizes, entry_block_size)
 from support import block_sparse, on_threads
 
 pytestmark = pytest.mark.auto_algorithm
@@ -83,10 +83,16 @@ def test_a_kind_small_enough_is_also_timed_gathered_and_the_fastest_keeps_it():
 
 
 def test_a_sparse_result_sends_a_kind_back_to_the_sparse_path_and_a_dense_one_tries_again():
+    """Settled on the ring, a kind's density is looked at every LOOK_EVERY collectives, counting
+    the one that settled it: the LOOK_EVERY-th sends it back when sparse, not one before."""
     chooser = Chooser(Algorithm.AUTO, 256, WORLD)
-    run_dense_kind(chooser, sparse_s=0.06, ring_s=0.05)
+    run_dense_kind(chooser, sparse_s=0.06, ring_s=0.05, calls=5)    # settles in the fifth
     assert chooser.choose(KIND, coo=False) is Algorithm.RING
-    chooser.learn(KIND, with_density(BIG, 0.05), Algorithm.RING, 0.05)
+    sparse_result = with_density(BIG, 0.05)
+    for _ in range(LOOK_EVERY - 2):
+        chooser.learn(KIND, sparse_result, Algorithm.RING, 0.05)
+        assert chooser.choose(KIND, coo=False) is Algorithm.RING
+    chooser.learn(KIND, sparse_result, Algorithm.RING, 0.05)
     assert chooser.choose(KIND, coo=False) is Algorithm.SPARSE
     # Dense again: timed anew (the old times were of other data), the sparse path first.
     assert run_dense_kind(chooser, sparse_s=0.05, ring_s=0.07)[:5] == \
@@ -523,10 +529,10 @@ def test_a_wait_slice_that_times_out_as_the_allreduce_completes_is_not_a_failure
     ring.rank = 0
     deadline = time.monotonic() + 5.0
     if failure is None:
-        ring._wait(CompletedWork(failure), deadline, lambda: None)
+        ring._wait(CompletedWork(failure), deadline, lambda: None, spin=0.0)
     else:
         with pytest.raises(PeerError, match="Connection reset by peer"):
-            ring._wait(CompletedWork(failure), deadline, lambda: None)
+            ring._wait(CompletedWork(failure), deadline, lambda: None, spin=0.0)
 
 
 # ---- the guarded ring alone ------------------------------------------------------------------------

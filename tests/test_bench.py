@@ -240,6 +240,39 @@ def test_parser_defaults():
     assert _args("--workers", "2,4,8", "--numel", "1M").workers == [2, 4, 8]
 
 
+def test_timed_repetitions_interleave_and_keep_a_communicators_calls_together():
+    """Warm-ups run series by series; then each round runs every series once, in a shuffled order
+    that is the same for the same seed, a communicator's variants adjacent and in their order."""
+    from types import SimpleNamespace
+    from sparcoll.bench.worker import run_point
+    log = []
+
+    class Fake:
+        def __init__(self, name, communicator):
+            self.name, self.algo = name, SimpleNamespace(communicator=communicator)
+
+        def repetition(self, timed):
+            log.append((self.name, timed))
+
+    def run(seed, repeat=12):
+        log.clear()
+        series = [Fake("auto-dense", "auto"), Fake("auto-coo", "auto"), Fake("sparse", "sparse"),
+                  Fake("ring", None), Fake("ps", None)]
+        run_point(series, {"warmup": 2, "repeat": repeat}, seed)
+        return list(log)
+
+    first = run(3)
+    names = ["auto-dense", "auto-coo", "sparse", "ring", "ps"]
+    assert first[:10] == [(n, False) for n in names for _ in range(2)]
+    timed = [n for n, t in first[10:]]
+    assert all(t for _, t in first[10:]) and len(timed) == 12 * 5
+    rounds = [timed[i:i + 5] for i in range(0, len(timed), 5)]
+    assert all(sorted(r) == sorted(names) for r in rounds)
+    assert all(r[r.index("auto-dense") + 1] == "auto-coo" for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1         # shuffled, not a fixed order
+    assert run(3) == first and run(4) != first
+
+
 # ---- processes ----------------------------------------------------------------------------------
 
 def _env():

@@ -7,7 +7,8 @@ default) the choice is measured, per kind of collective ("kind": the same number
 and op, as a DDP bucket each step):
   - a tiny tensor (at most TINY_NUMEL elements) goes through the ring, in one round (ring.py);
   - a kind's collectives go the sparse way while its last result was sparse (less than
-    CANDIDATE_DENSITY of its blocks non-zero): there the sparse path wins everywhere we measured;
+    CANDIDATE_DENSITY of its blocks non-zero): there the sparse path wins everywhere we measured
+    (once a kind is settled on gloo, "last" is the last of every LOOK_EVERY results);
   - once a result is dense, the kind is timed on each path: TRIALS collectives on the sparse path,
     TRIALS on the ring; a kind small enough to gather (at most GATHER_ELEMENTS elements over all
     ranks) SMALL_TRIALS on each of those and on GATHER, gloo's allgather and a local sum (ring.py:
@@ -51,6 +52,9 @@ TRIALS = 2              # collectives timed on each path before a dense kind's p
 SMALL_TRIALS = 4        # the same for a kind small enough to gather: they cost little, and the
                         # later ones run as the kind's steady state does (ring.py: expected calls)
 SPARSE_MARGIN = 0.9     # a dense kind stays sparse only if that was this much faster than the ring
+LOOK_EVERY = 8          # a kind settled on gloo has its density looked at every this many collectives:
+                        # the look is on each collective's critical path (0.6 ms median among 4
+                        # ranks on 2 cores, 4M floats), and only its turning sparse matters there
 SAMPLE_BLOCKS = 256     # blocks of a result looked at to estimate its density
 MIN_BLOCK = 16          # the smallest block size chosen: below it, indices outweigh the data
 SLACK = 0.1             # a smaller block size must save more than this share of the bytes
@@ -90,6 +94,7 @@ class KindState:
     dense: bool = False                         # its last result was at least CANDIDATE_DENSITY
     times: dict = field(default_factory=dict)   # this rank's times per Algorithm since it is dense
     chosen: Algorithm | None = None             # the faster path on average, once known
+    unlooked: int = 0                           # collectives on gloo since its density was looked at
 
     def next_trial(self, paths: tuple[Algorithm, ...], trials: int) -> Algorithm:
         """The path to time next among `paths` (the last also for the collective that shares the
@@ -158,6 +163,12 @@ class Chooser:
         at which granularity."""
         if self.mode is Algorithm.RING or kind[0] <= TINY_NUMEL or result.layout != torch.strided:
             return
+        state = self._kinds.get(kind)
+        if state is not None and state.chosen is not None and state.chosen.on_gloo:
+            state.unlooked += 1                 # the same count on every rank
+            if state.unlooked < LOOK_EVERY:
+                return
+            state.unlooked = 0
         shares = self.densities(kind, result)
         costs = {b: share * (1 + INDEX_BYTES / (b * result.element_size()))
                  for b, share in shares.items()}
@@ -167,7 +178,7 @@ class Chooser:
         state.block = block
         dense = self.mode is Algorithm.AUTO and shares[block] >= CANDIDATE_DENSITY
         if dense != state.dense:        # times measured on other data say nothing about this
-            state.dense, state.times, state.chosen = dense, {}, None
+            state.dense, state.times, state.chosen, state.unlooked = dense, {}, None, 0
         if dense:
             state.times.setdefault(algorithm, []).append(seconds)
 

@@ -1,4 +1,5 @@
-"""One benchmark worker process: times every (density, algorithm) series on the gloo group.
+"""One benchmark worker process: times every (density, algorithm) series on the gloo group, the
+algorithms' timed repetitions interleaved (run_point).
 
 Started by `launch.py`, one per host, as `python -m sparcoll.bench.worker CONFIG.json` with RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment. Rank 0 reports to the launcher with event
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 from datetime import timedelta
@@ -40,20 +42,28 @@ class WrongResult(RuntimeError):
     """An algorithm returned a sum that is not the sum: the run fails, it is not a data point."""
 
 
-def run_series(ctx: Context, algo: Algorithm, inputs: Inputs, spec: InputSpec, expected: torch.Tensor,
-               tolerance: torch.Tensor, cfg: dict) -> dict:
-    """Warm-up and timed repetitions of one algorithm on one input; returns rank 0's result event."""
-    if cfg["interface"]:
-        counters, source = (lambda: interface_counters(cfg["interface"])), "interface"
-    elif algo.counters:
-        counters, source = (lambda: algo.counters(ctx)), algo.name
-    else:
-        counters, source = (lambda: (0, 0)), None
-    warmup, repeat = cfg["warmup"], cfg["repeat"]
-    times, traffic = [], []
-    for rep in range(warmup + repeat):
-        payload = algo.prepare(ctx, inputs)
-        before = counters()
+class Series:
+    """One algorithm's repetitions on one input: its times and per-rank traffic so far."""
+
+    def __init__(self, ctx: Context, algo: Algorithm, inputs: Inputs, spec: InputSpec,
+                 expected: torch.Tensor, tolerance: torch.Tensor, cfg: dict):
+        self.ctx, self.algo, self.inputs, self.spec = ctx, algo, inputs, spec
+        self.expected, self.tolerance = expected, tolerance
+        if cfg["interface"]:
+            self.counters, self.source = (lambda: interface_counters(cfg["interface"])), "interface"
+        elif algo.counters:
+            self.counters, self.source = (lambda: algo.counters(ctx)), algo.name
+        else:
+            self.counters, self.source = (lambda: (0, 0)), None
+        self.times: list[float] = []
+        self.traffic: list[tuple[int, int]] = []
+        self.reps = 0
+
+    def repetition(self, timed: bool) -> None:
+        """One repetition: a fresh payload, a barrier, the timed allreduce, the check."""
+        ctx, algo = self.ctx, self.algo
+        payload = algo.prepare(ctx, self.inputs)
+        before = self.counters()
         dist.barrier()
         start = time.perf_counter()
         algo.run(ctx, payload)
@@ -61,30 +71,57 @@ def run_series(ctx: Context, algo: Algorithm, inputs: Inputs, spec: InputSpec, e
         # Every rank is done before any checks: a rank that finished first must not take CPU
         # from those still running (on one machine the hosts share the cores).
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        ok, error = check(algo.result(ctx, payload), expected, tolerance)
+        ok, error = check(algo.result(ctx, payload), self.expected, self.tolerance)
         summary = torch.tensor([float(not ok), error], dtype=torch.float64)
         dist.all_reduce(summary, op=dist.ReduceOp.MAX)
-        after = counters()
+        after = self.counters()
         if summary[0] > 0:
             if not ok:
                 print(f"rank {ctx.rank}: wrong result, largest error {error:.3g}", file=sys.stderr)
-            raise WrongResult(f"{algo.label} at density {spec.density} returned a wrong sum in repetition "
-                              f"{rep} (largest error {float(summary[1]):.3g}, beyond the float32 "
-                              f"summation tolerance)")
-        if rep >= warmup:
-            times.append(float(elapsed))
-            traffic.append((after[0] - before[0], after[1] - before[1]))
+            raise WrongResult(f"{algo.label} at density {self.spec.density} returned a wrong sum in "
+                              f"repetition {self.reps} (largest error {float(summary[1]):.3g}, "
+                              f"beyond the float32 summation tolerance)")
+        if timed:
+            self.times.append(float(elapsed))
+            self.traffic.append((after[0] - before[0], after[1] - before[1]))
         if ctx.rank == 0:
-            emit({"event": "rep", "algo": algo.name, "input": algo.input, "density": spec.density,
-                  "rep": rep, "warmup": rep < warmup})
-    per_rank = torch.tensor(traffic, dtype=torch.float64)
-    dist.all_reduce(per_rank)
-    mean = (per_rank / ctx.world).tolist()
-    credits = ctx.comms[algo.communicator].config.credits if algo.needs_communicator else None
-    return {"event": "result", "algo": algo.name, "input": algo.input, "density": spec.density,
-            "times_s": times, "bytes_source": source, "credits": credits,
-            "bytes_sent": [s for s, _ in mean] if source else None,
-            "bytes_received": [r for _, r in mean] if source else None}
+            emit({"event": "rep", "algo": algo.name, "input": algo.input,
+                  "density": self.spec.density, "rep": self.reps, "warmup": not timed})
+        self.reps += 1
+
+    def result(self) -> dict:
+        """Rank 0's result event (every rank must call it: the traffic is averaged over ranks)."""
+        algo = self.algo
+        per_rank = torch.tensor(self.traffic, dtype=torch.float64)
+        dist.all_reduce(per_rank)
+        mean = (per_rank / self.ctx.world).tolist()
+        credits = self.ctx.comms[algo.communicator].config.credits if algo.needs_communicator else None
+        return {"event": "result", "algo": algo.name, "input": algo.input,
+                "density": self.spec.density, "times_s": self.times, "bytes_source": self.source,
+                "credits": credits, "bytes_sent": [s for s, _ in mean] if self.source else None,
+                "bytes_received": [r for _, r in mean] if self.source else None}
+
+
+def run_point(series: list[Series], cfg: dict, seed: int) -> None:
+    """Every algorithm's warm-up repetitions, one algorithm after the other (a sparcoll kind's
+    first collectives are its trials), then the timed ones interleaved: each round of
+    repetitions runs every algorithm once, in an order shuffled by `seed` (the same on every
+    rank). A busy moment of the machine, or its drift over a series, then falls on every
+    algorithm alike instead of on the one whose series it was (2 workers on loopback: one
+    repetition of gloo's ring takes 30 to 54 ms). The variants of one communicator stay
+    together, in their order: it learns the order of its calls (sparcoll/ring.py, expected
+    calls), as it would from a training step's."""
+    for s in series:
+        for _ in range(cfg["warmup"]):
+            s.repetition(timed=False)
+    groups: dict = {}
+    for s in series:
+        groups.setdefault(s.algo.communicator or s, []).append(s)
+    order = random.Random(seed)
+    for _ in range(cfg["repeat"]):
+        for group in order.sample(list(groups.values()), len(groups)):
+            for s in group:
+                s.repetition(timed=True)
 
 
 def bench(cfg: dict, rank: int, world: int) -> None:
@@ -99,8 +136,10 @@ def bench(cfg: dict, rank: int, world: int) -> None:
             indices, values = spec.blocks(rank)
             inputs = Inputs(spec.to_dense(indices, values), indices, values)
             expected, tolerance = spec.expected()
-            for algo in algos:
-                result = run_series(ctx, algo, inputs, spec, expected, tolerance, cfg)
+            series = [Series(ctx, algo, inputs, spec, expected, tolerance, cfg) for algo in algos]
+            run_point(series, cfg, cfg["seed"])
+            for s in series:
+                result = s.result()
                 if rank == 0:
                     emit(result)
     finally:
