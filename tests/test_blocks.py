@@ -4,26 +4,36 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from sparcoll.blocks import SCAN_ROWS, BlockTensor, SparseBlocks, nonzero_mask, runs
+from unittest import mock
+
+from sparcoll import blocks
+from sparcoll.blocks import BlockTensor, SparseBlocks, nonzero_mask, runs
+
+CHUNK = 64      # the scan's rows per reduceat in these tests: its chunk edges in small tensors
 
 
-@pytest.mark.parametrize("width", [8, 9, 10, 12, 256])    # words of 8, 1, 2, 4, 8 bytes per OR
+@pytest.mark.parametrize("width", [8, 9, 10, 12, 256])    # rows that 8, 4 or 2-byte words tile
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_scan_matches_elementwise_definition(dtype, width):
     g = torch.Generator().manual_seed(0)
-    rows = torch.zeros(SCAN_ROWS * 2 + 17, width, dtype=dtype)
+    rows = torch.zeros(CHUNK * 2 + 17, width, dtype=dtype)
     picks = torch.randint(0, rows.numel(), (200,), generator=g)
     rows.view(-1)[picks] = torch.randn(200, generator=g).to(dtype)
+    rows[3:10] = 0
     rows[3, 2] = -0.0                       # -0.0 alone: a zero block
     rows[5, 1], rows[7, 7] = float("nan"), float("-inf")
     rows[9, 0] = torch.finfo(dtype).tiny / 4 if dtype != torch.bfloat16 else 1e-40   # subnormal
+    rows[CHUNK, 0] = rows[CHUNK * 2 + 16, width - 1] = 1.0     # a chunk's first row, the last
     expected = (rows.double() != 0).any(1) | rows.double().isnan().any(1)
-    assert np.array_equal(nonzero_mask(rows), expected.numpy())
-    assert not nonzero_mask(rows)[3] and nonzero_mask(rows)[5] and nonzero_mask(rows)[7]
+    with mock.patch.object(blocks, "SCAN_ROWS", CHUNK):
+        mask = nonzero_mask(rows)
+    assert np.array_equal(mask, expected.numpy())
+    assert not mask[3] and mask[5] and mask[7] and mask[CHUNK] and mask[-1]
+    assert np.array_equal(nonzero_mask(rows), mask)         # in one chunk
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2 * SCAN_ROWS + 3), st.integers(1, 20), st.data())
+@given(st.integers(0, 2 * CHUNK + 3), st.integers(1, 20), st.data())
 def test_scan_of_any_shape(nrows, width, data):
     """Every row count and width, including chunk edges and widths that no word size tiles."""
     rows = torch.zeros(nrows, width)
@@ -33,7 +43,8 @@ def test_scan_of_any_shape(nrows, width, data):
                                     min_size=len(picks), max_size=len(picks)))
         rows.view(-1)[torch.tensor(picks, dtype=torch.int64)] = torch.tensor(values)
     expected = (rows != 0).any(1) | rows.isnan().any(1)
-    assert np.array_equal(nonzero_mask(rows), expected.numpy())
+    with mock.patch.object(blocks, "SCAN_ROWS", CHUNK):
+        assert np.array_equal(nonzero_mask(rows), expected.numpy())
 
 
 @settings(max_examples=100, deadline=None)

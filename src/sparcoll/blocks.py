@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import torch
 
-SCAN_ROWS = 1024      # rows per scan chunk: the comparison's scratch stays in cache
+SCAN_ROWS = 1 << 16   # rows per reduceat in a scan: bounds the cached row starts (512 KiB)
 _scratch = threading.local()
 
 
@@ -38,36 +38,49 @@ def may_overlap(t: torch.Tensor) -> bool:
 def nonzero_mask(rows: torch.Tensor) -> np.ndarray:
     """Which rows hold a non-zero element. -0.0 counts as zero; NaN and Inf count as non-zero.
 
-    Chunked `!= 0` into reused scratch flags, then an OR over each row's flags read as the widest
-    unsigned words that tile a row (reduceat over the flat words: numpy reduces a long contiguous
-    array far faster than many short rows): one pass over the data and no large temporary.
-    Measured on 16M float32 (one core): 5.7 ms, against 6.9 ms for logical_or.reduce(axis=1) and
-    5.1 ms for the comparison alone. bfloat16, which numpy lacks, is compared as int16 with the
-    sign bit masked off."""
+    One pass over the data and no temporary of its size: each row's bytes are read as the widest
+    unsigned words that tile a row and OR-ed together (reduceat over the flat words: numpy reduces
+    a long contiguous array far faster than many short rows); a row is non-zero iff that OR has a
+    bit set outside its elements' sign bits. Measured on 16M float32 at 1% (one core): 1.9 ms,
+    against 2.6 ms for `!= 0` into a reused scratch then the same OR of its flags, and 29 ms for
+    torch's abs().amax(1)."""
     if rows.device.type != "cpu":
         return ((rows.amax(1) != 0) | (rows.amin(1) != 0)).cpu().numpy()
     nrows, width = rows.shape
-    bf16 = rows.dtype == torch.bfloat16
-    data = (rows.view(torch.int16) if bf16 else rows).numpy()
-    if getattr(_scratch, "width", None) != width:
-        word = next(w for w in (np.uint64, np.uint32, np.uint16, np.uint8)
-                    if width % np.dtype(w).itemsize == 0)
-        _scratch.width, _scratch.word = width, word
-        _scratch.flags = np.empty((SCAN_ROWS, width), dtype=bool)
-        _scratch.bits = np.empty((SCAN_ROWS, width), dtype=np.int16)
-        _scratch.starts = np.arange(SCAN_ROWS) * (width // np.dtype(word).itemsize)
+    if nrows == 0:
+        return np.zeros(0, dtype=bool)
+    size = rows.element_size()
+    word = next(w for w in (np.uint64, np.uint32, np.uint16, np.uint8)
+                if (width * size) % np.dtype(w).itemsize == 0)
+    as_ints = rows.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
+    words = np.ascontiguousarray(as_ints.numpy()).reshape(-1).view(word)
+    per_row = len(words) // nrows
+    value_bits = _value_bits(word, size)
     mask = np.empty(nrows, dtype=bool)
-    for start in range(0, nrows, SCAN_ROWS):
-        chunk = data[start:start + SCAN_ROWS]
-        count = len(chunk)
-        flags = _scratch.flags[:count]
-        if bf16:
-            chunk = np.bitwise_and(chunk, 0x7FFF, out=_scratch.bits[:count])
-        np.not_equal(chunk, 0, out=flags)
-        words = flags.reshape(-1).view(_scratch.word)
-        np.not_equal(np.bitwise_or.reduceat(words, _scratch.starts[:count]), 0,
-                     out=mask[start:start + count])
+    for first in range(0, nrows, SCAN_ROWS):
+        count = min(SCAN_ROWS, nrows - first)
+        chunk = words[first * per_row:(first + count) * per_row]
+        ors = np.bitwise_or.reduceat(chunk, _row_starts(per_row)[:count])
+        np.not_equal(np.bitwise_and(ors, value_bits, out=ors), 0, out=mask[first:first + count])
     return mask
+
+
+def _value_bits(word, size: int):
+    """A `word` with every bit set but the sign bit of each `size`-byte element in it
+    (little-endian: an element's sign is the top bit of its last byte)."""
+    element = b"\xff" * (size - 1) + b"\x7f" if size > 1 else b"\xff"
+    return np.frombuffer(element * (np.dtype(word).itemsize // size), dtype=word)[0]
+
+
+def _row_starts(per_row: int) -> np.ndarray:
+    """The first word of each of SCAN_ROWS rows of `per_row` words, cached per thread."""
+    cache = getattr(_scratch, "starts", None)
+    if cache is None:
+        cache = _scratch.starts = {}
+    starts = cache.get(per_row)
+    if starts is None or len(starts) != SCAN_ROWS:
+        starts = cache[per_row] = np.arange(SCAN_ROWS, dtype=np.intp) * per_row
+    return starts
 
 
 def runs(indices: np.ndarray, limit: int) -> list[tuple[int, int]] | None:
