@@ -857,3 +857,45 @@ def test_internal_error_in_the_aggregator_fails_the_job_fast(monkeypatch, dedica
         comm.allreduce(x)
         return torch.equal(x, expected(0, 2, 5000))
     assert in_threads(2, exact, aggregators=dedicated_in_process) == [True, True]
+
+
+# ---- a lost connection and the report of why ----------------------------------------------------
+
+def _waiting_job():
+    """A WorkerJob (only its failure handling) whose collective 7 waits for aggregators 0 and 1."""
+    from sparcoll.collective import WorkerCollective
+    from sparcoll.worker import WorkerJob
+    job = object.__new__(WorkerJob)     # no connections: only broken() and collective_error()
+    job.rank, job.addresses, job._on_poison = 1, ["127.0.0.1:1", "127.0.0.1:2"], lambda exc: None
+    job._lock, job._last_started, job._early_errors = threading.Lock(), 7, {}
+    coll = WorkerCollective(7, torch.zeros(512), (512, 0, 0), timeout=10.0)
+    coll.start(256, [(0, 0, None, None), (1, 0, None, None)])
+    job._active = coll
+    return job, coll
+
+
+def test_a_lost_aggregator_gives_way_to_the_peers_report_that_follows():
+    """A peer that refused its input announces it and leaves: its aggregator's closed connection
+    may reach this rank first (seen under load). The report that follows within REPORT_GRACE is
+    the error the collective fails with."""
+    from sparcoll import wire
+    from sparcoll.errors import PeerError
+    job, coll = _waiting_job()
+    lost = threading.Thread(target=job.broken,
+                            args=(0, PeerError("aggregator 0 at 127.0.0.1:1 closed the connection")))
+    lost.start()
+    time.sleep(0.05)
+    job.collective_error(wire.Failure(7, wire.ErrorCode.GENERIC, "rank 0: op max is not supported"))
+    lost.join(timeout=5.0)
+    assert not lost.is_alive()
+    assert "op max" in str(coll.error), coll.error
+
+
+def test_a_lost_aggregator_without_a_report_fails_the_collective_after_the_grace():
+    from sparcoll.errors import REPORT_GRACE, PeerError
+    job, coll = _waiting_job()
+    start = time.monotonic()
+    job.broken(0, PeerError("aggregator 0 at 127.0.0.1:1 closed the connection"))
+    elapsed = time.monotonic() - start
+    assert isinstance(coll.error, PeerError) and "closed the connection" in str(coll.error)
+    assert REPORT_GRACE * 0.9 <= elapsed < REPORT_GRACE + 2.0, elapsed

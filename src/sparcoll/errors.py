@@ -1,5 +1,9 @@
 """One exception hierarchy, so callers can catch everything sparcoll raises with one clause."""
 
+REPORT_GRACE = 0.5      # seconds a collective that failed for a lost connection waits for a peer's
+                        # report of why: a peer that refused its input announces it, then leaves,
+                        # and its closed connection may be seen first
+
 
 class SparcollError(RuntimeError):
     """Root of every error sparcoll raises on purpose."""

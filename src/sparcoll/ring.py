@@ -49,7 +49,7 @@ from torch._C._distributed_c10d import AllgatherOptions    # not re-exported by 
 
 from . import wire
 from .algorithm import TINY_NUMEL
-from .errors import CollectiveTimeout, MismatchError, PeerError
+from .errors import REPORT_GRACE, CollectiveTimeout, MismatchError, PeerError
 
 _FIELDS = 5                 # a call: id, numel, dtype, op, and 1 if its data is gathered
 _SHARED = 3                 # numbers averaged over the ranks in the check round
@@ -59,7 +59,6 @@ _SHARE = slice(2 * _FIELDS, 2 * _FIELDS + _SHARED)     # and the numbers to aver
 _HEAD = _SHARE.stop         # float64 fields in front of a gathered call's data
 _ROOTED = 3                 # from this many ranks the check round goes through rank 0
 _POLL = 0.05                # seconds between looks for a peer's report while gloo runs
-_REPORT_GRACE = 0.5         # seconds a failed collective waits for a peer's report of why
 _SPIN = 0.002               # seconds of looking at is_completed() first: a short collective is
                             # seen done at once (small calls on loopback: without it the median
                             # call is faster, the mean and async batches slower; docs/benchmarks.md)
@@ -294,9 +293,9 @@ class Ring:
 
     @staticmethod
     def _report_soon(peer_report) -> BaseException | None:
-        """A peer's report that arrives within _REPORT_GRACE seconds (a peer that refused its
+        """A peer's report that arrives within REPORT_GRACE seconds (a peer that refused its
         input reports it, then closes its groups: the closed connection may be seen first)."""
-        end = time.monotonic() + _REPORT_GRACE
+        end = time.monotonic() + REPORT_GRACE
         while (report := peer_report()) is None and time.monotonic() < end:
             time.sleep(0.01)
         return report

@@ -21,7 +21,8 @@ from . import transport, wire
 from .aggregator import AggregatorJob
 from .blocks import as_bytes, block_count, runs
 from .collective import WorkerCollective
-from .errors import CollectiveTimeout, MismatchError, PeerError, ProtocolError, SparcollError
+from .errors import (REPORT_GRACE, CollectiveTimeout, MismatchError, PeerError, ProtocolError,
+                     SparcollError)
 from .lease import give_back
 from .message_size import MessageSizePolicy
 from .protocol import Geometry, WorkerStream
@@ -242,12 +243,15 @@ class WorkerJob:
 
     def broken(self, agg: int, exc: BaseException) -> None:
         """A connection to an aggregator failed: every later collective fails, and so does the
-        current one if it still needs that aggregator (a peer that finished first may leave)."""
+        current one if it still needs that aggregator (a peer that finished first may leave),
+        unless a report of why it failed arrives within REPORT_GRACE (that one is the better
+        error). Runs on the connection's own thread, which ends after it."""
         error = exc if isinstance(exc, PeerError) else PeerError(
             f"connection to aggregator {agg} at {self.addresses[agg]} failed: {exc}")
         self._on_poison(error)
         coll = self._active
         if coll is not None and agg in coll.waiting_for():
+            coll.settled.wait(REPORT_GRACE)
             coll.fail(error)
 
     def internal_failure(self, coll: WorkerCollective | None, what: str,
