@@ -108,9 +108,9 @@ def run_point(series: list[Series], cfg: dict, seed: int) -> None:
     repetitions runs every algorithm once, in an order shuffled by `seed` (the same on every
     rank). A busy moment of the machine, or its drift over a series, then falls on every
     algorithm alike instead of on the one whose series it was (2 workers on loopback: one
-    repetition of gloo's ring took 31 to 49 ms in one series of 15). The variants of one communicator stay
-    together, in their order: it learns the order of its calls (sparcoll/ring.py, expected
-    calls), as it would from a training step's."""
+    repetition of gloo's ring took 31 to 49 ms in one series of 15). The variants of one
+    communicator stay together, in their order: it learns the order of its calls
+    (sparcoll/ring.py, expected calls), as it would from a training step's."""
     for s in series:
         for _ in range(cfg["warmup"]):
             s.repetition(timed=False)
