@@ -5,13 +5,12 @@ exposed as views so the transport can send from, and receive into, the tensor's 
 """
 from __future__ import annotations
 
-import threading
+import functools
 
 import numpy as np
 import torch
 
 SCAN_ROWS = 1 << 16   # rows per reduceat in a scan: bounds the cached row starts (512 KiB)
-_scratch = threading.local()
 
 
 def block_count(numel: int, block_size: int) -> int:
@@ -60,7 +59,7 @@ def nonzero_mask(rows: torch.Tensor) -> np.ndarray:
     for first in range(0, nrows, SCAN_ROWS):
         count = min(SCAN_ROWS, nrows - first)
         chunk = words[first * per_row:(first + count) * per_row]
-        ors = np.bitwise_or.reduceat(chunk, _row_starts(per_row)[:count])
+        ors = np.bitwise_or.reduceat(chunk, _row_starts(per_row, SCAN_ROWS)[:count])
         np.not_equal(np.bitwise_and(ors, value_bits, out=ors), 0, out=mask[first:first + count])
     return mask
 
@@ -72,14 +71,11 @@ def _value_bits(word, size: int):
     return np.frombuffer(element * (np.dtype(word).itemsize // size), dtype=word)[0]
 
 
-def _row_starts(per_row: int) -> np.ndarray:
-    """The first word of each of SCAN_ROWS rows of `per_row` words, cached per thread."""
-    cache = getattr(_scratch, "starts", None)
-    if cache is None:
-        cache = _scratch.starts = {}
-    starts = cache.get(per_row)
-    if starts is None or len(starts) != SCAN_ROWS:
-        starts = cache[per_row] = np.arange(SCAN_ROWS, dtype=np.intp) * per_row
+@functools.lru_cache(maxsize=16)
+def _row_starts(per_row: int, rows: int) -> np.ndarray:
+    """The first word of each of `rows` rows of `per_row` words (read-only: shared by threads)."""
+    starts = np.arange(rows, dtype=np.intp) * per_row
+    starts.flags.writeable = False
     return starts
 
 
