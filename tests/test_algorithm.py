@@ -529,10 +529,10 @@ def test_a_wait_slice_that_times_out_as_the_allreduce_completes_is_not_a_failure
     ring.rank = 0
     deadline = time.monotonic() + 5.0
     if failure is None:
-        ring._wait(CompletedWork(failure), deadline, lambda: None, spin=0.0)
+        ring._wait(CompletedWork(failure), deadline, lambda: None)
     else:
         with pytest.raises(PeerError, match="Connection reset by peer"):
-            ring._wait(CompletedWork(failure), deadline, lambda: None, spin=0.0)
+            ring._wait(CompletedWork(failure), deadline, lambda: None)
 
 
 # ---- the guarded ring alone ------------------------------------------------------------------------

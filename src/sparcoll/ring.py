@@ -59,12 +59,6 @@ _SHARE = slice(2 * _FIELDS, 2 * _FIELDS + _SHARED)     # and the numbers to aver
 _HEAD = _SHARE.stop         # float64 fields in front of a gathered call's data
 _ROOTED = 3                 # from this many ranks the check round goes through rank 0
 _POLL = 0.05                # seconds between looks for a peer's report while gloo runs
-_SPIN = 0.002               # seconds of looking at is_completed() first: a short collective is
-                            # seen done at once (small calls on loopback: without it the median
-                            # call is faster, the mean and async batches slower; docs/benchmarks.md)
-_SPIN_BYTES = 1 << 20       # a wait while more than this is in flight does not look first: that
-                            # takes long anyway, and looking takes a core from gloo's threads (4
-                            # ranks on 2 cores, 4M floats: 0.85-0.86x gloo with it, 0.94-0.95x without)
 
 Call = tuple[int, int, int, int, int]   # (id, numel, dtype code, op, gathered)
 
@@ -76,11 +70,6 @@ def _describe(call: list[float]) -> str:
     op_name = wire.Op(op).name.lower() if op in wire.Op._value2member_map_ else f"op code {op}"
     return f"allreduce {cid}: {numel} elements of {dtype_name}, op {op_name}" + \
         (", gathered" if gathered else "")
-
-
-def _spin(nbytes: int) -> float:
-    """Seconds a wait looks at a collective before sleeping in gloo's wait, with `nbytes` in flight."""
-    return _SPIN if nbytes <= _SPIN_BYTES else 0.0
 
 
 def _timed(options, timeout: float, **fields):
@@ -177,7 +166,7 @@ class Ring:
             else:
                 started = self._allreduce_data(total, timeout)
         if started is not None:
-            self._wait(started, deadline, peer_report, _spin(total.nbytes))
+            self._wait(started, deadline, peer_report)
         if rows is not None:    # in rank order, the same sum on every rank; halves add in float32
             total = rows.sum(dim=0, dtype=torch.float32 if rows.element_size() < 4 else rows.dtype)
             self.gathered += 1
@@ -200,32 +189,29 @@ class Ring:
             self._check[:data.numel()] = data.reshape(-1)
         self._check_np[TINY_NUMEL:] = fields        # numpy views: a few us less a call
         started = self._allreduce_data(data, timeout) if expected == call and not tiny else None
-        spin = _SPIN if started is None else _spin(data.nbytes)
         if self.world >= _ROOTED:
-            return (*self._rooted_round(timeout, deadline, peer_report, spin), started)
+            return (*self._rooted_round(timeout, deadline, peer_report), started)
         work = self.check_group.allgather([self._gathered_rows], [self._check],
                                           _timed(AllgatherOptions(), timeout))
-        self._wait(work, deadline, peer_report, spin)
+        self._wait(work, deadline, peer_report)
         gathered = self._gathered_np
         return gathered[:, TINY_NUMEL:], gathered[:, :TINY_NUMEL].sum(axis=0) if tiny else None, \
             started
 
-    def _rooted_round(self, timeout: float, deadline: float, peer_report, spin: float):
+    def _rooted_round(self, timeout: float, deadline: float, peer_report):
         """The check round among _ROOTED or more ranks: every rank's buffer gathered at rank 0,
         which sums the data slots (in rank order) and broadcasts the sums and every rank's fields.
         Two steps whatever the world, where a ring allgather takes world - 1. Returns (every
         rank's fields, the sums)."""
         outputs = [self._gathered_rows] if self.rank == 0 else []
         gather = _timed(dist.GatherOptions(), timeout, rootRank=0)
-        self._wait(self.check_group.gather(outputs, [self._check], gather), deadline, peer_report,
-                   spin)
+        self._wait(self.check_group.gather(outputs, [self._check], gather), deadline, peer_report)
         verdict = self._verdict_np
         if self.rank == 0:
             verdict[:TINY_NUMEL] = self._gathered_np[:, :TINY_NUMEL].sum(axis=0)
             verdict[TINY_NUMEL:] = self._gathered_np[:, TINY_NUMEL:].reshape(-1)
         broadcast = _timed(dist.BroadcastOptions(), timeout, rootRank=0, rootTensor=0)
-        self._wait(self.check_group.broadcast([self._verdict], broadcast), deadline, peer_report,
-                   spin)
+        self._wait(self.check_group.broadcast([self._verdict], broadcast), deadline, peer_report)
         return verdict[TINY_NUMEL:].reshape(self.world, _HEAD), verdict[:TINY_NUMEL]
 
     def _gather_with_check(self, data: torch.Tensor | None, expected: Call, fields: np.ndarray,
@@ -244,7 +230,7 @@ class Ring:
         out = torch.empty(self.world, size, dtype=torch.uint8)
         work = self.data_group.allgather([list(out.unbind(0))], [mine],
                                          _timed(AllgatherOptions(), timeout))
-        self._wait(work, deadline, peer_report, _spin(out.nbytes))
+        self._wait(work, deadline, peer_report)
         return out[:, :head].view(torch.float64).numpy(), out[:, head:head + payload].view(dtype)
 
     def _allreduce_data(self, tensor: torch.Tensor, timeout: float):
@@ -263,13 +249,12 @@ class Ring:
         after = self._after.get(kind)
         return None if after is None else (cid + after[1], *after[0])
 
-    def _wait(self, work, deadline: float, peer_report, spin: float) -> None:
-        """Wait for one gloo collective until done, a peer's report, or the deadline: first `spin`
-        seconds of polling (a short collective is done by then), then gloo's own wait in slices of
-        _POLL seconds, between which this rank looks for a peer's report."""
-        spin_end = time.monotonic() + spin
-        while not work.is_completed() and time.monotonic() < spin_end:
-            time.sleep(0)       # yields the GIL; a short collective ends here, woken at once
+    def _wait(self, work, deadline: float, peer_report) -> None:
+        """Wait for one gloo collective until done, a peer's report, or the deadline: gloo's own
+        wait in slices of _POLL seconds, between which this rank looks for a peer's report. No
+        polling first: a thread that polls takes a core from gloo's threads on 2 busy cores (2
+        ranks on loopback, 8 to 4K floats, 6 runs: the median call 364-663 us without it,
+        498-1121 us with 2 ms of polling; docs/benchmarks.md)."""
         while True:
             try:
                 work.wait(timedelta(seconds=max(0.001, min(_POLL, deadline - time.monotonic()))))
