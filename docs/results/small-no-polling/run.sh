@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Small calls with and without the ring's 2 ms of polling: 3008b8e (polling) and 5cb607b (none)
+# alternated, ROUNDS rounds of 2 ranks and 2 rounds of 4 ranks, each run benchmarks/small_tensors.py
+# (gloo, sparcoll auto and sparcoll forced sparse interleaved call by call). OLD and NEW are worktrees
+# of the two commits.   docs/results/small-no-polling/run.sh OLD NEW [ROUNDS=4]
+set -euo pipefail
+old=$1 new=$2 rounds=${3:-4}
+out=$(cd "$(dirname "$0")" && pwd)
+cd "$(dirname "$0")/../../.."
+export OMP_NUM_THREADS=1
+run() { PYTHONPATH=$2/src timeout 600 .venv/bin/torchrun --standalone --nproc-per-node $3 \
+          benchmarks/small_tensors.py 2>/dev/null > "$out/$1.txt"; }
+for r in $(seq 1 "$rounds"); do run old-2w-r$r "$old" 2; run new-2w-r$r "$new" 2; done
+for r in 1 2; do run old-4w-r$r "$old" 4; run new-4w-r$r "$new" 4; done
