@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from sparcoll import Communicator, MismatchError, SparcollError
+from sparcoll import Communicator, MismatchError, SparcollError, wire
 from sparcoll.algorithm import (LOOK_EVERY, SAMPLE_BLOCKS, SMALL_TRIALS, TINY_NUMEL, Algorithm,
                                 Chooser, candidate_block_sizes, entry_block_size)
 from support import block_sparse, on_threads
@@ -573,35 +573,43 @@ def run_rings(store, world: int, body, timeout: float = 10.0) -> dict:
     return results
 
 
-def test_gathered_calls_every_rank_expects_carry_their_own_check(store):
+@pytest.mark.parametrize("world,dtype,op", [(2, torch.float32, wire.Op.SUM),
+                                             (3, torch.float32, wire.Op.SUM),
+                                             (2, torch.float16, wire.Op.AVG),
+                                             (4, torch.bfloat16, wire.Op.AVG)])
+def test_gathered_calls_every_rank_expects_carry_their_own_check(store, world, dtype, op):
     """The first two gathered calls wait for a check round; from the third every rank expects the
-    call, and its allgather carries the check: no check round, sums still exact."""
-    world, numel, calls = 3, 5000, 5
-    inputs = [[torch.randn(numel, generator=torch.Generator().manual_seed(10 * i + r))
-               for r in range(world)] for i in range(calls)]
+    call, and its gather carries the check: no check round, sums still exact and the same on every
+    rank (2 ranks: an allgather, every rank sums; from 3: gathered and summed at rank 0)."""
+    numel, calls = 5000, 5
+    inputs = [[(torch.randn(numel, generator=torch.Generator().manual_seed(10 * i + r)) + 4)
+               .to(dtype) for r in range(world)] for i in range(calls)]
 
     def body(r, ring):
         out = []
         for i in range(calls):
             tensor = inputs[i][r].clone()
-            ring.allreduce(i + 1, tensor, 0, 10.0, lambda: None, gather=True)
+            ring.allreduce(i + 1, tensor, op, 10.0, lambda: None, gather=True)
             out.append(tensor)
         return out, ring.checked_first, ring.gathered, ring.check_rounds
     results = run_rings(store, world, body)
+    tolerance = 1e-5 if dtype is torch.float32 else 1e-2
     for r in range(world):
         assert not isinstance(results[r], Exception), results[r]
         out, checked_first, gathered, check_rounds = results[r]
         assert (checked_first, gathered, check_rounds) == (2, calls, 2)
         for i, tensor in enumerate(out):
-            reference = sum(t.double() for t in inputs[i])
-            torch.testing.assert_close(tensor.double(), reference, rtol=1e-5, atol=1e-5)
+            reference = sum(t.double() for t in inputs[i]) / (world if op == wire.Op.AVG else 1)
+            torch.testing.assert_close(tensor.double(), reference, rtol=tolerance, atol=tolerance)
             assert torch.equal(tensor, results[0][0][i])
 
 
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", ["numel", "tiny", "allreduce"])
-def test_a_rank_that_leaves_a_gathered_call_all_expect_is_a_mismatch_on_every_rank(store, case):
+def test_a_rank_that_leaves_a_gathered_call_all_expect_is_a_mismatch_on_every_rank(store, case,
+                                                                                    world):
     """Every rank expects a third gathered call; rank 1 makes another (more elements, a tiny one,
-    or the same tensor allreduced). It joins the expected allgather with its own call's fields, so
+    or the same tensor allreduced). It joins the expected gather with its own call's fields, so
     every rank raises MismatchError from that one round, promptly, and nobody aborts."""
     numel = 5000
 
@@ -615,7 +623,7 @@ def test_a_rank_that_leaves_a_gathered_call_all_expect_is_a_mismatch_on_every_ra
             gather = case != "allreduce"
         ring.allreduce(3, tensor, 0, 10.0, lambda: None, gather=gather)
     start = time.monotonic()
-    results = run_rings(store, 2, body, timeout=30.0)
+    results = run_rings(store, world, body, timeout=30.0)
     assert time.monotonic() - start < 10.0
     assert_mismatch_on_every_rank(results)
     assert f"rank 1: allreduce 3: " in str(results[0])

@@ -33,7 +33,8 @@ rank's fields (4 ranks: 669 us median against the allgather's 2994 and gloo's al
       - a gathered call: there is no check round. Every rank joins that call's allgather, on the
         data group, with its own call's fields in front of its data (zeros when its call is
         another one): the sizes agree whatever the calls, and the one round both checks and
-        carries the data.
+        carries the data. From _ROOTED ranks on it is a gather at rank 0, which sums the data,
+        and a broadcast of every rank's fields and the sum, as for the check round.
 A ring collective waits for gloo or for a peer's report of the same collective (a peer that refused
 its input tells the aggregators; see WorkerJob.abort), whichever comes first, at most `timeout`.
 """
@@ -70,6 +71,11 @@ def _describe(call: list[float]) -> str:
     op_name = wire.Op(op).name.lower() if op in wire.Op._value2member_map_ else f"op code {op}"
     return f"allreduce {cid}: {numel} elements of {dtype_name}, op {op_name}" + \
         (", gathered" if gathered else "")
+
+
+def _total_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype gathered data is summed in: halves add in float32."""
+    return torch.float32 if dtype.itemsize < 4 else dtype
 
 
 def _timed(options, timeout: float, **fields):
@@ -125,9 +131,9 @@ class Ring:
         fields = np.array((*call, *(expected_next or (0,) * _FIELDS), *(share or (0.0,) * _SHARED)),
                           dtype=np.float64)     # ids start at 1: zeros are no call expected
         expected, self._expected = self._expected, None
-        started = rows = None
+        started = summed = None
         if expected is not None and expected[4]:
-            fields_of, rows = self._gather_with_check(total if call == expected else None,
+            fields_of, summed = self._gather_with_check(total if call == expected else None,
                                                       expected, fields, timeout, deadline,
                                                       peer_report)
         else:
@@ -135,7 +141,7 @@ class Ring:
                                                          deadline, peer_report)
         agree = (fields_of[:, _CALL] == fields[_CALL]).all(axis=1)
         if not agree.all():
-            if rows is None and started is None and expected is not None \
+            if summed is None and started is None and expected is not None \
                     and expected[1] > TINY_NUMEL:
                 # peers whose call was the expected one (an allreduce) have started its data: a
                 # partner of its size lets it end (gloo cannot cancel it; its groups would wait
@@ -149,26 +155,26 @@ class Ring:
                 f"(this rank: {_describe(fields[_CALL].tolist())}; {others})")
         if expected_next is not None and (fields_of[:, _NEXT] == fields[_NEXT]).all():
             self._expected = expected_next      # every rank expects the same next call
-        if rows is not None and call != expected:
+        if summed is not None and call != expected:
             # every rank made the same call, not the gathered one all expected: that round was
             # its check and carried none of its data
-            rows = None
+            summed = None
             if tiny:
                 _, sums, _ = self._check_round(total, call, None, fields, timeout, deadline,
                                                peer_report)
         if tiny:
             total = torch.from_numpy(sums[:data.numel()])
-        elif rows is None and started is None:      # its data waited for its check
+        elif summed is None and started is None:    # its data waited for its check
             self.checked_first += 1
             if gather:
-                _, rows = self._gather_with_check(total, call, fields, timeout, deadline,
+                _, summed = self._gather_with_check(total, call, fields, timeout, deadline,
                                                   peer_report)
             else:
                 started = self._allreduce_data(total, timeout)
         if started is not None:
             self._wait(started, deadline, peer_report)
-        if rows is not None:    # in rank order, the same sum on every rank; halves add in float32
-            total = rows.sum(dim=0, dtype=torch.float32 if rows.element_size() < 4 else rows.dtype)
+        if summed is not None:
+            total = summed
             self.gathered += 1
         if op == wire.Op.AVG:
             total.div_(self.world)
@@ -217,9 +223,10 @@ class Ring:
     def _gather_with_check(self, data: torch.Tensor | None, expected: Call, fields: np.ndarray,
                            timeout: float, deadline: float, peer_report):
         """Every rank expects the gathered call `expected` (or its check round said they all make
-        it): each joins its allgather with its own call's fields in front of its data (zeros when
+        it): each joins its gather with its own call's fields in front of its data (zeros when
         its call is another one), so one round both checks the calls and carries the data.
-        Returns (every rank's fields, every rank's data as (world, numel) rows)."""
+        Returns (every rank's fields, the sum of every rank's data, the same on every rank; halves
+        add in float32)."""
         dtype = wire.DTYPES[expected[2]][0]
         head, payload = _HEAD * 8, expected[1] * dtype.itemsize
         size = head + -(-payload // 8) * 8      # rows of whole float64s: the views below need
@@ -227,11 +234,39 @@ class Ring:
         mine[:head].view(torch.float64).numpy()[:] = fields
         if data is not None:
             mine[head:head + payload].view(dtype).copy_(data.reshape(-1))
+        if self.world >= _ROOTED:
+            return self._gather_at_root(mine, expected[1], dtype, timeout, deadline, peer_report)
         out = torch.empty(self.world, size, dtype=torch.uint8)
         work = self.data_group.allgather([list(out.unbind(0))], [mine],
                                          _timed(AllgatherOptions(), timeout))
         self._wait(work, deadline, peer_report)
-        return out[:, :head].view(torch.float64).numpy(), out[:, head:head + payload].view(dtype)
+        return out[:, :head].view(torch.float64).numpy(), \
+            out[:, head:head + payload].view(dtype).sum(dim=0, dtype=_total_dtype(dtype))
+
+    def _gather_at_root(self, mine: torch.Tensor, numel: int, dtype: torch.dtype, timeout: float,
+                        deadline: float, peer_report):
+        """A gathered call among _ROOTED or more ranks: every rank's row (`mine`: fields, then
+        data) gathered at rank 0, which sums the data and broadcasts every rank's fields and the
+        sum. Two steps whatever the world, where a ring allgather takes world - 1
+        (as for the check round). Returns what _gather_with_check does."""
+        head, fields = _HEAD * 8, self.world * _HEAD * 8
+        total_dtype = _total_dtype(dtype)
+        verdict = torch.empty(fields + -(-numel * total_dtype.itemsize // 8) * 8,
+                              dtype=torch.uint8)    # every rank's fields, then the sum
+        total = verdict[fields:fields + numel * total_dtype.itemsize].view(total_dtype)
+        gathered = torch.empty(self.world, mine.numel(), dtype=torch.uint8) \
+            if self.rank == 0 else None
+        outputs = [list(gathered.unbind(0))] if gathered is not None else []
+        self._wait(self.data_group.gather(outputs, [mine], _timed(dist.GatherOptions(), timeout,
+                                                                  rootRank=0)),
+                   deadline, peer_report)
+        if gathered is not None:
+            verdict[:fields].view(self.world, head).copy_(gathered[:, :head])
+            rows = gathered[:, head:head + numel * dtype.itemsize].view(dtype)
+            torch.sum(rows, dim=0, dtype=total_dtype, out=total)
+        broadcast = _timed(dist.BroadcastOptions(), timeout, rootRank=0, rootTensor=0)
+        self._wait(self.data_group.broadcast([verdict], broadcast), deadline, peer_report)
+        return verdict[:fields].view(torch.float64).numpy().reshape(self.world, _HEAD), total
 
     def _allreduce_data(self, tensor: torch.Tensor, timeout: float):
         """Start a larger call's allreduce, in place, on the data group: gloo's work."""
