@@ -818,7 +818,7 @@ def test_peer_rejects_input_and_leaves_before_this_rank_starts(store):
                 assert left.wait(20), "rank 1 never left"
                 # Nothing public shows that rank 1's ERROR for collective 1 and its connection's
                 # end have been processed here: poll the communicator's state for both.
-                assert wait_for(lambda: comm._worker.has_early_error(1)
+                assert wait_for(lambda: comm._worker.early_error_soon(1)
                                 and comm._engine.poison is not None, 10), \
                     "rank 1's report or its connection's end never arrived"
                 results[0] = _outcome(lambda: comm.allreduce(torch.ones(1000)))
@@ -868,6 +868,7 @@ def _waiting_job():
     job = object.__new__(WorkerJob)     # no connections: only broken() and collective_error()
     job.rank, job.addresses, job._on_poison = 1, ["127.0.0.1:1", "127.0.0.1:2"], lambda exc: None
     job._lock, job._last_started, job._early_errors = threading.Lock(), 7, {}
+    job._early_reported, job._report_due = threading.Condition(job._lock), 0.0
     coll = WorkerCollective(7, torch.zeros(512), (512, 0, 0), timeout=10.0)
     coll.start(256, [(0, 0, None, None), (1, 0, None, None)])
     job._active = coll
@@ -899,3 +900,62 @@ def test_a_lost_aggregator_without_a_report_fails_the_collective_after_the_grace
     elapsed = time.monotonic() - start
     assert isinstance(coll.error, PeerError) and "closed the connection" in str(coll.error)
     assert REPORT_GRACE * 0.9 <= elapsed < REPORT_GRACE + 2.0, elapsed
+
+
+def _poisoned_engine():
+    """An Engine over a WorkerJob (only its failure handling) that has started collective 7 and
+    nothing since; the job's lost connections poison the engine, as in a Communicator."""
+    from sparcoll.algorithm import Algorithm, Chooser
+    from sparcoll.engine import Engine
+    job, _ = _waiting_job()
+    job._active = None                  # collective 7 is over; 8 is this rank's next
+    engine = Engine(1, job, Chooser(Algorithm.SPARSE, 256, 2), ring=None)
+    job._on_poison = engine.set_poison
+    return job, engine
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_a_call_after_a_lost_aggregator_fails_with_the_peers_report_that_follows(started):
+    """A peer refused its input for collective 8 and left; its closed connection reached this rank
+    before its report, and this rank calls collective 8 meanwhile. Whether the call is checked on
+    submission or already queued when the report comes, it fails with the report (within
+    REPORT_GRACE of the lost connection), not with the lost connection."""
+    from sparcoll import wire
+    from sparcoll.collective import WorkerCollective
+    from sparcoll.errors import REPORT_GRACE, PeerError, PoisonedError
+    job, engine = _poisoned_engine()
+    try:
+        lost_at = time.monotonic()
+        job.broken(0, PeerError("aggregator 0 at 127.0.0.1:1 closed the connection"))
+        report = threading.Timer(0.1, job.collective_error,
+                                 (wire.Failure(8, wire.ErrorCode.GENERIC,
+                                               "rank 0: op max is not supported"),))
+        report.start()
+        coll = WorkerCollective(8, torch.zeros(512), (512, 0, 0), timeout=10.0)
+        if not started:
+            engine.check_poison(8)      # raises PoisonedError without the wait
+        error = engine._execute(coll)
+        report.join(timeout=5.0)
+        assert "op max" in str(error) and not isinstance(error, PoisonedError), error
+        assert time.monotonic() - lost_at < REPORT_GRACE + 1.0
+    finally:
+        engine.close()
+
+
+def test_a_call_after_a_lost_aggregator_without_a_report_is_poisoned_after_the_grace_only():
+    """No report comes: the first call waits until REPORT_GRACE after the lost connection, then
+    fails as poisoned; a call after that grace fails at once."""
+    from sparcoll.errors import REPORT_GRACE, PeerError, PoisonedError
+    job, engine = _poisoned_engine()
+    try:
+        lost_at = time.monotonic()
+        job.broken(0, PeerError("aggregator 0 at 127.0.0.1:1 closed the connection"))
+        with pytest.raises(PoisonedError, match="closed the connection"):
+            engine.check_poison(8)
+        assert REPORT_GRACE * 0.9 <= time.monotonic() - lost_at < REPORT_GRACE + 1.0
+        start = time.monotonic()
+        with pytest.raises(PoisonedError, match="closed the connection"):
+            engine.check_poison(9)
+        assert time.monotonic() - start < 0.1
+    finally:
+        engine.close()

@@ -162,12 +162,11 @@ class Engine:
 
     def check_poison(self, cid: int) -> None:
         """PoisonedError if an earlier collective failed (unless a peer's own report of this
-        collective is waiting: that one is the better error)."""
-        if self.worker.has_early_error(cid):
-            return
+        collective is waiting, or comes soon after a lost connection: that one is the better
+        error)."""
         with self._lock:
             poison = self.poison
-        if poison is not None:
+        if poison is not None and not self.worker.early_error_soon(cid):
             raise PoisonedError(f"an earlier collective failed ({poison}); create a new "
                                 f"communicator") from poison
 
@@ -241,7 +240,9 @@ class Engine:
 
     def _execute(self, coll: WorkerCollective) -> BaseException | None:
         """Run one collective, in submission order, on the engine or a blocking caller's thread."""
-        error = self.worker.take_early_error(coll.id)   # a peer's own report beats our poison
+        if self.poison is not None:     # a peer's own report beats our poison, if it comes
+            self.worker.early_error_soon(coll.id)
+        error = self.worker.take_early_error(coll.id)
         if error is None and self.poison is not None:
             error = PoisonedError(f"an earlier collective failed ({self.poison})")
         if error is None:

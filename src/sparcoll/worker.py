@@ -56,6 +56,8 @@ class WorkerJob:
         self._active: WorkerCollective | None = None
         self._last_started = 0
         self._early_errors: dict[int, BaseException] = {}  # reported before this rank started it
+        self._early_reported = threading.Condition(self._lock)     # one was added
+        self._report_due = 0.0      # until when a lost connection's report of why may still come
         self._closed = False
 
     def local_inbox(self) -> Callable[[wire.LocalResult | wire.Failure], None]:
@@ -84,9 +86,13 @@ class WorkerJob:
         with self._lock:
             return self._early_errors.pop(cid, None)
 
-    def has_early_error(self, cid: int) -> bool:
+    def early_error_soon(self, cid: int) -> bool:
+        """Whether a peer reported collective `cid` before this rank started it, waiting for that
+        report until REPORT_GRACE after the last lost connection: a peer that refused its input
+        reports it, then closes, and its closed connection may be seen first (see broken)."""
         with self._lock:
-            return cid in self._early_errors
+            return self._early_reported.wait_for(lambda: cid in self._early_errors,
+                                                 max(0.0, self._report_due - time.monotonic()))
 
     def run(self, coll: WorkerCollective, block_size: int) -> BaseException | None:
         """Run one collective to its end with blocks of `block_size` (at most the job's); returns
@@ -238,6 +244,7 @@ class WorkerJob:
             if coll is None and failure.collective > self._last_started:
                 # A peer failed a collective this rank has queued but not started yet.
                 self._early_errors[failure.collective] = error
+                self._early_reported.notify_all()
         if coll is not None:
             coll.fail(error)
 
@@ -248,6 +255,8 @@ class WorkerJob:
         error). Runs on the connection's own thread, which ends after it."""
         error = exc if isinstance(exc, PeerError) else PeerError(
             f"connection to aggregator {agg} at {self.addresses[agg]} failed: {exc}")
+        with self._lock:        # before the poison: a call that sees it waits for the report
+            self._report_due = time.monotonic() + REPORT_GRACE
         self._on_poison(error)
         coll = self._active
         if coll is not None and agg in coll.waiting_for():
