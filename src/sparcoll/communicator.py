@@ -32,7 +32,7 @@ class Stats(transport.TrafficStats):
     """Traffic this process's transport wrote and read on the worker's behalf, and collectives run
     (of which `ring_collectives` on gloo's ring, handed `ring_bytes` of tensors: see algorithm.py;
     `ring_checked_first` of them larger ones that waited for their check round, `ring_gathered`
-    larger ones whose data was gathered and summed locally: see ring.py)."""
+    larger ones whose data was gathered and summed instead of allreduced: see ring.py)."""
     collectives: int = 0
     ring_collectives: int = 0
     ring_bytes: int = 0

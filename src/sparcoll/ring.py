@@ -134,8 +134,8 @@ class Ring:
         started = summed = None
         if expected is not None and expected[4]:
             fields_of, summed = self._gather_with_check(total if call == expected else None,
-                                                      expected, fields, timeout, deadline,
-                                                      peer_report)
+                                                        expected, fields, timeout, deadline,
+                                                        peer_report)
         else:
             fields_of, sums, started = self._check_round(total, call, expected, fields, timeout,
                                                          deadline, peer_report)
@@ -168,7 +168,7 @@ class Ring:
             self.checked_first += 1
             if gather:
                 _, summed = self._gather_with_check(total, call, fields, timeout, deadline,
-                                                  peer_report)
+                                                    peer_report)
             else:
                 started = self._allreduce_data(total, timeout)
         if started is not None:
@@ -288,8 +288,8 @@ class Ring:
         """Wait for one gloo collective until done, a peer's report, or the deadline: gloo's own
         wait in slices of _POLL seconds, between which this rank looks for a peer's report. No
         polling first: a thread that polls takes a core from gloo's threads on 2 busy cores (2
-        ranks on loopback, 8 to 4K floats, 6 runs: the median call 364-663 us without it,
-        498-1121 us with 2 ms of polling; docs/benchmarks.md)."""
+        ranks on loopback, 8 to 4K floats, 6 runs each: the median call 403-592 us without it,
+        462-1022 us with 2 ms of polling; docs/benchmarks.md)."""
         while True:
             try:
                 work.wait(timedelta(seconds=max(0.001, min(_POLL, deadline - time.monotonic()))))
