@@ -82,17 +82,35 @@ def free_ports(count: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
+def _reap(proc: subprocess.Popen, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for `proc` to exit and collect it, by its pid rather than
+    Popen.wait: SIGTERM becomes a KeyboardInterrupt (cli.py), and one raised inside Popen.poll()
+    can leave the Popen's internal lock taken, after which Popen never collects the process (a
+    terminated bench then waited out its kill and exited 1; seen once in CI)."""
+    end = time.monotonic() + timeout
+    while proc.returncode is None:
+        try:
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
+        except ChildProcessError:       # Popen collected it meanwhile
+            return True
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+        elif time.monotonic() >= end:
+            return False
+        else:
+            time.sleep(0.01)
+    return True
+
+
 def _stop(children: list[_Child]) -> None:
-    running = [c.proc for c in children if c.proc.poll() is None]
+    running = [c.proc for c in children if c.proc.returncode is None]
     for p in running:
         p.terminate()
     deadline = time.monotonic() + 3.0
     for p in running:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if not _reap(p, max(0.0, deadline - time.monotonic())):
             p.kill()
-            p.wait(timeout=5.0)
+            _reap(p, 5.0)
     for c in children:
         if c.proc.stdout:
             c.proc.stdout.close()
