@@ -209,16 +209,26 @@ class Ring:
         which sums the data slots (in rank order) and broadcasts the sums and every rank's fields.
         Two steps whatever the world, where a ring allgather takes world - 1. Returns (every
         rank's fields, the sums)."""
-        outputs = [self._gathered_rows] if self.rank == 0 else []
-        gather = _timed(dist.GatherOptions(), timeout, rootRank=0)
-        self._wait(self.check_group.gather(outputs, [self._check], gather), deadline, peer_report)
         verdict = self._verdict_np
-        if self.rank == 0:
+
+        def decide() -> None:
             verdict[:TINY_NUMEL] = self._gathered_np[:, :TINY_NUMEL].sum(axis=0)
             verdict[TINY_NUMEL:] = self._gathered_np[:, TINY_NUMEL:].reshape(-1)
-        broadcast = _timed(dist.BroadcastOptions(), timeout, rootRank=0, rootTensor=0)
-        self._wait(self.check_group.broadcast([self._verdict], broadcast), deadline, peer_report)
+        self._through_root(self.check_group, self._check, self._gathered_rows, decide,
+                           self._verdict, timeout, deadline, peer_report)
         return verdict[TINY_NUMEL:].reshape(self.world, _HEAD), verdict[:TINY_NUMEL]
+
+    def _through_root(self, group, mine: torch.Tensor, rows: list[torch.Tensor] | None, decide,
+                      verdict: torch.Tensor, timeout: float, deadline: float, peer_report) -> None:
+        """Every rank's `mine` gathered into `rows` at rank 0 (None elsewhere), where decide()
+        fills `verdict`, which is then broadcast to every rank: two steps whatever the world."""
+        gather = _timed(dist.GatherOptions(), timeout, rootRank=0)
+        self._wait(group.gather([rows] if self.rank == 0 else [], [mine], gather), deadline,
+                   peer_report)
+        if self.rank == 0:
+            decide()
+        broadcast = _timed(dist.BroadcastOptions(), timeout, rootRank=0, rootTensor=0)
+        self._wait(group.broadcast([verdict], broadcast), deadline, peer_report)
 
     def _gather_with_check(self, data: torch.Tensor | None, expected: Call, fields: np.ndarray,
                            timeout: float, deadline: float, peer_report):
@@ -256,16 +266,14 @@ class Ring:
         total = verdict[fields:fields + numel * total_dtype.itemsize].view(total_dtype)
         gathered = torch.empty(self.world, mine.numel(), dtype=torch.uint8) \
             if self.rank == 0 else None
-        outputs = [list(gathered.unbind(0))] if gathered is not None else []
-        self._wait(self.data_group.gather(outputs, [mine], _timed(dist.GatherOptions(), timeout,
-                                                                  rootRank=0)),
-                   deadline, peer_report)
-        if gathered is not None:
+
+        def decide() -> None:
             verdict[:fields].view(self.world, head).copy_(gathered[:, :head])
             rows = gathered[:, head:head + numel * dtype.itemsize].view(dtype)
             torch.sum(rows, dim=0, dtype=total_dtype, out=total)
-        broadcast = _timed(dist.BroadcastOptions(), timeout, rootRank=0, rootTensor=0)
-        self._wait(self.data_group.broadcast([verdict], broadcast), deadline, peer_report)
+        self._through_root(self.data_group, mine,
+                           list(gathered.unbind(0)) if gathered is not None else None, decide,
+                           verdict, timeout, deadline, peer_report)
         return verdict[:fields].view(torch.float64).numpy().reshape(self.world, _HEAD), total
 
     def _allreduce_data(self, tensor: torch.Tensor, timeout: float):

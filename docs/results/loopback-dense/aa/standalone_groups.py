@@ -9,6 +9,8 @@ ring = comm._engine.ring
 src = torch.randn(n)
 names = ["gloo", "defaultdirect", "datagroup", "sparcoll"]
 bufs = {k: src.clone() for k in names}
+# check, c and s: the earlier version's "concurrent" and "serial" candidates (standalone.txt);
+# the version as it is now does not call them.
 def check():
     return ring.check_group.allgather([ring._gathered_rows], [ring._check], AllgatherOptions())
 def g(): dist.all_reduce(bufs["gloo"])
