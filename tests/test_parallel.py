@@ -54,6 +54,12 @@ def wide() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 200), nn.ReLU(), nn.Linear(200, 5))
 
 
+def big() -> nn.Module:
+    """Layer 2's weight (300 x 300, 360 KB) too big for a bucket: its own collective."""
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(12, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 5))
+
+
 def mlp(bias: bool = True) -> nn.Module:
     torch.manual_seed(3)
     return nn.Sequential(nn.Linear(12, 16, bias=bias), nn.ReLU(), nn.Linear(16, 5, bias=bias))
@@ -192,34 +198,60 @@ def scenario(rank: int, world: int) -> dict:
         deep = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), Pause(0.3), nn.Linear(512, 512),
                              nn.Linear(512, 512))
         dp = sparcoll.torch.DataParallel(deep, strategy="ring")
-        fast = dp.channel.allreduce_mean
+        fast = dp.channel.start_allreduce_mean
 
         def slow_allreduce(t):
             time.sleep(0.02)
             return fast(t)
-        dp.channel.allreduce_mean = slow_allreduce
+        dp.channel.start_allreduce_mean = slow_allreduce
         dp(torch.randn(32, 512)).pow(2).mean().backward()
         out["events"] = [e.name for e in dp.trace]
         weights = [e for e in dp.trace if e.name.endswith("weight")]
         out["upper layers done before backward end"] = all(e.end < dp.backward_end for e in weights if e.name[0] in "34")
         out["lower layers after"] = all(e.start > dp.backward_end - 0.3 for e in weights if e.name[0] in "01")
         dp.close()
-        # an error on the synchronization thread (any exception) reaches backward, and the wrapper
-        # keeps working afterwards
+        # an error on the synchronization thread (any exception), or on the thread that waits for the
+        # collectives it left running, reaches backward, and the wrapper keeps working afterwards
         dp = sparcoll.torch.DataParallel(mlp(), strategy="ring")
-        working = dp.channel.allreduce_mean
+        working = dp.channel.start_allreduce_mean
 
         def broken(t):
             raise KeyError("injected")
-        dp.channel.allreduce_mean = broken
-        try:
-            step(dp, rank, 2, (12,))
-            out["error reached backward"] = None
-        except RuntimeError as exc:
-            out["error reached backward"] = str(exc)
-        dp.channel.allreduce_mean = working
+
+        class FailingWork:
+            def wait(self, timeout):
+                raise KeyError("injected while waiting")
+
+        def broken_work(t):
+            working(t).wait()
+            return FailingWork()
+        for name, fake in (("error reached backward", broken), ("wait error reached backward", broken_work)):
+            dp.channel.start_allreduce_mean = fake
+            try:
+                step(dp, rank, 2, (12,))
+                out[name] = None
+            except RuntimeError as exc:
+                out[name] = str(exc)
+        dp.channel.start_allreduce_mean = working
         out["works after an error"] = relative_error(step(dp, rank, 6, (12,)),
                                                      reference_grads(mlp, 6, (12,), world))
+        dp.close()
+        # the group's collectives are left running on its threads (as DDP leaves its buckets'): each
+        # starts before the one before it has completed, and the averages stay exact
+        dp = sparcoll.torch.DataParallel(big(), strategy="ring")
+        start = dp.channel.start_allreduce_mean
+
+        class SlowWork:
+            def __init__(self, work):
+                self.work = work
+
+            def wait(self, timeout):
+                time.sleep(0.3)
+                return self.work.wait(timeout)
+        dp.channel.start_allreduce_mean = lambda t: SlowWork(start(t))
+        out["left running"] = relative_error(step(dp, rank, 6, (12,)), reference_grads(big, 6, (12,), world))
+        out["left running collectives"] = len({e.start for e in dp.trace})
+        out["last started before the first completed"] = max(e.start for e in dp.trace) < min(e.end for e in dp.trace)
         dp.close()
         # a tied weight never takes SFB (its factors would miss the embedding's part), even when asked
         dp = sparcoll.torch.DataParallel(Tied(), strategy="sfb")
@@ -313,7 +345,16 @@ def test_a_thread_error_reaches_backward_and_the_wrapper_recovers(outcome):
     for out in outcome:
         assert "gradient synchronization failed" in out["error reached backward"]
         assert "injected" in out["error reached backward"]
+        assert "gradient synchronization failed" in out["wait error reached backward"]
+        assert "injected while waiting" in out["wait error reached backward"]
         assert out["works after an error"] <= 1e-5
+
+
+def test_collectives_left_running_overlap_and_stay_exact(outcome):
+    for out in outcome:
+        assert out["left running"] <= 1e-5
+        assert out["left running collectives"] == 3     # layer 4 and 2.bias, 2.weight, layer 0
+        assert out["last started before the first completed"]
 
 
 def test_different_batch_sizes_under_the_hybrid_choice_fail_on_every_rank(outcome):

@@ -22,18 +22,34 @@ class Channel:
 
     def allreduce_mean(self, t: torch.Tensor) -> torch.Tensor:
         """Average a dense tensor in place (each share divided first, as DDP does); returns it."""
-        if self.world > 1:
-            t.div_(self.world)
-            dist.all_reduce(t, group=self.group)
+        _wait(self.start_allreduce_mean(t))
         return t
+
+    def start_allreduce_mean(self, t: torch.Tensor):
+        """allreduce_mean, started on the group's own threads: t holds the average once the returned
+        work is waited for (None: nothing to wait for, one rank). gloo runs a later collective while
+        this one travels, as under DDP's buckets."""
+        if self.world == 1:
+            return None
+        t.div_(self.world)
+        return dist.all_reduce(t, group=self.group, async_op=True)
 
     def allreduce_mean_many(self, tensors: list) -> list:
         """Average tensors of one dtype in one allreduce (in place for a single tensor)."""
-        if len(tensors) == 1 or self.world == 1:
-            return [self.allreduce_mean(t) for t in tensors]
-        flat = self.allreduce_mean(torch.cat([t.reshape(-1) for t in tensors]))
-        return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]),
-                                                       tensors)]
+        outs, work = self.start_allreduce_mean_many(tensors)
+        _wait(work)
+        return outs
+
+    def start_allreduce_mean_many(self, tensors: list) -> tuple[list, object]:
+        """allreduce_mean_many, started: (the averages, valid once the work is waited for; the work or
+        None)."""
+        if self.world == 1:
+            return list(tensors), None
+        if len(tensors) == 1:
+            return list(tensors), self.start_allreduce_mean(tensors[0])
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        work = self.start_allreduce_mean(flat)
+        return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)], work
 
     def blocks_mean(self, tensors: list, block_size: int, into: list | None = None) -> list:
         """Average block-sparse tensors given as (block indices ascending, rows, numel) in one sparse
@@ -65,9 +81,17 @@ class Channel:
             return t
         if self.comm is not None:
             return self.comm.allreduce_coo(t, op="avg")
+        total, work = self.start_sparse_mean(t)
+        _wait(work)
+        return total.coalesce()
+
+    def start_sparse_mean(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """The group's own sparse all_reduce of t / world (gloo's gathers), started: (the average,
+        uncoalesced, valid once the work is waited for; the work or None)."""
+        if self.world == 1:
+            return t, None
         t = t / self.world
-        dist.all_reduce(t, group=self.group)
-        return t.coalesce()
+        return t, dist.all_reduce(t, group=self.group, async_op=True)
 
     def allgather(self, parts: tuple, variable: bool) -> list[tuple]:
         """Every rank's `parts` (1-D tensors, the same dtypes on every rank), in rank order. With
@@ -91,6 +115,11 @@ class Channel:
         gathered = [torch.empty_like(data) for _ in range(self.world)]
         dist.all_gather(gathered, data, group=self.group)
         return [_split(buf, n, parts) for buf, n in zip(gathered, every)]
+
+
+def _wait(work) -> None:
+    if work is not None:
+        work.wait()
 
 
 def _scatter_rows(flat: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, width: int):

@@ -19,7 +19,10 @@ weight used outside its module, as in `F.linear(x, layer.weight)` elsewhere, can
 such a layer an explicit strategy.)
 
 Gradients are synchronized on one thread, in the order backward produces them (the same on every
-rank); backward waits for the last of them before it returns. Small dense gradients of the ring or of
+rank); backward waits for the last of them before it returns. The group's own allreduces (the ring's,
+and gloo's sparse all_reduce of a COO gradient) are left running on the group's threads, as DDP
+leaves its buckets': the next collective starts while they travel, and a second thread waits for
+them in order and puts their results in place. Small dense gradients of the ring or of
 one compressor travel in buckets, as DDP's: one collective for several (each gradient compressed on
 its own, their payloads sent together), instead of a collective's latency each; a compressed weight
 takes its own bias along when the bias came just before it (as `sparcoll plan` prices a layer). Under `no_sync()` gradients
@@ -32,6 +35,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import datetime
 import functools
 import json
 import queue
@@ -39,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Union
+from typing import Callable, Mapping, Union
 
 import torch
 import torch.distributed as dist
@@ -63,6 +67,17 @@ CHANNEL, THREAD, OFFLOAD = "channel", "thread", "offload"     # where a compress
 SMALL_BYTES = 256 << 10     # a gradient this small joins the bucket ...
 BUCKET_BYTES = 1 << 20      # ... which goes when it holds this much (as DDP's first bucket)
 STRATEGIES = (hybrid.RING, hybrid.PS, hybrid.SPARSE, hybrid.SFB)
+
+
+@dataclass
+class Started:
+    """A collective of the group's own left running on its threads, as DDP leaves its buckets', so
+    that the next tensor's collective need not wait for it (gloo runs two at once: on deeplight with
+    sparse embeddings its gathers of the embeddings' rows overlap the dense gradients' allreduce):
+    the completion thread waits for `work`, then `finish` puts its result in place."""
+    work: object
+    finish: Callable[[], None]
+    events: list
 
 
 @dataclass
@@ -132,8 +147,11 @@ class DataParallel(nn.Module):
         self.trace: list[Event] = []
         self.backward_end = float("nan")
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._running: queue.SimpleQueue = queue.SimpleQueue()     # Started, in the order they started
         self._thread = threading.Thread(target=self._serve, name="sparcoll-dataparallel", daemon=True)
         self._thread.start()
+        self._completer = threading.Thread(target=self._complete, name="sparcoll-dataparallel-done", daemon=True)
+        self._completer.start()
         self._broadcast_from_rank0()
         self._handles += [p.register_post_accumulate_grad_hook(self._ready) for p in self._params]
 
@@ -177,6 +195,8 @@ class DataParallel(nn.Module):
             handle.remove()
         self._queue.put(None)
         self._thread.join(timeout=5)
+        self._running.put(None)         # after the last collective the thread could have started
+        self._completer.join(timeout=5)
         if self._offload is not None:
             self._offload.shutdown(wait=False, cancel_futures=True)
 
@@ -432,20 +452,44 @@ class DataParallel(nn.Module):
             if item is None:
                 return
             p, chosen, extra, events = item
-            start = time.perf_counter()
+            start, started = time.perf_counter(), None
             try:
                 if self._error is None:        # after a failure, later tensors are moot
-                    self._synchronize(p, chosen, extra)
+                    started = self._synchronize(p, chosen, extra)
             except BaseException as exc:       # every error reaches backward, none kills the thread
                 self._error = exc
             end = time.perf_counter()
             for event in events:
                 event.start, event.end = start, end
+            if started is not None:      # the completion thread counts it done
+                self._running.put(Started(*started, events))
+                continue
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()
 
-    def _synchronize(self, p: torch.Tensor, chosen: str, extra) -> None:
+    def _complete(self) -> None:
+        """The completion thread: waits for each collective the synchronization thread left running,
+        in the order they started, and puts its result in place (after an error, only waits: nothing
+        of the step may run after backward has returned)."""
+        while True:
+            started = self._running.get()
+            if started is None:
+                return
+            try:
+                started.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+                if self._error is None:
+                    started.finish()
+            except BaseException as exc:       # every error reaches backward, none kills the thread
+                self._error = self._error or exc
+            end = time.perf_counter()
+            for event in started.events:
+                event.end = end
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def _synchronize(self, p: torch.Tensor, chosen: str, extra) -> tuple | None:
         if chosen == ROWS:
             rows, names = extra
             both = torch.cat([rows, -rows])
@@ -463,11 +507,14 @@ class DataParallel(nn.Module):
             return
         if chosen == BUCKET:
             grads = [q.grad for q in extra]
-            for q, grad, flat in zip(extra, grads, self.channel.allreduce_mean_many([g.reshape(-1) for g in grads])):
-                if flat.data_ptr() != grad.data_ptr():
-                    grad.copy_(flat.view_as(grad))
-                self._learn_density(q, flat)
-            return
+            flats, work = self.channel.start_allreduce_mean_many([g.reshape(-1) for g in grads])
+
+            def finish() -> None:
+                for q, grad, flat in zip(extra, grads, flats):
+                    if flat.data_ptr() != grad.data_ptr():
+                        grad.copy_(flat.view_as(grad))
+                    self._learn_density(q, flat)
+            return self._later(work, finish)
         if chosen == COMPRESSED:
             reducer, members = extra
             grads = [q.grad for q, _ in members]
@@ -486,22 +533,38 @@ class DataParallel(nn.Module):
                     grad.copy_(out.view_as(grad))
             return
         grad = p.grad
+        if grad.is_sparse and chosen in (hybrid.RING, hybrid.PS):   # the group's sparse all_reduce
+            total, work = self._group_channel.start_sparse_mean(grad.coalesce())
+            return self._later(work, lambda: setattr(p, "grad", total.coalesce()))
         if grad.is_sparse:
             p.grad = self._synchronize_coo(p, grad.coalesce(), chosen)
-            return
+            return None
         flat = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1).clone()
+
+        def finish() -> None:
+            if flat.data_ptr() != grad.data_ptr():
+                grad.copy_(flat.view_as(grad))
+            self._learn_density(p, flat)
         if chosen == hybrid.RING:
-            self.channel.allreduce_mean(flat)
-        elif chosen == hybrid.PS:
+            return self._later(self.channel.start_allreduce_mean(flat), finish)
+        if chosen == hybrid.PS:
             if id(p) not in self._scratch:
                 shard = -(-flat.numel() // self.world)
                 self._scratch[id(p)] = [torch.empty(shard, dtype=flat.dtype) for _ in range(self.world - 1)]
             ps_allreduce(flat, self.group, self._scratch[id(p)]).div_(self.world)
         elif chosen == hybrid.SPARSE:
             self.comm.allreduce(flat, op="avg")
-        if flat.data_ptr() != grad.data_ptr():
-            grad.copy_(flat.view_as(grad))
-        self._learn_density(p, flat)
+        finish()
+        return None
+
+    @staticmethod
+    def _later(work, finish: Callable[[], None]) -> tuple | None:
+        """A started collective's (work, finish) for the completion thread; finished here (None)
+        where there is nothing to wait for."""
+        if work is None:
+            finish()
+            return None
+        return work, finish
 
     def _learn_density(self, p: torch.Tensor, averaged: torch.Tensor) -> None:
         """The block density of p's averaged gradient, which the hybrid choice reads next step; only
@@ -515,8 +578,6 @@ class DataParallel(nn.Module):
         """A sparse COO gradient (nn.Embedding(sparse=True)): averaged without densifying."""
         if chosen == hybrid.SPARSE:
             return self.comm.allreduce_coo(grad, op="avg")
-        if chosen in (hybrid.RING, hybrid.PS):        # the group's sparse all_reduce (gloo's gathers)
-            return self._group_channel.sparse_mean(grad)
         return self._reducer(chosen).reduce(grad, key=id(p))
 
     def _reducer(self, spec: str, placement: str = CHANNEL) -> Reducer:
