@@ -71,11 +71,11 @@ STRATEGIES = (hybrid.RING, hybrid.PS, hybrid.SPARSE, hybrid.SFB)
 
 @dataclass
 class Started:
-    """A collective of the group's own left running on its threads, as DDP leaves its buckets', so
-    that the next tensor's collective need not wait for it (gloo runs two at once: on deeplight with
-    sparse embeddings its gathers of the embeddings' rows overlap the dense gradients' allreduce):
-    the completion thread waits for `work`, then `finish` puts its result in place."""
-    work: object
+    """A collective left running (on gloo's threads, as DDP leaves its buckets', or on sparcoll's
+    engine), so that the next tensor's collective need not wait for it: on deeplight with sparse
+    embeddings gloo's gathers of the embeddings' rows overlap the dense gradients' allreduce. The
+    completion thread calls `wait` (bounded), then `finish` puts the result in place."""
+    wait: Callable[[], object]
     finish: Callable[[], None]
     events: list
 
@@ -477,7 +477,7 @@ class DataParallel(nn.Module):
             if started is None:
                 return
             try:
-                started.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+                started.wait()
                 if self._error is None:
                     started.finish()
             except BaseException as exc:       # every error reaches backward, none kills the thread
@@ -508,6 +508,7 @@ class DataParallel(nn.Module):
         if chosen == BUCKET:
             grads = [q.grad for q in extra]
             flats, work = self.channel.start_allreduce_mean_many([g.reshape(-1) for g in grads])
+            work = self._gloo_wait(work)
 
             def finish() -> None:
                 for q, grad, flat in zip(extra, grads, flats):
@@ -533,12 +534,8 @@ class DataParallel(nn.Module):
                     grad.copy_(out.view_as(grad))
             return
         grad = p.grad
-        if grad.is_sparse and chosen in (hybrid.RING, hybrid.PS):   # the group's sparse all_reduce
-            total, work = self._group_channel.start_sparse_mean(grad.coalesce())
-            return self._later(work, lambda: setattr(p, "grad", total.coalesce()))
         if grad.is_sparse:
-            p.grad = self._synchronize_coo(p, grad.coalesce(), chosen)
-            return None
+            return self._synchronize_coo(p, grad.coalesce(), chosen)
         flat = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1).clone()
 
         def finish() -> None:
@@ -546,25 +543,30 @@ class DataParallel(nn.Module):
                 grad.copy_(flat.view_as(grad))
             self._learn_density(p, flat)
         if chosen == hybrid.RING:
-            return self._later(self.channel.start_allreduce_mean(flat), finish)
+            return self._later(self._gloo_wait(self.channel.start_allreduce_mean(flat)), finish)
+        if chosen == hybrid.SPARSE:
+            work = self.comm.allreduce(flat, op="avg", async_op=True)
+            return self._later(functools.partial(work.wait, self.timeout), finish)
         if chosen == hybrid.PS:
             if id(p) not in self._scratch:
                 shard = -(-flat.numel() // self.world)
                 self._scratch[id(p)] = [torch.empty(shard, dtype=flat.dtype) for _ in range(self.world - 1)]
             ps_allreduce(flat, self.group, self._scratch[id(p)]).div_(self.world)
-        elif chosen == hybrid.SPARSE:
-            self.comm.allreduce(flat, op="avg")
         finish()
         return None
 
     @staticmethod
-    def _later(work, finish: Callable[[], None]) -> tuple | None:
-        """A started collective's (work, finish) for the completion thread; finished here (None)
+    def _later(wait: Callable[[], object] | None, finish: Callable[[], None]) -> tuple | None:
+        """A started collective's (wait, finish) for the completion thread; finished here (None)
         where there is nothing to wait for."""
-        if work is None:
+        if wait is None:
             finish()
             return None
-        return work, finish
+        return wait, finish
+
+    def _gloo_wait(self, work) -> Callable[[], object] | None:
+        """A wait, bounded by the wrapper's timeout, for a started collective of the group's."""
+        return None if work is None else functools.partial(work.wait, timeout=datetime.timedelta(seconds=self.timeout))
 
     def _learn_density(self, p: torch.Tensor, averaged: torch.Tensor) -> None:
         """The block density of p's averaged gradient, which the hybrid choice reads next step; only
@@ -574,11 +576,18 @@ class DataParallel(nn.Module):
             blocks = BlockTensor(averaged, self._block_size())
             self._density[id(p)] = blocks.nonzero().size / max(1, blocks.nblocks)
 
-    def _synchronize_coo(self, p: torch.Tensor, grad: torch.Tensor, chosen: str) -> torch.Tensor:
-        """A sparse COO gradient (nn.Embedding(sparse=True)): averaged without densifying."""
+    def _synchronize_coo(self, p: torch.Tensor, grad: torch.Tensor, chosen: str) -> tuple | None:
+        """A sparse COO gradient (nn.Embedding(sparse=True)): averaged without densifying, its
+        collective left running unless a compressor's."""
+        if chosen in (hybrid.RING, hybrid.PS):        # the group's sparse all_reduce (gloo's gathers)
+            total, work = self._group_channel.start_sparse_mean(grad)
+            return self._later(self._gloo_wait(work), lambda: setattr(p, "grad", total.coalesce()))
         if chosen == hybrid.SPARSE:
-            return self.comm.allreduce_coo(grad, op="avg")
-        return self._reducer(chosen).reduce(grad, key=id(p))
+            work = self.comm.allreduce_coo(grad, op="avg", async_op=True)
+            return self._later(functools.partial(work.wait, self.timeout),
+                               lambda: setattr(p, "grad", work.wait(self.timeout)))
+        p.grad = self._reducer(chosen).reduce(grad, key=id(p))
+        return None
 
     def _reducer(self, spec: str, placement: str = CHANNEL) -> Reducer:
         if (spec, placement) not in self._reducers:
