@@ -439,12 +439,13 @@ def test_sfb_gradients_for_other_world_sizes(world):
     assert max(max(errors) for errors in run_ranks(sfb_errors, world, timeout=90)) <= 1e-5
 
 
-def peer_dies(rank: int, world: int) -> dict:
-    """One step together, then the last rank dies before its backward: the others' SFB gathers meet
-    a dead peer."""
+def peer_dies(rank: int, world: int, strategy: str) -> dict:
+    """One step together, then the last rank dies before its backward: the others' SFB gathers (on
+    the synchronization thread) or ring allreduces (left running, waited for by the completion
+    thread) meet a dead peer."""
     import os
 
-    dp = sparcoll.torch.DataParallel(mlp(), strategy="sfb", timeout=30)
+    dp = sparcoll.torch.DataParallel(mlp(), strategy=strategy, timeout=30)
     step(dp, rank, 4, (12,))
     if rank == world - 1:
         os._exit(0)
@@ -458,8 +459,9 @@ def peer_dies(rank: int, world: int) -> dict:
         dp.close()
 
 
-def test_a_dead_peer_fails_backward_on_the_others_within_the_timeout():
-    for out in run_ranks(peer_dies, WORLD, timeout=90, dying=1):
+@pytest.mark.parametrize("strategy", ["sfb", "ring"])
+def test_a_dead_peer_fails_backward_on_the_others_within_the_timeout(strategy):
+    for out in run_ranks(peer_dies, WORLD, timeout=90, dying=1, strategy=strategy):
         assert out["error"] is not None and "gradient synchronization" in out["error"], out
         assert out["seconds"] <= 35
 
