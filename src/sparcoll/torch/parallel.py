@@ -514,9 +514,7 @@ class DataParallel(nn.Module):
 
             def finish() -> None:
                 for q, grad, flat in zip(extra, grads, flats):
-                    if flat.data_ptr() != grad.data_ptr():
-                        grad.copy_(flat.view_as(grad))
-                    self._learn_density(q, flat)
+                    self._put_back(q, grad, flat)
             return self._later(work, finish)
         if chosen == COMPRESSED:
             reducer, members = extra
@@ -539,11 +537,7 @@ class DataParallel(nn.Module):
         if grad.is_sparse:
             return self._synchronize_coo(p, grad.coalesce(), chosen)
         flat = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1).clone()
-
-        def finish() -> None:
-            if flat.data_ptr() != grad.data_ptr():
-                grad.copy_(flat.view_as(grad))
-            self._learn_density(p, flat)
+        finish = functools.partial(self._put_back, p, grad, flat)
         if chosen == hybrid.RING:
             return self._later(self.channel.start_allreduce_mean(flat), finish)
         if chosen == hybrid.PS:
@@ -564,6 +558,12 @@ class DataParallel(nn.Module):
             finish()
             return None
         return work, finish
+
+    def _put_back(self, p: torch.Tensor, grad: torch.Tensor, flat: torch.Tensor) -> None:
+        """p's average, `flat`, into its gradient (unless it is a view of it), and its density."""
+        if flat.data_ptr() != grad.data_ptr():
+            grad.copy_(flat.view_as(grad))
+        self._learn_density(p, flat)
 
     def _learn_density(self, p: torch.Tensor, averaged: torch.Tensor) -> None:
         """The block density of p's averaged gradient, which the hybrid choice reads next step; only
