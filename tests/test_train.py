@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparcoll.cli import main
-from sparcoll.train.command import _option, workload_options
+from sparcoll.train.command import _option, timed_steps, workload_options
 from sparcoll.train.worker import block_density, nonzero_elements, synchronization
 
 pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
@@ -35,7 +35,12 @@ def check_run(run: dict, comm: str, steps: int) -> None:
     assert run["timed_steps"] == steps - 1 and run["samples_per_s"] > 0
     assert run["step_s"] == pytest.approx(run["compute_s"] + run["comm_s"])
     assert 0 <= run["comm_s"] <= run["step_s"]
-    assert all(0 < d <= 1 for d in run["per_step"]["density_local"] + run["per_step"]["density_union"])
+    # densities are probed on the first step (the warm-up: no probed step is timed)
+    assert run["per_step"]["probed"] == [True] + [False] * (steps - 1)
+    assert 0 < run["per_step"]["density_local"][0] <= 1 and 0 < run["per_step"]["density_union"][0] <= 1
+    assert run["per_step"]["density_local"][1:] == run["per_step"]["density_union"][1:] == [None] * (steps - 1)
+    assert (run["density_local"], run["density_union"]) == \
+        (run["per_step"]["density_local"][0], run["per_step"]["density_union"][0])
 
 
 # ncf runs in the --compare test; cnn on the sparcoll backend also exercises the per-forward broadcast
@@ -165,3 +170,12 @@ def test_synchronization_counts_a_shared_collective_once():
     assert math.isnan(predicted)                       # a compressed tensor's bytes are not predicted
     assert total == pytest.approx(busy.sum().item() * 1e-6, abs=1e-8) == pytest.approx(6e-3)
     assert hidden == pytest.approx((busy & (grid < 5)).sum().item() * 1e-6, abs=1e-8) == pytest.approx(4e-3)
+
+
+def test_timed_steps_leave_out_the_warm_up_and_the_probed_steps():
+    steps = [{"step": i, "probed": i % 3 == 0} for i in range(7)]     # probed: 0, 3, 6
+    assert [s["step"] for s in timed_steps(steps, 1)] == [1, 2, 4, 5]
+    assert [s["step"] for s in timed_steps(steps, 2)] == [2, 4, 5]
+    only_probed = [{"step": 0, "probed": True}, {"step": 1, "probed": True}]
+    assert [s["step"] for s in timed_steps(only_probed, 1)] == [1]     # nothing else to time
+    assert [s["step"] for s in timed_steps(only_probed[:1], 1)] == [0]

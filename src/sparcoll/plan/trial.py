@@ -21,7 +21,7 @@ from typing import Callable
 
 from sparcoll.bench.launch import BenchError
 from sparcoll.torch.parallel import STRATEGIES
-from sparcoll.train.command import launch
+from sparcoll.train.command import launch, timed_steps
 
 MARGIN = 0.03
 PLANNED = "planned"
@@ -70,7 +70,8 @@ def choose(step_s: dict[str, float], lossless_ones=frozenset(), margin: float = 
 def train(config: dict, name: str, workers: int, network: str, steps: int, warmup: int, timeout: float,
           advance: Callable[[str], None]) -> list[dict]:
     """The timed step events (the slowest worker's, as `sparcoll train` reports them) of one training
-    job of `warmup` untimed and `steps` timed steps; BenchError if it fails."""
+    job of `warmup` untimed and `steps` more (command.timed_steps: the probed ones are left out);
+    BenchError if it fails."""
     events: list[dict] = []
 
     def on_event(event: dict) -> None:
@@ -85,7 +86,7 @@ def train(config: dict, name: str, workers: int, network: str, steps: int, warmu
     finally:
         for _ in range(warmup + steps - len(events)):
             advance(f"trial {name}: failed")
-    return events[warmup:]
+    return timed_steps(events, warmup)
 
 
 def measure(config: dict, plans: dict[str, dict], workers: int, network: str, steps: int, warmup: int,

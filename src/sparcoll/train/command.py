@@ -212,12 +212,20 @@ def final_loss(losses: list[float], held_out: float | None) -> tuple[float, str]
     return statistics.fmean(losses[-window:]), f"training, mean of the last {window} steps"
 
 
+def timed_steps(steps: list[dict], warmup: int) -> list[dict]:
+    """The step events whose times count: after the `warmup` first, and not probed (the worker marked
+    their gradients' densities inside backward, worker.PROBE_EVERY); all of them if none is left."""
+    return [s for s in steps[warmup:] if not s.get("probed")] or steps[warmup:] or steps
+
+
 def summarize(mode: tuple[str, str | None], steps: list[dict], args, held_out: float | None = None) -> dict:
-    """One run's record: means over the steps after the warm-up, every step's values, and the
-    final loss."""
+    """One run's record: times averaged over the timed steps, densities over the probed ones, every
+    step's values, and the final loss."""
     keys = ("step_s", "compute_s", "comm_s", "density_local", "density_union")
-    timed = steps[args.warmup:] or steps
-    mean = {key: statistics.fmean(s[key] for s in timed) for key in keys}
+    timed = timed_steps(steps, args.warmup)
+    probed = [s for s in steps if s.get("probed")] or steps
+    mean = {key: statistics.fmean(s[key] for s in (probed if key.startswith("density") else timed))
+            for key in keys}
     sent = [s["bytes_sent"] for s in timed if s.get("bytes_sent") is not None]
     losses = [s["loss"] for s in steps]
     final, kind = final_loss(losses, held_out)
@@ -229,7 +237,8 @@ def summarize(mode: tuple[str, str | None], steps: list[dict], args, held_out: f
             "samples_per_s": args.batch_size * args.workers / mean["step_s"], **mean,
             "bytes_sent_per_step": statistics.fmean(sent) if sent else None,
             "timed_steps": len(timed), "loss": losses, "final_loss": final, "final_loss_kind": kind,
-            "per_step": {key: [s[key] for s in steps] for key in keys + tuple(overlap)}}
+            "per_step": {key: [s[key] for s in steps] for key in keys + tuple(overlap)}
+            | {"probed": [bool(s.get("probed")) for s in steps]}}
 
 
 def option_of(mode: tuple[str, str | None]) -> dict:

@@ -28,12 +28,18 @@ memory only so).
 A step is timed from the forward to the end of the optimizer step. Its communication time is the part
 that did not overlap computation: from the moment the last local gradient was computed (DDP then hands
 over the last bucket) to the end of backward, which waits for every bucket. The rest is computation.
-The gradient probes run inside backward; their time is left out of the step. On an emulated network
+Every step notes when each local gradient was computed (a timestamp per parameter). Every PROBE_EVERY-th
+step from the first (a "probed" step) also marks each local gradient's non-zero elements inside
+backward: a pass over every gradient (deeplight's 16.9M-row table as a dense mask when its gradient is
+sparse) on the training thread, which delays every later gradient and so the communication started
+with it. Probed steps report the densities and are left out of the step times (command.timed_steps);
+the others report no density. On an emulated network
 each step also reports the bytes this host's interface sent (every mode alike; none on loopback). After
 the last step, a workload with a held-out split (gpt) reports its loss there. Per step, rank 0 reports
-the mean loss over ranks (the full global batch's loss), the slowest rank's times, the block density of
-the local gradients (mean over ranks) and of the reduced gradient: the fraction of `block_size`-element
-blocks of all gradients, flattened in parameter order, that hold a non-zero element.
+the mean loss over ranks (the full global batch's loss), the slowest rank's times, and on probed steps
+the block density of the local gradients (mean over ranks) and of the reduced gradient: the fraction of
+`block_size`-element blocks of all gradients, flattened in parameter order, that hold a non-zero
+element.
 """
 from __future__ import annotations
 
@@ -74,24 +80,31 @@ def block_density(marks: list[torch.Tensor], block_size: int) -> float:
     return blocks.nonzero().size / blocks.nblocks
 
 
+# Probing a step's densities costs ncf with sparse embeddings (4 workers on 2 cores) several ms of a
+# 40 ms step inside backward; one step in ten still follows how the densities evolve.
+PROBE_EVERY = 10
+
+
 class GradientProbe:
-    """Sees each parameter's local gradient as autograd computes it, before DDP reduces it: records
-    its non-zero mask and the time of the last one, and how long the probing itself took."""
+    """Sees each parameter's local gradient as autograd computes it, before DDP reduces it: notes the
+    time of the last one and, when `marking`, records its non-zero mask (and how long that took)."""
 
     def __init__(self, params: list[nn.Parameter], block_size: int):
         self.params, self.block_size = params, block_size
         for index, param in enumerate(params):
             param.register_hook(functools.partial(self._seen, index))
-        self.reset()
+        self.reset(marking=False)
 
-    def reset(self) -> None:
+    def reset(self, marking: bool) -> None:
+        self.marking = marking
         self.marks: list[torch.Tensor | None] = [None] * len(self.params)
         self.last_gradient = None
         self.overhead = 0.0
 
     def _seen(self, index: int, grad: torch.Tensor) -> None:
         start = time.perf_counter()
-        self.marks[index] = nonzero_elements(grad)
+        if self.marking:
+            self.marks[index] = nonzero_elements(grad)
         self.last_gradient = time.perf_counter()
         self.overhead += self.last_gradient - start
 
@@ -128,7 +141,8 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
     for step in range(cfg["steps"]):
         batch = next(batches)
         optimizer.zero_grad()
-        probe.reset()
+        probed = step % PROBE_EVERY == 0
+        probe.reset(marking=probed)
         sent = interface_counters(interface)[0] if interface else 0
         start = time.perf_counter()
         loss = workload.loss(model, batch)
@@ -142,17 +156,19 @@ def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) 
         # Every rank measures (the same reduced density too) before the gather, which then lines the
         # ranks up again: no rank's bookkeeping shows up as communication time in the next step.
         predicted, total, hidden = synchronization(model) if poseidon else (float("nan"),) * 3
-        row = torch.tensor([loss.item(), step_s, comm_s, probe.local_density(), probe.reduced_density(),
-                            sent, predicted, total, hidden], dtype=torch.float64)
+        densities = (probe.local_density(), probe.reduced_density()) if probed else (float("nan"),) * 2
+        row = torch.tensor([loss.item(), step_s, comm_s, *densities, sent, predicted, total, hidden],
+                           dtype=torch.float64)
         rows = [torch.empty_like(row) for _ in range(world)]
         dist.all_gather(rows, row)
         if rank == 0:
             table = torch.stack(rows)
             slowest = table[table[:, 1].argmax()]
-            emit({"event": "step", "step": step, "loss": table[:, 0].mean().item(),
+            emit({"event": "step", "step": step, "probed": probed, "loss": table[:, 0].mean().item(),
                   "step_s": slowest[1].item(), "comm_s": slowest[2].item(),
                   "compute_s": (slowest[1] - slowest[2]).item(),
-                  "density_local": table[:, 3].mean().item(), "density_union": row[4].item(),
+                  "density_local": table[:, 3].mean().item() if probed else None,
+                  "density_union": row[4].item() if probed else None,
                   "bytes_sent": None if not interface else table[:, 5].mean().item(),
                   **({"predicted_bytes": table[:, 6].mean().item(), "comm_total_s": slowest[7].item(),
                       "comm_hidden_s": slowest[8].item()} if poseidon else {})})
