@@ -11,6 +11,7 @@
 #   benchmarks/run_plan.sh OUT_DIR [ROUNDS=3] [WORKLOADS="deeplight ncf gpt vgg"]
 # A workload may carry options of its config after '+' (each as --workload-option, in every mode, DDP's
 # included), e.g. deeplight+sparse_embeddings=true; its files are then named deeplight+sparse_embeddings_true-*.
+# LINK_BURST=128K (for example) gives the links that token bucket in the profile and every run (--link-burst).
 # then: python3 benchmarks/plan_summary.py OUT_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,7 @@ for word in $workloads; do
   IFS=+ read -r workload extra <<< "$word"
   options=()
   for o in ${extra//+/ }; do options+=(--workload-option "$o"); done
+  [ -n "${LINK_BURST:-}" ] && options+=(--link-burst "$LINK_BURST")
   w=${word//=/_}
   plan() { timeout 3600 ./dev sparcoll plan --workload "$workload" "${options[@]}" --workers 4 --network 1gbit \
              --profile "$out/$w-profile.json" "$@"; }

@@ -18,9 +18,9 @@ import sparcoll.torch
 from ranks import run_ranks
 from sparcoll.plan import decide, fusion
 from sparcoll.plan.command import choices_of, units_of
-from sparcoll.plan.costs import Costing, Curve, Measured, in_sequence
+from sparcoll.plan.costs import Costing, Curve, Grid, Measured, in_sequence
 from sparcoll.plan.profile import backward_timeline
-from sparcoll.plan.profiler import Together
+from sparcoll.plan.profiler import Together, fit
 from sparcoll.plan.options import ALLGATHER, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, coo_labels
 from sparcoll.plan.timeline import Cost, Step
 from test_parallel import batch, mlp, reference_grads, relative_error, step
@@ -42,10 +42,44 @@ def line(a: float, b: float) -> list:
     return [xs, [a + b * x for x in xs]]
 
 
-FITS = {"collectives": {RING: line(1e-3, 1e-8), PS: line(2e-3, 1e-8), ALLGATHER: line(5e-4, 3e-8),
-                        SPARSE: line(3e-3, 1e-8)},
+def grid_line(a: float, b: float) -> list:
+    """A sparse AllReduce grid's rows on the line a + b x, x = 4 * elements * share."""
+    return [[n, [0.0, 1.0], [a, a + b * 4 * n]] for n in (1e3, 1e8)]
+
+
+FITS = {"collectives": {RING: line(1e-3, 1e-8), PS: line(2e-3, 1e-8), ALLGATHER: line(5e-4, 3e-8)},
+        "grids": {"collectives": {SPARSE: grid_line(3e-3, 1e-8)}},
         "compress": {"topk:0.01": line(1e-4, 2e-9), "fp16": line(0.0, 1e-9), "powersgd:4": line(2e-3, 4e-9)},
         "decompress": {"topk:0.01": line(2e-4, 1e-9), "fp16": line(0.0, 5e-10)}}
+
+
+def test_the_sparse_allreduce_is_priced_by_elements_and_share():
+    """A curve by bytes alone put a dense 160K-element tensor between a dense 256K one and a 4M one
+    at 1% (whose scan beside backward took 11.7x its time alone): the grid interpolates by share at
+    each measured element count, then by count; its time alone is made monotone both ways, its
+    contention not."""
+    measured = [(1000, 0.1, 1.0), (1000, 1.0, 2.0), (5000, 0.1, 3.0), (5000, 1.0, 7.0), (5000, 0.5, 1.0)]
+    loaded = [(1000, 0.1, 2.0), (1000, 1.0, 8.0), (5000, 0.1, 30.0), (5000, 1.0, 14.0)]
+    slowdown = [(1000, 0.1, 1.2), (1000, 1.0, 1.2), (5000, 0.1, 1.5), (5000, 1.0, 1.5)]
+    events = [{"event": "point", "kind": kind, "what": SPARSE, "numel": n, "x": 4 * n * s, "seconds": y}
+              for kind, points in (("collectives", measured), ("loaded", loaded), ("slowdown", slowdown))
+              for n, s, y in points]
+    events.append({"event": "point", "kind": "collectives", "what": RING, "x": 4000, "seconds": 0.5})
+    fits = fit(events)
+    assert SPARSE not in fits["collectives"] and fits["collectives"][RING] == [[4000.0], [0.5]]
+    grid = Grid.of_rows(fits["grids"]["collectives"][SPARSE])
+    assert grid(1000, 0.55) == pytest.approx(1.5)
+    assert grid(5000, 0.5) == 3.0 and grid(5000, 0.75) == pytest.approx(5.0)   # the noisy 1.0 made monotone
+    assert grid(3000, 1.0) == pytest.approx(4.5) and grid(9000, 1.0) == pytest.approx(12.0)  # count: linear, extended
+    assert grid(500, 0.01) == pytest.approx(1.0)                           # floors below both
+    contention = Grid.of_rows(fits["grids"]["loaded"][SPARSE], monotone=False)
+    assert contention(5000, 0.55) == pytest.approx(30.0 - 16.0 * 0.45 / 0.9)     # not made monotone
+    costing = Costing({**FITS, **fits}, workers=4)
+    t = Measured(TensorFacts("w", 3000), (3000,), density=0.5, union=1.0)       # share 0.75
+    cost = costing.cost(t, Option("none", SPARSE))
+    assert cost.comm == pytest.approx((1.0 + 1.0 * 0.65 / 0.9 + 5.0) / 2)
+    assert cost.loaded == pytest.approx((2.0 + 6.0 * 0.65 / 0.9 + 30.0 - 16.0 * 0.65 / 0.9) / 2)
+    assert cost.slowdown == pytest.approx(1.35)
 
 
 def test_costs_follow_the_curves_hand_computed():

@@ -128,6 +128,12 @@ def test_bad_arguments_exit_with_2(capsys):
     assert "--steps" in capsys.readouterr().err
     assert main(["train", "--compress", "topk:0.01", "--network", "none"]) == 2
     assert "--comm hook" in capsys.readouterr().err
+    # the links' token bucket shapes an emulated network, of at least one 64 KiB packet (plan alike)
+    for command in ("train", "plan"):
+        assert main([command, "--link-burst", "128K", "--network", "none"]) == 2
+        assert "--link-burst shapes the emulated links" in capsys.readouterr().err
+        assert main([command, "--link-burst", "1500", "--network", "1gbit"]) == 2
+        assert "at least 65536 bytes" in capsys.readouterr().err
 
 
 def test_workload_options():

@@ -17,7 +17,7 @@ from typing import Callable
 
 from sparcoll.bench import algorithms
 from sparcoll.bench.launch import Job, run_job, run_jobs
-from sparcoll.bench.netem import MIN_BURST_BYTES, netem_available, parse_rate
+from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
 from sparcoll.bench.patterns import InputSpec
 from sparcoll.bench.report import Setup, add_speedups, make_record, table, title, write_json
 from sparcoll.bench.sizes import parse_count
@@ -67,9 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network", default="1gbit", type=lambda text: text.strip().lower(),
                         help="link rate of the emulated network (1gbit, 10gbit, 100mbit ...; needs root), "
                              "or none: all processes on loopback (default 1gbit)")
-    parser.add_argument("--link-burst", type=_count, default=None, metavar="BYTES",
-                        help="the links' token bucket (tbf burst), e.g. 128K; default 8 ms of the rate, "
-                             "at least 128K: 1M at 1gbit")
+    add_link_burst_argument(parser)
     parser.add_argument("--repeat", type=int, default=10, help="timed repetitions per point (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
     parser.add_argument("--overlap", type=float, default=0.0,
@@ -105,11 +103,8 @@ def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
         raise ValueError("--repeat must be >= 1, --warmup >= 0, --timeout > 0")
     if args.num_aggregators is not None and args.num_aggregators < 1:
         raise ValueError("--num-aggregators must be >= 1")
-    if args.link_burst is not None and args.link_burst < MIN_BURST_BYTES:
-        raise ValueError(f"--link-burst {args.link_burst}: at least {MIN_BURST_BYTES} bytes (64K)")
+    check_link_burst(args.link_burst, args.network)
     if args.network == "none":
-        if args.link_burst is not None:
-            raise ValueError("--link-burst shapes the emulated links: give --network")
         if args.launcher == "torchrun":
             raise ValueError("--launcher torchrun runs one agent per emulated host: give --network")
         return algos, None

@@ -60,6 +60,8 @@ is raised — run benchmarks with ``--network none`` (plain loopback) instead.
 
 from __future__ import annotations
 
+import argparse
+
 import atexit
 import json
 import math
@@ -76,6 +78,7 @@ from typing import Any
 
 from sparcoll.bench import netns
 from sparcoll.bench.netns import NetemError, NetemUnavailable, cleanup_stale, netem_available
+from sparcoll.bench.sizes import parse_count
 
 __all__ = [
     "EmulatedNetwork",
@@ -139,6 +142,28 @@ def parse_rate(rate: str | int) -> int:
 
 
 MIN_BURST_BYTES = 64 * 1024
+
+
+def add_link_burst_argument(parser) -> None:
+    """`--link-burst BYTES` of the commands that run jobs on the emulated network (bench, train, plan)."""
+    def count(text: str) -> int:
+        try:
+            return parse_count(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parser.add_argument("--link-burst", type=count, default=None, metavar="BYTES",
+                        help="the links' token bucket (tbf burst), e.g. 128K, closer to a NIC that never "
+                             "sends above its rate; default 8 ms of the rate, at least 128K: 1M at 1gbit")
+
+
+def check_link_burst(burst_bytes: int | None, network: str) -> None:
+    """A ValueError naming the problem if `--link-burst` cannot shape `network`."""
+    if burst_bytes is None:
+        return
+    if network == "none":
+        raise ValueError("--link-burst shapes the emulated links: give --network")
+    if burst_bytes < MIN_BURST_BYTES:
+        raise ValueError(f"--link-burst {burst_bytes}: at least {MIN_BURST_BYTES} bytes (64K)")
 
 
 def tbf_burst_bytes(rate_bps: int) -> int:

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from sparcoll.bench.launch import Job, run_job, run_jobs
-from sparcoll.bench.netem import netem_available, parse_rate
+from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
 from sparcoll.train import command as train_command
 from sparcoll.train.command import BATCH_SIZES, _option, workload_options
 from sparcoll.workloads import WORKLOADS, user
@@ -36,7 +36,7 @@ from .options import ALL_COMPRESSORS, COMPRESSORS, DEDICATED, PS, RING, SFB, SPA
 from .profiler import expected_events, fit, gradient_events
 from .timeline import Cost, Step, simulate
 
-PROFILE_VERSION = 13      # 10 was also the reverted 5362592's; 12: PowerSGD 2-4x faster (ac39baa); 13: COO gradients measured whole
+PROFILE_VERSION = 14      # 10 was also the reverted 5362592's; 12: PowerSGD 2-4x faster (ac39baa); 13: COO gradients measured whole; 14: the sparse AllReduce's points carry their elements
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 TRIAL_UNIFORMS = 3
@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network", default="1gbit", type=lambda text: text.strip().lower(),
                         help="link rate of the emulated network (needs root), or none: loopback "
                              "(default 1gbit)")
+    add_link_burst_argument(parser)
     parser.add_argument("--batch-size", type=int, default=None,
                         help="samples per worker (default as sparcoll train's)")
     parser.add_argument("--workload-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
@@ -95,7 +96,7 @@ def identity(args) -> dict:
         "workload": args.workload, "options": workload_options(args.workload, args.workload_option),
         "batch_size": args.batch_size or BATCH_SIZES.get(args.workload, 256), "seed": args.seed}
     return {"version": PROFILE_VERSION, "workers": args.workers, "network": args.network,
-            "compressors": args.compressors.split(","), **model}
+            "link_burst": args.link_burst, "compressors": args.compressors.split(","), **model}
 
 
 def measure(ident: dict, timeout: float) -> dict:
@@ -111,7 +112,7 @@ def measure(ident: dict, timeout: float) -> dict:
                 points.append({k: v for k, v in event.items() if k != "event"})
                 advance(f"{event['kind']} {event['what']}")
         run_job(Job(ident["workers"], ident["network"], 0, {**ident, "timeout": timeout},
-                    timeout, worker="sparcoll.plan.profiler"), on_event)
+                    timeout, worker="sparcoll.plan.profiler", link_burst=ident["link_burst"]), on_event)
 
     status = run_jobs("plan --profile", expected_events(ident), body)
     if status:
@@ -396,7 +397,8 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
     defaults = vars(argparse_defaults(train_command.add_arguments))
     model = ({"model_spec": profile["model_spec"], "workload": None, "options": {}, "batch_size": None, "seed": 0}
              if "model_spec" in profile else {k: profile[k] for k in ("workload", "options", "batch_size", "seed")})
-    config = {**{k: defaults[k] for k in ("lr", "block_size", "data")}, "timeout": args.timeout, **model}
+    config = {**{k: defaults[k] for k in ("lr", "block_size", "data")}, "timeout": args.timeout,
+              "link_burst": args.link_burst, **model}
     step_s: dict[str, float] = {}
     failed: dict[str, str] = {}
     reference: dict = {}
@@ -443,6 +445,11 @@ def run(args) -> int:
         except ValueError as exc:
             print(f"sparcoll plan: error: {exc}", file=sys.stderr)
             return 2
+    try:
+        check_link_burst(args.link_burst, args.network)
+    except ValueError as exc:
+        print(f"sparcoll plan: error: {exc}", file=sys.stderr)
+        return 2
     if args.network != "none":
         ok, reason = netem_available()
         if not ok:

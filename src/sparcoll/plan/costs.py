@@ -2,9 +2,9 @@
 machine and network (sparcoll.plan.profiler, `sparcoll plan --profile`).
 
 Every measured quantity is a Curve, time by size x through the measured points:
-  collectives  ring, ps, allgather: x = the bytes each worker contributes; sparse: x = the bytes of a
-               dense tensor times (local + union block density) / 2, the share of it the sparse AllReduce
-               sends and receives back (a dense tensor: its own size)
+  collectives  ring, ps, allgather: x = the bytes each worker contributes. sparse: a Grid, time by the
+               tensor's elements and the share of its dense bytes the sparse AllReduce sends and
+               receives back, (local + union block density) / 2 (a dense tensor: 1); x = sparse_volume
   compressors  compress and decompress: x = the tensor's elements (measured while every worker of the
                job computes at once, as in training); a large gradient of the model's own takes the
                times measured on it instead (a compressor's time depends on the data)
@@ -70,6 +70,40 @@ class Curve:
 
 
 @dataclass(frozen=True)
+class Grid:
+    """The sparse AllReduce's time by a tensor's elements and the share of its dense bytes it carries:
+    a Curve by share at each measured element count, and between counts a Curve by count (the scan for
+    non-zero blocks follows the elements, the bytes on the wire both). A curve by bytes alone priced
+    deeplight's dense 160K-element MLP weights (640 KB) between a dense 256K-element tensor (1 MB) and
+    a 4M-element one at 1% (431 KB), whose scan beside backward took 11.7x its time alone."""
+    numels: tuple[float, ...]
+    by_share: tuple[Curve, ...]
+    monotone: bool = True
+
+    def __call__(self, numel: float, share: float) -> float:
+        ys = np.array([c(share) for c in self.by_share])
+        return Curve(self.numels, tuple(np.maximum.accumulate(ys) if self.monotone else ys))(numel)
+
+    @classmethod
+    def of(cls, points, monotone: bool = True) -> "Grid":
+        """From measured (elements, share, seconds) points."""
+        by_numel: dict = {}
+        for numel, share, y in points:
+            by_numel.setdefault(float(numel), []).append((share, y))
+        numels = sorted(by_numel)
+        return cls(tuple(numels), tuple(Curve.of(by_numel[n], monotone) for n in numels), monotone)
+
+    def rows(self) -> list:
+        """As a profile's fits store it: [elements, shares, seconds] per measured element count."""
+        return [[n, list(c.xs), list(c.ys)] for n, c in zip(self.numels, self.by_share)]
+
+    @classmethod
+    def of_rows(cls, rows: list, monotone: bool = True) -> "Grid":
+        return cls(tuple(float(n) for n, _, _ in rows), tuple(Curve(tuple(xs), tuple(ys)) for _, xs, ys in rows),
+                   monotone)
+
+
+@dataclass(frozen=True)
 class Measured:
     """One tensor as the profile saw it (besides its facts): its shape, the rows K its layer saw per
     step (linear layers), the block density of its gradient on one worker and of their union, and
@@ -93,11 +127,14 @@ def sparse_volume(numel: int, density: float, union: float) -> float:
 
 
 class Costing:
-    """Options' costs from a profile's curves (its "fits": per quantity the points' xs and ys, see
-    profiler.fit)."""
+    """Options' costs from a profile's curves (its "fits": per quantity the points' xs and ys, and the
+    sparse AllReduce's grids under "grids", see profiler.fit)."""
 
     def __init__(self, fits: dict, workers: int):
         self.collective = {name: Curve(*xy) for name, xy in fits["collectives"].items()}
+        self.grids = {quantity: {name: Grid.of_rows(rows, monotone=quantity == "collectives")
+                                 for name, rows in by_name.items()}
+                      for quantity, by_name in fits.get("grids", {}).items()}
         self.compress = {spec: Curve(*xy) for spec, xy in fits["compress"].items()}
         self.decompress = {spec: Curve(*xy) for spec, xy in fits["decompress"].items()}
         self.compress_own = fits.get("compress_own", {})       # spec -> tensor name -> seconds
@@ -108,15 +145,28 @@ class Costing:
         self.slowdown = {name: Curve(*xy) for name, xy in fits.get("slowdown", {}).items()}
         self.workers = workers
 
+    def _measured(self, quantity: str, kind: str, x: float, numel: int) -> float | None:
+        """The profile's `quantity` ("collectives", "loaded" or "slowdown") of collective `kind` for x
+        bytes of a tensor of `numel` elements (a grid's kind: the share x is of its dense bytes);
+        None if not measured."""
+        grid = self.grids.get(quantity, {}).get(kind)
+        if grid is not None:
+            return grid(numel, x / max(1, numel * ITEMSIZE))
+        curve = {"collectives": self.collective, "loaded": self.loaded, "slowdown": self.slowdown}[quantity].get(kind)
+        return None if curve is None else curve(x)
+
     def _on(self, kind: str, x: float, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
-            sooner: float = 0.0, comm: float | None = None) -> Cost:
-        """A cost whose payload of size x travels on collective `kind` (its time alone `comm`, if not
-        the kind's curve's), with that kind's contention where the profile measured it."""
-        alone = self.collective[kind](x) if comm is None else comm
-        if kind not in self.loaded:
+            sooner: float = 0.0, comm: float | None = None, numel: int = 0) -> Cost:
+        """A cost whose payload of size x (of a tensor of `numel` elements) travels on collective
+        `kind` (its time alone `comm`, if not the kind's measured one), with that kind's contention
+        where the profile measured it."""
+        measured = self._measured("collectives", kind, x, numel)
+        alone = measured if comm is None else comm
+        loaded = self._measured("loaded", kind, x, numel)
+        if loaded is None:
             return Cost(compress, alone, decompress, offload, sooner)
-        loaded = alone * self.loaded[kind](x) / max(self.collective[kind](x), 1e-12)
-        return Cost(compress, alone, decompress, offload, sooner, loaded, max(1.0, self.slowdown[kind](x)))
+        return Cost(compress, alone, decompress, offload, sooner, alone * loaded / max(measured, 1e-12),
+                    max(1.0, self._measured("slowdown", kind, x, numel)))
 
     def _gathered(self, x: float, parts: int, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
                   sooner: float = 0.0, variable: bool = True) -> Cost:
@@ -140,7 +190,7 @@ class Costing:
                                   sooner=max(0.0, t.node - t.spared))
         if c == "none":
             if option.collective in (SPARSE, DEDICATED):
-                return self._on(option.collective, sparse_volume(numel, t.density, t.union))
+                return self._on(option.collective, sparse_volume(numel, t.density, t.union), numel=numel)
             return self._on(option.collective, numel * ITEMSIZE)
         return self.bucket([t], option)
 
@@ -174,7 +224,7 @@ class Costing:
         if compressor.scheme == "sparse":
             kept = min(1.0, payload / (numel * ITEMSIZE))
             return self._on(option.collective, sparse_volume(numel, kept, 1 - (1 - kept) ** self.workers),
-                            compress, decompress, option.offload)
+                            compress, decompress, option.offload, numel=numel)
         if compressor.scheme == "allreduce":
             return self._on(RING, payload, compress, decompress, option.offload)
         return self._gathered(payload, 2 * len(ts), compress, decompress, option.offload,

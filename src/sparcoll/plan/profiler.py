@@ -60,7 +60,7 @@ from sparcoll.torch.sfb import eligible_layers
 from sparcoll.workloads import get_workload
 from sparcoll.workloads.user import UserModel
 
-from .costs import COO_KINDS, Curve, sparse_volume
+from .costs import COO_KINDS, ITEMSIZE, Curve, Grid, sparse_volume
 from .options import ALLGATHER, COMPRESSORS, PS, RING, SPARSE, coo_labels
 from .profile import backward_timeline, facts
 
@@ -240,16 +240,17 @@ def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout
 
 
 def collectives(comm, block_size: int, rank: int, world: int):
-    """(collective, x as costs.py defines it, run, prepare): what profile_collectives times."""
+    """(collective, x as costs.py defines it, the tensor's elements for the sparse AllReduce's grid
+    (else None), run, prepare): what profile_collectives times."""
     channel = Channel(None, comm)
     for size in COLLECTIVE_BYTES:
         x = torch.randn(size // 4)
-        yield RING, size, channel.allreduce_mean, x.clone
+        yield RING, size, None, channel.allreduce_mean, x.clone
         scratch = [torch.empty(-(-x.numel() // world)) for _ in range(world - 1)]
-        yield PS, size, lambda t, scratch=scratch: ps_allreduce(t, None, scratch), x.clone
+        yield PS, size, None, lambda t, scratch=scratch: ps_allreduce(t, None, scratch), x.clone
     for size in ALLGATHER_BYTES:
         x = torch.randn(size // 4)
-        yield ALLGATHER, size, lambda _, x=x: channel.allgather((x,), variable=False), lambda: None
+        yield ALLGATHER, size, None, lambda _, x=x: channel.allgather((x,), variable=False), lambda: None
     for numel in SPARSE_NUMELS:
         nblocks = -(-numel // block_size)
         for density in SPARSE_DENSITIES:
@@ -258,15 +259,16 @@ def collectives(comm, block_size: int, rank: int, world: int):
             x = torch.randn(numel) * mask
             union = float(np.mean(np.logical_or.reduce(kept)))
             local = float(np.mean([k.mean() for k in kept]))
-            yield SPARSE, sparse_volume(numel, local, union), lambda t: comm.allreduce(t, op="avg"), x.clone
+            yield SPARSE, sparse_volume(numel, local, union), numel, lambda t: comm.allreduce(t, op="avg"), \
+                x.clone
 
 
 def profile_collectives(comm, block_size: int, rank: int, world: int, train_step, timeout: float):
-    """(collective, x, seconds alone, seconds under load, slowdown of a training step) for each; see
-    `under_load`."""
+    """(collective, x, elements or None (as `collectives`), seconds alone, seconds under load,
+    slowdown of a training step) for each; see `under_load`."""
     alone_step = timed(lambda _: train_step())
-    for kind, x, run, prepare in collectives(comm, block_size, rank, world):
-        yield (kind, x, timed(run, prepare), *under_load(run, prepare, train_step, alone_step, timeout))
+    for kind, x, numel, run, prepare in collectives(comm, block_size, rank, world):
+        yield (kind, x, numel, timed(run, prepare), *under_load(run, prepare, train_step, alone_step, timeout))
 
 
 def under_load(run, prepare, train_step, alone_step: float, timeout: float) -> tuple[float, float]:
@@ -308,19 +310,26 @@ def under_load(run, prepare, train_step, alone_step: float, timeout: float) -> t
 def fit(events: list[dict]) -> dict:
     """What costs.Costing takes, from the profile's measurement events: a curve per quantity (points
     on random tensors; contention's not made monotone: one noisy point would lift every larger size),
-    and the times on the model's own gradients by tensor name (KIND_own: the compressors'; a COO
-    gradient's options whole, alone and under load)."""
+    the sparse AllReduce's as grids by elements and share (costs.Grid, under "grids"), and the times
+    on the model's own gradients by tensor name (KIND_own: the compressors'; a COO gradient's options
+    whole, alone and under load)."""
     points: dict = {}
+    grid_points: dict = {}
     out: dict = {"collectives": {}, "compress": {}, "decompress": {}, "compress_own": {}, "decompress_own": {},
-                 "loaded": {}, "slowdown": {}}
+                 "loaded": {}, "slowdown": {}, "grids": {}}
     for e in events:
         if e.get("tensor"):
             out.setdefault(f"{e['kind']}_own", {}).setdefault(e["what"], {})[e["tensor"]] = e["seconds"]
+        elif "numel" in e:
+            grid_points.setdefault((e["kind"], e["what"]), []).append(
+                (e["numel"], e["x"] / (e["numel"] * ITEMSIZE), e["seconds"]))
         else:
             points.setdefault((e["kind"], e["what"]), []).append((e["x"], e["seconds"]))
     for (kind, what), pts in points.items():
         curve = Curve.of(pts, monotone=kind not in ("loaded", "slowdown"))
         out[kind][what] = [list(curve.xs), list(curve.ys)]
+    for (kind, what), pts in grid_points.items():
+        out["grids"].setdefault(kind, {})[what] = Grid.of(pts, monotone=kind == "collectives").rows()
     return out
 
 
@@ -362,11 +371,10 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     for label, name, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"]):
         for kind, seconds in zip(COO_KINDS, times):
             say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds})
-    for kind, x, alone, loaded, slowdown in profile_collectives(comm, block_size, rank, world, train_step,
-                                                               cfg["timeout"]):
-        say({"event": "point", "kind": "collectives", "what": kind, "x": x, "seconds": alone})
-        say({"event": "point", "kind": "loaded", "what": kind, "x": x, "seconds": loaded})
-        say({"event": "point", "kind": "slowdown", "what": kind, "x": x, "seconds": slowdown})
+    for kind, x, numel, *times in profile_collectives(comm, block_size, rank, world, train_step, cfg["timeout"]):
+        for quantity, seconds in zip(("collectives", "loaded", "slowdown"), times):
+            say({"event": "point", "kind": quantity, "what": kind, "x": x, "seconds": seconds,
+                 **({} if numel is None else {"numel": numel})})
 
 
 def profile_job(cfg: dict, rank: int, world: int) -> None:

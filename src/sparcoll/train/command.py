@@ -28,7 +28,7 @@ import statistics
 import sys
 
 from sparcoll.bench.launch import Job, run_job, run_jobs
-from sparcoll.bench.netem import netem_available, parse_rate
+from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
 from sparcoll.train.worker import MODES
 from sparcoll.workloads import WORKLOADS
 
@@ -85,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network", default="1gbit", type=lambda text: text.strip().lower(),
                         help="link rate of the emulated network (1gbit, 10gbit ...; needs root), or none: "
                              "loopback (default 1gbit)")
+    add_link_burst_argument(parser)
     parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="samples per worker and step (default 256; vgg 32, as Poseidon's "
@@ -168,6 +169,7 @@ def _validate(args) -> None:
         raise ValueError("--workers, --steps, --batch-size and --block-size must be >= 1")
     if args.warmup < 0 or args.timeout <= 0:
         raise ValueError("--warmup must be >= 0 and --timeout > 0")
+    check_link_burst(args.link_burst, args.network)
     if args.network != "none":
         ok, reason = netem_available()
         if not ok:
@@ -200,7 +202,8 @@ def load_plan(args, modes) -> dict | None:
 def launch(config: dict, workers: int, network: str, timeout: float, on_event) -> None:
     """Run the workers of one training job with the bench harness's launcher."""
     run_job(Job(workers, network, 0, config, timeout, worker="sparcoll.train.worker",
-                env={"SPARCOLL_BLOCK_SIZE": str(config["block_size"])}), on_event)
+                env={"SPARCOLL_BLOCK_SIZE": str(config["block_size"])}, link_burst=config.get("link_burst")),
+            on_event)
 
 
 def final_loss(losses: list[float], held_out: float | None) -> tuple[float, str]:
@@ -304,7 +307,7 @@ def run(args) -> int:
     config = {"workload": args.workload, "data": args.data, "options": workload_options(
                   args.workload, args.workload_option),
               "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-              "block_size": args.block_size, "timeout": args.timeout}
+              "block_size": args.block_size, "timeout": args.timeout, "link_burst": args.link_burst}
     runs = []
 
     def body(advance) -> None:
