@@ -80,6 +80,13 @@ def test_the_sparse_allreduce_is_priced_by_elements_and_share():
     assert cost.comm == pytest.approx((1.0 + 1.0 * 0.65 / 0.9 + 5.0) / 2)
     assert cost.loaded == pytest.approx((2.0 + 6.0 * 0.65 / 0.9 + 30.0 - 16.0 * 0.65 / 0.9) / 2)
     assert cost.slowdown == pytest.approx(1.35)
+    # measured on a model's own gradient: those times, for that tensor only
+    events += [{"event": "point", "kind": kind, "what": SPARSE, "x": 0, "tensor": "w", "seconds": y}
+               for kind, y in (("collectives", 0.5), ("loaded", 0.8), ("slowdown", 1.1))]
+    own = Costing({**FITS, **fit(events)}, workers=4)
+    assert own.cost(t, Option("none", SPARSE)) == Cost(0.0, 0.5, 0.0, False, 0.0, 0.8, 1.1)
+    other = Measured(TensorFacts("v", 3000), (3000,), density=0.5, union=1.0)
+    assert own.cost(other, Option("none", SPARSE)) == cost
 
 
 def test_costs_follow_the_curves_hand_computed():

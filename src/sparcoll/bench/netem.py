@@ -61,7 +61,6 @@ is raised — run benchmarks with ``--network none`` (plain loopback) instead.
 from __future__ import annotations
 
 import argparse
-
 import atexit
 import json
 import math

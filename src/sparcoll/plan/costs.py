@@ -1,10 +1,13 @@
 """Empirical cost models: what each option costs each tensor, from a profile measured on the user's
 machine and network (sparcoll.plan.profiler, `sparcoll plan --profile`).
 
-Every measured quantity is a Curve, time by size x through the measured points:
+Every measured quantity is a Curve, time by size x through the measured points (the sparse AllReduce's
+a Grid):
   collectives  ring, ps, allgather: x = the bytes each worker contributes. sparse: a Grid, time by the
                tensor's elements and the share of its dense bytes the sparse AllReduce sends and
-               receives back, (local + union block density) / 2 (a dense tensor: 1); x = sparse_volume
+               receives back, (local + union block density) / 2 (a dense tensor: 1); x = sparse_volume;
+               on a model's large dense gradient that is not dense, its time measured on that gradient
+               (alone and under load) instead
   compressors  compress and decompress: x = the tensor's elements (measured while every worker of the
                job computes at once, as in training); a large gradient of the model's own takes the
                times measured on it instead (a compressor's time depends on the data)
@@ -135,6 +138,8 @@ class Costing:
         self.grids = {quantity: {name: Grid.of_rows(rows, monotone=quantity == "collectives")
                                  for name, rows in by_name.items()}
                       for quantity, by_name in fits.get("grids", {}).items()}
+        # a collective measured on the model's own gradient: quantity -> kind -> tensor name -> time
+        self.own = {quantity: fits.get(f"{quantity}_own", {}) for quantity in ("collectives", "loaded", "slowdown")}
         self.compress = {spec: Curve(*xy) for spec, xy in fits["compress"].items()}
         self.decompress = {spec: Curve(*xy) for spec, xy in fits["decompress"].items()}
         self.compress_own = fits.get("compress_own", {})       # spec -> tensor name -> seconds
@@ -145,10 +150,14 @@ class Costing:
         self.slowdown = {name: Curve(*xy) for name, xy in fits.get("slowdown", {}).items()}
         self.workers = workers
 
-    def _measured(self, quantity: str, kind: str, x: float, numel: int) -> float | None:
+    def _measured(self, quantity: str, kind: str, x: float, numel: int, name: str | None = None) -> float | None:
         """The profile's `quantity` ("collectives", "loaded" or "slowdown") of collective `kind` for x
-        bytes of a tensor of `numel` elements (a grid's kind: the share x is of its dense bytes);
-        None if not measured."""
+        bytes of tensor `name` of `numel` elements: as measured on that tensor's own gradient if it
+        was, else from the kind's grid (the share x is of its dense bytes) or curve; None if not
+        measured."""
+        own = self.own[quantity].get(kind, {}).get(name)
+        if own is not None:
+            return own
         grid = self.grids.get(quantity, {}).get(kind)
         if grid is not None:
             return grid(numel, x / max(1, numel * ITEMSIZE))
@@ -156,17 +165,17 @@ class Costing:
         return None if curve is None else curve(x)
 
     def _on(self, kind: str, x: float, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
-            sooner: float = 0.0, comm: float | None = None, numel: int = 0) -> Cost:
-        """A cost whose payload of size x (of a tensor of `numel` elements) travels on collective
+            sooner: float = 0.0, comm: float | None = None, numel: int = 0, name: str | None = None) -> Cost:
+        """A cost whose payload of size x (of tensor `name`, of `numel` elements) travels on collective
         `kind` (its time alone `comm`, if not the kind's measured one), with that kind's contention
         where the profile measured it."""
-        measured = self._measured("collectives", kind, x, numel)
+        measured = self._measured("collectives", kind, x, numel, name)
         alone = measured if comm is None else comm
-        loaded = self._measured("loaded", kind, x, numel)
+        loaded = self._measured("loaded", kind, x, numel, name)
         if loaded is None:
             return Cost(compress, alone, decompress, offload, sooner)
         return Cost(compress, alone, decompress, offload, sooner, alone * loaded / max(measured, 1e-12),
-                    max(1.0, self._measured("slowdown", kind, x, numel)))
+                    max(1.0, self._measured("slowdown", kind, x, numel, name)))
 
     def _gathered(self, x: float, parts: int, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
                   sooner: float = 0.0, variable: bool = True) -> Cost:
@@ -190,7 +199,8 @@ class Costing:
                                   sooner=max(0.0, t.node - t.spared))
         if c == "none":
             if option.collective in (SPARSE, DEDICATED):
-                return self._on(option.collective, sparse_volume(numel, t.density, t.union), numel=numel)
+                return self._on(option.collective, sparse_volume(numel, t.density, t.union), numel=numel,
+                                name=t.facts.name)
             return self._on(option.collective, numel * ITEMSIZE)
         return self.bucket([t], option)
 

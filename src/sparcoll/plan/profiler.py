@@ -265,6 +265,19 @@ def collectives(comm, block_size: int, rank: int, world: int):
                 x.clone
 
 
+def profile_sparse_own(comm, gradients: dict, tensors: dict, train_step, timeout: float):
+    """(tensor name, seconds alone, seconds under load, slowdown of a training step) of the sparse
+    AllReduce, as the executor runs it, on each of the model's large dense gradients that are not
+    dense (its union below 1): the executor's algorithm changes with size and density (a 4M-element
+    tensor at 30% took gloo's ring, a 1M-element one the sparse AllReduce), so the grid of random
+    tensors between them priced deeplight's 1M-element linear layer at 40 ms, measured 13."""
+    alone_step = timed(lambda _: train_step())
+    for name, g in gradients.items():
+        if tensors[name]["union"] < 1.0:
+            run = lambda t: comm.allreduce(t, op="avg")     # noqa: E731
+            yield name, timed(run, g.clone), *under_load(run, g.clone, train_step, alone_step, timeout)
+
+
 def profile_collectives(comm, block_size: int, rank: int, world: int, train_step, timeout: float):
     """(collective, x, elements or None (as `collectives`), seconds alone, seconds under load,
     slowdown of a training step) for each; see `under_load`."""
@@ -314,7 +327,8 @@ def fit(events: list[dict]) -> dict:
     on random tensors; contention's not made monotone: one noisy point would lift every larger size),
     the sparse AllReduce's as grids by elements and share (costs.Grid, under "grids"), and the times
     on the model's own gradients by tensor name (KIND_own: the compressors'; a COO gradient's options
-    whole, alone and under load)."""
+    whole, alone and under load; the sparse AllReduce on a large dense gradient that is not dense,
+    alone and under load)."""
     points: dict = {}
     grid_points: dict = {}
     out: dict = {"collectives": {}, "compress": {}, "decompress": {}, "compress_own": {}, "decompress_own": {},
@@ -350,7 +364,8 @@ def gradient_events(cfg: dict, model: dict) -> int:
     """The events the model's own large dense gradients and its COO ones add (known from its "model"
     event)."""
     tensors = model["tensors"].values()
-    return (2 * len(timed_compressors(cfg)) * sum(t["numel"] >= OWN_GRADIENT and not t["coo"] for t in tensors)
+    large = [t for t in tensors if t["numel"] >= OWN_GRADIENT and not t["coo"]]
+    return (2 * len(timed_compressors(cfg)) * len(large) + 3 * sum(t["union"] < 1.0 for t in large)
             + 3 * len(coo_labels(timed_compressors(cfg))) * sum(t["coo"] for t in tensors))
 
 
@@ -373,6 +388,9 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     for label, name, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"]):
         for kind, seconds in zip(COO_KINDS, times):
             say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds})
+    for name, *times in profile_sparse_own(comm, gradients, measured["tensors"], train_step, cfg["timeout"]):
+        for quantity, seconds in zip(("collectives", "loaded", "slowdown"), times):
+            say({"event": "point", "kind": quantity, "what": SPARSE, "x": 0, "tensor": name, "seconds": seconds})
     for kind, x, numel, *times in profile_collectives(comm, block_size, rank, world, train_step, cfg["timeout"]):
         for quantity, seconds in zip(("collectives", "loaded", "slowdown"), times):
             say({"event": "point", "kind": quantity, "what": kind, "x": x, "seconds": seconds,
