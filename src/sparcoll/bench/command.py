@@ -20,7 +20,7 @@ from sparcoll.bench.launch import Job, run_job, run_jobs
 from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
 from sparcoll.bench.patterns import InputSpec
 from sparcoll.bench.report import Setup, add_speedups, make_record, table, title, write_json
-from sparcoll.bench.sizes import parse_count
+from sparcoll.bench.sizes import count_argument, parse_count
 
 
 def _comma_list(convert: Callable) -> Callable[[str], list]:
@@ -35,18 +35,11 @@ def _comma_list(convert: Callable) -> Callable[[str], list]:
     return parse
 
 
-def _count(text: str) -> int:
-    try:
-        return parse_count(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `bench` options to `parser` (the project CLI's subcommand, or python -m sparcoll.bench)."""
     parser.add_argument("--workers", type=_comma_list(int), default=[4],
                         help="number of workers, or a comma list to sweep (e.g. 2,4,8); default 4")
-    parser.add_argument("--numel", type=_count, default=parse_count("16M"),
+    parser.add_argument("--numel", type=count_argument, default=parse_count("16M"),
                         help="elements of the float32 tensor: 16M, 1M, 65536 ... (default 16M)")
     parser.add_argument("--block-size", type=int, default=256,
                         help="sparcoll's block size, the most elements per block (default 256)")

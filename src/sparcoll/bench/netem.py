@@ -60,7 +60,6 @@ is raised — run benchmarks with ``--network none`` (plain loopback) instead.
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import json
 import math
@@ -77,7 +76,7 @@ from typing import Any
 
 from sparcoll.bench import netns
 from sparcoll.bench.netns import NetemError, NetemUnavailable, cleanup_stale, netem_available
-from sparcoll.bench.sizes import parse_count
+from sparcoll.bench.sizes import count_argument
 
 __all__ = [
     "EmulatedNetwork",
@@ -145,12 +144,7 @@ MIN_BURST_BYTES = 64 * 1024
 
 def add_link_burst_argument(parser) -> None:
     """`--link-burst BYTES` of the commands that run jobs on the emulated network (bench, train, plan)."""
-    def count(text: str) -> int:
-        try:
-            return parse_count(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    parser.add_argument("--link-burst", type=count, default=None, metavar="BYTES",
+    parser.add_argument("--link-burst", type=count_argument, default=None, metavar="BYTES",
                         help="the links' token bucket (tbf burst), e.g. 128K, closer to a NIC that never "
                              "sends above its rate; default 8 ms of the rate, at least 128K: 1M at 1gbit")
 

@@ -1,6 +1,7 @@
 """Element counts as people write them: 16M, 1M, 64K, 65536 (binary multiples, as tensor sizes are)."""
 from __future__ import annotations
 
+import argparse
 import re
 
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -13,6 +14,14 @@ def parse_count(text: str) -> int:
     if not m or int(m.group(1)) == 0:
         raise ValueError(f"invalid count {text!r}: expected a positive integer with an optional K, M or G suffix")
     return int(m.group(1)) * _SUFFIXES[m.group(2).upper()]
+
+
+def count_argument(text: str) -> int:
+    """parse_count as an argparse type: its error message shown as it is."""
+    try:
+        return parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def format_count(n: int) -> str:

@@ -148,6 +148,7 @@ class Costing:
         self.coo = {kind: fits.get(f"{kind}_own", {}) for kind in COO_KINDS}
         self.loaded = {name: Curve(*xy) for name, xy in fits.get("loaded", {}).items()}
         self.slowdown = {name: Curve(*xy) for name, xy in fits.get("slowdown", {}).items()}
+        self._curves = {"collectives": self.collective, "loaded": self.loaded, "slowdown": self.slowdown}
         self.workers = workers
 
     def _measured(self, quantity: str, kind: str, x: float, numel: int, name: str | None = None) -> float | None:
@@ -161,7 +162,7 @@ class Costing:
         grid = self.grids.get(quantity, {}).get(kind)
         if grid is not None:
             return grid(numel, x / max(1, numel * ITEMSIZE))
-        curve = {"collectives": self.collective, "loaded": self.loaded, "slowdown": self.slowdown}[quantity].get(kind)
+        curve = self._curves[quantity].get(kind)
         return None if curve is None else curve(x)
 
     def _on(self, kind: str, x: float, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,

@@ -272,9 +272,9 @@ def profile_sparse_own(comm, gradients: dict, tensors: dict, train_step, timeout
     tensor at 30% took gloo's ring, a 1M-element one the sparse AllReduce), so the grid of random
     tensors between them priced deeplight's 1M-element linear layer at 40 ms, measured 13."""
     alone_step = timed(lambda _: train_step())
+    run = lambda t: comm.allreduce(t, op="avg")     # noqa: E731
     for name, g in gradients.items():
         if tensors[name]["union"] < 1.0:
-            run = lambda t: comm.allreduce(t, op="avg")     # noqa: E731
             yield name, timed(run, g.clone), *under_load(run, g.clone, train_step, alone_step, timeout)
 
 
