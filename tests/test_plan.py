@@ -307,25 +307,54 @@ def test_a_trial_keeps_a_lossless_candidate_level_with_the_fastest():
 
 
 def test_a_candidate_whose_trial_fails_is_left_out_and_the_others_still_run(monkeypatch):
-    """A fake launcher: each candidate reports steps of its own duration, one fails midway."""
-    durations = {"planned": 0.3, "uniform sfb": None, "uniform ring": 0.5}
+    """A fake launcher: each candidate reports steps of its own duration, one fails midway (and is
+    not run again in the later passes), DDP's reference runs in every pass."""
+    durations = {"planned": 0.3, "uniform sfb": None, "uniform ring": 0.5, trial.DDP: 0.8}
+    launched = []
 
     def launch(config, workers, network, timeout, on_event):
-        seconds = durations[config["strategy"]["name"]]
+        name = trial.DDP if config["comm"] == "ddp" else config["strategy"]["name"]
+        launched.append(name)
+        seconds = durations[name]
         for step in range(config["steps"]):
             if seconds is None and step == 1:
                 raise BenchError("worker 2 exited with status 1")
-            on_event({"event": "step", "step_s": 9.0 if step == 0 else (seconds or 1.0)})
+            on_event({"event": "step", "step_s": 9.0 if step == 0 else (seconds or 1.0), "comm_s": 0.2})
             on_event({"event": "trace"})
     monkeypatch.setattr(trial, "launch", launch)
     advanced = []
-    step_s, failed = trial.measure({}, {n: {"name": n} for n in durations}, 4, "none", 3, 1, 10.0, advanced.append)
+    plans = {n: {"name": n} for n in durations if n != trial.DDP}
+    step_s, failed, reference, passes = trial.measure({}, plans, 4, "none", 3, 1, 10.0, advanced.append, 3)
     assert step_s == pytest.approx({"planned": 0.3, "uniform ring": 0.5})      # the warm-up left out
+    assert passes == {"planned": [pytest.approx(0.3)] * 2, "uniform ring": [pytest.approx(0.5)] * 2}
+    assert reference == {"step_s": pytest.approx(0.8), "comm_share": pytest.approx(0.25)}
     assert list(failed) == ["uniform sfb"] and "status 1" in failed["uniform sfb"]
-    assert len(advanced) == 3 * 4                                              # the progress bar completes
-    durations.update({"planned": None, "uniform ring": None})
+    assert launched == ["planned", "uniform sfb", "uniform ring", trial.DDP, trial.DDP, "uniform ring", "planned"]
+    assert len(advanced) == trial.PASSES * 4 * 4                               # the progress bar completes
+    durations.update({"planned": None, "uniform ring": None, trial.DDP: None})
     with pytest.raises(BenchError, match="every candidate"):
-        trial.measure({}, {n: {"name": n} for n in durations}, 4, "none", 3, 1, 10.0, advanced.append)
+        trial.measure({}, plans, 4, "none", 3, 1, 10.0, advanced.append)
+    durations.update({"planned": 0.3})
+    step_s, failed, reference, _ = trial.measure({}, plans, 4, "none", 3, 1, 10.0, advanced.append, 3)
+    assert list(step_s) == ["planned"] and "status 1" in reference["failed"] and trial.DDP not in failed
+
+
+def test_a_machine_slowing_down_during_the_trial_favours_no_candidate(monkeypatch):
+    """Three equal candidates on a machine whose every launch runs 10% slower than the one before:
+    measured once each, in order, the first would win by 20%; in passes of alternating order each
+    candidate's mean is the same."""
+    launches = []
+
+    def launch(config, workers, network, timeout, on_event):
+        launches.append(config["strategy"]["name"])
+        for _ in range(config["steps"]):
+            on_event({"event": "step", "step_s": 0.1 * (1 + 0.1 * (len(launches) - 1)), "comm_s": 0.0})
+    monkeypatch.setattr(trial, "launch", launch)
+    monkeypatch.setattr(trial, "PASSES", 2)
+    plans = {n: {"name": n} for n in ("planned", "uniform sfb", "uniform ring")}
+    step_s, _, _, passes = trial.measure({}, plans, 4, "none", 3, 1, 10.0, lambda what: None)
+    assert passes["planned"][0] < passes["uniform ring"][0] / 1.15              # the drift is there ...
+    assert step_s == pytest.approx(dict.fromkeys(plans, step_s["planned"]))    # ... and cancels out
 
 
 def test_a_candidate_of_short_steps_trains_longer(monkeypatch):

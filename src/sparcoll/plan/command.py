@@ -364,8 +364,10 @@ def table(plan: dict) -> str:
         lines.append(f"  every tensor {name:<16} {1e3 * f:>10.1f} ms  ({f / plan['predicted_step_s']:.2f}x this plan)")
     if "trial" in plan:
         tr = plan["trial"]
+        runs = len(tr.get("passes", {}).get(tr["kept"], ()))
         lines.append(f"trial (at least {tr['steps']} step{'s' * (tr['steps'] != 1)} and {trial.SECONDS:g} s each "
-                     f"after {tr['warmup']} warm-up, trained on this network), kept: {tr['kept']}")
+                     f"after {tr['warmup']} warm-up, trained on this network"
+                     + (f", the mean of {runs} runs in alternating order" if runs > 1 else "") + f"), kept: {tr['kept']}")
         for name, s in sorted(tr["step_s"].items(), key=lambda kv: kv[1]):
             lines.append(f"  {name:<29} measured {1e3 * s:>10.1f} ms, predicted {1e3 * tr['predicted_step_s'][name]:.1f}"
                          + (", lossless" if name in tr.get("lossless", ()) else ""))
@@ -399,31 +401,26 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
              if "model_spec" in profile else {k: profile[k] for k in ("workload", "options", "batch_size", "seed")})
     config = {**{k: defaults[k] for k in ("lr", "block_size", "data")}, "timeout": args.timeout,
               "link_burst": args.link_burst, **model}
-    step_s: dict[str, float] = {}
-    failed: dict[str, str] = {}
-    reference: dict = {}
     steps_each = {name: trial.steps_of(p, args.trial) for name, p in plans.items()}
     ddp_steps = max(steps_each.values())
+    measured: list[trial.Measured] = []
 
     def body(advance) -> None:
-        measured, broken = trial.measure(config, plans, args.workers, args.network, args.trial, TRIAL_WARMUP,
-                                         args.timeout, advance)
-        step_s.update(measured)
-        failed.update(broken)
-        reference.update(trial.ddp(config, args.workers, args.network, ddp_steps, TRIAL_WARMUP, args.timeout,
-                                   advance))
+        measured.append(trial.measure(config, plans, args.workers, args.network, args.trial, TRIAL_WARMUP,
+                                      args.timeout, advance, ddp_steps))
 
-    status = run_jobs("plan --trial", sum(TRIAL_WARMUP + steps for steps in [*steps_each.values(), ddp_steps]),
-                      body)
+    status = run_jobs("plan --trial", trial.PASSES * sum(TRIAL_WARMUP + steps
+                                                          for steps in [*steps_each.values(), ddp_steps]), body)
     if status:
         return status, plan
+    step_s, failed, reference, passes = measured[0]
     for name, reason in failed.items():
         print(f"sparcoll plan: the trial of {name} failed and is left out: {reason}", file=sys.stderr)
     lossless = sorted(name for name in step_s if trial.lossless(plans[name]))
     kept = trial.choose(step_s, set(lossless))
     return 0, {**plans[kept], "decision_ms": plan["decision_ms"],
                "trial": {"steps": args.trial, "warmup": TRIAL_WARMUP, "margin": trial.MARGIN, "kept": kept,
-                         "steps_each": steps_each,
+                         "steps_each": steps_each, "passes": passes,
                          "step_s": step_s, "lossless": lossless, "failed": failed,
                          "ddp": {"steps": ddp_steps, **reference},
                          "predicted_step_s": {n: p["predicted_step_s"] for n, p in plans.items()}}}

@@ -11,13 +11,14 @@ MARGIN of the fastest count as level (a few steps are noisy): of those a lossles
 is one, then the plan (the model's choice is the one that generalizes to other step counts). A
 candidate whose steps are short trains for at least SECONDS (by its predicted step, at most
 MOST_STEPS): three steps of ncf, 70 ms each, had the plan and the planner without compression 76.0
-and 76.3 ms apart, which longer rounds then measured 3-8% apart.
+and 76.3 ms apart, which longer rounds then measured 3-8% apart. Each candidate trains in PASSES
+jobs, in reversed order on every other pass (measure says why).
 """
 from __future__ import annotations
 
 import math
 import statistics
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from sparcoll.bench.launch import BenchError
 from sparcoll.torch.parallel import STRATEGIES
@@ -27,6 +28,15 @@ MARGIN = 0.03
 PLANNED = "planned"
 SECONDS = 2.0           # each candidate trains at least this long (by its predicted step) ...
 MOST_STEPS = 30         # ... in at most this many steps
+PASSES = 2              # each candidate trains this many times, in alternating order (measure)
+DDP = "ddp"             # the reference's name among the jobs of measure
+
+
+class Measured(NamedTuple):
+    step_s: dict[str, float]        # each candidate that ran: its mean step over its passes
+    failed: dict[str, str]          # each candidate that failed: why
+    reference: dict                 # DDP on gloo: step_s and comm_share, or failed (empty if not asked)
+    passes: dict[str, list[float]]  # each candidate that ran: its mean step in each pass
 
 
 def steps_of(plan: dict, steps: int) -> int:
@@ -90,35 +100,43 @@ def train(config: dict, name: str, workers: int, network: str, steps: int, warmu
 
 
 def measure(config: dict, plans: dict[str, dict], workers: int, network: str, steps: int, warmup: int,
-            timeout: float, advance: Callable[[str], None]) -> tuple[dict[str, float], dict[str, str]]:
-    """Each plan's mean step time over steps_of(plan, steps) steps after `warmup` untimed ones, trained
-    by sparcoll.torch.DataParallel as `sparcoll train --comm planned` does, one job after another; and
-    the reason of each candidate whose job failed (it is left out: one strategy that cannot run here
-    must not cost the user the others)."""
-    out, failed = {}, {}
-    for name, plan in plans.items():
-        try:
-            events = train({**config, "comm": PLANNED, "compress": None, "strategy": plan}, name, workers,
-                           network, steps_of(plan, steps), warmup, timeout, advance)
-        except BenchError as exc:
-            failed[name] = str(exc)
-            continue
-        out[name] = statistics.fmean(e["step_s"] for e in events)
-    if not out:
-        raise BenchError("every candidate of the trial failed: " + "; ".join(f"{n}: {r}" for n, r in failed.items()))
-    return out, failed
-
-
-def ddp(config: dict, workers: int, network: str, steps: int, warmup: int, timeout: float,
-        advance: Callable[[str], None]) -> dict:
-    """What the user has without sparcoll, trained the same way: DDP on gloo's step and the share of
-    it spent communicating (the reference, not a candidate: DataParallel cannot run it). With sparse
-    embeddings DDP's gathers of their rows are fast, and on deeplight every plan was slower than it
-    (0.88-0.90x), which a plan compared with its own alternatives alone never shows."""
-    try:
-        events = train({**config, "comm": "ddp", "compress": None, "strategy": None}, "ddp", workers, network,
-                       steps, warmup, timeout, advance)
-    except BenchError as exc:
-        return {"failed": str(exc)}
-    step_s = statistics.fmean(e["step_s"] for e in events)
-    return {"step_s": step_s, "comm_share": statistics.fmean(e["comm_s"] for e in events) / step_s}
+            timeout: float, advance: Callable[[str], None], ddp_steps: int = 0) -> Measured:
+    """Each plan's step time, trained by sparcoll.torch.DataParallel as `sparcoll train --comm planned`
+    does, for steps_of(plan, steps) steps after `warmup` untimed ones, one job after another; with
+    `ddp_steps`, DDP on gloo too (the reference, last in the order: not a candidate, DataParallel cannot
+    run it; with sparse embeddings DDP's gathers of their rows are fast, and on deeplight every plan was
+    slower than it, 0.88-0.90x, which a plan compared with its own alternatives alone never shows). Every job runs PASSES times, the
+    order reversed on every other pass, and its time is the mean over its passes: on this shared
+    machine whole launches ran 20-25% slower than others minutes apart (ncf with sparse embeddings, the
+    same plan six times: 29.6-37.5 ms), so a candidate measured once, early or late, could win or lose
+    by that alone; in reversed passes a drift falls on every candidate alike. A job that fails is left
+    out with its reason (one strategy that cannot run here must not cost the user the others)."""
+    jobs = {name: ({**config, "comm": PLANNED, "compress": None, "strategy": plan}, steps_of(plan, steps))
+            for name, plan in plans.items()}
+    if ddp_steps:
+        jobs[DDP] = ({**config, "comm": "ddp", "compress": None, "strategy": None}, ddp_steps)
+    means: dict[str, list[float]] = {name: [] for name in jobs}
+    shares: list[float] = []
+    failed: dict[str, str] = {}
+    for number in range(PASSES):
+        for name in (list(jobs) if number % 2 == 0 else reversed(list(jobs))):
+            job, job_steps = jobs[name]
+            if name in failed:
+                for _ in range(warmup + job_steps):
+                    advance(f"trial {name}: failed")
+                continue
+            try:
+                events = train(job, name, workers, network, job_steps, warmup, timeout, advance)
+            except BenchError as exc:
+                failed[name] = str(exc)
+                continue
+            means[name].append(statistics.fmean(e["step_s"] for e in events))
+            if name == DDP:
+                shares.append(statistics.fmean(e["comm_s"] for e in events) / means[name][-1])
+    step_s = {name: statistics.fmean(means[name]) for name in plans if name not in failed}
+    if not step_s:
+        raise BenchError("every candidate of the trial failed: " + "; ".join(
+            f"{n}: {r}" for n, r in failed.items() if n != DDP))
+    reference = ({} if not ddp_steps else {"failed": failed.pop(DDP)} if DDP in failed else
+                 {"step_s": statistics.fmean(means[DDP]), "comm_share": statistics.fmean(shares)})
+    return Measured(step_s, failed, reference, {name: means[name] for name in step_s})
