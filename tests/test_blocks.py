@@ -98,3 +98,33 @@ def test_sparse_blocks_round_trip_every_tiling(shape, entries):
     out = sb.finish()
     assert out.is_coalesced() and out.shape == coo.shape and out.sparse_dim() == sparse_dims
     assert torch.equal(out.to_dense(), coo.to_dense())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), st.sampled_from([1, 2, 4, 6, 8, 12, 32]), st.integers(0, 12)),
+                min_size=1, max_size=4), st.booleans(), st.integers(0, 2**16))
+def test_coo_tensors_concatenated_sum_and_split_as_each_alone(tables, two_sparse_dims, seed):
+    """COO gradients of different entry widths (and one of two sparse dims) as one COO tensor, as
+    DataParallel sends a plan's unit of them: the sum over two ranks of their concatenations, split,
+    is each one's own dense sum; and the concatenation's blocks of its piece width hold exactly their
+    entries."""
+    from sparcoll.torch.sparse import concatenate, split
+    g = torch.Generator().manual_seed(seed)
+    shapes = [((rows, width), n) for rows, width, n in tables] + ([((6, 5, 4), 9)] if two_sparse_dims else [])
+
+    def one_rank() -> list:
+        out = []
+        for shape, n in shapes:
+            sparse_dims = len(shape) - 1
+            coords = torch.stack([torch.randint(0, shape[d], (n,), generator=g) for d in range(sparse_dims)])
+            out.append(torch.sparse_coo_tensor(coords, torch.randn(n, shape[-1], generator=g), shape,
+                                               check_invariants=True).coalesce())
+        return out
+    a, b = one_rank(), one_rank()
+    fused = concatenate(a)
+    assert fused.is_coalesced() and fused._nnz() * fused.shape[1] == sum(x._nnz() * x.shape[-1] for x in a)
+    assert torch.equal(fused.to_dense().reshape(-1), torch.cat([x.to_dense().reshape(-1) for x in a]))
+    got = split((fused + concatenate(b)).coalesce(), a)
+    for x, y, z in zip(a, b, got):
+        assert z.is_coalesced() and z.shape == x.shape and z.sparse_dim() == x.sparse_dim()
+        assert torch.allclose(z.to_dense(), x.to_dense() + y.to_dense())

@@ -214,6 +214,44 @@ def test_units_of_one_compressor_share_a_collective_where_the_timeline_predicts_
             assert decide.predict(*again) == decide.predict(fused_step, fused, options)
 
 
+def test_coo_gradients_share_a_collective_where_the_profile_timed_them_together():
+    """Three embeddings' COO gradients in a row under the sparse AllReduce: the profile timed the first
+    two, and the first three, as one collective (fusion.coo_units), faster than apart: fused into one
+    unit priced as timed. Without that time, compressed, on gloo's gathers, or beside a dense tensor
+    they stay apart."""
+    coo = ["e1", "e2", "e3"]
+    assert fusion.coo_units(["w", *coo, "v"], set(coo)) == [["e1", "e2"], ["e1", "e2", "e3"]]
+    timed = {"e1": 0.004, "e2": 0.004, "e3": 0.004, "e1+e2": 0.005, "e1+e2+e3": 0.006}
+    own = {kind: {label: {n: scale * t for n, t in timed.items()} for label in (RING, SPARSE)}
+           for kind, scale in (("coo_own", 1.0), ("coo_loaded_own", 2.0))}
+    own["coo_slowdown_own"] = {label: dict.fromkeys(timed, 1.0) for label in (RING, SPARSE)}
+    measured = [Measured(TensorFacts("w", 1000), (1000,))] + [
+        Measured(TensorFacts(n, 10**6, coo=True), (10**5, 10)) for n in coo]
+    sparse = Option("none", SPARSE)
+
+    def fused(fits: dict, chosen: list) -> list:
+        costing = Costing({**FITS, **fits}, workers=4)
+        units_step, units, groups = units_of(Step((0.1,) * 4, 0.1), measured)
+        tensors = choices_of(units, groups, measured, costing, ["none"], JobFacts())
+        fused_step, got, fused_units, options = fusion.fuse(units_step, measured, groups, tensors, chosen, costing)
+        if [1, 2, 3] in got:
+            assert fused_units[got.index([1, 2, 3])].costs[sparse] == costing.cost(
+                Measured(TensorFacts("e1+e2+e3", 3 * 10**6, coo=True), (3 * 10**6,)), sparse)
+            assert decide.predict(fused_step, fused_units, options) < decide.predict(units_step, tensors, chosen)
+        return got
+
+    assert fused(own, [Option()] + [sparse] * 3) == [[0], [1, 2, 3]]
+    assert fused(own, [sparse] * 4) == [[0], [1, 2, 3]]                       # never with a dense tensor
+    assert fused(own, [Option()] * 4) == [[0], [1], [2], [3]]                 # gloo's gathers: apart
+    without = {kind: {label: {n: t for n, t in by_name.items() if "+" not in n} for label, by_name in table.items()}
+               for kind, table in own.items()}
+    assert fused(without, [Option()] + [sparse] * 3) == [[0], [1], [2], [3]]  # not timed together: apart
+    slower = {kind: {label: {**by_name, "e1+e2": 1.0} for label, by_name in table.items()}
+              for kind, table in own.items()}
+    assert fused(slower, [Option()] + [sparse] * 3) == [[0], [1], [2], [3]]   # the first join predicted slower
+    assert not fusion.fusable(Option("topk:0.01", ALLGATHER), [1, 2], measured)
+
+
 def timed_together(rank: int, world: int) -> tuple:
     """Rank 1's forward sleeps 50 ms; rank 0's takes a fraction of a millisecond."""
     torch.manual_seed(0)
@@ -242,6 +280,35 @@ def small_and_large() -> nn.Module:
     torch.manual_seed(8)
     return nn.Sequential(nn.Linear(12, 40), nn.ReLU(), nn.Linear(40, 300), nn.ReLU(), nn.Linear(300, 300),
                          nn.ReLU(), nn.Linear(300, 30), nn.ReLU(), nn.Linear(30, 5))
+
+
+class Tables(nn.Module):
+    """Three embeddings of widths 32, 8 and 12 (pieces of 4 elements when they share a collective)
+    into a linear layer."""
+
+    def __init__(self, sparse: bool = True):
+        super().__init__()
+        torch.manual_seed(9)
+        self.a = nn.Embedding(50, 32, sparse=sparse)
+        self.b = nn.Embedding(30, 8, sparse=sparse)
+        self.c = nn.Embedding(40, 12, sparse=sparse)
+        self.head = nn.Linear(52, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.a(ids[:, 0]), self.b(ids[:, 1]), self.c(ids[:, 2])], 1))
+
+
+def tables_loss(model: nn.Module, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.stack([torch.randint(n, (6,), generator=g) for n in (50, 30, 40)], 1)
+    return model(ids).pow(2).mean()
+
+
+def tables_reference(world: int) -> list:
+    """The full-batch gradient, dense, on one float64 copy of the model: no collective."""
+    model = Tables(sparse=False).double()
+    (sum(tables_loss(model, r) for r in range(world)) / world).backward()
+    return [p.grad.float() for p in model.parameters()]
 
 
 def plan_of(table: dict, placement: str = "thread") -> dict:
@@ -325,6 +392,23 @@ def execution(rank: int, world: int) -> dict:
         out["ring unit"] = relative_error(step(dp, rank, 6, (12,)), reference_grads(small_and_large, 6, (12,), world))
         out["ring unit collectives"] = len({e.start for e in dp.trace})
         dp.close()
+        # a plan's unit of COO gradients under the sparse AllReduce: one collective of their rows
+        tables = {"tensors": [{"name": n, "strategy": "sparse" if n.endswith("weight") and n != "head.weight"
+                               else "ring", "unit": 0 if n in ("a.weight", "b.weight", "c.weight") else i + 1}
+                              for i, (n, _) in enumerate(Tables().named_parameters())]}
+        dp = sparcoll.torch.DataParallel(Tables(), comm=comm, strategy=tables)
+        for _ in range(2):          # a second step: nothing of the first one's unit is left behind
+            for p in dp.parameters():
+                p.grad = None
+            tables_loss(dp, rank).backward()
+        out["coo unit sparse"] = [p.grad.is_sparse for p in dp.module.parameters()]
+        out["coo unit"] = relative_error([p.grad.to_dense() if p.grad.is_sparse else p.grad
+                                          for p in dp.module.parameters()], tables_reference(world))
+        starts: dict = {}
+        for e in dp.trace:
+            starts.setdefault(e.start, []).append(e.name)
+        out["coo unit collectives"] = sorted(sorted(names) for names in starts.values())
+        dp.close()
         # a plan's units close a bucket as soon as they are complete: here each small tensor is a unit
         names = [n for n, _ in small_and_large().named_parameters()]
         alone = {"tensors": [{"name": n, "strategy": "ring", "unit": i} for i, n in enumerate(names)]}
@@ -371,6 +455,16 @@ def test_the_planners_units_are_dataparallels_buckets(executed):
         assert rank["collectives alone"] == 10 and rank["units alone"] < 1e-5
 
 
+def test_a_plans_unit_of_coo_gradients_is_one_sparse_allreduce(executed):
+    """Three embeddings' COO gradients of three widths in one unit: one collective, each gradient still
+    COO, and the full-batch gradient."""
+    for rank in executed:
+        assert rank["coo unit sparse"] == [True, True, True, False, False]
+        assert rank["coo unit"] < 1e-5
+        assert ["a.weight", "b.weight", "c.weight"] in rank["coo unit collectives"]
+        assert len(rank["coo unit collectives"]) == 3            # with the head's weight and bias apart
+
+
 def test_a_plans_unit_of_large_tensors_compressed_or_on_the_ring_is_one_collective(executed):
     for rank in executed:
         assert rank["fused collectives"] == 1 and rank["fused topk"] < 1e-6
@@ -394,10 +488,13 @@ def test_plan_then_train_the_plan(tmp_path):
     measured = json.loads(profile.read_text())
     coo = [n for n, t in measured["model"]["tensors"].items() if t["coo"]]
     assert len(coo) == 4          # the embeddings' gradients: each option timed on each, alone and loaded
+    together = {"+".join(names) for names in fusion.coo_units(measured["model"]["order"], set(coo))}
+    assert "+" in min(together, key=len, default="")     # the four are ready one after another
     for kind in ("coo_own", "coo_loaded_own", "coo_slowdown_own"):
         table = measured["fits"][kind]
         assert set(table) == set(coo_labels(["fp16", "topk:0.01"])) == {RING, SPARSE, "fp16", "topk:0.01"}
-        assert all(set(by_name) == set(coo) and min(by_name.values()) > 0 for by_name in table.values())
+        assert all(set(by_name) == set(coo) | (together if label == SPARSE else set()) and min(by_name.values()) > 0
+                   for label, by_name in table.items())
     fastest = min(tried["step_s"].values())
     assert tried["step_s"][tried["kept"]] <= fastest * (1 + tried["margin"])
     lossless = set(tried["lossless"])

@@ -205,6 +205,11 @@ class Costing:
             return self._on(option.collective, numel * ITEMSIZE)
         return self.bucket([t], option)
 
+    def priced_coo(self, name: str, option: Option) -> bool:
+        """Whether the profile timed COO gradient(s) `name` (several: their names joined by "+", as
+        one collective of them all) under `option`."""
+        return all(name in self.coo[kind].get(coo_label(option), {}) for kind in COO_KINDS)
+
     def _coo(self, t: Measured, option: Option) -> Cost:
         """A sparse COO gradient's option as the profile measured it on the gradient (compression and
         collective, on the channel), alone and beside backward."""

@@ -17,21 +17,45 @@ from typing import Callable
 
 from .costs import Costing, Measured
 from .decide import Choices
-from .options import Option, TensorFacts
+from .options import DEDICATED, SPARSE, Option, TensorFacts
 from .timeline import Step, simulate
 
 
 def fusable(option: Option, members: list[int], measured: list[Measured]) -> bool:
     """Whether a unit under `option` may share a collective with its neighbours: dense, and compressed
-    or on the ring uncompressed (one allreduce of them all, as DDP's buckets)."""
-    return (option.compressor != "none" or option == Option()) and not any(measured[i].facts.coo for i in members)
+    or on the ring uncompressed (one allreduce of them all, as DDP's buckets); or sparse COO gradients
+    under the sparse AllReduce uncompressed (one of their rows concatenated, sparcoll.torch.sparse)."""
+    coo = [measured[i].facts.coo for i in members]
+    if any(coo):
+        return all(coo) and option.compressor == "none" and option.collective in (SPARSE, DEDICATED)
+    return option.compressor != "none" or option == Option()
 
 
-def merged(members: list[int], option: Option, measured: list[Measured], costing: Costing) -> Choices:
+def coo_units(order: list[str], coo: set[str]) -> list[list[str]]:
+    """The units of several COO gradients the profile times as one collective: in backward order
+    (`order`), every run of consecutive COO gradients' prefixes of two or more. `fuse` joins a unit to
+    the one before it, so such a unit grows from the first of its run (one that starts later is not
+    priced, and stays apart)."""
+    units, run = [], []
+    for name in [*order, None]:
+        if name in coo:
+            run.append(name)
+            continue
+        units += [run[:k] for k in range(2, len(run) + 1)]
+        run = []
+    return units
+
+
+def merged(members: list[int], option: Option, measured: list[Measured], costing: Costing) -> Choices | None:
     """A unit of `members` under `option`, priced as one collective of their payloads (on the ring
-    uncompressed: one allreduce of all their elements)."""
+    uncompressed: one allreduce of all their elements; COO gradients: as the profile timed them
+    concatenated, None where it did not)."""
     group = [measured[i] for i in members]
     name, numel = "+".join(t.facts.name for t in group), sum(t.facts.numel for t in group)
+    if group[0].facts.coo:
+        facts = TensorFacts(name, numel, coo=True)
+        return Choices(name, numel, {option: costing.cost(Measured(facts, (numel,)), option)}) \
+            if costing.priced_coo(name, option) else None
     cost = (costing.bucket(group, option) if option.compressor != "none"
             else costing.cost(Measured(TensorFacts(name, numel), (numel,)), option))
     return Choices(name, numel, {option: cost})
@@ -57,9 +81,9 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
         if out_chosen and o == out_chosen[-1] and fusable(o, members, measured) \
                 and fusable(o, out_groups[-1], measured):
             joined = merged(out_groups[-1] + members, o, measured, costing)
-            if joins(out_groups[-1], members) if joins is not None else (
+            if joined is not None and (joins(out_groups[-1], members) if joins is not None else (
                     predicted(out_costs[:-1] + [joined.costs[o]], out_ready[:-1] + [ready[i]], i)
-                    <= predicted(out_costs + [costs[i]], out_ready + [ready[i]], i)):
+                    <= predicted(out_costs + [costs[i]], out_ready + [ready[i]], i))):
                 out_groups[-1] = out_groups[-1] + members
                 out_tensors[-1], out_ready[-1], out_costs[-1] = joined, ready[i], joined.costs[o]
                 continue

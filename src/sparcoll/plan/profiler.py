@@ -55,12 +55,14 @@ from sparcoll.bench.worker import exit_process, run_worker
 from sparcoll.blocks import BlockTensor
 from sparcoll.compress import Reducer
 from sparcoll.compress.channel import Channel
+from sparcoll.torch import sparse
 from sparcoll.torch.ps import ps_allreduce
 from sparcoll.torch.sfb import eligible_layers
 from sparcoll.workloads import get_workload
 from sparcoll.workloads.user import UserModel
 
 from .costs import COO_KINDS, ITEMSIZE, Curve, Grid, sparse_volume
+from .fusion import coo_units
 from .options import ALLGATHER, COMPRESSORS, PS, RING, SPARSE, coo_labels
 from .profile import backward_timeline, facts
 
@@ -224,13 +226,16 @@ def profile_compressors(specs: list[str], world: int, gradients: dict):
             yield spec, x.numel(), name, compress, decompress
 
 
-def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout: float):
+def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout: float, order: list[str]):
     """(option, tensor name, seconds alone, seconds under load, slowdown of a training step) for each
     of the model's sparse COO gradients under each option it can take (options.coo_labels), measured
     whole on the gradient itself as sparcoll.torch.DataParallel runs it: coalesced, its entries
     compressed, its collective. A COO gradient's cost is its rows, not its dense size: deeplight's
     embedding (17M elements) touches 3% of its blocks per worker, and gloo's gathers of them were
-    priced as a dense ring (1 s predicted for a step that trains in about 0.11 s)."""
+    priced as a dense ring (1 s predicted for a step that trains in about 0.11 s). Then the sparse
+    AllReduce of each unit of several (fusion.coo_units, in backward order `order`) as one collective,
+    named by their names joined by "+": every collective has a fixed cost besides its rows (ncf's four
+    embeddings took 3.4-5.8 ms each at 1 Gbit/s, their rows 1-2 ms of it)."""
     alone_step = timed(lambda _: train_step())
     group = Channel(None)       # the group's own sparse all_reduce: gloo's gathers
     uncompressed = {RING: group.sparse_mean, SPARSE: lambda t: comm.allreduce_coo(t, op="avg")}
@@ -239,6 +244,11 @@ def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout
             reduce = uncompressed.get(label) or functools.partial(Reducer(label, None, comm).reduce, key=name)
             run = lambda _, g=g, reduce=reduce: reduce(g.coalesce())      # noqa: E731
             yield label, name, timed(run), *under_load(run, lambda: None, train_step, alone_step, timeout)
+    for names in coo_units(order, set(coo_gradients)):
+        def run(_, grads=[coo_gradients[n] for n in names]) -> None:
+            coalesced = [g.coalesce() for g in grads]
+            sparse.split(comm.allreduce_coo(sparse.concatenate(coalesced), op="avg"), coalesced)
+        yield SPARSE, "+".join(names), timed(run), *under_load(run, lambda: None, train_step, alone_step, timeout)
 
 
 def collectives(comm, block_size: int, rank: int, world: int):
@@ -365,8 +375,9 @@ def gradient_events(cfg: dict, model: dict) -> int:
     event)."""
     tensors = model["tensors"].values()
     large = [t for t in tensors if t["numel"] >= OWN_GRADIENT and not t["coo"]]
+    coo = {name for name, t in model["tensors"].items() if t["coo"]}
     return (2 * len(timed_compressors(cfg)) * len(large) + 3 * sum(t["union"] < 1.0 for t in large)
-            + 3 * len(coo_labels(timed_compressors(cfg))) * sum(t["coo"] for t in tensors))
+            + 3 * len(coo_labels(timed_compressors(cfg))) * len(coo) + 3 * len(coo_units(model["order"], coo)))
 
 
 def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
@@ -385,7 +396,8 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
         model.zero_grad()
         loss_of(model).backward()
 
-    for label, name, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"]):
+    for label, name, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"],
+                                           measured["order"]):
         for kind, seconds in zip(COO_KINDS, times):
             say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds})
     for name, *times in profile_sparse_own(comm, gradients, measured["tensors"], train_step, cfg["timeout"]):

@@ -55,7 +55,7 @@ from sparcoll.compress import Reducer, parse
 from sparcoll.compress.channel import Channel
 from sparcoll.errors import CollectiveTimeout, MismatchError
 
-from . import hybrid
+from . import hybrid, sparse
 from .ps import ps_allreduce
 from .sfb import Call, LinearState, eligible_layers, gather_factors
 
@@ -63,6 +63,7 @@ AUTO = "auto"
 ROWS = "rows"           # the per-step check that ranks agree on the rows of their linear layers
 BUCKET = "bucket"       # small dense gradients that take the ring, averaged in one allreduce
 COMPRESSED = "compressed"   # gradients of one compressor, their payloads in one collective
+COO_UNIT = "coo unit"       # a plan's unit of sparse COO gradients: one sparse AllReduce of them all
 CHANNEL, THREAD, OFFLOAD = "channel", "thread", "offload"     # where a compressor runs
 SMALL_BYTES = 256 << 10     # a gradient this small joins the bucket ...
 BUCKET_BYTES = 1 << 20      # ... which goes when it holds this much (as DDP's first bucket)
@@ -293,12 +294,14 @@ class DataParallel(nn.Module):
         grad = p.grad
         compressed = chosen not in STRATEGIES and not grad.is_sparse
         dense_ring = chosen == hybrid.RING and not grad.is_sparse
+        coo_sparse = chosen == hybrid.SPARSE and grad.is_sparse
         small = not grad.is_sparse and grad.numel() * grad.element_size() <= SMALL_BYTES
         unit = self._unit.get(self._names.get(id(p)))
-        # a plan's unit of several compressed tensors, or of several dense ones on the ring, is one
-        # bucket, whatever their sizes
-        bucketed = small or ((compressed or dense_ring) and unit is not None and self._unit_size[unit] > 1)
-        if not (compressed or (dense_ring and bucketed)):
+        # a plan's unit of several compressed tensors, of several dense ones on the ring, or of several
+        # COO ones under the sparse AllReduce, is one bucket, whatever their sizes
+        bucketed = small or ((compressed or dense_ring or coo_sparse) and unit is not None
+                             and self._unit_size[unit] > 1)
+        if not (compressed or ((dense_ring or coo_sparse) and bucketed)):
             self._enqueue(p, chosen, None)
             return
         kind = (chosen, self._placement_of(p, chosen) if compressed else CHANNEL)
@@ -383,8 +386,9 @@ class DataParallel(nn.Module):
         if not self._bucket:
             return
         bucket, self._bucket = self._bucket, []
-        if self._bucket_kind[0] == hybrid.RING:
-            self._put((None, BUCKET, [q for q, _, _ in bucket], [e for _, e, _ in bucket]))
+        if self._bucket_kind[0] in (hybrid.RING, hybrid.SPARSE):
+            self._put((None, BUCKET if self._bucket_kind[0] == hybrid.RING else COO_UNIT,
+                       [q for q, _, _ in bucket], [e for _, e, _ in bucket]))
         else:
             self._put_compressed(self._bucket_kind, bucket)
 
@@ -516,6 +520,12 @@ class DataParallel(nn.Module):
                 for q, grad, flat in zip(extra, grads, flats):
                     self._put_back(q, grad, flat)
             return self._later(work, finish)
+        if chosen == COO_UNIT:          # one sparse AllReduce of the unit's rows (sparse.concatenate)
+            grads = [q.grad.coalesce() for q in extra]
+            for q, total in zip(extra, sparse.split(self.comm.allreduce_coo(sparse.concatenate(grads), op="avg"),
+                                                    grads)):
+                q.grad = total
+            return None
         if chosen == COMPRESSED:
             reducer, members = extra
             grads = [q.grad for q, _ in members]

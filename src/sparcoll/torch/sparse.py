@@ -1,10 +1,16 @@
-"""All-reduce of sparse COO tensors (e.g. `nn.Embedding(sparse=True)` gradients under DDP) on sparcoll.
+"""All-reduce of sparse COO tensors (e.g. `nn.Embedding(sparse=True)` gradients) on sparcoll.
 
 `Communicator.allreduce_coo` reduces block-sparse without densifying and returns a new tensor; torch
-collectives work in place, so the result is copied back into the caller's tensor before completion.
+collectives work in place, so `allreduce_coo` here copies the result back into the caller's tensor
+before completion. `concatenate` and `split` let several COO tensors share one collective (a plan's
+unit of embedding gradients in sparcoll.torch.DataParallel): each collective has a fixed cost besides
+its rows.
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 import sparcoll
@@ -20,3 +26,54 @@ def allreduce_coo(tensor: torch.Tensor, op: str, comm: Communicator) -> sparcoll
     # Registered first, so it runs before the callbacks that complete the caller's future.
     work.add_done_callback(lambda done: done.exception() is None and tensor.copy_(done.tensor))
     return work
+
+
+def _width(coo: torch.Tensor) -> int:
+    """Elements per entry (an index of the sparse dims): an embedding gradient's row width."""
+    return math.prod(coo.shape[coo.sparse_dim():])
+
+
+def _entries(coo: torch.Tensor) -> int:
+    return math.prod(coo.shape[:coo.sparse_dim()])
+
+
+def concatenate(coos: list[torch.Tensor]) -> torch.Tensor:
+    """Coalesced COO tensors of one dtype as one 2-D COO tensor whose rows are pieces of theirs, `g`
+    elements wide (the greatest common divisor of their entries' widths), the tensors' rows one after
+    the other: its row block-sparsity is theirs, so one sparse AllReduce of it carries what one of each
+    would. `split` takes the result apart."""
+    g = math.gcd(*(_width(c) for c in coos))
+    indices, values, offset = [], [], 0
+    for c in coos:
+        per = _width(c) // g
+        linear = np.ravel_multi_index(c.indices().numpy(), c.shape[:c.sparse_dim()]) if c._nnz() else \
+            np.zeros(0, dtype=np.int64)
+        indices.append((linear[:, None] * per + np.arange(per)).reshape(-1) + offset)
+        values.append(c.values().reshape(-1, g))
+        offset += _entries(c) * per
+    # sorted and distinct by construction (each input coalesced, the offsets ascending)
+    return torch.sparse_coo_tensor(torch.from_numpy(np.concatenate(indices))[None], torch.cat(values),
+                                   (offset, g), is_coalesced=True, check_invariants=False)
+
+
+def split(total: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`concatenate`'s inverse: the coalesced COO tensor of each of `likes` (shapes) from a coalesced
+    result of its concatenation."""
+    total = total.coalesce()
+    g = total.shape[1]
+    rows, values = total.indices()[0].numpy(), total.values()
+    bounds = np.cumsum([0] + [_entries(c) * (_width(c) // g) for c in likes])
+    cuts = np.searchsorted(rows, bounds)
+    out = []
+    for c, start, lo, hi in zip(likes, bounds, cuts, cuts[1:]):
+        per = _width(c) // g
+        # a block of the result may hold a piece of an entry no rank sent (zeros): entries are
+        # assembled from the pieces that came back, the missing ones zero
+        pieces = rows[lo:hi] - start
+        linear, inverse = np.unique(pieces // per, return_inverse=True)
+        entry = torch.zeros(linear.size, per, g, dtype=values.dtype)
+        entry[torch.from_numpy(inverse), torch.from_numpy(pieces % per)] = values[lo:hi]
+        coords = np.stack(np.unravel_index(linear, c.shape[:c.sparse_dim()])).reshape(c.sparse_dim(), -1)
+        out.append(torch.sparse_coo_tensor(torch.from_numpy(coords), entry.reshape(-1, *c.shape[c.sparse_dim():]),
+                                           c.shape, is_coalesced=True, check_invariants=False))
+    return out
