@@ -66,8 +66,11 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
          ) -> tuple[Step, list[list[int]], list[Choices], list[Option]]:
     """The plan's units with neighbours of one compressor merged where the timeline predicts a step
     no slower (greedy, in backward order: each unit joins the previous one if that predicts no worse),
-    or where `joins(previous members, members)` says so. Returns the new units' Step, members,
-    Choices and options."""
+    or where `joins(previous members, members)` says so. A COO unit looks further: it joins with the
+    units after it up to whichever end of their run predicts the fastest step, if any is no slower
+    than apart (the profile timed only such prefixes together, and ncf's first two embeddings
+    together took longer than apart, all four together a quarter less). Returns the new units' Step,
+    members, Choices and options."""
     ready = list(step.ready)
     costs = [t.costs[o] for t, o in zip(tensors, chosen)]
 
@@ -76,22 +79,39 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
         return simulate(Step(tuple(head_ready + ready[i + 1:]), step.backward_end, step.optimizer),
                         head_costs + costs[i + 1:]).iteration
 
+    def may_join(k: int) -> bool:
+        return chosen[k] == out_chosen[-1] and fusable(chosen[k], groups[k], measured)
+
     out_groups, out_tensors, out_chosen, out_ready, out_costs = [], [], [], [], []
-    for i, (members, t, o) in enumerate(zip(groups, tensors, chosen)):
-        if out_chosen and o == out_chosen[-1] and fusable(o, members, measured) \
-                and fusable(o, out_groups[-1], measured):
-            joined = merged(out_groups[-1] + members, o, measured, costing)
-            if joined is not None and (joins(out_groups[-1], members) if joins is not None else (
-                    predicted(out_costs[:-1] + [joined.costs[o]], out_ready[:-1] + [ready[i]], i)
-                    <= predicted(out_costs + [costs[i]], out_ready + [ready[i]], i))):
-                out_groups[-1] = out_groups[-1] + members
-                out_tensors[-1], out_ready[-1], out_costs[-1] = joined, ready[i], joined.costs[o]
+    i = 0
+    while i < len(groups):
+        if out_chosen and may_join(i) and fusable(chosen[i], out_groups[-1], measured):
+            o, ends = chosen[i], [i]
+            if joins is None and measured[groups[i][0]].facts.coo:
+                while ends[-1] + 1 < len(groups) and may_join(ends[-1] + 1):
+                    ends.append(ends[-1] + 1)
+            apart = None if joins is not None else predicted(out_costs + [costs[i]], out_ready + [ready[i]], i)
+            best = None         # (predicted F, last unit joined, the joined unit)
+            for k in ends:
+                joined = merged(out_groups[-1] + [m for g in groups[i:k + 1] for m in g], o, measured, costing)
+                if joined is None:
+                    continue
+                f = (0.0 if joins(out_groups[-1], groups[i]) else None) if joins is not None else \
+                    predicted(out_costs[:-1] + [joined.costs[o]], out_ready[:-1] + [ready[k]], k)
+                if f is not None and (apart is None or f <= apart) and (best is None or f < best[0]):
+                    best = (f, k, joined)
+            if best is not None:
+                _, k, joined = best
+                out_groups[-1] = out_groups[-1] + [m for g in groups[i:k + 1] for m in g]
+                out_tensors[-1], out_ready[-1], out_costs[-1] = joined, ready[k], joined.costs[o]
+                i = k + 1
                 continue
-        out_groups.append(list(members))
-        out_tensors.append(t)
-        out_chosen.append(o)
+        out_groups.append(list(groups[i]))
+        out_tensors.append(tensors[i])
+        out_chosen.append(chosen[i])
         out_ready.append(ready[i])
         out_costs.append(costs[i])
+        i += 1
     return Step(tuple(out_ready), step.backward_end, step.optimizer), out_groups, out_tensors, out_chosen
 
 
