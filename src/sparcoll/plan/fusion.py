@@ -69,7 +69,7 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
     or where `joins(previous members, members)` says so. A COO unit looks further: it joins with the
     units after it up to whichever end of their run predicts the fastest step, if any is no slower
     than apart (the profile timed only such prefixes together, and ncf's first two embeddings
-    together took longer than apart, all four together a quarter less). Returns the new units' Step,
+    together took longer than apart, all four together a third less). Returns the new units' Step,
     members, Choices and options."""
     ready = list(step.ready)
     costs = [t.costs[o] for t, o in zip(tensors, chosen)]
