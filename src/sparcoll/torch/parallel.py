@@ -25,7 +25,9 @@ leaves its buckets': the next collective starts while they travel, and a second 
 them in order and puts their results in place. Small dense gradients of the ring or of
 one compressor travel in buckets, as DDP's: one collective for several (each gradient compressed on
 its own, their payloads sent together), instead of a collective's latency each; a compressed weight
-takes its own bias along when the bias came just before it (as `sparcoll plan` prices a layer). Under `no_sync()` gradients
+takes its own bias along when the bias came just before it (as `sparcoll plan` prices a layer). A
+plan's unit of several COO gradients under the sparse AllReduce is one collective of their rows
+(sparse.concatenate). Under `no_sync()` gradients
 accumulate locally; the next synchronized step reduces the accumulated gradients (SFB layers then take
 the ring: their factors cover one step only). `trace` records, for the last step, when each tensor
 was ready and when its synchronization started and ended, and when backward finished computing.
