@@ -14,6 +14,7 @@ Mismatch and poisoning tests at the end run in-process (Communicators in threads
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import signal
 import socket
@@ -44,6 +45,25 @@ SURVIVOR_ERRORS = {"PeerError", "CollectiveTimeout", "PoisonedError", "ProtocolE
 
 _CTX = None
 _CTX_LOCK = threading.Lock()
+# Held to start a child and to read a child's status. Process.start() first polls every earlier
+# child (multiprocessing's _cleanup), and a fork-server child's status is one read from a pipe: two
+# threads polling one child at once (an episode joining its aggregator while another episode starts a
+# worker) left one of them "exit code 255" (status unreadable) for a victim that died at its kill point,
+# twice in full test runs.
+_STATUS_LOCK = threading.Lock()
+
+
+def _start(p) -> None:
+    with _STATUS_LOCK:
+        p.start()
+
+
+def _exitcode(p, timeout: float) -> int | None:
+    """p's exit code once it has ended, waiting up to `timeout` (None: still running); the wait
+    outside _STATUS_LOCK, the read of the status under it."""
+    mp_connection.wait([p.sentinel], timeout)
+    with _STATUS_LOCK:
+        return p.exitcode
 
 
 def _ctx():
@@ -61,10 +81,10 @@ def _start_fork_server():
                                     "sparcoll.aggregator", "sparcoll.server", __name__])
         r, w = ctx.Pipe(duplex=False)            # start the fork server now, with that environment
         p = ctx.Process(target=_noop, args=(w,))
-        p.start()
+        _start(p)
         w.close()
         r.poll(60)
-        p.join(30)
+        _exitcode(p, 30)
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
@@ -333,7 +353,7 @@ def run_episode(spec: dict) -> dict:
     world = spec.get("world", 2)
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
-    procs, agg_procs, pipes, out = {}, [], {}, {"workers": {}, "exitcodes": {}, "aggs": [], "killed_by_test": {}}
+    procs, agg_procs, pipes, out = {}, [], {}, {"workers": {}, "exitcodes": {}, "aggs": []}
     deadline = time.monotonic() + EPISODE_LIMIT
     try:
         spec = dict(spec)
@@ -342,7 +362,7 @@ def run_episode(spec: dict) -> dict:
         for agg_spec in agg_specs:
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_aggregator_child, args=(w, agg_spec), daemon=True)
-            p.start()
+            _start(p)
             w.close()
             if not r.poll(30):
                 raise AssertionError("dedicated aggregator did not start")
@@ -354,18 +374,20 @@ def run_episode(spec: dict) -> dict:
         if addresses:
             spec["options"] = dict(spec.get("options", {}), aggregators=addresses)
         if spec.get("kill_aggregator_first"):
-            out["killed_by_test"]["agg0"] = _kill(agg_procs[0])
+            agg_procs[0].kill()
+            _exitcode(agg_procs[0], 10)
         for rank in range(world):
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker_child, args=(rank, world, store.port, w, spec), daemon=True)
-            p.start()
+            _start(p)
             w.close()
             procs[rank], pipes[rank] = p, r
         if "parent_kill" in spec:       # the test kills a process while every worker is paused
             target, k = spec["parent_kill"]
             store.wait([f"paused/{k}/{r}" for r in range(world)], timedelta(seconds=30))
-            name = "agg0" if target == "aggregator" else target
-            out["killed_by_test"][name] = _kill(agg_procs[0] if target == "aggregator" else procs[target])
+            victim_proc = agg_procs[0] if target == "aggregator" else procs[target]
+            victim_proc.kill()
+            _exitcode(victim_proc, 10)
             time.sleep(0.2)             # let the survivors notice, as they would between steps
             store.set(f"go/{k}", "1")
         for rank, r in pipes.items():
@@ -377,10 +399,9 @@ def run_episode(spec: dict) -> dict:
             else:
                 out["workers"][rank] = "MISSING (hung past the episode limit)"
         for rank, p in procs.items():
-            p.join(max(0.1, min(10.0, deadline - time.monotonic())))
-            out["exitcodes"][rank] = p.exitcode
+            out["exitcodes"][rank] = _exitcode(p, max(0.1, min(10.0, deadline - time.monotonic())))
         for i, p in enumerate(agg_procs):
-            out["exitcodes"][f"agg{i}"] = p.exitcode
+            out["exitcodes"][f"agg{i}"] = _exitcode(p, 0)
         out["seconds"] = EPISODE_LIMIT - (deadline - time.monotonic())
         out["addresses"] = {}
         first = dist.PrefixStore("1", dist.PrefixStore("c1/", store))  # the first communicator's keys
@@ -391,36 +412,10 @@ def run_episode(spec: dict) -> dict:
         return out
     finally:
         for p in list(procs.values()) + agg_procs:
-            if p.is_alive():
+            if _exitcode(p, 0) is None:
                 p.kill()
-            p.join(10)
+            _exitcode(p, 10)
         del store
-
-
-def _kill(proc) -> bool:
-    """Kill a child the test chose as victim; whether its pid is gone within 10 s. Its exit status
-    comes back through the fork server, which once reported 255 (its "status unreadable") for an
-    aggregator this test had killed, in a full CI run; the pid is the test's own evidence."""
-    proc.kill()
-    proc.join(10)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(proc.pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def _not_dead(name, out: dict) -> str | None:
-    """Why a victim does not count as dead at its kill point, or None. One the test killed itself
-    counts if its pid went; one that kills itself at its kill point (install_kill) shows it by its
-    exit status, SIGKILL (any other: the point was never reached)."""
-    if name in out["killed_by_test"]:
-        return None if out["killed_by_test"][name] else "its pid still there 10 s after the test killed it"
-    code = out["exitcodes"].get(name)
-    return None if code == -signal.SIGKILL else f"exit code {code}: kill point not reached"
 
 
 def names_peer(msg: str, peers: list[str]) -> bool:
@@ -434,10 +429,13 @@ def check_survivors(point: str, spec: dict, out: dict) -> list[str]:
     world = spec.get("world", 2)
     victims = spec.get("victims", ())
     for v in victims:
-        if why := _not_dead(v, out):
-            problems.append(f"victim rank {v}: {why}; its report: {out['workers'].get(v)}")
-    if spec.get("aggregator_victim") is not None and (why := _not_dead(f"agg{spec['aggregator_victim']}", out)):
-        problems.append(f"aggregator: {why}")
+        if out["exitcodes"].get(v) != -signal.SIGKILL:
+            problems.append(f"victim rank {v} exit code {out['exitcodes'].get(v)}: kill point "
+                            f"not reached; its report: {out['workers'].get(v)}")
+    if spec.get("aggregator_victim") is not None:
+        code = out["exitcodes"].get(f"agg{spec['aggregator_victim']}")
+        if code != -signal.SIGKILL:
+            problems.append(f"aggregator exit code {code}: kill point not reached")
     peers = []
     for v in victims:
         peers += [f"rank {v}", f"aggregator {v}", f"aggregator/{v}"]
@@ -587,7 +585,7 @@ def test_dedicated_aggregator_keeps_serving_other_jobs():
     ctx = _ctx()
     r, w = ctx.Pipe(duplex=False)
     agg = ctx.Process(target=_aggregator_child, args=(w, dict(secret=SECRET)), daemon=True)
-    agg.start()
+    _start(agg)
     w.close()
     try:
         assert r.poll(30)
@@ -607,10 +605,10 @@ def test_dedicated_aggregator_keeps_serving_other_jobs():
         for rank, res in out_c["workers"].items():
             assert isinstance(res, dict) and res["error"] is None, (rank, res)
             assert res["completed"] == 2 and res["exact"], (rank, res)
-        assert agg.is_alive()
+        assert _exitcode(agg, 0) is None
     finally:
         agg.kill()
-        agg.join(10)
+        _exitcode(agg, 10)
 
 
 # ---- in-process: mismatches, poisoning, timeouts -------------------------------------------------
