@@ -82,30 +82,39 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
     def may_join(k: int) -> bool:
         return chosen[k] == out_chosen[-1] and fusable(chosen[k], groups[k], measured)
 
+    def joined_through(i: int) -> tuple[int, list[int], Choices] | None:
+        """The last unit that unit i joins the previous one up to, the members and the joined unit;
+        None if it stays apart."""
+        o = chosen[i]
+        ends = [i]
+        if joins is None and measured[groups[i][0]].facts.coo:
+            while ends[-1] + 1 < len(groups) and may_join(ends[-1] + 1):
+                ends.append(ends[-1] + 1)
+        apart = None if joins is not None else predicted(out_costs + [costs[i]], out_ready + [ready[i]], i)
+        best, best_f = None, None
+        for k in ends:
+            members = out_groups[-1] + [m for g in groups[i:k + 1] for m in g]
+            joined = merged(members, o, measured, costing)
+            if joined is None:
+                continue
+            if joins is not None:
+                return (k, members, joined) if joins(out_groups[-1], groups[i]) else None
+            f = predicted(out_costs[:-1] + [joined.costs[o]], out_ready[:-1] + [ready[k]], k)
+            if f <= apart and (best_f is None or f < best_f):
+                best, best_f = (k, members, joined), f
+        return best
+
     out_groups, out_tensors, out_chosen, out_ready, out_costs = [], [], [], [], []
     i = 0
     while i < len(groups):
-        if out_chosen and may_join(i) and fusable(chosen[i], out_groups[-1], measured):
-            o, ends = chosen[i], [i]
-            if joins is None and measured[groups[i][0]].facts.coo:
-                while ends[-1] + 1 < len(groups) and may_join(ends[-1] + 1):
-                    ends.append(ends[-1] + 1)
-            apart = None if joins is not None else predicted(out_costs + [costs[i]], out_ready + [ready[i]], i)
-            best = None         # (predicted F, last unit joined, the joined unit)
-            for k in ends:
-                joined = merged(out_groups[-1] + [m for g in groups[i:k + 1] for m in g], o, measured, costing)
-                if joined is None:
-                    continue
-                f = (0.0 if joins(out_groups[-1], groups[i]) else None) if joins is not None else \
-                    predicted(out_costs[:-1] + [joined.costs[o]], out_ready[:-1] + [ready[k]], k)
-                if f is not None and (apart is None or f <= apart) and (best is None or f < best[0]):
-                    best = (f, k, joined)
-            if best is not None:
-                _, k, joined = best
-                out_groups[-1] = out_groups[-1] + [m for g in groups[i:k + 1] for m in g]
-                out_tensors[-1], out_ready[-1], out_costs[-1] = joined, ready[k], joined.costs[o]
-                i = k + 1
-                continue
+        through = joined_through(i) if out_chosen and may_join(i) and fusable(chosen[i], out_groups[-1], measured) \
+            else None
+        if through is not None:
+            k, members, joined = through
+            out_groups[-1] = members
+            out_tensors[-1], out_ready[-1], out_costs[-1] = joined, ready[k], joined.costs[chosen[i]]
+            i = k + 1
+            continue
         out_groups.append(list(groups[i]))
         out_tensors.append(tensors[i])
         out_chosen.append(chosen[i])

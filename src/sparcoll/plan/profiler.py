@@ -245,9 +245,7 @@ def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout
             run = lambda _, g=g, reduce=reduce: reduce(g.coalesce())      # noqa: E731
             yield label, name, timed(run), *under_load(run, lambda: None, train_step, alone_step, timeout)
     for names in coo_units(order, set(coo_gradients)):
-        def run(_, grads=[coo_gradients[n] for n in names]) -> None:
-            coalesced = [g.coalesce() for g in grads]
-            sparse.split(comm.allreduce_coo(sparse.concatenate(coalesced), op="avg"), coalesced)
+        run = lambda _, grads=[coo_gradients[n] for n in names]: sparse.allreduce_many(grads, "avg", comm)  # noqa: E731
         yield SPARSE, "+".join(names), timed(run), *under_load(run, lambda: None, train_step, alone_step, timeout)
 
 

@@ -137,6 +137,10 @@ def measure(config: dict, plans: dict[str, dict], workers: int, network: str, st
     if not step_s:
         raise BenchError("every candidate of the trial failed: " + "; ".join(
             f"{n}: {r}" for n, r in failed.items() if n != DDP))
-    reference = ({} if not ddp_steps else {"failed": failed.pop(DDP)} if DDP in failed else
-                 {"step_s": statistics.fmean(means[DDP]), "comm_share": statistics.fmean(shares)})
+    if not ddp_steps:
+        reference = {}
+    elif DDP in failed:
+        reference = {"failed": failed.pop(DDP)}
+    else:
+        reference = {"step_s": statistics.fmean(means[DDP]), "comm_share": statistics.fmean(shares)}
     return Measured(step_s, failed, reference, {name: means[name] for name in step_s})

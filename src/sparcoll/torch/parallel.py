@@ -388,9 +388,9 @@ class DataParallel(nn.Module):
         if not self._bucket:
             return
         bucket, self._bucket = self._bucket, []
-        if self._bucket_kind[0] in (hybrid.RING, hybrid.SPARSE):
-            self._put((None, BUCKET if self._bucket_kind[0] == hybrid.RING else COO_UNIT,
-                       [q for q, _, _ in bucket], [e for _, e, _ in bucket]))
+        whole = {hybrid.RING: BUCKET, hybrid.SPARSE: COO_UNIT}.get(self._bucket_kind[0])   # uncompressed
+        if whole is not None:
+            self._put((None, whole, [q for q, _, _ in bucket], [e for _, e, _ in bucket]))
         else:
             self._put_compressed(self._bucket_kind, bucket)
 
@@ -523,9 +523,7 @@ class DataParallel(nn.Module):
                     self._put_back(q, grad, flat)
             return self._later(work, finish)
         if chosen == COO_UNIT:          # one sparse AllReduce of the unit's rows (sparse.concatenate)
-            grads = [q.grad.coalesce() for q in extra]
-            for q, total in zip(extra, sparse.split(self.comm.allreduce_coo(sparse.concatenate(grads), op="avg"),
-                                                    grads)):
+            for q, total in zip(extra, sparse.allreduce_many([q.grad for q in extra], "avg", self.comm)):
                 q.grad = total
             return None
         if chosen == COMPRESSED:

@@ -56,6 +56,13 @@ def concatenate(coos: list[torch.Tensor]) -> torch.Tensor:
                                    (offset, g), is_coalesced=True, check_invariants=False)
 
 
+def allreduce_many(coos: list[torch.Tensor], op: str, comm: Communicator) -> list[torch.Tensor]:
+    """Several COO tensors reduced in one collective of `comm` (concatenated, then split): each
+    result coalesced, of its input's shape."""
+    coalesced = [c.coalesce() for c in coos]
+    return split(comm.allreduce_coo(concatenate(coalesced), op=op), coalesced)
+
+
 def split(total: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
     """`concatenate`'s inverse: the coalesced COO tensor of each of `likes` (shapes) from a coalesced
     result of its concatenation."""
