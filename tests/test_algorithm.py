@@ -264,16 +264,16 @@ def test_a_gathered_kind_sums_like_a_reference_and_alike_on_every_rank(store, dt
 
 def test_a_rank_that_leaves_an_expected_gathered_call_is_a_mismatch_on_every_rank(store):
     """The trials of a gatherable kind (4 sparse, 4 ring, 4 gathered): every rank expects another
-    gathered call, whose allgather carries its check; rank 1 makes a tiny call instead and joins
-    that allgather with its own call's fields. Both raise MismatchError from it; nobody aborts,
-    and nobody waits for the timeout, closing included."""
+    gathered call, whose round carries its data; rank 1 makes a tiny call instead. Both raise
+    MismatchError from that round; nobody aborts, and nobody waits for the timeout, closing
+    included."""
     def body(r, comm):
         big = torch.ones(GATHERABLE)
         for _ in range(3 * SMALL_TRIALS):
             comm.allreduce(big.fill_(1))
-        # the first two ring and gathered calls waited for their checks; the later ones were
-        # expected
-        assert comm.stats.ring_gathered == SMALL_TRIALS and comm.stats.ring_checked_first == 4
+        # the first two ring allreduces waited for their checks, the later ones were expected;
+        # gathered calls never wait
+        assert comm.stats.ring_gathered == SMALL_TRIALS and comm.stats.ring_checked_first == 2
         start = time.monotonic()
         try:
             comm.allreduce(big if r == 0 else torch.ones(8))
@@ -542,27 +542,18 @@ def run_rings(store, world: int, body, timeout: float = 10.0) -> dict:
     Each ring counts the check rounds it joins (`check_rounds`)."""
     import torch.distributed as dist
     from sparcoll.ring import Ring
+    from sparcoll.star import Credentials
     results = {}
 
     def rank(r):
-        ring = Ring(dist.PrefixStore("rings", store), r, world, timeout, "127.0.0.1")
-        group, ring.check_rounds = ring.check_group, 0
+        credentials = Credentials(7, wire.JobConfig(world, world, 1, 1, 1), b"s" * 32)
+        ring = Ring(dist.PrefixStore("rings", store), r, world, timeout, "127.0.0.1", credentials)
+        ring.check_rounds, star_round = 0, ring.star.round
 
-        class Counted:
-            def allgather(self, *args):
-                ring.check_rounds += 1
-                return group.allgather(*args)
-
-            def gather(self, *args):            # 3 or more ranks: gathered at rank 0,
-                ring.check_rounds += 1
-                return group.gather(*args)
-
-            def broadcast(self, *args):         # then sent back
-                return group.broadcast(*args)
-
-            def abort(self):
-                group.abort()
-        ring.check_group = Counted()
+        def counted(*args):
+            ring.check_rounds += 1
+            return star_round(*args)
+        ring.star.round = counted
         try:
             results[r] = body(r, ring)
         except Exception as exc:
@@ -577,10 +568,10 @@ def run_rings(store, world: int, body, timeout: float = 10.0) -> dict:
                                              (3, torch.float32, wire.Op.SUM),
                                              (2, torch.float16, wire.Op.AVG),
                                              (4, torch.bfloat16, wire.Op.AVG)])
-def test_gathered_calls_every_rank_expects_carry_their_own_check(store, world, dtype, op):
-    """The first two gathered calls wait for a check round; from the third every rank expects the
-    call, and its gather carries the check: no check round, sums still exact and the same on every
-    rank (2 ranks: an allgather, every rank sums; from 3: gathered and summed at rank 0)."""
+def test_gathered_calls_carry_their_data_in_their_check_round(store, world, dtype, op):
+    """A gathered call's data travels in its check round, from the first call on: one round a
+    call, none waits for a check first, and the sums (rank 0's) are exact and the same on every
+    rank."""
     numel, calls = 5000, 5
     inputs = [[(torch.randn(numel, generator=torch.Generator().manual_seed(10 * i + r)) + 4)
                .to(dtype) for r in range(world)] for i in range(calls)]
@@ -597,7 +588,7 @@ def test_gathered_calls_every_rank_expects_carry_their_own_check(store, world, d
     for r in range(world):
         assert not isinstance(results[r], Exception), results[r]
         out, checked_first, gathered, check_rounds = results[r]
-        assert (checked_first, gathered, check_rounds) == (2, calls, 2)
+        assert (checked_first, gathered, check_rounds) == (0, calls, calls)
         for i, tensor in enumerate(out):
             reference = sum(t.double() for t in inputs[i]) / (world if op == wire.Op.AVG else 1)
             torch.testing.assert_close(tensor.double(), reference, rtol=tolerance, atol=tolerance)
@@ -609,8 +600,8 @@ def test_gathered_calls_every_rank_expects_carry_their_own_check(store, world, d
 def test_a_rank_that_leaves_a_gathered_call_all_expect_is_a_mismatch_on_every_rank(store, case,
                                                                                     world):
     """Every rank expects a third gathered call; rank 1 makes another (more elements, a tiny one,
-    or the same tensor allreduced). It joins the expected gather with its own call's fields, so
-    every rank raises MismatchError from that one round, promptly, and nobody aborts."""
+    or the same tensor allreduced). Its round carries its own call's fields, so every rank raises
+    MismatchError from that one round, promptly, and nobody aborts."""
     numel = 5000
 
     def body(r, ring):
@@ -631,8 +622,8 @@ def test_a_rank_that_leaves_a_gathered_call_all_expect_is_a_mismatch_on_every_ra
 
 @pytest.mark.parametrize("case", ["tiny", "allreduce", "numel"])
 def test_ranks_that_all_leave_a_gathered_call_they_expected_for_the_same_call_sum_it(store, case):
-    """Every rank expects a third gathered call and every rank makes the same other one: the
-    expected allgather only checks it, then its data goes its own way, exactly."""
+    """Every rank expects a third gathered call and every rank makes the same other one: it is
+    summed its own way, exactly."""
     world, numel = 3, 5000
     sizes = {"tiny": 8, "allreduce": numel, "numel": numel + 8}
     inputs = [torch.randn(sizes[case], generator=torch.Generator().manual_seed(r))

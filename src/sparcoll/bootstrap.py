@@ -7,7 +7,8 @@ on the same prefix has G = n: a re-created communicator never reads the keys of 
   G/aggregator/<rank> host:port of a rank's colocated aggregator
   G/init-failed/<rank>  why a rank gave up init (its aggregator is going away)
   G/ready/<rank>      the rank connected to every aggregator
-  G/ring/...          gloo's own keys, for the communicator's ring (ring.py)
+  G/ring/star         host:port of rank 0's end of the star (star.py)
+  G/ring/data/...     gloo's own keys, for the communicator's ring (ring.py)
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from . import errors, transport, wire
 from .errors import CollectiveTimeout, PeerError, SparcollError
 from .ring import Ring
+from .star import Credentials
 
 
 def local_host() -> str:
@@ -78,12 +80,14 @@ class Rendezvous:
         self.store.set(f"ready/{self.rank}", b"1")
         self._wait([f"ready/{r}" for r in range(self.world)])
 
-    def ring(self, host: str) -> Ring:
-        """The communicator's gloo ring, reached at `host` (peers wait for it at most the rest of
-        init's timeout)."""
+    def ring(self, host: str, credentials: Credentials) -> Ring:
+        """The communicator's ring (gloo's group and the star), reached at `host` (peers wait for
+        it at most the rest of init's timeout)."""
         try:
             return Ring(dist.PrefixStore("ring", self.store), self.rank, self.world,
-                        self.remaining(), host)
+                        self.remaining(), host, credentials)
+        except SparcollError:
+            raise
         except Exception as exc:   # gloo raises a plain RuntimeError when a peer never shows up
             raise CollectiveTimeout(f"rank {self.rank}: could not set up gloo's ring with every "
                                     f"peer within {self.timeout:g} s ({exc})") from exc

@@ -22,6 +22,7 @@ from .engine import Engine, Work
 from .errors import SparcollError
 from .options import Options, check_timeout
 from .server import AggregatorServer
+from .star import Credentials
 from .worker import WorkerJob
 
 __all__ = ["Communicator", "Stats", "Work"]
@@ -95,7 +96,8 @@ class Communicator:
         rendezvous.ready()
         if self.options.algorithm is not Algorithm.SPARSE:
             # After ready(): every rank is alive and connected, so every rank builds it too.
-            self._engine.ring = rendezvous.ring(self.options.host or local_host())
+            self._engine.ring = rendezvous.ring(self.options.host or local_host(),
+                                                Credentials(self.job, self.config, job_secret))
 
     def _poisoned(self, error: BaseException) -> None:
         self._engine.set_poison(error)

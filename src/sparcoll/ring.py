@@ -2,41 +2,38 @@
 
 gloo aborts the whole process when ranks pass buffers of different sizes to one collective
 ("Received data size doesn't match expected size"), and sums garbage when the dtypes differ but the
-byte counts agree. So every ring collective comes with a check: an allgather, on a gloo group of its
-own, of a float64 buffer whose length never depends on the call: TINY_NUMEL slots for data, then the
-call (id, numel, dtype, op, gathered or not), the call this rank expects next, and _SHARED numbers.
-Every rank then holds every rank's buffer: it compares the calls itself (and names the ranks whose
-call differs), so every rank sees a disagreement and raises MismatchError; none aborts. The shared
+byte counts agree. So every ring collective comes with a check: a round through the star (star.py:
+every rank's frame to rank 0, rank 0's verdict back, frames of any length) carrying the call (id,
+numel, dtype, op, gathered or not), the call this rank expects next, and _SHARED numbers. Rank 0
+sends back every rank's fields: each rank compares the calls itself (and names the ranks whose call
+differs), so every rank sees a disagreement and raises MismatchError; none aborts. The shared
 numbers are the ranks' averages of what each put there (the chooser's times, algorithm.py), the same
-on every rank. An allgather rather than an allreduce: gloo's ring allgather takes world - 1 steps,
-its ring allreduce 2 (world - 1), and on 2 cores each step waits for a process to be scheduled (2
-ranks on loopback, one-off script: this buffer gathered in 274-286 us median, 450-751 p90, where
-gloo's allreduce of 8 floats took 345, p90 3093). From _ROOTED ranks on, two steps whatever the
-world: the buffers gathered at rank 0, which sums the data slots and broadcasts the sums and every
-rank's fields (4 ranks: 669 us median against the allgather's 2994 and gloo's allreduce of 8 floats
-4459).
-  - A tiny tensor (at most TINY_NUMEL elements) travels in that buffer: one round, summed in float64
+on every rank. The star rather than gloo: its round is written and read by the calling thread, 58 us
+median on 2 ranks on loopback and 236 us on 4 where gloo's allgather of the fixed-size buffer this
+check used to be took 266 and 3070 us (star.py).
+  - A tiny tensor (at most TINY_NUMEL elements) travels in that round: summed by rank 0 in float64
     in rank order (the same sum on every rank) and rounded once, as the sparse path's float32
     accumulation would.
-  - A larger one is summed by an allreduce of the tensor itself, in its own dtype, on a second gloo
-    group; or, on the chooser's gather path (algorithm.py), gathered there and summed by every rank
-    in rank order (the call's fields say which: ranks never pair an allreduce with an allgather).
+  - A larger one is summed by an allreduce of the tensor itself, in its own dtype, on a gloo group
+    of its own; or, on the chooser's gather path (algorithm.py), gathered there and summed in rank
+    order (the call's fields say which: ranks never pair an allreduce with an allgather).
     It waits for its check only when its size is not known to agree: each check also carries the
     call this rank expects next on the ring (the one that followed this call's kind last time),
     compared the same way. When every rank expected the same next call:
-      - an allreduce: if it comes, its data and its check start together, and a check round (one
-        round trip through every process: 6-15 ms with 4 processes on 2 cores) no longer delays
-        the data. A rank whose call differs waits for its check first, so it never joins that
-        data allreduce; the check round, which every rank joins, then tells every rank, and those
-        whose data had not started give the others' a zero partner of its size (gloo cannot
-        cancel an allreduce).
+      - an allreduce: if it comes, its data and its check start together, and a check round no
+        longer delays the data. A rank whose call differs waits for its check first, so it never
+        joins that data allreduce; the check round, which every rank joins, then tells every
+        rank, and those whose data had not started give the others' a zero partner of its size
+        (gloo cannot cancel an allreduce).
       - a gathered call: there is no check round. Every rank joins that call's allgather, on the
         data group, with its own call's fields in front of its data (zeros when its call is
         another one): the sizes agree whatever the calls, and the one round both checks and
         carries the data. From _ROOTED ranks on it is a gather at rank 0, which sums the data,
-        and a broadcast of every rank's fields and the sum, as for the check round.
-A ring collective waits for gloo or for a peer's report of the same collective (a peer that refused
-its input tells the aggregators; see WorkerJob.abort), whichever comes first, at most `timeout`.
+        and a broadcast of every rank's fields and the sum: two steps, where gloo's ring
+        allgather takes world - 1, each waiting for a process to be scheduled on 2 cores.
+A ring collective waits for gloo (or the star) or for a peer's report of the same collective (a peer
+that refused its input tells the aggregators; see WorkerJob.abort), whichever comes first, at most
+`timeout`.
 """
 from __future__ import annotations
 
@@ -46,26 +43,27 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions    # not re-exported by dist
 
 from . import wire
-from .algorithm import TINY_NUMEL
-from .errors import REPORT_GRACE, CollectiveTimeout, MismatchError, PeerError
+from .algorithm import GATHER_ELEMENTS, TINY_NUMEL
+from .errors import CollectiveTimeout, MismatchError, PeerError, ProtocolError
+from .star import POLL, Credentials, Star, report_soon
 
 _FIELDS = 5                 # a call: id, numel, dtype, op, and 1 if its data is gathered
 _SHARED = 3                 # numbers averaged over the ranks in the check round
 _CALL = slice(0, _FIELDS)                   # in a rank's fields: this call,
 _NEXT = slice(_FIELDS, 2 * _FIELDS)         # the call it expects next,
 _SHARE = slice(2 * _FIELDS, 2 * _FIELDS + _SHARED)     # and the numbers to average
-_HEAD = _SHARE.stop         # float64 fields in front of a gathered call's data
-_ROOTED = 3                 # from this many ranks the check round goes through rank 0
-_POLL = 0.05                # seconds between looks for a peer's report while gloo runs
+_HEAD = _SHARE.stop         # float64 fields in front of the data a call carries
+_POLL = POLL                # seconds between looks for a peer's report while gloo runs
 
 Call = tuple[int, int, int, int, int]   # (id, numel, dtype code, op, gathered)
 
 
 def _describe(call: list[float]) -> str:
-    """A call's fields as a rank put them in its check buffer, in words."""
+    """A call's fields as a rank put them in its check, in words."""
+    if not np.isfinite(call).all():
+        return f"unreadable fields {call}"
     cid, numel, dtype, op, gathered = (int(f) for f in call)
     dtype_name = wire.DTYPES[dtype][0] if dtype in wire.DTYPES else f"dtype code {dtype}"
     op_name = wire.Op(op).name.lower() if op in wire.Op._value2member_map_ else f"op code {op}"
@@ -78,8 +76,33 @@ def _total_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype.itemsize < 4 else dtype
 
 
+def _call_of(fields: np.ndarray) -> Call | None:
+    """A rank's call from its fields; None if they cannot be one (not whole numbers, an unknown
+    dtype code)."""
+    if not (np.isfinite(fields).all() and (fields == np.round(fields)).all()):
+        return None
+    call = tuple(int(f) for f in fields)
+    return call if call[1] >= 0 and call[2] in wire.DTYPES else None
+
+
+def _carried(call: Call) -> bool:
+    """Whether a call's data travels in its check round: a tiny one's, or a gathered one's."""
+    return call[1] <= TINY_NUMEL or bool(call[4])
+
+
+def _carrier(call: Call) -> torch.dtype:
+    """The dtype a carried call's data travels in: a tiny call's in float64 (summed without
+    rounding, rounded once), a gathered call's in its own."""
+    return torch.float64 if call[1] <= TINY_NUMEL else wire.DTYPES[call[2]][0]
+
+
+def _payload(call: Call) -> int:
+    """Bytes of data a call carries in its check round."""
+    return call[1] * _carrier(call).itemsize if _carried(call) else 0
+
+
 def _timed(options, timeout: float, **fields):
-    """gloo's options of one collective (`options`, e.g. dist.GatherOptions()) with `timeout`
+    """gloo's options of one collective (`options`, e.g. dist.AllreduceOptions()) with `timeout`
     seconds and `fields` set."""
     options.timeout = timedelta(seconds=timeout)
     for name, value in fields.items():
@@ -88,26 +111,32 @@ def _timed(options, timeout: float, **fields):
 
 
 class Ring:
-    """Two gloo groups of its own (never shared with the caller's collectives, so their order is
-    ours): one for the checks, one for the tensors."""
+    """The star for the checks (and the data that travels with them) and a gloo group for larger
+    tensors, both its own (never shared with the caller's collectives, so their order is ours)."""
 
-    def __init__(self, store, rank: int, world: int, timeout: float, host: str):
+    def __init__(self, store, rank: int, world: int, timeout: float, host: str,
+                 credentials: Credentials):
         self.rank, self.world = rank, world
-        self.check_group = self._group(dist.PrefixStore("check", store), timeout, host)
-        self.data_group = self._group(dist.PrefixStore("data", store), timeout, host)
-        self._check = torch.zeros(TINY_NUMEL + _HEAD, dtype=torch.float64)   # data, then fields
-        gathered = torch.zeros(world, TINY_NUMEL + _HEAD, dtype=torch.float64)  # every rank's
-        self._gathered_rows = list(gathered.unbind(0))      # where gloo writes each rank's
-        self._check_np, self._gathered_np = self._check.numpy(), gathered.numpy()
-        self._verdict = torch.zeros(TINY_NUMEL + world * _HEAD, dtype=torch.float64)
-        self._verdict_np = self._verdict.numpy()    # the sums, then every rank's fields
+        self.gather_limit = GATHER_ELEMENTS // world    # elements of the largest gathered call
+        payload = 8 * max(TINY_NUMEL, self.gather_limit)
+        self.star = Star.connect(dist.PrefixStore("star", store), rank, world, host, credentials,
+                                 timeout, row_limit=_HEAD * 8 + payload,
+                                 verdict_limit=world * _HEAD * 8 + payload)
+        try:
+            self.data_group = self._group(dist.PrefixStore("data", store), timeout, host)
+        except BaseException:
+            self.star.close()
+            raise
+        self._row = torch.zeros(_HEAD * 8 + payload, dtype=torch.uint8)  # fields, then data
+        self._row_fields = self._row[:_HEAD * 8].view(torch.float64).numpy()
+        self._verdict = torch.zeros(world * _HEAD * 8 + payload, dtype=torch.uint8)  # rank 0's
         self._expected: Call | None = None  # the next call every rank expected, if they agreed
         self._previous: tuple | None = None     # (id, kind) of the last call
         self._after: dict[tuple, tuple] = {}    # kind -> (kind, id distance) of the call after it
         self.collectives = 0
         self.bytes = 0              # bytes of tensors handed to gloo (each crosses the ring twice)
-        self.checked_first = 0      # larger calls whose data waited for their check
-        self.gathered = 0           # larger calls whose data was gathered
+        self.checked_first = 0      # larger calls whose allreduce waited for their check
+        self.gathered = 0           # larger calls whose data travelled with their check
 
     def _group(self, store, timeout: float, host: str):
         options = dist.ProcessGroupGloo._Options()
@@ -119,30 +148,26 @@ class Ring:
                   share: list[float] | None = None, gather: bool = False) -> list[float] | None:
         """Sum (or average) `tensor` in place over all ranks; returns the ranks' averages of the
         _SHARED numbers in `share` (None if none given: then every rank must give none).
-        `gather`: a larger tensor's data is gathered and summed here, not allreduced.
-        `peer_report()` returns a peer's error for this collective, if one arrived."""
+        `gather`: a larger tensor (at most gather_limit elements) travels with its check and is
+        summed by rank 0, not allreduced. `peer_report()` returns a peer's error for this
+        collective, if one arrived."""
         data = tensor.detach()
-        tiny = data.numel() <= TINY_NUMEL
-        gather = gather and not tiny
-        call = (cid, data.numel(), wire.DTYPE_CODES[data.dtype], op, int(gather))
-        total = data if tiny or data.is_contiguous() else data.contiguous()
+        numel = data.numel()
+        gather = gather and TINY_NUMEL < numel <= self.gather_limit
+        call = (cid, numel, wire.DTYPE_CODES[data.dtype], op, int(gather))
         deadline = time.monotonic() + timeout
         expected_next = self._next(call)
         fields = np.array((*call, *(expected_next or (0,) * _FIELDS), *(share or (0.0,) * _SHARED)),
                           dtype=np.float64)     # ids start at 1: zeros are no call expected
         expected, self._expected = self._expected, None
-        started = summed = None
-        if expected is not None and expected[4]:
-            fields_of, summed = self._gather_with_check(total if call == expected else None,
-                                                        expected, fields, timeout, deadline,
-                                                        peer_report)
-        else:
-            fields_of, sums, started = self._check_round(total, call, expected, fields, timeout,
-                                                         deadline, peer_report)
+        contiguous = data if data.is_contiguous() else data.contiguous()
+        started = None
+        if call == expected and not _carried(call):
+            started = self._allreduce_data(contiguous, timeout)     # beside its check
+        fields_of, total = self._round(contiguous, call, fields, deadline, peer_report)
         agree = (fields_of[:, _CALL] == fields[_CALL]).all(axis=1)
         if not agree.all():
-            if summed is None and started is None and expected is not None \
-                    and expected[1] > TINY_NUMEL:
+            if started is None and expected is not None and not _carried(expected):
                 # peers whose call was the expected one (an allreduce) have started its data: a
                 # partner of its size lets it end (gloo cannot cancel it; its groups would wait
                 # at close)
@@ -155,126 +180,72 @@ class Ring:
                 f"(this rank: {_describe(fields[_CALL].tolist())}; {others})")
         if expected_next is not None and (fields_of[:, _NEXT] == fields[_NEXT]).all():
             self._expected = expected_next      # every rank expects the same next call
-        if summed is not None and call != expected:
-            # every rank made the same call, not the gathered one all expected: that round was
-            # its check and carried none of its data
-            summed = None
-            if tiny:
-                _, sums, _ = self._check_round(total, call, None, fields, timeout, deadline,
-                                               peer_report)
-        if tiny:
-            total = torch.from_numpy(sums[:data.numel()])
-        elif summed is None and started is None:    # its data waited for its check
-            self.checked_first += 1
-            if gather:
-                _, summed = self._gather_with_check(total, call, fields, timeout, deadline,
-                                                    peer_report)
-            else:
-                started = self._allreduce_data(total, timeout)
-        if started is not None:
+        if total is None:
+            if started is None:     # its size was not known to agree: it waited for its check
+                self.checked_first += 1
+                started = self._allreduce_data(contiguous, timeout)
             self._wait(started, deadline, peer_report)
-        if summed is not None:
-            total = summed
+            total = contiguous
+        elif gather:
             self.gathered += 1
         if op == wire.Op.AVG:
             total.div_(self.world)
         if total is not data:
             data.copy_(total.view(data.shape))
         self.collectives += 1
-        self.bytes += data.numel() * data.element_size()
+        self.bytes += numel * data.element_size()
         return None if share is None else fields_of[:, _SHARE].mean(axis=0).tolist()
 
-    def _check_round(self, data: torch.Tensor, call: Call, expected: Call | None,
-                     fields: np.ndarray, timeout: float, deadline: float, peer_report):
-        """The fixed-size check round, a tiny call's data in it; a larger call that every rank
-        expected (an allreduce) starts its data alongside. Returns (every rank's fields, the sums
-        of the ranks' data slots (a tiny call's result; None where not needed), the data's
-        allreduce if started)."""
-        tiny = data.numel() <= TINY_NUMEL
-        if tiny:
-            self._check[:data.numel()] = data.reshape(-1)
-        self._check_np[TINY_NUMEL:] = fields        # numpy views: a few us less a call
-        started = self._allreduce_data(data, timeout) if expected == call and not tiny else None
-        if self.world >= _ROOTED:
-            return (*self._rooted_round(timeout, deadline, peer_report), started)
-        work = self.check_group.allgather([self._gathered_rows], [self._check],
-                                          _timed(AllgatherOptions(), timeout))
-        self._wait(work, deadline, peer_report)
-        gathered = self._gathered_np
-        return gathered[:, TINY_NUMEL:], gathered[:, :TINY_NUMEL].sum(axis=0) if tiny else None, \
-            started
+    def _round(self, data: torch.Tensor, call: Call, fields: np.ndarray, deadline: float,
+               peer_report):
+        """One round through the star: this rank's fields, and its data if the call carries it (a
+        tiny call's in float64, a gathered one's in its dtype). Returns (every rank's fields, the
+        sum of the ranks' data if every rank made this call and it carries data, else None)."""
+        payload = _payload(call)
+        row = self._row[:_HEAD * 8 + payload]
+        self._row_fields[:] = fields
+        if payload:
+            row[_HEAD * 8:].view(_carrier(call)).copy_(data.reshape(-1))
+        verdict = torch.from_numpy(self.star.round(row.numpy(), self._decide, deadline,
+                                                   peer_report))
+        heads = self.world * _HEAD * 8
+        if len(verdict) < heads:
+            raise ProtocolError(f"rank {self.rank}: rank 0's verdict of the check holds "
+                                f"{len(verdict)} bytes, fewer than every rank's fields")
+        fields_of = verdict[:heads].view(torch.float64).numpy().reshape(self.world, _HEAD)
+        if not payload or not (fields_of[:, _CALL] == fields[_CALL]).all():
+            return fields_of, None
+        total_dtype = _total_dtype(_carrier(call))
+        if len(verdict) != heads + call[1] * total_dtype.itemsize:
+            raise ProtocolError(f"rank {self.rank}: rank 0's verdict holds {len(verdict) - heads} "
+                                f"bytes of sums for a call of {call[1]} elements")
+        return fields_of, verdict[heads:].view(total_dtype)
 
-    def _rooted_round(self, timeout: float, deadline: float, peer_report):
-        """The check round among _ROOTED or more ranks: every rank's buffer gathered at rank 0,
-        which sums the data slots (in rank order) and broadcasts the sums and every rank's fields.
-        Two steps whatever the world, where a ring allgather takes world - 1. Returns (every
-        rank's fields, the sums)."""
-        verdict = self._verdict_np
-
-        def decide() -> None:
-            verdict[:TINY_NUMEL] = self._gathered_np[:, :TINY_NUMEL].sum(axis=0)
-            verdict[TINY_NUMEL:] = self._gathered_np[:, TINY_NUMEL:].reshape(-1)
-        self._through_root(self.check_group, self._check, self._gathered_rows, decide,
-                           self._verdict, timeout, deadline, peer_report)
-        return verdict[TINY_NUMEL:].reshape(self.world, _HEAD), verdict[:TINY_NUMEL]
-
-    def _through_root(self, group, mine: torch.Tensor, rows: list[torch.Tensor] | None, decide,
-                      verdict: torch.Tensor, timeout: float, deadline: float, peer_report) -> None:
-        """Every rank's `mine` gathered into `rows` at rank 0 (None elsewhere), where decide()
-        fills `verdict`, which is then broadcast to every rank: two steps whatever the world."""
-        gather = _timed(dist.GatherOptions(), timeout, rootRank=0)
-        self._wait(group.gather([rows] if self.rank == 0 else [], [mine], gather), deadline,
-                   peer_report)
-        if self.rank == 0:
-            decide()
-        broadcast = _timed(dist.BroadcastOptions(), timeout, rootRank=0, rootTensor=0)
-        self._wait(group.broadcast([verdict], broadcast), deadline, peer_report)
-
-    def _gather_with_check(self, data: torch.Tensor | None, expected: Call, fields: np.ndarray,
-                           timeout: float, deadline: float, peer_report):
-        """Every rank expects the gathered call `expected` (or its check round said they all make
-        it): each joins its gather with its own call's fields in front of its data (zeros when
-        its call is another one), so one round both checks the calls and carries the data.
-        Returns (every rank's fields, the sum of every rank's data, the same on every rank; halves
-        add in float32)."""
-        dtype = wire.DTYPES[expected[2]][0]
-        head, payload = _HEAD * 8, expected[1] * dtype.itemsize
-        size = head + -(-payload // 8) * 8      # rows of whole float64s: the views below need
-        mine = torch.zeros(size, dtype=torch.uint8)     # no copy
-        mine[:head].view(torch.float64).numpy()[:] = fields
-        if data is not None:
-            mine[head:head + payload].view(dtype).copy_(data.reshape(-1))
-        if self.world >= _ROOTED:
-            return self._gather_at_root(mine, expected[1], dtype, timeout, deadline, peer_report)
-        out = torch.empty(self.world, size, dtype=torch.uint8)
-        work = self.data_group.allgather([list(out.unbind(0))], [mine],
-                                         _timed(AllgatherOptions(), timeout))
-        self._wait(work, deadline, peer_report)
-        return out[:, :head].view(torch.float64).numpy(), \
-            out[:, head:head + payload].view(dtype).sum(dim=0, dtype=_total_dtype(dtype))
-
-    def _gather_at_root(self, mine: torch.Tensor, numel: int, dtype: torch.dtype, timeout: float,
-                        deadline: float, peer_report):
-        """A gathered call among _ROOTED or more ranks: every rank's row (`mine`: fields, then
-        data) gathered at rank 0, which sums the data and broadcasts every rank's fields and the
-        sum. Two steps whatever the world, where a ring allgather takes world - 1
-        (as for the check round). Returns what _gather_with_check does."""
-        head, fields = _HEAD * 8, self.world * _HEAD * 8
-        total_dtype = _total_dtype(dtype)
-        verdict = torch.empty(fields + -(-numel * total_dtype.itemsize // 8) * 8,
-                              dtype=torch.uint8)    # every rank's fields, then the sum
-        total = verdict[fields:fields + numel * total_dtype.itemsize].view(total_dtype)
-        gathered = torch.empty(self.world, mine.numel(), dtype=torch.uint8) \
-            if self.rank == 0 else None
-
-        def decide() -> None:
-            verdict[:fields].view(self.world, head).copy_(gathered[:, :head])
-            rows = gathered[:, head:head + numel * dtype.itemsize].view(dtype)
-            torch.sum(rows, dim=0, dtype=total_dtype, out=total)
-        self._through_root(self.data_group, mine,
-                           list(gathered.unbind(0)) if gathered is not None else None, decide,
-                           verdict, timeout, deadline, peer_report)
-        return verdict[:fields].view(torch.float64).numpy().reshape(self.world, _HEAD), total
+    def _decide(self, rows: list[np.ndarray]) -> np.ndarray:
+        """Rank 0's verdict of a round: every rank's fields, then, if every rank made the same
+        call and it carries data, the sum of their data in rank order (a tiny call's in float64,
+        a gathered one's in its dtype, halves in float32): the same result on every rank."""
+        heads = self.world * _HEAD * 8
+        fields = self._verdict[:heads].view(torch.float64).numpy().reshape(self.world, _HEAD)
+        calls = []
+        for r, row in enumerate(rows):
+            if len(row) < _HEAD * 8:
+                raise ProtocolError(f"rank 0: rank {r}'s check holds {len(row)} bytes, fewer "
+                                    f"than its fields")
+            fields[r] = row[:_HEAD * 8].view(np.float64)
+            call = _call_of(fields[r, _CALL])
+            if call is None or len(row) != _HEAD * 8 + _payload(call):
+                raise ProtocolError(f"rank 0: rank {r}'s check holds {len(row)} bytes, not what "
+                                    f"its call needs ({_describe(fields[r, _CALL].tolist())})")
+            calls.append(call)
+        if not _payload(calls[0]) or any(call != calls[0] for call in calls):
+            return self._verdict[:heads].numpy()
+        carrier = _carrier(calls[0])
+        total_dtype = _total_dtype(carrier)
+        data = torch.from_numpy(np.stack([row[_HEAD * 8:] for row in rows])).view(carrier)
+        total = self._verdict[heads:heads + calls[0][1] * total_dtype.itemsize].view(total_dtype)
+        torch.sum(data, dim=0, dtype=total_dtype, out=total)
+        return self._verdict[:heads + len(total) * total_dtype.itemsize].numpy()
 
     def _allreduce_data(self, tensor: torch.Tensor, timeout: float):
         """Start a larger call's allreduce, in place, on the data group: gloo's work."""
@@ -309,7 +280,7 @@ class Ring:
                         return
                     except Exception as exc:    # a dead peer, gloo's own timeout, a peer
                         # that gave up and closed: its report says why, if it sent one
-                        raise self._report_soon(peer_report) or PeerError(
+                        raise report_soon(peer_report) or PeerError(
                             f"rank {self.rank}: gloo's ring failed: {exc}") from exc
             report = peer_report()
             if report is not None:
@@ -319,22 +290,14 @@ class Ring:
                                         f"the timeout (a peer may be dead, stuck, or calling "
                                         f"other collectives)")
 
-    @staticmethod
-    def _report_soon(peer_report) -> BaseException | None:
-        """A peer's report that arrives within REPORT_GRACE seconds (a peer that refused its
-        input reports it, then closes its groups: the closed connection may be seen first)."""
-        end = time.monotonic() + REPORT_GRACE
-        while (report := peer_report()) is None and time.monotonic() < end:
-            time.sleep(0.01)
-        return report
-
     def close(self) -> None:
-        """Abort what gloo still runs (after a failure) and release its connections: a peer's
-        allreduce that this rank never joined then fails at once ("Connection closed by peer"),
-        and this rank's own waits until its peers close, at most gloo's timeout."""
-        for group in (self.check_group, self.data_group):
-            try:
-                group.abort()
-            except Exception:   # closing must not raise; the group may already be gone
-                pass
-        self.check_group = self.data_group = None
+        """Close the star and abort what gloo still runs (after a failure): a peer waiting for
+        this rank's frame, or in an allreduce that this rank never joined, then fails at once
+        ("Connection closed by peer"), and this rank's own waits until its peers close, at most
+        gloo's timeout."""
+        self.star.close()
+        try:
+            self.data_group.abort()
+        except Exception:   # closing must not raise; the group may already be gone
+            pass
+        self.data_group = None

@@ -57,7 +57,7 @@ def _byte_views(buffers: list) -> list:
     return [v for v in views if len(v)]
 
 
-def _sendmsg_all(sock: socket.socket, views: list, flags: int = 0) -> list:
+def sendmsg_all(sock: socket.socket, views: list, flags: int = 0) -> list:
     """Write `views` in order; returns what is left unwritten, which is nothing unless `flags` has
     MSG_DONTWAIT and the socket's buffer filled up."""
     while views:
@@ -134,7 +134,7 @@ class Connection:
                 views = self._counted_views(buffers, blocks)
                 if self._backlog == 0 and not self._closed:
                     try:   # under the lock, so nothing queued meanwhile can overtake the rest
-                        views = _sendmsg_all(self.sock, views, socket.MSG_DONTWAIT)
+                        views = sendmsg_all(self.sock, views, socket.MSG_DONTWAIT)
                     except Exception:
                         pass    # the sender thread meets the error again and reports it
                 if views:
@@ -160,7 +160,7 @@ class Connection:
                     return
                 views, lease = item
                 try:
-                    _sendmsg_all(self.sock, views)
+                    sendmsg_all(self.sock, views)
                 finally:
                     with self._queue_lock:
                         self._backlog -= 1
@@ -247,9 +247,11 @@ def _configure(sock: socket.socket) -> None:
 
 def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
             job_token: bytes = bytes(wire.MAC_BYTES),
-            abandon: Callable[[], BaseException | None] | None = None) -> socket.socket:
+            abandon: Callable[[], BaseException | None] | None = None,
+            peer: str = "aggregator") -> socket.socket:
     """Connect and authenticate both ways (and show the job token); retries refused connections
-    until the deadline, or until `abandon()` returns an error to raise instead."""
+    until the deadline, or until `abandon()` returns an error to raise instead. `peer` names the
+    other end in errors."""
     host, port = parse_address(address)
     deadline = time.monotonic() + timeout
     while True:
@@ -258,14 +260,14 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
             break
         except (ConnectionRefusedError, socket.timeout, OSError) as exc:
             if time.monotonic() >= deadline:
-                raise CollectiveTimeout(f"could not connect to aggregator {address} within "
+                raise CollectiveTimeout(f"could not connect to {peer} {address} within "
                                         f"{timeout:g} s: {exc}") from None
             reason = abandon() if abandon is not None else None
             if reason is not None:
                 raise reason from None
             time.sleep(0.05)
     handshake_deadline = max(deadline, time.monotonic() + 0.05)
-    peer = f"aggregator {address}"
+    peer = f"{peer} {address}"
     try:
         _configure(sock)
         _send_before(sock, hello.encode(), handshake_deadline)
@@ -273,7 +275,7 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
         _recv_exact(sock, memoryview(buf), peer, handshake_deadline)
         server_nonce, server_mac = wire.decode_challenge(buf)
         if not hmac.compare_digest(server_mac, wire.mac(secret, b"server", hello, server_nonce)):
-            raise AuthenticationError(f"aggregator {address} failed authentication (wrong secret?)")
+            raise AuthenticationError(f"{peer} failed authentication (wrong secret?)")
         _send_before(sock, wire.encode_proof(wire.mac(secret, b"client", hello, server_nonce),
                                              job_token), handshake_deadline)
         buf = bytearray(wire.VERDICT_BYTES)
@@ -282,18 +284,18 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
         if length:
             reason = bytearray(length)
             _recv_exact(sock, memoryview(reason), peer, handshake_deadline)
-            raise wire.Failure(0, code, f"aggregator {address} refused the connection: "
+            raise wire.Failure(0, code, f"{peer} refused the connection: "
                                         f"{reason.decode('utf-8', 'replace')}").exception()
         sock.settimeout(None)
         return sock
     except socket.timeout:
         sock.close()
-        raise CollectiveTimeout(f"handshake with aggregator {address} timed out") from None
+        raise CollectiveTimeout(f"handshake with {peer} timed out") from None
     except OSError as exc:
         # A reset during the handshake (the aggregator died, or closed with our bytes unread) is a
         # peer failure like any other: callers are promised SparcollError, never a bare OSError.
         sock.close()
-        raise PeerError(f"handshake with aggregator {address} failed: {exc}") from exc
+        raise PeerError(f"handshake with {peer} failed: {exc}") from exc
     except BaseException:
         sock.close()
         raise

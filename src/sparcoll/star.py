@@ -1,0 +1,212 @@
+"""Every rank connected straight to rank 0, for the ring's check rounds (ring.py): one frame up, one
+frame back, written and read by the calling thread itself.
+
+gloo's collectives pass through its own threads: on this machine its allreduce of one float takes
+about 200 us median on 2 ranks on loopback, its allgather of a 1,034-float64 buffer 266 us, and with
+4 ranks on 2 cores 421 and 3070 us. A round here (every rank sends rank 0 its frame; rank 0 answers
+each with one frame) took 58 us and 236 us (one-off script, 550 rounds of each interleaved). And
+frames have their length in front, so ranks whose calls differ send different sizes and still learn
+it from the round, where gloo aborts the process on a size mismatch.
+
+A round is strictly one frame each way per rank, so at most one frame is ever in flight on a
+connection, and a frame never waits for buffer space. Every wait is in slices of POLL seconds,
+between which the caller looks for a peer's report (the sparse path's news of this collective), up
+to the collective's deadline. Connections are authenticated with the job secret (the aggregators'
+handshake, transport.py) and set up once, at init.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import numpy as np
+
+from . import transport, wire
+from .errors import REPORT_GRACE, CollectiveTimeout, PeerError, ProtocolError, SparcollError
+
+POLL = 0.05         # seconds between looks for a peer's report while waiting for a frame
+HANDSHAKE = 10.0    # seconds rank 0 gives one connection to authenticate: a stranger that
+                    # stalls cannot hold up init to its deadline
+_HEADER = 8         # a frame: its length in bytes (int64), then that many bytes
+
+log = logging.getLogger("sparcoll.star")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What a rank proves to rank 0 when it connects: the job's identity and secret (bootstrap.py)."""
+    job: int
+    config: wire.JobConfig
+    secret: bytes
+
+
+class Star:
+    """One rank's end of the star: rank 0 holds a connection to every other rank, the others one
+    to rank 0. Frames are bytes; `row_limit` and `verdict_limit` bound a rank's frame and rank 0's
+    answer: a longer one is malformed."""
+
+    def __init__(self, rank: int, world: int, links: dict[int, socket.socket], row_limit: int,
+                 verdict_limit: int):
+        self.rank, self.world, self.links = rank, world, links
+        self.row_limit, self.verdict_limit = row_limit, verdict_limit
+        limit = row_limit if rank == 0 else verdict_limit
+        self._inbox = {r: np.zeros(_HEADER + limit, dtype=np.uint8) for r in links}
+        self._length = np.zeros(1, dtype=np.int64)      # a frame's header, being sent
+        for sock in links.values():
+            sock.settimeout(POLL)
+
+    @classmethod
+    def connect(cls, store, rank: int, world: int, host: str, credentials: Credentials,
+                timeout: float, row_limit: int, verdict_limit: int) -> "Star":
+        """Rank 0 listens at `host` and publishes its address in `store`; every other rank
+        connects and authenticates. CollectiveTimeout if not done within `timeout`."""
+        deadline = time.monotonic() + timeout
+        if rank == 0:
+            links = _accept_ranks(store, world, host, credentials, deadline)
+        else:
+            try:
+                store.wait(["star"], timedelta(seconds=timeout))
+            except Exception as exc:    # torch raises a plain RuntimeError on a timeout
+                raise CollectiveTimeout(f"rank {rank}: rank 0 did not publish its address "
+                                        f"within {timeout:g} s ({exc})") from None
+            hello = wire.Hello(credentials.job, rank, 0, credentials.config,
+                               os.urandom(wire.NONCE_BYTES))
+            links = {0: transport.connect(store.get("star").decode(), hello, credentials.secret,
+                                          max(0.01, deadline - time.monotonic()),
+                                          wire.job_token(credentials.secret), peer="rank 0 at")}
+        return cls(rank, world, links, row_limit, verdict_limit)
+
+    def round(self, row: np.ndarray, decide: Callable[[list[np.ndarray]], np.ndarray],
+              deadline: float, peer_report) -> np.ndarray:
+        """Every rank's `row` (uint8) to rank 0, where `decide(rows)` (in rank order) makes the
+        verdict (uint8) that every rank gets back and returns. The verdict is valid until the
+        next round. `peer_report()` returns a peer's error for this collective, if one arrived."""
+        if self.rank != 0:
+            self._send(0, row, deadline, peer_report)
+            return self._receive(0, self.verdict_limit, deadline, peer_report)
+        rows = [row] + [self._receive(r, self.row_limit, deadline, peer_report)
+                        for r in range(1, self.world)]
+        verdict = decide(rows)
+        for r in range(1, self.world):
+            self._send(r, verdict, deadline, peer_report)
+        return verdict
+
+    def _send(self, peer: int, frame: np.ndarray, deadline: float, peer_report) -> None:
+        """`frame` behind its length, waiting for room in slices of POLL."""
+        self._length[0] = len(frame)
+        views = [memoryview(self._length).cast("B"), memoryview(frame)]
+        sock = self.links[peer]
+        while views:
+            try:
+                views = transport.sendmsg_all(sock, views)
+            except socket.timeout:      # no room yet: the peer is reading a large frame
+                self._still_waiting(peer, deadline, peer_report)
+            except OSError as exc:
+                raise report_soon(peer_report) or PeerError(
+                    f"rank {self.rank}: lost the connection to rank {peer} ({exc})") from exc
+
+    def _receive(self, peer: int, limit: int, deadline: float, peer_report) -> np.ndarray:
+        """The next frame from `peer`, as a view of its inbox."""
+        inbox = self._inbox[peer]
+        view = memoryview(inbox)
+        sock, got, size = self.links[peer], 0, _HEADER
+        while got < size:
+            try:
+                n = sock.recv_into(view[got:size if size > _HEADER else None])
+            except socket.timeout:
+                self._still_waiting(peer, deadline, peer_report)
+                continue
+            except OSError as exc:
+                raise report_soon(peer_report) or PeerError(
+                    f"rank {self.rank}: lost the connection to rank {peer} ({exc})") from exc
+            if n == 0:
+                raise report_soon(peer_report) or PeerError(
+                    f"rank {self.rank}: rank {peer} closed its connection (it died, failed or "
+                    f"closed its communicator)")
+            got += n
+            if size == _HEADER and got >= _HEADER:
+                length = int(inbox[:_HEADER].view(np.int64)[0])
+                if not 0 <= length <= limit:
+                    raise ProtocolError(f"rank {self.rank}: rank {peer} sent a frame of {length} "
+                                        f"bytes (at most {limit})")
+                size = _HEADER + length
+        if got > size:
+            raise ProtocolError(f"rank {self.rank}: rank {peer} sent {got - size} bytes beyond "
+                                f"its frame")
+        return inbox[_HEADER:size]
+
+    def _still_waiting(self, peer: int, deadline: float, peer_report) -> None:
+        """Between two slices of a wait on `peer`: a peer's report, or the deadline, ends it."""
+        report = peer_report()
+        if report is not None:
+            raise report
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeout(f"rank {self.rank}: rank {peer} did not take part in the "
+                                    f"ring's check within the timeout (a peer may be dead, "
+                                    f"stuck, or calling other collectives)")
+
+    def close(self) -> None:
+        """Close every connection: a peer waiting for a frame from this rank fails at once."""
+        for sock in self.links.values():
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self.links = {}
+
+
+def _accept_ranks(store, world: int, host: str, credentials: Credentials,
+                  deadline: float) -> dict[int, socket.socket]:
+    """Rank 0: listen, publish the address, and take one authenticated connection from every
+    other rank. A connection that fails the handshake (a stranger, another job) is dropped and
+    the wait goes on."""
+    token = wire.job_token(credentials.secret)
+    links: dict[int, socket.socket] = {}
+
+    def admit(hello: wire.Hello, job_token: bytes) -> None:
+        if hello.job != credentials.job or not hmac.compare_digest(job_token, token):
+            raise ProtocolError(f"a connection for job {hello.job:#x} is not of this job")
+        if hello.config != credentials.config or not 0 < hello.rank < world \
+                or hello.rank in links:
+            raise ProtocolError(f"rank {hello.rank} of job {hello.job:#x} cannot join "
+                                f"(already joined, or its options differ)")
+
+    with socket.create_server((host, 0), backlog=world) as listener:
+        store.set("star", "%s:%d" % (host, listener.getsockname()[1]))
+        while len(links) < world - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for sock in links.values():
+                    sock.close()
+                missing = sorted(set(range(1, world)) - set(links))
+                raise CollectiveTimeout(f"rank 0: ranks {missing} did not connect to it within "
+                                        f"the timeout")
+            listener.settimeout(min(left, POLL))
+            try:
+                sock, _ = listener.accept()
+            except socket.timeout:
+                continue
+            try:
+                hello = transport.accept(sock, lambda _: credentials.secret, admit,
+                                         min(left, HANDSHAKE))
+            except (SparcollError, OSError) as exc:
+                log.warning("rank 0 refused a connection to its star: %s", exc)
+                sock.close()
+                continue
+            links[hello.rank] = sock
+    return links
+
+
+def report_soon(peer_report) -> BaseException | None:
+    """A peer's report that arrives within REPORT_GRACE seconds (a peer that refused its input
+    reports it, then closes: the closed connection may be seen first)."""
+    end = time.monotonic() + REPORT_GRACE
+    while (report := peer_report()) is None and time.monotonic() < end:
+        time.sleep(0.01)
+    return report
