@@ -79,10 +79,12 @@ def _total_dtype(dtype: torch.dtype) -> torch.dtype:
 def _call_of(fields: np.ndarray) -> Call | None:
     """A rank's call from its fields; None if they cannot be one (not whole numbers, an unknown
     dtype code)."""
-    if not (np.isfinite(fields).all() and (fields == np.round(fields)).all()):
+    values = fields.tolist()
+    try:
+        call = tuple(int(v) for v in values)
+    except (ValueError, OverflowError):     # NaN, infinity
         return None
-    call = tuple(int(f) for f in fields)
-    return call if call[1] >= 0 and call[2] in wire.DTYPES else None
+    return call if list(call) == values and call[1] >= 0 and call[2] in wire.DTYPES else None
 
 
 def _carried(call: Call) -> bool:
@@ -128,8 +130,10 @@ class Ring:
             self.star.close()
             raise
         self._row = torch.zeros(_HEAD * 8 + payload, dtype=torch.uint8)  # fields, then data
-        self._row_fields = self._row[:_HEAD * 8].view(torch.float64).numpy()
-        self._verdict = torch.zeros(world * _HEAD * 8 + payload, dtype=torch.uint8)  # rank 0's
+        self._row_np = self._row.numpy()
+        self._row_fields = self._row_np[:_HEAD * 8].view(np.float64)
+        self._verdict = torch.zeros(world * _HEAD * 8 + payload, dtype=torch.uint8)  # _decide's
+        self._verdict_np = self._verdict.numpy()
         self._expected: Call | None = None  # the next call every rank expected, if they agreed
         self._previous: tuple | None = None     # (id, kind) of the last call
         self._after: dict[tuple, tuple] = {}    # kind -> (kind, id distance) of the call after it
@@ -202,50 +206,60 @@ class Ring:
         tiny call's in float64, a gathered one's in its dtype). Returns (every rank's fields, the
         sum of the ranks' data if every rank made this call and it carries data, else None)."""
         payload = _payload(call)
-        row = self._row[:_HEAD * 8 + payload]
         self._row_fields[:] = fields
         if payload:
-            row[_HEAD * 8:].view(_carrier(call)).copy_(data.reshape(-1))
-        verdict = torch.from_numpy(self.star.round(row.numpy(), self._decide, deadline,
-                                                   peer_report))
+            self._row[_HEAD * 8:_HEAD * 8 + payload].view(_carrier(call)).copy_(data.reshape(-1))
+        verdict = self.star.round(self._row_np[:_HEAD * 8 + payload], self._decide, deadline,
+                                  peer_report)
         heads = self.world * _HEAD * 8
         if len(verdict) < heads:
             raise ProtocolError(f"rank {self.rank}: rank 0's verdict of the check holds "
                                 f"{len(verdict)} bytes, fewer than every rank's fields")
-        fields_of = verdict[:heads].view(torch.float64).numpy().reshape(self.world, _HEAD)
+        fields_of = verdict[:heads].view(np.float64).reshape(self.world, _HEAD)
         if not payload or not (fields_of[:, _CALL] == fields[_CALL]).all():
             return fields_of, None
         total_dtype = _total_dtype(_carrier(call))
         if len(verdict) != heads + call[1] * total_dtype.itemsize:
             raise ProtocolError(f"rank {self.rank}: rank 0's verdict holds {len(verdict) - heads} "
                                 f"bytes of sums for a call of {call[1]} elements")
-        return fields_of, verdict[heads:].view(total_dtype)
+        return fields_of, torch.from_numpy(verdict[heads:]).view(total_dtype)
 
     def _decide(self, rows: list[np.ndarray]) -> np.ndarray:
-        """Rank 0's verdict of a round: every rank's fields, then, if every rank made the same
-        call and it carries data, the sum of their data in rank order (a tiny call's in float64,
-        a gathered one's in its dtype, halves in float32): the same result on every rank."""
+        """The verdict of a round (rank 0's; with 2 ranks each rank's own): every rank's fields,
+        then, if every rank made the same call and it carries data, the sum of their data in rank
+        order (a tiny call's in float64, a gathered one's in its dtype, halves in float32)."""
         heads = self.world * _HEAD * 8
-        fields = self._verdict[:heads].view(torch.float64).numpy().reshape(self.world, _HEAD)
-        calls = []
+        fields = self._verdict_np[:heads].view(np.float64).reshape(self.world, _HEAD)
         for r, row in enumerate(rows):
             if len(row) < _HEAD * 8:
-                raise ProtocolError(f"rank 0: rank {r}'s check holds {len(row)} bytes, fewer "
-                                    f"than its fields")
+                raise ProtocolError(f"rank {self.rank}: rank {r}'s check holds {len(row)} "
+                                    f"bytes, fewer than its fields")
             fields[r] = row[:_HEAD * 8].view(np.float64)
-            call = _call_of(fields[r, _CALL])
-            if call is None or len(row) != _HEAD * 8 + _payload(call):
-                raise ProtocolError(f"rank 0: rank {r}'s check holds {len(row)} bytes, not what "
-                                    f"its call needs ({_describe(fields[r, _CALL].tolist())})")
-            calls.append(call)
-        if not _payload(calls[0]) or any(call != calls[0] for call in calls):
-            return self._verdict[:heads].numpy()
-        carrier = _carrier(calls[0])
+        if not (fields[:, _CALL] == fields[0, _CALL]).all():
+            return self._verdict_np[:heads]
+        call = _call_of(fields[0, _CALL])
+        size = _HEAD * 8 + (_payload(call) if call is not None else -1)
+        for r, row in enumerate(rows):
+            if len(row) != size:
+                raise ProtocolError(f"rank {self.rank}: rank {r}'s check holds {len(row)} bytes, "
+                                    f"not what its call needs "
+                                    f"({_describe(fields[r, _CALL].tolist())})")
+        if size == _HEAD * 8:
+            return self._verdict_np[:heads]
+        carrier = _carrier(call)
         total_dtype = _total_dtype(carrier)
-        data = torch.from_numpy(np.stack([row[_HEAD * 8:] for row in rows])).view(carrier)
-        total = self._verdict[heads:heads + calls[0][1] * total_dtype.itemsize].view(total_dtype)
-        torch.sum(data, dim=0, dtype=total_dtype, out=total)
-        return self._verdict[:heads + len(total) * total_dtype.itemsize].numpy()
+        end = heads + call[1] * total_dtype.itemsize
+        if carrier is torch.float64:    # a tiny call: numpy's calls cost less than torch's
+            total = self._verdict_np[heads:end].view(np.float64)
+            np.copyto(total, rows[0][_HEAD * 8:].view(np.float64))
+            for row in rows[1:]:
+                total += row[_HEAD * 8:].view(np.float64)
+            return self._verdict_np[:end]
+        total = self._verdict[heads:end].view(total_dtype)
+        total.copy_(torch.from_numpy(rows[0][_HEAD * 8:]).view(carrier))
+        for row in rows[1:]:
+            total.add_(torch.from_numpy(row[_HEAD * 8:]).view(carrier))
+        return self._verdict_np[:end]
 
     def _allreduce_data(self, tensor: torch.Tensor, timeout: float):
         """Start a larger call's allreduce, in place, on the data group: gloo's work."""

@@ -8,8 +8,8 @@ each with one frame) took 58 us and 236 us (one-off script, 550 rounds of each i
 frames have their length in front, so ranks whose calls differ send different sizes and still learn
 it from the round, where gloo aborts the process on a size mismatch.
 
-A round is strictly one frame each way per rank, so at most one frame is ever in flight on a
-connection, and a frame never waits for buffer space. Every wait is in slices of POLL seconds,
+A round is one frame each way per rank, so at most two frames are ever in flight on a connection
+(with 2 ranks a peer may send its next one before this rank has read the last). Every wait is in slices of POLL seconds,
 between which the caller looks for a peer's report (the sparse path's news of this collective), up
 to the collective's deadline. Connections are authenticated with the job secret (the aggregators'
 handshake, transport.py) and set up once, at init.
@@ -55,7 +55,7 @@ class Star:
                  verdict_limit: int):
         self.rank, self.world, self.links = rank, world, links
         self.row_limit, self.verdict_limit = row_limit, verdict_limit
-        limit = row_limit if rank == 0 else verdict_limit
+        limit = row_limit if rank == 0 or world == 2 else verdict_limit
         self._inbox = {r: np.zeros(_HEADER + limit, dtype=np.uint8) for r in links}
         self._length = np.zeros(1, dtype=np.int64)      # a frame's header, being sent
         for sock in links.values():
@@ -86,7 +86,14 @@ class Star:
               deadline: float, peer_report) -> np.ndarray:
         """Every rank's `row` (uint8) to rank 0, where `decide(rows)` (in rank order) makes the
         verdict (uint8) that every rank gets back and returns. The verdict is valid until the
-        next round. `peer_report()` returns a peer's error for this collective, if one arrived."""
+        next round. `peer_report()` returns a peer's error for this collective, if one arrived.
+        With 2 ranks the two rows cross and each rank decides itself (`decide` must give both the
+        same verdict): one step where rank 0's verdict would make two."""
+        if self.world == 2:
+            other = 1 - self.rank
+            self._send(other, row, deadline, peer_report)
+            theirs = self._receive(other, self.row_limit, deadline, peer_report)
+            return decide([row, theirs] if self.rank == 0 else [theirs, row])
         if self.rank != 0:
             self._send(0, row, deadline, peer_report)
             return self._receive(0, self.verdict_limit, deadline, peer_report)
@@ -112,13 +119,14 @@ class Star:
                     f"rank {self.rank}: lost the connection to rank {peer} ({exc})") from exc
 
     def _receive(self, peer: int, limit: int, deadline: float, peer_report) -> np.ndarray:
-        """The next frame from `peer`, as a view of its inbox."""
+        """The next frame from `peer`, as a view of its inbox: its length, then exactly that many
+        bytes (with 2 ranks the peer's next frame may follow it at once)."""
         inbox = self._inbox[peer]
         view = memoryview(inbox)
         sock, got, size = self.links[peer], 0, _HEADER
         while got < size:
             try:
-                n = sock.recv_into(view[got:size if size > _HEADER else None])
+                n = sock.recv_into(view[got:size])
             except socket.timeout:
                 self._still_waiting(peer, deadline, peer_report)
                 continue
@@ -130,15 +138,12 @@ class Star:
                     f"rank {self.rank}: rank {peer} closed its connection (it died, failed or "
                     f"closed its communicator)")
             got += n
-            if size == _HEADER and got >= _HEADER:
+            if got == _HEADER:
                 length = int(inbox[:_HEADER].view(np.int64)[0])
                 if not 0 <= length <= limit:
                     raise ProtocolError(f"rank {self.rank}: rank {peer} sent a frame of {length} "
                                         f"bytes (at most {limit})")
                 size = _HEADER + length
-        if got > size:
-            raise ProtocolError(f"rank {self.rank}: rank {peer} sent {got - size} bytes beyond "
-                                f"its frame")
         return inbox[_HEADER:size]
 
     def _still_waiting(self, peer: int, deadline: float, peer_report) -> None:

@@ -1,0 +1,196 @@
+"""The star (rank 0 connected to every other rank) that carries the ring's checks: its rounds, its
+handshake, and what it does with peers that die, stall, report or send malformed frames."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sparcoll import wire
+from sparcoll.errors import (AuthenticationError, CollectiveTimeout, PeerError, ProtocolError,
+                             SparcollError)
+from sparcoll.star import Credentials, Star
+from support import on_threads
+
+LIMIT = 4096
+
+
+def credentials(world: int, secret: bytes = b"s" * 32, job: int = 11) -> Credentials:
+    return Credentials(job, wire.JobConfig(world, world, 1, 1, 1), secret)
+
+
+def connect_all(store, world: int, timeout: float = 10.0) -> dict[int, Star]:
+    stars = {}
+
+    def rank(r):
+        stars[r] = Star.connect(store, r, world, "127.0.0.1", credentials(world), timeout,
+                                LIMIT, LIMIT * world)
+    on_threads(rank, world, timeout=timeout * 2)
+    return stars
+
+
+def rounds_on_threads(stars: dict[int, Star], body, timeout: float = 20.0) -> dict:
+    """body(rank, star) on a thread per rank; {rank: its result or its exception}; every star is
+    closed afterwards."""
+    results = {}
+
+    def rank(r):
+        try:
+            results[r] = body(r, stars[r])
+        except Exception as exc:
+            results[r] = exc
+        finally:
+            stars[r].close()
+    on_threads(rank, len(stars), timeout=timeout)
+    return results
+
+
+def no_report():
+    return None
+
+
+def concatenate(rows):
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_every_rank_gets_rank_0s_verdict_of_every_rows_in_rank_order(store, world):
+    """Rows of different lengths on every round; the verdict (here: the rows end to end) reaches
+    every rank, and the next round's frames do not mix with the last one's."""
+    stars = connect_all(store, world)
+    rng = np.random.default_rng(0)
+    rows = [[rng.integers(0, 256, size=rng.integers(0, LIMIT), dtype=np.uint8)
+             for _ in range(world)] for _ in range(20)]
+
+    def body(r, star):
+        return [star.round(rows[i][r], concatenate, time.monotonic() + 10, no_report).copy()
+                for i in range(len(rows))]
+    results = rounds_on_threads(stars, body)
+    for r in range(world):
+        assert not isinstance(results[r], Exception), results[r]
+        for i, verdict in enumerate(results[r]):
+            assert np.array_equal(verdict, np.concatenate(rows[i]))
+
+
+def test_a_stranger_at_rank_0_is_refused_and_the_ranks_still_connect(store):
+    """A client with the wrong secret connects to rank 0's star before the ranks do: it is
+    refused (AuthenticationError on its side), and rank 0 goes on to take the real ranks."""
+    world = 2
+    stranger = {}
+
+    def intrude():
+        deadline = time.monotonic() + 10
+        while not store.check(["star"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        hello = wire.Hello(11, 1, 0, credentials(world).config, os.urandom(wire.NONCE_BYTES))
+        try:
+            from sparcoll import transport
+            transport.connect(store.get("star").decode(), hello, b"w" * 32, 5.0,
+                              wire.job_token(b"w" * 32), peer="rank 0 at")
+        except Exception as exc:
+            stranger["error"] = exc
+
+    def rank(r):
+        if r == 1:
+            intrude()
+        stars[r] = Star.connect(store, r, world, "127.0.0.1", credentials(world), 10.0, LIMIT,
+                                LIMIT * world)
+    stars = {}
+    on_threads(rank, world, timeout=30)
+    assert isinstance(stranger.get("error"), AuthenticationError), stranger
+    results = rounds_on_threads(stars, lambda r, s: s.round(np.full(3, r, np.uint8), concatenate,
+                                                            time.monotonic() + 10, no_report))
+    assert all(np.array_equal(v, [0, 0, 0, 1, 1, 1]) for v in results.values()), results
+
+
+def test_another_jobs_rank_is_refused_and_rank_0_times_out_without_its_own(store):
+    """Only ranks of this job (its secret, its id) join; rank 0 names the ranks that never came."""
+    world = 2
+    errors = {}
+
+    def rank(r):
+        job = 11 if r == 0 else 12
+        try:
+            Star.connect(store, r, world, "127.0.0.1", credentials(world, job=job), 1.5,
+                         LIMIT, LIMIT * world)
+        except SparcollError as exc:
+            errors[r] = exc
+    on_threads(rank, world, timeout=30)
+    assert isinstance(errors[0], CollectiveTimeout) and "ranks [1]" in str(errors[0])
+    assert isinstance(errors[1], SparcollError) and "not of this job" in str(errors[1])
+
+
+@pytest.mark.parametrize("who", [0, 1])
+def test_a_rank_that_closes_fails_its_peers_at_once_naming_it(store, who):
+    world = 3
+    stars = connect_all(store, world)
+
+    def body(r, star):
+        if r == who:
+            star.close()
+            return "closed"
+        start = time.monotonic()
+        try:
+            star.round(np.zeros(8, np.uint8), concatenate, time.monotonic() + 30, no_report)
+        finally:
+            body.elapsed[r] = time.monotonic() - start
+    body.elapsed = {}
+    results = rounds_on_threads(stars, body)
+    for r in range(world):
+        if r == who:
+            continue
+        # rank 0 learns of rank 1 itself; the others learn that rank 0 is gone (it failed)
+        assert isinstance(results[r], PeerError), results[r]
+        assert f"rank {who if r == 0 else 0}" in str(results[r])
+        assert body.elapsed[r] < 5.0     # not the 30 s deadline
+
+
+def test_a_silent_peer_ends_the_wait_at_the_deadline_or_at_a_report(store):
+    stars = connect_all(store, 2)
+    report = PeerError("rank 1 refused its input")
+    arrived = threading.Event()
+
+    def body(r, star):
+        if r == 1:
+            arrived.wait(10)
+            return "silent"
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeout, match="rank 1 did not take part"):
+            star.round(np.zeros(8, np.uint8), concatenate, time.monotonic() + 0.3, no_report)
+        waited = time.monotonic() - start
+        with pytest.raises(PeerError, match="refused its input"):
+            star.round(np.zeros(8, np.uint8), concatenate, time.monotonic() + 30,
+                       lambda: report if time.monotonic() - start > 0.5 else None)
+        arrived.set()
+        return waited, time.monotonic() - start
+    results = rounds_on_threads(stars, body)
+    waited, total = results[0]
+    assert 0.3 <= waited < 2.0 and total < 5.0
+
+
+@pytest.mark.parametrize("frame", ["too long", "negative", "truncated"])
+def test_malformed_frames_are_a_protocol_error_not_a_hang(store, frame):
+    """Rank 1 writes raw bytes on its connection instead of a frame: a length over the limit, a
+    negative one, or half a frame and then its connection closed."""
+    stars = connect_all(store, 2)
+
+    def body(r, star):
+        if r == 1:
+            sock = star.links[0]
+            if frame == "too long":
+                sock.sendall(np.array([LIMIT + 1], np.int64).tobytes())
+            elif frame == "negative":
+                sock.sendall(np.array([-4], np.int64).tobytes() + bytes(4))
+            else:
+                sock.sendall(np.array([100], np.int64).tobytes() + bytes(10))
+                sock.shutdown(socket.SHUT_WR)
+            time.sleep(0.5)
+            return "sent"
+        return star.round(np.zeros(4, np.uint8), concatenate, time.monotonic() + 10, no_report)
+    results = rounds_on_threads(stars, body)
+    expected = PeerError if frame == "truncated" else ProtocolError
+    assert isinstance(results[0], expected), results[0]
