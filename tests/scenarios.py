@@ -113,13 +113,13 @@ def run_overwrite_after_return(rank: int, world: int, rounds: int, numel: int) -
     from sparcoll import transport, wire
 
     if rank == 0:
-        original = transport._sendmsg_all
+        original = transport.sendmsg_all
 
         def slow_results(sock, views, *flags):
             if views[0][5] == wire.Kind.RESULT:
                 time.sleep(0.02)
             return original(sock, views, *flags)
-        transport._sendmsg_all = slow_results
+        transport.sendmsg_all = slow_results
     exact = []
     with sparcoll.init(timeout=30) as comm:
         x = torch.empty(numel)

@@ -180,7 +180,7 @@ def install_kill(point: str, n: int = 1, own_rank: int | None = None, delay: flo
         transport.Connection.send = send
     elif point.startswith("partial"):       # the n-th contribution is half written to the socket
         fraction = {"partial-header": 20, "partial-payload": None}[point]
-        original_sendmsg = transport._sendmsg_all
+        original_sendmsg = transport.sendmsg_all
 
         def sendmsg_all(sock, buffers, *flags):
             if _kind(buffers) == wire.Kind.CONTRIBUTE and hit():
@@ -190,7 +190,7 @@ def install_kill(point: str, n: int = 1, own_rank: int | None = None, delay: flo
                 time.sleep(0.05)
                 die()
             return original_sendmsg(sock, buffers, *flags)
-        transport._sendmsg_all = sendmsg_all
+        transport.sendmsg_all = sendmsg_all
     elif point == "agg-contribute":         # this process's aggregator got a peer's n-th contribution
         original_contribute = aggregator.AggregatorJob.contribute
 

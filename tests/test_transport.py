@@ -112,12 +112,12 @@ def test_sendmsg_all_returns_what_is_left(flags):
         a.setblocking(flags == 0)
         views = [memoryview(bytes(100_000)), memoryview(bytes(100_000))]
         if flags:
-            left = transport._sendmsg_all(a, list(views), flags)
+            left = transport.sendmsg_all(a, list(views), flags)
             assert 0 < sum(len(v) for v in left) < 200_000   # the buffer took part of it
         else:
             reader = threading.Thread(target=lambda: _read_exact(b, 200_000), daemon=True)
             reader.start()
-            assert transport._sendmsg_all(a, list(views)) == []
+            assert transport.sendmsg_all(a, list(views)) == []
             reader.join(10)
             assert not reader.is_alive()
     finally:
@@ -134,7 +134,7 @@ def test_unexpected_error_in_the_sender_fails_the_connection_and_releases_every_
     def broken(sock, views, flags=0):
         raise ValueError("injected bug")
 
-    monkeypatch.setattr(transport, "_sendmsg_all", broken)
+    monkeypatch.setattr(transport, "sendmsg_all", broken)
     conn = transport.Connection(a, "test peer", failures.append)
     try:
         for _ in range(5):
