@@ -11,9 +11,10 @@ and op, as a DDP bucket each step):
     (once a kind is settled on gloo, "last" is the last of every LOOK_EVERY results);
   - once a result is dense, the kind is timed on each path: TRIALS collectives on the sparse path,
     TRIALS on the ring; a kind small enough to gather (at most GATHER_ELEMENTS elements over all
-    ranks) SMALL_TRIALS on each of those and on GATHER, gloo's allgather and a local sum (ring.py:
-    world - 1 steps where the ring takes 2 (world - 1), for world - 1 times the bytes: it wins
-    where steps cost more than bytes, as on a busy machine or a fast link). Then one more on the
+    ranks) SMALL_TRIALS on each of those and on GATHER, the data sent to rank 0 in the call's
+    check round and summed there (ring.py: one round through the star where gloo's ring takes
+    2 (world - 1) steps, for world - 1 times the bytes at rank 0: it wins where steps cost more
+    than bytes, as on a busy machine or a fast link). Then one more on the
     last of them, whose check round (ring.py) carries every rank's best time on each path, so
     every rank learns the same averages; the faster of ring and gather keeps the kind while it
     stays dense unless the sparse path was clearly faster (by SPARSE_MARGIN: on dense data the

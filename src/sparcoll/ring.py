@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from . import wire
 from .algorithm import GATHER_ELEMENTS, TINY_NUMEL
-from .errors import CollectiveTimeout, MismatchError, PeerError, ProtocolError
-from .star import POLL, Credentials, Star, report_soon
+from .errors import MismatchError, PeerError, ProtocolError
+from .star import POLL, Credentials, Star, report_soon, still_waiting
 
 _FIELDS = 5                 # a call: id, numel, dtype, op, and 1 if its data is gathered
 _SHARED = 3                 # numbers averaged over the ranks in the check round
@@ -290,13 +290,8 @@ class Ring:
                         # that gave up and closed: its report says why, if it sent one
                         raise report_soon(peer_report) or PeerError(
                             f"rank {self.rank}: gloo's ring failed: {exc}") from exc
-            report = peer_report()
-            if report is not None:
-                raise report
-            if time.monotonic() >= deadline:
-                raise CollectiveTimeout(f"rank {self.rank}: gloo's ring did not finish within "
-                                        f"the timeout (a peer may be dead, stuck, or calling "
-                                        f"other collectives)")
+            still_waiting(peer_report, deadline,
+                          f"rank {self.rank}: gloo's ring did not finish within the timeout")
 
     def close(self) -> None:
         """Close the star and abort what gloo still runs (after a failure): a peer waiting for

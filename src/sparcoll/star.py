@@ -149,14 +149,8 @@ class Star:
         return inbox[_HEADER:size]
 
     def _still_waiting(self, peer: int, deadline: float, peer_report) -> None:
-        """Between two slices of a wait on `peer`: a peer's report, or the deadline, ends it."""
-        report = peer_report()
-        if report is not None:
-            raise report
-        if time.monotonic() >= deadline:
-            raise CollectiveTimeout(f"rank {self.rank}: rank {peer} did not take part in the "
-                                    f"ring's check within the timeout (a peer may be dead, "
-                                    f"stuck, or calling other collectives)")
+        still_waiting(peer_report, deadline, f"rank {self.rank}: rank {peer} did not take part in "
+                      f"the ring's check within the timeout")
 
     def close(self) -> None:
         """Close every connection: a peer waiting for a frame from this rank fails at once."""
@@ -208,6 +202,17 @@ def _accept_ranks(store, world: int, host: str, credentials: Credentials,
                 continue
             links[hello.rank] = sock
     return links
+
+
+def still_waiting(peer_report, deadline: float, late: str) -> None:
+    """Between two slices of a wait: a peer's report ends it, and so does the deadline
+    (CollectiveTimeout saying `late`)."""
+    report = peer_report()
+    if report is not None:
+        raise report
+    if time.monotonic() >= deadline:
+        raise CollectiveTimeout(f"{late} (a peer may be dead, stuck, or calling other "
+                                f"collectives)")
 
 
 def report_soon(peer_report) -> BaseException | None:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Small calls with the ring's checks on gloo (1d4e4f3) and through the star (65c2310), alternated:
+# Small calls with the ring's checks on gloo (1d4e4f3) and through the star (the commit of this directory), alternated:
 # ROUNDS rounds of 2 ranks and 2 rounds of 4, each run benchmarks/small_tensors.py (gloo, sparcoll
 # auto and sparcoll forced sparse interleaved call by call). OLD and NEW are worktrees of the two
 # commits.   docs/results/small-star/run.sh OLD NEW [ROUNDS=3]
+# then: cd docs/results/small-star && python3 ../small-no-polling/summarize.py > summary.txt
 set -euo pipefail
 old=$1 new=$2 rounds=${3:-3}
 out=$(cd "$(dirname "$0")" && pwd)
