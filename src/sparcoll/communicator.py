@@ -31,9 +31,10 @@ __all__ = ["Communicator", "Stats", "Work"]
 @dataclass
 class Stats(transport.TrafficStats):
     """Traffic this process's transport wrote and read on the worker's behalf, and collectives run
-    (of which `ring_collectives` on gloo's ring, handed `ring_bytes` of tensors: see algorithm.py;
-    `ring_checked_first` of them larger ones that waited for their check round, `ring_gathered`
-    larger ones whose data was gathered and summed instead of allreduced: see ring.py)."""
+    (of which `ring_collectives` on the ring's paths, gloo's ring or the star, for `ring_bytes` of
+    tensors: see algorithm.py; `ring_checked_first` of them larger ones whose allreduce waited for
+    their check round, `ring_gathered` larger ones whose data travelled in their check round and was
+    summed there instead of allreduced: see ring.py)."""
     collectives: int = 0
     ring_collectives: int = 0
     ring_bytes: int = 0

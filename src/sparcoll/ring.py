@@ -132,7 +132,7 @@ class Ring:
         self._previous: tuple | None = None     # (id, kind) of the last call
         self._after: dict[tuple, tuple] = {}    # kind -> (kind, id distance) of the call after it
         self.collectives = 0
-        self.bytes = 0              # bytes of tensors handed to gloo (each crosses the ring twice)
+        self.bytes = 0              # bytes of tensors reduced here (through gloo or the star)
         self.checked_first = 0      # larger calls whose allreduce waited for their check
         self.gathered = 0           # larger calls whose data travelled with their check
 

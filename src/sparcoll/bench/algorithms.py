@@ -162,7 +162,8 @@ def sparcoll_variants(name: str, mode: str) -> None:
 
     def counters(ctx: Context) -> tuple[int, int]:
         """The worker's traffic plus its colocated aggregator's (both cross this host's link) plus,
-        for what ran on gloo's ring, the bytes a ring moves per rank (2 (n-1)/n of the tensor)."""
+        for what ran on the ring's paths, the bytes a ring moves per rank (2 (n-1)/n of the tensor;
+        a call summed through the star moves as much on average over the ranks, rank 0 more)."""
         comm = ctx.comms[mode]
         worker, aggregator = comm.stats, comm.aggregator_stats
         ring = int(worker.ring_bytes * 2 * (ctx.world - 1) / ctx.world)
