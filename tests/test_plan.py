@@ -337,6 +337,11 @@ def test_a_candidate_whose_trial_fails_is_left_out_and_the_others_still_run(monk
     durations.update({"planned": 0.3})
     step_s, failed, reference, _ = trial.measure({}, plans, 4, "none", 3, 1, 10.0, advanced.append, 3)
     assert list(step_s) == ["planned"] and "status 1" in reference["failed"] and trial.DDP not in failed
+    launched.clear()
+    durations.update({"uniform ring": 0.5, trial.DDP: 0.8})
+    step_s, _, _, passes = trial.measure({}, plans, 4, "none", 3, 1, 10.0, advanced.append, 3, passes=1)
+    assert launched == ["planned", "uniform sfb", "uniform ring", trial.DDP]    # one pass, in order
+    assert passes == {"planned": [pytest.approx(0.3)], "uniform ring": [pytest.approx(0.5)]}
 
 
 def test_a_machine_slowing_down_during_the_trial_favours_no_candidate(monkeypatch):

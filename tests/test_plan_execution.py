@@ -484,7 +484,8 @@ def test_plan_then_train_the_plan(tmp_path):
     profile, plan_file = tmp_path / "profile.json", tmp_path / "plan.json"
     command = [sys.executable, "-m", "sparcoll", "plan", *tiny, "--profile", str(profile), "--json", str(plan_file),
                "--compressors", "none,fp16,topk:0.01"]
-    first = subprocess.run(command + ["--trial", "2"], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    first = subprocess.run(command + ["--trial", "2", "--trial-passes", "1"], capture_output=True, text=True,
+                           timeout=TIMEOUT, env=env)       # two passes: test_plan.py's fake launcher
     assert first.returncode == 0, first.stderr[-3000:]
     tried = json.loads(plan_file.read_text())["trial"]
     assert tried["kept"] in tried["step_s"] and "planned" in tried["step_s"] and len(tried["step_s"]) >= 2
@@ -550,7 +551,7 @@ def test_plan_a_users_own_model(tmp_path):
     plan_file = tmp_path / "plan.json"
     command = [sys.executable, "-m", "sparcoll", "plan", "--workers", "2", "--network", "none",
                "--compressors", "none,fp16", "--profile", str(tmp_path / "p.json"), "--json", str(plan_file)]
-    done = subprocess.run(command + ["--model", "users_model:build", "--trial", "1"],
+    done = subprocess.run(command + ["--model", "users_model:build", "--trial", "1", "--trial-passes", "1"],
                           capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     plan = json.loads(plan_file.read_text())

@@ -85,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "same network, and keep the fastest measured (the plan unless another is "
                              "more than %d%%%% faster); 0: the model's decision alone (default 3; a "
                              "--model trains on its example input)" % (TRIAL_UNIFORMS, trial.SECONDS, round(100 * trial.MARGIN)))
+    parser.add_argument("--trial-passes", type=int, default=trial.PASSES, metavar="N",
+                        help="train every candidate of the trial N times, every other pass in reversed "
+                             "order, and keep by the mean (default %d: a machine that slows down or speeds "
+                             "up during the trial then favours no candidate; 1 takes half the time)"
+                             % trial.PASSES)
     parser.add_argument("--json", metavar="PATH", help="write the plan to PATH")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds without progress before profiling is declared hung (default 600)")
@@ -407,9 +412,9 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
 
     def body(advance) -> None:
         measured.append(trial.measure(config, plans, args.workers, args.network, args.trial, TRIAL_WARMUP,
-                                      args.timeout, advance, ddp_steps))
+                                      args.timeout, advance, ddp_steps, args.trial_passes))
 
-    status = run_jobs("plan --trial", trial.PASSES * sum(TRIAL_WARMUP + steps
+    status = run_jobs("plan --trial", args.trial_passes * sum(TRIAL_WARMUP + steps
                                                           for steps in [*steps_each.values(), ddp_steps]), body)
     if status:
         return status, plan
@@ -433,8 +438,10 @@ def argparse_defaults(add_arguments) -> argparse.Namespace:
 
 
 def run(args) -> int:
-    if args.batch_size is not None and args.batch_size < 1 or args.workers < 2 or args.trial < 0:
-        print("sparcoll plan: error: --workers must be >= 2, --batch-size >= 1 and --trial >= 0", file=sys.stderr)
+    if args.batch_size is not None and args.batch_size < 1 or args.workers < 2 or args.trial < 0 \
+            or args.trial_passes < 1:
+        print("sparcoll plan: error: --workers must be >= 2, --batch-size >= 1, --trial >= 0 and "
+              "--trial-passes >= 1", file=sys.stderr)
         return 2
     if args.model:
         try:

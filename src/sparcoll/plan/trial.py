@@ -100,12 +100,13 @@ def train(config: dict, name: str, workers: int, network: str, steps: int, warmu
 
 
 def measure(config: dict, plans: dict[str, dict], workers: int, network: str, steps: int, warmup: int,
-            timeout: float, advance: Callable[[str], None], ddp_steps: int = 0) -> Measured:
+            timeout: float, advance: Callable[[str], None], ddp_steps: int = 0,
+            passes: int = PASSES) -> Measured:
     """Each plan's step time, trained by sparcoll.torch.DataParallel as `sparcoll train --comm planned`
     does, for steps_of(plan, steps) steps after `warmup` untimed ones, one job after another; with
     `ddp_steps`, DDP on gloo too (the reference, last in the order: not a candidate, DataParallel cannot
     run it; with sparse embeddings DDP's gathers of their rows are fast, and on deeplight every plan was
-    slower than it, 0.88-0.90x, which a plan compared with its own alternatives alone never shows). Every job runs PASSES times, the
+    slower than it, 0.88-0.90x, which a plan compared with its own alternatives alone never shows). Every job runs `passes` times, the
     order reversed on every other pass, and its time is the mean over its passes: on this shared
     machine whole launches ran 20-25% slower than others minutes apart (ncf with sparse embeddings, the
     same plan six times: 29.6-37.5 ms), so a candidate measured once, early or late, could win or lose
@@ -118,7 +119,7 @@ def measure(config: dict, plans: dict[str, dict], workers: int, network: str, st
     means: dict[str, list[float]] = {name: [] for name in jobs}
     shares: list[float] = []
     failed: dict[str, str] = {}
-    for number in range(PASSES):
+    for number in range(passes):
         for name in (list(jobs) if number % 2 == 0 else reversed(list(jobs))):
             job, job_steps = jobs[name]
             if name in failed:
