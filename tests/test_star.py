@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from sparcoll import wire
+from sparcoll import transport, wire
 from sparcoll.errors import (AuthenticationError, CollectiveTimeout, PeerError, ProtocolError,
                              SparcollError)
 from sparcoll.star import Credentials, Star
@@ -88,7 +88,6 @@ def test_a_stranger_at_rank_0_is_refused_and_the_ranks_still_connect(store):
             time.sleep(0.01)
         hello = wire.Hello(11, 1, 0, credentials(world).config, os.urandom(wire.NONCE_BYTES))
         try:
-            from sparcoll import transport
             transport.connect(store.get("star").decode(), hello, b"w" * 32, 5.0,
                               wire.job_token(b"w" * 32), peer="rank 0 at")
         except Exception as exc:

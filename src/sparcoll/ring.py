@@ -49,7 +49,6 @@ _CALL = slice(0, _FIELDS)                   # in a rank's fields: this call,
 _NEXT = slice(_FIELDS, 2 * _FIELDS)         # the call it expects next,
 _SHARE = slice(2 * _FIELDS, 2 * _FIELDS + _SHARED)     # and the numbers to average
 _HEAD = _SHARE.stop         # float64 fields in front of the data a call carries
-_POLL = POLL                # seconds between looks for a peer's report while gloo runs
 
 Call = tuple[int, int, int, int, int]   # (id, numel, dtype code, op, gathered)
 
@@ -273,13 +272,13 @@ class Ring:
 
     def _wait(self, work, deadline: float, peer_report) -> None:
         """Wait for one gloo collective until done, a peer's report, or the deadline: gloo's own
-        wait in slices of _POLL seconds, between which this rank looks for a peer's report. No
+        wait in slices of POLL seconds, between which this rank looks for a peer's report. No
         polling first: a thread that polls takes a core from gloo's threads on 2 busy cores (2
         ranks on loopback, 8 to 4K floats, 6 runs each: the median call 403-592 us without it,
         462-1022 us with 2 ms of polling; docs/benchmarks.md)."""
         while True:
             try:
-                work.wait(timedelta(seconds=max(0.001, min(_POLL, deadline - time.monotonic()))))
+                work.wait(timedelta(seconds=max(0.001, min(POLL, deadline - time.monotonic()))))
                 return
             except Exception:   # gloo: "Operation timed out!" from this wait, or a failure
                 if work.is_completed():     # done meanwhile, or failed: its own outcome says which
