@@ -51,6 +51,8 @@ _SHARE = slice(2 * _FIELDS, 2 * _FIELDS + _SHARED)     # and the numbers to aver
 _HEAD = _SHARE.stop         # float64 fields in front of the data a call carries
 
 Call = tuple[int, int, int, int, int]   # (id, numel, dtype code, op, gathered)
+_NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64}   # dtypes read and written
+                        # through numpy as they are: a tiny call's numpy calls cost less than torch's
 
 
 def _describe(call: list[float]) -> str:
@@ -94,6 +96,23 @@ def _carrier(call: Call) -> torch.dtype:
 def _payload(call: Call) -> int:
     """Bytes of data a call carries in its check round."""
     return call[1] * _carrier(call).itemsize if _carried(call) else 0
+
+
+def _same(heads: bytes, part: slice, fields: np.ndarray) -> bool:
+    """Whether every rank's `part` of its fields (`heads`: every rank's, as the verdict holds them)
+    is this rank's (`fields`). Compared as bytes: numpy's comparisons cost a tiny call more."""
+    mine, start, stop = fields[part].tobytes(), part.start * 8, part.stop * 8
+    return all(heads[o + start:o + stop] == mine for o in range(0, len(heads), _HEAD * 8))
+
+
+def _fields_of(heads: bytes) -> np.ndarray:
+    """Every rank's fields, a row each."""
+    return np.frombuffer(heads, dtype=np.float64).reshape(-1, _HEAD)
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray | None:
+    """`t`'s memory as a numpy array, if numpy reads and writes it as it is (else None)."""
+    return t.numpy() if t.device.type == "cpu" and t.dtype in _NUMPY_OF else None
 
 
 def _timed(options, timeout: float, **fields):
@@ -161,9 +180,10 @@ class Ring:
         started = None
         if call == expected and not _carried(call):
             started = self._allreduce_data(contiguous, timeout)     # beside its check
-        fields_of, total = self._round(contiguous, call, fields, deadline, peer_report)
-        agree = (fields_of[:, _CALL] == fields[_CALL]).all(axis=1)
-        if not agree.all():
+        heads, total = self._round(contiguous, call, fields, deadline, peer_report)
+        if not _same(heads, _CALL, fields):
+            fields_of = _fields_of(heads)
+            agree = (fields_of[:, _CALL] == fields[_CALL]).all(axis=1)
             if started is None and expected is not None and not _carried(expected):
                 # peers whose call was the expected one (an allreduce) have started its data: a
                 # partner of its size lets it end (gloo cannot cancel it; its groups would wait
@@ -175,7 +195,7 @@ class Ring:
             raise MismatchError(
                 f"rank {self.rank}: ranks called allreduce {cid} with different tensors or ops "
                 f"(this rank: {_describe(fields[_CALL].tolist())}; {others})")
-        if expected_next is not None and (fields_of[:, _NEXT] == fields[_NEXT]).all():
+        if expected_next is not None and _same(heads, _NEXT, fields):
             self._expected = expected_next      # every rank expects the same next call
         if total is None:
             if started is None:     # its size was not known to agree: it waited for its check
@@ -186,49 +206,61 @@ class Ring:
         elif gather:
             self.gathered += 1
         if op == wire.Op.AVG:
-            total.div_(self.world)
-        if total is not data:
+            total /= self.world
+        if isinstance(total, np.ndarray):       # a carried call's sum, in float64 or float32
+            into = _numpy(data)
+            if into is None:
+                data.copy_(torch.from_numpy(total).view(data.shape))
+            else:
+                np.copyto(into, total.reshape(into.shape), casting="unsafe")
+        elif total is not data:
             data.copy_(total.view(data.shape))
         self.collectives += 1
         self.bytes += numel * data.element_size()
-        return None if share is None else fields_of[:, _SHARE].mean(axis=0).tolist()
+        return None if share is None else _fields_of(heads)[:, _SHARE].mean(axis=0).tolist()
 
     def _round(self, data: torch.Tensor, call: Call, fields: np.ndarray, deadline: float,
                peer_report):
         """One round through the star: this rank's fields, and its data if the call carries it (a
-        tiny call's in float64, a gathered one's in its dtype). Returns (every rank's fields, the
-        sum of the ranks' data if every rank made this call and it carries data, else None)."""
+        tiny call's in float64, a gathered one's in its dtype). Returns (every rank's fields as the
+        bytes of the verdict, the sum of the ranks' data (numpy, in the verdict) if every rank made
+        this call and it carries data, else None)."""
         payload = _payload(call)
         self._row_fields[:] = fields
         if payload:
-            self._row[_HEAD * 8:_HEAD * 8 + payload].view(_carrier(call)).copy_(data.reshape(-1))
+            carried, carrier = self._row_np[_HEAD * 8:_HEAD * 8 + payload], _carrier(call)
+            source = _numpy(data) if carrier is torch.float64 else None
+            if source is None:
+                torch.from_numpy(carried).view(carrier).copy_(data.reshape(-1))
+            else:
+                np.copyto(carried.view(np.float64), source.reshape(-1))
         verdict = self.star.round(self._row_np[:_HEAD * 8 + payload], self._decide, deadline,
                                   peer_report)
         heads = self.world * _HEAD * 8
         if len(verdict) < heads:
             raise ProtocolError(f"rank {self.rank}: rank 0's verdict of the check holds "
                                 f"{len(verdict)} bytes, fewer than every rank's fields")
-        fields_of = verdict[:heads].view(np.float64).reshape(self.world, _HEAD)
-        if not payload or not (fields_of[:, _CALL] == fields[_CALL]).all():
-            return fields_of, None
+        every = verdict[:heads].tobytes()
+        if not payload or not _same(every, _CALL, fields):
+            return every, None
         total_dtype = _total_dtype(_carrier(call))
         if len(verdict) != heads + call[1] * total_dtype.itemsize:
             raise ProtocolError(f"rank {self.rank}: rank 0's verdict holds {len(verdict) - heads} "
                                 f"bytes of sums for a call of {call[1]} elements")
-        return fields_of, torch.from_numpy(verdict[heads:]).view(total_dtype)
+        return every, verdict[heads:].view(_NUMPY_OF[total_dtype])
 
     def _decide(self, rows: list[np.ndarray]) -> np.ndarray:
         """The verdict of a round (rank 0's; with 2 ranks each rank's own): every rank's fields,
         then, if every rank made the same call and it carries data, the sum of their data in rank
         order (a tiny call's in float64, a gathered one's in its dtype, halves in float32)."""
         heads = self.world * _HEAD * 8
-        fields = self._verdict_np[:heads].view(np.float64).reshape(self.world, _HEAD)
         for r, row in enumerate(rows):
             if len(row) < _HEAD * 8:
                 raise ProtocolError(f"rank {self.rank}: rank {r}'s check holds {len(row)} "
                                     f"bytes, fewer than its fields")
-            fields[r] = row[:_HEAD * 8].view(np.float64)
-        if not (fields[:, _CALL] == fields[0, _CALL]).all():
+            self._verdict_np[r * _HEAD * 8:(r + 1) * _HEAD * 8] = row[:_HEAD * 8]
+        fields = self._verdict_np[:heads].view(np.float64).reshape(self.world, _HEAD)
+        if not _same(self._verdict_np[:heads].tobytes(), _CALL, fields[0]):
             return self._verdict_np[:heads]
         call = _call_of(fields[0, _CALL])
         size = _HEAD * 8 + (_payload(call) if call is not None else -1)

@@ -12,7 +12,9 @@ it from the round, where gloo aborts the process on a size mismatch.
 A round is one frame each way per rank, so at most two frames are ever in flight on a connection
 (with 2 ranks a peer may send its next one before this rank has read the last). Every wait is in slices of POLL seconds,
 between which the caller looks for a peer's report (the sparse path's news of this collective), up
-to the collective's deadline. Connections are authenticated with the job secret (the aggregators'
+to the collective's deadline. The slices are the kernel's (SO_RCVTIMEO, SO_SNDTIMEO on a blocking
+socket), not Python's socket timeout, which polls before every send and receive: three system
+calls of a tiny call's six on 2 ranks. Connections are authenticated with the job secret (the aggregators'
 handshake, transport.py) and set up once, at init.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import hmac
 import logging
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -61,7 +64,7 @@ class Star:
         self._inbox = {r: np.zeros(_HEADER + limit, dtype=np.uint8) for r in links}
         self._length = np.zeros(1, dtype=np.int64)      # a frame's header, being sent
         for sock in links.values():
-            sock.settimeout(POLL)
+            _wait_in_slices(sock)
 
     @classmethod
     def connect(cls, store, rank: int, world: int, host: str, credentials: Credentials,
@@ -113,12 +116,12 @@ class Star:
         sock = self.links[peer]
         while views:
             try:
-                views = sendmsg_all(sock, views)
-            except socket.timeout:      # no room yet: the peer is reading a large frame
-                self._still_waiting(peer, deadline, peer_report)
+                views = sendmsg_all(sock, views)    # what a slice's end left unsent comes back
             except OSError as exc:
                 raise report_soon(peer_report) or PeerError(
                     f"rank {self.rank}: lost the connection to rank {peer} ({exc})") from exc
+            if views:       # no room for a slice: the peer is reading a large frame
+                self._still_waiting(peer, deadline, peer_report)
 
     def _receive(self, peer: int, limit: int, deadline: float, peer_report) -> np.ndarray:
         """The next frame from `peer`, as a view of its inbox: its length, then exactly that many
@@ -129,7 +132,7 @@ class Star:
         while got < size:
             try:
                 n = sock.recv_into(view[got:size])
-            except socket.timeout:
+            except BlockingIOError:     # a slice ended with nothing to read
                 self._still_waiting(peer, deadline, peer_report)
                 continue
             except OSError as exc:
@@ -160,6 +163,15 @@ class Star:
             except OSError:
                 pass
         self.links = {}
+
+
+def _wait_in_slices(sock: socket.socket) -> None:
+    """Make `sock` blocking with every send and receive ending after POLL seconds without progress
+    (BlockingIOError, or a send that returns what it wrote so far)."""
+    sock.settimeout(None)
+    slice_ = struct.pack("ll", int(POLL), int(POLL % 1 * 1e6))     # struct timeval
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, slice_)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, slice_)
 
 
 def _accept_ranks(store, world: int, host: str, credentials: Credentials,

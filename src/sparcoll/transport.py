@@ -58,8 +58,8 @@ def _byte_views(buffers: list) -> list:
 
 
 def sendmsg_all(sock: socket.socket, views: list, flags: int = 0) -> list:
-    """Write `views` in order; returns what is left unwritten, which is nothing unless `flags` has
-    MSG_DONTWAIT and the socket's buffer filled up."""
+    """Write `views` in order; returns what is left unwritten, which is nothing unless the socket's
+    buffer filled up with `flags` holding MSG_DONTWAIT, or for longer than its SO_SNDTIMEO."""
     while views:
         try:
             sent = sock.sendmsg(views[:IOV_MAX], (), flags)

@@ -18,7 +18,7 @@ if len(sys.argv) > 2 and r == 0:
     import cProfile, pstats
     pr = cProfile.Profile(); pr.enable()
     for i in range(300): comm.allreduce(t)
-    pr.disable(); pstats.Stats(pr).sort_stats("cumtime").print_stats(25)
+    pr.disable(); pstats.Stats(pr).sort_stats(sys.argv[3] if len(sys.argv) > 3 else "cumtime").print_stats(40)
 elif len(sys.argv) > 2:
     for i in range(300): comm.allreduce(t)
 if r == 0:
