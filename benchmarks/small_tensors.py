@@ -3,9 +3,13 @@
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 benchmarks/small_tensors.py
 
 Dense float32 data (every block non-zero: the usual small tensor, a loss or a bias), blocking calls
-(one at a time) and async ones (a batch of 16 issued, then waited for). The three run interleaved,
-call by call, so a busy moment of the machine hits them alike. Rank 0 prints a markdown table of
-median, 90th-percentile and mean microseconds per call (the mean is what a loop of calls costs: gloo's
+(one at a time) and async ones (a batch of 16 issued, then waited for). The three take turns in
+runs of RUN calls, so a busy moment of the machine hits them alike. Each run (and each batch) starts
+with an untimed call: ranks leave a collective at different times and the next call, whoever's,
+waits for the last of them, so each candidate pays for the spread it leaves, not the one before
+(with turns of one call each, sparcoll's 1-float call on 4 ranks took 1081 us median right after
+gloo's, 576-658 us after the forced sparse path's). Rank 0 prints a markdown table of median,
+90th-percentile and mean microseconds per call (the mean is what a loop of calls costs: gloo's
 median hides a tail of 3-4 ms calls on a busy machine).
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sparcoll
 SIZES = [1, 8, 256, 1024, 4096, 16384, 65536]
 CALLS = 300         # timed blocking calls per size and candidate (after WARMUP)
 WARMUP = 20
+RUN = 10            # timed blocking calls of a candidate in a row, after one untimed call
 BATCH = 16          # async calls in flight at once
 BATCHES = 30
 
@@ -38,16 +43,21 @@ def main() -> int:
     for numel in SIZES:
         tensor = torch.randn(numel)
         blocking = {name: [] for name in candidates}
-        for i in range(WARMUP + CALLS):
-            for name, run in candidates.items():
-                start = time.perf_counter()
+        for name, run in candidates.items():
+            for _ in range(WARMUP):
                 run(tensor, False)
-                if i >= WARMUP:
+        for _ in range(CALLS // RUN):
+            for name, run in candidates.items():
+                run(tensor, False)      # waits for the ranks' spread the last candidate left
+                for _ in range(RUN):
+                    start = time.perf_counter()
+                    run(tensor, False)
                     blocking[name].append(time.perf_counter() - start)
         batched = {name: [] for name in candidates}
         tensors = [torch.randn(numel) for _ in range(BATCH)]
         for _ in range(BATCHES):
             for name, run in candidates.items():
+                run(tensors[0], False)
                 start = time.perf_counter()
                 works = [run(t, True) for t in tensors]
                 for work in works:
