@@ -147,6 +147,20 @@ def test_block_sizes_follow_entries_and_rows():
         assert chooser.block_size(kind, grad) == expected, (width, touched)
 
 
+def test_rows_that_straddle_blocks_keep_their_width():
+    """A DDP bucket puts a table behind other parameters, so its rows of 32 start off the block
+    grid and each touches two 32-element blocks or three 16-element ones: 25% fewer bytes for 1.5
+    times the blocks does not pay, so the kind keeps 32. Rows on the 16-element grid touch two of
+    either: 16 halves the bytes."""
+    rows = rows_touched(65_536, 32, 300)
+    for offset, expected in ((0, 32), (1, 32), (7, 32), (16, 16)):
+        grad = torch.cat([torch.zeros(offset), rows.reshape(-1)])
+        chooser = Chooser(Algorithm.AUTO, 256, WORLD)
+        kind = (grad.numel(), 0, 0)
+        chooser.learn(kind, grad, Algorithm.SPARSE, 0.01)
+        assert chooser.block_size(kind, grad) == expected, offset
+
+
 def test_narrow_rows_ship_at_their_own_granularity(store):
     """An embedding gradient with rows of 32: from the second call of its kind the blocks are its
     rows, so a rank sends a fraction of what 256-element blocks cost, and the sums stay exact."""
