@@ -161,6 +161,26 @@ def test_rows_that_straddle_blocks_keep_their_width():
         assert chooser.block_size(kind, grad) == expected, offset
 
 
+def test_block_size_stays_while_it_is_near_the_best():
+    """Rows of 64, a share of them with only their first 32 elements non-zero: with a quarter of
+    them so, 64-element blocks cost least and 32 is within SLACK. A kind that had 32 (every touched
+    row half empty) keeps it; a new kind takes the larger; once 32 is clearly worse (every row full)
+    the kind moves."""
+    def grad(half_share):
+        g = rows_touched(32_768, 64, 8_192, seed=3)
+        touched = g.ne(0).any(dim=1).nonzero().flatten()
+        g[touched[:int(len(touched) * half_share)], 32:] = 0
+        return g
+    kind = (32_768 * 64, 0, 0)
+    fresh = Chooser(Algorithm.AUTO, 256, WORLD)
+    fresh.learn(kind, grad(0.25), Algorithm.SPARSE, 0.01)
+    assert fresh.block_size(kind, grad(0.25)) == 64
+    chooser = Chooser(Algorithm.AUTO, 256, WORLD)
+    for half_share, expected in ((1.0, 32), (0.25, 32), (0.0, 64), (0.25, 64)):
+        chooser.learn(kind, grad(half_share), Algorithm.SPARSE, 0.01)
+        assert chooser.block_size(kind, grad(half_share)) == expected, half_share
+
+
 def test_narrow_rows_ship_at_their_own_granularity(store):
     """An embedding gradient with rows of 32: from the second call of its kind the blocks are its
     rows, so a rank sends a fraction of what 256-element blocks cost, and the sums stay exact."""

@@ -35,7 +35,8 @@ sent in 256-element blocks moves up to 8 times what it must. A COO tensor's bloc
 (`entry_block_size`: its rows, when narrower than a block). A dense tensor's kind takes the block size
 that would have cost the least for its last result, looked at in 16, 32, ... element pieces of the
 same sample: its non-zero blocks' data plus BLOCK_COST bytes a block (the index, and the work of
-handling one more block); the largest within SLACK of the best. Identical results give identical
+handling one more block); the largest within SLACK of the best, and then the same while it stays
+within SLACK (the estimate moves with the rows a sample holds). Identical results give identical
 choices here too.
 """
 from __future__ import annotations
@@ -178,10 +179,13 @@ class Chooser:
         shares = self.densities(kind, result)
         costs = {b: share * (1 + BLOCK_COST / (b * result.element_size()))
                  for b, share in shares.items()}
-        best = min(costs.values())
-        block = max(b for b, cost in costs.items() if cost <= best * (1 + SLACK))
-        state = self._kinds.setdefault(kind, KindState(block))
-        state.block = block
+        near_best = {b for b, cost in costs.items() if cost <= min(costs.values()) * (1 + SLACK)}
+        state = self._kinds.get(kind)
+        if state is None:
+            state = self._kinds[kind] = KindState(max(near_best))
+        elif state.block not in near_best:  # else it stays: the estimates move with the sample
+            state.block = max(near_best)
+        block = state.block
         dense = self.mode is Algorithm.AUTO and shares[block] >= CANDIDATE_DENSITY
         if dense != state.dense:        # times measured on other data say nothing about this
             state.dense, state.times, state.chosen, state.unlooked = dense, {}, None, 0
