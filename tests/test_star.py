@@ -23,12 +23,12 @@ def credentials(world: int, secret: bytes = b"s" * 32, job: int = 11) -> Credent
     return Credentials(job, wire.JobConfig(world, world, 1, 1, 1), secret)
 
 
-def connect_all(store, world: int, timeout: float = 10.0) -> dict[int, Star]:
+def connect_all(store, world: int, timeout: float = 10.0, limit: int = LIMIT) -> dict[int, Star]:
     stars = {}
 
     def rank(r):
         stars[r] = Star.connect(store, r, world, "127.0.0.1", credentials(world), timeout,
-                                LIMIT, LIMIT * world)
+                                limit, limit * world)
     on_threads(rank, world, timeout=timeout * 2)
     return stars
 
@@ -165,6 +165,32 @@ def test_a_silent_peer_ends_the_wait_at_the_deadline_or_at_a_report(store):
             star.round(np.zeros(8, np.uint8), concatenate, time.monotonic() + 30,
                        lambda: report if time.monotonic() - start > 0.5 else None)
         arrived.set()
+        return waited, time.monotonic() - start
+    results = rounds_on_threads(stars, body)
+    waited, total = results[0]
+    assert 0.3 <= waited < 2.0 and total < 5.0
+
+
+def test_a_send_that_finds_no_room_ends_at_the_deadline_or_at_a_report(store):
+    """Rank 1 reads nothing: rank 0's frame, larger than the connection's buffers, stops with no
+    room; the send's wait ends at the deadline, or at a peer's report, in the kernel's slices."""
+    big = 32 << 20
+    stars = connect_all(store, 2, limit=big)
+    report = PeerError("rank 1 refused its input")
+    done = threading.Event()
+
+    def body(r, star):
+        if r == 1:
+            done.wait(10)
+            return "reads nothing"
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeout, match="rank 1 did not take part"):
+            star.round(np.zeros(big, np.uint8), concatenate, time.monotonic() + 0.3, no_report)
+        waited = time.monotonic() - start
+        with pytest.raises(PeerError, match="refused its input"):
+            star.round(np.zeros(big, np.uint8), concatenate, time.monotonic() + 30,
+                       lambda: report if time.monotonic() - start > 0.5 else None)
+        done.set()
         return waited, time.monotonic() - start
     results = rounds_on_threads(stars, body)
     waited, total = results[0]
