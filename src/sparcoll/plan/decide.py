@@ -55,11 +55,11 @@ def greedy(step: Step, tensors: list[Choices], options: list[list[Option]] | Non
     options = options or [useful(t) for t in tensors]                           # the others never win
     candidates = [[o for o in each if not o.offload] for each in options]
     for _ in range(MAX_PASSES):
-        before = sim.iteration
+        before = f_now = sim.iteration
         for i in order:
-            if sim.with_cost(i, Cost()) >= sim.iteration:
+            if sim.with_cost(i, Cost()) >= f_now:
                 continue                     # its communication hides in a gap: nothing to gain
-            best, best_f = current[i], sim.iteration
+            best, best_f = current[i], f_now
             for option in candidates[i]:
                 if option == current[i]:
                     continue
@@ -67,8 +67,8 @@ def greedy(step: Step, tensors: list[Choices], options: list[list[Option]] | Non
                 if f < best_f:
                     best, best_f = option, f
             if best != current[i]:
-                current[i] = best
-                sim.set(i, tensors[i].costs[best])
+                current[i], f_now = best, best_f    # F as the change's question answered it:
+                sim.set(i, tensors[i].costs[best])  # no walk over the whole timeline
         if sim.iteration >= before:
             break
     return current
