@@ -2,10 +2,11 @@
 # Large dense calls (100% density) with the ring's checks on gloo (OLD, 1d4e4f3) and through the star
 # (NEW), alternated, ROUNDS rounds: loopback 2 workers 4M and 16M, 4 workers 4M, and 4 workers 4M at
 # 1 Gbit/s emulated; sparcoll (auto: these go to gloo's ring with their check beside) and gloo's ring in
-# the same run.   docs/results/small-star/dense/run.sh OLD NEW [ROUNDS=3]
+# the same run; OUT (this directory unless given) gets the outputs.
+#   docs/results/small-star/dense/run.sh OLD NEW [ROUNDS=3] [OUT]
 set -euo pipefail
 old=$1 new=$2 rounds=${3:-3}
-out=$(cd "$(dirname "$0")" && pwd)
+out=$(mkdir -p "${4:-$(dirname "$0")}" && cd "${4:-$(dirname "$0")}" && pwd)
 cd "$(dirname "$0")/../../../.."
 export OMP_NUM_THREADS=1
 for round in $(seq 1 "$rounds"); do
