@@ -148,47 +148,26 @@ def test_a_rank_that_closes_fails_its_peers_at_once_naming_it(store, who):
         assert body.elapsed[r] < 5.0     # not the 30 s deadline
 
 
-def test_a_silent_peer_ends_the_wait_at_the_deadline_or_at_a_report(store):
-    stars = connect_all(store, 2)
-    report = PeerError("rank 1 refused its input")
-    arrived = threading.Event()
-
-    def body(r, star):
-        if r == 1:
-            arrived.wait(10)
-            return "silent"
-        start = time.monotonic()
-        with pytest.raises(CollectiveTimeout, match="rank 1 did not take part"):
-            star.round(np.zeros(8, np.uint8), concatenate, time.monotonic() + 0.3, no_report)
-        waited = time.monotonic() - start
-        with pytest.raises(PeerError, match="refused its input"):
-            star.round(np.zeros(8, np.uint8), concatenate, time.monotonic() + 30,
-                       lambda: report if time.monotonic() - start > 0.5 else None)
-        arrived.set()
-        return waited, time.monotonic() - start
-    results = rounds_on_threads(stars, body)
-    waited, total = results[0]
-    assert 0.3 <= waited < 2.0 and total < 5.0
-
-
-def test_a_send_that_finds_no_room_ends_at_the_deadline_or_at_a_report(store):
-    """Rank 1 reads nothing: rank 0's frame, larger than the connection's buffers, stops with no
-    room; the send's wait ends at the deadline, or at a peer's report, in the kernel's slices."""
-    big = 32 << 20
-    stars = connect_all(store, 2, limit=big)
+@pytest.mark.parametrize("stall", ["sends nothing", "reads nothing"])
+def test_a_stalled_peer_ends_the_wait_at_the_deadline_or_at_a_report(store, stall):
+    """Rank 1 stalls: it sends nothing (rank 0 waits to receive), or reads nothing while rank 0
+    sends a frame larger than the connection's buffers (rank 0 waits for room). Either wait ends at
+    the deadline, or at a peer's report, in the kernel's slices."""
+    size = 8 if stall == "sends nothing" else 32 << 20
+    stars = connect_all(store, 2, limit=max(LIMIT, size))
     report = PeerError("rank 1 refused its input")
     done = threading.Event()
 
     def body(r, star):
         if r == 1:
             done.wait(10)
-            return "reads nothing"
+            return stall
         start = time.monotonic()
         with pytest.raises(CollectiveTimeout, match="rank 1 did not take part"):
-            star.round(np.zeros(big, np.uint8), concatenate, time.monotonic() + 0.3, no_report)
+            star.round(np.zeros(size, np.uint8), concatenate, time.monotonic() + 0.3, no_report)
         waited = time.monotonic() - start
         with pytest.raises(PeerError, match="refused its input"):
-            star.round(np.zeros(big, np.uint8), concatenate, time.monotonic() + 30,
+            star.round(np.zeros(size, np.uint8), concatenate, time.monotonic() + 30,
                        lambda: report if time.monotonic() - start > 0.5 else None)
         done.set()
         return waited, time.monotonic() - start
