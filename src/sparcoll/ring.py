@@ -207,14 +207,11 @@ class Ring:
             self.gathered += 1
         if op == wire.Op.AVG:
             total /= self.world
-        if isinstance(total, np.ndarray):       # a carried call's sum, in float64 or float32
-            into = _numpy(data)
-            if into is None:
-                data.copy_(torch.from_numpy(total).view(data.shape))
-            else:
-                np.copyto(into, total.reshape(into.shape), casting="unsafe")
+        into = _numpy(data) if isinstance(total, np.ndarray) else None  # a carried call's sum
+        if into is not None:
+            np.copyto(into, total.reshape(into.shape), casting="unsafe")
         elif total is not data:
-            data.copy_(total.view(data.shape))
+            data.copy_(torch.as_tensor(total).view(data.shape))
         self.collectives += 1
         self.bytes += numel * data.element_size()
         return None if share is None else _fields_of(heads)[:, _SHARE].mean(axis=0).tolist()
