@@ -1,7 +1,8 @@
 """Fixtures several test files share. Plain functions are elsewhere: support.py (waits, launches, test
-data), ranks.py (spawned ranks) and scenarios.py (what those ranks run), since code that runs at import
-time or inside a child process cannot use fixtures. Imports are inside the fixtures, so that a test file
-that uses none of them (test_netem.py, say) imports nothing more for them."""
+data), ranks.py (ranks in processes of their own) and scenarios.py (what those ranks run), since code
+that runs at import time or inside a child process cannot use fixtures. Imports are inside the
+fixtures, so that a test file that uses none of them (test_netem.py, say) imports nothing more for
+them."""
 from __future__ import annotations
 
 import os
@@ -12,9 +13,10 @@ import pytest
 def pytest_configure(config):
     """Most tests exercise the sparse AllReduce itself, often with tensors small enough that the
     default algorithm ("auto") would send them through gloo's ring: the session runs with
-    SPARCOLL_ALGORITHM=sparse (spawned ranks inherit it; set here, not in a fixture, so that
-    module-scoped fixtures see it too). Tests of the default as users get it (the choice itself,
-    the README, the demo, DDP, training) are marked `auto_algorithm`."""
+    SPARCOLL_ALGORITHM=sparse (child processes run in the environment of the moment they are made;
+    set here, not in a fixture, so that module-scoped fixtures see it too). Tests of the default as
+    users get it (the choice itself, the README, the demo, DDP, training) are marked
+    `auto_algorithm`."""
     os.environ["SPARCOLL_ALGORITHM"] = "sparse"
 
 

@@ -1,17 +1,62 @@
-"""Run a function on N local ranks (spawned processes sharing a TCPStore) and collect what each returns.
+"""Run a function on N local ranks (processes sharing a TCPStore) and collect what each returns.
 
-The parent hosts the store on port 0, so no port is ever guessed. Every child has a deadline, is killed
-if it overruns, and reports its result or its traceback through a queue.
+Ranks are forked from one fork server per test session that has imported torch and sparcoll already
+(tens of ms a process instead of an import of 1-2 s each; test_faults.py forks from it too). A child
+runs in the environment its parent had when it was created, as a spawned process would (the server's
+own environment, fixed when it started, is seen only by code that runs at import). The parent hosts the
+store on port 0, so no port is ever guessed. Every child has a deadline, is killed if it overruns, and
+reports its result or its traceback through a queue.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import queue
+import threading
 import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
+
+PRELOAD = ["torch", "torch.distributed", "numpy", "sparcoll", "sparcoll.communicator", "sparcoll.aggregator",
+           "sparcoll.server", "sparcoll.torch"]
+_FORK_SERVER_LOCK = threading.Lock()
+_started = False
+
+
+def fork_context():
+    """The multiprocessing context of the session's fork server, started on first use with
+    OMP_NUM_THREADS=1 (one thread a process on 2 shared cores) and PRELOAD imported."""
+    global _started
+    ctx = mp.get_context("forkserver")
+    with _FORK_SERVER_LOCK:
+        if not _started:
+            saved = os.environ.get("OMP_NUM_THREADS")
+            os.environ["OMP_NUM_THREADS"] = "1"      # the fork server's environment
+            try:
+                ctx.set_forkserver_preload(PRELOAD)
+                from multiprocessing import forkserver
+                forkserver.ensure_running()
+            finally:
+                if saved is None:
+                    os.environ.pop("OMP_NUM_THREADS", None)
+                else:
+                    os.environ["OMP_NUM_THREADS"] = saved
+            _started = True
+    return ctx
+
+
+def fork_process(target, *args, env: dict | None = None):
+    """A daemon process (not started) of the fork server that runs target(*args) in this process's
+    current environment updated with `env`."""
+    environ = {**os.environ, **(env or {})}
+    return fork_context().Process(target=_in_environment, args=(environ, target, *args), daemon=True)
+
+
+def _in_environment(environ: dict, target, *args):
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
 
 
 def _child(target, rank, world, port, results, kwargs):
@@ -35,25 +80,14 @@ def run_ranks(target, world: int, timeout: float = 60.0, env: dict | None = None
     """Run target(rank, world, **kwargs) on `world` processes; return the results in rank order.
     Raises AssertionError with every failing rank's traceback, or on timeout. `dying`: how many ranks
     are meant to die without a result (the others' results are returned)."""
-    ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
-    results = ctx.Queue()
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    procs = [ctx.Process(target=_child, args=(target, r, world, store.port, results, kwargs),
-                         daemon=True) for r in range(world)]
+    results = fork_context().Queue()
+    procs = [fork_process(_child, target, r, world, store.port, results, kwargs, env=env) for r in range(world)]
+    got, errors = {}, []
     try:
         for p in procs:
             p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    got, errors = {}, []
-    try:
         while len(got) + len(errors) < world - dying:
             try:
                 rank, status, value = results.get(timeout=timeout)
@@ -68,7 +102,7 @@ def run_ranks(target, world: int, timeout: float = 60.0, env: dict | None = None
             raise AssertionError("\n".join(errors))
         return [got[r] for r in sorted(got)]
     finally:
-        for p in procs:
+        for p in (p for p in procs if p.pid is not None):
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()

@@ -1,7 +1,7 @@
-"""Collectives run inside spawned ranks. Every rank rebuilds every rank's input from seeds, so each can
-compute the dense reference (and the expected traffic) independently of sparcoll. The DDP cases at the
-end (test_torch_backend.py, test_hooks.py) compare DDP on a rank's slice of each batch with a
-single-process model trained on the whole batch."""
+"""Collectives run inside ranks in processes of their own (ranks.py). Every rank rebuilds every rank's
+input from seeds, so each can compute the dense reference (and the expected traffic) independently of
+sparcoll. The DDP cases at the end (test_torch_backend.py, test_hooks.py) compare DDP on a rank's slice
+of each batch with a single-process model trained on the whole batch."""
 from __future__ import annotations
 
 import copy

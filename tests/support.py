@@ -1,6 +1,6 @@
 """Plain helpers several test files need: polling with a deadline, a function on a few threads, a
-dedicated aggregator process, block-sparse test data. (Fixtures are in conftest.py; what spawned ranks
-run is in scenarios.py.)"""
+dedicated aggregator process, block-sparse test data. (Fixtures are in conftest.py; what ranks in
+processes of their own run is in scenarios.py.)"""
 from __future__ import annotations
 
 import os

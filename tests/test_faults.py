@@ -13,7 +13,6 @@ Mismatch and poisoning tests at the end run in-process (Communicators in threads
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import signal
@@ -31,6 +30,7 @@ import torch.distributed as dist
 import sparcoll
 from sparcoll import aggregator as aggregator_module, server as server_module
 from sparcoll.communicator import Communicator
+from ranks import fork_context, fork_process
 from support import error_chain, on_threads, wait_for
 
 NUMEL = 1 << 19            # 2048 blocks of 256 floats
@@ -43,8 +43,6 @@ PARALLEL = 4               # episodes at a time (most of an episode is waiting)
 SURVIVOR_ERRORS = {"PeerError", "CollectiveTimeout", "PoisonedError", "ProtocolError",
                    "AuthenticationError"}
 
-_CTX = None
-_CTX_LOCK = threading.Lock()
 # Held to start a child and to read a child's status. Process.start() first polls every earlier
 # child (multiprocessing's _cleanup), and a fork-server child's status is one read from a pipe: two
 # threads polling one child at once (an episode joining its aggregator while another episode starts a
@@ -64,38 +62,6 @@ def _exitcode(p, timeout: float) -> int | None:
     mp_connection.wait([p.sentinel], timeout)
     with _STATUS_LOCK:
         return p.exitcode
-
-
-def _ctx():
-    with _CTX_LOCK:
-        return _CTX or _start_fork_server()
-
-
-def _start_fork_server():
-    global _CTX
-    if _CTX is None:
-        saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"      # the fork server's environment is the children's
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "numpy", "sparcoll", "sparcoll.communicator",
-                                    "sparcoll.aggregator", "sparcoll.server", __name__])
-        r, w = ctx.Pipe(duplex=False)            # start the fork server now, with that environment
-        p = ctx.Process(target=_noop, args=(w,))
-        _start(p)
-        w.close()
-        r.poll(60)
-        _exitcode(p, 30)
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-        _CTX = ctx
-    return _CTX
-
-
-def _noop(conn):
-    conn.send(os.getpid())
-    conn.close()
 
 
 # ---- inputs ------------------------------------------------------------------------------------
@@ -349,7 +315,7 @@ def _aggregator_child(conn, spec):
 # ---- the episode runner (parent side) ------------------------------------------------------------
 def run_episode(spec: dict) -> dict:
     """Run one job; return {"workers": {rank: result or None}, "exitcodes": {...}, "aggs": [...]}."""
-    ctx = _ctx()
+    ctx = fork_context()
     world = spec.get("world", 2)
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
@@ -361,7 +327,7 @@ def run_episode(spec: dict) -> dict:
         addresses = []
         for agg_spec in agg_specs:
             r, w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_aggregator_child, args=(w, agg_spec), daemon=True)
+            p = fork_process(_aggregator_child, w, agg_spec)
             _start(p)
             w.close()
             if not r.poll(30):
@@ -378,7 +344,7 @@ def run_episode(spec: dict) -> dict:
             _exitcode(agg_procs[0], 10)
         for rank in range(world):
             r, w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker_child, args=(rank, world, store.port, w, spec), daemon=True)
+            p = fork_process(_worker_child, rank, world, store.port, w, spec)
             _start(p)
             w.close()
             procs[rank], pipes[rank] = p, r
@@ -582,9 +548,9 @@ def test_killed_with_dedicated_aggregator(point, dedicated_outcomes):
 def test_dedicated_aggregator_keeps_serving_other_jobs():
     """Job A loses a worker mid-collective while job B runs on the same aggregator: B is exact and
     complete, A's survivor gets a PeerError; then a new job C on that aggregator is exact too."""
-    ctx = _ctx()
+    ctx = fork_context()
     r, w = ctx.Pipe(duplex=False)
-    agg = ctx.Process(target=_aggregator_child, args=(w, dict(secret=SECRET)), daemon=True)
+    agg = fork_process(_aggregator_child, w, dict(secret=SECRET))
     _start(agg)
     w.close()
     try:

@@ -1,5 +1,5 @@
-"""The "sparcoll" torch.distributed backend on 2 spawned ranks: collectives against expected values,
-errors raised in the caller, and DDP on it against a single-process full-batch reference (the DDP
+"""The "sparcoll" torch.distributed backend on 2 ranks in processes of their own: collectives against
+expected values, errors raised in the caller, and DDP on it against a single-process full-batch reference (the DDP
 cases are in scenarios.py, shared with test_hooks.py).
 """
 import copy
@@ -163,7 +163,7 @@ def ddp_dense_buckets_on_the_ring(rank: int, world: int) -> dict:
     their check rounds. Every iteration's averaged gradients against the same local gradients
     averaged by the gloo default group."""
     import sparcoll.torch
-    os.environ["SPARCOLL_ALGORITHM"] = "ring"       # this spawned rank's own environment
+    os.environ["SPARCOLL_ALGORITHM"] = "ring"       # this rank's own environment
     pg = sparcoll_group()
     torch.manual_seed(0)
     layers = [torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
