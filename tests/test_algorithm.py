@@ -119,6 +119,28 @@ def test_density_estimate_is_close_and_the_same_for_equal_results(density):
     assert abs(a - exact) <= 4 * (0.25 / SAMPLE_BLOCKS) ** 0.5
 
 
+@pytest.mark.parametrize("blocks", [100, 4096])
+def test_density_at_every_block_size_is_the_share_of_non_zero_sub_blocks_looked_at(blocks):
+    """Against the sub-blocks counted directly, in every block looked at (all of a small result,
+    the sample of a large one): -0.0 counts as zero, NaN and Inf as non-zero, as in the scan."""
+    g = torch.Generator().manual_seed(5)
+    tensor = torch.zeros(blocks * 256)
+    picked = torch.randperm(tensor.numel(), generator=g)[:blocks * 3]
+    values = torch.tensor([1.0, -0.0, float("nan"), float("inf"), -2.5])
+    tensor[picked] = values[torch.randint(len(values), (picked.numel(),), generator=g)]
+    chooser = Chooser(Algorithm.AUTO, 256, WORLD)
+    shares = chooser.densities(KIND, tensor)
+    looked = tensor.view(-1, 256)
+    if blocks > SAMPLE_BLOCKS:
+        looked = looked[chooser._samples[KIND]]
+    assert sorted(shares) == [16, 32, 64, 128, 256]
+    for b, share in shares.items():
+        sub = looked.reshape(-1, b)
+        expected = (sub != 0).any(1).sum().item() / len(sub)       # NaN != 0, -0.0 == 0
+        assert share == pytest.approx(expected, abs=1e-12), b
+        assert 0 < share < 1
+
+
 def rows_touched(rows: int, width: int, touched: int, seed: int = 0) -> torch.Tensor:
     """A dense embedding gradient: `touched` random rows of `width` non-zero, the rest zero."""
     grad = torch.zeros(rows, width)

@@ -45,7 +45,10 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from sparcoll.blocks import nonzero_mask
 
 
 TINY_NUMEL = 1024       # at most this many elements: one ring round (ring.py), no trials
@@ -211,12 +214,15 @@ class Chooser:
                 self._samples[kind] = sample
             blocks = blocks[sample]
         sizes = candidate_block_sizes(size)         # largest first, each half the one before
-        marks = blocks.ne(0).view(len(blocks), size // sizes[-1], sizes[-1]).any(dim=2)
+        # Sub-blocks are marked only in the blocks that hold something (the scan's one pass finds
+        # them): a sparse result has few, and each mark below is a small numpy step.
+        touched = blocks[torch.from_numpy(nonzero_mask(blocks)).to(blocks.device)]
+        marks = touched.ne(0).cpu().numpy().reshape(len(touched), size // sizes[-1], sizes[-1]).any(axis=2)
         shares = {}
         for b in reversed(sizes):                   # pairs of marks of b are the marks of 2b
-            shares[b] = marks.sum().item() / marks.numel()
+            shares[b] = int(np.count_nonzero(marks)) / (len(blocks) * (size // b))
             if b != size:
-                marks = marks.view(len(marks), -1, 2).any(dim=2)
+                marks = marks.reshape(len(marks), marks.shape[1] // 2, 2).any(axis=2)
         return shares
 
 
