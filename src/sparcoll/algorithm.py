@@ -216,7 +216,8 @@ class Chooser:
         sizes = candidate_block_sizes(size)         # largest first, each half the one before
         # Sub-blocks are marked only in the blocks that hold something (the scan's one pass finds
         # them): a sparse result has few, and each mark below is a small numpy step.
-        touched = blocks[torch.from_numpy(nonzero_mask(blocks)).to(blocks.device)]
+        nonzero = nonzero_mask(blocks)
+        touched = blocks if nonzero.all() else blocks[torch.from_numpy(nonzero).to(blocks.device)]
         marks = touched.ne(0).cpu().numpy().reshape(len(touched), size // sizes[-1], sizes[-1]).any(axis=2)
         shares = {}
         for b in reversed(sizes):                   # pairs of marks of b are the marks of 2b

@@ -1,10 +1,11 @@
 """One-off: Chooser.densities timed on 16M float32 at 1% block density, one core, with the src directory
-given as the first argument: OMP_NUM_THREADS=1 .venv/bin/python docs/results/loopback-1pct-look/look_time.py src"""
+given as the first argument, the density second (default 0.01):
+    OMP_NUM_THREADS=1 .venv/bin/python docs/results/loopback-1pct-look/look_time.py src 1.0"""
 import time, numpy as np, torch, sys
 sys.path.insert(0, sys.argv[1])
 from sparcoll import algorithm
 n = 16 << 20
-x = torch.zeros(n); idx = torch.randperm(n // 256)[: n // 256 // 100]; x.view(-1, 256)[idx] = 1.0
+x = torch.zeros(n); idx = torch.randperm(n // 256)[: int(n // 256 * float(sys.argv[2] if len(sys.argv) > 2 else 0.01))]; x.view(-1, 256)[idx] = 1.0
 c = algorithm.Chooser.__new__(algorithm.Chooser)
 c.largest_block = 256; c._samples = {}
 kind = (n, 6, 0)
