@@ -10,6 +10,7 @@ reports its result or its traceback through a queue.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.forkserver as forkserver
 import os
 import queue
 import threading
@@ -35,7 +36,6 @@ def fork_context():
             os.environ["OMP_NUM_THREADS"] = "1"      # the fork server's environment
             try:
                 ctx.set_forkserver_preload(PRELOAD)
-                from multiprocessing import forkserver
                 forkserver.ensure_running()
             finally:
                 if saved is None:
