@@ -96,6 +96,24 @@ def test_aggregator_bad_options_give_one_line_and_exit_code_2(args, problem, bus
     assert len(cp.stderr.strip().splitlines()) == 1 and "Traceback" not in cp.stderr, cp.stderr
 
 
+def test_help_and_a_bad_aggregator_option_need_no_torch():
+    """`import sparcoll` imports torch only where it is used: the command's help and an option it
+    refuses come at once (an import of torch is 1.5 s on our machine)."""
+    probe = ("import contextlib, io, sys\n"
+             "from sparcoll.cli import main\n"
+             "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+             "    main(['--help'])\n"
+             "code = main(['aggregator', '--port', '99999'])\n"
+             "print(code, 'torch' in sys.modules)\n")
+    cp = subprocess.run([sys.executable, "-c", probe], env=_env(), capture_output=True, text=True,
+                        timeout=TIMEOUT)
+    assert cp.stdout.split() == ["2", "False"], (cp.stdout, cp.stderr)
+    assert "--port 99999 is not a TCP port" in cp.stderr
+    import sparcoll
+    from sparcoll import Communicator
+    assert sparcoll.Communicator is Communicator and Communicator.__module__ == "sparcoll.communicator"
+
+
 def test_aggregator_max_handshakes_closes_connections_over_it():
     """--max-handshakes 1: while one connection is in its handshake, the next is closed at once."""
     proc, address = start_aggregator("--max-handshakes", "1")

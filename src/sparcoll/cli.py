@@ -22,10 +22,8 @@ def _is_loopback(host: str) -> bool:
 def run_aggregator(args: argparse.Namespace) -> int:
     """Serve jobs until SIGINT/SIGTERM. Prints its address once listening (port 0 picks one). A bad
     option, an unusable secret or an address it cannot listen on ends it with one line on stderr
-    (exit code 2): these are the operator's to fix, a traceback would only hide the reason."""
-    import torch
-
-    from .server import MAX_HANDSHAKES, AggregatorServer
+    (exit code 2): these are the operator's to fix, a traceback would only hide the reason. The
+    options are checked before torch is imported, so a mistyped one is refused at once."""
     from .secret import shared_secret
 
     def refuse(problem: str) -> int:
@@ -43,6 +41,10 @@ def run_aggregator(args: argparse.Namespace) -> int:
     if not secret and not _is_loopback(args.host):
         return refuse(f"refusing to listen on {args.host} without a secret; set SPARCOLL_SECRET "
                       f"or pass --secret-file (only loopback may run without one)")
+    import torch
+
+    from .server import MAX_HANDSHAKES, AggregatorServer
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     # One torch thread: each message's sum is small (at most a few MiB) and the receiver threads
     # (one per worker connection) already add in parallel, with the GIL released. An OpenMP team per
