@@ -48,8 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sparcoll.blocks import nonzero_mask
-
+from .blocks import nonzero_mask
 
 TINY_NUMEL = 1024       # at most this many elements: one ring round (ring.py), no trials
 CANDIDATE_DENSITY = 0.4  # a result at least this dense (at its block size) has its kind try the ring
