@@ -1,7 +1,8 @@
 """Run a function on N local ranks (processes sharing a TCPStore) and collect what each returns.
 
-Ranks are forked from one fork server per test session that has imported torch and sparcoll already
-(tens of ms a process instead of an import of 1-2 s each; test_faults.py forks from it too). A child
+Ranks are forked from the session's fork server, which has imported torch and sparcoll already
+(tens of ms a process instead of an import of 1-2 s each; sparcoll/bench/forked.py; test_faults.py
+and the launcher of the jobs that tests run in this process fork from it too). A child
 runs in the environment its parent had when it was created, as a spawned process would (the server's
 own environment, fixed when it started, is seen only by code that runs at import). The parent hosts the
 store on port 0, so no port is ever guessed. Every child has a deadline, is killed if it overruns, and
@@ -9,42 +10,14 @@ reports its result or its traceback through a queue.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-import multiprocessing.forkserver as forkserver
 import os
 import queue
-import threading
 import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
 
-PRELOAD = ["torch", "torch.distributed", "numpy", "sparcoll", "sparcoll.communicator", "sparcoll.aggregator",
-           "sparcoll.server", "sparcoll.torch"]
-_FORK_SERVER_LOCK = threading.Lock()
-_started = False
-
-
-def fork_context():
-    """The multiprocessing context of the session's fork server, started on first use with
-    OMP_NUM_THREADS=1 (one thread a process on 2 shared cores) and PRELOAD imported."""
-    global _started
-    ctx = mp.get_context("forkserver")
-    with _FORK_SERVER_LOCK:
-        if not _started:
-            saved = os.environ.get("OMP_NUM_THREADS")
-            os.environ["OMP_NUM_THREADS"] = "1"      # the fork server's environment
-            try:
-                ctx.set_forkserver_preload(PRELOAD)
-                forkserver.ensure_running()
-            finally:
-                if saved is None:
-                    os.environ.pop("OMP_NUM_THREADS", None)
-                else:
-                    os.environ["OMP_NUM_THREADS"] = saved
-            _started = True
-    return ctx
-
+from sparcoll.bench.forked import fork_context
 
 def fork_process(target, *args, env: dict | None = None):
     """A daemon process (not started) of the fork server that runs target(*args) in this process's

@@ -437,6 +437,8 @@ def test_terminated_bench_cleans_up_like_an_interrupted_one(tmp_path):
             seen += proc.stderr.read(1)
         assert "2 workers" in seen, seen
         assert list(tmp_path.glob("sparcoll-bench-*")), "the run's directory should exist by now"
+        started = _descendants(proc.pid)        # the workers, forked from a fork server
+        assert len(started) >= 3, started
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     finally:
@@ -447,6 +449,35 @@ def test_terminated_bench_cleans_up_like_an_interrupted_one(tmp_path):
     assert not list(tmp_path.glob("sparcoll-bench-*"))
     leftovers = [p for p in os.listdir("/proc") if p.isdigit() and str(tmp_path) in _cmdline(p)]
     assert not leftovers
+    deadline = time.monotonic() + 10     # the fork server leaves once it sees its launcher gone
+    while (alive := [p for p in started if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive, [_cmdline(str(p)) for p in alive]
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid` now."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _cmdline(pid: str) -> str:

@@ -104,11 +104,20 @@ COMMANDS: dict[str, tuple[str, Loader]] = {
 }
 
 
+#: The subcommands that run jobs of local processes (bench/launch.py).
+LAUNCHING = {"bench", "demo", "plan", "train"}
+
+
+def _chosen(argv: list[str]) -> str | None:
+    """The subcommand `argv` names: the top-level parser has no option taking a value, so it is the
+    first word that is not an option."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The parser for `argv`, with the arguments of the subcommand it names (the others are listed
-    by name only). The top-level parser has no option taking a value, so the first word of `argv`
-    that is not an option is the subcommand."""
-    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    by name only)."""
+    chosen = _chosen(argv)
     parser = argparse.ArgumentParser(prog="sparcoll", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (summary, load) in COMMANDS.items():
@@ -122,6 +131,10 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if _chosen(argv) in LAUNCHING and not {"-h", "--help"} & set(argv):
+        # Its fork server (bench/forked.py) imports torch on another core while this process does.
+        from .bench.forked import fork_context
+        fork_context()
     args = build_parser(argv).parse_args(argv)
     if args.command != "aggregator":
         # Terminated like interrupted: the launcher's clean-up (children, network, temporary

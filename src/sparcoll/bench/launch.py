@@ -1,7 +1,9 @@
 """Run one benchmark job: the worker processes (one per host) and any dedicated aggregators, on loopback
 or on an EmulatedNetwork, streaming rank 0's events back to the caller. Workers are started directly, or
 (launcher "torchrun") by a torchrun agent per emulated host with c10d rendezvous, as users launch
-multi-host jobs, so the two can be compared on the same links.
+multi-host jobs, so the two can be compared on the same links. On loopback every process is forked
+from a fork server that has imported torch (forked.py), in an emulated host's namespace a new
+interpreter.
 
 Every child is stopped on every way out (success, error, timeout, Ctrl-C): terminated, then killed. Each
 child also gets SIGKILL from the kernel if the launcher dies without cleaning up (PR_SET_PDEATHSIG, kept
@@ -33,6 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column
 
 from sparcoll.bench.events import decode
+from sparcoll.bench.forked import ForkedChild
 from sparcoll.bench.netem import EmulatedNetwork, NetemError
 
 # In a namespace of our own nothing else listens, so fixed ports cannot collide there.
@@ -64,7 +67,7 @@ class Job:
 @dataclass
 class _Child:
     name: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedChild
     log: str
 
 
@@ -82,11 +85,13 @@ def free_ports(count: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
-def _reap(proc: subprocess.Popen, timeout: float) -> bool:
+def _reap(proc: subprocess.Popen | ForkedChild, timeout: float) -> bool:
     """Wait up to `timeout` seconds for `proc` to exit and collect it, by its pid rather than
     Popen.wait: SIGTERM becomes a KeyboardInterrupt (cli.py), and one raised inside Popen.poll()
     can leave the Popen's internal lock taken, after which Popen never collects the process (a
     terminated bench then waited out its kill and exited 1; seen once in CI)."""
+    if isinstance(proc, ForkedChild):
+        return proc.reap(timeout)
     end = time.monotonic() + timeout
     while proc.returncode is None:
         try:
@@ -137,11 +142,11 @@ TORCHRUN_ENV = {"RANK": None, "WORLD_SIZE": None, "MASTER_ADDR": None, "MASTER_P
 
 
 def torchrun_agent(hosts: list[str], host: int, nnodes: int, module: str, config: str) -> list[str]:
-    """The torchrun command of emulated host `host`, one worker per host, as users launch multi-host
+    """The torchrun command (python's arguments, "-m" and on) of emulated host `host`, one worker per host, as users launch multi-host
     jobs: c10d rendezvous on host 0, whose agent hosts it (is_host), every agent advertising its own
     address (--local-addr; the machine's hostname resolves outside the namespaces). Node ranks follow
     the agents' addresses, so rank 0, whose events the launcher follows, runs on host 0."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "1",
+    argv = ["-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0]}:{NETNS_RDZV_PORT}",
             "--local-addr", hosts[host], "--monitor-interval", "0.5"]
     if host == 0:
@@ -161,26 +166,31 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
             master_port, *agg_ports = free_ports(1 + job.dedicated_aggregators)
             interface, counted_interface = "lo", None  # loopback counters mix every process's traffic
 
-            def spawn(host: int, argv: list[str], **kw) -> subprocess.Popen:
-                return subprocess.Popen(argv, **kw)
+            def spawn(host: int, command: list[str], env: dict, log: str, pipe_stdout: bool) -> ForkedChild:
+                module, *args = command[1:]
+                return ForkedChild(module, args, env, log, pipe_stdout)
         else:
             net = stack.enter_context(EmulatedNetwork(total, job.network, burst_bytes=job.link_burst))
             hosts = net.addresses
             master_port, agg_ports = NETNS_MASTER_PORT, [NETNS_AGGREGATOR_PORT] * job.dedicated_aggregators
             interface = counted_interface = net.interface
-            spawn = net.popen
+
+            def spawn(host: int, command: list[str], env: dict, log: str, pipe_stdout: bool) -> subprocess.Popen:
+                with open(log, "wb") as f:
+                    return net.popen(host, [sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE if pipe_stdout else f, stderr=f,
+                                     preexec_fn=_die_with_parent)
         stack.callback(_stop, children)  # runs before the network is torn down
 
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": interface,
                "SPARCOLL_SECRET": secrets.token_hex(16), "MASTER_ADDR": hosts[0],
                "MASTER_PORT": str(master_port), "WORLD_SIZE": str(job.workers)}
 
-        def start(name: str, host: int, argv: list[str], extra_env: dict, stdout=None) -> subprocess.Popen:
+        def start(name: str, host: int, command: list[str], extra_env: dict, pipe_stdout: bool = False):
+            """Start `python -m ...` (`command`, "-m" and on) on `host`."""
             log = os.path.join(tmp, f"{name.replace(' ', '')}.log")
             child_env = {k: v for k, v in {**env, **extra_env}.items() if v is not None}
-            with open(log, "wb") as f:
-                proc = spawn(host, argv, env=child_env, stdin=subprocess.DEVNULL,
-                             stdout=stdout or f, stderr=f, preexec_fn=_die_with_parent)
+            proc = spawn(host, command, child_env, log, pipe_stdout)
             children.append(_Child(name, proc, log))
             return proc
 
@@ -188,18 +198,18 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
         for a, address in enumerate(aggregators):
             host, port = address.rsplit(":", 1)
             start(f"aggregator {a}", job.workers + a,
-                  [sys.executable, "-m", "sparcoll", "aggregator", "--host", host, "--port", port], {})
+                  ["-m", "sparcoll", "aggregator", "--host", host, "--port", port], {})
 
         config = os.path.join(tmp, "config.json")
         with open(config, "w") as f:
             json.dump({**job.config, "interface": counted_interface, "aggregators": aggregators or None}, f)
         if job.launcher == "torchrun":
             workers = [start(f"torchrun agent {host}", host, torchrun_agent(hosts, host, job.workers, job.worker, config),
-                             {**job.env, **TORCHRUN_ENV}, stdout=subprocess.PIPE if host == 0 else None)
+                             {**job.env, **TORCHRUN_ENV}, pipe_stdout=host == 0)
                        for host in range(job.workers)]
         else:
-            workers = [start(f"worker {rank}", rank, [sys.executable, "-m", job.worker, config],
-                             {**job.env, "RANK": str(rank)}, stdout=subprocess.PIPE if rank == 0 else None)
+            workers = [start(f"worker {rank}", rank, ["-m", job.worker, config],
+                             {**job.env, "RANK": str(rank)}, pipe_stdout=rank == 0)
                        for rank in range(job.workers)]
         _follow(workers[0], children, job, on_event)
         _await_workers(children[job.dedicated_aggregators:])

@@ -1,0 +1,128 @@
+"""Local job processes forked from one fork server that has imported torch and sparcoll already.
+
+A loopback job's every worker used to be a new interpreter importing torch: 1.7 s of CPU each, two
+to four of them at once on the machine's cores, before the first step of every job (a `sparcoll plan`
+trial runs one job per candidate, a `train --compare` one per mode). Forked from a server that did
+those imports once, a worker starts in tens of milliseconds. The server is multiprocessing's fork
+server, started on first use with OMP_NUM_THREADS=1 (each job process runs one torch thread) and
+PRELOAD imported; tests fork their ranks from it too (tests/ranks.py).
+
+A forked child runs `python -m MODULE ARGS` as a new interpreter would: in the environment and
+current directory its launcher gives it (with PYTHONPATH and the directory in front of its import
+path), stdout to a pipe or its log file, stderr to the log, and SIGKILL when the fork server dies
+(which it does when the launcher does). `ForkedChild` offers the part of subprocess.Popen the
+launcher uses, so launch.py treats both kinds alike. Only jobs on this host's own network
+namespace fork: an emulated host's processes start inside its namespace (`ip netns exec`).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.forkserver as forkserver
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+PRELOAD = ["torch", "torch.distributed", "numpy", "sparcoll", "sparcoll.communicator", "sparcoll.aggregator",
+           "sparcoll.server", "sparcoll.torch", "sparcoll.bench.worker", "sparcoll.train.worker"]
+_LOCK = threading.Lock()
+_started = False
+
+
+def fork_context():
+    """The multiprocessing context of this process's fork server, started on first use with
+    OMP_NUM_THREADS=1 and PRELOAD imported (the server's environment is this process's of that
+    moment; a child then takes the one it is given)."""
+    global _started
+    ctx = mp.get_context("forkserver")
+    with _LOCK:
+        if not _started:
+            saved = os.environ.get("OMP_NUM_THREADS")
+            os.environ["OMP_NUM_THREADS"] = "1"
+            try:
+                ctx.set_forkserver_preload(PRELOAD)
+                forkserver.ensure_running()
+            finally:
+                if saved is None:
+                    os.environ.pop("OMP_NUM_THREADS", None)
+                else:
+                    os.environ["OMP_NUM_THREADS"] = saved
+            _started = True
+    return ctx
+
+
+class ForkedChild:
+    """`python -m module *args` in a process of the fork server, with Popen's poll, wait, terminate,
+    kill, returncode, pid and (when `pipe_stdout`) stdout, a pipe's read end."""
+
+    def __init__(self, module: str, args: list[str], env: dict, log: str, pipe_stdout: bool):
+        ctx = fork_context()
+        read_end, write_end = ctx.Pipe(duplex=False) if pipe_stdout else (None, None)
+        self._process = ctx.Process(target=_run_module, args=(module, list(args), dict(env), os.getcwd(), log,
+                                                                write_end), name=module)
+        self._process.start()
+        if write_end is not None:
+            write_end.close()       # the child has its own copy: end of file once it exits
+        self.stdout = read_end
+        self.pid = self._process.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status; subprocess.TimeoutExpired if the child still runs after `timeout` s."""
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self._process.name, timeout)
+        return self.returncode
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def reap(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the child to exit (polling: a signal's KeyboardInterrupt
+        cannot leave anything half done); whether it did."""
+        end = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _signal(self, signum: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:      # exited meanwhile; the fork server collects it
+                pass
+
+
+def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, stdout) -> None:
+    """In the child: become `python -m module *args` started in `cwd` with `env`."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+    if os.getppid() == 1:                                            # the fork server died already
+        os._exit(1)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [cwd, *path]
+    logged = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(logged, 2)
+    os.dup2(stdout.fileno() if stdout is not None else logged, 1)
+    os.close(logged)
+    if stdout is not None:
+        stdout.close()
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
