@@ -458,3 +458,20 @@ def test_the_trial_says_when_ddp_was_faster_than_every_candidate():
     plan["trial"]["ddp"] = {"steps": 3, "failed": "it reported 1 of 4 steps"}
     text = table(plan)
     assert "DDP on gloo (the reference)" in text and "failed: it reported 1 of 4 steps" in text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 1 << 24), min_size=1, max_size=6))
+def test_a_profile_times_each_curve_up_to_the_first_size_that_holds_the_whole_gradient(numels):
+    """Every kind's sizes are its full list cut after the first at or beyond the model's whole
+    gradient (all of it if none is), never fewer than two: no unit the planner prices is larger."""
+    from sparcoll.plan import profiler
+    sizes = profiler.Sizes.of({"tensors": {f"t{i}": {"numel": n} for i, n in enumerate(numels)}})
+    total = sum(numels)
+    for chosen, full, whole in ((sizes.collective_bytes, profiler.COLLECTIVE_BYTES, 4 * total),
+                                (sizes.allgather_bytes, profiler.ALLGATHER_BYTES, 4 * total),
+                                (sizes.sparse_numels, profiler.SPARSE_NUMELS, total),
+                                (sizes.compressor_numels, profiler.COMPRESSOR_NUMELS, total)):
+        assert chosen == full[:len(chosen)] and len(chosen) >= 2
+        assert chosen[-1] >= whole or chosen == full
+        assert len(chosen) == 2 or chosen[-2] < whole

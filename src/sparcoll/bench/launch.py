@@ -124,8 +124,11 @@ def _stop(children: list[_Child]) -> None:
 def _tails(children: list[_Child]) -> str:
     parts = []
     for c in children:
-        with open(c.log, errors="replace") as f:
-            lines = f.read().splitlines()[-LOG_TAIL:]
+        try:
+            with open(c.log, errors="replace") as f:
+                lines = f.read().splitlines()[-LOG_TAIL:]
+        except FileNotFoundError:       # a forked child that died before it opened its log
+            lines = ["(no output: it ended before it started its log)"]
         if lines:
             parts.append(f"--- {c.name} (last lines of its output) ---\n" + "\n".join(lines))
     return "\n".join(parts)

@@ -43,6 +43,7 @@ import socket
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -78,6 +79,32 @@ REPEAT = 3
 MAX_REPEAT = 25
 LOADED_RUNS = 4     # collectives timed per point under the training thread's load
 BUDGET = 0.2      # seconds of timed runs per point, at least
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes a model's curves are measured at: each size list above up to its first point at or
+    beyond the model's whole gradient, at least two points (a curve extends beyond its last point,
+    costs.Curve). No unit the planner prices is larger than the whole gradient, and a small model's
+    profile no longer times 32 MB collectives: ncf's tiny test model profiled in 20.8 s with every
+    size."""
+    collective_bytes: tuple[int, ...]
+    allgather_bytes: tuple[int, ...]
+    sparse_numels: tuple[int, ...]
+    compressor_numels: tuple[int, ...]
+
+    @classmethod
+    def of(cls, model: dict) -> "Sizes":
+        """The sizes for a model's measurements (profile_model's first result)."""
+        numel = sum(t["numel"] for t in model["tensors"].values())
+        return cls(_upto(COLLECTIVE_BYTES, numel * ITEMSIZE), _upto(ALLGATHER_BYTES, numel * ITEMSIZE),
+                   _upto(SPARSE_NUMELS, numel), _upto(COMPRESSOR_NUMELS, numel))
+
+
+def _upto(points: tuple[int, ...], largest: int) -> tuple[int, ...]:
+    """`points` up to the first at or beyond `largest`, at least two."""
+    reached = next((i for i, p in enumerate(points) if p >= largest), len(points) - 1)
+    return points[:max(2, reached + 1)]
 
 
 def model_and_loss(cfg: dict, rank: int, world: int):
@@ -196,15 +223,15 @@ def sfb_products(shape, rows: int, world: int) -> tuple[float, float]:
     return timed(lambda _: torch.mm(u.t(), v)), timed(lambda _: torch.mm(big_u.t(), big_v, out=result))
 
 
-def profile_compressors(specs: list[str], world: int, gradients: dict):
+def profile_compressors(specs: list[str], world: int, gradients: dict, numels: tuple[int, ...]):
     """(spec, numel, tensor name or None, compress seconds, decompress seconds), on random tensors of
-    COMPRESSOR_NUMELS elements (the curves) and on the model's own large gradients (a compressor's time
+    `numels` elements (the curves) and on the model's own large gradients (a compressor's time
     depends on the data: sampled thresholds, ties, momentum). The decompression is what each scheme runs
     after its collective (allreduce: decompress the average; allgather: combine every rank's parts; the
     sparse AllReduce: its blocks into a dense tensor); PowerSGD's whole reduction, its allreduces
     included.
     """
-    samples = [(None, torch.randn(numel)) for numel in COMPRESSOR_NUMELS] + list(gradients.items())
+    samples = [(None, torch.randn(numel)) for numel in numels] + list(gradients.items())
     for spec in specs:
         reducer = Reducer(spec)
         c = reducer.compressor
@@ -249,19 +276,19 @@ def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout
         yield SPARSE, "+".join(names), timed(run), *under_load(run, lambda: None, train_step, alone_step, timeout)
 
 
-def collectives(comm, block_size: int, rank: int, world: int):
+def collectives(comm, block_size: int, rank: int, world: int, sizes: Sizes):
     """(collective, x as costs.py defines it, the tensor's elements for the sparse AllReduce's grid
     (else None), run, prepare): what profile_collectives times."""
     channel = Channel(None, comm)
-    for size in COLLECTIVE_BYTES:
+    for size in sizes.collective_bytes:
         x = torch.randn(size // 4)
         yield RING, size, None, channel.allreduce_mean, x.clone
         scratch = [torch.empty(-(-x.numel() // world)) for _ in range(world - 1)]
         yield PS, size, None, lambda t, scratch=scratch: ps_allreduce(t, None, scratch), x.clone
-    for size in ALLGATHER_BYTES:
+    for size in sizes.allgather_bytes:
         x = torch.randn(size // 4)
         yield ALLGATHER, size, None, lambda _, x=x: channel.allgather((x,), variable=False), lambda: None
-    for numel in SPARSE_NUMELS:
+    for numel in sizes.sparse_numels:
         nblocks = -(-numel // block_size)
         for density in SPARSE_DENSITIES:
             kept = [np.random.default_rng(r + 1000 * numel).random(nblocks) < density for r in range(world)]
@@ -286,11 +313,11 @@ def profile_sparse_own(comm, gradients: dict, tensors: dict, train_step, timeout
             yield name, timed(run, g.clone), *under_load(run, g.clone, train_step, alone_step, timeout)
 
 
-def profile_collectives(comm, block_size: int, rank: int, world: int, train_step, timeout: float):
+def profile_collectives(comm, block_size: int, rank: int, world: int, sizes: Sizes, train_step, timeout: float):
     """(collective, x, elements or None (as `collectives`), seconds alone, seconds under load,
     slowdown of a training step) for each; see `under_load`."""
     alone_step = timed(lambda _: train_step())
-    for kind, x, numel, run, prepare in collectives(comm, block_size, rank, world):
+    for kind, x, numel, run, prepare in collectives(comm, block_size, rank, world, sizes):
         yield (kind, x, numel, timed(run, prepare), *under_load(run, prepare, train_step, alone_step, timeout))
 
 
@@ -362,20 +389,18 @@ def timed_compressors(cfg: dict) -> list[str]:
     return [s for s in cfg.get("compressors", COMPRESSORS) if s != "none"]
 
 
-def expected_events(cfg: dict) -> int:
-    """How many events a profile reports at least (for progress; the model's own gradients add more)."""
-    return (1 + 2 * len(timed_compressors(cfg)) * len(COMPRESSOR_NUMELS)
-            + 3 * (2 * len(COLLECTIVE_BYTES) + len(ALLGATHER_BYTES) + len(SPARSE_NUMELS) * len(SPARSE_DENSITIES)))
-
-
-def gradient_events(cfg: dict, model: dict) -> int:
-    """The events the model's own large dense gradients and its COO ones add (known from its "model"
-    event)."""
+def events_after_model(cfg: dict, model: dict) -> int:
+    """How many events a profile reports after its "model" event (for progress): the curves' points
+    at the model's sizes and the times on its own large dense gradients and its COO ones."""
+    sizes = Sizes.of(model)
     tensors = model["tensors"].values()
     large = [t for t in tensors if t["numel"] >= OWN_GRADIENT and not t["coo"]]
     coo = {name for name, t in model["tensors"].items() if t["coo"]}
-    return (2 * len(timed_compressors(cfg)) * len(large) + 3 * sum(t["union"] < 1.0 for t in large)
-            + 3 * len(coo_labels(timed_compressors(cfg))) * len(coo) + 3 * len(coo_units(model["order"], coo)))
+    compressors = len(timed_compressors(cfg))
+    return (2 * compressors * (len(sizes.compressor_numels) + len(large)) + 3 * sum(t["union"] < 1.0 for t in large)
+            + 3 * len(coo_labels(timed_compressors(cfg))) * len(coo) + 3 * len(coo_units(model["order"], coo))
+            + 3 * (2 * len(sizes.collective_bytes) + len(sizes.allgather_bytes)
+                   + len(sizes.sparse_numels) * len(SPARSE_DENSITIES)))
 
 
 def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
@@ -384,8 +409,10 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     model, loss_of = model_and_loss(cfg, rank, world)
     measured, gradients, coo_gradients = profile_model(cfg, model, loss_of, world, comm)
     say({"event": "model", **measured, "cores_per_worker": cores_per_worker(world)})
+    sizes = Sizes.of(measured)
     specs = timed_compressors(cfg)
-    for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients):
+    for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients,
+                                                                       sizes.compressor_numels):
         say({"event": "point", "kind": "compress", "what": spec, "x": numel, "tensor": name, "seconds": compress})
         say({"event": "point", "kind": "decompress", "what": spec, "x": numel, "tensor": name,
              "seconds": decompress})
@@ -401,7 +428,8 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     for name, *times in profile_sparse_own(comm, gradients, measured["tensors"], train_step, cfg["timeout"]):
         for quantity, seconds in zip(("collectives", "loaded", "slowdown"), times):
             say({"event": "point", "kind": quantity, "what": SPARSE, "x": 0, "tensor": name, "seconds": seconds})
-    for kind, x, numel, *times in profile_collectives(comm, block_size, rank, world, train_step, cfg["timeout"]):
+    for kind, x, numel, *times in profile_collectives(comm, block_size, rank, world, sizes, train_step,
+                                                      cfg["timeout"]):
         for quantity, seconds in zip(("collectives", "loaded", "slowdown"), times):
             say({"event": "point", "kind": quantity, "what": kind, "x": x, "seconds": seconds,
                  **({} if numel is None else {"numel": numel})})
