@@ -94,10 +94,28 @@ def test_a_sparse_result_sends_a_kind_back_to_the_sparse_path_and_a_dense_one_tr
         assert chooser.choose(KIND, coo=False) is Algorithm.RING
     chooser.learn(KIND, sparse_result, Algorithm.RING, 0.05)
     assert chooser.choose(KIND, coo=False) is Algorithm.SPARSE
-    # Dense again: timed anew (the old times were of other data), the sparse path first.
-    assert run_dense_kind(chooser, sparse_s=0.05, ring_s=0.07)[:5] == \
-        [Algorithm.SPARSE, Algorithm.SPARSE, Algorithm.RING, Algorithm.RING, Algorithm.RING]
+    # Dense again: the kind was clearly sparse, so the LOOK_EVERY-th result is the first looked at;
+    # from it the kind is timed anew (the old times were of other data), the sparse path first.
+    taken = run_dense_kind(chooser, sparse_s=0.05, ring_s=0.07, calls=LOOK_EVERY + 4)
+    assert taken[:LOOK_EVERY] == [Algorithm.SPARSE] * LOOK_EVERY
+    assert taken[LOOK_EVERY:] == [Algorithm.SPARSE, Algorithm.RING, Algorithm.RING, Algorithm.RING]
     assert chooser.choose(KIND, coo=False) is Algorithm.SPARSE
+
+
+def test_a_clearly_sparse_kind_is_looked_at_every_look_every_collectives_a_less_sparse_one_each_time():
+    """Below CLEARLY_SPARSE a kind's results are looked at every LOOK_EVERY collectives (counting
+    the one looked at), so a dense one is noticed at the LOOK_EVERY-th; between it and
+    CANDIDATE_DENSITY at every collective."""
+    for share, waits in ((0.05, LOOK_EVERY - 1), (0.3, 0)):
+        chooser = Chooser(Algorithm.AUTO, 256, WORLD)
+        chooser.learn(KIND, with_density(BIG, share), Algorithm.SPARSE, 0.01)
+        dense = with_density(BIG, 1.0)
+        for _ in range(waits):
+            assert chooser.choose(KIND, coo=False) is Algorithm.SPARSE
+            chooser.learn(KIND, dense, Algorithm.SPARSE, 0.01)
+            assert not chooser._kinds[KIND].dense, share        # not looked at
+        chooser.learn(KIND, dense, Algorithm.SPARSE, 0.01)
+        assert chooser._kinds[KIND].dense, share                # looked at
 
 
 def test_forced_modes():
@@ -189,7 +207,7 @@ def test_block_size_stays_while_it_is_near_the_best():
     row half empty) keeps it; a new kind takes the larger; once 32 is clearly worse (every row full)
     the kind moves."""
     def grad(half_share):
-        g = rows_touched(32_768, 64, 8_192, seed=3)
+        g = rows_touched(32_768, 64, 16_384, seed=3)   # half the rows: never clearly sparse
         touched = g.ne(0).any(dim=1).nonzero().flatten()
         g[touched[:int(len(touched) * half_share)], 32:] = 0
         return g

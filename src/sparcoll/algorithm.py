@@ -8,7 +8,8 @@ and op, as a DDP bucket each step):
   - a tiny tensor (at most TINY_NUMEL elements) goes through the ring, in one round (ring.py);
   - a kind's collectives go the sparse way while its last result was sparse (less than
     CANDIDATE_DENSITY of its blocks non-zero): there the sparse path wins everywhere we measured
-    (once a kind is settled on gloo, "last" is the last of every LOOK_EVERY results);
+    (once a kind is settled on gloo, or clearly sparse, "last" is the last of every LOOK_EVERY
+    results);
   - once a result is dense, the kind is timed on each path: TRIALS collectives on the sparse path,
     TRIALS on the ring; a kind small enough to gather (at most GATHER_ELEMENTS elements over all
     ranks) SMALL_TRIALS on each of those and on GATHER, the data sent to rank 0 in the call's
@@ -34,8 +35,9 @@ default): a block whose one row is touched ships all its rows, so an embedding t
 sent in 256-element blocks moves up to 8 times what it must. A COO tensor's blocks are its entries
 (`entry_block_size`: its rows, when narrower than a block). A dense tensor's kind takes the block size
 that would have cost the least for its last result, looked at in 16, 32, ... element pieces of the
-same sample: its non-zero blocks' data plus BLOCK_COST bytes a block (the index, and the work of
-handling one more block); the largest within SLACK of the best, and then the same while it stays
+same sample (of every LOOK_EVERY results once it is clearly sparse): its non-zero blocks' data plus
+BLOCK_COST bytes a block (the index, and the work of handling one more block); the largest within
+SLACK of the best, and then the same while it stays
 within SLACK (the estimate moves with the rows a sample holds). Identical results give identical
 choices here too.
 """
@@ -56,9 +58,13 @@ TRIALS = 2              # collectives timed on each path before a dense kind's p
 SMALL_TRIALS = 4        # the same for a kind small enough to gather: they cost little, and the
                         # later ones run as the kind's steady state does (ring.py: expected calls)
 SPARSE_MARGIN = 0.9     # a dense kind stays sparse only if that was this much faster than the ring
-LOOK_EVERY = 8          # a kind settled on gloo has its density looked at every this many collectives:
-                        # the look is on each collective's critical path (0.6 ms median among 4
-                        # ranks on 2 cores, 4M floats), and only its turning sparse matters there
+LOOK_EVERY = 8          # a kind settled on gloo, or clearly sparse, has its density looked at every
+                        # this many collectives: the look is on each collective's critical path
+                        # (0.6 ms median among 4 ranks on 2 cores after 4M-float ring calls; 0.0-0.5
+                        # ms, 0.24 on average, of 8.5 ms sparse calls at 1% with 2 ranks on loopback)
+                        # and there only a change far from what it last saw matters
+CLEARLY_SPARSE = 0.2    # a kind whose last looked-at result had less than this share of non-zero
+                        # blocks is clearly sparse: half the share that would have it try the ring
 SAMPLE_BLOCKS = 256     # blocks of a result looked at to estimate its density
 MIN_BLOCK = 16          # the smallest block size chosen: below it, indices outweigh the data
 SLACK = 0.1             # a smaller block size must save more than this share of the cost
@@ -103,7 +109,8 @@ class KindState:
     dense: bool = False                         # its last result was at least CANDIDATE_DENSITY
     times: dict = field(default_factory=dict)   # this rank's times per Algorithm since it is dense
     chosen: Algorithm | None = None             # the faster path on average, once known
-    unlooked: int = 0                           # collectives on gloo since its density was looked at
+    unlooked: int = 0                           # collectives since its density was looked at
+    share: float = 1.0                          # the share of non-zero blocks its last look found
 
     def next_trial(self, paths: tuple[Algorithm, ...], trials: int) -> Algorithm:
         """The path to time next among `paths` (the last also for the collective that shares the
@@ -173,7 +180,8 @@ class Chooser:
         if self.mode is Algorithm.RING or kind[0] <= TINY_NUMEL or result.layout != torch.strided:
             return
         state = self._kinds.get(kind)
-        if state is not None and state.chosen is not None and state.chosen.on_gloo:
+        if state is not None and (state.chosen is not None and state.chosen.on_gloo
+                                  or state.share < CLEARLY_SPARSE):
             state.unlooked += 1                 # the same count on every rank
             if state.unlooked < LOOK_EVERY:
                 return
@@ -188,6 +196,7 @@ class Chooser:
         elif state.block not in near_best:  # else it stays: the estimates move with the sample
             state.block = max(near_best)
         block = state.block
+        state.share = shares[block]
         dense = self.mode is Algorithm.AUTO and shares[block] >= CANDIDATE_DENSITY
         if dense != state.dense:        # times measured on other data say nothing about this
             state.dense, state.times, state.chosen, state.unlooked = dense, {}, None, 0
