@@ -16,11 +16,13 @@ A forked child runs `python -m MODULE ARGS` as a new interpreter would: in the e
 current directory its launcher gives it (with PYTHONPATH and the directory in front of its import
 path), stdout to a pipe or its log file, stderr to the log, and SIGKILL when the fork server dies
 (which it does when the launcher does). `ForkedChild` offers the part of subprocess.Popen the
-launcher uses, so launch.py treats both kinds alike. Only jobs on this host's own network
-namespace fork: an emulated host's processes start inside its namespace (`ip netns exec`).
+launcher uses, so launch.py treats both kinds alike. A child of an emulated host first enters that
+host's network namespace (setns on /run/netns/NAME, what `ip netns exec` does for sockets; the fork
+left it one thread, so every thread it starts is in the namespace too).
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import multiprocessing.forkserver as forkserver
 import os
@@ -33,6 +35,8 @@ import time
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "sparcoll", "sparcoll.communicator", "sparcoll.aggregator",
            "sparcoll.server", "sparcoll.torch", "sparcoll.bench.worker", "sparcoll.train.worker"]
+PR_SET_PDEATHSIG = 1
+CLONE_NEWNET = 0x40000000
 _LOCK = threading.Lock()
 _started = False
 
@@ -63,11 +67,12 @@ class ForkedChild:
     """`python -m module *args` in a process of the fork server, with Popen's poll, wait, terminate,
     kill, returncode, pid and (when `pipe_stdout`) stdout, a pipe's read end."""
 
-    def __init__(self, module: str, args: list[str], env: dict, log: str, pipe_stdout: bool):
+    def __init__(self, module: str, args: list[str], env: dict, log: str, pipe_stdout: bool,
+                 netns: str | None = None):
         ctx = fork_context()
         read_end, write_end = ctx.Pipe(duplex=False) if pipe_stdout else (None, None)
         self._process = ctx.Process(target=_run_module, args=(module, list(args), dict(env), os.getcwd(), log,
-                                                                write_end), name=module)
+                                                                write_end, netns), name=module)
         self._process.start()
         if write_end is not None:
             write_end.close()       # the child has its own copy: end of file once it exits
@@ -111,12 +116,19 @@ class ForkedChild:
                 pass
 
 
-def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, stdout) -> None:
-    """In the child: become `python -m module *args` started in `cwd` with `env`."""
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, stdout,
+                netns: str | None) -> None:
+    """In the child: become `python -m module *args` started in `cwd` with `env`, in network
+    namespace `netns` if given."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:                                            # the fork server died already
         os._exit(1)
+    if netns is not None:
+        fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {netns}")
+        os.close(fd)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

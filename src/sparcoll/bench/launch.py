@@ -1,9 +1,9 @@
 """Run one benchmark job: the worker processes (one per host) and any dedicated aggregators, on loopback
 or on an EmulatedNetwork, streaming rank 0's events back to the caller. Workers are started directly, or
 (launcher "torchrun") by a torchrun agent per emulated host with c10d rendezvous, as users launch
-multi-host jobs, so the two can be compared on the same links. On loopback every process is forked
-from a fork server that has imported torch (forked.py), in an emulated host's namespace a new
-interpreter.
+multi-host jobs, so the two can be compared on the same links. Workers and aggregators are forked
+from a fork server that has imported torch (forked.py), inside their host's namespace on an emulated
+network; torchrun's agents are new interpreters.
 
 Every child is stopped on every way out (success, error, timeout, Ctrl-C): terminated, then killed. Each
 child also gets SIGKILL from the kernel if the launcher dies without cleaning up (PR_SET_PDEATHSIG, kept
@@ -178,7 +178,10 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
             master_port, agg_ports = NETNS_MASTER_PORT, [NETNS_AGGREGATOR_PORT] * job.dedicated_aggregators
             interface = counted_interface = net.interface
 
-            def spawn(host: int, command: list[str], env: dict, log: str, pipe_stdout: bool) -> subprocess.Popen:
+            def spawn(host: int, command: list[str], env: dict, log: str, pipe_stdout: bool):
+                if job.launcher != "torchrun":
+                    module, *args = command[1:]
+                    return ForkedChild(module, args, env, log, pipe_stdout, netns=net.namespaces[host])
                 with open(log, "wb") as f:
                     return net.popen(host, [sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE if pipe_stdout else f, stderr=f,
