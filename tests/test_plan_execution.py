@@ -414,6 +414,22 @@ def execution(rank: int, world: int) -> dict:
             starts.setdefault(e.start, []).append(e.name)
         out["coo unit collectives"] = sorted(sorted(names) for names in starts.values())
         dp.close()
+        # without a plan the COO gradients take the sparse AllReduce ("auto" with a communicator),
+        # and those ready one after another share one collective
+        dp = sparcoll.torch.DataParallel(Tables(), comm=comm)
+        for _ in range(2):
+            for p in dp.parameters():
+                p.grad = None
+            tables_loss(dp, rank).backward()
+        out["unplanned coo sparse"] = [p.grad.is_sparse for p in dp.module.parameters()]
+        out["unplanned coo"] = relative_error([p.grad.to_dense() if p.grad.is_sparse else p.grad
+                                               for p in dp.module.parameters()], tables_reference(world))
+        out["unplanned strategies"] = sorted({(e.name, e.strategy) for e in dp.trace})
+        starts = {}
+        for e in dp.trace:
+            starts.setdefault(e.start, []).append(e.name)
+        out["unplanned collectives"] = sorted(sorted(names) for names in starts.values())
+        dp.close()
         # a plan's units close a bucket as soon as they are complete: here each small tensor is a unit
         names = [n for n, _ in small_and_large().named_parameters()]
         alone = {"tensors": [{"name": n, "strategy": "ring", "unit": i} for i, n in enumerate(names)]}
@@ -468,6 +484,18 @@ def test_a_plans_unit_of_coo_gradients_is_one_sparse_allreduce(executed):
         assert rank["coo unit"] < 1e-5
         assert ["a.weight", "b.weight", "c.weight"] in rank["coo unit collectives"]
         assert len(rank["coo unit collectives"]) == 3            # with the head's weight and bias apart
+
+
+def test_without_a_plan_coo_gradients_take_the_sparse_allreduce_together(executed):
+    """Unplanned ("auto", a communicator): the three embeddings' COO gradients take the sparse
+    AllReduce, in one collective since they are ready one after another, and give the full-batch
+    gradient; the head's dense tensors go apart."""
+    for rank in executed:
+        assert rank["unplanned coo sparse"] == [True, True, True, False, False]
+        assert rank["unplanned coo"] < 1e-5
+        assert [s for n, s in rank["unplanned strategies"] if n.endswith(("a.weight", "b.weight", "c.weight"))] \
+            == ["sparse"] * 3
+        assert ["a.weight", "b.weight", "c.weight"] in rank["unplanned collectives"]
 
 
 def test_a_plans_unit_of_large_tensors_compressed_or_on_the_ring_is_one_collective(executed):
