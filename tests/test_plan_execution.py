@@ -316,6 +316,26 @@ def tables_reference(world: int) -> list:
     return [p.grad.float() for p in model.parameters()]
 
 
+def trained_tables(dp, rank: int, world: int, label: str) -> dict:
+    """Two steps of Tables under `dp` (the second shows nothing of the first is left behind), then
+    closed: whether each gradient is COO, the error against the full-batch gradient, each tensor's
+    strategy, and the tensors of each collective."""
+    for _ in range(2):
+        for p in dp.parameters():
+            p.grad = None
+        tables_loss(dp, rank).backward()
+    starts: dict = {}
+    for e in dp.trace:
+        starts.setdefault(e.start, []).append(e.name)
+    out = {f"{label} sparse": [p.grad.is_sparse for p in dp.module.parameters()],
+           label: relative_error([p.grad.to_dense() if p.grad.is_sparse else p.grad
+                                  for p in dp.module.parameters()], tables_reference(world)),
+           f"{label} strategies": sorted({(e.name, e.strategy) for e in dp.trace}),
+           f"{label} collectives": sorted(sorted(names) for names in starts.values())}
+    dp.close()
+    return out
+
+
 def plan_of(table: dict, placement: str = "thread") -> dict:
     return {"tensors": [{"name": n, "strategy": s, "placement": placement} for n, s in table.items()]}
 
@@ -401,35 +421,11 @@ def execution(rank: int, world: int) -> dict:
         tables = {"tensors": [{"name": n, "strategy": "sparse" if n.endswith("weight") and n != "head.weight"
                                else "ring", "unit": 0 if n in ("a.weight", "b.weight", "c.weight") else i + 1}
                               for i, (n, _) in enumerate(Tables().named_parameters())]}
-        dp = sparcoll.torch.DataParallel(Tables(), comm=comm, strategy=tables)
-        for _ in range(2):          # a second step: nothing of the first one's unit is left behind
-            for p in dp.parameters():
-                p.grad = None
-            tables_loss(dp, rank).backward()
-        out["coo unit sparse"] = [p.grad.is_sparse for p in dp.module.parameters()]
-        out["coo unit"] = relative_error([p.grad.to_dense() if p.grad.is_sparse else p.grad
-                                          for p in dp.module.parameters()], tables_reference(world))
-        starts: dict = {}
-        for e in dp.trace:
-            starts.setdefault(e.start, []).append(e.name)
-        out["coo unit collectives"] = sorted(sorted(names) for names in starts.values())
-        dp.close()
+        out.update(trained_tables(sparcoll.torch.DataParallel(Tables(), comm=comm, strategy=tables), rank, world,
+                                  "coo unit"))
         # without a plan the COO gradients take the sparse AllReduce ("auto" with a communicator),
         # and those ready one after another share one collective
-        dp = sparcoll.torch.DataParallel(Tables(), comm=comm)
-        for _ in range(2):
-            for p in dp.parameters():
-                p.grad = None
-            tables_loss(dp, rank).backward()
-        out["unplanned coo sparse"] = [p.grad.is_sparse for p in dp.module.parameters()]
-        out["unplanned coo"] = relative_error([p.grad.to_dense() if p.grad.is_sparse else p.grad
-                                               for p in dp.module.parameters()], tables_reference(world))
-        out["unplanned strategies"] = sorted({(e.name, e.strategy) for e in dp.trace})
-        starts = {}
-        for e in dp.trace:
-            starts.setdefault(e.start, []).append(e.name)
-        out["unplanned collectives"] = sorted(sorted(names) for names in starts.values())
-        dp.close()
+        out.update(trained_tables(sparcoll.torch.DataParallel(Tables(), comm=comm), rank, world, "unplanned coo"))
         # a plan's units close a bucket as soon as they are complete: here each small tensor is a unit
         names = [n for n, _ in small_and_large().named_parameters()]
         alone = {"tensors": [{"name": n, "strategy": "ring", "unit": i} for i, n in enumerate(names)]}
@@ -493,9 +489,9 @@ def test_without_a_plan_coo_gradients_take_the_sparse_allreduce_together(execute
     for rank in executed:
         assert rank["unplanned coo sparse"] == [True, True, True, False, False]
         assert rank["unplanned coo"] < 1e-5
-        assert [s for n, s in rank["unplanned strategies"] if n.endswith(("a.weight", "b.weight", "c.weight"))] \
+        assert [s for n, s in rank["unplanned coo strategies"] if n.endswith(("a.weight", "b.weight", "c.weight"))] \
             == ["sparse"] * 3
-        assert ["a.weight", "b.weight", "c.weight"] in rank["unplanned collectives"]
+        assert ["a.weight", "b.weight", "c.weight"] in rank["unplanned coo collectives"]
 
 
 def test_a_plans_unit_of_large_tensors_compressed_or_on_the_ring_is_one_collective(executed):
