@@ -33,8 +33,9 @@ import sys
 import threading
 import time
 
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "sparcoll", "sparcoll.communicator", "sparcoll.aggregator",
-           "sparcoll.server", "sparcoll.torch", "sparcoll.bench.worker", "sparcoll.train.worker"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "sparcoll", "sparcoll.communicator",
+           "sparcoll.aggregator", "sparcoll.server", "sparcoll.torch", "sparcoll.bench.worker",
+           "sparcoll.train.worker"]
 PR_SET_PDEATHSIG = 1
 CLONE_NEWNET = 0x40000000
 _LOCK = threading.Lock()

@@ -145,10 +145,11 @@ TORCHRUN_ENV = {"RANK": None, "WORLD_SIZE": None, "MASTER_ADDR": None, "MASTER_P
 
 
 def torchrun_agent(hosts: list[str], host: int, nnodes: int, module: str, config: str) -> list[str]:
-    """The torchrun command (python's arguments, "-m" and on) of emulated host `host`, one worker per host, as users launch multi-host
-    jobs: c10d rendezvous on host 0, whose agent hosts it (is_host), every agent advertising its own
-    address (--local-addr; the machine's hostname resolves outside the namespaces). Node ranks follow
-    the agents' addresses, so rank 0, whose events the launcher follows, runs on host 0."""
+    """The torchrun command (python's arguments, "-m" and on) of emulated host `host`, one worker per
+    host, as users launch multi-host jobs: c10d rendezvous on host 0, whose agent hosts it (is_host),
+    every agent advertising its own address (--local-addr; the machine's hostname resolves outside
+    the namespaces). Node ranks follow the agents' addresses, so rank 0, whose events the launcher
+    follows, runs on host 0."""
     argv = ["-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0]}:{NETNS_RDZV_PORT}",
             "--local-addr", hosts[host], "--monitor-interval", "0.5"]
