@@ -15,6 +15,7 @@ from torch import nn
 
 import sparcoll
 import sparcoll.torch
+from sparcoll.algorithm import entry_block_size
 from ranks import run_ranks
 from sparcoll.plan import decide, fusion
 from sparcoll.plan.command import choices_of, units_of
@@ -23,6 +24,7 @@ from sparcoll.plan.profile import backward_timeline
 from sparcoll.plan.profiler import Together, fit
 from sparcoll.plan.options import ALLGATHER, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, coo_labels
 from sparcoll.plan.timeline import Cost, Step
+from sparcoll.torch import hybrid
 from test_parallel import batch, mlp, reference_grads, relative_error, step
 
 WORLD = 3
@@ -331,7 +333,8 @@ def trained_tables(dp, rank: int, world: int, label: str) -> dict:
            label: relative_error([p.grad.to_dense() if p.grad.is_sparse else p.grad
                                   for p in dp.module.parameters()], tables_reference(world)),
            f"{label} strategies": sorted({(e.name, e.strategy) for e in dp.trace}),
-           f"{label} collectives": sorted(sorted(names) for names in starts.values())}
+           f"{label} collectives": sorted(sorted(names) for names in starts.values()),
+           f"{label} predicted": {n: e.get("predicted_bytes") for n, e in dp.strategy().items()}}
     dp.close()
     return out
 
@@ -492,6 +495,21 @@ def test_without_a_plan_coo_gradients_take_the_sparse_allreduce_together(execute
         assert [s for n, s in rank["unplanned coo strategies"] if n.endswith(("a.weight", "b.weight", "c.weight"))] \
             == ["sparse"] * 3
         assert ["a.weight", "b.weight", "c.weight"] in rank["unplanned coo collectives"]
+
+
+def test_a_coo_gradients_predicted_bytes_are_its_rows(executed):
+    """DataParallel.strategy prices a COO gradient under the sparse AllReduce by the share of its
+    table's rows this rank's batch touched, in blocks of its rows, not as its dense table."""
+    for rank, out in enumerate(executed):
+        g = torch.Generator().manual_seed(rank)     # as tables_loss draws this rank's ids
+        ids = torch.stack([torch.randint(n, (6,), generator=g) for n in (50, 30, 40)], 1)
+        for column, (name, rows, width) in enumerate((("a.weight", 50, 32), ("b.weight", 30, 8),
+                                                      ("c.weight", 40, 12))):
+            share = ids[:, column].unique().numel() / rows
+            expected = hybrid.sent_bytes("sparse", hybrid.Tensor(rows * width, density=share), WORLD, 0,
+                                         entry_block_size(width, 256))
+            assert out["unplanned coo predicted"][name] == pytest.approx(expected)
+            assert expected < hybrid.sent_bytes("ring", hybrid.Tensor(rows * width), WORLD) / 2
 
 
 def test_a_plans_unit_of_large_tensors_compressed_or_on_the_ring_is_one_collective(executed):

@@ -45,6 +45,7 @@ import contextlib
 import datetime
 import functools
 import json
+import math
 import queue
 import threading
 import time
@@ -56,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sparcoll.algorithm import entry_block_size
 from sparcoll.blocks import BlockTensor
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, parse
@@ -187,9 +189,9 @@ class DataParallel(nn.Module):
 
     def strategy(self, rows: int | None = None) -> dict[str, dict]:
         """Each tensor's strategy and predicted bytes sent per step by this worker, for a batch of
-        `rows` rows per linear layer (default: what each layer saw last step); a tensor given the
-        sparse strategy explicitly is counted whole (its density is learned only where the hybrid
-        choice needs it)."""
+        `rows` rows per linear layer (default: what each layer saw last step); a dense tensor given
+        the sparse strategy explicitly is counted whole (its density is learned only where the hybrid
+        choice needs it), a COO gradient by the rows this worker's last batch touched."""
         out = {}
         for p in self._params:
             weight = self._weight_of.get(id(p))
@@ -199,8 +201,10 @@ class DataParallel(nn.Module):
             chosen = self._choose(p, k)
             entry = {"strategy": chosen, "numel": p.numel()}
             if chosen in STRATEGIES:
-                entry["predicted_bytes"] = hybrid.sent_bytes(chosen, self._model_of(p), self.world, k,
-                                                             self._block_size())
+                # a COO gradient's blocks are its rows (a row's share is its density, _note_rows)
+                block = entry_block_size(p[0].numel(), self._block_size()) if id(p) in self._coo \
+                    else self._block_size()
+                entry["predicted_bytes"] = hybrid.sent_bytes(chosen, self._model_of(p), self.world, k, block)
             out[self._names.get(id(p), str(id(p)))] = entry
         return out
 
@@ -540,7 +544,8 @@ class DataParallel(nn.Module):
                     self._put_back(q, grad, flat)
             return self._later(work, finish)
         if chosen == COO_UNIT:          # one sparse AllReduce of the unit's rows (sparse.concatenate)
-            for q, total in zip(extra, sparse.allreduce_many([q.grad for q in extra], "avg", self.comm)):
+            grads = [self._note_rows(q, q.grad.coalesce()) for q in extra]
+            for q, total in zip(extra, sparse.allreduce_many(grads, "avg", self.comm)):
                 q.grad = total
             return None
         if chosen == COMPRESSED:
@@ -562,7 +567,7 @@ class DataParallel(nn.Module):
             return None
         grad = p.grad
         if grad.is_sparse:
-            return self._synchronize_coo(p, grad.coalesce(), chosen)
+            return self._synchronize_coo(p, self._note_rows(p, grad.coalesce()), chosen)
         flat = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1).clone()
         finish = functools.partial(self._put_back, p, grad, flat)
         if chosen == hybrid.RING:
@@ -599,6 +604,13 @@ class DataParallel(nn.Module):
         if self.comm is not None and self._requested(p) == AUTO:
             blocks = BlockTensor(averaged, self._block_size())
             self._density[id(p)] = blocks.nonzero().size / max(1, blocks.nblocks)
+
+    def _note_rows(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` (coalesced COO), having noted the share of p's rows it touches: this worker's
+        density, which `strategy` prices its bytes by (no choice reads it: a COO gradient's strategy
+        does not depend on it, and the share differs by rank)."""
+        self._density[id(p)] = grad._nnz() / max(1, math.prod(grad.shape[:grad.sparse_dim()]))
+        return grad
 
     def _synchronize_coo(self, p: torch.Tensor, grad: torch.Tensor, chosen: str) -> tuple | None:
         """A sparse COO gradient (nn.Embedding(sparse=True)): averaged without densifying, gloo's
