@@ -169,24 +169,24 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
             hosts = ["127.0.0.1"] * total
             master_port, *agg_ports = free_ports(1 + job.dedicated_aggregators)
             interface, counted_interface = "lo", None  # loopback counters mix every process's traffic
-
-            def spawn(host: int, command: list[str], env: dict, log: str, pipe_stdout: bool) -> ForkedChild:
-                module, *args = command[1:]
-                return ForkedChild(module, args, env, log, pipe_stdout)
+            net = None
         else:
             net = stack.enter_context(EmulatedNetwork(total, job.network, burst_bytes=job.link_burst))
             hosts = net.addresses
             master_port, agg_ports = NETNS_MASTER_PORT, [NETNS_AGGREGATOR_PORT] * job.dedicated_aggregators
             interface = counted_interface = net.interface
 
-            def spawn(host: int, command: list[str], env: dict, log: str, pipe_stdout: bool):
-                if job.launcher != "torchrun":
-                    module, *args = command[1:]
-                    return ForkedChild(module, args, env, log, pipe_stdout, netns=net.namespaces[host])
-                with open(log, "wb") as f:
-                    return net.popen(host, [sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE if pipe_stdout else f, stderr=f,
-                                     preexec_fn=_die_with_parent)
+        def spawn(host: int, command: list[str], env: dict, log: str, pipe_stdout: bool):
+            """`python -m ...` (`command`, "-m" and on) forked into `host`'s namespace; a torchrun
+            agent (only on an emulated network) a new interpreter there."""
+            if job.launcher != "torchrun":
+                module, *args = command[1:]
+                return ForkedChild(module, args, env, log, pipe_stdout,
+                                   netns=None if net is None else net.namespaces[host])
+            with open(log, "wb") as f:
+                return net.popen(host, [sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE if pipe_stdout else f, stderr=f,
+                                 preexec_fn=_die_with_parent)
         stack.callback(_stop, children)  # runs before the network is torn down
 
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": interface,

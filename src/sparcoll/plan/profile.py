@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sparcoll.torch.sfb import eligible_layers
+from sparcoll.torch.sparse import sparse_weights
 
 from .options import TensorFacts
 from .timeline import Step
@@ -21,7 +22,7 @@ def facts(model: nn.Module) -> list[TensorFacts]:
     """Each trainable parameter's facts, in model.named_parameters() order: linear layers' weights
     that SFB can serve (sparcoll.torch.sfb.eligible_layers) and sparse embeddings' COO gradients."""
     linear = {id(layer.weight) for layer in eligible_layers(model)}
-    coo = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+    coo = sparse_weights(model)
     return [TensorFacts(name, p.numel(), linear=id(p) in linear, coo=id(p) in coo)
             for name, p in model.named_parameters() if p.requires_grad]
 

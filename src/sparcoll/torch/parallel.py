@@ -45,7 +45,6 @@ import contextlib
 import datetime
 import functools
 import json
-import math
 import queue
 import threading
 import time
@@ -140,8 +139,7 @@ class DataParallel(nn.Module):
         self._handles: list = []
         self._names = {id(p): name for name, p in module.named_parameters()}
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self._coo = {id(m.weight) for m in module.modules()      # their gradients are sparse COO
-                     if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+        self._coo = sparse.sparse_weights(module)
         self._linear: dict[int, LinearState] = {}    # weight id -> its layer's step
         self._weight_of: dict[int, nn.Parameter] = {}  # bias id -> its layer's weight
         for layer in eligible_layers(module):      # a tied weight never takes SFB
@@ -407,10 +405,7 @@ class DataParallel(nn.Module):
             return
         bucket, self._bucket = self._bucket, []
         whole = {hybrid.RING: BUCKET, hybrid.SPARSE: COO_UNIT}.get(self._bucket_kind[0])   # uncompressed
-        if whole == COO_UNIT and len(bucket) == 1:      # one COO gradient: its own sparse AllReduce
-            (q, event, _), = bucket
-            self._put((q, hybrid.SPARSE, None, [event]))
-        elif whole is not None:
+        if whole is not None:
             self._put((None, whole, [q for q, _, _ in bucket], [e for _, e, _ in bucket]))
         else:
             self._put_compressed(self._bucket_kind, bucket)
@@ -609,7 +604,7 @@ class DataParallel(nn.Module):
         """`grad` (coalesced COO), having noted the share of p's rows it touches: this worker's
         density, which `strategy` prices its bytes by (no choice reads it: a COO gradient's strategy
         does not depend on it, and the share differs by rank)."""
-        self._density[id(p)] = grad._nnz() / max(1, math.prod(grad.shape[:grad.sparse_dim()]))
+        self._density[id(p)] = grad._nnz() / max(1, sparse.entries(grad))
         return grad
 
     def _synchronize_coo(self, p: torch.Tensor, grad: torch.Tensor, chosen: str) -> tuple | None:

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import torch
+from torch import nn
 
 import sparcoll
 from sparcoll.communicator import Communicator
@@ -33,7 +34,13 @@ def _width(coo: torch.Tensor) -> int:
     return math.prod(coo.shape[coo.sparse_dim():])
 
 
-def _entries(coo: torch.Tensor) -> int:
+def sparse_weights(module: nn.Module) -> set[int]:
+    """The ids of `module`'s weights whose gradients are sparse COO: those of nn.Embedding and
+    nn.EmbeddingBag with sparse=True."""
+    return {id(m.weight) for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+
+
+def entries(coo: torch.Tensor) -> int:
     return math.prod(coo.shape[:coo.sparse_dim()])
 
 
@@ -50,16 +57,18 @@ def concatenate(coos: list[torch.Tensor]) -> torch.Tensor:
             np.zeros(0, dtype=np.int64)
         indices.append((linear[:, None] * per + np.arange(per)).reshape(-1) + offset)
         values.append(c.values().reshape(-1, g))
-        offset += _entries(c) * per
+        offset += entries(c) * per
     # sorted and distinct by construction (each input coalesced, the offsets ascending)
     return torch.sparse_coo_tensor(torch.from_numpy(np.concatenate(indices))[None], torch.cat(values),
                                    (offset, g), is_coalesced=True, check_invariants=False)
 
 
 def allreduce_many(coos: list[torch.Tensor], op: str, comm: Communicator) -> list[torch.Tensor]:
-    """Several COO tensors reduced in one collective of `comm` (concatenated, then split): each
-    result coalesced, of its input's shape."""
+    """Several COO tensors reduced in one collective of `comm` (concatenated, then split; one alone
+    as it is): each result coalesced, of its input's shape."""
     coalesced = [c.coalesce() for c in coos]
+    if len(coalesced) == 1:
+        return [comm.allreduce_coo(coalesced[0], op=op).coalesce()]
     return split(comm.allreduce_coo(concatenate(coalesced), op=op), coalesced)
 
 
@@ -69,7 +78,7 @@ def split(total: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
     total = total.coalesce()
     g = total.shape[1]
     rows, values = total.indices()[0].numpy(), total.values()
-    bounds = np.cumsum([0] + [_entries(c) * (_width(c) // g) for c in likes])
+    bounds = np.cumsum([0] + [entries(c) * (_width(c) // g) for c in likes])
     cuts = np.searchsorted(rows, bounds)
     out = []
     for c, start, lo, hi in zip(likes, bounds, cuts, cuts[1:]):
