@@ -10,6 +10,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from hypothesis import given, settings, strategies as st
 
 from sparcoll.bench import bounds, command
 from sparcoll.bench.algorithms import REGISTRY, select
+from sparcoll.bench.events import decode
 from sparcoll.bench.launch import BenchError, Job, run_job
 from sparcoll.bench.netem import netem_available
 from sparcoll.bench.patterns import InputSpec, check
@@ -33,7 +35,7 @@ RECORD_KEYS = {"algo", "input", "workers", "aggregators", "num_aggregators", "nu
                "density", "density_actual", "union_density", "overlap", "network", "launcher", "seed", "repeat",
                "median_s", "p10_s", "p90_s", "times_s", "algbw_gbps", "busbw_gbps", "bytes_sent_per_worker",
                "bytes_received_per_worker", "bytes_source", "lower_bound_bytes", "lower_bound_s",
-               "link_burst_bytes", "credits", "ratio_to_bound", "speedup_vs_ring"}
+               "link_burst_bytes", "credits", "ratio_to_bound", "cpu_s", "cpu_floor_s", "speedup_vs_ring"}
 MIB = 1 << 20
 
 
@@ -152,6 +154,7 @@ def test_check_rejects_wrong_sums():
 
 def _result(algo, input="dense", times=(0.2, 0.1, 0.3), sent=None):
     return {"event": "result", "algo": algo, "input": input, "density": 0.01, "times_s": list(times),
+            "cpu_s": [2 * t for t in times],
             "bytes_source": "interface" if sent else None, "credits": 2 if algo == "sparcoll" else None,
             "bytes_sent": [sent] * len(times) if sent else None,
             "bytes_received": [sent] * len(times) if sent else None}
@@ -159,7 +162,7 @@ def _result(algo, input="dense", times=(0.2, 0.1, 0.3), sent=None):
 
 def test_record_schema_and_arithmetic():
     spec = InputSpec(16 * MIB, 256, 4, 0.01, 0.0, seed=0)
-    setup = Setup("1gbit", 10**9, "colocated", 4)
+    setup = Setup("1gbit", 10**9, "colocated", 4, cores=2)
     ring = make_record(_result("ring"), spec, setup, union_density=0.04)
     fast = make_record(_result("sparcoll", sent=2e6, times=(0.05,)), spec, setup, union_density=0.04)
     coo = make_record(_result("agsparse", "coo"), spec, setup, union_density=0.04)
@@ -174,6 +177,7 @@ def test_record_schema_and_arithmetic():
     assert ring["lower_bound_s"] == pytest.approx(1.5 * 64 * MIB * 8 / 1e9)
     assert ring["ratio_to_bound"] == pytest.approx(0.2 / ring["lower_bound_s"])
     assert ring["aggregators"] is None and ring["speedup_vs_ring"] == 1.0
+    assert ring["cpu_s"] == pytest.approx(0.4) and ring["cpu_floor_s"] == pytest.approx(0.2)
     assert fast["aggregators"] == "colocated" and fast["num_aggregators"] == 4
     assert fast["bytes_source"] == "interface" and fast["bytes_sent_per_worker"] == 2e6
     assert fast["speedup_vs_ring"] == pytest.approx(4.0)
@@ -181,6 +185,7 @@ def test_record_schema_and_arithmetic():
     assert coo["input"] == "coo" and coo["density_actual"] == 655 / 65536
     loopback = make_record(_result("ring"), spec, Setup("none", None, "colocated", 4), union_density=0.04)
     assert loopback["lower_bound_s"] is None and loopback["ratio_to_bound"] is None
+    assert loopback["cpu_s"] == pytest.approx(0.4) and loopback["cpu_floor_s"] is None  # cores unknown
     text = table([ring, fast, coo])
     assert "agsparse (coo)" in text and "4.00" in text
 
@@ -303,6 +308,49 @@ except worker.WrongResult as exc:
     assert "WRONG broken at density 0.5 returned a wrong sum in repetition 0" in cp.stdout, cp.stderr
 
 
+def test_cpu_seconds_are_the_ranks_cpu_in_the_timed_call():
+    """Two ranks whose collective burns a known CPU time each (and sleeps as long, which costs
+    none): each repetition's cpu_s is their sum, not the wall time."""
+    script = r"""
+import json, os, time, torch.distributed as dist
+from sparcoll.bench import algorithms, events, worker
+BURN = float(os.environ["BURN"])
+def burn(ctx, t):
+    start = time.process_time()
+    while time.process_time() - start < BURN:
+        pass
+    time.sleep(BURN)
+    dist.all_reduce(t)
+dist.init_process_group("gloo")
+algorithms.register(algorithms.Algorithm("burn", "dense", algorithms.dense_payload, burn,
+                                         algorithms.dense_result))
+cfg = dict(numel=4096, block_size=256, row_width=256, densities=[0.5], overlap=0.0, seed=0, algos=[["burn", "dense"]],
+           warmup=0, repeat=3, timeout=30, interface=None, aggregators=None)
+worker.bench(cfg, dist.get_rank(), 2)
+dist.destroy_process_group()
+"""
+    burn = 0.1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env={**_env(), "BURN": str(burn), "RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(2)]
+    try:
+        out = ranks[0].communicate(timeout=RUN_TIMEOUT)[0]
+        assert ranks[1].wait(timeout=RUN_TIMEOUT) == 0 and ranks[0].returncode == 0
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait(timeout=RUN_TIMEOUT)
+    result = next(e for e in map(lambda line: decode(line.encode()), out.splitlines())
+                  if e and e["event"] == "result")
+    assert all(t >= 2 * burn for t in result["times_s"])
+    # both ranks' burns, plus the small collectives around them (well under the sleeps' 0.2 s)
+    assert all(2 * burn <= c < 2 * burn + 0.1 for c in result["cpu_s"]), result["cpu_s"]
+
+
 def test_failing_worker_fails_the_job_quickly():
     cfg = dict(numel=4096, block_size=256, row_width=256, densities=[0.5], overlap=0.0, seed=0,
                algos=[["nonexistent", "dense"]],
@@ -323,6 +371,7 @@ def _bench(tmp_path, *argv, env=None):
         assert set(r) == RECORD_KEYS
         assert r["median_s"] > 0 and r["p10_s"] <= r["median_s"] <= r["p90_s"]
         assert r["speedup_vs_ring"] > 0 and r["bytes_sent_per_worker"] > 0
+        assert r["cpu_s"] > 0 and r["cpu_floor_s"] == pytest.approx(r["cpu_s"] / len(os.sched_getaffinity(0)))
     return records, cp
 
 

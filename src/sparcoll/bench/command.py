@@ -12,6 +12,7 @@ lower bounds, report.py for the reported quantities.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable
 
@@ -113,7 +114,8 @@ def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int 
     counts each finished repetition."""
     num_aggregators = args.num_aggregators or n
     dedicated = args.aggregators == "dedicated" and any(a.needs_communicator for a in algos)
-    setup = Setup(args.network, rate_bps, args.aggregators, num_aggregators, args.launcher, args.link_burst)
+    setup = Setup(args.network, rate_bps, args.aggregators, num_aggregators, args.launcher, args.link_burst,
+                  cores=len(os.sched_getaffinity(0)))
     specs = {d: InputSpec(args.numel, args.row_width, n, d, args.overlap, args.seed) for d in args.density}
     unions = {d: spec.union_density() for d, spec in specs.items()}
     config = {"numel": args.numel, "block_size": args.block_size, "row_width": args.row_width,

@@ -38,6 +38,7 @@ class Setup:
     num_aggregators: int    # dedicated aggregators (sparcoll)
     launcher: str = "direct"  # direct, or torchrun (an agent per host)
     link_burst: int | None = None  # the links' token bucket, None: netem's default for the rate
+    cores: int | None = None    # CPUs the hosts share (every host of a bench runs on this machine)
 
 
 def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: float,
@@ -65,6 +66,7 @@ def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: floa
         source, sent, received = "model", bound, bound
     bound_s = None if setup.rate_bps is None else bounds.seconds(bound, setup.rate_bps)
     algbw = nbytes / median / 1e9
+    cpu = statistics.median(result["cpu_s"]) if result.get("cpu_s") else None
     return {
         "algo": algo, "input": result["input"], "workers": n, "aggregators": aggregators,
         "num_aggregators": num_aggregators, "numel": spec.numel,
@@ -81,6 +83,9 @@ def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: floa
         # sparcoll's messages in flight per stream ($SPARCOLL_CREDITS); None for the others
         "credits": result["credits"],
         "ratio_to_bound": None if bound_s is None else median / bound_s,
+        # the workers' CPU seconds per collective, summed over ranks (median), and that over the
+        # cores: no schedule of that work on them ends sooner (a floor besides the link's)
+        "cpu_s": cpu, "cpu_floor_s": None if cpu is None or not setup.cores else cpu / setup.cores,
         "speedup_vs_ring": None,
     }
 
@@ -103,11 +108,12 @@ def table(records: list[dict]) -> str:
         return "-" if value is None else format(value, fmt)
 
     header = ("algo", "workers", "density", "median ms", "p10 ms", "p90 ms", "algbw GB/s", "busbw GB/s",
-              "MB sent/wkr", "bound ms", "x bound", "vs ring")
+              "MB sent/wkr", "bound ms", "x bound", "cpu ms", "cpu floor ms", "vs ring")
     rows = [(label(r), str(r["workers"]), f"{r['density']:g}", num(r["median_s"] * 1e3, ".2f"),
              num(r["p10_s"] * 1e3, ".2f"), num(r["p90_s"] * 1e3, ".2f"), num(r["algbw_gbps"], ".3f"),
              num(r["busbw_gbps"], ".3f"), num(r["bytes_sent_per_worker"] / 1e6, ".3f"),
              num(r["lower_bound_s"] and r["lower_bound_s"] * 1e3, ".2f"), num(r["ratio_to_bound"], ".2f"),
+             num(r["cpu_s"] and r["cpu_s"] * 1e3, ".2f"), num(r["cpu_floor_s"] and r["cpu_floor_s"] * 1e3, ".2f"),
              num(r["speedup_vs_ring"], ".2f")) for r in records]
     grid = Table(box=HEADER_RULE, show_edge=False, pad_edge=False)
     for i, name in enumerate(header):

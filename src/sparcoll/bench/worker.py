@@ -17,6 +17,11 @@ Traffic, per rank and repetition: on an emulated network the byte counters of th
 all_reduce(MAX), so they include the headers, ACKs and the two small synchronization collectives; on
 loopback, the algorithm's own counters when it has some (sparcoll), otherwise nothing (the report uses the
 algorithm's known traffic).
+
+CPU, per repetition: the CPU seconds of every worker process (all its threads: gloo's, sparcoll's
+receivers and its colocated aggregator) from the barrier's return to the all_reduce(MAX), summed over
+ranks. Where hosts share a machine's cores, this over the cores is as fast as the collective could
+run however its work were spread (dedicated aggregators run in processes of their own: not counted).
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ class Series:
             self.counters, self.source = (lambda: (0, 0)), None
         self.times: list[float] = []
         self.traffic: list[tuple[int, int]] = []
+        self.cpu: list[float] = []      # this process's CPU seconds in each timed repetition
         self.reps = 0
 
     def repetition(self, timed: bool) -> None:
@@ -65,12 +71,14 @@ class Series:
         payload = algo.prepare(ctx, self.inputs)
         before = self.counters()
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         algo.run(ctx, payload)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         # Every rank is done before any checks: a rank that finished first must not take CPU
         # from those still running (on one machine the hosts share the cores).
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        cpu = time.process_time() - cpu_start   # to the last rank's end: a colocated aggregator
+                                                # may still be serving the others after its worker
         ok, error = check(algo.result(ctx, payload), self.expected, self.tolerance)
         summary = torch.tensor([float(not ok), error], dtype=torch.float64)
         dist.all_reduce(summary, op=dist.ReduceOp.MAX)
@@ -84,6 +92,7 @@ class Series:
         if timed:
             self.times.append(float(elapsed))
             self.traffic.append((after[0] - before[0], after[1] - before[1]))
+            self.cpu.append(cpu)
         if ctx.rank == 0:
             emit({"event": "rep", "algo": algo.name, "input": algo.input,
                   "density": self.spec.density, "rep": self.reps, "warmup": not timed})
@@ -95,9 +104,12 @@ class Series:
         per_rank = torch.tensor(self.traffic, dtype=torch.float64)
         dist.all_reduce(per_rank)
         mean = (per_rank / self.ctx.world).tolist()
+        cpu = torch.tensor(self.cpu, dtype=torch.float64)
+        dist.all_reduce(cpu)
         credits = self.ctx.comms[algo.communicator].config.credits if algo.needs_communicator else None
         return {"event": "result", "algo": algo.name, "input": algo.input,
-                "density": self.spec.density, "times_s": self.times, "bytes_source": self.source,
+                "density": self.spec.density, "times_s": self.times, "cpu_s": cpu.tolist(),
+                "bytes_source": self.source,
                 "credits": credits, "bytes_sent": [s for s, _ in mean] if self.source else None,
                 "bytes_received": [r for _, r in mean] if self.source else None}
 
