@@ -47,6 +47,45 @@ def test_scan_of_any_shape(nrows, width, data):
         assert np.array_equal(nonzero_mask(rows), expected.numpy())
 
 
+NARROW = dict(SCAN_ROWS=CHUNK, COARSE_BYTES=512, SAMPLE_GROUPS=4)   # groups of 8 to 32 rows here
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([4, 8, 16]), st.lists(st.tuples(st.integers(1, 150), st.sampled_from([0, 0.01, 0.1, 0.5, 1])),
+                                              min_size=1, max_size=6), st.integers(0, 2**31 - 1))
+def test_scan_of_narrow_rows_in_groups(width, segments, seed):
+    """Narrow rows scanned in groups first, then row by row inside the groups that hold something,
+    or row by row at once where most groups do: stretches of different densities, so that chunks
+    switch between the two, against the elementwise definition."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for nrows, density in segments:
+        part = torch.zeros(nrows, width)
+        hit = torch.rand(nrows, generator=g) < density
+        part[hit, torch.randint(0, width, (int(hit.sum()),), generator=g)] = \
+            torch.tensor([1.0, -0.0, float("nan"), 1e-45])[torch.randint(0, 4, (int(hit.sum()),), generator=g)]
+        parts.append(part)
+    rows = torch.cat(parts)
+    expected = (rows != 0).any(1) | rows.isnan().any(1)
+    with mock.patch.multiple(blocks, **NARROW):
+        assert np.array_equal(nonzero_mask(rows), expected.numpy())
+
+
+@pytest.mark.parametrize("every, grouped", [(CHUNK * 3 + 5, True), (1, False)])
+def test_narrow_rows_are_scanned_in_groups_only_where_sparse(every, grouped):
+    """Sparse narrow rows take the grouped scan in every chunk; dense ones never (the sample says
+    so before the first chunk), and rows of 64 floats never (nothing to gain)."""
+    rows, wide = torch.zeros(CHUNK * 40, 8), torch.zeros(CHUNK * 40, 64)
+    rows[::every, 3] = wide[::every, 3] = 1.0
+    with mock.patch.multiple(blocks, **NARROW), \
+            mock.patch.object(blocks, "_scan_groups", wraps=blocks._scan_groups) as grouped_scan:
+        mask = nonzero_mask(rows)
+        assert grouped_scan.call_count == (40 if grouped else 0)
+        assert np.array_equal(nonzero_mask(wide), (wide != 0).any(1).numpy())
+        assert grouped_scan.call_count == (40 if grouped else 0)
+    assert np.array_equal(mask, (rows != 0).any(1).numpy())
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 60), unique=True, max_size=40), st.integers(1, 8))
 def test_runs_cover_exactly_the_indices(values, limit):

@@ -11,6 +11,9 @@ import numpy as np
 import torch
 
 SCAN_ROWS = 1 << 16   # rows per reduceat in a scan: bounds the cached row starts (512 KiB)
+COARSE_BYTES = 1024   # rows narrower than this are first scanned in groups this wide (nonzero_mask)
+REFINE_SHARE = 0.25   # ... unless more than this share of the last chunk's groups held something
+SAMPLE_GROUPS = 64    # (or, before the first chunk, of as many groups sampled across the rows)
 
 
 def block_count(numel: int, block_size: int) -> int:
@@ -42,26 +45,97 @@ def nonzero_mask(rows: torch.Tensor) -> np.ndarray:
     a long contiguous array far faster than many short rows); a row is non-zero iff that OR has a
     bit set outside its elements' sign bits. Measured on 16M float32 at 1% (one core): 1.9 ms,
     against 2.6 ms for `!= 0` into a reused scratch then the same OR of its flags, and 29 ms for
-    torch's abs().amax(1)."""
+    torch's abs().amax(1).
+
+    Narrow rows cost more per byte (a reduceat step per row): rows of at most an eighth of
+    COARSE_BYTES are first OR-ed in groups COARSE_BYTES wide, and only the groups that hold
+    something are scanned row by row; if more than REFINE_SHARE of a sample of groups (then of the
+    last chunk's) held something, rows are scanned one by one at once. 16M float32 freshly copied,
+    one core, medians of 100 alternated: 1% of rows non-zero, rows of 16 10.6 -> 6.7 ms, of 32
+    6.2 -> 4.6 (rows of 256: 3.3); every row non-zero 10.9 -> 11.9 and 8.4 -> 8.7 (the sample).
+    Rows of 64 gained nothing (4.9 -> 5.1 at 1%), so they are scanned row by row."""
     if rows.device.type != "cpu":
         return ((rows.amax(1) != 0) | (rows.amin(1) != 0)).cpu().numpy()
     nrows, width = rows.shape
     if nrows == 0:
         return np.zeros(0, dtype=bool)
     size = rows.element_size()
+    row_bytes = width * size
     word = next(w for w in (np.uint64, np.uint32, np.uint16, np.uint8)
-                if (width * size) % np.dtype(w).itemsize == 0)
+                if row_bytes % np.dtype(w).itemsize == 0)
     as_ints = rows.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
     words = np.ascontiguousarray(as_ints.numpy()).reshape(-1).view(word)
     per_row = len(words) // nrows
     value_bits = _value_bits(word, size)
+    group = COARSE_BYTES // row_bytes if COARSE_BYTES % row_bytes == 0 and row_bytes * 8 <= COARSE_BYTES \
+        else 1
+    coarse = group > 1 and _sampled_share(words, per_row, group, value_bits) <= REFINE_SHARE
     mask = np.empty(nrows, dtype=bool)
     for first in range(0, nrows, SCAN_ROWS):
         count = min(SCAN_ROWS, nrows - first)
-        chunk = words[first * per_row:(first + count) * per_row]
-        ors = np.bitwise_or.reduceat(chunk, _row_starts(per_row, SCAN_ROWS)[:count])
-        np.not_equal(np.bitwise_and(ors, value_bits, out=ors), 0, out=mask[first:first + count])
+        chunk, out = words[first * per_row:(first + count) * per_row], mask[first:first + count]
+        if coarse:
+            share = _scan_groups(chunk, per_row, group, value_bits, out)
+        else:
+            _scan_rows(chunk, per_row, value_bits, out)
+            share = _group_share(out, group) if group > 1 else 1.0
+        coarse = group > 1 and share <= REFINE_SHARE
     return mask
+
+
+def _scan_rows(words: np.ndarray, per_row: int, value_bits, out: np.ndarray) -> None:
+    """out[i]: whether row i of `words` (rows of `per_row` words, at most SCAN_ROWS of them) has a
+    bit of `value_bits` set."""
+    ors = np.bitwise_or.reduceat(words, _row_starts(per_row, SCAN_ROWS)[:len(out)])
+    np.not_equal(np.bitwise_and(ors, value_bits, out=ors), 0, out=out)
+
+
+def _sampled_share(words: np.ndarray, per_row: int, group: int, value_bits) -> float:
+    """The share of SAMPLE_GROUPS groups of `group` rows, evenly spaced, that hold something (1 where
+    there are not many more groups than that: a row-by-row scan of so few costs nothing)."""
+    groups = len(words) // per_row // group
+    if groups < 2 * SAMPLE_GROUPS:
+        return 1.0
+    picks = np.linspace(0, groups - 1, SAMPLE_GROUPS).astype(np.intp)
+    sample = words[:groups * group * per_row].reshape(groups, group * per_row)[picks].reshape(-1)
+    held = np.empty(SAMPLE_GROUPS, dtype=bool)
+    _scan_rows(sample, per_row * group, value_bits, held)
+    return np.count_nonzero(held) / SAMPLE_GROUPS
+
+
+def _group_share(flags: np.ndarray, group: int) -> float:
+    """The share of whole groups of `group` (a power of two) flags with one set: the flags read as
+    integers of up to 8 of them (no reduction over short rows, which costs numpy more than the scan)."""
+    whole = len(flags) - len(flags) % group
+    if whole == 0:
+        return 1.0
+    per_word = min(group, 8)
+    words = flags[:whole].view(np.dtype(f"u{per_word}"))
+    if group > per_word:
+        words = np.bitwise_or.reduce(words.reshape(-1, group // per_word), axis=1)
+    return np.count_nonzero(words) * group / whole
+
+
+def _scan_groups(words: np.ndarray, per_row: int, group: int, value_bits, out: np.ndarray) -> float:
+    """_scan_rows over groups of `group` rows first, then row by row within the groups that hold
+    something (rows left over after the last whole group row by row); the share of groups that did."""
+    whole = len(out) - len(out) % group
+    groups = whole // group
+    held = np.empty(groups, dtype=bool)
+    _scan_rows(words[:whole * per_row], per_row * group, value_bits, held)
+    hit = np.flatnonzero(held)
+    if hit.size > REFINE_SHARE * groups:       # gathering them would copy much of the chunk
+        _scan_rows(words, per_row, value_bits, out)
+        return hit.size / groups
+    out[:whole] = False
+    if hit.size:
+        inside = np.empty(hit.size * group, dtype=bool)
+        _scan_rows(words[:whole * per_row].reshape(groups, per_row * group)[hit].reshape(-1),
+                   per_row, value_bits, inside)
+        out[:whole].reshape(groups, group)[hit] = inside.reshape(hit.size, group)
+    if whole < len(out):
+        _scan_rows(words[whole * per_row:], per_row, value_bits, out[whole:])
+    return hit.size / max(groups, 1)
 
 
 def _value_bits(word, size: int):
