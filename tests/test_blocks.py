@@ -51,22 +51,24 @@ NARROW = dict(SCAN_ROWS=CHUNK, COARSE_BYTES=512, SAMPLE_GROUPS=4)   # groups of 
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.sampled_from([4, 8, 16]), st.lists(st.tuples(st.integers(1, 150), st.sampled_from([0, 0.01, 0.1, 0.5, 1])),
-                                              min_size=1, max_size=6), st.integers(0, 2**31 - 1))
-def test_scan_of_narrow_rows_in_groups(width, segments, seed):
+@given(st.sampled_from([4, 8, 16]), st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       st.lists(st.tuples(st.integers(1, 150), st.sampled_from([0, 0.01, 0.1, 0.5, 1])), min_size=1, max_size=6),
+       st.integers(0, 2**31 - 1))
+def test_scan_of_narrow_rows_in_groups(width, dtype, segments, seed):
     """Narrow rows scanned in groups first, then row by row inside the groups that hold something,
     or row by row at once where most groups do: stretches of different densities, so that chunks
     switch between the two, against the elementwise definition."""
     g = torch.Generator().manual_seed(seed)
     parts = []
     for nrows, density in segments:
-        part = torch.zeros(nrows, width)
+        part = torch.zeros(nrows, width, dtype=dtype)
         hit = torch.rand(nrows, generator=g) < density
+        values = torch.tensor([1.0, -0.0, float("nan"), torch.finfo(dtype).tiny / 2], dtype=dtype)
         part[hit, torch.randint(0, width, (int(hit.sum()),), generator=g)] = \
-            torch.tensor([1.0, -0.0, float("nan"), 1e-45])[torch.randint(0, 4, (int(hit.sum()),), generator=g)]
+            values[torch.randint(0, 4, (int(hit.sum()),), generator=g)]
         parts.append(part)
     rows = torch.cat(parts)
-    expected = (rows != 0).any(1) | rows.isnan().any(1)
+    expected = (rows.double() != 0).any(1) | rows.double().isnan().any(1)
     with mock.patch.multiple(blocks, **NARROW):
         assert np.array_equal(nonzero_mask(rows), expected.numpy())
 
