@@ -305,32 +305,20 @@ class Tables(nn.Module):
         return self.head(torch.cat([self.a(ids[:, 0]), self.b(ids[:, 1]), self.c(ids[:, 2])], 1))
 
 
-class ScaledTables(Tables):
-    """Tables with b's rows scaled by a small dense parameter, whose gradient backward produces
-    between two of the embeddings'."""
-
-    def __init__(self, sparse: bool = True):
-        super().__init__(sparse)
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.cat([self.a(ids[:, 0]), self.b(ids[:, 1]) * self.scale, self.c(ids[:, 2])], 1))
-
-
 def tables_loss(model: nn.Module, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(rank)
     ids = torch.stack([torch.randint(n, (6,), generator=g) for n in (50, 30, 40)], 1)
     return model(ids).pow(2).mean()
 
 
-def tables_reference(world: int, kind: type = Tables) -> list:
+def tables_reference(world: int) -> list:
     """The full-batch gradient, dense, on one float64 copy of the model: no collective."""
-    model = kind(sparse=False).double()
+    model = Tables(sparse=False).double()
     (sum(tables_loss(model, r) for r in range(world)) / world).backward()
     return [p.grad.float() for p in model.parameters()]
 
 
-def trained_tables(dp, rank: int, world: int, label: str, kind: type = Tables) -> dict:
+def trained_tables(dp, rank: int, world: int, label: str) -> dict:
     """Two steps of Tables under `dp` (the second shows nothing of the first is left behind), then
     closed: whether each gradient is COO, the error against the full-batch gradient, each tensor's
     strategy, and the tensors of each collective."""
@@ -343,8 +331,7 @@ def trained_tables(dp, rank: int, world: int, label: str, kind: type = Tables) -
         starts.setdefault(e.start, []).append(e.name)
     out = {f"{label} sparse": [p.grad.is_sparse for p in dp.module.parameters()],
            label: relative_error([p.grad.to_dense() if p.grad.is_sparse else p.grad
-                                  for p in dp.module.parameters()], tables_reference(world, kind)),
-           f"{label} ready order": [e.name for e in sorted(dp.trace, key=lambda e: e.ready)],
+                                  for p in dp.module.parameters()], tables_reference(world)),
            f"{label} strategies": sorted({(e.name, e.strategy) for e in dp.trace}),
            f"{label} collectives": sorted(sorted(names) for names in starts.values()),
            f"{label} predicted": {n: e.get("predicted_bytes") for n, e in dp.strategy().items()}}
@@ -442,9 +429,6 @@ def execution(rank: int, world: int) -> dict:
         # without a plan the COO gradients take the sparse AllReduce ("auto" with a communicator),
         # and those ready one after another share one collective
         out.update(trained_tables(sparcoll.torch.DataParallel(Tables(), comm=comm), rank, world, "unplanned coo"))
-        # ... also when a small dense gradient is ready between them (it takes a bucket of its own)
-        out.update(trained_tables(sparcoll.torch.DataParallel(ScaledTables(), comm=comm), rank, world,
-                                  "interleaved coo", ScaledTables))
         # a plan's units close a bucket as soon as they are complete: here each small tensor is a unit
         names = [n for n, _ in small_and_large().named_parameters()]
         alone = {"tensors": [{"name": n, "strategy": "ring", "unit": i} for i, n in enumerate(names)]}
@@ -511,19 +495,6 @@ def test_without_a_plan_coo_gradients_take_the_sparse_allreduce_together(execute
         assert [s for n, s in rank["unplanned coo strategies"] if n.endswith(("a.weight", "b.weight", "c.weight"))] \
             == ["sparse"] * 3
         assert ["a.weight", "b.weight", "c.weight"] in rank["unplanned coo collectives"]
-
-
-def test_without_a_plan_a_small_dense_gradient_between_coo_ones_does_not_split_them(executed):
-    """ScaledTables' dense `scale` is ready between two embeddings' COO gradients: the three still
-    share one sparse AllReduce, `scale` goes on the ring apart, and the gradient is the full batch's."""
-    for rank in executed:
-        order = rank["interleaved coo ready order"]
-        coo = [order.index(n) for n in ("a.weight", "b.weight", "c.weight")]
-        assert min(coo) < order.index("scale") < max(coo)          # the premise
-        assert rank["interleaved coo sparse"] == [False, True, True, True, False, False]   # scale first
-        assert rank["interleaved coo"] < 1e-5
-        assert ["a.weight", "b.weight", "c.weight"] in rank["interleaved coo collectives"]
-        assert ("scale", "ring") in rank["interleaved coo strategies"]
 
 
 def test_a_coo_gradients_predicted_bytes_are_its_rows(executed):

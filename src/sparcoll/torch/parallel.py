@@ -31,8 +31,7 @@ one compressor travel in buckets, as DDP's: one collective for several (each gra
 its own, their payloads sent together), instead of a collective's latency each; a compressed weight
 takes its own bias along when the bias came just before it (as `sparcoll plan` prices a layer). A
 plan's unit of several COO gradients under the sparse AllReduce is one collective of their rows
-(sparse.concatenate); without a plan, so are such gradients ready in one backward, small dense ones
-of other kinds between them in buckets of their own (until their
+(sparse.concatenate); without a plan, so are such gradients ready one after another (until their
 tables hold COO_BUCKET_BYTES). Under `no_sync()` gradients
 accumulate locally; the next synchronized step reduces the accumulated gradients (SFB layers then take
 the ring: their factors cover one step only). `trace` records, for the last step, when each tensor
@@ -126,9 +125,8 @@ class DataParallel(nn.Module):
         self.module = module
         self.comm, self.group, self.timeout, self.wait_free = comm, group, timeout, wait_free
         self._held: list = []
-        self._buckets: dict[tuple, list] = {}   # per (strategy, placement), one collective for all:
-                                                # (parameter, event, payload) of small gradients, in
-                                                # ready order; the buckets in their first's order
+        self._bucket: list = []           # (parameter, event, payload) of small gradients, in ready order
+        self._bucket_kind: tuple = ()     # the bucket's (strategy, placement): one collective for all
         self.world = dist.get_world_size(group)
         self.channel = Channel(group, comm)
         self._group_channel = Channel(group)     # the group's own collectives, without sparcoll
@@ -317,7 +315,7 @@ class DataParallel(nn.Module):
         unit = self._unit.get(self._names.get(id(p)))
         # a plan's unit of several compressed tensors, of several dense ones on the ring, or of several
         # COO ones under the sparse AllReduce, is one bucket, whatever their sizes; without a plan,
-        # COO gradients under the sparse AllReduce are one bucket until a gradient that goes alone
+        # COO gradients under the sparse AllReduce ready one after another are one bucket
         bucketed = small or ((compressed or dense_ring or coo_sparse) and unit is not None
                              and self._unit_size[unit] > 1) or (coo_sparse and not self._unit)
         if not (compressed or ((dense_ring or coo_sparse) and bucketed)):
@@ -337,8 +335,8 @@ class DataParallel(nn.Module):
     def _send_compressed(self, p: torch.Tensor, kind: tuple, payload) -> None:
         """A large compressed gradient goes at once, with its layer's bias if that is the last of the
         open bucket (the same compressor): one collective for the layer."""
-        bucket = self._buckets.get(kind)
-        layer = [bucket.pop()] if bucket and self._weight_of.get(id(bucket[-1][0])) is p else []
+        last = self._bucket[-1][0] if self._bucket and self._bucket_kind == kind else None
+        layer = [self._bucket.pop()] if last is not None and self._weight_of.get(id(last)) is p else []
         self._flush()
         event = Event(self._names.get(id(p), "?"), kind[0], time.perf_counter())
         self.trace.append(event)
@@ -366,7 +364,7 @@ class DataParallel(nn.Module):
         return reducer.compress(p.grad, id(p))
 
     def _enqueue(self, p: torch.Tensor, chosen: str, extra) -> None:
-        self._flush()                   # the buckets go first: they were ready first
+        self._flush()                   # the bucket goes first: it was ready first
         event = Event(self._names.get(id(p), "?"), chosen, time.perf_counter())
         self.trace.append(event)
         self._put((p, chosen, extra, [event]))
@@ -380,43 +378,37 @@ class DataParallel(nn.Module):
             self._held.append(item)
 
     def _add_to_bucket(self, p: torch.Tensor, kind: tuple, payload) -> None:
-        """Small gradients of one kind (the ring, or one compressor in one placement, or COO
-        gradients under the sparse AllReduce) travel together, as DDP's buckets: one collective
-        instead of one each. Each kind's bucket is formed on the training thread in ready order and
-        sent when it is full, when a gradient that goes alone is ready, or at the end of backward,
-        so it is the same on every rank without a message; a small gradient of another kind does
-        not cut it short (deeplight's tiny dense_embedding, ready between its two COO gradients,
-        made them two collectives). Under a plan, a bucket goes as soon as it holds all of a unit
-        of the plan (the plan priced the unit ready with its last member: waiting for the next
-        gradient cost ncf's first bucket 9 ms), and then only: a unit may hold several large
-        tensors, compressed or on the ring (sparcoll.plan.fusion)."""
-        bucket = self._buckets.get(kind)
-        if bucket and bucket[0][0].grad.dtype != p.grad.dtype:
-            self._flush(kind)
-        bucket = self._buckets.setdefault(kind, [])
+        """Small gradients of one kind (the ring, or one compressor in one placement) travel together,
+        as DDP's buckets: one collective instead of one each. The bucket is formed on the training
+        thread in ready order and sent when it is full, when a gradient that does not join it is
+        ready, or at the end of backward, so it is the same on every rank without a message; under a
+        plan, as soon as it holds all of a unit of the plan (the plan priced the unit ready with its
+        last member: waiting for the next gradient cost ncf's first bucket 9 ms), and then only: a
+        unit may hold several large tensors, compressed or on the ring (sparcoll.plan.fusion)."""
+        if self._bucket and (self._bucket_kind != kind or self._bucket[0][0].grad.dtype != p.grad.dtype):
+            self._flush()
+        self._bucket_kind = kind
         event = Event(self._names.get(id(p), "?"), kind[0], time.perf_counter())
         self.trace.append(event)
-        bucket.append((p, event, payload))
+        self._bucket.append((p, event, payload))
         unit = self._unit.get(event.name)
         if unit is None:
             cap = COO_BUCKET_BYTES if p.grad.is_sparse else BUCKET_BYTES
-            full = sum(q.grad.numel() * q.grad.element_size() for q, _, _ in bucket) >= cap
+            full = sum(q.grad.numel() * q.grad.element_size() for q, _, _ in self._bucket) >= cap
         else:
-            full = sum(self._unit.get(e.name) == unit for _, e, _ in bucket) == self._unit_size[unit]
+            full = sum(self._unit.get(e.name) == unit for _, e, _ in self._bucket) == self._unit_size[unit]
         if full:
-            self._flush(kind)
+            self._flush()
 
-    def _flush(self, kind: tuple | None = None) -> None:
-        """Send the bucket of `kind`, or every bucket (in the order of their first gradients)."""
-        for key in [kind] if kind is not None else list(self._buckets):
-            bucket = self._buckets.pop(key, None)
-            if not bucket:
-                continue
-            whole = {hybrid.RING: BUCKET, hybrid.SPARSE: COO_UNIT}.get(key[0])   # uncompressed
-            if whole is not None:
-                self._put((None, whole, [q for q, _, _ in bucket], [e for _, e, _ in bucket]))
-            else:
-                self._put_compressed(key, bucket)
+    def _flush(self) -> None:
+        if not self._bucket:
+            return
+        bucket, self._bucket = self._bucket, []
+        whole = {hybrid.RING: BUCKET, hybrid.SPARSE: COO_UNIT}.get(self._bucket_kind[0])   # uncompressed
+        if whole is not None:
+            self._put((None, whole, [q for q, _, _ in bucket], [e for _, e, _ in bucket]))
+        else:
+            self._put_compressed(self._bucket_kind, bucket)
 
     def _put_compressed(self, kind: tuple, members: list) -> None:
         """(parameter, event, payload) of one compressor in one placement: one collective for all."""
