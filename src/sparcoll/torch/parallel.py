@@ -32,8 +32,8 @@ its own, their payloads sent together), instead of a collective's latency each; 
 takes its own bias along when the bias came just before it (as `sparcoll plan` prices a layer). A
 plan's unit of several COO gradients under the sparse AllReduce is one collective of their rows
 (sparse.concatenate); without a plan, so are such gradients ready one after another (until their
-tables hold COO_BUCKET_BYTES, and while their rows are cut into pieces of at least
-sparse.MIN_PIECE elements). Under `no_sync()` gradients accumulate locally; the next synchronized step reduces the accumulated gradients (SFB layers then take
+tables hold COO_BUCKET_BYTES). Under `no_sync()` gradients
+accumulate locally; the next synchronized step reduces the accumulated gradients (SFB layers then take
 the ring: their factors cover one step only). `trace` records, for the last step, when each tensor
 was ready and when its synchronization started and ended, and when backward finished computing.
 """
@@ -315,8 +315,7 @@ class DataParallel(nn.Module):
         unit = self._unit.get(self._names.get(id(p)))
         # a plan's unit of several compressed tensors, of several dense ones on the ring, or of several
         # COO ones under the sparse AllReduce, is one bucket, whatever their sizes; without a plan,
-        # COO gradients under the sparse AllReduce ready one after another are one bucket (while
-        # their rows share pieces of at least sparse.MIN_PIECE: _add_to_bucket)
+        # COO gradients under the sparse AllReduce ready one after another are one bucket
         bucketed = small or ((compressed or dense_ring or coo_sparse) and unit is not None
                              and self._unit_size[unit] > 1) or (coo_sparse and not self._unit)
         if not (compressed or ((dense_ring or coo_sparse) and bucketed)):
@@ -386,15 +385,13 @@ class DataParallel(nn.Module):
         plan, as soon as it holds all of a unit of the plan (the plan priced the unit ready with its
         last member: waiting for the next gradient cost ncf's first bucket 9 ms), and then only: a
         unit may hold several large tensors, compressed or on the ring (sparcoll.plan.fusion)."""
-        unit = self._unit.get(self._names.get(id(p), "?"))
-        if self._bucket and (self._bucket_kind != kind or self._bucket[0][0].grad.dtype != p.grad.dtype
-                             or (unit is None and p.grad.is_sparse and sparse.piece_width(
-                                 [q.grad for q, _, _ in self._bucket] + [p.grad]) < sparse.MIN_PIECE)):
+        if self._bucket and (self._bucket_kind != kind or self._bucket[0][0].grad.dtype != p.grad.dtype):
             self._flush()
         self._bucket_kind = kind
         event = Event(self._names.get(id(p), "?"), kind[0], time.perf_counter())
         self.trace.append(event)
         self._bucket.append((p, event, payload))
+        unit = self._unit.get(event.name)
         if unit is None:
             cap = COO_BUCKET_BYTES if p.grad.is_sparse else BUCKET_BYTES
             full = sum(q.grad.numel() * q.grad.element_size() for q, _, _ in self._bucket) >= cap

@@ -29,22 +29,9 @@ def allreduce_coo(tensor: torch.Tensor, op: str, comm: Communicator) -> sparcoll
     return work
 
 
-MIN_PIECE = 8   # elements: COO tensors that `concatenate` would cut into narrower pieces are better
-                # reduced apart (unplanned; a plan's units are the planner's, by measured time).
-                # Loopback, 4 workers: ncf's rows of 32 and 8 (pieces of 8) took 32.5-34.9 ms a step
-                # in one collective, 38.0-41.9 apart; deeplight's rows of 1 and 10 (pieces of 1)
-                # took 45 ms in one collective, 11 + 20 ms apart, in a traced step (docs/benchmarks.md,
-                # section 6)
-
-
 def _width(coo: torch.Tensor) -> int:
     """Elements per entry (an index of the sparse dims): an embedding gradient's row width."""
     return math.prod(coo.shape[coo.sparse_dim():])
-
-
-def piece_width(coos) -> int:
-    """The width of the pieces `concatenate` cuts these COO tensors' rows into."""
-    return math.gcd(*(_width(c) for c in coos))
 
 
 def sparse_weights(module: nn.Module) -> set[int]:
@@ -62,7 +49,7 @@ def concatenate(coos: list[torch.Tensor]) -> torch.Tensor:
     elements wide (the greatest common divisor of their entries' widths), the tensors' rows one after
     the other: its row block-sparsity is theirs, so one sparse AllReduce of it carries what one of each
     would. `split` takes the result apart."""
-    g = piece_width(coos)
+    g = math.gcd(*(_width(c) for c in coos))
     indices, values, offset = [], [], 0
     for c in coos:
         per = _width(c) // g
