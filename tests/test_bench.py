@@ -312,8 +312,8 @@ def test_cpu_seconds_are_the_ranks_cpu_in_the_timed_call():
     """Two ranks whose collective burns a known CPU time each (and sleeps as long, which costs
     none): each repetition's cpu_s is their sum, not the wall time."""
     script = r"""
-import json, os, time, torch.distributed as dist
-from sparcoll.bench import algorithms, events, worker
+import os, time, torch.distributed as dist
+from sparcoll.bench import algorithms, worker
 BURN = float(os.environ["BURN"])
 def burn(ctx, t):
     start = time.process_time()

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 SCAN_ROWS = 1 << 16   # rows per reduceat in a scan: bounds the cached row starts (512 KiB)
-COARSE_BYTES = 1024   # rows narrower than this are first scanned in groups this wide (nonzero_mask)
+COARSE_BYTES = 1024   # rows of at most an eighth of this are first scanned in groups this wide
 REFINE_SHARE = 0.25   # ... unless more than this share of the last chunk's groups held something
 SAMPLE_GROUPS = 64    # (or, before the first chunk, of as many groups sampled across the rows)
 
