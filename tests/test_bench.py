@@ -359,6 +359,34 @@ def test_failing_worker_fails_the_job_quickly():
         run_job(Job(2, "none", 0, cfg, timeout=30), lambda event: None)
 
 
+CRASHING_WORKER = """
+import os, signal
+import torch.distributed as dist
+from sparcoll.bench.worker import exit_process, run_worker
+
+def body(cfg, rank, world):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+
+if __name__ == "__main__":
+    exit_process(run_worker(None, body))
+"""
+
+
+def test_a_worker_that_crashes_in_native_code_leaves_its_stack_and_its_signal(tmp_path):
+    """A worker killed by SIGSEGV (as a crash in gloo or torch would) has faulthandler's stack in its
+    log, and the job's error names the signal and shows that stack."""
+    (tmp_path / "crashing_worker.py").write_text(CRASHING_WORKER)
+    cfg = dict(timeout=30)
+    with pytest.raises(BenchError) as failure:
+        run_job(Job(2, "none", 0, cfg, timeout=30, worker="crashing_worker", env={"PYTHONPATH": str(tmp_path)}),
+                lambda event: None)
+    message = str(failure.value)
+    assert "Fatal Python error: Segmentation fault" in message and "crashing_worker.py" in message, message
+    assert "signal SIGSEGV" in message, message
+
+
 def _bench(tmp_path, *argv, env=None):
     out = tmp_path / "results.json"
     fig = tmp_path / "results.png"

@@ -23,6 +23,7 @@ left it one thread, so every thread it starts is in the namespace too).
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.forkserver as forkserver
 import os
@@ -141,6 +142,7 @@ def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, std
     os.close(logged)
     if stdout is not None:
         stdout.close()
+    faulthandler.enable()       # a crash in native code (gloo, torch) leaves every thread's stack in the log
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

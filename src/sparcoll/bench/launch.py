@@ -129,8 +129,10 @@ def _tails(children: list[_Child]) -> str:
                 lines = f.read().splitlines()[-LOG_TAIL:]
         except FileNotFoundError:       # a forked child that died before it opened its log
             lines = ["(no output: it ended before it started its log)"]
-        if lines:
-            parts.append(f"--- {c.name} (last lines of its output) ---\n" + "\n".join(lines))
+        code = c.proc.poll()
+        ended = "" if code is None else f"; it ended with {_describe_exit(code)}"
+        if lines or ended:
+            parts.append(f"--- {c.name} (last lines of its output{ended}) ---\n" + "\n".join(lines))
     return "\n".join(parts)
 
 
