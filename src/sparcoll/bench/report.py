@@ -66,7 +66,7 @@ def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: floa
         source, sent, received = "model", bound, bound
     bound_s = None if setup.rate_bps is None else bounds.seconds(bound, setup.rate_bps)
     algbw = nbytes / median / 1e9
-    cpu = statistics.median(result["cpu_s"]) if result.get("cpu_s") else None
+    cpu = statistics.median(result["cpu_s"])
     return {
         "algo": algo, "input": result["input"], "workers": n, "aggregators": aggregators,
         "num_aggregators": num_aggregators, "numel": spec.numel,
@@ -85,7 +85,7 @@ def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: floa
         "ratio_to_bound": None if bound_s is None else median / bound_s,
         # the workers' CPU seconds per collective, summed over ranks (median), and that over the
         # cores: no schedule of that work on them ends sooner (a floor besides the link's)
-        "cpu_s": cpu, "cpu_floor_s": None if cpu is None or not setup.cores else cpu / setup.cores,
+        "cpu_s": cpu, "cpu_floor_s": cpu / setup.cores if setup.cores else None,
         "speedup_vs_ring": None,
     }
 
@@ -113,7 +113,7 @@ def table(records: list[dict]) -> str:
              num(r["p10_s"] * 1e3, ".2f"), num(r["p90_s"] * 1e3, ".2f"), num(r["algbw_gbps"], ".3f"),
              num(r["busbw_gbps"], ".3f"), num(r["bytes_sent_per_worker"] / 1e6, ".3f"),
              num(r["lower_bound_s"] and r["lower_bound_s"] * 1e3, ".2f"), num(r["ratio_to_bound"], ".2f"),
-             num(r["cpu_s"] and r["cpu_s"] * 1e3, ".2f"), num(r["cpu_floor_s"] and r["cpu_floor_s"] * 1e3, ".2f"),
+             num(r["cpu_s"] * 1e3, ".2f"), num(r["cpu_floor_s"] and r["cpu_floor_s"] * 1e3, ".2f"),
              num(r["speedup_vs_ring"], ".2f")) for r in records]
     grid = Table(box=HEADER_RULE, show_edge=False, pad_edge=False)
     for i, name in enumerate(header):
