@@ -21,10 +21,6 @@ Modes (the same model, seeds and per-step global batches, so loss curves compare
             with the config's "model_spec" instead of a workload, on a user's own model (the
             planner's trial of `sparcoll plan --model`; workloads.user)
 
-Where plain DDP reduces sparse gradients with gloo (modes ddp and agsparse on a model with sparse
-embeddings), its process group is gloo with one worker thread (serial_gloo: with two, such jobs crashed
-in native code now and then).
-
 DDP runs with gradient_as_bucket_view=True: gradients live in DDP's buckets, one copy of the
 gradients fewer per step and per process (what a memory-minded user sets; vgg's 8 workers fit in
 memory only so).
@@ -61,11 +57,8 @@ from sparcoll.bench.events import emit
 from sparcoll.bench.netns import interface_counters
 from sparcoll.bench.worker import exit_process, run_worker
 from sparcoll.blocks import BlockTensor
-from sparcoll.train import serial_gloo
 from sparcoll.workloads import get_workload
 from sparcoll.workloads.user import UserModel
-
-serial_gloo.register()
 
 MODES = ("sparcoll", "ddp", "hook", "agsparse", "poseidon", "poseidon-blocking", "planned")
 DATA_PARALLEL = ("poseidon", "poseidon-blocking", "planned")     # the modes of sparcoll.torch.DataParallel
@@ -124,33 +117,11 @@ class GradientProbe:
                               else nonzero_elements(p.grad) for p in self.params], self.block_size)
 
 
-def workload_arguments(cfg: dict) -> dict:
-    return {"sparse_embeddings": cfg["comm"] == "agsparse", **cfg["options"]}   # or as the user says
-
-
-def sparse_gradients(cfg: dict) -> bool:
-    """Whether the job's model has sparse (COO) gradients: a workload's from its options, a user's
-    model (sparcoll plan --model's trial) from its modules, which this builds once more."""
-    if cfg.get("model_spec"):
-        return any(getattr(m, "sparse", False) is True for m in UserModel(cfg["model_spec"]).model.modules())
-    return bool(workload_arguments(cfg)["sparse_embeddings"])
-
-
-def process_group_backend(cfg: dict) -> str:
-    """DDP's process group: the "sparcoll" backend in mode sparcoll; gloo with one worker thread
-    (serial_gloo: two crashed now and then) where plain DDP reduces sparse gradients with gloo;
-    gloo otherwise (the hook mode sends its gradients, sparse ones too, through sparcoll)."""
-    if cfg["comm"] == "sparcoll":
-        return "sparcoll"
-    if cfg["comm"] in ("ddp", "agsparse") and sparse_gradients(cfg):
-        return serial_gloo.NAME
-    return "gloo"
-
-
 def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) -> None:
     mode = cfg["comm"]
+    options = {"sparse_embeddings": mode == "agsparse", **cfg["options"]}   # or as the user says
     workload = (UserModel(cfg["model_spec"]) if cfg.get("model_spec")      # sparcoll plan --model's trial
-                else get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **workload_arguments(cfg)))
+                else get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **options))
     poseidon = mode in DATA_PARALLEL
     if poseidon:
         model = sparcoll.torch.DataParallel(workload.model, comm=comm, strategy=cfg.get("strategy") or "auto",
@@ -247,7 +218,8 @@ def run_with_communicator(cfg: dict, rank: int, world: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_worker(argv, run_with_communicator, backend=process_group_backend)
+    return run_worker(argv, run_with_communicator,
+                      backend=lambda cfg: "sparcoll" if cfg["comm"] == "sparcoll" else "gloo")
 
 
 if __name__ == "__main__":
