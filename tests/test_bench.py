@@ -374,49 +374,17 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("forked", [True, False])
-def test_a_worker_that_crashes_in_native_code_leaves_its_stack_and_its_signal(tmp_path, forked):
+def test_a_worker_that_crashes_in_native_code_leaves_its_stack_and_its_signal(tmp_path):
     """A worker killed by SIGSEGV (as a crash in gloo or torch would) has faulthandler's stack in its
-    log, and the job's error names the signal and shows that stack; forked or a new interpreter."""
+    log, and the job's error names the signal and shows that stack."""
     (tmp_path / "crashing_worker.py").write_text(CRASHING_WORKER)
     cfg = dict(timeout=30)
     with pytest.raises(BenchError) as failure:
-        run_job(Job(2, "none", 0, cfg, timeout=30, worker="crashing_worker", env={"PYTHONPATH": str(tmp_path)},
-                    forked=forked), lambda event: None)
+        run_job(Job(2, "none", 0, cfg, timeout=30, worker="crashing_worker", env={"PYTHONPATH": str(tmp_path)}),
+                lambda event: None)
     message = str(failure.value)
     assert "Fatal Python error: Segmentation fault" in message and "crashing_worker.py" in message, message
     assert "signal SIGSEGV" in message, message
-
-
-INTERPRETER_WORKER = """
-import os, sys
-import torch.distributed as dist
-from sparcoll.bench.events import emit
-from sparcoll.bench.worker import exit_process, run_worker
-
-def body(cfg, rank, world):
-    argv = [None] * world
-    dist.all_gather_object(argv, (sys.orig_argv, os.getppid()))
-    if rank == 0:
-        emit({"event": "processes", "argv": argv})
-
-if __name__ == "__main__":
-    exit_process(run_worker(None, body))
-"""
-
-
-@pytest.mark.parametrize("forked", [True, False])
-def test_a_job_not_forked_runs_its_workers_as_new_interpreters(tmp_path, forked):
-    (tmp_path / "interpreter_worker.py").write_text(INTERPRETER_WORKER)
-    events = []
-    run_job(Job(2, "none", 0, dict(timeout=30), timeout=30, worker="interpreter_worker",
-                env={"PYTHONPATH": str(tmp_path)}, forked=forked), events.append)
-    (processes,) = [e["argv"] for e in events if e["event"] == "processes"]
-    for argv, parent in processes:
-        if forked:       # children of the fork server, whose command line they keep
-            assert "from multiprocessing.forkserver import main" in " ".join(argv) and parent != os.getpid()
-        else:            # started by this launcher: python -X faulthandler -m interpreter_worker CONFIG
-            assert argv[1:5] == ["-X", "faulthandler", "-m", "interpreter_worker"] and parent == os.getpid()
 
 
 def _bench(tmp_path, *argv, env=None):

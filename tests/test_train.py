@@ -185,27 +185,3 @@ def test_timed_steps_leave_out_the_warm_up_and_the_probed_steps():
     only_probed = [{"step": 0, "probed": True}, {"step": 1, "probed": True}]
     assert [s["step"] for s in timed_steps(only_probed, 1)] == [1]     # nothing else to time
     assert [s["step"] for s in timed_steps(only_probed[:1], 1)] == [0]
-
-
-def test_plain_ddp_on_sparse_gradients_runs_in_new_interpreters(tmp_path, monkeypatch):
-    """Forked from the fork server, such jobs crashed in native code now and then (docs/reliability.md)."""
-    from sparcoll.train import command
-    from sparcoll.train.worker import plain_ddp_on_sparse_gradients as plain
-
-    job = {"comm": "ddp", "options": {}, "block_size": 256}
-    assert not plain(job)
-    assert plain({**job, "comm": "agsparse"}) and plain({**job, "options": {"sparse_embeddings": True}})
-    # the hook sends sparse gradients through sparcoll, mode sparcoll is DDP on sparcoll's backend
-    assert not plain({**job, "comm": "hook", "options": {"sparse_embeddings": True}})
-    assert not plain({**job, "comm": "sparcoll", "options": {"sparse_embeddings": True}})
-    (tmp_path / "tables.py").write_text(
-        "import torch\nfrom torch import nn\n"
-        "def sparse():\n    return nn.EmbeddingBag(10, 4, sparse=True), torch.tensor([[1, 2]])\n"
-        "def dense():\n    return nn.EmbeddingBag(10, 4), torch.tensor([[1, 2]])\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert plain({**job, "model_spec": "tables:sparse"}) and not plain({**job, "model_spec": "tables:dense"})
-    jobs = []
-    monkeypatch.setattr(command, "run_job", lambda job, on_event: jobs.append(job))
-    command.launch({**job, "options": {"sparse_embeddings": True}}, 2, "none", 30, None)
-    command.launch(job, 2, "none", 30, None)
-    assert [j.forked for j in jobs] == [False, True]

@@ -3,8 +3,7 @@ or on an EmulatedNetwork, streaming rank 0's events back to the caller. Workers 
 (launcher "torchrun") by a torchrun agent per emulated host with c10d rendezvous, as users launch
 multi-host jobs, so the two can be compared on the same links. Workers and aggregators are forked
 from a fork server that has imported torch (forked.py), inside their host's namespace on an emulated
-network; torchrun's agents are new interpreters, as are the processes of a job that is not `forked`
-(plain DDP on sparse gradients: forked, it crashed in native code now and then; train/command.py).
+network; torchrun's agents are new interpreters.
 
 Every child is stopped on every way out (success, error, timeout, Ctrl-C): terminated, then killed. Each
 child also gets SIGKILL from the kernel if the launcher dies without cleaning up (PR_SET_PDEATHSIG, kept
@@ -62,7 +61,6 @@ class Job:
     worker: str = "sparcoll.bench.worker"   # the module each worker process runs with the config
     env: dict = field(default_factory=dict)  # extra environment of the workers
     launcher: str = "direct"   # "direct": we start every worker; "torchrun": an agent per host does
-    forked: bool = True        # "direct" processes forked from the fork server; False: new interpreters
     link_burst: int | None = None  # the links' token bucket in bytes (None: netem's default for the rate)
 
 
@@ -182,16 +180,15 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
 
         def spawn(host: int, command: list[str], env: dict, log: str, pipe_stdout: bool):
             """`python -m ...` (`command`, "-m" and on) forked into `host`'s namespace; a torchrun
-            agent, or any process of a job not `forked`, a new interpreter there."""
-            if job.launcher != "torchrun" and job.forked:
+            agent (only on an emulated network) a new interpreter there."""
+            if job.launcher != "torchrun":
                 module, *args = command[1:]
                 return ForkedChild(module, args, env, log, pipe_stdout,
                                    netns=None if net is None else net.namespaces[host])
-            argv = [sys.executable, "-X", "faulthandler", *command]
             with open(log, "wb") as f:
-                kwargs = dict(env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if pipe_stdout else f,
-                              stderr=f, preexec_fn=_die_with_parent)
-                return subprocess.Popen(argv, **kwargs) if net is None else net.popen(host, argv, **kwargs)
+                return net.popen(host, [sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE if pipe_stdout else f, stderr=f,
+                                 preexec_fn=_die_with_parent)
         stack.callback(_stop, children)  # runs before the network is torn down
 
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": interface,

@@ -29,7 +29,7 @@ import sys
 
 from sparcoll.bench.launch import Job, run_job, run_jobs
 from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
-from sparcoll.train.worker import MODES, plain_ddp_on_sparse_gradients
+from sparcoll.train.worker import MODES
 from sparcoll.workloads import WORKLOADS
 
 COMPARED = ("sparcoll", "ddp")
@@ -200,11 +200,9 @@ def load_plan(args, modes) -> dict | None:
 
 
 def launch(config: dict, workers: int, network: str, timeout: float, on_event) -> None:
-    """Run the workers of one training job with the bench harness's launcher (plain DDP on sparse
-    gradients in new interpreters: forked, it crashed now and then; train/worker.py)."""
+    """Run the workers of one training job with the bench harness's launcher."""
     run_job(Job(workers, network, 0, config, timeout, worker="sparcoll.train.worker",
-                env={"SPARCOLL_BLOCK_SIZE": str(config["block_size"])}, link_burst=config.get("link_burst"),
-                forked=not plain_ddp_on_sparse_gradients(config)),
+                env={"SPARCOLL_BLOCK_SIZE": str(config["block_size"])}, link_burst=config.get("link_burst")),
             on_event)
 
 

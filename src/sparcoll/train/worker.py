@@ -21,10 +21,6 @@ Modes (the same model, seeds and per-step global batches, so loss curves compare
             with the config's "model_spec" instead of a workload, on a user's own model (the
             planner's trial of `sparcoll plan --model`; workloads.user)
 
-The launcher starts the workers of plain DDP on sparse gradients (plain_ddp_on_sparse_gradients) as new
-interpreters, not forked from its fork server: forked, such jobs crashed in native code now and then
-(heap corruption in gloo's threads; docs/results/ddp-crash).
-
 DDP runs with gradient_as_bucket_view=True: gradients live in DDP's buckets, one copy of the
 gradients fewer per step and per process (what a memory-minded user sets; vgg's 8 workers fit in
 memory only so).
@@ -121,25 +117,11 @@ class GradientProbe:
                               else nonzero_elements(p.grad) for p in self.params], self.block_size)
 
 
-def workload_arguments(cfg: dict) -> dict:
-    return {"sparse_embeddings": cfg["comm"] == "agsparse", **cfg["options"]}   # or as the user says
-
-
-def plain_ddp_on_sparse_gradients(cfg: dict) -> bool:
-    """Whether the job is DDP on gloo reducing sparse (COO) gradients itself (modes ddp and agsparse; the
-    hook sends them through sparcoll). A workload's model has them by its options, a user's model
-    (sparcoll plan --model's trial) by its modules, which this builds to see."""
-    if cfg["comm"] not in ("ddp", "agsparse"):
-        return False
-    if cfg.get("model_spec"):
-        return any(getattr(m, "sparse", False) is True for m in UserModel(cfg["model_spec"]).model.modules())
-    return bool(workload_arguments(cfg)["sparse_embeddings"])
-
-
 def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) -> None:
     mode = cfg["comm"]
+    options = {"sparse_embeddings": mode == "agsparse", **cfg["options"]}   # or as the user says
     workload = (UserModel(cfg["model_spec"]) if cfg.get("model_spec")      # sparcoll plan --model's trial
-                else get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **workload_arguments(cfg)))
+                else get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **options))
     poseidon = mode in DATA_PARALLEL
     if poseidon:
         model = sparcoll.torch.DataParallel(workload.model, comm=comm, strategy=cfg.get("strategy") or "auto",
