@@ -355,8 +355,9 @@ def test_failing_worker_fails_the_job_quickly():
     cfg = dict(numel=4096, block_size=256, row_width=256, densities=[0.5], overlap=0.0, seed=0,
                algos=[["nonexistent", "dense"]],
                warmup=0, repeat=1, timeout=30)
-    with pytest.raises(BenchError, match="KeyError"):
+    with pytest.raises(BenchError, match="KeyError") as failure:
         run_job(Job(2, "none", 0, cfg, timeout=30), lambda event: None)
+    assert failure.value.crashed == ()      # an exception, no crash: nothing to run again
 
 
 CRASHING_WORKER = """
@@ -385,6 +386,7 @@ def test_a_worker_that_crashes_in_native_code_leaves_its_stack_and_its_signal(tm
     message = str(failure.value)
     assert "Fatal Python error: Segmentation fault" in message and "crashing_worker.py" in message, message
     assert "signal SIGSEGV" in message, message
+    assert failure.value.crashed == ("worker 1",)      # what `sparcoll train` runs again (train.command)
 
 
 def _bench(tmp_path, *argv, env=None):

@@ -475,3 +475,19 @@ def test_a_profile_times_each_curve_up_to_the_first_size_that_holds_the_whole_gr
         assert chosen == full[:len(chosen)] and len(chosen) >= 2
         assert chosen[-1] >= whole or chosen == full
         assert len(chosen) == 2 or chosen[-2] < whole
+
+
+def test_a_trial_job_run_again_after_a_crash_keeps_only_its_last_run(monkeypatch):
+    """sparcoll train's launch runs plain DDP on sparse gradients again after a crash in native code,
+    saying so with a "restart" event first: the steps before it are dropped, the bar's total grows."""
+    def launch(config, workers, network, timeout, on_event):
+        for seconds in (9.0, 9.0):
+            on_event({"event": "step", "step_s": seconds, "comm_s": 0.1})
+        on_event({"event": "restart", "crashed": ["worker 1"]})
+        for step in range(config["steps"]):
+            on_event({"event": "step", "step_s": 1.0 if step == 0 else 0.5, "comm_s": 0.1})
+    monkeypatch.setattr(trial, "launch", launch)
+    calls = []
+    steps = trial.train({"comm": "ddp"}, trial.DDP, 2, "none", 3, 1, 10.0, lambda what, more=0: calls.append(more))
+    assert [s["step_s"] for s in steps] == [0.5, 0.5, 0.5]          # the warm-up and the crashed run left out
+    assert len(calls) == 2 + 1 + 4 and sum(calls) == 3              # the bar grows by the 2 dropped steps + 1

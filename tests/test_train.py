@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from sparcoll.bench.launch import BenchError
 from sparcoll.cli import main
 from sparcoll.train.command import _option, timed_steps, workload_options
 from sparcoll.train.worker import block_density, nonzero_elements, synchronization
@@ -185,3 +186,66 @@ def test_timed_steps_leave_out_the_warm_up_and_the_probed_steps():
     only_probed = [{"step": 0, "probed": True}, {"step": 1, "probed": True}]
     assert [s["step"] for s in timed_steps(only_probed, 1)] == [1]     # nothing else to time
     assert [s["step"] for s in timed_steps(only_probed[:1], 1)] == [0]
+
+
+def test_plain_ddp_on_sparse_gradients_is_what_gets_run_again_after_a_crash(tmp_path, monkeypatch):
+    """torch 2.13's gloo crashes now and then under DDP's sparse all_reduce (docs/reliability.md)."""
+    from sparcoll.train.worker import plain_ddp_on_sparse_gradients as plain
+
+    job = {"comm": "ddp", "options": {}}
+    assert not plain(job)
+    assert plain({**job, "comm": "agsparse"}) and plain({**job, "options": {"sparse_embeddings": True}})
+    # the hook sends sparse gradients through sparcoll, mode sparcoll is DDP on sparcoll's backend
+    assert not plain({"comm": "hook", "options": {"sparse_embeddings": True}})
+    assert not plain({"comm": "sparcoll", "options": {"sparse_embeddings": True}})
+    (tmp_path / "tables.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def sparse():\n    return nn.EmbeddingBag(10, 4, sparse=True), torch.tensor([[1, 2]])\n"
+        "def dense():\n    return nn.EmbeddingBag(10, 4), torch.tensor([[1, 2]])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert plain({**job, "model_spec": "tables:sparse"}) and not plain({**job, "model_spec": "tables:dense"})
+
+
+def _step(step: int, loss: float) -> dict:
+    return {"event": "step", "step": step, "probed": step == 0, "loss": loss, "step_s": 0.02, "comm_s": 0.01,
+            "compute_s": 0.01, "density_local": 0.5, "density_union": 0.5, "bytes_sent": None}
+
+
+class FakeJobs:
+    """run_job for command.launch: each job emits `steps` steps; the first `crashes` jobs stop after
+    two of them with the given failure."""
+
+    def __init__(self, steps: int, crashes: int, crashed=("worker 1",)):
+        self.steps, self.crashes, self.crashed, self.jobs = steps, crashes, crashed, 0
+
+    def __call__(self, job, on_event):
+        self.jobs += 1
+        for step in range(self.steps):
+            if self.jobs <= self.crashes and step == 2:
+                failure = BenchError("worker 1 exited (signal SIGABRT) before finishing")
+                failure.crashed = self.crashed
+                raise failure
+            on_event(_step(step, 1.0 / (step + 1) + 10 * (self.jobs <= self.crashes)))
+
+
+def test_a_crash_of_plain_ddp_on_sparse_gradients_runs_it_again(tmp_path, monkeypatch, capsys):
+    from sparcoll.train import command
+
+    sparse = ["--workload-option", "tiny=true", "--workload-option", "sparse_embeddings=true"]
+    argv = ["train", "--workload", "ncf", "--workers", "2", "--network", "none", "--steps", "4", "--json"]
+    fake = FakeJobs(4, crashes=1)
+    monkeypatch.setattr(command, "run_job", fake)
+    assert main([*argv, str(tmp_path / "r.json"), *sparse, "--comm", "ddp"]) == 0
+    assert fake.jobs == 2 and "crashed in native code (worker 1)" in capsys.readouterr().err
+    (run,) = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert run["loss"] == [1.0, 0.5, 1 / 3, 0.25] and run["crashed_runs"] == [["worker 1"]]  # the second run's alone
+    fake = FakeJobs(4, crashes=command.CRASH_RETRIES + 1)           # it keeps crashing: the job fails
+    monkeypatch.setattr(command, "run_job", fake)
+    assert main([*argv, str(tmp_path / "s.json"), *sparse, "--comm", "ddp"]) == 1
+    assert fake.jobs == command.CRASH_RETRIES + 1
+    for failing in (FakeJobs(4, crashes=1, crashed=()),                # not a crash: no second run
+                    FakeJobs(4, crashes=1)):                           # dense gradients: not this crash
+        monkeypatch.setattr(command, "run_job", failing)
+        options = sparse if not failing.crashed else sparse[:2]
+        assert main([*argv, str(tmp_path / "t.json"), *options, "--comm", "ddp"]) == 1
+        assert failing.jobs == 1

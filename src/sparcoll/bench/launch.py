@@ -47,8 +47,14 @@ LOG_TAIL = 20       # lines of a child's log shown in a failure
 LOG_WIDTH = 200     # columns of a progress line off a terminal (rich assumes 80 there)
 
 
+#: Signals that end a process which crashed in native code (its log then holds faulthandler's stacks).
+CRASH_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL})
+
+
 class BenchError(RuntimeError):
-    """The benchmark job failed (wrong result, crashed or hung child); the message says where."""
+    """The benchmark job failed (wrong result, crashed or hung child); the message says where.
+    `crashed` names the job's processes that had ended by a CRASH_SIGNALS signal when it failed."""
+    crashed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,10 @@ def _tails(children: list[_Child]) -> str:
     return "\n".join(parts)
 
 
+def _crash_signal(code: int | None) -> bool:
+    return code is not None and code < 0 and -code in CRASH_SIGNALS
+
+
 def _describe_exit(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
 
@@ -220,7 +230,11 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
             workers = [start(f"worker {rank}", rank, ["-m", job.worker, config],
                              {**job.env, "RANK": str(rank)}, pipe_stdout=rank == 0)
                        for rank in range(job.workers)]
-        _follow(workers[0], children, job, on_event)
+        try:
+            _follow(workers[0], children, job, on_event)
+        except BenchError as failure:
+            failure.crashed = tuple(c.name for c in children if _crash_signal(c.proc.poll()))
+            raise
         _await_workers(children[job.dedicated_aggregators:])
 
 

@@ -78,7 +78,7 @@ def choose(step_s: dict[str, float], lossless_ones=frozenset(), margin: float = 
 
 
 def train(config: dict, name: str, workers: int, network: str, steps: int, warmup: int, timeout: float,
-          advance: Callable[[str], None]) -> list[dict]:
+          advance: Callable[..., None]) -> list[dict]:
     """The timed step events (the slowest worker's, as `sparcoll train` reports them) of one training
     job of `warmup` untimed and `steps` more (command.timed_steps: the probed ones are left out);
     BenchError if it fails."""
@@ -88,6 +88,9 @@ def train(config: dict, name: str, workers: int, network: str, steps: int, warmu
         if event.get("event") == "step":
             events.append(event)
             advance(f"trial {name}: step {len(events)}")
+        elif event.get("event") == "restart":       # the steps so far are of a run that crashed
+            advance(f"trial {name}: crashed in native code, again", more=len(events) + 1)
+            events.clear()
 
     try:
         launch({**config, "steps": warmup + steps}, workers, network, timeout, on_event)

@@ -27,9 +27,9 @@ import math
 import statistics
 import sys
 
-from sparcoll.bench.launch import Job, run_job, run_jobs
+from sparcoll.bench.launch import BenchError, Job, run_job, run_jobs
 from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
-from sparcoll.train.worker import MODES
+from sparcoll.train.worker import MODES, plain_ddp_on_sparse_gradients
 from sparcoll.workloads import WORKLOADS
 
 COMPARED = ("sparcoll", "ddp")
@@ -199,11 +199,29 @@ def load_plan(args, modes) -> dict | None:
     return plan
 
 
+#: How many times a job of plain DDP on sparse gradients is run again after a crash in native code.
+CRASH_RETRIES = 2
+
+
 def launch(config: dict, workers: int, network: str, timeout: float, on_event) -> None:
-    """Run the workers of one training job with the bench harness's launcher."""
-    run_job(Job(workers, network, 0, config, timeout, worker="sparcoll.train.worker",
-                env={"SPARCOLL_BLOCK_SIZE": str(config["block_size"])}, link_burst=config.get("link_burst")),
-            on_event)
+    """Run the workers of one training job with the bench harness's launcher. Plain DDP on sparse
+    gradients crashes in native code now and then (torch 2.13's gloo, its sparse all_reduce on two
+    worker threads; docs/reliability.md): such a job is run again after a crash, up to CRASH_RETRIES
+    times, with a warning, on_event getting {"event": "restart", "crashed": [names]} first so the
+    caller drops the steps of the run that crashed. Any other failure is raised at once."""
+    job = Job(workers, network, 0, config, timeout, worker="sparcoll.train.worker",
+              env={"SPARCOLL_BLOCK_SIZE": str(config["block_size"])}, link_burst=config.get("link_burst"))
+    retries = CRASH_RETRIES if plain_ddp_on_sparse_gradients(config) else 0
+    for attempt in range(retries + 1):
+        try:
+            return run_job(job, on_event)
+        except BenchError as failure:
+            if attempt == retries or not failure.crashed:
+                raise
+            print(f"warning: DDP on gloo crashed in native code ({', '.join(failure.crashed)}), as torch "
+                  f"2.13's gloo does now and then with sparse gradients (docs/reliability.md); running "
+                  f"the job again", file=sys.stderr)
+            on_event({"event": "restart", "crashed": list(failure.crashed)})
 
 
 def final_loss(losses: list[float], held_out: float | None) -> tuple[float, str]:
@@ -315,8 +333,14 @@ def run(args) -> int:
             steps: list[dict] = []
             held_out: list[float] = []
             traces: list[dict] = []
+            restarts: list[list[str]] = []
 
             def on_event(event: dict) -> None:
+                if event.get("event") == "restart":     # the steps so far are of a run that crashed
+                    advance(f"{label(mode)}: crashed in native code, again", more=len(steps) + 1)
+                    restarts.append(event["crashed"])
+                    steps.clear(), held_out.clear(), traces.clear()
+                    return
                 if event.get("event") == "eval":
                     held_out.append(event["loss"])
                     return
@@ -330,6 +354,8 @@ def run(args) -> int:
                     **({"strategy": plan} if mode[0] == "planned" else {})},
                    args.workers, args.network, args.timeout, on_event)
             runs.append(summarize(mode, steps, args, held_out[0] if held_out else None))
+            if restarts:
+                runs[-1]["crashed_runs"] = restarts     # the processes a crash ended, run by run
             if traces:
                 runs[-1]["trace"] = traces[0]
 

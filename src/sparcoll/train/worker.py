@@ -21,6 +21,9 @@ Modes (the same model, seeds and per-step global batches, so loss curves compare
             with the config's "model_spec" instead of a workload, on a user's own model (the
             planner's trial of `sparcoll plan --model`; workloads.user)
 
+Plain DDP on sparse gradients (plain_ddp_on_sparse_gradients) crashes in native code now and then
+(torch 2.13's gloo; docs/reliability.md): the launcher (command.launch) runs such a job again then.
+
 DDP runs with gradient_as_bucket_view=True: gradients live in DDP's buckets, one copy of the
 gradients fewer per step and per process (what a memory-minded user sets; vgg's 8 workers fit in
 memory only so).
@@ -117,11 +120,25 @@ class GradientProbe:
                               else nonzero_elements(p.grad) for p in self.params], self.block_size)
 
 
+def workload_arguments(cfg: dict) -> dict:
+    return {"sparse_embeddings": cfg["comm"] == "agsparse", **cfg["options"]}   # or as the user says
+
+
+def plain_ddp_on_sparse_gradients(cfg: dict) -> bool:
+    """Whether the job is DDP on gloo reducing sparse (COO) gradients itself (modes ddp and agsparse; the
+    hook sends them through sparcoll). A workload's model has them by its options, a user's model
+    (sparcoll plan --model's trial) by its modules, which this builds to see."""
+    if cfg["comm"] not in ("ddp", "agsparse"):
+        return False
+    if cfg.get("model_spec"):
+        return any(getattr(m, "sparse", False) is True for m in UserModel(cfg["model_spec"]).model.modules())
+    return bool(workload_arguments(cfg)["sparse_embeddings"])
+
+
 def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) -> None:
     mode = cfg["comm"]
-    options = {"sparse_embeddings": mode == "agsparse", **cfg["options"]}   # or as the user says
     workload = (UserModel(cfg["model_spec"]) if cfg.get("model_spec")      # sparcoll plan --model's trial
-                else get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **options))
+                else get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **workload_arguments(cfg)))
     poseidon = mode in DATA_PARALLEL
     if poseidon:
         model = sparcoll.torch.DataParallel(workload.model, comm=comm, strategy=cfg.get("strategy") or "auto",
