@@ -211,12 +211,11 @@ def launch(config: dict, workers: int, network: str, timeout: float, on_event) -
     caller drops the steps of the run that crashed. Any other failure is raised at once."""
     job = Job(workers, network, 0, config, timeout, worker="sparcoll.train.worker",
               env={"SPARCOLL_BLOCK_SIZE": str(config["block_size"])}, link_burst=config.get("link_burst"))
-    retries = CRASH_RETRIES if plain_ddp_on_sparse_gradients(config) else 0
-    for attempt in range(retries + 1):
+    for attempt in range(CRASH_RETRIES + 1):
         try:
             return run_job(job, on_event)
-        except BenchError as failure:
-            if attempt == retries or not failure.crashed:
+        except BenchError as failure:      # the job's kind asked only now: a user's model is built for it
+            if attempt == CRASH_RETRIES or not failure.crashed or not plain_ddp_on_sparse_gradients(config):
                 raise
             print(f"warning: DDP on gloo crashed in native code ({', '.join(failure.crashed)}), as torch "
                   f"2.13's gloo does now and then with sparse gradients (docs/reliability.md); running "
@@ -339,7 +338,9 @@ def run(args) -> int:
                 if event.get("event") == "restart":     # the steps so far are of a run that crashed
                     advance(f"{label(mode)}: crashed in native code, again", more=len(steps) + 1)
                     restarts.append(event["crashed"])
-                    steps.clear(), held_out.clear(), traces.clear()
+                    steps.clear()
+                    held_out.clear()
+                    traces.clear()
                     return
                 if event.get("event") == "eval":
                     held_out.append(event["loss"])
