@@ -386,7 +386,7 @@ def test_a_worker_that_crashes_in_native_code_leaves_its_stack_and_its_signal(tm
     message = str(failure.value)
     assert "Fatal Python error: Segmentation fault" in message and "crashing_worker.py" in message, message
     assert "signal SIGSEGV" in message, message
-    assert failure.value.crashed == ("worker 1",)      # what `sparcoll train` runs again (train.command)
+    assert failure.value.crashed == ("worker 1 (signal SIGSEGV)",)   # what `sparcoll train` runs again
 
 
 def _bench(tmp_path, *argv, env=None):

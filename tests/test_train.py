@@ -215,7 +215,7 @@ class FakeJobs:
     """run_job for command.launch: each job emits `steps` steps; the first `crashes` jobs stop after
     two of them with the given failure."""
 
-    def __init__(self, steps: int, crashes: int, crashed=("worker 1",)):
+    def __init__(self, steps: int, crashes: int, crashed=("worker 1 (signal SIGABRT)",)):
         self.steps, self.crashes, self.crashed, self.jobs = steps, crashes, crashed, 0
 
     def __call__(self, job, on_event):
@@ -236,9 +236,9 @@ def test_a_crash_of_plain_ddp_on_sparse_gradients_runs_it_again(tmp_path, monkey
     fake = FakeJobs(4, crashes=1)
     monkeypatch.setattr(command, "run_job", fake)
     assert main([*argv, str(tmp_path / "r.json"), *sparse, "--comm", "ddp"]) == 0
-    assert fake.jobs == 2 and "crashed in native code (worker 1)" in capsys.readouterr().err
+    assert fake.jobs == 2 and "crashed in native code: worker 1 (signal SIGABRT);" in capsys.readouterr().err
     (run,) = json.loads((tmp_path / "r.json").read_text())["runs"]
-    assert run["loss"] == [1.0, 0.5, 1 / 3, 0.25] and run["crashed_runs"] == [["worker 1"]]  # the second run's alone
+    assert run["loss"] == [1.0, 0.5, 1 / 3, 0.25] and run["crashed_runs"] == [["worker 1 (signal SIGABRT)"]]  # the second run's alone
     fake = FakeJobs(4, crashes=command.CRASH_RETRIES + 1)           # it keeps crashing: the job fails
     monkeypatch.setattr(command, "run_job", fake)
     assert main([*argv, str(tmp_path / "s.json"), *sparse, "--comm", "ddp"]) == 1

@@ -53,7 +53,8 @@ CRASH_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal
 
 class BenchError(RuntimeError):
     """The benchmark job failed (wrong result, crashed or hung child); the message says where.
-    `crashed` names the job's processes that had ended by a CRASH_SIGNALS signal when it failed."""
+    `crashed` names the job's processes that had ended by a CRASH_SIGNALS signal when it failed, and
+    the signal ("worker 1 (signal SIGABRT)")."""
     crashed: tuple[str, ...] = ()
 
 
@@ -233,7 +234,8 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
         try:
             _follow(workers[0], children, job, on_event)
         except BenchError as failure:
-            failure.crashed = tuple(c.name for c in children if _crash_signal(c.proc.poll()))
+            failure.crashed = tuple(f"{c.name} ({_describe_exit(c.proc.poll())})" for c in children
+                                    if _crash_signal(c.proc.poll()))
             raise
         _await_workers(children[job.dedicated_aggregators:])
 

@@ -217,9 +217,9 @@ def launch(config: dict, workers: int, network: str, timeout: float, on_event) -
         except BenchError as failure:      # the job's kind asked only now: a user's model is built for it
             if attempt == CRASH_RETRIES or not failure.crashed or not plain_ddp_on_sparse_gradients(config):
                 raise
-            print(f"warning: DDP on gloo crashed in native code ({', '.join(failure.crashed)}), as torch "
-                  f"2.13's gloo does now and then with sparse gradients (docs/reliability.md); running "
-                  f"the job again", file=sys.stderr)
+            print(f"warning: DDP on gloo crashed in native code: {', '.join(failure.crashed)}; torch 2.13's "
+                  f"gloo does so now and then with sparse gradients (docs/reliability.md); running the job "
+                  f"again", file=sys.stderr)
             on_event({"event": "restart", "crashed": list(failure.crashed)})
 
 
