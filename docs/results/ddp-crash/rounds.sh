@@ -1,9 +1,13 @@
 #!/bin/bash
-# DDP reference on sparse gradients: workers forked (old = e6aa222) against new interpreters (fresh = 4e06d95),
-# alternated, 3 rounds: deeplight 4 workers loopback (40 steps) and 1 Gbit/s (30 steps), ncf 4 workers loopback (40 steps).
-cd /tmp/fresh-cost
+# DDP's reference on sparse gradients, two versions alternated, 3 rounds: deeplight with 4 workers on
+# loopback (40 steps) and at 1 Gbit/s (30 steps), ncf with 4 workers on loopback (40 steps).
+#   rounds.sh OUT A B    A and B: worktrees /tmp/wt/A and /tmp/wt/B (their src is the PYTHONPATH)
+# one-thread-cost/: rounds.sh one-thread-cost old new  (old = e6aa222, gloo's two threads; new = 79b308e, one)
+# fresh-cost/:      rounds.sh fresh-cost old fresh    (old = e6aa222, forked; fresh = 4e06d95, new interpreters)
+out=$1; shift
+mkdir -p "$out" && cd "$out" || exit 1
 for r in 1 2 3; do
-  for v in old fresh; do
+  for v in "$@"; do
     for case in "dl-loopback|--workload deeplight --workers 4 --network none --steps 40" \
                 "dl-1gbit|--workload deeplight --workers 4 --network 1gbit --steps 30" \
                 "ncf-loopback|--workload ncf --workers 4 --network none --steps 40"; do
