@@ -234,8 +234,8 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
         try:
             _follow(workers[0], children, job, on_event)
         except BenchError as failure:
-            failure.crashed = tuple(f"{c.name} ({_describe_exit(c.proc.poll())})" for c in children
-                                    if _crash_signal(c.proc.poll()))
+            ended = [(c.name, c.proc.poll()) for c in children]
+            failure.crashed = tuple(f"{name} ({_describe_exit(code)})" for name, code in ended if _crash_signal(code))
             raise
         _await_workers(children[job.dedicated_aggregators:])
 
