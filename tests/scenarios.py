@@ -350,9 +350,14 @@ def run_coo(rank: int, world: int, cases) -> dict:
             before = comm.stats.blocks_sent
             got = comm.allreduce_coo(inputs[rank], op=op)
             touched = int(inputs[rank].coalesce().indices().numel())   # rows stored here
+            stored = sum(inputs[1:], inputs[0]).coalesce()     # the rows some rank stored, as gloo's sum lists them
+            holding = stored.indices()[0][stored.values().reshape(stored._nnz(), math.prod(shape[1:])).ne(0).any(dim=1)]
+            listed = set(got.coalesce().indices()[0].tolist())
             outcome[name] = dict(
                 layout=str(got.layout), shape=tuple(got.shape),
                 exact=torch.equal(got.to_dense(), expected.float()),
+                rows_nobody_stored=len(listed - set(stored.indices()[0].tolist())),
+                rows_missing=len(set(holding.tolist()) - listed),
                 blocks_sent=comm.stats.blocks_sent - before,
                 max_blocks=touched * (-(-math.prod(shape[1:]) // 256) + 1))
     return outcome

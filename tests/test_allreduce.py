@@ -161,12 +161,16 @@ def test_unreachable_dedicated_aggregator_fails_within_timeout():
 def test_sparse_coo_allreduce_without_densifying():
     cases = [("aligned-rows", (1000, 16), 40, "sum"), ("unaligned-rows", (333, 7), 25, "avg"),
              ("wide-rows", (50, 600), 5, "sum"), ("no-entries", (100, 4), 0, "sum"),
-             ("big-table", (1_000_000, 32), 64, "sum")]
+             ("big-table", (1_000_000, 32), 64, "sum"), ("one-wide", (5000, 1), 60, "sum"),
+             ("narrow-rows", (4000, 4), 30, "avg")]
     for rank, outcome in enumerate(run_ranks(scenarios.run_coo, 3, timeout=TIMEOUT, cases=cases)):
         for name, shape, _, _ in cases:
             row = outcome[name]
             assert row["exact"] and row["layout"] == "torch.sparse_coo", (rank, name, row)
             assert row["shape"] == shape
+            # the rows listed are rows some rank stored (a block of narrow rows carries untouched
+            # ones as zeros), and every row whose sum holds something
+            assert row["rows_nobody_stored"] == 0 and row["rows_missing"] == 0, (rank, name, row)
             # Only blocks that this rank's entries touch leave it (a table of 32M elements
             # would be 125000 blocks dense).
             assert row["blocks_sent"] <= row["max_blocks"], (rank, name, row)

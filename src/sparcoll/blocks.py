@@ -258,6 +258,15 @@ def _retile(ids: np.ndarray, units: torch.Tensor, width: int) -> tuple[np.ndarra
     return out_ids, out
 
 
+def _holding(entries: np.ndarray, values: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """The entries that hold something. A block of narrow entries comes back whole, and the entries
+    in it that no rank sent are zeros: kept, they would make the result list rows nobody touched
+    (deeplight's 1-wide rows: 12x the union's rows, each one more for the optimizer, and a row that
+    SparseAdam updates where gloo's sum has none). An entry whose sum is exactly zero goes too."""
+    keep = values.ne(0).any(dim=1)
+    return entries[keep.numpy()], values[keep]
+
+
 class CompactBlocks:
     """Only the non-zero blocks, packed in one host buffer (`data`, rows in index order). Results come in
     through a staging buffer and are collected; subclasses turn them into the output in `finish()`."""
@@ -342,7 +351,8 @@ class SparseBlocks(CompactBlocks):
     """A sparse COO tensor (e.g. an nn.Embedding(sparse=True) gradient) as the blocks of the dense
     tensor it stands for, without ever allocating that dense tensor: the blocks its stored entries touch
     are the non-zero blocks (no scan needed). `finish()` assembles the summed blocks into a coalesced COO
-    tensor of the same shape and sparse dims.
+    tensor of the same shape and sparse dims: every entry some rank sent when entries are whole blocks,
+    and the entries that hold something when they share blocks (`_holding`).
 
     An entry is one index of the sparse dims (a row of an embedding table) with `width` elements. When
     entries and blocks tile each other (width a multiple of the block size, or the reverse) all the
@@ -383,12 +393,14 @@ class SparseBlocks(CompactBlocks):
         if width % b == 0:                 # every touched entry came back whole
             per = width // b
             entries, values = indices[::per] // per, rows.reshape(-1, width)
-        elif b % width == 0:               # every entry of a returned block
-            per = b // width
-            entries = (indices[:, None] * per + np.arange(per)).reshape(-1)
-            values = rows.reshape(-1, width)
-        else:
-            entries, values = _retile(indices, rows, width)
+        else:                              # several entries share a block
+            if b % width == 0:
+                per = b // width
+                entries = (indices[:, None] * per + np.arange(per)).reshape(-1)
+                values = rows.reshape(-1, width)
+            else:
+                entries, values = _retile(indices, rows, width)
+            entries, values = _holding(entries, values)
         total = int(np.prod(self.shape[:self.sparse_dim], dtype=np.int64))
         kept = int(np.searchsorted(entries, total))    # sorted: drop the last block's padding
         entries, values = entries[:kept], values[:kept]

@@ -114,7 +114,10 @@ class Communicator:
                       timeout: float | None = None):
         """Sum or average a sparse COO tensor (such as an nn.Embedding(sparse=True) gradient) over all
         ranks without densifying it: only the blocks its entries touch are sent. Returns a new
-        coalesced COO tensor (or a Work whose wait() returns it); ranks may store different entries."""
+        coalesced COO tensor (or a Work whose wait() returns it); ranks may store different entries.
+        The result lists the entries some rank stored, as gloo's sum does (an optimizer such as
+        SparseAdam updates every listed row); where entries are narrower than a block, which then
+        carries several, an entry whose sum is exactly zero is not listed."""
         return self._submit(tensor, torch.sparse_coo, op, async_op, timeout)
 
     def _submit(self, tensor, layout, op, async_op, timeout):
