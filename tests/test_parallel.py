@@ -55,9 +55,16 @@ def wide() -> nn.Module:
 
 
 def big() -> nn.Module:
-    """Layer 2's weight (300 x 300, 360 KB) too big for a bucket: its own collective."""
+    """Layer 2's weight (900 x 300, 1.08 MB) too big for a bucket: its own collective."""
     torch.manual_seed(7)
-    return nn.Sequential(nn.Linear(12, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 5))
+    return nn.Sequential(nn.Linear(12, 300), nn.ReLU(), nn.Linear(300, 900), nn.ReLU(), nn.Linear(900, 5))
+
+
+def medium() -> nn.Module:
+    """Weights of 640 KB: more than a small gradient, less than a bucket."""
+    torch.manual_seed(8)
+    return nn.Sequential(nn.Linear(12, 400), nn.ReLU(), nn.Linear(400, 400), nn.ReLU(), nn.Linear(400, 400),
+                         nn.ReLU(), nn.Linear(400, 5))
 
 
 def mlp(bias: bool = True) -> nn.Module:
@@ -253,6 +260,16 @@ def scenario(rank: int, world: int) -> dict:
         out["left running collectives"] = len({e.start for e in dp.trace})
         out["last started before the first completed"] = max(e.start for e in dp.trace) < min(e.end for e in dp.trace)
         dp.close()
+        # without a plan, gradients on the ring smaller than a bucket share one until it holds 1 MB;
+        # under a plan each of its units goes as the plan says (here one tensor each)
+        for name, strategy in (("medium", "ring"),
+                               ("medium planned", {"tensors": [{"name": n, "strategy": "ring", "unit": i} for i, (n, _)
+                                                               in enumerate(medium().named_parameters())]})):
+            dp = sparcoll.torch.DataParallel(medium(), strategy=strategy)
+            out[name] = relative_error(step(dp, rank, 6, (12,)), reference_grads(medium, 6, (12,), world))
+            out[f"{name} collectives"] = [sorted(e.name for e in dp.trace if e.start == start)
+                                          for start in sorted({e.start for e in dp.trace})]
+            dp.close()
         # a tied weight never takes SFB (its factors would miss the embedding's part), even when asked
         dp = sparcoll.torch.DataParallel(Tied(), strategy="sfb")
         tied_loss(dp, rank).backward()
@@ -354,6 +371,17 @@ def test_collectives_left_running_overlap_and_stay_exact(outcome):
     for out in outcome:
         assert out["left running"] <= 1e-5
         assert out["left running collectives"] == 3     # layer 4 and 2.bias, 2.weight, layer 0
+
+
+def test_ring_gradients_share_buckets_of_1mb_unless_planned(outcome):
+    for out in outcome:
+        assert out["medium"] <= 1e-5 and out["medium planned"] <= 1e-5
+        # backward's order: layer 6, then 4 (640 KB), 2 (the bucket reaches 1 MB), then layer 0
+        assert out["medium collectives"] == [["2.bias", "2.weight", "4.bias", "4.weight", "6.bias", "6.weight"],
+                                             ["0.bias", "0.weight"]]
+        # the plan's units, one per tensor: small ones still share a bucket, 640 KB ones go alone
+        assert ["4.weight"] in out["medium planned collectives"]
+        assert ["2.weight"] in out["medium planned collectives"]
         assert out["last started before the first completed"]
 
 

@@ -28,7 +28,8 @@ and gloo's sparse all_reduce of a COO gradient) are left running on the group's 
 leaves its buckets': the next collective starts while they travel, and a second thread waits for
 them in order and puts their results in place. Small dense gradients of the ring or of
 one compressor travel in buckets, as DDP's: one collective for several (each gradient compressed on
-its own, their payloads sent together), instead of a collective's latency each; a compressed weight
+its own, their payloads sent together), instead of a collective's cost each (without a plan, the ring's
+gradients up to 1 MB too, a bucket going once it holds 1 MB, DDP's first bucket); a compressed weight
 takes its own bias along when the bias came just before it (as `sparcoll plan` prices a layer). A
 plan's unit of several COO gradients under the sparse AllReduce is one collective of their rows
 (sparse.concatenate); without a plan, so are such gradients ready one after another (until their
@@ -73,7 +74,8 @@ BUCKET = "bucket"       # small dense gradients that take the ring, averaged in 
 COMPRESSED = "compressed"   # gradients of one compressor, their payloads in one collective
 COO_UNIT = "coo unit"       # a plan's unit of sparse COO gradients: one sparse AllReduce of them all
 CHANNEL, THREAD, OFFLOAD = "channel", "thread", "offload"     # where a compressor runs
-SMALL_BYTES = 256 << 10     # a gradient this small joins the bucket ...
+SMALL_BYTES = 256 << 10     # a gradient this small joins the bucket (without a plan, any smaller than
+                            # BUCKET_BYTES on the ring) ...
 BUCKET_BYTES = 1 << 20      # ... which goes when it holds this much (as DDP's first bucket)
 COO_BUCKET_BYTES = 25 << 20     # COO gradients under the sparse AllReduce share one until their
                                 # tables (dense) hold this much (DDP's bucket_cap_mb): the same on
@@ -311,13 +313,17 @@ class DataParallel(nn.Module):
         compressed = chosen not in STRATEGIES and not grad.is_sparse
         dense_ring = chosen == hybrid.RING and not grad.is_sparse
         coo_sparse = chosen == hybrid.SPARSE and grad.is_sparse
-        small = not grad.is_sparse and grad.numel() * grad.element_size() <= SMALL_BYTES
+        size = 0 if grad.is_sparse else grad.numel() * grad.element_size()
+        small = not grad.is_sparse and size <= SMALL_BYTES
         unit = self._unit.get(self._names.get(id(p)))
         # a plan's unit of several compressed tensors, of several dense ones on the ring, or of several
         # COO ones under the sparse AllReduce, is one bucket, whatever their sizes; without a plan,
-        # COO gradients under the sparse AllReduce ready one after another are one bucket
+        # dense gradients on the ring smaller than a full bucket (a larger one goes alone, in place,
+        # not copied into a bucket) and COO gradients under the sparse AllReduce ready one after
+        # another are buckets
         bucketed = small or ((compressed or dense_ring or coo_sparse) and unit is not None
-                             and self._unit_size[unit] > 1) or (coo_sparse and not self._unit)
+                             and self._unit_size[unit] > 1) or (not self._unit and (
+                                 (dense_ring and size < BUCKET_BYTES) or coo_sparse))
         if not (compressed or ((dense_ring or coo_sparse) and bucketed)):
             self._enqueue(p, chosen, None)
             return
@@ -379,7 +385,9 @@ class DataParallel(nn.Module):
 
     def _add_to_bucket(self, p: torch.Tensor, kind: tuple, payload) -> None:
         """Small gradients of one kind (the ring, or one compressor in one placement) travel together,
-        as DDP's buckets: one collective instead of one each. The bucket is formed on the training
+        as DDP's buckets: one collective instead of one each; without a plan, so do the ring's
+        gradients smaller than BUCKET_BYTES (on 2 cores each collective costs CPU: deeplight's 640 KB
+        MLP weights one by one made the step 1.2x longer). The bucket is formed on the training
         thread in ready order and sent when it is full, when a gradient that does not join it is
         ready, or at the end of backward, so it is the same on every rank without a message; under a
         plan, as soon as it holds all of a unit of the plan (the plan priced the unit ready with its
