@@ -263,8 +263,11 @@ def _holding(entries: np.ndarray, values: torch.Tensor) -> tuple[np.ndarray, tor
     in it that no rank sent are zeros: kept, they would make the result list rows nobody touched
     (deeplight's 1-wide rows: 12x the union's rows, each one more for the optimizer, and a row that
     SparseAdam updates where gloo's sum has none). An entry whose sum is exactly zero goes too."""
-    keep = values.ne(0).any(dim=1)
-    return entries[keep.numpy()], values[keep]
+    sums = values.abs().sum(dim=1) if values.is_floating_point() else values.ne(0).sum(dim=1)
+    keep = sums.ne(0).numpy()           # NaN is kept; an abs-sum that overflows is inf, kept too
+    # numpy's compress (of the rows' bytes): boolean indexing took 4-6x as long
+    kept = np.compress(keep, values.contiguous().view(torch.uint8).numpy(), axis=0)
+    return np.compress(keep, entries), torch.from_numpy(kept).view(values.dtype)
 
 
 class CompactBlocks:
