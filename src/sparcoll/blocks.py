@@ -265,6 +265,8 @@ def _holding(entries: np.ndarray, values: torch.Tensor) -> tuple[np.ndarray, tor
     SparseAdam updates where gloo's sum has none). An entry whose sum is exactly zero goes too."""
     sums = values.abs().sum(dim=1) if values.is_floating_point() else values.ne(0).sum(dim=1)
     keep = sums.ne(0).numpy()           # NaN is kept; an abs-sum that overflows is inf, kept too
+    if not keep.any():
+        return entries[:0], values[:0]
     # numpy's compress (of the rows' bytes): boolean indexing took 4-6x as long
     kept = np.compress(keep, values.contiguous().view(torch.uint8).numpy(), axis=0)
     return np.compress(keep, entries), torch.from_numpy(kept).view(values.dtype)

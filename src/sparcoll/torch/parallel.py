@@ -133,6 +133,7 @@ class DataParallel(nn.Module):
         self.channel = Channel(group, comm)
         self._group_channel = Channel(group)     # the group's own collectives, without sparcoll
         self._explicit, self._placement, self._unit = _load(strategy)
+        self._planned = bool(self._placement)      # a plan gives every tensor's placement
         self._unit_size = collections.Counter(self._unit.values())
         self._offload: concurrent.futures.ThreadPoolExecutor | None = None
         wanted = self._explicit.values() if isinstance(self._explicit, dict) else [self._explicit]
@@ -322,8 +323,8 @@ class DataParallel(nn.Module):
         # not copied into a bucket) and COO gradients under the sparse AllReduce ready one after
         # another are buckets
         bucketed = small or ((compressed or dense_ring or coo_sparse) and unit is not None
-                             and self._unit_size[unit] > 1) or (not self._unit and (
-                                 (dense_ring and size < BUCKET_BYTES) or coo_sparse))
+                             and self._unit_size[unit] > 1) or (coo_sparse and not self._unit) \
+            or (dense_ring and size < BUCKET_BYTES and not self._planned)
         if not (compressed or ((dense_ring or coo_sparse) and bucketed)):
             self._enqueue(p, chosen, None)
             return
