@@ -29,7 +29,7 @@ leaves its buckets': the next collective starts while they travel, and a second 
 them in order and puts their results in place. Small dense gradients of the ring or of
 one compressor travel in buckets, as DDP's: one collective for several (each gradient compressed on
 its own, their payloads sent together), instead of a collective's cost each (without a plan, the ring's
-gradients up to 1 MB too, a bucket going once it holds 1 MB, DDP's first bucket); a compressed weight
+gradients below 1 MB too, a bucket going once it holds 1 MB, DDP's first bucket); a compressed weight
 takes its own bias along when the bias came just before it (as `sparcoll plan` prices a layer). A
 plan's unit of several COO gradients under the sparse AllReduce is one collective of their rows
 (sparse.concatenate); without a plan, so are such gradients ready one after another (until their
@@ -388,12 +388,13 @@ class DataParallel(nn.Module):
         """Small gradients of one kind (the ring, or one compressor in one placement) travel together,
         as DDP's buckets: one collective instead of one each; without a plan, so do the ring's
         gradients smaller than BUCKET_BYTES (on 2 cores each collective costs CPU: deeplight's 640 KB
-        MLP weights one by one made the step 1.2x longer). The bucket is formed on the training
-        thread in ready order and sent when it is full, when a gradient that does not join it is
-        ready, or at the end of backward, so it is the same on every rank without a message; under a
-        plan, as soon as it holds all of a unit of the plan (the plan priced the unit ready with its
-        last member: waiting for the next gradient cost ncf's first bucket 9 ms), and then only: a
-        unit may hold several large tensors, compressed or on the ring (sparcoll.plan.fusion)."""
+        MLP weights one by one made its step 1.16-1.22x longer on loopback). The bucket is formed
+        on the training thread in ready order and sent when it is full, when a gradient that does
+        not join it is ready, or at the end of backward, so it is the same on every rank without a
+        message; under a plan, as soon as it holds all of a unit of the plan (the plan priced the
+        unit ready with its last member: waiting for the next gradient cost ncf's first bucket 9 ms),
+        and then only: a unit may hold several large tensors, compressed or on the ring
+        (sparcoll.plan.fusion)."""
         if self._bucket and (self._bucket_kind != kind or self._bucket[0][0].grad.dtype != p.grad.dtype):
             self._flush()
         self._bucket_kind = kind
