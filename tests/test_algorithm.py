@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparcoll import Communicator, MismatchError, SparcollError, wire
-from sparcoll.algorithm import (LOOK_EVERY, SAMPLE_BLOCKS, SMALL_TRIALS, TINY_NUMEL, Algorithm,
+from sparcoll.algorithm import (LOOK_EVERY, SAMPLE_BLOCKS, SMALL_TRIALS, TINY_NUMEL, TRIALS, Algorithm,
                                 Chooser, candidate_block_sizes, entry_block_size)
 from support import block_sparse, on_threads
 
@@ -53,13 +53,12 @@ def run_dense_kind(chooser: Chooser, sparse_s: float, ring_s: float, gather_s: f
 
 def test_a_dense_kind_is_timed_on_both_paths_then_keeps_the_faster():
     S, R = Algorithm.SPARSE, Algorithm.RING
-    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, WORLD), sparse_s=0.06, ring_s=0.05) == \
-        [S, S, R, R, R, R]
-    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, WORLD), sparse_s=0.6, ring_s=0.8) == \
-        [S, S, R, R, R, S]
+    trials = [S] * TRIALS + [R] * (TRIALS + 1)      # the last ring call shares the times
+    calls = len(trials) + 1
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, WORLD), 0.06, 0.05, calls=calls) == trials + [R]
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, WORLD), 0.6, 0.8, calls=calls) == trials + [S]
     # within the margin the ring keeps it: dense data costs the sparse path CPU
-    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, WORLD), sparse_s=0.57, ring_s=0.6) == \
-        [S, S, R, R, R, R]
+    assert run_dense_kind(Chooser(Algorithm.AUTO, 256, WORLD), 0.57, 0.6, calls=calls) == trials + [R]
     assert Chooser(Algorithm.AUTO, 256, WORLD).choose((BIG, 0, 1), coo=False) is S  # another op
 
 
@@ -86,7 +85,7 @@ def test_a_sparse_result_sends_a_kind_back_to_the_sparse_path_and_a_dense_one_tr
     """Settled on the ring, a kind's density is looked at every LOOK_EVERY collectives, counting
     the one that settled it: the LOOK_EVERY-th sends it back when sparse, not one before."""
     chooser = Chooser(Algorithm.AUTO, 256, WORLD)
-    run_dense_kind(chooser, sparse_s=0.06, ring_s=0.05, calls=5)    # settles in the fifth
+    run_dense_kind(chooser, sparse_s=0.06, ring_s=0.05, calls=2 * TRIALS + 1)    # settles in the last
     assert chooser.choose(KIND, coo=False) is Algorithm.RING
     sparse_result = with_density(BIG, 0.05)
     for _ in range(LOOK_EVERY - 2):
@@ -96,9 +95,9 @@ def test_a_sparse_result_sends_a_kind_back_to_the_sparse_path_and_a_dense_one_tr
     assert chooser.choose(KIND, coo=False) is Algorithm.SPARSE
     # Dense again: the kind was clearly sparse, so the LOOK_EVERY-th result is the first looked at;
     # from it the kind is timed anew (the old times were of other data), the sparse path first.
-    taken = run_dense_kind(chooser, sparse_s=0.05, ring_s=0.07, calls=LOOK_EVERY + 4)
+    taken = run_dense_kind(chooser, sparse_s=0.05, ring_s=0.07, calls=LOOK_EVERY + 2 * TRIALS)
     assert taken[:LOOK_EVERY] == [Algorithm.SPARSE] * LOOK_EVERY
-    assert taken[LOOK_EVERY:] == [Algorithm.SPARSE, Algorithm.RING, Algorithm.RING, Algorithm.RING]
+    assert taken[LOOK_EVERY:] == [Algorithm.SPARSE] * (TRIALS - 1) + [Algorithm.RING] * (TRIALS + 1)
     assert chooser.choose(KIND, coo=False) is Algorithm.SPARSE
 
 
@@ -282,10 +281,11 @@ def test_every_path_sums_like_a_reference(store, dtype):
         "dense": [with_density(BIG, 1.0, seed=r).to(dtype) for r in range(world)],
         "sparse": [with_density(BIG, 0.05, seed=10 + r).to(dtype) for r in range(world)],
     }
-    order = ["tiny", "dense", "dense", "dense", "sparse", "sparse", "dense"]
+    order = ["tiny"] + ["dense"] * (TRIALS + 1) + ["sparse", "sparse", "dense"]
     # the path each call takes: tiny always on the ring; "dense" and "sparse" are one kind: timed
-    # on the sparse path twice once dense, then on the ring, until a sparse result ends the trials
-    expected_ring = [True, False, False, True, True, False, False]
+    # on the sparse path TRIALS times once dense (its first call too), then on the ring, until a
+    # sparse result ends the trials
+    expected_ring = [True] + [False] * TRIALS + [True, True, False, False]
 
     def body(r, comm):
         out = []
@@ -410,7 +410,7 @@ def test_ranks_that_disagree_on_a_large_ring_call_all_get_mismatch_error(store):
     """Both kinds take the ring: the first, fixed-size round tells every rank."""
     def body(r, comm):
         a, b = torch.ones(BIG), torch.ones(BIG + 256)
-        for tensor in (a, b) * 3:                 # both kinds dense: their third calls take the ring
+        for tensor in (a, b) * (TRIALS + 1):      # both kinds dense: their last calls take the ring
             comm.allreduce(tensor.fill_(1))
         assert comm.stats.ring_collectives == 2
         comm.allreduce(a if r == 0 else b)

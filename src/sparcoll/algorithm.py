@@ -54,7 +54,10 @@ from .blocks import nonzero_mask
 
 TINY_NUMEL = 1024       # at most this many elements: one ring round (ring.py), no trials
 CANDIDATE_DENSITY = 0.4  # a result at least this dense (at its block size) has its kind try the ring
-TRIALS = 2              # collectives timed on each path before a dense kind's path is chosen
+TRIALS = 3              # collectives timed on each path before a dense kind's path is chosen: with
+                        # 2, a dense 16M kind over 2 ranks on loopback kept the sparse path in 2 of
+                        # 37 runs (57.6 ms a call against gloo's 41.4) when a slow patch of the
+                        # shared cores fell on the ring's trials
 SMALL_TRIALS = 4        # the same for a kind small enough to gather: they cost little, and the
                         # later ones run as the kind's steady state does (ring.py: expected calls)
 SPARSE_MARGIN = 0.9     # a dense kind stays sparse only if that was this much faster than the ring
