@@ -371,6 +371,7 @@ def test_collectives_left_running_overlap_and_stay_exact(outcome):
     for out in outcome:
         assert out["left running"] <= 1e-5
         assert out["left running collectives"] == 3     # layer 4 and 2.bias, 2.weight, layer 0
+        assert out["last started before the first completed"]
 
 
 def test_ring_gradients_share_buckets_of_1mb_unless_planned(outcome):
@@ -379,10 +380,9 @@ def test_ring_gradients_share_buckets_of_1mb_unless_planned(outcome):
         # backward's order: layer 6, then 4 (640 KB), 2 (the bucket reaches 1 MB), then layer 0
         assert out["medium collectives"] == [["2.bias", "2.weight", "4.bias", "4.weight", "6.bias", "6.weight"],
                                              ["0.bias", "0.weight"]]
-        # the plan's units, one per tensor: small ones still share a bucket, 640 KB ones go alone
+        # under the plan's units, one tensor each, the 640 KB weights go alone
         assert ["4.weight"] in out["medium planned collectives"]
         assert ["2.weight"] in out["medium planned collectives"]
-        assert out["last started before the first completed"]
 
 
 def test_different_batch_sizes_under_the_hybrid_choice_fail_on_every_rank(outcome):
