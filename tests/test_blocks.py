@@ -180,16 +180,17 @@ def test_coo_tensors_concatenated_sum_and_split_as_each_alone(tables, two_sparse
         assert torch.allclose(z.to_dense(), x.to_dense() + y.to_dense())
 
 
-def test_sparse_blocks_list_no_row_whose_sum_is_zero():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64])
+def test_sparse_blocks_list_no_row_whose_sum_is_zero(dtype):
     """Rows of 4 share blocks of 16: rows whose sums cancel to zero are not listed, down to none."""
-    coo = torch.sparse_coo_tensor(torch.tensor([[1, 2, 5, 9]]), torch.arange(1.0, 17.0).view(4, 4), (12, 4),
+    coo = torch.sparse_coo_tensor(torch.tensor([[1, 2, 5, 9]]), torch.arange(1, 17).view(4, 4).to(dtype), (12, 4),
                                   check_invariants=True)
-    for scale, listed in ((0.0, []), (1.0, [1, 2, 5, 9])):
+    for scale, listed in ((0, []), (1, [1, 2, 5, 9])):
         sb = SparseBlocks(coo, 16)
         sums = sb.data * scale
         sums[0, 8:12] = 0               # row 2's sum cancels
         sb.scatter(sb.indices, sums)
         out = sb.finish()
-        assert out.indices()[0].tolist() == [r for r in listed if r != 2]
+        assert out.dtype == dtype and out.indices()[0].tolist() == [r for r in listed if r != 2]
         assert out.values().shape == (len(out.indices()[0]), 4)
         assert torch.equal(out.to_dense(), (coo.to_dense() * scale).index_fill(0, torch.tensor([2]), 0))
