@@ -131,7 +131,7 @@ def plain_ddp_on_sparse_gradients(cfg: dict) -> bool:
     if cfg["comm"] not in ("ddp", "agsparse"):
         return False
     if cfg.get("model_spec"):
-        return any(getattr(m, "sparse", False) is True for m in UserModel(cfg["model_spec"]).model.modules())
+        return bool(sparcoll.torch.sparse.sparse_weights(UserModel(cfg["model_spec"]).model))
     return bool(workload_arguments(cfg)["sparse_embeddings"])
 
 
