@@ -85,13 +85,14 @@ class Twice(nn.Module):
         return self.head(self.inner(torch.relu(self.inner(x))))
 
 
-def reference_grads(make, rows: int, shape_in: tuple, world: int, seed: int = 0) -> list:
+def reference_grads(make, rows, shape_in: tuple, world: int, seed: int = 0) -> list:
     """The gradient of the mean of every rank's loss, on one float64 copy of the model given every
-    rank's batch: what data parallelism must produce, computed without any collective."""
+    rank's batch (`rows` rows each, or rows[r] for rank r): what data parallelism must produce,
+    computed without any collective."""
     model = make().double()
     total = 0
     for r in range(world):
-        x, y = batch(r, rows, shape_in, seed)
+        x, y = batch(r, rows if isinstance(rows, int) else rows[r], shape_in, seed)
         total = total + nn.functional.mse_loss(model(x.double()), y.double())
     (total / world).backward()
     return [p.grad.float() for p in model.parameters()]
@@ -279,14 +280,17 @@ def scenario(rank: int, world: int) -> dict:
                                      [p.grad.float() for p in reference.parameters()])
         out["tied strategies"] = sorted({e.strategy for e in dp.trace})
         dp.close()
-        # ranks that feed different batch sizes under the hybrid choice: a clear error on every
-        # rank instead of mismatched collectives
-        dp = sparcoll.torch.DataParallel(wide())
-        try:
-            step(dp, rank, 4 + rank, (12,))
-            out["different rows"] = None
-        except RuntimeError as exc:
-            out["different rows"] = str(exc)
+        # ranks that feed different batch sizes (4, 5, 6 rows) under the hybrid choice: the average,
+        # as DDP's; layer 0 takes SFB from the second step, by the ranks' mean K = 5 (5 * 3 * 212
+        # <= 2 * 2400), and gathers each rank's own rows
+        dp = sparcoll.torch.DataParallel(wide(), comm=comm)
+        rows = [4 + r for r in range(world)]
+        out["different rows"], out["different rows used"] = [], []
+        for s in range(3):
+            out["different rows"].append(relative_error(step(dp, rank, rows[rank], (12,), seed=s),
+                                                        reference_grads(wide, rows, (12,), world, seed=s)))
+            out["different rows used"].append(sorted({e.strategy for e in dp.trace if e.name == "0.weight"}))
+        out["different rows K"] = dp.strategy()["0.weight"]["predicted_bytes"]
         dp.close()
         with pytest.raises(ValueError, match="needs a sparcoll Communicator"):
             dp = sparcoll.torch.DataParallel(mlp(), strategy="sparse")
@@ -385,10 +389,15 @@ def test_ring_gradients_share_buckets_of_1mb_unless_planned(outcome):
         assert ["2.weight"] in out["medium planned collectives"]
 
 
-def test_different_batch_sizes_under_the_hybrid_choice_fail_on_every_rank(outcome):
+def test_different_batch_sizes_under_the_hybrid_choice_give_the_average(outcome):
     for out in outcome:
-        assert "different numbers of rows to linear layers 0.weight (4-6), 2.weight (4-6)" \
-            in out["different rows"]
+        assert max(out["different rows"]) <= 1e-5
+    # the same choice on every rank, from the ranks' mean rows of the step before: none the first step
+    assert outcome[0]["different rows used"][0] in (["ring"], ["sparse"])
+    assert outcome[0]["different rows used"][1:] == [["sfb"], ["sfb"]]
+    assert all(out["different rows used"] == outcome[0]["different rows used"] for out in outcome)
+    # priced at the mean K = 5 on every rank: 2 peers, 5 rows of u (200) and v (12), two lengths
+    assert all(out["different rows K"] == (WORLD - 1) * (5 * (200 + 12) * 4 + 2 * 8) for out in outcome)
 
 
 def test_a_tied_weight_never_takes_sfb(outcome):

@@ -10,14 +10,17 @@ sparcoll.compress.
 
 Per tensor the strategy is the user's (`strategy=`: a dict or a JSON file, tensor name -> strategy)
 or Poseidon's hybrid choice (sparcoll.torch.hybrid): the fewest bytes per step among the ring, SFB
-for nn.Linear weights (by the rows K the layer saw this step and the world size) and, with a
+for nn.Linear weights (by the rows K the ranks fed the layer and the world size) and, with a
 communicator, the sparse AllReduce (by the block density of the tensor's previous averaged gradient,
 which every rank knows alike); a sparse COO gradient (`nn.Embedding(sparse=True)`) takes the sparse
 AllReduce when there is a communicator: it sends each rank's touched rows and brings back their union,
 never more than the group's sparse all_reduce, which gathers every rank's rows to every rank (ncf's
 four embeddings, 4 workers on loopback: 32.5-34.9 ms a step against 50.7-54.8 through the group).
 Every rank takes the same decisions from the same facts, so ranks need
-the same model and, for SFB, the same batch size. A linear layer whose weight another module owns too
+the same model; their batches may differ in size, as under DDP: K is the ranks' mean of the rows each
+layer was fed the step before (so a layer's first step never takes SFB), which a small allreduce
+at the start of each step's synchronization tells every rank, left running while the step's other
+collectives start (SFB gathers each rank's own rows). A linear layer whose weight another module owns too
 (a tied softmax) never takes SFB: its factors would miss the other module's part of the gradient. (A
 weight used outside its module, as in `F.linear(x, layer.weight)` elsewhere, cannot be detected: give
 such a layer an explicit strategy.)
@@ -62,14 +65,14 @@ from sparcoll.blocks import BlockTensor
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, parse
 from sparcoll.compress.channel import Channel
-from sparcoll.errors import CollectiveTimeout, MismatchError
+from sparcoll.errors import CollectiveTimeout
 
 from . import hybrid, sparse
 from .ps import ps_allreduce
 from .sfb import Call, LinearState, eligible_layers, gather_factors
 
 AUTO = "auto"
-ROWS = "rows"           # the per-step check that ranks agree on the rows of their linear layers
+ROWS = "rows"           # the per-step allreduce of the rows the ranks fed their linear layers
 BUCKET = "bucket"       # small dense gradients that take the ring, averaged in one allreduce
 COMPRESSED = "compressed"   # gradients of one compressor, their payloads in one collective
 COO_UNIT = "coo unit"       # a plan's unit of sparse COO gradients: one sparse AllReduce of them all
@@ -158,7 +161,7 @@ class DataParallel(nn.Module):
         self._scratch: dict[int, list] = {}
         self._sync = True
         self._accumulated = False
-        self._rows: dict[int, int] = {}
+        self._rows: dict[int, float] = {}     # weight id -> the ranks' mean rows last step (ROWS)
         self._pending = 0
         self._idle = threading.Condition()
         self._error: BaseException | None = None
@@ -190,7 +193,7 @@ class DataParallel(nn.Module):
 
     def strategy(self, rows: int | None = None) -> dict[str, dict]:
         """Each tensor's strategy and predicted bytes sent per step by this worker, for a batch of
-        `rows` rows per linear layer (default: what each layer saw last step); a dense tensor given
+        `rows` rows per linear layer (default: the ranks' mean of what each layer saw last step); a dense tensor given
         the sparse strategy explicitly is counted whole (its density is learned only where the hybrid
         choice needs it), a COO gradient by the rows this worker's last batch touched."""
         out = {}
@@ -222,7 +225,7 @@ class DataParallel(nn.Module):
             self._offload.shutdown(wait=False, cancel_futures=True)
 
     # ---- decisions --------------------------------------------------------------------------------
-    def _rows_of(self, p: torch.Tensor, rows: int | None) -> int:
+    def _rows_of(self, p: torch.Tensor, rows: float | None) -> float:
         return rows if rows is not None else self._rows.get(id(p), 0)
 
     def _block_size(self) -> int:
@@ -234,7 +237,7 @@ class DataParallel(nn.Module):
         bias = state is not None and state.bias is not None
         return hybrid.Tensor(p.numel(), linear, bias, self._density.get(id(p), 1.0))
 
-    def _choose(self, p: torch.Tensor, rows: int) -> str:
+    def _choose(self, p: torch.Tensor, rows: float) -> str:
         chosen = self._requested(p)
         if chosen == AUTO and id(p) in self._coo and self.comm is not None:
             return hybrid.SPARSE
@@ -247,8 +250,9 @@ class DataParallel(nn.Module):
 
     # ---- a linear layer's call ----------------------------------------------------------------------
     def _before_linear(self, state: LinearState, layer: nn.Linear, args) -> None:
-        """Choose the layer's strategy at its first call of a step, from that call's rows; under SFB,
-        keep autograd from computing the local weight gradient that SFB replaces."""
+        """Choose the layer's strategy at its first call of a step, from the rows the ranks fed it
+        last step (the same on every rank); under SFB, keep autograd from computing the local weight
+        gradient that SFB replaces."""
         if not (self._sync and self.world > 1 and torch.is_grad_enabled() and layer.weight.requires_grad):
             return
         x = args[0]
@@ -256,8 +260,7 @@ class DataParallel(nn.Module):
             # a new step (calls of a forward that never got a backward have vanished with its graph)
             state.reset()
             state.rows = x.numel() // layer.in_features
-            self._rows[id(layer.weight)] = state.rows
-            state.strategy = self._choose(layer.weight, state.rows)
+            state.strategy = self._choose(layer.weight, self._rows.get(id(layer.weight), 0))
         if state.strategy != hybrid.SFB:
             return
         if x.requires_grad or state.bias is not None:
@@ -432,18 +435,21 @@ class DataParallel(nn.Module):
         self._armed = True
         self.trace = []
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        self._check_rows()
+        self._share_rows()
 
-    def _check_rows(self) -> None:
-        """Queue, first in the step, a check that every rank fed the same rows to each linear layer
-        whose strategy the hybrid model picks: the choice depends on them, and ranks that choose
-        differently would run different collectives. A mismatch fails backward on every rank."""
+    def _share_rows(self) -> None:
+        """Queue, first in the step, the allreduce of the rows this rank fed each linear layer whose
+        strategy the hybrid model picks: the next step chooses from the ranks' mean, so every rank
+        chooses alike (ranks choosing differently would run different collectives) whatever each one's
+        batch. Left running: it used to be a check that the rows agreed, on the synchronization
+        thread, and it delayed the step's first collective (deeplight: 15-17 ms beside backward, 4
+        processes on 2 cores)."""
         auto = [s for s in self._linear.values() if self._requested(s.layer.weight) == AUTO]
         if not auto:
             return
         rows = torch.tensor([s.rows for s in auto], dtype=torch.float64)
-        names = [s.name for s in auto]
-        self._put((None, ROWS, (rows, names), [Event("(rows of linear layers)", ROWS, time.perf_counter())]))
+        weights = [id(s.layer.weight) for s in auto]
+        self._put((None, ROWS, (rows, weights), [Event("(rows of linear layers)", ROWS, time.perf_counter())]))
 
     def _requested(self, p: torch.Tensor) -> str:
         if isinstance(self._explicit, dict):
@@ -526,16 +532,9 @@ class DataParallel(nn.Module):
 
     def _synchronize(self, p: torch.Tensor, chosen: str, extra) -> tuple | None:
         if chosen == ROWS:
-            rows, names = extra
-            both = torch.cat([rows, -rows])
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-            most, least = both[:len(names)], -both[len(names):]
-            if not torch.equal(most, least):
-                differ = [f"{n} ({int(lo)}-{int(hi)})" for n, lo, hi in zip(names, least, most) if lo != hi]
-                raise MismatchError(f"ranks fed different numbers of rows to linear layers "
-                                    f"{', '.join(differ)}; the hybrid strategy is chosen from them, "
-                                    f"so every rank needs the same batch size")
-            return
+            rows, weights = extra
+            work = dist.all_reduce(rows, group=self.group, async_op=True)
+            return work, lambda: self._rows.update(zip(weights, (rows / self.world).tolist()))
         if chosen == hybrid.SFB:
             state, u, v = extra
             state.add(*gather_factors(u, v, self.channel))
