@@ -49,9 +49,11 @@ def tied_loss(model: nn.Module, rank: int) -> torch.Tensor:
 
 
 def wide() -> nn.Module:
-    """Layer 0 (200 x 12) takes SFB at K = 6 on 3 ranks (6 * 3 * 212 <= 2 * 2400); layer 2 not."""
+    """Layer 0 (500 x 300) takes SFB at K = 5 or 6 on 3 ranks: 2 peers get 6 x 800 floats and two
+    lengths (38 KB) and two collectives' COLLECTIVE_BYTES (512 KB), against the ring's 800 KB in a
+    bucket; layer 2 (5 x 500) takes the ring."""
     torch.manual_seed(4)
-    return nn.Sequential(nn.Linear(12, 200), nn.ReLU(), nn.Linear(200, 5))
+    return nn.Sequential(nn.Linear(300, 500), nn.ReLU(), nn.Linear(500, 5))
 
 
 def big() -> nn.Module:
@@ -175,7 +177,7 @@ def scenario(rank: int, world: int) -> dict:
         optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
         sums = []
         for s in range(4):
-            step(dp, rank, 6, (12,), seed=s)
+            step(dp, rank, 6, (300,), seed=s)
             optimizer.step()
             sums.append(torch.cat([p.detach().reshape(-1) for p in dp.parameters()]).double().sum().item())
         out["parameter sums"] = sums
@@ -281,14 +283,14 @@ def scenario(rank: int, world: int) -> dict:
         out["tied strategies"] = sorted({e.strategy for e in dp.trace})
         dp.close()
         # ranks that feed different batch sizes (4, 5, 6 rows) under the hybrid choice: the average,
-        # as DDP's; layer 0 takes SFB from the second step, by the ranks' mean K = 5 (5 * 3 * 212
-        # <= 2 * 2400), and gathers each rank's own rows
+        # as DDP's; layer 0 takes SFB from the second step, by the ranks' mean K = 5, and gathers
+        # each rank's own rows
         dp = sparcoll.torch.DataParallel(wide(), comm=comm)
         rows = [4 + r for r in range(world)]
         out["different rows"], out["different rows used"] = [], []
         for s in range(3):
-            out["different rows"].append(relative_error(step(dp, rank, rows[rank], (12,), seed=s),
-                                                        reference_grads(wide, rows, (12,), world, seed=s)))
+            out["different rows"].append(relative_error(step(dp, rank, rows[rank], (300,), seed=s),
+                                                        reference_grads(wide, rows, (300,), world, seed=s)))
             out["different rows used"].append(sorted({e.strategy for e in dp.trace if e.name == "0.weight"}))
         out["different rows K"] = dp.strategy()["0.weight"]["predicted_bytes"]
         dp.close()
@@ -343,10 +345,10 @@ def test_parameters_stay_identical_on_every_rank(outcome):
 def test_strategy_table_reports_choice_and_bytes(outcome):
     table = outcome[0]["strategy table"]
     assert table["0.weight"]["strategy"] == "sfb" and "0.bias" not in table     # K = 6 rows
-    # 2 peers each get 6 rows of u (200) and v (12) floats, after one int64 length per factor
-    assert table["0.weight"]["predicted_bytes"] == (WORLD - 1) * (6 * (200 + 12) * 4 + 2 * 8)
+    # 2 peers each get 6 rows of u (500) and v (300) floats, after one int64 length per factor
+    assert table["0.weight"]["predicted_bytes"] == (WORLD - 1) * (6 * (500 + 300) * 4 + 2 * 8)
     assert table["2.weight"]["strategy"] in ("ring", "sparse")
-    assert table["2.weight"]["predicted_bytes"] <= 2 * 1000 * 2 / 3 * 4
+    assert table["2.weight"]["predicted_bytes"] <= 2 * 2500 * 2 / 3 * 4
 
 
 def test_no_sync_accumulates_and_takes_the_ring_for_sfb_layers(outcome):
@@ -396,8 +398,8 @@ def test_different_batch_sizes_under_the_hybrid_choice_give_the_average(outcome)
     assert outcome[0]["different rows used"][0] in (["ring"], ["sparse"])
     assert outcome[0]["different rows used"][1:] == [["sfb"], ["sfb"]]
     assert all(out["different rows used"] == outcome[0]["different rows used"] for out in outcome)
-    # priced at the mean K = 5 on every rank: 2 peers, 5 rows of u (200) and v (12), two lengths
-    assert all(out["different rows K"] == (WORLD - 1) * (5 * (200 + 12) * 4 + 2 * 8) for out in outcome)
+    # priced at the mean K = 5 on every rank: 2 peers, 5 rows of u (500) and v (300), two lengths
+    assert all(out["different rows K"] == (WORLD - 1) * (5 * (500 + 300) * 4 + 2 * 8) for out in outcome)
 
 
 def test_a_tied_weight_never_takes_sfb(outcome):
@@ -415,11 +417,29 @@ def test_hybrid_choice_flips_at_poseidons_crossover():
     assert crossover == pytest.approx(1724.6, abs=0.1)
     assert hybrid.choose(layer, 4, 32, sparse=False) == "sfb"
     assert hybrid.choose(layer, 4, 4096, sparse=False) == "ring"
-    assert hybrid.choose(layer, 4, int(crossover), sparse=False) == "sfb"
-    assert hybrid.choose(layer, 4, int(crossover) + 1, sparse=False) == "ring"
+    # SFB's second collective of its own costs the rows that COLLECTIVE_BYTES would carry to 3 peers
+    flip = crossover - hybrid.COLLECTIVE_BYTES / (3 * (4096 + 21841) * 4)
+    assert 1723 < flip < 1724
+    assert hybrid.choose(layer, 4, 1723, sparse=False) == "sfb"
+    assert hybrid.choose(layer, 4, 1724, sparse=False) == "ring"
     # the sparse AllReduce wins for a gradient whose blocks were 1% non-zero
     sparse_layer = hybrid.Tensor(4096 * 21841, (4096, 21841), density=0.01)
     assert hybrid.choose(sparse_layer, 4, 4096, sparse=True) == "sparse"
+
+
+def test_hybrid_choice_charges_each_collective_of_its_own():
+    # 256 x 256 on 4 workers, 1 row: SFB sends 6 KB against the ring's 384 KB, saving 1.5 collectives'
+    # COLLECTIVE_BYTES: more than the ring's gradient going alone costs, less than sharing a bucket
+    layer = hybrid.Tensor(256 * 256, (256, 256))
+    saved = hybrid.sent_bytes("ring", layer, 4) - hybrid.sent_bytes("sfb", layer, 4, rows=1)
+    assert hybrid.COLLECTIVE_BYTES < saved < 2 * hybrid.COLLECTIVE_BYTES
+    assert hybrid.choose(layer, 4, 1, sparse=False, ring_shared=False) == "sfb"
+    assert hybrid.choose(layer, 4, 1, sparse=False, ring_shared=True) == "ring"
+    # a small gradient 1% dense: fewer bytes on the sparse AllReduce, but a collective of its own
+    small = hybrid.Tensor(4096, density=0.01)
+    assert hybrid.sent_bytes("sparse", small, 4) < hybrid.sent_bytes("ring", small, 4)
+    assert hybrid.choose(small, 4, 0, sparse=True, ring_shared=False) == "sparse"
+    assert hybrid.choose(small, 4, 0, sparse=True, ring_shared=True) == "ring"
 
 
 def test_strategy_file_and_bad_strategies(tmp_path):
@@ -442,8 +462,9 @@ def test_strategy_file_and_bad_strategies(tmp_path):
 
 @pytest.mark.parametrize("workload, batch", [("ncf", "8"), ("vgg", "8")])
 def test_training_with_the_wrapper_follows_ddps_loss_curve(tmp_path, workload, batch):
-    """`sparcoll train --compare ddp,poseidon` (hybrid choice: SFB for vgg's wide layers, the sparse
-    AllReduce for ncf's embeddings once their density is known): 30 steps, the same losses."""
+    """`sparcoll train --compare ddp,poseidon` (hybrid choice: the sparse AllReduce for ncf's
+    embeddings once their density is known, the ring's bucket for vgg tiny's small layers): 30 steps,
+    the same losses."""
     import os
     import subprocess
     import sys

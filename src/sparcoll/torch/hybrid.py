@@ -8,6 +8,10 @@ layer with P = 4 crosses over at K ~ 1724). The counts here are our collectives'
 allreduce, gloo's ring allgather for SFB's factors (after a gather of their lengths), and sparcoll's
 sparse AllReduce, which sends a worker's non-zero blocks to their aggregators and the union's blocks of
 its own shard back, each block with a 4-byte index.
+
+Bytes alone would give a small layer SFB for a few kilobytes saved, a collective of its own where its
+ring gradient would have shared a bucket with others; so the choice also charges each strategy
+COLLECTIVE_BYTES for every collective it needs of its own.
 """
 from __future__ import annotations
 
@@ -15,6 +19,10 @@ from dataclasses import dataclass
 
 ITEMSIZE = 4            # float32
 LENGTH_BYTES = 8        # one int64 length per part in a variable-size allgather
+COLLECTIVE_BYTES = 256 << 10    # a collective's fixed cost, as the bytes a link moves meanwhile: 2 ms
+                        # at 1 Gbit/s (a 4 KB gloo allreduce took 5 ms among 4 processes on 2 cores
+                        # there). Bytes alone gave gpt tiny's 16 x 64 layers SFB: DataParallel ran
+                        # 0.26-0.33x DDP on loopback, 0.53-0.74x with this charge
 RING, PS, SPARSE, SFB = "ring", "ps", "sparse", "sfb"
 
 
@@ -48,11 +56,22 @@ def sent_bytes(strategy: str, t: Tensor, workers: int, rows: int = 0, block_size
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
-def choose(t: Tensor, workers: int, rows: int, sparse: bool, block_size: int = 256) -> str:
-    """The strategy of fewest bytes among those that apply (SFB for linear layers, the sparse
-    AllReduce when a communicator is there); ties go to the ring."""
+def own_collectives(strategy: str, ring_shared: bool) -> int:
+    """Collectives a tensor needs of its own under `strategy`: SFB two (the factors' lengths, then the
+    factors), the sparse AllReduce one, the ring none where the gradient shares a bucket."""
+    if strategy == RING:
+        return 0 if ring_shared else 1
+    return 2 if strategy == SFB else 1
+
+
+def choose(t: Tensor, workers: int, rows: float, sparse: bool, block_size: int = 256,
+           ring_shared: bool = False) -> str:
+    """The cheapest strategy among those that apply (SFB for linear layers, the sparse AllReduce when
+    a communicator is there): the bytes it sends, and COLLECTIVE_BYTES for each collective of its
+    own (ring_shared: the ring's gradient would share a bucket); ties go to the ring."""
     options = [RING] + ([SFB] if t.linear is not None and rows > 0 else []) + ([SPARSE] if sparse else [])
-    return min(options, key=lambda s: (sent_bytes(s, t, workers, rows, block_size), s != RING))
+    return min(options, key=lambda s: (sent_bytes(s, t, workers, rows, block_size)
+                                       + COLLECTIVE_BYTES * own_collectives(s, ring_shared), s != RING))
 
 
 def sfb_crossover(m: int, n: int, workers: int) -> float:

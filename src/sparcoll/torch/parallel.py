@@ -9,7 +9,9 @@ sparcoll.compress.
     optimizer.step()
 
 Per tensor the strategy is the user's (`strategy=`: a dict or a JSON file, tensor name -> strategy)
-or Poseidon's hybrid choice (sparcoll.torch.hybrid): the fewest bytes per step among the ring, SFB
+or Poseidon's hybrid choice (sparcoll.torch.hybrid): the fewest bytes per step (each collective a
+tensor needs of its own charged hybrid.COLLECTIVE_BYTES, which a ring gradient in a bucket does
+not need) among the ring, SFB
 for nn.Linear weights (by the rows K the ranks fed the layer and the world size) and, with a
 communicator, the sparse AllReduce (by the block density of the tensor's previous averaged gradient,
 which every rank knows alike); a sparse COO gradient (`nn.Embedding(sparse=True)`) takes the sparse
@@ -228,6 +230,10 @@ class DataParallel(nn.Module):
     def _rows_of(self, p: torch.Tensor, rows: float | None) -> float:
         return rows if rows is not None else self._rows.get(id(p), 0)
 
+    def _ring_bucketed(self, size: int) -> bool:
+        """Whether a dense gradient of `size` bytes on the ring joins a bucket (_add_to_bucket)."""
+        return size <= SMALL_BYTES or (size < BUCKET_BYTES and not self._planned)
+
     def _block_size(self) -> int:
         return self.comm.block_size if self.comm is not None else 256
 
@@ -243,7 +249,7 @@ class DataParallel(nn.Module):
             return hybrid.SPARSE
         if chosen == AUTO:
             chosen = hybrid.choose(self._model_of(p), self.world, rows, self.comm is not None,
-                                   self._block_size())
+                                   self._block_size(), self._ring_bucketed(p.numel() * p.element_size()))
         if chosen == hybrid.SFB and (id(p) not in self._linear or self._accumulated):
             chosen = hybrid.RING            # not a linear weight, or gradients accumulated
         return chosen
@@ -327,7 +333,7 @@ class DataParallel(nn.Module):
         # another are buckets
         bucketed = small or ((compressed or dense_ring or coo_sparse) and unit is not None
                              and self._unit_size[unit] > 1) or (coo_sparse and not self._unit) \
-            or (dense_ring and size < BUCKET_BYTES and not self._planned)
+            or (dense_ring and self._ring_bucketed(size))
         if not (compressed or ((dense_ring or coo_sparse) and bucketed)):
             self._enqueue(p, chosen, None)
             return
