@@ -13,18 +13,18 @@ or Poseidon's hybrid choice (sparcoll.torch.hybrid): the fewest bytes per step a
 for nn.Linear weights (by the rows K the ranks fed the layer and the world size) and, with a
 communicator, the sparse AllReduce (by the block density of the tensor's previous averaged gradient,
 which every rank knows alike), each collective a tensor needs of its own charged
-hybrid.COLLECTIVE_BYTES (a ring gradient in a bucket needs none); a sparse COO gradient (`nn.Embedding(sparse=True)`) takes the sparse
-AllReduce when there is a communicator: it sends each rank's touched rows and brings back their union,
-never more than the group's sparse all_reduce, which gathers every rank's rows to every rank (ncf's
-four embeddings, 4 workers on loopback: 32.5-34.9 ms a step against 50.7-54.8 through the group).
-Every rank takes the same decisions from the same facts, so ranks need
-the same model; their batches may differ in size, as under DDP: K is the ranks' mean of the rows each
-layer was fed the step before (so a layer's first step never takes SFB), which a small allreduce
-at the start of each step's synchronization tells every rank, left running while the step's other
-collectives start (SFB gathers each rank's own rows). A linear layer whose weight another module owns too
-(a tied softmax) never takes SFB: its factors would miss the other module's part of the gradient. (A
-weight used outside its module, as in `F.linear(x, layer.weight)` elsewhere, cannot be detected: give
-such a layer an explicit strategy.)
+hybrid.COLLECTIVE_BYTES (a ring gradient in a bucket needs none); a sparse COO gradient
+(`nn.Embedding(sparse=True)`) takes the sparse AllReduce when there is a communicator: it sends each
+rank's touched rows and brings back their union, never more than the group's sparse all_reduce,
+which gathers every rank's rows to every rank (ncf's four embeddings, 4 workers on loopback:
+32.5-34.9 ms a step against 50.7-54.8 through the group). Every rank takes the same decisions from
+the same facts, so ranks need the same model; their batches may differ in size, as under DDP: K is
+the ranks' mean of the rows each layer was fed the step before (so a layer's first step never takes
+SFB), which a small allreduce at the start of each step's synchronization tells every rank, left
+running while the step's other collectives start (SFB gathers each rank's own rows). A linear layer
+whose weight another module owns too (a tied softmax) never takes SFB: its factors would miss the
+other module's part of the gradient. (A weight used outside its module, as in `F.linear(x,
+layer.weight)` elsewhere, cannot be detected: give such a layer an explicit strategy.)
 
 Gradients are synchronized on one thread, in the order backward produces them (the same on every
 rank); backward waits for the last of them before it returns. The group's own allreduces (the ring's,
