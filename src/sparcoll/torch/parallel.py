@@ -24,7 +24,10 @@ SFB), which a small allreduce at the start of each step's synchronization tells 
 running while the step's other collectives start (SFB gathers each rank's own rows). A linear layer
 whose weight another module owns too (a tied softmax) never takes SFB: its factors would miss the
 other module's part of the gradient. (A weight used outside its module, as in `F.linear(x,
-layer.weight)` elsewhere, cannot be detected: give such a layer an explicit strategy.)
+layer.weight)` elsewhere, cannot be detected: give such a layer an explicit strategy.) Every rank must
+produce a gradient for the same parameters each step, as under DDP without find_unused_parameters:
+where a rank skips a branch the others take, their buckets differ in size, and gloo aborts the
+process whose collective disagrees (docs/reliability.md, "Known gaps").
 
 Gradients are synchronized on one thread, in the order backward produces them (the same on every
 rank); backward waits for the last of them before it returns. The group's own allreduces (the ring's,
