@@ -482,6 +482,42 @@ def test_training_with_the_wrapper_follows_ddps_loss_curve(tmp_path, workload, b
     assert max(abs(a - b) for a, b in zip(ddp["loss"], poseidon["loss"])) <= 1e-4
 
 
+def normed() -> nn.Module:
+    """A model with buffers: a BatchNorm's running statistics, which each rank updates from its own
+    batches."""
+    torch.manual_seed(9)
+    return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
+
+
+def buffers_against_ddp(rank: int, world: int) -> dict:
+    """Three SGD steps of `normed` under DDP (on gloo) and under DataParallel with and without
+    broadcast_buffers, on the same batches: each one's largest difference from DDP in buffers and
+    parameters on this rank."""
+    trained = {}
+    for name, wrap in (("ddp", torch.nn.parallel.DistributedDataParallel),
+                       ("broadcast", sparcoll.torch.DataParallel),
+                       ("not broadcast", lambda m: sparcoll.torch.DataParallel(m, broadcast_buffers=False))):
+        model = wrap(normed())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for s in range(3):
+            x, y = batch(rank, 6, (12,), seed=s)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        trained[name] = [t.detach().double() for t in [*model.module.buffers(), *model.module.parameters()]]
+        if name != "ddp":
+            model.close()
+    return {name: max((a - b).abs().max().item() for a, b in zip(trained["ddp"], tensors))
+            for name, tensors in trained.items() if name != "ddp"}
+
+
+def test_buffers_follow_rank_0_as_under_ddp():
+    outcomes = run_ranks(buffers_against_ddp, WORLD, timeout=90)
+    assert all(out["broadcast"] <= 1e-5 for out in outcomes), outcomes
+    # without the broadcast, ranks 1 and 2 keep the running statistics of their own batches
+    assert outcomes[0]["not broadcast"] <= 1e-5 and min(out["not broadcast"] for out in outcomes[1:]) > 1e-3, outcomes
+
+
 def sfb_errors(rank: int, world: int) -> list:
     errors = []
     for rows, shape_in, bias in ((5, (12,), True), (1, (2, 12), False)):

@@ -125,14 +125,17 @@ class DataParallel(nn.Module):
     ready ("thread"), on a worker thread of its own ("offload"), or (unplanned) on the
     synchronization thread before its collective. timeout: seconds backward waits for the last
     synchronization. wait_free=False holds every synchronization until backward has finished (as
-    without Poseidon's overlap; for comparison)."""
+    without Poseidon's overlap; for comparison). broadcast_buffers: as DDP's, rank 0's buffers (a
+    BatchNorm's running statistics) replace every rank's at the start of each forward that will be
+    synchronized, in one broadcast per dtype."""
 
     def __init__(self, module: nn.Module, comm: Communicator | None = None, group=None,
                  strategy: Union[str, Mapping, Path] = AUTO, timeout: float = 300.0,
-                 wait_free: bool = True):
+                 wait_free: bool = True, broadcast_buffers: bool = True):
         super().__init__()
         self.module = module
         self.comm, self.group, self.timeout, self.wait_free = comm, group, timeout, wait_free
+        self.broadcast_buffers = broadcast_buffers
         self._held: list = []
         self._bucket: list = []           # (parameter, event, payload) of small gradients, in ready order
         self._bucket_kind: tuple = ()     # the bucket's (strategy, placement): one collective for all
@@ -183,6 +186,8 @@ class DataParallel(nn.Module):
 
     # ---- the user's side --------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self._sync and self.world > 1 and torch.is_grad_enabled():
+            self._broadcast_buffers()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -646,6 +651,20 @@ class DataParallel(nn.Module):
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 dist.broadcast(t.data, src, group=self.group)
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers on every rank, one broadcast per dtype, on the training thread (no
+        synchronization runs between backward's end and the next forward)."""
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        by_dtype = collections.defaultdict(list)
+        for t in self.module.buffers():
+            by_dtype[t.dtype].append(t)
+        with torch.no_grad():
+            for same in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in same])
+                dist.broadcast(flat, src, group=self.group)
+                for t, part in zip(same, flat.split([t.numel() for t in same])):
+                    t.copy_(part.view_as(t))
 
 
 def _load(strategy) -> tuple[Union[str, dict], dict, dict]:
