@@ -202,9 +202,10 @@ class DataParallel(nn.Module):
 
     def strategy(self, rows: int | None = None) -> dict[str, dict]:
         """Each tensor's strategy and predicted bytes sent per step by this worker, for a batch of
-        `rows` rows per linear layer (default: the ranks' mean of what each layer saw last step); a dense tensor given
-        the sparse strategy explicitly is counted whole (its density is learned only where the hybrid
-        choice needs it), a COO gradient by the rows this worker's last batch touched."""
+        `rows` rows per linear layer (default: the ranks' mean of what each layer saw last step); a
+        dense tensor given the sparse strategy explicitly is counted whole (its density is learned
+        only where the hybrid choice needs it), a COO gradient by the rows this worker's last batch
+        touched."""
         out = {}
         for p in self._params:
             weight = self._weight_of.get(id(p))
@@ -455,8 +456,8 @@ class DataParallel(nn.Module):
         strategy the hybrid model picks: the next step chooses from the ranks' mean, so every rank
         chooses alike (ranks choosing differently would run different collectives) whatever each one's
         batch. Left running: it used to be a check that the rows agreed, on the synchronization
-        thread, and it delayed the step's first collective (deeplight: 15-17 ms beside backward, 4
-        processes on 2 cores)."""
+        thread, and it held that thread 16-20 ms a step beside backward on deeplight (4 processes on
+        2 cores) before the step's first collective."""
         auto = [s for s in self._linear.values() if self._requested(s.layer.weight) == AUTO]
         if not auto:
             return
@@ -547,7 +548,7 @@ class DataParallel(nn.Module):
         if chosen == ROWS:
             rows, weights = extra
             work = dist.all_reduce(rows, group=self.group, async_op=True)
-            return work, lambda: self._rows.update(zip(weights, (rows / self.world).tolist()))
+            return self._later(work, lambda: self._rows.update(zip(weights, (rows / self.world).tolist())))
         if chosen == hybrid.SFB:
             state, u, v = extra
             state.add(*gather_factors(u, v, self.channel))
