@@ -1,6 +1,7 @@
-"""Per commit and round: DataParallel's and DDP's step, DDP's communication share of its step, and from the synchronization logs (ranks'
-medians over the steps after the first 5) when the step's first collective of gradients started
-after its first gradient and how long the rows' round held the synchronization thread.
+"""Per commit and round: DataParallel's and DDP's step, DDP's communication share of its step, and
+from the synchronization logs (ranks' medians over the steps after the first 5; "-" for a run without them, ab.sh's) when the step's first
+collective of gradients started after its first gradient and how long the rows' round held the
+synchronization thread.
     python3 docs/results/dataparallel-rows/summary.py OUT"""
 import collections
 import glob
@@ -36,4 +37,5 @@ print("|---|---:|---:|---:|---:|---:|---|---|")
 for commit, rs in rows.items():
     for rnd, dp, ddp, share, held, first in sorted(rs):
         print(f"| {commit} | {rnd} | {dp:.1f} | {ddp:.1f} | {ddp / dp:.2f} | {100 * share:.0f}% | "
-              f"{', '.join(f'{h * 1e3:.1f}' for h in held)} | {', '.join(f'{f * 1e3:.1f}' for f in first)} |")
+              f"{', '.join(f'{h * 1e3:.1f}' for h in held) or '-'} | "
+              f"{', '.join(f'{f * 1e3:.1f}' for f in first) or '-'} |")
