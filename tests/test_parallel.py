@@ -294,6 +294,16 @@ def scenario(rank: int, world: int) -> dict:
             out["different rows used"].append(sorted({e.strategy for e in dp.trace if e.name == "0.weight"}))
         out["different rows K"] = dp.strategy()["0.weight"]["predicted_bytes"]
         dp.close()
+        # without wait-free backpropagation every synchronization, the rows' allreduce included, is
+        # held until backward has finished computing: the same averages, SFB from the second step
+        dp = sparcoll.torch.DataParallel(wide(), comm=comm, wait_free=False)
+        out["held"], out["held used"] = [], []
+        for s in range(3):
+            out["held"].append(relative_error(step(dp, rank, 6, (300,), seed=s),
+                                              reference_grads(wide, 6, (300,), world, seed=s)))
+            out["held used"].append(sorted({e.strategy for e in dp.trace if e.name == "0.weight"}))
+            out["held before backward end"] = any(e.start < dp.backward_end for e in dp.trace)
+        dp.close()
         with pytest.raises(ValueError, match="needs a sparcoll Communicator"):
             dp = sparcoll.torch.DataParallel(mlp(), strategy="sparse")
             step(dp, rank, 2, (12,))
@@ -400,6 +410,13 @@ def test_different_batch_sizes_under_the_hybrid_choice_give_the_average(outcome)
     assert all(out["different rows used"] == outcome[0]["different rows used"] for out in outcome)
     # priced at the mean K = 5 on every rank: 2 peers, 5 rows of u (500) and v (300), two lengths
     assert all(out["different rows K"] == (WORLD - 1) * (5 * (500 + 300) * 4 + 2 * 8) for out in outcome)
+
+
+def test_without_wait_free_everything_waits_for_backward_and_stays_exact(outcome):
+    for out in outcome:
+        assert max(out["held"]) <= 1e-5
+        assert out["held used"][0] in (["ring"], ["sparse"]) and out["held used"][1:] == [["sfb"], ["sfb"]]
+        assert not out["held before backward end"]
 
 
 def test_a_tied_weight_never_takes_sfb(outcome):
