@@ -648,22 +648,20 @@ class DataParallel(nn.Module):
         return self._reducers[spec, placement]
 
     def _broadcast_from_rank0(self) -> None:
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                dist.broadcast(t.data, src, group=self.group)
+                dist.broadcast(t.data, group=self.group, group_src=0)
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers on every rank, one broadcast per dtype, on the training thread (no
         synchronization runs between backward's end and the next forward)."""
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         by_dtype = collections.defaultdict(list)
         for t in self.module.buffers():
             by_dtype[t.dtype].append(t)
         with torch.no_grad():
             for same in by_dtype.values():
                 flat = torch.cat([t.detach().reshape(-1) for t in same])
-                dist.broadcast(flat, src, group=self.group)
+                dist.broadcast(flat, group=self.group, group_src=0)
                 for t, part in zip(same, flat.split([t.numel() for t in same])):
                     t.copy_(part.view_as(t))
 
