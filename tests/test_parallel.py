@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 import torch.distributed as dist
 from torch import nn
 
@@ -293,6 +294,16 @@ def scenario(rank: int, world: int) -> dict:
                                                         reference_grads(wide, rows, (300,), world, seed=s)))
             out["different rows used"].append(sorted({e.strategy for e in dp.trace if e.name == "0.weight"}))
         out["different rows K"] = dp.strategy()["0.weight"]["predicted_bytes"]
+        out["rows shared"] = sorted(dp._names[i] for i in dp._rows)
+        dp.close()
+        # layers too small for SFB at any K (mlp: 12 x 16, 16 x 5) share no rows at all, and the
+        # hybrid choice still gives the average
+        dp = sparcoll.torch.DataParallel(mlp(), comm=comm)
+        out["small layers"] = max(relative_error(step(dp, rank, 4, (12,), seed=s),
+                                                 reference_grads(mlp, 4, (12,), world, seed=s))
+                                  for s in range(2))
+        out["small layers rows shared"] = sorted(dp._rows)
+        out["small layers used"] = sorted({e.strategy for e in dp.trace})
         dp.close()
         # without wait-free backpropagation every synchronization, the rows' allreduce included, is
         # held until backward has finished computing: the same averages, SFB from the second step
@@ -410,6 +421,15 @@ def test_different_batch_sizes_under_the_hybrid_choice_give_the_average(outcome)
     assert all(out["different rows used"] == outcome[0]["different rows used"] for out in outcome)
     # priced at the mean K = 5 on every rank: 2 peers, 5 rows of u (500) and v (300), two lengths
     assert all(out["different rows K"] == (WORLD - 1) * (5 * (500 + 300) * 4 + 2 * 8) for out in outcome)
+    # only layer 0's rows are shared: layer 2 (5 x 500) never takes SFB
+    assert all(out["rows shared"] == ["0.weight"] for out in outcome)
+
+
+def test_layers_whose_rows_never_matter_share_none(outcome):
+    for out in outcome:
+        assert out["small layers"] <= 1e-5
+        assert out["small layers rows shared"] == []
+        assert "sfb" not in out["small layers used"]
 
 
 def test_without_wait_free_everything_waits_for_backward_and_stays_exact(outcome):
@@ -457,6 +477,15 @@ def test_hybrid_choice_charges_each_collective_of_its_own():
     assert hybrid.sent_bytes("sparse", small, 4) < hybrid.sent_bytes("ring", small, 4)
     assert hybrid.choose(small, 4, 0, sparse=True, ring_shared=False) == "sparse"
     assert hybrid.choose(small, 4, 0, sparse=True, ring_shared=True) == "ring"
+
+
+@settings(max_examples=300, deadline=None)
+@given(m=st.integers(1, 4096), n=st.integers(1, 4096), workers=st.integers(2, 8), shared=st.booleans())
+def test_sfb_is_possible_exactly_where_some_rows_choose_it(m, n, workers, shared):
+    layer = hybrid.Tensor(m * n, (m, n))
+    some_rows = [1e-9, 0.5] + [2.0 ** k for k in range(13)]
+    chosen = {hybrid.choose(layer, workers, k, sparse=False, ring_shared=shared) for k in some_rows}
+    assert hybrid.sfb_possible(layer, workers, shared) == ("sfb" in chosen)
 
 
 def test_strategy_file_and_bad_strategies(tmp_path):

@@ -74,6 +74,17 @@ def choose(t: Tensor, workers: int, rows: float, sparse: bool, block_size: int =
                                        + COLLECTIVE_BYTES * own_collectives(s, ring_shared), s != RING))
 
 
+def sfb_possible(t: Tensor, workers: int, ring_shared: bool = False) -> bool:
+    """Whether some batch (K > 0 rows) would give `t` SFB against the ring. SFB's bytes grow with K,
+    so it is enough that they, as K goes to 0 (the lengths alone), and its two collectives cost less
+    than the ring; where they do not (a small layer: its ring gradient saves SFB's two charges), the
+    layer's rows never decide its strategy."""
+    if t.linear is None or workers < 2:
+        return False
+    return (sent_bytes(SFB, t, workers, rows=0) + COLLECTIVE_BYTES * own_collectives(SFB, ring_shared)
+            < sent_bytes(RING, t, workers) + COLLECTIVE_BYTES * own_collectives(RING, ring_shared))
+
+
 def sfb_crossover(m: int, n: int, workers: int) -> float:
     """The K below which SFB sends fewer floats than a ring or parameter server: 2MN / (P (M + N))."""
     return 2 * m * n / (workers * (m + n))
