@@ -156,19 +156,16 @@ class DataParallel(nn.Module):
         self._linear: dict[int, LinearState] = {}    # weight id -> its layer's step
         self._weight_of: dict[int, nn.Parameter] = {}  # bias id -> its layer's weight
         for layer in eligible_layers(module):      # a tied weight never takes SFB
+            if layer.bias is not None:          # a layer's bias goes with its weight (SFB, compressed)
+                self._weight_of[id(layer.bias)] = layer.weight
+            if not self._may_take_sfb(layer):
+                continue
             state = LinearState(layer, self._names.get(id(layer.weight), "?"))
             self._handles.append(layer.register_forward_pre_hook(functools.partial(self._before_linear, state)))
             self._handles.append(layer.register_forward_hook(functools.partial(self._after_linear, state),
                                                              always_call=True))
             self._linear[id(layer.weight)] = state
-            if state.bias is not None:
-                self._weight_of[id(state.bias)] = layer.weight
         self._density: dict[int, float] = {}
-        # the layers whose rows may decide their strategy, and so are shared each step (_share_rows):
-        # the others never take SFB, whatever their rows
-        self._rows_decide = [s for s in self._linear.values() if hybrid.sfb_possible(
-            self._model_of(s.layer.weight), self.world,
-            self._ring_bucketed(s.layer.weight.numel() * s.layer.weight.element_size()))]
         self._reducers: dict[str, Reducer] = {}
         self._scratch: dict[int, list] = {}
         self._sync = True
@@ -242,6 +239,17 @@ class DataParallel(nn.Module):
     # ---- decisions --------------------------------------------------------------------------------
     def _rows_of(self, p: torch.Tensor, rows: float | None) -> float:
         return rows if rows is not None else self._rows.get(id(p), 0)
+
+    def _may_take_sfb(self, layer: nn.Linear) -> bool:
+        """Whether SFB may serve this layer: asked for, or chosen by the hybrid model at some batch
+        (hybrid.sfb_possible). Only such layers get forward hooks and a share of the rows each step
+        (_share_rows); the others are tensors like any other, whose choice no batch changes."""
+        requested = self._requested(layer.weight)
+        if requested != AUTO:
+            return requested == hybrid.SFB
+        weight = layer.weight
+        return hybrid.sfb_possible(hybrid.Tensor(weight.numel(), tuple(weight.shape)), self.world,
+                                   self._ring_bucketed(weight.numel() * weight.element_size()))
 
     def _ring_bucketed(self, size: int) -> bool:
         """Whether a dense gradient of `size` bytes on the ring joins a bucket (_add_to_bucket)."""
@@ -458,14 +466,14 @@ class DataParallel(nn.Module):
 
     def _share_rows(self) -> None:
         """Queue, first in the step, the allreduce of the rows this rank fed each linear layer whose
-        strategy the hybrid model picks and whose rows may decide it: the next step chooses from the
-        ranks' mean, so every rank chooses alike (ranks choosing differently would run different
-        collectives) whatever each one's batch. Left running: it used to be a check that the rows
-        agreed, on the synchronization thread, and it held that thread 16-20 ms a step beside
+        strategy the hybrid model picks (one that may take SFB, _may_take_sfb): the next step chooses
+        from the ranks' mean, so every rank chooses alike (ranks choosing differently would run
+        different collectives) whatever each one's batch. Left running: it used to be a check that
+        the rows agreed, on the synchronization thread, and it held that thread 16-20 ms a step beside
         backward on deeplight (4 processes on 2 cores) before the step's first collective. None at
         all where no layer's rows matter: on gpt tiny (2 ranks on loopback) the allreduce alone
         made the step 1.5-2 ms (about 70%) longer."""
-        auto = [s for s in self._rows_decide if self._requested(s.layer.weight) == AUTO]
+        auto = [s for s in self._linear.values() if self._requested(s.layer.weight) == AUTO]
         if not auto:
             return
         rows = torch.tensor([s.rows for s in auto], dtype=torch.float64)
