@@ -481,11 +481,15 @@ def test_hybrid_choice_charges_each_collective_of_its_own():
 
 @settings(max_examples=300, deadline=None)
 @given(m=st.integers(1, 4096), n=st.integers(1, 4096), workers=st.integers(2, 8), shared=st.booleans())
-def test_sfb_is_possible_exactly_where_some_rows_choose_it(m, n, workers, shared):
+def test_sfb_or_sparse_may_beat_the_ring_exactly_where_some_rows_or_density_choose_them(m, n, workers, shared):
     layer = hybrid.Tensor(m * n, (m, n))
     some_rows = [1e-9, 0.5] + [2.0 ** k for k in range(13)]
     chosen = {hybrid.choose(layer, workers, k, sparse=False, ring_shared=shared) for k in some_rows}
-    assert hybrid.sfb_possible(layer, workers, shared) == ("sfb" in chosen)
+    assert hybrid.may_beat_ring("sfb", layer, workers, shared) == ("sfb" in chosen)
+    densities = [0.0, 1e-4, 0.01, 0.1, 0.5, 1.0]
+    chosen = {hybrid.choose(hybrid.Tensor(m * n, density=d), workers, 0, sparse=True, ring_shared=shared)
+              for d in densities}
+    assert hybrid.may_beat_ring("sparse", layer, workers, shared) == ("sparse" in chosen)
 
 
 def test_strategy_file_and_bad_strategies(tmp_path):

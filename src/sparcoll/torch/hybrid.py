@@ -74,14 +74,17 @@ def choose(t: Tensor, workers: int, rows: float, sparse: bool, block_size: int =
                                        + COLLECTIVE_BYTES * own_collectives(s, ring_shared), s != RING))
 
 
-def sfb_possible(t: Tensor, workers: int, ring_shared: bool = False) -> bool:
-    """Whether some batch (K > 0 rows) would give `t` SFB against the ring. SFB's bytes grow with K,
-    so it is enough that they, as K goes to 0 (the lengths alone), and its two collectives cost less
-    than the ring; where they do not (a small layer: its ring gradient saves SFB's two charges), the
-    layer's rows never decide its strategy."""
-    if t.linear is None or workers < 2:
+def may_beat_ring(strategy: str, t: Tensor, workers: int, ring_shared: bool = False,
+                  block_size: int = 256) -> bool:
+    """Whether `strategy` (SFB or the sparse AllReduce) would beat the ring for `t` at some batch (K
+    rows) or some density. Its bytes grow with both, so it is enough that they, at no rows and no
+    non-zero block (SFB's lengths alone; nothing), and its collectives' charges cost less than the
+    ring. Where they do not (a small tensor: its ring gradient saves the charges), neither the rows
+    nor the density of `t` ever change its choice."""
+    if workers < 2 or (strategy == SFB and t.linear is None):
         return False
-    return (sent_bytes(SFB, t, workers, rows=0) + COLLECTIVE_BYTES * own_collectives(SFB, ring_shared)
+    best = Tensor(t.numel, t.linear, t.bias, density=0.0)
+    return (sent_bytes(strategy, best, workers, 0, block_size) + COLLECTIVE_BYTES * own_collectives(strategy, ring_shared)
             < sent_bytes(RING, t, workers) + COLLECTIVE_BYTES * own_collectives(RING, ring_shared))
 
 

@@ -242,14 +242,17 @@ class DataParallel(nn.Module):
 
     def _may_take_sfb(self, layer: nn.Linear) -> bool:
         """Whether SFB may serve this layer: asked for, or chosen by the hybrid model at some batch
-        (hybrid.sfb_possible). Only such layers get forward hooks and a share of the rows each step
+        (hybrid.may_beat_ring). Only such layers get forward hooks and a share of the rows each step
         (_share_rows); the others are tensors like any other, whose choice no batch changes."""
         requested = self._requested(layer.weight)
         if requested != AUTO:
             return requested == hybrid.SFB
-        weight = layer.weight
-        return hybrid.sfb_possible(hybrid.Tensor(weight.numel(), tuple(weight.shape)), self.world,
-                                   self._ring_bucketed(weight.numel() * weight.element_size()))
+        return self._may_beat_ring(hybrid.SFB, layer.weight)
+
+    def _may_beat_ring(self, strategy: str, p: torch.Tensor) -> bool:
+        t = hybrid.Tensor(p.numel(), tuple(p.shape) if p.dim() == 2 else None)
+        return hybrid.may_beat_ring(strategy, t, self.world, self._ring_bucketed(p.numel() * p.element_size()),
+                                    self._block_size())
 
     def _ring_bucketed(self, size: int) -> bool:
         """Whether a dense gradient of `size` bytes on the ring joins a bucket (_add_to_bucket)."""
@@ -632,9 +635,10 @@ class DataParallel(nn.Module):
 
     def _learn_density(self, p: torch.Tensor, averaged: torch.Tensor) -> None:
         """The block density of p's averaged gradient, which the hybrid choice reads next step; only
-        where it chooses (a scan of every block, on the synchronization thread: deeplight's embedding
-        is 68 MB)."""
-        if self.comm is not None and self._requested(p) == AUTO:
+        where it chooses, and where a density could make it choose the sparse AllReduce (a scan of
+        every block, on the synchronization thread: deeplight's embedding is 68 MB; gpt tiny's 16
+        tensors were 0.3-0.5 ms of each step's critical path)."""
+        if self.comm is not None and self._requested(p) == AUTO and self._may_beat_ring(hybrid.SPARSE, p):
             blocks = BlockTensor(averaged, self._block_size())
             self._density[id(p)] = blocks.nonzero().size / max(1, blocks.nblocks)
 
