@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparcoll import Communicator, MismatchError, SparcollError, wire
-from sparcoll.algorithm import (LOOK_EVERY, SAMPLE_BLOCKS, SMALL_TRIALS, TINY_NUMEL, TRIALS, Algorithm,
+from sparcoll.algorithm import (LOOK_EVERY, RETRY_EVERY, SAMPLE_BLOCKS, SMALL_TRIALS, TINY_NUMEL, TRIALS, Algorithm,
                                 Chooser, candidate_block_sizes, entry_block_size)
 from support import block_sparse, on_threads
 
@@ -60,6 +60,22 @@ def test_a_dense_kind_is_timed_on_both_paths_then_keeps_the_faster():
     # within the margin the ring keeps it: dense data costs the sparse path CPU
     assert run_dense_kind(Chooser(Algorithm.AUTO, 256, WORLD), 0.57, 0.6, calls=calls) == trials + [R]
     assert Chooser(Algorithm.AUTO, 256, WORLD).choose((BIG, 0, 1), coo=False) is S  # another op
+
+
+def test_a_choice_lasts_retry_every_collectives_then_the_kind_is_timed_anew():
+    """Trials that misled (the sparse path looked faster) keep the kind for RETRY_EVERY collectives,
+    counting the one that shared the times; the last of them starts the trials again (its own time
+    the sparse path's first), and the ring, now measured faster, keeps the kind. Times are not
+    kept between trials."""
+    S, R = Algorithm.SPARSE, Algorithm.RING
+    chooser = Chooser(Algorithm.AUTO, 256, WORLD)
+    trials = [S] * TRIALS + [R] * (TRIALS + 1)
+    assert run_dense_kind(chooser, sparse_s=0.04, ring_s=0.08, calls=len(trials)) == trials
+    settled = run_dense_kind(chooser, sparse_s=0.08, ring_s=0.05, calls=RETRY_EVERY - 1)
+    assert settled == [S] * (RETRY_EVERY - 1)
+    assert chooser._kinds[KIND].times == {S: [0.08]}
+    again = run_dense_kind(chooser, sparse_s=0.08, ring_s=0.05, calls=TRIALS - 1 + TRIALS + 1 + 2)
+    assert again == [S] * (TRIALS - 1) + [R] * (TRIALS + 1) + [R, R]
 
 
 def test_a_kind_small_enough_is_also_timed_gathered_and_the_fastest_keeps_it():

@@ -21,7 +21,9 @@ and op, as a DDP bucket each step):
     stays dense unless the sparse path was clearly faster (by SPARSE_MARGIN: on dense data the
     sparse path's scan and bookkeeping take CPU from the training around it, and on loopback the
     two are within noise of each other).
-    The best of a path's trials discounts a kind's slower first collectives.
+    The best of a path's trials discounts a kind's slower first collectives. After RETRY_EVERY
+    collectives on the path chosen, the kind is timed anew: a wrong choice (a few trials on busy
+    cores can make one) does not last.
 COO tensors always go the sparse way. Every rank must choose alike without a message of its own:
 the choice depends only on the ranks' calls, on earlier results (identical on every rank), and on
 times averaged in a ring round (identical too). The engine runs one collective at a time, so what a
@@ -77,6 +79,10 @@ BLOCK_COST = 64         # bytes a block costs besides its data: its 4-byte index
                         # blocks took 16-element ones (25% fewer bytes, 1.5 times the blocks) at
                         # the index's 4 bytes alone, and its steps took 3 ms (8%) more than with 32
 GATHER_ELEMENTS = 1 << 18   # a kind of at most this many elements times the world may be gathered
+RETRY_EVERY = 256       # a dense kind's paths are timed anew after this many collectives on the one
+                        # chosen: 3 trials a path decide wrongly at times on busy cores (4M floats
+                        # over 2 ranks on loopback: the sparse path, 1.3x slower there, kept the kind
+                        # in 1 of 16 and 2 of 6 one-off runs), and a wrong choice must not last
 
 
 class Algorithm(enum.Enum):
@@ -112,6 +118,7 @@ class KindState:
     dense: bool = False                         # its last result was at least CANDIDATE_DENSITY
     times: dict = field(default_factory=dict)   # this rank's times per Algorithm since it is dense
     chosen: Algorithm | None = None             # the faster path on average, once known
+    settled: int = 0                            # collectives since `chosen` was
     unlooked: int = 0                           # collectives since its density was looked at
     share: float = 1.0                          # the share of non-zero blocks its last look found
 
@@ -183,6 +190,10 @@ class Chooser:
         if self.mode is Algorithm.RING or kind[0] <= TINY_NUMEL or result.layout != torch.strided:
             return
         state = self._kinds.get(kind)
+        if state is not None and state.chosen is not None:
+            state.settled += 1                  # the same count on every rank
+            if state.settled >= RETRY_EVERY:
+                state.times, state.chosen, state.settled = {}, None, 0
         if state is not None and (state.chosen is not None and state.chosen.on_gloo
                                   or state.share < CLEARLY_SPARSE):
             state.unlooked += 1                 # the same count on every rank
@@ -202,8 +213,8 @@ class Chooser:
         state.share = shares[block]
         dense = self.mode is Algorithm.AUTO and shares[block] >= CANDIDATE_DENSITY
         if dense != state.dense:        # times measured on other data say nothing about this
-            state.dense, state.times, state.chosen, state.unlooked = dense, {}, None, 0
-        if dense:
+            state.dense, state.times, state.chosen, state.settled, state.unlooked = dense, {}, None, 0, 0
+        if dense and state.chosen is None:
             state.times.setdefault(algorithm, []).append(seconds)
 
     def densities(self, kind: Kind, result: torch.Tensor) -> dict[int, float]:
