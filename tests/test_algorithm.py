@@ -4,6 +4,7 @@ errors instead of gloo's process abort when ranks disagree."""
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 import torch
@@ -617,11 +618,13 @@ def test_a_wait_slice_that_times_out_as_the_allreduce_completes_is_not_a_failure
 
     ring = object.__new__(Ring)     # only _wait is under test: no gloo group needed
     ring.rank = 0
+    ring.star = types.SimpleNamespace(closed_peers=lambda: [1])     # rank 1's link is closed
     deadline = time.monotonic() + 5.0
     if failure is None:
         ring._wait(CompletedWork(failure), deadline, lambda: None)
-    else:
-        with pytest.raises(PeerError, match="Connection reset by peer"):
+    else:   # gloo names an address, the star's closed link the rank
+        with pytest.raises(PeerError, match=r"\(rank 1 closed its connection: died or left\): "
+                                            r"Connection reset by peer"):
             ring._wait(CompletedWork(failure), deadline, lambda: None)
 
 

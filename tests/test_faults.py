@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing.connection as mp_connection
 import os
+import re
 import signal
 import socket
 import threading
@@ -191,6 +192,26 @@ def install_kill(point: str, n: int = 1, own_rank: int | None = None, delay: flo
                 die()
             return original_close(self)
         transport.Connection.close = close
+    elif point == "ring-data":              # the n-th ring allreduce of the data has just started
+        from sparcoll import ring
+        original_data = ring.Ring._allreduce_data
+
+        def allreduce_data(self, *args):
+            work = original_data(self, *args)
+            if hit():
+                time.sleep(0.002)           # let gloo's threads send part of it
+                die()
+            return work
+        ring.Ring._allreduce_data = allreduce_data
+    elif point == "ring-check":             # about to send its row of the n-th check round
+        from sparcoll import star
+        original_round = star.Star.round
+
+        def round_(self, *args):
+            if hit():
+                die()
+            return original_round(self, *args)
+        star.Star.round = round_
     elif point == "timer":
         threading.Timer(delay, die).start()
     elif point in ("now", "between", "after-init", "none"):
@@ -424,10 +445,14 @@ def check_survivors(point: str, spec: dict, out: dict) -> list[str]:
         if res["error_s"] > TIMEOUT + SLACK:
             problems.append(f"{where}: {res['error']} after {res['error_s']:.1f} s > deadline")
         # In a cascade another survivor may give up first and leave; then this one may be told
-        # "rank S left the job" before it hears of the dead peer (see docs/reliability.md).
-        cascade = [f"rank {s} left the job" for s in range(world) if s not in victims and s != rank]
+        # "rank S left the job" (its aggregator) or "rank S closed its connection" (the ring's
+        # check round) before it hears of the dead peer (see docs/reliability.md).
+        cascade = [text.format(s) for s in range(world) if s not in victims and s != rank
+                   for text in ("rank {} left the job", "rank {} closed its connection")]
         if res["error"] != "CollectiveTimeout" and not names_peer(res["msg"], peers + cascade):
             problems.append(f"{where}: {res['error']} does not name the peer {peers}: {res['msg']}")
+        if re.search(r"(rank \d+: )\1", res["msg"]):
+            problems.append(f"{where}: a rank is named twice in a row: {res['msg']}")
         if not res["exact"]:
             problems.append(f"{where}: a collective that completed was not exact")
         if res["then"] is not None and (res["then"] != "PoisonedError" or res["then_s"] > 1.0):
@@ -479,6 +504,18 @@ COLOCATED = {
     "two-victims-of-4": _w(("send", 15), victims=(1, 3), world=4, collectives=3),
 }
 
+_RING = dict(env={"SPARCOLL_ALGORITHM": "ring"})    # every collective on gloo's ring, with its check
+RING = {
+    "ring-first-data": _w(("ring-data", 1), **_RING),
+    "ring-data-of-collective-4": _w(("ring-data", 4), **_RING),
+    "ring-first-check": _w(("ring-check", 1), **_RING),
+    "ring-check-of-collective-3": _w(("ring-check", 3), **_RING),
+    "ring-between-collectives-2-3": _w(("between", 2), **_RING),
+    "ring-timer-150ms": _w(("timer", 0.15), collectives=150, **_RING),
+    "ring-3-ranks-rank0-data": _w(("ring-data", 3), victims=(0,), world=3, **_RING),
+    "ring-3-ranks-rank2-check": _w(("ring-check", 2), victims=(2,), world=3, **_RING),
+}
+
 SECRET = b"test-fault-secret"
 _DED = dict(env={"SPARCOLL_SECRET": SECRET.decode()})
 
@@ -528,6 +565,11 @@ def dedicated_outcomes():
     return _run_all(DEDICATED)
 
 
+@pytest.fixture(scope="module")
+def ring_outcomes():
+    return _run_all(RING)
+
+
 def _assert_survivors_report(point: str, episodes: dict, outcomes: dict) -> None:
     out = outcomes[point]
     assert "harness" not in out, out.get("harness")
@@ -543,6 +585,11 @@ def test_worker_killed_colocated(point, colocated_outcomes):
 @pytest.mark.parametrize("point", list(DEDICATED))
 def test_killed_with_dedicated_aggregator(point, dedicated_outcomes):
     _assert_survivors_report(point, DEDICATED, dedicated_outcomes)
+
+
+@pytest.mark.parametrize("point", list(RING))
+def test_worker_killed_on_glooss_ring(point, ring_outcomes):
+    _assert_survivors_report(point, RING, ring_outcomes)
 
 
 def test_dedicated_aggregator_keeps_serving_other_jobs():

@@ -3,6 +3,7 @@ handshake, and what it does with peers that die, stall, report or send malformed
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 import time
@@ -74,6 +75,28 @@ def test_every_rank_gets_rank_0s_verdict_of_every_rows_in_rank_order(store, worl
         assert not isinstance(results[r], Exception), results[r]
         for i, verdict in enumerate(results[r]):
             assert np.array_equal(verdict, np.concatenate(rows[i]))
+
+
+def test_closed_peers_lists_the_ranks_whose_connection_closed_without_reading_a_frame(store):
+    """3 ranks: while every link is open (and rank 1 has a frame waiting at rank 0), rank 0 lists
+    none; once rank 2 closes, rank 0 lists rank 2 and rank 1 none (it sees only rank 0); the frame
+    is still there for the next round."""
+    stars = connect_all(store, 3)
+    try:
+        stars[1]._send(0, np.arange(5, dtype=np.uint8), time.monotonic() + 5, no_report)
+        deadline = time.monotonic() + 5
+        while not select.select([stars[0].links[1]], [], [], 0.01)[0] and time.monotonic() < deadline:
+            pass
+        assert stars[0].closed_peers() == [] and stars[1].closed_peers() == []
+        stars[2].close()
+        while stars[0].closed_peers() != [2] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stars[0].closed_peers() == [2] and stars[1].closed_peers() == []
+        frame = stars[0]._receive(1, LIMIT, time.monotonic() + 5, no_report)
+        assert np.array_equal(frame, np.arange(5, dtype=np.uint8))
+    finally:
+        for star in stars.values():
+            star.close()
 
 
 def test_a_stranger_at_rank_0_is_refused_and_the_ranks_still_connect(store):

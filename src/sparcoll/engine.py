@@ -272,7 +272,9 @@ class Engine:
             try:
                 averages = self.ring.allreduce(coll.id, coll.tensor, op, coll.timeout, peer_report,
                                                self.chooser.to_share(kind),
-                                               gather=algorithm is Algorithm.GATHER)
+                                               gather=algorithm is Algorithm.GATHER,
+                                               lost=lambda: self.poison)   # only a lost connection
+                                               # poisons a collective in progress (_execute)
                 if averages is not None:
                     self.chooser.shared(kind, averages)
                 error = None

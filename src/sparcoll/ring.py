@@ -161,12 +161,16 @@ class Ring:
         return dist.ProcessGroupGloo(store, self.rank, self.world, options)
 
     def allreduce(self, cid: int, tensor: torch.Tensor, op: int, timeout: float, peer_report,
-                  share: list[float] | None = None, gather: bool = False) -> list[float] | None:
+                  share: list[float] | None = None, gather: bool = False,
+                  lost=lambda: None) -> list[float] | None:
         """Sum (or average) `tensor` in place over all ranks; returns the ranks' averages of the
         _SHARED numbers in `share` (None if none given: then every rank must give none).
         `gather`: a larger tensor (at most gather_limit elements) travels with its check and is
         summed by rank 0, not allreduced. `peer_report()` returns a peer's error for this
-        collective, if one arrived."""
+        collective, if one arrived; `lost()` the error of a connection this rank lost meanwhile
+        (a peer's process died), which ends the check round's waits too: the round cannot end
+        without that peer, and a survivor that gave up first may close before its report of why
+        arrives. Not gloo's wait: peers may still complete its allreduce."""
         data = tensor.detach()
         numel = data.numel()
         gather = gather and TINY_NUMEL < numel <= self.gather_limit
@@ -180,7 +184,8 @@ class Ring:
         started = None
         if call == expected and not _carried(call):
             started = self._allreduce_data(contiguous, timeout)     # beside its check
-        heads, total = self._round(contiguous, call, fields, deadline, peer_report)
+        heads, total = self._round(contiguous, call, fields, deadline,
+                                   lambda: peer_report() or lost())
         if not _same(heads, _CALL, fields):
             fields_of = _fields_of(heads)
             agree = (fields_of[:, _CALL] == fields[_CALL]).all(axis=1)
@@ -317,9 +322,19 @@ class Ring:
                     except Exception as exc:    # a dead peer, gloo's own timeout, a peer
                         # that gave up and closed: its report says why, if it sent one
                         raise report_soon(peer_report) or PeerError(
-                            f"rank {self.rank}: gloo's ring failed: {exc}") from exc
+                            f"rank {self.rank}: gloo's ring failed{self._closed_links()}: "
+                            f"{exc}") from exc
             still_waiting(peer_report, deadline,
                           f"rank {self.rank}: gloo's ring did not finish within the timeout")
+
+    def _closed_links(self) -> str:
+        """Which ranks' star connections are closed, in words (gloo's errors name an address, not
+        a rank); rank 0 sees every rank's, the others rank 0's."""
+        closed = self.star.closed_peers()
+        if not closed:
+            return ""
+        ranks = ", ".join(f"rank {r}" for r in closed)
+        return f" ({ranks} closed {'its' if len(closed) == 1 else 'their'} connection: died or left)"
 
     def close(self) -> None:
         """Close the star and abort what gloo still runs (after a failure): a peer waiting for

@@ -279,8 +279,10 @@ class AggregatorServer:
                     conn.count(blocks_received=h.count)
                     job.contribute(rank, h, message.indices, rows,
                                    Lease(functools.partial(pool.give, buf)), reuse=1)
-                elif isinstance(message, wire.Failure):
-                    job.fail(message.collective, message.code, f"rank {rank}: {message.text}")
+                elif isinstance(message, wire.Failure):     # said by this rank, whatever it says
+                    said = message.text if message.text.startswith(f"rank {rank}: ") else \
+                        f"rank {rank}: {message.text}"
+                    job.fail(message.collective, message.code, said)
                 else:
                     return None
         except ProtocolError as exc:

@@ -155,6 +155,20 @@ class Star:
         still_waiting(peer_report, deadline, f"rank {self.rank}: rank {peer} did not take part in "
                       f"the ring's check within the timeout")
 
+    def closed_peers(self) -> list[int]:
+        """The ranks whose connection to this rank is closed or reset (they died or left), looked
+        at without reading anything: for errors that do not say which rank it was (gloo's)."""
+        closed = []
+        for peer, sock in self.links.items():
+            try:
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    closed.append(peer)
+            except (BlockingIOError, InterruptedError):     # open, nothing to read
+                pass
+            except OSError:                                 # reset, or closed here
+                closed.append(peer)
+        return closed
+
     def close(self) -> None:
         """Close every connection: a peer waiting for a frame from this rank fails at once."""
         for sock in self.links.values():
