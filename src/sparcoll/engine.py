@@ -273,8 +273,7 @@ class Engine:
                 averages = self.ring.allreduce(coll.id, coll.tensor, op, coll.timeout, peer_report,
                                                self.chooser.to_share(kind),
                                                gather=algorithm is Algorithm.GATHER,
-                                               lost=lambda: self.poison)   # only a lost connection
-                                               # poisons a collective in progress (_execute)
+                                               lost=self._lost_connection)
                 if averages is not None:
                     self.chooser.shared(kind, averages)
                 error = None
@@ -286,6 +285,13 @@ class Engine:
         if error is None:
             self.chooser.learn(kind, coll.tensor, algorithm, time.monotonic() - start)
         return error
+
+    def _lost_connection(self) -> BaseException | None:
+        """The error of a connection this rank lost during a collective in progress (nothing else
+        poisons the communicator then: _execute), once a peer's report of why can no longer be
+        expected (a peer that refused its input reports it, then closes)."""
+        poison = self.poison
+        return poison if poison is not None and not self.worker.report_may_come() else None
 
     def close(self) -> bool:
         """Stop taking collectives, fail the one in progress, let the engine send what is queued

@@ -133,11 +133,13 @@ class Star:
             try:
                 n = sock.recv_into(view[got:size])
             except BlockingIOError:     # a slice ended with nothing to read
-                self._still_waiting(peer, deadline, peer_report)
-                continue
+                n = None                # (looked at outside: not the context of a report)
             except OSError as exc:
                 raise report_soon(peer_report) or PeerError(
                     f"rank {self.rank}: lost the connection to rank {peer} ({exc})") from exc
+            if n is None:
+                self._still_waiting(peer, deadline, peer_report)
+                continue
             if n == 0:
                 raise report_soon(peer_report) or PeerError(
                     f"rank {self.rank}: rank {peer} closed its connection (it died, failed or "

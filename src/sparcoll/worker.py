@@ -86,6 +86,12 @@ class WorkerJob:
         with self._lock:
             return self._early_errors.pop(cid, None)
 
+    def report_may_come(self) -> bool:
+        """Whether a peer's report of why a connection was lost may still come (REPORT_GRACE after
+        the last lost connection)."""
+        with self._lock:
+            return time.monotonic() < self._report_due
+
     def early_error_soon(self, cid: int) -> bool:
         """Whether a peer reported collective `cid` before this rank started it, waiting for that
         report until REPORT_GRACE after the last lost connection: a peer that refused its input
