@@ -101,35 +101,29 @@ def _kind(buffers) -> int:
     return bytes(memoryview(buffers[0]).cast("B")[5:6])[0]
 
 
+def _die_before(owner, name: str, hit) -> None:
+    """Wrap function or method `name` of `owner` (a module or a class): the process dies as it is
+    called, when hit()."""
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        if hit():
+            die()
+        return original(*args, **kwargs)
+    setattr(owner, name, wrapper)
+
+
 def install_kill(point: str, n: int = 1, own_rank: int | None = None, delay: float = 0.0) -> None:
     """Make this process SIGKILL itself at `point`, the n-th time it is reached."""
     from sparcoll import aggregator, collective, transport, wire
 
     hit = _counter(n)
     if point == "connect":                  # about to connect to an aggregator (init)
-        original = transport.connect
-
-        def connect(*args, **kwargs):
-            if hit():
-                die()
-            return original(*args, **kwargs)
-        transport.connect = connect
+        _die_before(transport, "connect", hit)
     elif point == "proof":                  # got the aggregator's challenge, proof not sent (init)
-        original_proof = wire.encode_proof
-
-        def encode_proof(*args):
-            if hit():
-                die()
-            return original_proof(*args)
-        wire.encode_proof = encode_proof
+        _die_before(wire, "encode_proof", hit)
     elif point == "accept":                 # server side of the n-th handshake
-        original_accept = transport.accept
-
-        def accept(sock, *args):
-            if hit():
-                die()
-            return original_accept(sock, *args)
-        transport.accept = accept
+        _die_before(transport, "accept", hit)
     elif point == "scan":                   # the engine scans the tensor of the n-th collective
         class KillingBlockTensor(collective.BlockTensor):
             def nonzero(self, lo=0, hi=None):   # ranges are scanned one by one: count the first
@@ -167,13 +161,7 @@ def install_kill(point: str, n: int = 1, own_rank: int | None = None, delay: flo
             return original_contribute(self, rank, *args, **kwargs)
         aggregator.AggregatorJob.contribute = contribute
     elif point == "agg-broadcast":          # this process's aggregator is about to send its n-th result
-        original_broadcast = aggregator.AggregatorJob._broadcast
-
-        def broadcast(self, *args):
-            if hit():
-                die()
-            return original_broadcast(self, *args)
-        aggregator.AggregatorJob._broadcast = broadcast
+        _die_before(aggregator.AggregatorJob, "_broadcast", hit)
     elif point == "recv-result":            # the worker read the header of its n-th remote result
         original_recv = transport.Connection.recv_header
 
@@ -205,13 +193,7 @@ def install_kill(point: str, n: int = 1, own_rank: int | None = None, delay: flo
         ring.Ring._allreduce_data = allreduce_data
     elif point == "ring-check":             # about to send its row of the n-th check round
         from sparcoll import star
-        original_round = star.Star.round
-
-        def round_(self, *args):
-            if hit():
-                die()
-            return original_round(self, *args)
-        star.Star.round = round_
+        _die_before(star.Star, "round", hit)
     elif point == "timer":
         threading.Timer(delay, die).start()
     elif point in ("now", "between", "after-init", "none"):
