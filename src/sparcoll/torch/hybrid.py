@@ -84,8 +84,9 @@ def may_beat_ring(strategy: str, t: Tensor, workers: int, ring_shared: bool = Fa
     if workers < 2 or (strategy == SFB and t.linear is None):
         return False
     best = Tensor(t.numel, t.linear, t.bias, density=0.0)
-    return (sent_bytes(strategy, best, workers, 0, block_size) + COLLECTIVE_BYTES * own_collectives(strategy, ring_shared)
-            < sent_bytes(RING, t, workers) + COLLECTIVE_BYTES * own_collectives(RING, ring_shared))
+    at_best = sent_bytes(strategy, best, workers, 0, block_size) \
+        + COLLECTIVE_BYTES * own_collectives(strategy, ring_shared)
+    return at_best < sent_bytes(RING, t, workers) + COLLECTIVE_BYTES * own_collectives(RING, ring_shared)
 
 
 def sfb_crossover(m: int, n: int, workers: int) -> float:
