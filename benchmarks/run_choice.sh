@@ -2,8 +2,11 @@
 # "Never slower than gloo": sparcoll as users get it (algorithm auto) next to sparcoll forced onto its
 # sparse AllReduce and gloo's ring, on every configuration issue 11 names, ROUNDS rounds (each a full
 # pass, so a busy moment of the machine does not hit one configuration only). Root is needed for the
-# emulated network. 5 warm-up repetitions: "auto" times a dense kind twice on each path and shares
-# the times in a fifth collective before it settles (sparcoll/algorithm.py). About 8 minutes per
+# emulated network. 8 warm-up repetitions: "auto" times a dense kind three times on each path and
+# shares the times in a seventh collective before it settles (sparcoll/algorithm.py; 5 covered the
+# two trials a path before `12876e8`; with the bench's default 2, 4 workers at 1 Gbit/s with
+# dedicated aggregators and 100% density gave "auto" 1.31-1.40x the ring, 1.41-1.43x with 8, as the
+# sparse path forced). About 8 minutes per
 # round on the project's 2-core machine; run it idle.
 #   benchmarks/run_choice.sh OUT_DIR [ROUNDS=3] [FIRST_ROUND=1]
 # then: python3 benchmarks/choice_summary.py OUT_DIR
@@ -13,7 +16,7 @@ out=$1 rounds=${2:-3} first=${3:-1}
 mkdir -p "$out"
 export OMP_NUM_THREADS=1
 # A configuration that fails is reported (its stderr kept in .err) and the others still run.
-bench() { local name=$1; shift; timeout 1200 ./dev sparcoll bench --algos sparcoll,sparse,ring --warmup 5 "$@" \
+bench() { local name=$1; shift; timeout 1200 ./dev sparcoll bench --algos sparcoll,sparse,ring --warmup 8 "$@" \
             --json "$out/$name-r$round.json" > "$out/$name-r$round.txt" 2> "$out/$name-r$round.err" \
             && rm -f "$out/$name-r$round.err" || echo "$(date +%T) FAILED: $name round $round" >&2; }
 for round in $(seq "$first" $((first + rounds - 1))); do
