@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sparcoll import Communicator, MismatchError, SparcollError, wire
-from sparcoll.algorithm import (LOOK_EVERY, RETRY_EVERY, SAMPLE_BLOCKS, SMALL_TRIALS, TINY_NUMEL, TRIALS, Algorithm,
-                                Chooser, candidate_block_sizes, entry_block_size)
+from sparcoll.algorithm import (LOOK_EVERY, RETRY_EVERY, SAMPLE_BLOCKS, SMALL_TRIALS, TINY_NUMEL, TRIALS,
+                                Algorithm, Chooser, candidate_block_sizes, entry_block_size)
 from support import block_sparse, on_threads
 
 pytestmark = pytest.mark.auto_algorithm

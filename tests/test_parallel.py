@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 import torch.distributed as dist
+from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import sparcoll
