@@ -166,6 +166,10 @@ class DataParallel(nn.Module):
                                                              always_call=True))
             self._linear[id(layer.weight)] = state
         self._density: dict[int, float] = {}
+        # the tensors whose block density the hybrid choice reads (_learn_density): chosen by it, with
+        # a communicator, and sent through the sparse AllReduce at some density
+        self._density_decides = {id(p) for p in self._params if comm is not None
+                                 and self._requested(p) == AUTO and self._may_beat_ring(hybrid.SPARSE, p)}
         self._reducers: dict[str, Reducer] = {}
         self._scratch: dict[int, list] = {}
         self._sync = True
@@ -638,7 +642,7 @@ class DataParallel(nn.Module):
         where it chooses, and where a density could make it choose the sparse AllReduce (a scan of
         every block, on the synchronization thread: deeplight's embedding is 68 MB; without the
         scans of its 16 small tensors gpt tiny's step went from 5.1-5.9 to 4.0-5.3 ms on loopback)."""
-        if self.comm is not None and self._requested(p) == AUTO and self._may_beat_ring(hybrid.SPARSE, p):
+        if id(p) in self._density_decides:
             blocks = BlockTensor(averaged, self._block_size())
             self._density[id(p)] = blocks.nonzero().size / max(1, blocks.nblocks)
 
