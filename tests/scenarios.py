@@ -87,6 +87,45 @@ def run_correctness(rank: int, world: int, cases: list[dict], block_size: int = 
     return outcome
 
 
+def run_layouts(rank: int, world: int, layouts: dict, nblocks: int, block_size: int = 256) -> dict:
+    """Each layout (name -> the non-zero block indices, the same on every rank) summed with the
+    sparse path forced; name -> (whether it equals the float64 reference, how many messages to or
+    from a remote aggregator went from or into the tensor's memory in several runs, how many went
+    through one buffer)."""
+    from unittest import mock
+
+    import sparcoll
+    from sparcoll import worker
+
+    counts = {"in place": 0, "buffered": 0}
+
+    def counted_runs(indices, limit):
+        spans = worker_runs(indices, limit)
+        if spans is None:
+            counts["buffered"] += 1
+        elif len(spans) > 1:
+            counts["in place"] += 1
+        return spans
+
+    worker_runs = worker.runs
+    out = {}
+    with mock.patch.object(worker, "runs", counted_runs), \
+            sparcoll.init(block_size=block_size, timeout=30, algorithm="sparse") as comm:
+        for name, blocks in layouts.items():
+            inputs = []
+            for r in range(world):
+                g = torch.Generator().manual_seed(r)
+                rows = torch.zeros(nblocks, block_size, dtype=torch.float64)
+                rows[blocks] = torch.randint(1, 9, (len(blocks), block_size), generator=g).double()
+                inputs.append(rows.view(-1))
+            tensor = inputs[rank].float()
+            counts.update({"in place": 0, "buffered": 0})
+            comm.allreduce(tensor)
+            out[name] = (torch.equal(tensor, sum(inputs).float()), counts["in place"],
+                         counts["buffered"])
+    return out
+
+
 def run_float_sums(rank: int, world: int, numel: int, **options) -> float:
     """Random normal float32 (inexact sums): the error against a float64 reference, in units of
     float32 epsilon times the sum of magnitudes (float summation's own error bound is world - 1)."""

@@ -62,6 +62,24 @@ def test_dedicated_aggregator_serves_two_jobs_at_once(dedicated_processes):
         check_outcome(outcomes, cases)
 
 
+def test_few_long_runs_go_in_place_and_scattered_blocks_through_one_buffer():
+    """A message of a few long runs of blocks is sent from and received into the tensor's memory
+    (one view a run); one of many short runs goes through one buffer (a gather, a scatter), where
+    a view a run would cost more than the copy (worker.run_limit). Both sum exactly."""
+    nblocks = 2048                                      # 2 ranges of 1024 blocks of 1 KiB
+    long_runs = [b for b in range(nblocks) if b // 128 % 2 == 0]  # runs of 128 KiB, 2 a message
+    scattered = list(range(0, nblocks, 128))                      # 8 runs of one block a range
+    outcomes = run_ranks(scenarios.run_layouts, 2, timeout=TIMEOUT, nblocks=nblocks,
+                         layouts={"long": long_runs, "scattered": scattered})
+    for outcome in outcomes:
+        (long_ok, long_in_place, long_buffered), (scattered_ok, scattered_in_place, scattered_buffered) = \
+            outcome["long"], outcome["scattered"]
+        assert long_ok and scattered_ok, outcome
+        # remote messages: this rank's contribution out, the peer's aggregator's result in
+        assert long_in_place >= 2 and long_buffered == 0, outcome
+        assert scattered_in_place == 0 and scattered_buffered >= 2, outcome
+
+
 def test_random_float_sums_within_float_tolerance():
     errors = run_ranks(scenarios.run_float_sums, 4, timeout=TIMEOUT, numel=300_001)
     assert max(errors) <= 4 - 1

@@ -30,6 +30,10 @@ from .server import AggregatorServer
 
 log = logging.getLogger("sparcoll")
 RUN_LIMIT = 32          # more runs than this in a message: gather/scatter through one buffer instead
+RUN_BYTES = 64 << 10    # ... and more than one run per this many bytes of it: each run costs a view,
+                        # a system call and their Python (tens of us), as much as copying this much
+                        # through the buffer (2 ranks on loopback, 64K floats at 10%: 13 runs of one
+                        # block a message made the call 2.2 ms where the sparse path's floor is 1)
 DISCARD_BYTES = 1 << 20  # results of a collective this rank gave up are read through this much
 FROM_AGGREGATORS = frozenset({wire.Kind.RESULT, wire.Kind.ERROR})
 
@@ -171,12 +175,13 @@ class WorkerJob:
             header = wire.data_header(wire.Kind.CONTRIBUTE, stream=stream, job=self.job,
                                       collective=coll.id, seq=send.seq, count=indices.size,
                                       progress=send.progress, descriptor=coll.descriptor)
-            spans = runs(indices, RUN_LIMIT)
+            blocks = coll.blocks    # a compact tensor's rows of one message are one view already
+            nbytes = indices.size * blocks.block_size * blocks.dtype.itemsize
+            spans = runs(indices, run_limit(nbytes)) if blocks.direct else None
             if spans is None:
-                payload = [as_bytes(coll.blocks.gather(indices))]
+                payload = [as_bytes(blocks.gather(indices))]
             else:
-                payload = [as_bytes(v) for start, stop in spans
-                           for v in coll.blocks.views(start, stop)]
+                payload = [as_bytes(v) for start, stop in spans for v in blocks.views(start, stop)]
             self.connections[agg].send([header, as_bytes(indices.astype(wire.INDEX_DTYPE)),
                                         *payload], blocks=indices.size)
 
@@ -339,6 +344,12 @@ class WorkerJob:
                 thread.join(timeout=5.0)
 
 
+def run_limit(nbytes: int) -> int:
+    """The most runs of blocks a message of `nbytes` bytes of data is sent from, or received into, in
+    place: beyond it the blocks go through one buffer (a gather or a scatter)."""
+    return max(1, min(RUN_LIMIT, nbytes // RUN_BYTES))
+
+
 class _ResultPlacement:
     """Where a remote aggregator's result data lands, for one receiver thread: straight into the
     tensor's runs of blocks; into a compact tensor's receive buffer; else through one staging
@@ -367,7 +378,7 @@ class _ResultPlacement:
                                 f"not match collective {coll.id}")
         job._advance(coll, self.agg, h.stream, (h.seq, h.progress, indices))
         blocks = coll.blocks
-        spans = runs(indices, RUN_LIMIT) if blocks.direct else None
+        spans = runs(indices, run_limit(nbytes)) if blocks.direct else None
         if spans is not None:
             return [as_bytes(view) for start, stop in spans for view in blocks.views(start, stop)]
         if not blocks.direct:
