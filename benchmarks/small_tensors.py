@@ -1,8 +1,11 @@
 """Time per allreduce of small tensors: gloo, sparcoll as users get it ("auto"), sparcoll forced sparse.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 benchmarks/small_tensors.py
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 benchmarks/small_tensors.py [DENSITY]
 
-Dense float32 data (every block non-zero: the usual small tensor, a loss or a bias), blocking calls
+Dense float32 data (every block non-zero: the usual small tensor, a loss or a bias), or with DENSITY
+(below 1) that share of each rank's 256-element blocks non-zero and 4K to 64K floats only (smaller
+tensors are one block: dense, or zero); the sums, kept in place call after call, then hold the
+union of the ranks' blocks. Blocking calls
 (one at a time) and async ones (a batch of 16 issued, then waited for). The three take turns in
 runs of RUN calls, so a busy moment of the machine hits them alike. Each run (and each batch) starts
 with an untimed call: ranks leave a collective at different times and the next call, whoever's,
@@ -31,8 +34,20 @@ BATCH = 16          # async calls in flight at once
 BATCHES = 30
 
 
+def make(numel: int, density: float, generator: torch.Generator) -> torch.Tensor:
+    """Random floats in `density` of the tensor's 256-element blocks (all of them at 1), zeros elsewhere."""
+    tensor = torch.randn(numel, generator=generator)
+    if density < 1:
+        blocks = tensor.view(-1, 256)
+        blocks[torch.rand(len(blocks), generator=generator) >= density] = 0.0
+    return tensor
+
+
 def main() -> int:
+    density = float(sys.argv[1]) if len(sys.argv) > 1 else 1.0
+    sizes = SIZES if density >= 1 else [n for n in SIZES if n >= 4096]
     dist.init_process_group("gloo")
+    generator = torch.Generator().manual_seed(dist.get_rank())
     rank = dist.get_rank()
     candidates = {"gloo": lambda t, a: dist.all_reduce(t, async_op=a),
                   "sparcoll": None, "sparse": None}
@@ -40,8 +55,8 @@ def main() -> int:
     for name, comm in comms.items():
         candidates[name] = (lambda c: lambda t, a: c.allreduce(t, async_op=a))(comm)
     rows = []
-    for numel in SIZES:
-        tensor = torch.randn(numel)
+    for numel in sizes:
+        tensor = make(numel, density, generator)
         blocking = {name: [] for name in candidates}
         for name, run in candidates.items():
             for _ in range(WARMUP):
@@ -54,7 +69,7 @@ def main() -> int:
                     run(tensor, False)
                     blocking[name].append(time.perf_counter() - start)
         batched = {name: [] for name in candidates}
-        tensors = [torch.randn(numel) for _ in range(BATCH)]
+        tensors = [make(numel, density, generator) for _ in range(BATCH)]
         for _ in range(BATCHES):
             for name, run in candidates.items():
                 run(tensors[0], False)
@@ -65,7 +80,8 @@ def main() -> int:
                 batched[name].append((time.perf_counter() - start) / BATCH)
         rows.append((numel, blocking, batched))
     if rank == 0:
-        print(f"{dist.get_world_size()} ranks, float32, dense data; microseconds per call "
+        data = "dense data" if density >= 1 else f"{density:g} of each rank's blocks non-zero"
+        print(f"{dist.get_world_size()} ranks, float32, {data}; microseconds per call "
               f"(median / p90 / mean of {CALLS} blocking calls; median of {BATCHES} batches of "
               f"{BATCH} async calls)")
         print("| elements | gloo | sparcoll | sparse | sparcoll / gloo | sparcoll / gloo, mean "

@@ -3,6 +3,7 @@
 errors instead of gloo's process abort when ranks disagree."""
 from __future__ import annotations
 
+import functools
 import time
 import types
 
@@ -36,10 +37,10 @@ def test_tiny_goes_to_the_ring_and_a_kinds_first_collective_to_the_sparse_path()
 
 
 def run_dense_kind(chooser: Chooser, sparse_s: float, ring_s: float, gather_s: float = 1.0,
-                   calls: int = 6, numel: int = BIG) -> list[Algorithm]:
-    """`calls` collectives of a dense kind of `numel` elements, on one rank whose peers measure
-    the same; which path each took. A round on gloo shares the times when asked, as ring.py does
-    (the averages of one rank's values are its values)."""
+                   calls: int = 6, numel: int = BIG, density: float = 1.0) -> list[Algorithm]:
+    """`calls` collectives of a kind of `numel` elements (dense unless `density` says otherwise),
+    on one rank whose peers measure the same; which path each took. A round on gloo shares the
+    times when asked, as ring.py does (the averages of one rank's values are its values)."""
     taken, kind = [], (numel, 0, 0)
     seconds = {Algorithm.SPARSE: sparse_s, Algorithm.RING: ring_s, Algorithm.GATHER: gather_s}
     for _ in range(calls):
@@ -47,7 +48,7 @@ def run_dense_kind(chooser: Chooser, sparse_s: float, ring_s: float, gather_s: f
         share = chooser.to_share(kind)
         if algorithm.on_gloo and share is not None:
             chooser.shared(kind, share)
-        chooser.learn(kind, with_density(numel, 1.0), algorithm, seconds[algorithm])
+        chooser.learn(kind, with_density(numel, density), algorithm, seconds[algorithm])
         taken.append(algorithm)
     return taken
 
@@ -96,6 +97,26 @@ def test_a_kind_small_enough_is_also_timed_gathered_and_the_fastest_keeps_it():
         trials + [G, G]
     assert G not in run_dense_kind(Chooser(Algorithm.AUTO, 256, 8), 0.06, 0.05, 0.01, calls, n)
     assert Chooser(Algorithm.RING, 256, 2).choose(KIND, coo=False) is R     # never forced
+
+
+@pytest.mark.parametrize("density", [0.0, 0.05, 0.3])
+def test_a_kind_small_enough_to_gather_is_timed_at_any_density(density):
+    """The sparse path's fixed cost (a message to every aggregator and back) may exceed what zero
+    blocks save on a small kind: it is timed on every path at any density, and the fastest keeps
+    it. A larger kind's sparse results keep it on the sparse path untimed, and a forced mode keeps
+    no times."""
+    S, R, G = Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER
+    trials = [S] * SMALL_TRIALS + [R] * SMALL_TRIALS + [G] * (SMALL_TRIALS + 1)
+    calls, n = len(trials) + 2, GATHERABLE
+    run = functools.partial(run_dense_kind, calls=calls, numel=n, density=density)
+    assert run(Chooser(Algorithm.AUTO, 256, 2), 0.06, 0.05, 0.01) == trials + [G, G]
+    assert run(Chooser(Algorithm.AUTO, 256, 2), 0.01, 0.05, 0.04) == trials + [S, S]
+    large = Chooser(Algorithm.AUTO, 256, WORLD)
+    assert run_dense_kind(large, 0.06, 0.01, calls=calls, density=density) == [S] * calls
+    assert large._kinds[KIND].times == {}
+    forced = Chooser(Algorithm.SPARSE, 256, 2)
+    assert run(forced, 0.06, 0.05, 0.01) == [S] * calls
+    assert forced._kinds[(n, 0, 0)].times == {}
 
 
 def test_a_sparse_result_sends_a_kind_back_to_the_sparse_path_and_a_dense_one_tries_again():

@@ -431,13 +431,13 @@ def test_end_to_end_loopback_sparcoll_and_sweep(tmp_path):
 
 def test_end_to_end_auto_next_to_forced_sparse(tmp_path):
     """"sparcoll" is the default choice (dense data takes the faster of gloo's ring and the sparse
-    path once the warm-up timed both), "sparse" the sparse AllReduce forced; the harness checks
-    both sums."""
-    records, cp = _bench(tmp_path, "--workers", "2", "--numel", "8K", "--network", "none",
+    path once the warm-up timed both; sparse data the sparse path, untimed, in a kind too large to
+    gather), "sparse" the sparse AllReduce forced; the harness checks both sums."""
+    records, cp = _bench(tmp_path, "--workers", "2", "--numel", "256K", "--network", "none",
                          "--density", "0.1,1", "--algos", "sparcoll,sparse,ring", "--repeat", "2",
                          "--warmup", "5")
     bytes_sent = {(r["algo"], r["input"], r["density"]): r["bytes_sent_per_worker"] for r in records}
-    ring_bytes = bounds.ring(2, 8192 * 4)
+    ring_bytes = bounds.ring(2, 256 * 1024 * 4)
     assert bytes_sent["sparse", "dense", 1.0] > ring_bytes              # blocks, headers, indices
     # dense: after its trials (in the warm-up) the faster path on this machine, one or the other
     assert bytes_sent["sparcoll", "dense", 1.0] in (ring_bytes, bytes_sent["sparse", "dense", 1.0])

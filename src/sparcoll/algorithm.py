@@ -6,11 +6,14 @@ dedicated aggregators no worker link carries more than its tensor each way). So 
 default) the choice is measured, per kind of collective ("kind": the same number of elements, dtype
 and op, as a DDP bucket each step):
   - a tiny tensor (at most TINY_NUMEL elements) goes through the ring, in one round (ring.py);
-  - a kind's collectives go the sparse way while its last result was sparse (less than
+  - a larger kind's collectives go the sparse way while its last result was sparse (less than
     CANDIDATE_DENSITY of its blocks non-zero): there the sparse path wins everywhere we measured
     (once a kind is settled on gloo, or clearly sparse, "last" is the last of every LOOK_EVERY
     results);
-  - once a result is dense, the kind is timed on each path: TRIALS collectives on the sparse path,
+  - once a result is dense, or whatever its density if the kind is small enough to gather (there
+    the sparse path's fixed cost, a message to every aggregator and back, can exceed what zero
+    blocks save: 64K floats at 10% took 2.2 ms on the sparse path where gloo's ring took 0.6, on
+    2 ranks on loopback), the kind is timed on each path: TRIALS collectives on the sparse path,
     TRIALS on the ring; a kind small enough to gather (at most GATHER_ELEMENTS elements over all
     ranks) SMALL_TRIALS on each of those and on GATHER, the data sent to rank 0 in the call's
     check round and summed there (ring.py: one round through the star where gloo's ring takes
@@ -18,7 +21,7 @@ and op, as a DDP bucket each step):
     than bytes, as on a busy machine or a fast link). Then one more on the
     last of them, whose check round (ring.py) carries every rank's best time on each path, so
     every rank learns the same averages; the faster of ring and gather keeps the kind while it
-    stays dense unless the sparse path was clearly faster (by SPARSE_MARGIN: on dense data the
+    stays dense (a small kind: at any density) unless the sparse path was clearly faster (by SPARSE_MARGIN: on dense data the
     sparse path's scan and bookkeeping take CPU from the training around it, and on loopback the
     two are within noise of each other).
     The best of a path's trials discounts a kind's slower first collectives. After RETRY_EVERY
@@ -64,7 +67,8 @@ SMALL_TRIALS = 4        # the same for a kind small enough to gather: they cost 
                         # later ones run as the kind's steady state does (ring.py: expected calls)
 SPARSE_MARGIN = 0.9     # a dense kind stays sparse only if that was this much faster than the ring
 LOOK_EVERY = 8          # a kind settled on gloo, or clearly sparse, has its density looked at every
-                        # this many collectives: the look is on each collective's critical path
+                        # this many collectives (each while its paths are timed): the look is on
+                        # each collective's critical path
                         # (0.6 ms median among 4 ranks on 2 cores after 4M-float ring calls; 0.0-0.5
                         # ms, 0.24 on average, of 8.5 ms sparse calls at 1% with 2 ranks on loopback)
                         # and there only a change far from what it last saw matters
@@ -116,7 +120,7 @@ Kind = tuple[int, int, int]     # (numel, dtype code, op code)
 class KindState:
     block: int                                  # elements per block on the sparse path
     dense: bool = False                         # its last result was at least CANDIDATE_DENSITY
-    times: dict = field(default_factory=dict)   # this rank's times per Algorithm since it is dense
+    times: dict = field(default_factory=dict)   # this rank's times per Algorithm since it is timed
     chosen: Algorithm | None = None             # the faster path on average, once known
     settled: int = 0                            # collectives since `chosen` was
     unlooked: int = 0                           # collectives since its density was looked at
@@ -144,13 +148,22 @@ class Chooser:
         if self.mode is Algorithm.RING or kind[0] <= TINY_NUMEL:
             return Algorithm.RING
         state = self._kinds.get(kind)
-        if state is None or not state.dense:
+        if state is None or not self._timed(kind, state):
             return Algorithm.SPARSE
         return state.chosen or state.next_trial(*self.paths(kind))
 
+    def _timed(self, kind: Kind, state: KindState) -> bool:
+        """Whether a kind's paths are timed: its last result was dense, or it is small enough to
+        gather (then at any density)."""
+        return state.dense or (self.mode is Algorithm.AUTO and self.gatherable(kind))
+
+    def gatherable(self, kind: Kind) -> bool:
+        """Whether a kind is small enough to gather (at most GATHER_ELEMENTS over all ranks)."""
+        return kind[0] * self.world <= GATHER_ELEMENTS
+
     def paths(self, kind: Kind) -> tuple[tuple[Algorithm, ...], int]:
         """The paths a dense kind is timed on, in order, and how many times each."""
-        if kind[0] * self.world <= GATHER_ELEMENTS:
+        if self.gatherable(kind):
             return (Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER), SMALL_TRIALS
         return (Algorithm.SPARSE, Algorithm.RING), TRIALS
 
@@ -168,7 +181,7 @@ class Chooser:
         else None."""
         state = self._kinds.get(kind)
         paths, trials = self.paths(kind)
-        if state is None or not state.dense or state.chosen is not None \
+        if state is None or not self._timed(kind, state) or state.chosen is not None \
                 or any(len(state.times.get(p, ())) < trials for p in paths):
             return None
         return [min(state.times[p]) if p in paths else 0.0
@@ -194,8 +207,9 @@ class Chooser:
             state.settled += 1                  # the same count on every rank
             if state.settled >= RETRY_EVERY:
                 state.times, state.chosen, state.settled = {}, None, 0
-        if state is not None and (state.chosen is not None and state.chosen.on_gloo
-                                  or state.share < CLEARLY_SPARSE):
+        in_trials = state is not None and state.chosen is None and self._timed(kind, state)
+        if state is not None and not in_trials and (state.chosen is not None and state.chosen.on_gloo
+                                                    or state.share < CLEARLY_SPARSE):
             state.unlooked += 1                 # the same count on every rank
             if state.unlooked < LOOK_EVERY:
                 return
@@ -214,7 +228,7 @@ class Chooser:
         dense = self.mode is Algorithm.AUTO and shares[block] >= CANDIDATE_DENSITY
         if dense != state.dense:        # times measured on other data say nothing about this
             state.dense, state.times, state.chosen, state.settled, state.unlooked = dense, {}, None, 0, 0
-        if dense and state.chosen is None:
+        if self._timed(kind, state) and state.chosen is None:
             state.times.setdefault(algorithm, []).append(seconds)
 
     def densities(self, kind: Kind, result: torch.Tensor) -> dict[int, float]:
