@@ -103,13 +103,17 @@ def test_a_kind_small_enough_is_also_timed_gathered_and_the_fastest_keeps_it():
 def test_a_kind_small_enough_to_gather_is_timed_at_any_density(density):
     """The sparse path's fixed cost (a message to every aggregator and back) may exceed what zero
     blocks save on a small kind: it is timed on every path at any density, and the fastest keeps
-    it. A larger kind's sparse results keep it on the sparse path untimed, and a forced mode keeps
-    no times."""
+    it, whatever the density of later results. A larger kind's sparse results keep it on the
+    sparse path untimed, and a forced mode keeps no times."""
     S, R, G = Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER
     trials = [S] * SMALL_TRIALS + [R] * SMALL_TRIALS + [G] * (SMALL_TRIALS + 1)
     calls, n = len(trials) + 2, GATHERABLE
     run = functools.partial(run_dense_kind, calls=calls, numel=n, density=density)
-    assert run(Chooser(Algorithm.AUTO, 256, 2), 0.06, 0.05, 0.01) == trials + [G, G]
+    chooser = Chooser(Algorithm.AUTO, 256, 2)
+    assert run(chooser, 0.06, 0.05, 0.01) == trials + [G, G]
+    # results on either side of CANDIDATE_DENSITY do not start the trials over
+    for other in (1.0, density, 1.0):       # each long enough to be looked at (LOOK_EVERY)
+        assert run(chooser, 0.06, 0.05, 0.01, density=other, calls=LOOK_EVERY + 1) == [G] * (LOOK_EVERY + 1)
     assert run(Chooser(Algorithm.AUTO, 256, 2), 0.01, 0.05, 0.04) == trials + [S, S]
     large = Chooser(Algorithm.AUTO, 256, WORLD)
     assert run_dense_kind(large, 0.06, 0.01, calls=calls, density=density) == [S] * calls

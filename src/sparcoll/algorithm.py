@@ -226,8 +226,12 @@ class Chooser:
         block = state.block
         state.share = shares[block]
         dense = self.mode is Algorithm.AUTO and shares[block] >= CANDIDATE_DENSITY
-        if dense != state.dense:        # times measured on other data say nothing about this
-            state.dense, state.times, state.chosen, state.settled, state.unlooked = dense, {}, None, 0, 0
+        if dense != state.dense:
+            state.dense = dense
+            if not self.gatherable(kind):   # times measured on other data say nothing about this;
+                # a small kind's paths are timed at any density (a density near CANDIDATE_DENSITY
+                # would otherwise start its trials over and over)
+                state.times, state.chosen, state.settled, state.unlooked = {}, None, 0, 0
         if self._timed(kind, state) and state.chosen is None:
             state.times.setdefault(algorithm, []).append(seconds)
 
