@@ -123,6 +123,23 @@ def test_a_kind_small_enough_to_gather_is_timed_at_any_density(density):
     assert forced._kinds[(n, 0, 0)].times == {}
 
 
+def test_a_small_kind_compares_its_trials_medians_a_larger_one_their_best():
+    """One short collective may fall in a lucky moment whole (a link's idle burst): a small kind
+    compares the median of each path's trials, and one lucky ring call among slow ones does not
+    win it; a larger kind compares the best, which discounts its slower first collectives."""
+    S, R, G = Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER
+    for world, numel, kept in ((2, GATHERABLE, S), (WORLD, BIG, R)):
+        chooser, kind = Chooser(Algorithm.AUTO, 256, world), (numel, 0, 0)
+        paths, trials = chooser.paths(kind)
+        times = {S: [0.005] * trials, R: [0.003] + [0.009] * (trials - 1), G: [0.012] * trials}
+        for path in paths:
+            for seconds in times[path]:
+                assert chooser.choose(kind, coo=False) is path
+                chooser.learn(kind, with_density(numel, 1.0), path, seconds)
+        chooser.shared(kind, chooser.to_share(kind))
+        assert chooser.choose(kind, coo=False) is kept, world
+
+
 def test_a_sparse_result_sends_a_kind_back_to_the_sparse_path_and_a_dense_one_tries_again():
     """Settled on the ring, a kind's density is looked at every LOOK_EVERY collectives, counting
     the one that settled it: the LOOK_EVERY-th sends it back when sparse, not one before."""

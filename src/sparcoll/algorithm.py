@@ -12,7 +12,7 @@ and op, as a DDP bucket each step):
     results);
   - once a result is dense, or whatever its density if the kind is small enough to gather (there
     the sparse path's fixed cost, a message to every aggregator and back, can exceed what zero
-    blocks save: 64K floats at 10% took 2.2 ms on the sparse path where gloo's ring took 0.6, on
+    blocks save: 64K floats at 10% took 2.2 ms on the sparse path where gloo's ring took 0.7, on
     2 ranks on loopback), the kind is timed on each path: TRIALS collectives on the sparse path,
     TRIALS on the ring; a kind small enough to gather (at most GATHER_ELEMENTS elements over all
     ranks) SMALL_TRIALS on each of those and on GATHER, the data sent to rank 0 in the call's
@@ -24,7 +24,11 @@ and op, as a DDP bucket each step):
     stays dense (a small kind: at any density) unless the sparse path was clearly faster (by SPARSE_MARGIN: on dense data the
     sparse path's scan and bookkeeping take CPU from the training around it, and on loopback the
     two are within noise of each other).
-    The best of a path's trials discounts a kind's slower first collectives. After RETRY_EVERY
+    The best of a path's trials discounts a kind's slower first collectives; a small kind's take
+    their median, which discounts its first too: one short collective may fall in a lucky moment
+    whole (4 workers at 1 Gbit/s under a 128 KiB token bucket, 64K floats at 1%: gloo's ring took
+    3.8 ms at its 10th percentile and 8.1 at its median, the sparse path 4.0 and 4.7, and the best
+    of 4 trials kept a gloo path). After RETRY_EVERY
     collectives on the path chosen, the kind is timed anew: a wrong choice (a few trials on busy
     cores can make one) does not last.
 COO tensors always go the sparse way. Every rank must choose alike without a message of its own:
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -184,7 +189,8 @@ class Chooser:
         if state is None or not self._timed(kind, state) or state.chosen is not None \
                 or any(len(state.times.get(p, ())) < trials for p in paths):
             return None
-        return [min(state.times[p]) if p in paths else 0.0
+        typical = statistics.median if self.gatherable(kind) else min
+        return [typical(state.times[p]) if p in paths else 0.0
                 for p in (Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER)]
 
     def shared(self, kind: Kind, averages: list[float]) -> None:
