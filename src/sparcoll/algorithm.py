@@ -21,9 +21,9 @@ and op, as a DDP bucket each step):
     than bytes, as on a busy machine or a fast link). Then one more on the
     last of them, whose check round (ring.py) carries every rank's best time on each path, so
     every rank learns the same averages; the faster of ring and gather keeps the kind while it
-    stays dense (a small kind: at any density) unless the sparse path was clearly faster (by SPARSE_MARGIN: on dense data the
-    sparse path's scan and bookkeeping take CPU from the training around it, and on loopback the
-    two are within noise of each other).
+    stays dense (a small kind: at any density) unless the sparse path was clearly faster (by
+    SPARSE_MARGIN: on dense data the sparse path's scan and bookkeeping take CPU from the training
+    around it, and on loopback the two are within noise of each other).
     The best of a path's trials discounts a kind's slower first collectives; a small kind's take
     their median, which discounts its first too: one short collective may fall in a lucky moment
     whole (4 workers at 1 Gbit/s under a 128 KiB token bucket, 64K floats at 1%: gloo's ring took
@@ -167,7 +167,7 @@ class Chooser:
         return kind[0] * self.world <= GATHER_ELEMENTS
 
     def paths(self, kind: Kind) -> tuple[tuple[Algorithm, ...], int]:
-        """The paths a dense kind is timed on, in order, and how many times each."""
+        """The paths a timed kind is timed on, in order, and how many times each."""
         if self.gatherable(kind):
             return (Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER), SMALL_TRIALS
         return (Algorithm.SPARSE, Algorithm.RING), TRIALS
