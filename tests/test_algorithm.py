@@ -123,6 +123,31 @@ def test_a_kind_small_enough_to_gather_is_timed_at_any_density(density):
     assert forced._kinds[(n, 0, 0)].times == {}
 
 
+def test_a_densified_coo_kind_is_timed_like_a_small_dense_kind_and_a_tiny_one_not_at_all():
+    """A small COO tensor's buffer kind (densified.py) densifies only with "auto" and while small
+    enough to gather; its trials' times come from learn_time, with no result to look at; a tiny
+    one always takes the ring in one round and keeps no times."""
+    S, R, G = Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER
+    kind, big = (GATHERABLE + 256, 0, 0), (BIG, 0, 0)
+    chooser = Chooser(Algorithm.AUTO, 256, 2)
+    assert chooser.densifies(kind) and not chooser.densifies(big)
+    assert not Chooser(Algorithm.SPARSE, 256, 2).densifies(kind)
+    assert not Chooser(Algorithm.RING, 256, 2).densifies(kind)
+    seconds, taken = {S: 0.006, R: 0.004, G: 0.005}, []
+    for _ in range(3 * SMALL_TRIALS + 2):
+        path = chooser.choose(kind, coo=False)
+        share = chooser.to_share(kind)
+        if path.on_gloo and share is not None:
+            chooser.shared(kind, share)
+        chooser.learn_time(kind, path, seconds[path])
+        taken.append(path)
+    assert taken == [S] * SMALL_TRIALS + [R] * SMALL_TRIALS + [G] * (SMALL_TRIALS + 1) + [R]
+    tiny = (TINY_NUMEL, 0, 0)
+    assert chooser.choose(tiny, coo=False) is R
+    chooser.learn_time(tiny, R, 0.001)
+    assert tiny not in chooser._kinds
+
+
 def test_a_small_kind_compares_its_trials_medians_a_larger_one_their_best():
     """One short collective may fall in a lucky moment whole (a link's idle burst): a small kind
     compares the median of each path's trials, and one lucky ring call among slow ones does not
@@ -330,6 +355,70 @@ def assert_mismatch_on_every_rank(results: dict, text: str = "different tensors 
     for r, outcome in results.items():
         assert isinstance(outcome, MismatchError), (r, outcome)
         assert text in str(outcome), (r, outcome)
+
+
+def small_coo(rank: int, call: int, rows: int, width: int, dtype) -> torch.Tensor:
+    """Rank `rank`'s COO gradient of a (rows, width) table in call `call`: a few random rows, one
+    of them shared by every rank, small integer values (exact sums), rank 1's rows none at call 2,
+    and at call 3 a stored row of zeros on rank 0 (gloo's sum lists it)."""
+    g = torch.Generator().manual_seed(100 * call + rank)
+    picked = torch.randperm(rows, generator=g)[:3 + rank].tolist() + [rows // 2]
+    if rank == 1 and call == 2:
+        picked = []
+    values = torch.randint(-4, 5, (len(picked), width), generator=g).to(dtype)
+    if rank == 0 and call == 3:
+        picked, values = picked + [rows - 1], torch.cat([values, torch.zeros(1, width, dtype=dtype)])
+    return torch.sparse_coo_tensor(torch.tensor([picked], dtype=torch.int64).view(1, -1), values,
+                                   (rows, width), check_invariants=True).coalesce()
+
+
+@pytest.mark.parametrize("rows, width", [(1000, 64), (1000, 8), (20, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_small_coo_tensor_sums_like_glooss_sparse_sum_on_every_path(store, rows, width, dtype):
+    """A COO tensor small enough to gather is timed on the sparse path, the ring and gathered, as
+    one dense buffer of its values and a mark per entry on gloo's paths (densified.py): on each the
+    result lists the entries some rank stored and their sums (a stored row of zeros too); where
+    rows are narrower than a block (8 floats: two rows a block), not a row whose sum is zero, as
+    the sparse path cannot tell it from one nobody stored. A tiny one (20 rows of 8: 180 elements
+    with the marks) goes to the ring in one round, untimed."""
+    world, calls = 2, 3 * SMALL_TRIALS + 3
+
+    def body(rank, comm):
+        taken = []
+        for call in range(calls):
+            before = comm.stats.ring_collectives
+            total = comm.allreduce_coo(small_coo(rank, call % 4, rows, width, dtype))
+            taken.append(comm.stats.ring_collectives > before)
+            inputs = [small_coo(r, call % 4, rows, width, dtype) for r in range(world)]
+            reference = functools.reduce(torch.add, (t.double() for t in inputs)).coalesce()
+            listed = sorted(set().union(*(t.indices()[0].tolist() for t in inputs)))
+            if width < 16:          # rows narrower than a block: those whose sum is zero are not listed
+                dense = reference.to_dense()
+                listed = [i for i in listed if dense[i].abs().sum() > 0]
+            assert total.is_coalesced() and total.dtype == dtype and total.shape == (rows, width)
+            assert total.indices()[0].tolist() == listed, (rank, call)
+            assert torch.equal(total.to_dense().double(), reference.to_dense()), (rank, call)
+        return taken
+
+    results = run_ranks(store, world, body)
+    assert results[0] == results[1], results       # every rank took the same paths
+    taken = results[0]
+    if rows * (width + 1) <= TINY_NUMEL:
+        assert all(taken)
+    else:
+        assert not any(taken[:SMALL_TRIALS]) and all(taken[SMALL_TRIALS:3 * SMALL_TRIALS + 1])
+
+
+def test_small_coo_tensors_of_different_tables_on_gloos_paths_are_a_mismatch_on_every_rank(store):
+    """Past its sparse trials a small COO kind goes to the ring as its dense buffer: a rank whose
+    table has another shape (the same elements, other rows) calls another kind, and every rank gets
+    MismatchError, none a sum of mismatched tables."""
+    def body(rank, comm):
+        for call in range(SMALL_TRIALS):
+            comm.allreduce_coo(small_coo(rank, call, 1000, 64, torch.float32))
+        rows, width = (1000, 64) if rank == 0 else (2000, 32)
+        comm.allreduce_coo(small_coo(rank, 0, rows, width, torch.float32))
+    assert_mismatch_on_every_rank(run_ranks(store, 2, body))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

@@ -31,12 +31,15 @@ and op, as a DDP bucket each step):
     of 4 trials kept a gloo path). After RETRY_EVERY
     collectives on the path chosen, the kind is timed anew: a wrong choice (a few trials on busy
     cores can make one) does not last.
-COO tensors always go the sparse way. Every rank must choose alike without a message of its own:
+COO tensors go the sparse way, but for those small enough to gather as one dense buffer (their
+values and a mark per entry, densified.py): their kind is the buffer's, timed on every path like a
+small dense kind's (the sparse path takes the COO tensor itself). Every rank must choose alike
+without a message of its own:
 the choice depends only on the ranks' calls, on earlier results (identical on every rank), and on
 times averaged in a ring round (identical too). The engine runs one collective at a time, so what a
 choice depends on is complete before the next collective starts.
 
-"sparse" and "ring" force one algorithm (a COO tensor always goes the sparse way); gather is
+"sparse" and "ring" force one algorithm (a COO tensor then goes the sparse way); gather is
 never forced (it is the ring's variant for small kinds).
 
 The sparse path's block size is chosen per collective too, at most the communicator's (256 by
@@ -209,10 +212,8 @@ class Chooser:
         if self.mode is Algorithm.RING or kind[0] <= TINY_NUMEL or result.layout != torch.strided:
             return
         state = self._kinds.get(kind)
-        if state is not None and state.chosen is not None:
-            state.settled += 1                  # the same count on every rank
-            if state.settled >= RETRY_EVERY:
-                state.times, state.chosen, state.settled = {}, None, 0
+        if state is not None:
+            self._settle(state)
         in_trials = state is not None and state.chosen is None and self._timed(kind, state)
         if state is not None and not in_trials and (state.chosen is not None and state.chosen.on_gloo
                                                     or state.share < CLEARLY_SPARSE):
@@ -240,6 +241,32 @@ class Chooser:
                 state.times, state.chosen, state.settled, state.unlooked = {}, None, 0, 0
         if self._timed(kind, state) and state.chosen is None:
             state.times.setdefault(algorithm, []).append(seconds)
+
+    def densifies(self, kind: Kind) -> bool:
+        """Whether a COO collective whose dense buffer (densified.py) has this kind is timed on every
+        path, the buffer taking gloo's: with "auto", where the kind is small enough to gather."""
+        return self.mode is Algorithm.AUTO and self.gatherable(kind)
+
+    def learn_time(self, kind: Kind, algorithm: Algorithm, seconds: float) -> None:
+        """Note how long a COO collective that densifies (its buffer's `kind`) took on `algorithm`:
+        its paths are timed whatever its density, so there is no density to learn."""
+        if kind[0] <= TINY_NUMEL:       # always the ring, in one round: nothing to time
+            return
+        state = self._kinds.get(kind)
+        if state is None:
+            state = self._kinds[kind] = KindState(self.largest_block)
+        else:
+            self._settle(state)
+        if state.chosen is None:
+            state.times.setdefault(algorithm, []).append(seconds)
+
+    @staticmethod
+    def _settle(state: KindState) -> None:
+        """Count one more collective on a chosen path: after RETRY_EVERY the paths are timed anew."""
+        if state.chosen is not None:
+            state.settled += 1                  # the same count on every rank
+            if state.settled >= RETRY_EVERY:
+                state.times, state.chosen, state.settled = {}, None, 0
 
     def densities(self, kind: Kind, result: torch.Tensor) -> dict[int, float]:
         """Share of non-zero blocks for every candidate block size, among SAMPLE_BLOCKS blocks of

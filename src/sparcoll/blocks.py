@@ -258,7 +258,27 @@ def _retile(ids: np.ndarray, units: torch.Tensor, width: int) -> tuple[np.ndarra
     return out_ids, out
 
 
-def _holding(entries: np.ndarray, values: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+def linear_entries(coo: torch.Tensor) -> torch.Tensor:
+    """Row-major index of each stored entry of a coalesced COO tensor among all entries of the dense
+    tensor it stands for (an entry: one index of its sparse dims)."""
+    indices = coo.indices()
+    linear = torch.zeros(indices.shape[1], dtype=torch.int64)
+    for dim in range(coo.sparse_dim()):       # a handful of dims, not elements
+        linear = linear * coo.shape[dim] + indices[dim]
+    return linear
+
+
+def coo_of(entries: np.ndarray, values: torch.Tensor, shape, sparse_dim: int) -> torch.Tensor:
+    """A coalesced COO tensor of `shape` from its entries' row-major indices (sorted, distinct, in
+    range: torch need not check them) and their values, a row each."""
+    coords = np.stack(np.unravel_index(entries, shape[:sparse_dim])) if sparse_dim else \
+        np.zeros((0, entries.size), dtype=np.int64)
+    return torch.sparse_coo_tensor(torch.from_numpy(coords.astype(np.int64, copy=False)),
+                                   values.reshape(-1, *shape[sparse_dim:]), shape,
+                                   is_coalesced=True, check_invariants=False)
+
+
+def holding(entries: np.ndarray, values: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     """The entries that hold something. A block of narrow entries comes back whole, and the entries
     in it that no rank sent are zeros: kept, they would make the result list rows nobody touched
     (deeplight's 1-wide rows: 12x the union's rows, each one more for the optimizer, and a row that
@@ -357,7 +377,7 @@ class SparseBlocks(CompactBlocks):
     tensor it stands for, without ever allocating that dense tensor: the blocks its stored entries touch
     are the non-zero blocks (no scan needed). `finish()` assembles the summed blocks into a coalesced COO
     tensor of the same shape and sparse dims: every entry some rank sent when entries are whole blocks,
-    and the entries that hold something when they share blocks (`_holding`).
+    and the entries that hold something when they share blocks (`holding`).
 
     An entry is one index of the sparse dims (a row of an embedding table) with `width` elements. When
     entries and blocks tile each other (width a multiple of the block size, or the reverse) all the
@@ -368,7 +388,7 @@ class SparseBlocks(CompactBlocks):
         self.shape, self.sparse_dim = coo.shape, coo.sparse_dim()
         self.width = width = int(np.prod(coo.shape[self.sparse_dim:], dtype=np.int64))
         numel = int(np.prod(coo.shape, dtype=np.int64))
-        entries = self._linear(coo.indices()).numpy()       # ascending: coalesced entries are sorted
+        entries = linear_entries(coo).numpy()       # ascending: coalesced entries are sorted
         values = coo.values().reshape(-1, width)
         b = block_size
         if width % b == 0:                 # each entry is width/b whole blocks
@@ -385,13 +405,6 @@ class SparseBlocks(CompactBlocks):
             indices, data = _retile(entries, values, b)
         super().__init__(indices, data.contiguous(), numel, block_size)
 
-    def _linear(self, sparse_indices: torch.Tensor) -> torch.Tensor:
-        """Row-major index of each entry among all entries of the dense tensor."""
-        linear = torch.zeros(sparse_indices.shape[1], dtype=torch.int64)
-        for dim in range(self.sparse_dim):        # a handful of dims, not elements
-            linear = linear * self.shape[dim] + sparse_indices[dim]
-        return linear
-
     def finish(self) -> torch.Tensor:
         indices, rows = self.results()
         indices, b, width = indices.numpy(), self.block_size, self.width
@@ -405,12 +418,7 @@ class SparseBlocks(CompactBlocks):
                 values = rows.reshape(-1, width)
             else:
                 entries, values = _retile(indices, rows, width)
-            entries, values = _holding(entries, values)
+            entries, values = holding(entries, values)
         total = int(np.prod(self.shape[:self.sparse_dim], dtype=np.int64))
         kept = int(np.searchsorted(entries, total))    # sorted: drop the last block's padding
-        entries, values = entries[:kept], values[:kept]
-        coords = np.stack(np.unravel_index(entries, self.shape[:self.sparse_dim]))
-        # Sorted, distinct, in-range coordinates by construction: torch need not check them.
-        return torch.sparse_coo_tensor(torch.from_numpy(coords),
-                                       values.reshape(-1, *self.shape[self.sparse_dim:]), self.shape,
-                                       is_coalesced=True, check_invariants=False)
+        return coo_of(entries[:kept], values[:kept], self.shape, self.sparse_dim)

@@ -113,7 +113,9 @@ class Communicator:
     def allreduce_coo(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False,
                       timeout: float | None = None):
         """Sum or average a sparse COO tensor (such as an nn.Embedding(sparse=True) gradient) over all
-        ranks without densifying it: only the blocks its entries touch are sent. Returns a new
+        ranks without densifying it: only the blocks its entries touch are sent (a tensor small
+        enough to gather may go through gloo's paths as one dense buffer where that was faster in
+        its trials: algorithm.py, densified.py; the result is the same). Returns a new
         coalesced COO tensor (or a Work whose wait() returns it); ranks may store different entries.
         The result lists the entries some rank stored, as gloo's sum does (an optimizer such as
         SparseAdam updates every listed row); where entries are narrower than a block, which then

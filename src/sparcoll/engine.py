@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from . import wire
+from . import densified, wire
 from .algorithm import Algorithm, Chooser
 from .collective import WorkerCollective
 from .errors import CollectiveTimeout, PoisonedError, SparcollError
@@ -262,15 +262,23 @@ class Engine:
         return error
 
     def _run(self, coll: WorkerCollective) -> BaseException | None:
-        """Run `coll` with the algorithm (and block size) chosen for it; learn from its result."""
+        """Run `coll` with the algorithm (and block size) chosen for it; learn from its result. A
+        small COO tensor may densify (densified.py): its kind is then its dense buffer's, and on
+        gloo's paths the buffer is what is summed."""
         kind, op = coll.kind, coll.kind[2]
-        algorithm = self.chooser.choose(kind, coll.sparse)
+        dense_kind = (densified.buffer_numel(coll.tensor), kind[1], op) if coll.sparse else None
+        densifies = dense_kind is not None and self.ring is not None and self.chooser.densifies(dense_kind)
+        if densifies:
+            kind = dense_kind
+        algorithm = self.chooser.choose(kind, coll.sparse and not densifies)
+        block_size = self.chooser.block_size(kind, coll.tensor)
         start = time.monotonic()
         if algorithm.on_gloo:
             def peer_report():
                 return self.worker.take_early_error(coll.id) or self.worker.sparse_peer(coll.id)
+            data = densified.to_buffer(coll.tensor) if densifies else coll.tensor
             try:
-                averages = self.ring.allreduce(coll.id, coll.tensor, op, coll.timeout, peer_report,
+                averages = self.ring.allreduce(coll.id, data, op, coll.timeout, peer_report,
                                                self.chooser.to_share(kind),
                                                gather=algorithm is Algorithm.GATHER,
                                                lost=self._lost_connection)
@@ -280,9 +288,14 @@ class Engine:
             except SparcollError as exc:    # peers on the sparse path (if any) must hear of it
                 self.worker.abort(coll.id, str(exc), wire.code_of(exc))
                 error = exc
+            if densifies and error is None:     # narrow entries share the sparse path's blocks
+                width = coll.tensor.numel() // max(1, densified.entries_of(coll.tensor))
+                coll.tensor = densified.from_buffer(data, coll.tensor, width % block_size != 0)
         else:
-            error = self.worker.run(coll, self.chooser.block_size(kind, coll.tensor))
-        if error is None:
+            error = self.worker.run(coll, block_size)
+        if error is None and densifies:
+            self.chooser.learn_time(kind, algorithm, time.monotonic() - start)
+        elif error is None:
             self.chooser.learn(kind, coll.tensor, algorithm, time.monotonic() - start)
         return error
 
