@@ -1,6 +1,7 @@
 """Time per allreduce of small tensors: gloo, sparcoll as users get it ("auto"), sparcoll forced sparse.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 benchmarks/small_tensors.py [DENSITY]
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 \
+        benchmarks/small_tensors.py [DENSITY]
 
 Dense float32 data (every block non-zero: the usual small tensor, a loss or a bias), or with DENSITY
 (below 1) that share of each rank's 256-element blocks non-zero and 4K to 64K floats only (smaller
@@ -35,7 +36,8 @@ BATCHES = 30
 
 
 def make(numel: int, density: float, generator: torch.Generator) -> torch.Tensor:
-    """Random floats in `density` of the tensor's 256-element blocks (all of them at 1), zeros elsewhere."""
+    """Random floats in `density` of the tensor's 256-element blocks (all of them at 1), zeros
+    elsewhere."""
     tensor = torch.randn(numel, generator=generator)
     if density < 1:
         blocks = tensor.view(-1, 256)

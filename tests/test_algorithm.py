@@ -113,7 +113,8 @@ def test_a_kind_small_enough_to_gather_is_timed_at_any_density(density):
     assert run(chooser, 0.06, 0.05, 0.01) == trials + [G, G]
     # results on either side of CANDIDATE_DENSITY do not start the trials over
     for other in (1.0, density, 1.0):       # each long enough to be looked at (LOOK_EVERY)
-        assert run(chooser, 0.06, 0.05, 0.01, density=other, calls=LOOK_EVERY + 1) == [G] * (LOOK_EVERY + 1)
+        taken = run(chooser, 0.06, 0.05, 0.01, density=other, calls=LOOK_EVERY + 1)
+        assert taken == [G] * (LOOK_EVERY + 1)
     assert run(Chooser(Algorithm.AUTO, 256, 2), 0.01, 0.05, 0.04) == trials + [S, S]
     large = Chooser(Algorithm.AUTO, 256, WORLD)
     assert run_dense_kind(large, 0.06, 0.01, calls=calls, density=density) == [S] * calls

@@ -72,8 +72,8 @@ def test_few_long_runs_go_in_place_and_scattered_blocks_through_one_buffer():
     outcomes = run_ranks(scenarios.run_layouts, 2, timeout=TIMEOUT, nblocks=nblocks,
                          layouts={"long": long_runs, "scattered": scattered})
     for outcome in outcomes:
-        (long_ok, long_in_place, long_buffered), (scattered_ok, scattered_in_place, scattered_buffered) = \
-            outcome["long"], outcome["scattered"]
+        long_ok, long_in_place, long_buffered = outcome["long"]
+        scattered_ok, scattered_in_place, scattered_buffered = outcome["scattered"]
         assert long_ok and scattered_ok, outcome
         # remote messages: this rank's contribution out, the peer's aggregator's result in
         assert long_in_place >= 2 and long_buffered == 0, outcome

@@ -530,9 +530,10 @@ def test_plan_then_train_the_plan(tmp_path):
                            timeout=TIMEOUT, env=env)       # two passes: test_plan.py's fake launcher
     assert first.returncode == 0, first.stderr[-3000:]
     tried = json.loads(plan_file.read_text())["trial"]
-    assert tried["kept"] in tried["step_s"] and "planned" in tried["step_s"] and len(tried["step_s"]) >= 2, \
+    step_s = tried["step_s"]
+    assert tried["kept"] in step_s and "planned" in step_s and len(step_s) >= 2, \
         (tried, first.stderr[-3000:])
-    assert all(s > 0 for s in tried["step_s"].values()) and f"kept: {tried['kept']}" in first.stdout
+    assert all(s > 0 for s in step_s.values()) and f"kept: {tried['kept']}" in first.stdout
     stamp = profile.stat().st_mtime_ns
     measured = json.loads(profile.read_text())
     coo = [n for n, t in measured["model"]["tensors"].items() if t["coo"]]
