@@ -131,9 +131,9 @@ def test_a_densified_coo_kind_is_timed_like_a_small_dense_kind_and_a_tiny_one_no
     S, R, G = Algorithm.SPARSE, Algorithm.RING, Algorithm.GATHER
     kind, big = (GATHERABLE + 256, 0, 0), (BIG, 0, 0)
     chooser = Chooser(Algorithm.AUTO, 256, 2)
-    assert chooser.densifies(kind) and not chooser.densifies(big)
-    assert not Chooser(Algorithm.SPARSE, 256, 2).densifies(kind)
-    assert not Chooser(Algorithm.RING, 256, 2).densifies(kind)
+    assert chooser.timed_at_any_density(kind) and not chooser.timed_at_any_density(big)
+    assert not Chooser(Algorithm.SPARSE, 256, 2).timed_at_any_density(kind)
+    assert not Chooser(Algorithm.RING, 256, 2).timed_at_any_density(kind)
     seconds, taken = {S: 0.006, R: 0.004, G: 0.005}, []
     for _ in range(3 * SMALL_TRIALS + 2):
         path = chooser.choose(kind, coo=False)

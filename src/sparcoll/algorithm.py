@@ -163,7 +163,7 @@ class Chooser:
     def _timed(self, kind: Kind, state: KindState) -> bool:
         """Whether a kind's paths are timed: its last result was dense, or it is small enough to
         gather (then at any density)."""
-        return state.dense or (self.mode is Algorithm.AUTO and self.gatherable(kind))
+        return state.dense or self.timed_at_any_density(kind)
 
     def gatherable(self, kind: Kind) -> bool:
         """Whether a kind is small enough to gather (at most GATHER_ELEMENTS over all ranks)."""
@@ -242,9 +242,10 @@ class Chooser:
         if self._timed(kind, state) and state.chosen is None:
             state.times.setdefault(algorithm, []).append(seconds)
 
-    def densifies(self, kind: Kind) -> bool:
-        """Whether a COO collective whose dense buffer (densified.py) has this kind is timed on every
-        path, the buffer taking gloo's: with "auto", where the kind is small enough to gather."""
+    def timed_at_any_density(self, kind: Kind) -> bool:
+        """Whether a kind's paths are timed whatever its density: with "auto", where it is small
+        enough to gather. A COO collective whose dense buffer (densified.py) has such a kind
+        densifies: the buffer takes gloo's paths."""
         return self.mode is Algorithm.AUTO and self.gatherable(kind)
 
     def learn_time(self, kind: Kind, algorithm: Algorithm, seconds: float) -> None:

@@ -43,16 +43,17 @@ def to_buffer(coo: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
-def from_buffer(total: torch.Tensor, like: torch.Tensor, share_blocks: bool) -> torch.Tensor:
+def from_buffer(total: torch.Tensor, like: torch.Tensor, block_size: int) -> torch.Tensor:
     """The summed buffer `total` as a coalesced COO tensor of `like`'s shape and sparse dims: the
     entries some rank stored (their marks' sum is non-zero), without those whose sum is exactly zero
-    where entries `share_blocks` on the sparse path (see the module's docstring)."""
+    where entries share the sparse path's blocks of `block_size` elements (see the module's
+    docstring)."""
     entries, numel = entries_of(like), like.numel()
     width = numel // entries if entries else 0
     marks = total[numel:]
     listed = np.flatnonzero(marks.ne(0).numpy())
     values = total[:numel].view(entries, width)[torch.from_numpy(listed)]
-    if share_blocks:
+    if width % block_size != 0:            # entries and blocks do not tile: they share blocks
         listed, values = holding(listed, values)
     return coo_of(listed, values, like.shape, like.sparse_dim())
 

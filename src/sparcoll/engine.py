@@ -268,7 +268,7 @@ class Engine:
         kind, op = coll.kind, coll.kind[2]
         dense_kind = (densified.buffer_numel(coll.tensor), kind[1], op) if coll.sparse else None
         densifies = dense_kind is not None and self.ring is not None and \
-            self.chooser.densifies(dense_kind)
+            self.chooser.timed_at_any_density(dense_kind)
         if densifies:
             kind = dense_kind
         algorithm = self.chooser.choose(kind, coll.sparse and not densifies)
@@ -289,9 +289,8 @@ class Engine:
             except SparcollError as exc:    # peers on the sparse path (if any) must hear of it
                 self.worker.abort(coll.id, str(exc), wire.code_of(exc))
                 error = exc
-            if densifies and error is None:     # as the sparse path lists entries that share blocks
-                width = coll.tensor.numel() // max(1, densified.entries_of(coll.tensor))
-                coll.tensor = densified.from_buffer(data, coll.tensor, width % block_size != 0)
+            if densifies and error is None:
+                coll.tensor = densified.from_buffer(data, coll.tensor, block_size)
         else:
             error = self.worker.run(coll, block_size)
         if error is None and densifies:
