@@ -143,6 +143,30 @@ def test_accept_loop_survives_any_failure_and_ends_only_when_closed(monkeypatch,
     assert not server._accepter.is_alive()
 
 
+def test_close_ends_every_thread_of_the_server_before_it_returns():
+    """A thread still ending after close() may be stopped by the interpreter's exit inside its
+    clean-up, and where that frees a tensor the process aborts: close() waits for them all, a
+    worker's connection and a handshake still waiting for its client's first byte included."""
+    server = server_module.AggregatorServer("127.0.0.1", 0, SECRET.encode())
+    before = set(threading.enumerate())
+    attached = transport.connect(server.address, hello(7), SECRET.encode(), 10.0)
+    silent = socket.create_connection(server.address.rsplit(":", 1))
+    try:
+        def connections():
+            return [t for t in threading.enumerate() if t not in before and t.name == "sparcoll-agg-recv"]
+        assert wait_for(lambda: len(connections()) == 2, 10), [t.name for t in threading.enumerate()]
+        threads = [server._accepter, *connections()]
+        start = time.monotonic()
+        server.close()
+        took = time.monotonic() - start
+        assert not [t.name for t in threads if t.is_alive()]
+        assert took < server_module.CLOSE_JOIN
+    finally:
+        attached.close()
+        silent.close()
+        server.close()
+
+
 def test_handshakes_over_the_cap_are_closed_at_once_and_honest_jobs_still_run(store, monkeypatch,
                                                                               caplog):
     monkeypatch.setattr(server_module, "HANDSHAKE_TIMEOUT", 120.0)   # the held ones stay held
