@@ -633,3 +633,106 @@ def test_bytes_on_the_wire_match_the_cost_model(tmp_path):
     assert runs["poseidon"]["predicted_bytes_per_step"] == sfb
     for run in runs.values():
         assert abs(run["bytes_sent_per_step"] / run["predicted_bytes_per_step"] - 1) <= 0.02, run["label"]
+
+
+class Branchy(nn.Module):
+    """Data decides the parameters a step uses: the middle layer and the sparse embedding are
+    taken or skipped per rank and step (as a model with conditional branches does)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(9)
+        self.a, self.b, self.c = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(16, 5)
+        self.emb = nn.Embedding(20, 8, sparse=True)
+
+    def forward(self, x, ids, use_b: bool, use_emb: bool):
+        h = torch.relu(self.a(x))
+        if use_b:
+            h = torch.relu(self.b(h))
+        out = self.c(h)
+        return out + self.emb(ids).sum(-1, keepdim=True) if use_emb else out
+
+
+# Per step, for each rank: (uses b, uses the embedding); step 2 under no_sync, then step 3 synchronized
+BRANCHES = [[(True, True)] * WORLD,
+            [(True, True), (False, True), (True, False)],
+            [(True, True), (True, False), (True, True)],
+            [(False, True), (False, False), (False, True)],
+            [(False, False)] * WORLD]
+
+
+def branchy_loss(model: nn.Module, rank: int, step_index: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step_index + rank)
+    x, y = torch.randn(4, 12, generator=g), torch.randn(4, 5, generator=g)
+    ids = torch.randint(20, (4,), generator=g)
+    return nn.functional.mse_loss(model(x.to(dtype), ids, *BRANCHES[step_index][rank]), y.to(dtype))
+
+
+def branchy_reference(steps: list[int], world: int) -> dict:
+    """The gradient of the ranks' mean loss over `steps` (accumulated), on one float64 copy, with
+    every rank's branches: None where no rank used a parameter in those steps."""
+    model = Branchy().double()
+    for s in steps:
+        (sum(branchy_loss(model, r, s, torch.float64) for r in range(world)) / world).backward()
+    return {name: None if p.grad is None else p.grad.to_dense().float()
+            for name, p in model.named_parameters()}
+
+
+def unused_parameters(rank: int, world: int) -> dict:
+    """find_unused_parameters: each step's gradients against the float64 reference, for the hybrid
+    choice with a communicator (COO gradients through the sparse AllReduce, small dense ones in
+    a ring bucket) and for gloo's ring alone (COO through gloo's sparse all_reduce)."""
+    out = {}
+    comm = sparcoll.init()
+    try:
+        for label, kwargs in (("auto", {"comm": comm}), ("ring", {"strategy": "ring"})):
+            dp = sparcoll.torch.DataParallel(Branchy(), find_unused_parameters=True, timeout=60, **kwargs)
+            errors, stale_kept = [], None
+            for steps in ([0], [1], [2, 3], [4]):
+                for p in dp.parameters():
+                    p.grad = None
+                stale = torch.full_like(dp.module.b.weight, 7.0)
+                if steps == [4]:        # no rank uses b: its gradient must stay as it was
+                    dp.module.b.weight.grad = stale
+                for s in steps[:-1]:
+                    with dp.no_sync():
+                        branchy_loss(dp, rank, s).backward()
+                branchy_loss(dp, rank, steps[-1]).backward()
+                want = branchy_reference(steps, world)
+                got = {name: p.grad for name, p in dp.module.named_parameters()}
+                for name, w in want.items():
+                    if name == "b.weight" and steps == [4]:
+                        stale_kept = got[name] is stale
+                    elif w is None:
+                        errors.append(0.0 if got[name] is None else float("inf"))
+                    else:
+                        errors.append(((got[name].to_dense() - w).norm() / w.norm()).item())
+            out[label] = max(errors)
+            out[f"{label} stale kept"] = stale_kept
+            dp.close()
+        # gradients ready in the fixed order (backward's usual one) still go while backward runs:
+        # the upper layers' 1 MB weights before backward's slow lower part (300 ms) has finished
+        deep = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), Pause(0.3), nn.Linear(512, 512),
+                             nn.Linear(512, 512))
+        dp = sparcoll.torch.DataParallel(deep, strategy="ring", find_unused_parameters=True)
+        dp(torch.randn(32, 512)).pow(2).mean().backward()
+        weights = [e for e in dp.trace if e.name.endswith("weight")]
+        out["overlap"] = all(e.end < dp.backward_end for e in weights if e.name[0] in "34") and \
+            all(e.start > dp.backward_end - 0.3 for e in weights if e.name[0] in "01")
+        dp.close()
+        try:
+            sparcoll.torch.DataParallel(Branchy(), strategy="sfb", find_unused_parameters=True)
+            out["sfb refused"] = None
+        except ValueError as exc:
+            out["sfb refused"] = str(exc)
+    finally:
+        comm.close()
+    return out
+
+
+def test_find_unused_parameters_gives_the_average_of_what_each_rank_used():
+    for out in run_ranks(unused_parameters, WORLD, timeout=120):
+        assert out["auto"] <= 1e-5 and out["ring"] <= 1e-5, out
+        assert out["auto stale kept"] and out["ring stale kept"], out
+        assert out["sfb refused"] and "find_unused_parameters" in out["sfb refused"], out
+        assert out["overlap"], out

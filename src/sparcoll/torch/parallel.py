@@ -27,7 +27,12 @@ other module's part of the gradient. (A weight used outside its module, as in `F
 layer.weight)` elsewhere, cannot be detected: give such a layer an explicit strategy.) Every rank must
 produce a gradient for the same parameters each step, as under DDP without find_unused_parameters:
 where a rank skips a branch the others take, their buckets differ in size, and gloo aborts the
-process whose collective disagrees (docs/reliability.md, "Known gaps").
+process whose collective disagrees (docs/reliability.md, "Known gaps"). For models whose data decides
+which parameters a step uses, find_unused_parameters=True does what DDP's does: each rank hands its
+gradients on in one fixed order (the parameters' reverse order, backward's usual one: those that come
+in that order still go while backward runs), a parameter it did not use as zeros at the end of
+backward, so every rank forms the same buckets; one small allreduce a step counts the ranks that
+used each parameter, and one no rank used keeps its gradient as it was (None, as under DDP).
 
 Gradients are synchronized on one thread, in the order backward produces them (the same on every
 rank); backward waits for the last of them before it returns. The group's own allreduces (the ring's,
@@ -77,6 +82,7 @@ from .sfb import Call, LinearState, eligible_layers, gather_factors
 
 AUTO = "auto"
 ROWS = "rows"           # the per-step allreduce of the rows the ranks fed their linear layers
+USED = "used"           # find_unused_parameters: the allreduce of which parameters each rank used
 BUCKET = "bucket"       # small dense gradients that take the ring, averaged in one allreduce
 COMPRESSED = "compressed"   # gradients of one compressor, their payloads in one collective
 COO_UNIT = "coo unit"       # a plan's unit of sparse COO gradients: one sparse AllReduce of them all
@@ -127,17 +133,24 @@ class DataParallel(nn.Module):
     synchronization. wait_free=False holds every synchronization until backward has finished (as
     without Poseidon's overlap; for comparison). broadcast_buffers: as DDP's, rank 0's buffers (a
     BatchNorm's running statistics) replace every rank's at the start of each forward that will be
-    synchronized, in one broadcast per dtype."""
+    synchronized, in one broadcast per dtype. find_unused_parameters: as DDP's, for models whose
+    data decides which parameters a step uses (a branch one rank takes and another does not): a
+    parameter without a gradient on a rank contributes zeros there, and one no rank used keeps its
+    gradient as it was; SFB is not used (its factors need every rank's call of the layer)."""
 
     def __init__(self, module: nn.Module, comm: Communicator | None = None, group=None,
                  strategy: Union[str, Mapping, Path] = AUTO, timeout: float = 300.0,
-                 wait_free: bool = True, broadcast_buffers: bool = True):
+                 wait_free: bool = True, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False):
         super().__init__()
         self.module = module
         self.comm, self.group, self.timeout, self.wait_free = comm, group, timeout, wait_free
         self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
         self._held: list = []
         self._bucket: list = []           # (parameter, event, payload) of small gradients, in ready order
+        self._bucket_bytes = 0            # their gradients' bytes
+        self._bucket_units: collections.Counter = collections.Counter()   # plan unit -> members in it
         self._bucket_kind: tuple = ()     # the bucket's (strategy, placement): one collective for all
         self.world = dist.get_world_size(group)
         self.channel = Channel(group, comm)
@@ -149,9 +162,20 @@ class DataParallel(nn.Module):
         wanted = self._explicit.values() if isinstance(self._explicit, dict) else [self._explicit]
         if hybrid.SPARSE in wanted and comm is None:
             raise ValueError("the sparse strategy needs a sparcoll Communicator (comm=)")
+        if hybrid.SFB in wanted and find_unused_parameters:
+            raise ValueError("the sfb strategy needs every rank to call the layer each step: it "
+                             "cannot serve a model with find_unused_parameters=True")
         self._handles: list = []
         self._names = {id(p): name for name, p in module.named_parameters()}
         self._params = [p for p in module.parameters() if p.requires_grad]
+        # find_unused_parameters: gradients are handed on in this order on every rank (backward's
+        # usual one), so that ranks that skip different parameters still form the same buckets
+        self._order = self._params[::-1]
+        self._handed = 0                        # how many of _order this step has handed on
+        self._got: set[int] = set()             # parameters whose gradient this backward produced
+        self._accumulated_ids: set[int] = set()     # ... or one under no_sync since the last step
+        self._stand_ins: dict[int, torch.Tensor | None] = {}    # zeroed: id -> the gradient before
+        self._used: torch.Tensor | None = None  # per parameter of _order, the ranks that used it
         self._coo = sparse.sparse_weights(module)
         self._linear: dict[int, LinearState] = {}    # weight id -> its layer's step
         self._weight_of: dict[int, nn.Parameter] = {}  # bias id -> its layer's weight
@@ -247,7 +271,10 @@ class DataParallel(nn.Module):
     def _may_take_sfb(self, layer: nn.Linear) -> bool:
         """Whether SFB may serve this layer: asked for, or chosen by the hybrid model at some batch
         (hybrid.may_beat_ring). Only such layers get forward hooks and a share of the rows each step
-        (_share_rows); the others are tensors like any other, whose choice no batch changes."""
+        (_share_rows); the others are tensors like any other, whose choice no batch changes. None
+        with find_unused_parameters: a rank that skips the layer would have no factors to send."""
+        if self.find_unused_parameters:
+            return False
         requested = self._requested(layer.weight)
         if requested != AUTO:
             return requested == hybrid.SFB
@@ -334,10 +361,26 @@ class DataParallel(nn.Module):
 
     # ---- backward --------------------------------------------------------------------------------
     def _ready(self, p: torch.Tensor) -> None:
-        """Autograd has accumulated p's gradient for this backward: hand it to the thread."""
-        if not self._sync or self.world == 1:
+        """Autograd has accumulated p's gradient for this backward: hand it on. With
+        find_unused_parameters, in the fixed order: p and the gradients after it in that order that
+        are ready already."""
+        if self.world == 1:
+            return
+        if not self._sync:
+            if self.find_unused_parameters:
+                self._accumulated_ids.add(id(p))
             return
         self._arm()
+        if not self.find_unused_parameters:
+            self._hand_on(p)
+            return
+        self._got.add(id(p))
+        while self._handed < len(self._order) and id(self._order[self._handed]) in self._got:
+            self._handed += 1
+            self._hand_on(self._order[self._handed - 1])
+
+    def _hand_on(self, p: torch.Tensor) -> None:
+        """p's gradient to the synchronization thread: alone, in a bucket, or compressed first."""
         weight = self._weight_of.get(id(p), p)
         state = self._linear.get(id(weight))
         if state is not None and state.strategy == hybrid.SFB:
@@ -438,12 +481,13 @@ class DataParallel(nn.Module):
         event = Event(self._names.get(id(p), "?"), kind[0], time.perf_counter())
         self.trace.append(event)
         self._bucket.append((p, event, payload))
+        self._bucket_bytes += p.grad.numel() * p.grad.element_size()
         unit = self._unit.get(event.name)
         if unit is None:
-            cap = COO_BUCKET_BYTES if p.grad.is_sparse else BUCKET_BYTES
-            full = sum(q.grad.numel() * q.grad.element_size() for q, _, _ in self._bucket) >= cap
+            full = self._bucket_bytes >= (COO_BUCKET_BYTES if p.grad.is_sparse else BUCKET_BYTES)
         else:
-            full = sum(self._unit.get(e.name) == unit for _, e, _ in self._bucket) == self._unit_size[unit]
+            self._bucket_units[unit] += 1
+            full = self._bucket_units[unit] == self._unit_size[unit]
         if full:
             self._flush()
 
@@ -451,6 +495,7 @@ class DataParallel(nn.Module):
         if not self._bucket:
             return
         bucket, self._bucket = self._bucket, []
+        self._bucket_bytes, self._bucket_units = 0, collections.Counter()
         whole = {hybrid.RING: BUCKET, hybrid.SPARSE: COO_UNIT}.get(self._bucket_kind[0])   # uncompressed
         if whole is not None:
             self._put((None, whole, [q for q, _, _ in bucket], [e for _, e, _ in bucket]))
@@ -487,6 +532,35 @@ class DataParallel(nn.Module):
         weights = [id(s.layer.weight) for s in auto]
         self._put((None, ROWS, (rows, weights), [Event("(rows of linear layers)", ROWS, time.perf_counter())]))
 
+    def _hand_on_the_rest(self) -> None:
+        """find_unused_parameters, at the end of backward: the parameters not handed on yet, in the
+        fixed order, each without a gradient of this step (or accumulated under no_sync) with zeros
+        in its place; then the count of the ranks that used each parameter, which tells
+        _restore_unused_everywhere those no rank used."""
+        used = torch.zeros(len(self._order), dtype=torch.int32)
+        for i, p in enumerate(self._order):
+            contributes = id(p) in self._got or (id(p) in self._accumulated_ids and p.grad is not None)
+            used[i] = int(contributes)
+            if i < self._handed:
+                continue
+            if not contributes:
+                self._stand_ins[id(p)] = p.grad
+                p.grad = sparse.zeros_like(p) if id(p) in self._coo else torch.zeros_like(p)
+            self._hand_on(p)
+        self._flush()
+        self._handed, self._got, self._accumulated_ids = 0, set(), set()
+        self._used = used
+        self._put((None, USED, used, [Event("(parameters used)", USED, time.perf_counter())]))
+
+    def _restore_unused_everywhere(self, error: BaseException | None) -> None:
+        """A parameter no rank used keeps the gradient it had before the step (None, as under DDP):
+        the zeros it stood in with are nobody's gradient. After an error every stand-in goes back."""
+        stand_ins, self._stand_ins = self._stand_ins, {}
+        used, self._used = self._used, None
+        for i, p in enumerate(self._order):
+            if id(p) in stand_ins and (error is not None or used is None or used[i] == 0):
+                p.grad = stand_ins[id(p)]
+
     def _requested(self, p: torch.Tensor) -> str:
         if isinstance(self._explicit, dict):
             return self._explicit.get(self._names.get(id(p)), AUTO)
@@ -495,6 +569,8 @@ class DataParallel(nn.Module):
     def _finish(self) -> None:
         """End of backward: wait for every synchronization, then let backward return."""
         self.backward_end = time.perf_counter()
+        if self.find_unused_parameters:
+            self._hand_on_the_rest()
         self._flush()
         self._armed = False
         self._accumulated = False
@@ -512,6 +588,7 @@ class DataParallel(nn.Module):
                                             f"{self.timeout} s")
                 self._idle.wait(left)
             error, self._error = self._error, None
+        self._restore_unused_everywhere(error)
         for state in self._linear.values():
             started, weight, bias = state.started, state.weight_sum, state.bias_sum
             state.reset()
@@ -567,6 +644,8 @@ class DataParallel(nn.Module):
                 self._idle.notify_all()
 
     def _synchronize(self, p: torch.Tensor, chosen: str, extra) -> tuple | None:
+        if chosen == USED:             # in place: _finish reads it once every synchronization is done
+            return self._later(dist.all_reduce(extra, group=self.group, async_op=True), lambda: None)
         if chosen == ROWS:
             rows, weights = extra
             work = dist.all_reduce(rows, group=self.group, async_op=True)

@@ -40,6 +40,13 @@ def sparse_weights(module: nn.Module) -> set[int]:
     return {id(m.weight) for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
 
 
+def zeros_like(weight: torch.Tensor) -> torch.Tensor:
+    """An embedding weight's gradient with no rows: what a rank that did not use it contributes."""
+    return torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.long),
+                                   torch.zeros((0, *weight.shape[1:]), dtype=weight.dtype),
+                                   weight.shape, is_coalesced=True, check_invariants=True)
+
+
 def entries(coo: torch.Tensor) -> int:
     return math.prod(coo.shape[:coo.sparse_dim()])
 
