@@ -42,7 +42,9 @@ for step in range(steps + 2):
 if rank == 0:
     without, with_ = statistics.median(times[False]), statistics.median(times[True])
     print(f"{name} {options or ''} {world} ranks, {steps} steps each: median ms without "
-          f"{without:.1f}, with find_unused_parameters {with_:.1f} ({with_ / without:.2f}x)")
+          f"{without:.1f}, with find_unused_parameters {with_:.1f} ({with_ / without:.2f}x); "
+          f"strategies without {sorted({e.strategy for e in models[False].trace})}, "
+          f"with {sorted({e.strategy for e in models[True].trace})}")
 for m in models.values():
     m.close()
 comm.close()
