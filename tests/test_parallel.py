@@ -685,7 +685,8 @@ def unused_parameters(rank: int, world: int) -> dict:
     out = {}
     comm = sparcoll.init()
     try:
-        for label, kwargs in (("auto", {"comm": comm}), ("ring", {"strategy": "ring"})):
+        for label, kwargs in (("auto", {"comm": comm}), ("ring", {"strategy": "ring"}),
+                              ("none", {"strategy": "none"}), ("fp16", {"strategy": "fp16"})):
             dp = sparcoll.torch.DataParallel(Branchy(), find_unused_parameters=True, timeout=60, **kwargs)
             errors, stale_kept = [], None
             for steps in ([0], [1], [2, 3], [4]):
@@ -732,7 +733,9 @@ def unused_parameters(rank: int, world: int) -> dict:
 
 def test_find_unused_parameters_gives_the_average_of_what_each_rank_used():
     for out in run_ranks(unused_parameters, WORLD, timeout=120):
-        assert out["auto"] <= 1e-5 and out["ring"] <= 1e-5, out
-        assert out["auto stale kept"] and out["ring stale kept"], out
+        # "none" and "fp16": the compressed path, lossless and to half precision
+        assert out["auto"] <= 1e-5 and out["ring"] <= 1e-5 and out["none"] <= 1e-5, out
+        assert out["fp16"] <= 2e-3, out
+        assert all(out[f"{label} stale kept"] for label in ("auto", "ring", "none", "fp16")), out
         assert out["sfb refused"] and "find_unused_parameters" in out["sfb refused"], out
         assert out["overlap"], out
