@@ -311,7 +311,8 @@ class AggregatorServer:
         """Stop accepting, end every connection, and wait (at most CLOSE_JOIN) for the threads: one
         still ending when the interpreter exits is stopped inside its clean-up, and where that frees
         a tensor, torch's destructor cannot unwind and the process aborts ("terminate called
-        without an active exception": 2 of 41 runs of a script that closed and exited at once)."""
+        without an active exception": 7 of 129 runs of a 4-rank DataParallel script that closed and
+        exited at once, before this wait; 0 of 40 after)."""
         self._closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)

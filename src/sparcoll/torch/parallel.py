@@ -537,19 +537,16 @@ class DataParallel(nn.Module):
         fixed order, each without a gradient of this step (or accumulated under no_sync) with zeros
         in its place; then the count of the ranks that used each parameter, which tells
         _restore_unused_everywhere those no rank used."""
-        used = torch.zeros(len(self._order), dtype=torch.int32)
-        for i, p in enumerate(self._order):
-            contributes = id(p) in self._got or (id(p) in self._accumulated_ids and p.grad is not None)
-            used[i] = int(contributes)
-            if i < self._handed:
-                continue
+        used = [id(p) in self._got or (id(p) in self._accumulated_ids and p.grad is not None)
+                for p in self._order]
+        for p, contributes in zip(self._order[self._handed:], used[self._handed:]):
             if not contributes:
                 self._stand_ins[id(p)] = p.grad
                 p.grad = sparse.zeros_like(p) if id(p) in self._coo else torch.zeros_like(p)
             self._hand_on(p)
         self._flush()
         self._handed, self._got, self._accumulated_ids = 0, set(), set()
-        self._used = used
+        used = self._used = torch.tensor(used, dtype=torch.int32)
         self._put((None, USED, used, [Event("(parameters used)", USED, time.perf_counter())]))
 
     def _restore_unused_everywhere(self, error: BaseException | None) -> None:
