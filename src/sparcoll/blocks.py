@@ -6,6 +6,7 @@ exposed as views so the transport can send from, and receive into, the tensor's 
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import torch
@@ -256,6 +257,12 @@ def _retile(ids: np.ndarray, units: torch.Tensor, width: int) -> tuple[np.ndarra
     out = torch.zeros(out_ids.size, width, dtype=units.dtype)
     out.view(-1)[torch.from_numpy(inverse * width + positions % width)] = units.reshape(-1)
     return out_ids, out
+
+
+def entries_of(coo: torch.Tensor) -> int:
+    """Entries of the dense tensor a COO tensor stands for (an entry: one index of its sparse dims,
+    a row of an embedding table)."""
+    return math.prod(coo.shape[:coo.sparse_dim()])
 
 
 def linear_entries(coo: torch.Tensor) -> torch.Tensor:

@@ -12,17 +12,10 @@ so that a kind's result is the same whichever path it takes.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
-from .blocks import coo_of, holding, linear_entries
-
-
-def entries_of(coo: torch.Tensor) -> int:
-    """Entries of the dense tensor a COO tensor stands for (rows of an embedding table)."""
-    return math.prod(coo.shape[:coo.sparse_dim()])
+from .blocks import coo_of, entries_of, holding, linear_entries
 
 
 def buffer_numel(coo: torch.Tensor) -> int:

@@ -70,7 +70,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sparcoll.algorithm import entry_block_size
-from sparcoll.blocks import BlockTensor
+from sparcoll.blocks import BlockTensor, entries_of
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, parse
 from sparcoll.compress.channel import Channel
@@ -174,8 +174,6 @@ class DataParallel(nn.Module):
         self._handed = 0                        # how many of _order this step has handed on
         self._got: set[int] = set()             # parameters whose gradient this backward produced
         self._accumulated_ids: set[int] = set()     # ... or one under no_sync since the last step
-        self._stand_ins: dict[int, torch.Tensor | None] = {}    # zeroed: id -> the gradient before
-        self._used: torch.Tensor | None = None  # per parameter of _order, the ranks that used it
         self._coo = sparse.sparse_weights(module)
         self._linear: dict[int, LinearState] = {}    # weight id -> its layer's step
         self._weight_of: dict[int, nn.Parameter] = {}  # bias id -> its layer's weight
@@ -532,31 +530,35 @@ class DataParallel(nn.Module):
         weights = [id(s.layer.weight) for s in auto]
         self._put((None, ROWS, (rows, weights), [Event("(rows of linear layers)", ROWS, time.perf_counter())]))
 
-    def _hand_on_the_rest(self) -> None:
+    def _hand_on_the_rest(self) -> tuple[list, torch.Tensor]:
         """find_unused_parameters, at the end of backward: the parameters not handed on yet, in the
         fixed order, each without a gradient of this step (or accumulated under no_sync) with zeros
-        in its place; then the count of the ranks that used each parameter, which tells
-        _restore_unused_everywhere those no rank used."""
+        in its place; then the allreduce that counts the ranks that used each parameter. Returns
+        the stand-ins, (position in the order, parameter, its gradient before), and those counts
+        (final once every synchronization of the step is done)."""
         used = [id(p) in self._got or (id(p) in self._accumulated_ids and p.grad is not None)
                 for p in self._order]
-        for p, contributes in zip(self._order[self._handed:], used[self._handed:]):
-            if not contributes:
-                self._stand_ins[id(p)] = p.grad
+        stand_ins = []
+        for i in range(self._handed, len(self._order)):
+            p = self._order[i]
+            if not used[i]:
+                stand_ins.append((i, p, p.grad))
                 p.grad = sparse.zeros_like(p) if id(p) in self._coo else torch.zeros_like(p)
             self._hand_on(p)
         self._flush()
         self._handed, self._got, self._accumulated_ids = 0, set(), set()
-        used = self._used = torch.tensor(used, dtype=torch.int32)
-        self._put((None, USED, used, [Event("(parameters used)", USED, time.perf_counter())]))
+        counts = torch.tensor(used, dtype=torch.int32)
+        self._put((None, USED, counts, [Event("(parameters used)", USED, time.perf_counter())]))
+        return stand_ins, counts
 
-    def _restore_unused_everywhere(self, error: BaseException | None) -> None:
+    @staticmethod
+    def _restore_unused_everywhere(stand_ins: list, counts: torch.Tensor,
+                                   error: BaseException | None) -> None:
         """A parameter no rank used keeps the gradient it had before the step (None, as under DDP):
         the zeros it stood in with are nobody's gradient. After an error every stand-in goes back."""
-        stand_ins, self._stand_ins = self._stand_ins, {}
-        used, self._used = self._used, None
-        for i, p in enumerate(self._order):
-            if id(p) in stand_ins and (error is not None or used is None or used[i] == 0):
-                p.grad = stand_ins[id(p)]
+        for i, p, before in stand_ins:
+            if error is not None or counts[i] == 0:
+                p.grad = before
 
     def _requested(self, p: torch.Tensor) -> str:
         if isinstance(self._explicit, dict):
@@ -566,8 +568,7 @@ class DataParallel(nn.Module):
     def _finish(self) -> None:
         """End of backward: wait for every synchronization, then let backward return."""
         self.backward_end = time.perf_counter()
-        if self.find_unused_parameters:
-            self._hand_on_the_rest()
+        stand_ins, counts = self._hand_on_the_rest() if self.find_unused_parameters else ([], None)
         self._flush()
         self._armed = False
         self._accumulated = False
@@ -585,7 +586,7 @@ class DataParallel(nn.Module):
                                             f"{self.timeout} s")
                 self._idle.wait(left)
             error, self._error = self._error, None
-        self._restore_unused_everywhere(error)
+        self._restore_unused_everywhere(stand_ins, counts, error)
         for state in self._linear.values():
             started, weight, bias = state.started, state.weight_sum, state.bias_sum
             state.reset()
@@ -726,7 +727,7 @@ class DataParallel(nn.Module):
         """`grad` (coalesced COO), having noted the share of p's rows it touches: this worker's
         density, which `strategy` prices its bytes by (no choice reads it: a COO gradient's strategy
         does not depend on it, and the share differs by rank)."""
-        self._density[id(p)] = grad._nnz() / max(1, sparse.entries(grad))
+        self._density[id(p)] = grad._nnz() / max(1, entries_of(grad))
         return grad
 
     def _synchronize_coo(self, p: torch.Tensor, grad: torch.Tensor, chosen: str) -> tuple | None:

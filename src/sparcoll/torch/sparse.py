@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import sparcoll
+from sparcoll.blocks import entries_of
 from sparcoll.communicator import Communicator
 from sparcoll.wire import OPS
 
@@ -47,10 +48,6 @@ def zeros_like(weight: torch.Tensor) -> torch.Tensor:
                                    weight.shape, is_coalesced=True, check_invariants=True)
 
 
-def entries(coo: torch.Tensor) -> int:
-    return math.prod(coo.shape[:coo.sparse_dim()])
-
-
 def concatenate(coos: list[torch.Tensor]) -> torch.Tensor:
     """Coalesced COO tensors of one dtype as one 2-D COO tensor whose rows are pieces of theirs, `g`
     elements wide (the greatest common divisor of their entries' widths), the tensors' rows one after
@@ -64,7 +61,7 @@ def concatenate(coos: list[torch.Tensor]) -> torch.Tensor:
             np.zeros(0, dtype=np.int64)
         indices.append((linear[:, None] * per + np.arange(per)).reshape(-1) + offset)
         values.append(c.values().reshape(-1, g))
-        offset += entries(c) * per
+        offset += entries_of(c) * per
     # sorted and distinct by construction (each input coalesced, the offsets ascending)
     return torch.sparse_coo_tensor(torch.from_numpy(np.concatenate(indices))[None], torch.cat(values),
                                    (offset, g), is_coalesced=True, check_invariants=False)
@@ -85,7 +82,7 @@ def split(total: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
     total = total.coalesce()
     g = total.shape[1]
     rows, values = total.indices()[0].numpy(), total.values()
-    bounds = np.cumsum([0] + [entries(c) * (_width(c) // g) for c in likes])
+    bounds = np.cumsum([0] + [entries_of(c) * (_width(c) // g) for c in likes])
     cuts = np.searchsorted(rows, bounds)
     out = []
     for c, start, lo, hi in zip(likes, bounds, cuts, cuts[1:]):
