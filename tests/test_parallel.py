@@ -653,12 +653,25 @@ class Branchy(nn.Module):
         return out + self.emb(ids).sum(-1, keepdim=True) if use_emb else out
 
 
-# Per step, for each rank: (uses b, uses the embedding); step 2 under no_sync, then step 3 synchronized
-BRANCHES = [[(True, True)] * WORLD,
+# Per step, for each rank: (uses b, uses the embedding); step 2 under no_sync, then step 3 synchronized.
+# The order of later steps is rebuilt from rank 0's first, without b (as DDP's from rank 0's)
+BRANCHES = [[(False, True), (True, True), (True, False)],
             [(True, True), (False, True), (True, False)],
             [(True, True), (True, False), (True, True)],
             [(False, True), (False, False), (False, True)],
             [(False, False)] * WORLD]
+
+
+class UpsideDown(nn.Module):
+    """Built top first, used bottom first: backward's order is not its parameters' reverse."""
+
+    def __init__(self):
+        super().__init__()
+        self.top = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
+        self.bottom = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), Pause(0.3))
+
+    def forward(self, x):
+        return self.top(self.bottom(x))
 
 
 def branchy_loss(model: nn.Module, rank: int, step_index: int, dtype=torch.float32) -> torch.Tensor:
@@ -721,6 +734,17 @@ def unused_parameters(rank: int, world: int) -> dict:
         out["overlap"] = all(e.end < dp.backward_end for e in weights if e.name[0] in "34") and \
             all(e.start > dp.backward_end - 0.3 for e in weights if e.name[0] in "01")
         dp.close()
+        # a model built in another order than backward's: from the second step its gradients go in
+        # the order rank 0's came in the first, so its top layers' go during the slow lower part
+        dp = sparcoll.torch.DataParallel(UpsideDown(), strategy="ring", find_unused_parameters=True)
+        out["upside down overlap"] = []
+        for _ in range(3):
+            dp(torch.randn(32, 512)).pow(2).mean().backward()
+            weights = [e for e in dp.trace if e.name.endswith("weight")]
+            out["upside down overlap"].append(
+                all(e.end < dp.backward_end for e in weights if e.name.startswith("top")) and
+                all(e.start > dp.backward_end - 0.3 for e in weights if e.name.startswith("bottom")))
+        dp.close()
         try:
             sparcoll.torch.DataParallel(Branchy(), strategy="sfb", find_unused_parameters=True)
             out["sfb refused"] = None
@@ -739,3 +763,4 @@ def test_find_unused_parameters_gives_the_average_of_what_each_rank_used():
         assert all(out[f"{label} stale kept"] for label in ("auto", "ring", "none", "fp16")), out
         assert out["sfb refused"] and "find_unused_parameters" in out["sfb refused"], out
         assert out["overlap"], out
+        assert out["upside down overlap"][1:] == [True, True], out

@@ -29,10 +29,12 @@ produce a gradient for the same parameters each step, as under DDP without find_
 where a rank skips a branch the others take, their buckets differ in size, and gloo aborts the
 process whose collective disagrees (docs/reliability.md, "Known gaps"). For models whose data decides
 which parameters a step uses, find_unused_parameters=True does what DDP's does: each rank hands its
-gradients on in one fixed order (the parameters' reverse order, backward's usual one: those that come
-in that order still go while backward runs), a parameter it did not use as zeros at the end of
-backward, so every rank forms the same buckets; one small allreduce a step counts the ranks that
-used each parameter, and one no rank used keeps its gradient as it was (None, as under DDP).
+gradients on in one order (the parameters' reverse order, backward's usual one, in the first step;
+from the second on, the order rank 0's gradients came in the first, as DDP rebuilds its buckets:
+gradients that come in that order go while backward runs), a parameter it did not use as zeros at
+the end of backward, so every rank forms the same buckets; one small allreduce a step counts the
+ranks that used each parameter (and tells every rank rank 0's order, in the first step), and one no
+rank used keeps its gradient as it was (None, as under DDP).
 
 Gradients are synchronized on one thread, in the order backward produces them (the same on every
 rank); backward waits for the last of them before it returns. The group's own allreduces (the ring's,
@@ -168,9 +170,14 @@ class DataParallel(nn.Module):
         self._handles: list = []
         self._names = {id(p): name for name, p in module.named_parameters()}
         self._params = [p for p in module.parameters() if p.requires_grad]
-        # find_unused_parameters: gradients are handed on in this order on every rank (backward's
-        # usual one), so that ranks that skip different parameters still form the same buckets
+        # find_unused_parameters: gradients are handed on in this order on every rank, so that ranks
+        # that skip different parameters still form the same buckets: backward's usual order in the
+        # first synchronized step, then the order rank 0's gradients came in that step (as DDP
+        # rebuilds its buckets once), so that a model used in another order than it was built in
+        # still hands its first gradients on while backward runs
         self._order = self._params[::-1]
+        self._arrivals: list[int] | None = []   # ids in the order this step's gradients came, until
+                                                # the order is rebuilt (then None)
         self._handed = 0                        # how many of _order this step has handed on
         self._got: set[int] = set()             # parameters whose gradient this backward produced
         self._accumulated_ids: set[int] = set()     # ... or one under no_sync since the last step
@@ -372,6 +379,8 @@ class DataParallel(nn.Module):
         if not self.find_unused_parameters:
             self._hand_on(p)
             return
+        if self._arrivals is not None and id(p) not in self._got:
+            self._arrivals.append(id(p))
         self._got.add(id(p))
         while self._handed < len(self._order) and id(self._order[self._handed]) in self._got:
             self._handed += 1
@@ -532,10 +541,12 @@ class DataParallel(nn.Module):
 
     def _hand_on_the_rest(self) -> tuple[list, torch.Tensor]:
         """find_unused_parameters, at the end of backward: the parameters not handed on yet, in the
-        fixed order, each without a gradient of this step (or accumulated under no_sync) with zeros
-        in its place; then the allreduce that counts the ranks that used each parameter. Returns
-        the stand-ins, (position in the order, parameter, its gradient before), and those counts
-        (final once every synchronization of the step is done)."""
+        order, each without a gradient of this step (or accumulated under no_sync) with zeros
+        in its place; then the allreduce that counts the ranks that used each parameter (until the
+        order is rebuilt, followed by where in rank 0's arrivals each parameter came, 1 for the
+        first, 0 for none: the other ranks add zeros). Returns the stand-ins, (position in the
+        order, parameter, its gradient before), and that allreduce's tensor (final once every
+        synchronization of the step is done)."""
         used = [id(p) in self._got or (id(p) in self._accumulated_ids and p.grad is not None)
                 for p in self._order]
         stand_ins = []
@@ -547,9 +558,26 @@ class DataParallel(nn.Module):
             self._hand_on(p)
         self._flush()
         self._handed, self._got, self._accumulated_ids = 0, set(), set()
-        counts = torch.tensor(used, dtype=torch.int32)
+        if self._arrivals is None:
+            counts = torch.tensor(used, dtype=torch.int32)
+        else:
+            came = [0] * len(self._order)
+            if dist.get_rank(self.group) == 0:
+                where = {id(p): i for i, p in enumerate(self._order)}
+                for k, pid in enumerate(self._arrivals, 1):
+                    came[where[pid]] = k
+            counts = torch.tensor(used + came, dtype=torch.int32)
+            self._arrivals = []
         self._put((None, USED, counts, [Event("(parameters used)", USED, time.perf_counter())]))
         return stand_ins, counts
+
+    def _rebuild_order(self, came: list[int]) -> None:
+        """The order from now on: rank 0's gradients as they came (`came`: where in its arrivals each
+        parameter of the order came, 0 for none), then those it did not get, as they were."""
+        first = sorted((k, i) for i, k in enumerate(came) if k > 0)
+        rest = [p for p, k in zip(self._order, came) if k == 0]
+        self._order = [self._order[i] for _, i in first] + rest
+        self._arrivals = None
 
     @staticmethod
     def _restore_unused_everywhere(stand_ins: list, counts: torch.Tensor,
@@ -587,6 +615,8 @@ class DataParallel(nn.Module):
                 self._idle.wait(left)
             error, self._error = self._error, None
         self._restore_unused_everywhere(stand_ins, counts, error)
+        if error is None and counts is not None and len(counts) > len(self._order):
+            self._rebuild_order(counts[len(self._order):].tolist())
         for state in self._linear.values():
             started, weight, bias = state.started, state.weight_sum, state.bias_sum
             state.reset()
