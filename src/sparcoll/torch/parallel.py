@@ -27,7 +27,9 @@ other module's part of the gradient. (A weight used outside its module, as in `F
 layer.weight)` elsewhere, cannot be detected: give such a layer an explicit strategy.) Every rank must
 produce a gradient for the same parameters each step, as under DDP without find_unused_parameters:
 where a rank skips a branch the others take, their buckets differ in size, and gloo aborts the
-process whose collective disagrees (docs/reliability.md, "Known gaps"). For models whose data decides
+process whose collective disagrees (docs/reliability.md, "Known gaps"); a rank whose step lacks
+gradients the last step had warns at the end of its backward, naming them and the flag below, once
+(its earlier buckets may have gone already: the warning can come too late). For models whose data decides
 which parameters a step uses, find_unused_parameters=True does what DDP's does: each rank hands its
 gradients on in one order (the parameters' reverse order, backward's usual one, in the first step;
 from the second on, the order rank 0's gradients came in the first, as DDP rebuilds its buckets:
@@ -63,6 +65,7 @@ import json
 import queue
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Union
@@ -179,6 +182,12 @@ class DataParallel(nn.Module):
         self._arrivals: list[int] | None = []   # ids in the order this step's gradients came, until
                                                 # the order is rebuilt (then None)
         self._handed = 0                        # how many of _order this step has handed on
+        # without find_unused_parameters: the ids of the parameters whose gradients (or SFB factors)
+        # came this step and in the last, to warn when one stops coming (a skipped branch), before
+        # the step's last bucket goes
+        self._came: set[int] = set()
+        self._came_last: set[int] = set()
+        self._warned_missing = False
         self._got: set[int] = set()             # parameters whose gradient this backward produced
         self._accumulated_ids: set[int] = set()     # ... or one under no_sync since the last step
         self._coo = sparse.sparse_weights(module)
@@ -356,6 +365,7 @@ class DataParallel(nn.Module):
                 f"same graph; give it another strategy")
             return
         state.calls.discard(call)
+        self._came.add(id(state.layer.weight))      # its weight's gradient comes as these factors
         if not state.started:
             state.start()
         dtype, layer = state.layer.weight.dtype, state.layer
@@ -377,6 +387,7 @@ class DataParallel(nn.Module):
             return
         self._arm()
         if not self.find_unused_parameters:
+            self._came.add(id(p))
             self._hand_on(p)
             return
         if self._arrivals is not None and id(p) not in self._got:
@@ -385,6 +396,25 @@ class DataParallel(nn.Module):
         while self._handed < len(self._order) and id(self._order[self._handed]) in self._got:
             self._handed += 1
             self._hand_on(self._order[self._handed - 1])
+
+    def _warn_if_some_stopped_coming(self) -> None:
+        """Without find_unused_parameters, at the end of backward: warn (once) if a parameter whose
+        gradient came in the last step has none in this one. Where data decides which parameters a
+        step uses, ranks then form different buckets and gloo aborts the process whose collective
+        disagrees, with a message of its own that does not say why; a rank that skipped a parameter
+        says so before its last bucket goes (its earlier buckets may disagree already). Every rank
+        skipping the same parameters (frozen layers) is harmless: hence a warning, and only once."""
+        missing = self._came_last - self._came
+        self._came_last, self._came = self._came, set()
+        if not missing or self._warned_missing:
+            return
+        self._warned_missing = True
+        names = [name for name, p in self.module.named_parameters() if id(p) in missing]
+        warnings.warn(f"rank {dist.get_rank(self.group)}: no gradient in this step for "
+                      f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}, which had one in the "
+                      f"last step. If data decides which parameters a step uses and ranks differ, their "
+                      f"buckets differ and gloo aborts the process whose collective disagrees: pass "
+                      f"find_unused_parameters=True, as DDP needs", RuntimeWarning, stacklevel=1)
 
     def _hand_on(self, p: torch.Tensor) -> None:
         """p's gradient to the synchronization thread: alone, in a bucket, or compressed first."""
@@ -596,7 +626,11 @@ class DataParallel(nn.Module):
     def _finish(self) -> None:
         """End of backward: wait for every synchronization, then let backward return."""
         self.backward_end = time.perf_counter()
-        stand_ins, counts = self._hand_on_the_rest() if self.find_unused_parameters else ([], None)
+        if self.find_unused_parameters:
+            stand_ins, counts = self._hand_on_the_rest()
+        else:
+            stand_ins, counts = [], None
+            self._warn_if_some_stopped_coming()
         self._flush()
         self._armed = False
         self._accumulated = False
