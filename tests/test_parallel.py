@@ -767,21 +767,21 @@ class FirstOptional(nn.Module):
         return self.b(self.a(x) if use_a else x)
 
 
-def order_warnings(rank: int, world: int) -> dict:
-    """Without find_unused_parameters, every rank skips the same parameters in one step (so their
-    buckets agree and the step completes): the warnings each wrapper gave, step by step."""
+def missing_gradient_warnings(rank: int, world: int) -> dict:
+    """Without find_unused_parameters, every rank skips the same parameters in steps 2 and 4 (so their
+    buckets agree and the steps complete): the warnings each wrapper gave, step by step."""
     out = {}
     g = torch.Generator().manual_seed(rank)
-    for label, model, calls in (
-            ("middle", Branchy(), [(True, True), (True, True), (False, True), (True, True)]),
-            ("first", FirstOptional(), [(True,), (True,), (False,), (False,)])):
+    for label, model, uses in (("middle", Branchy(), [True, True, False, True, False]),
+                               ("first", FirstOptional(), [True, True, False, True, False])):
         dp = sparcoll.torch.DataParallel(model, strategy="ring", timeout=60)
         out[label] = []
-        for args in calls:
+        for use in uses:
             x, ids = torch.randn(4, 12, generator=g), torch.randint(20, (4,), generator=g)
+            inputs = (x, ids, use, True) if label == "middle" else (x, use)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                dp(x, ids, *args).sum().backward() if label == "middle" else dp(x, *args).sum().backward()
+                dp(*inputs).sum().backward()
             out[label].append([str(w.message) for w in caught if w.category is RuntimeWarning])
             dp.module.zero_grad()
         dp.close()
@@ -791,13 +791,14 @@ def order_warnings(rank: int, world: int) -> dict:
 def test_a_rank_that_skips_what_the_last_step_used_is_told_about_find_unused_parameters():
     """Where data decides which parameters a step uses and ranks differ, gloo aborts the process
     without saying why: each rank whose step skips parameters the last step had says so, once."""
-    for rank, out in enumerate(run_ranks(order_warnings, WORLD, timeout=120)):
-        for label, skipped in (("middle", "step for b.weight, b.bias,"), ("first", "step for a.weight, a.bias,")):
+    for rank, out in enumerate(run_ranks(missing_gradient_warnings, WORLD, timeout=120)):
+        for label, skipped in (("middle", "step for b.weight, b.bias,"),
+                               ("first", "step for a.weight, a.bias,")):
             steps = out[label]
             assert steps[0] == steps[1] == [], (label, steps)
             assert len(steps[2]) == 1 and skipped in steps[2][0] and f"rank {rank}" in steps[2][0] \
                 and "find_unused_parameters=True" in steps[2][0], (label, steps)
-            assert steps[3] == [], (label, steps)       # once per wrapper
+            assert steps[3] == steps[4] == [], (label, steps)     # once per wrapper
 
 
 def test_find_unused_parameters_gives_the_average_of_what_each_rank_used():
