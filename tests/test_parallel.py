@@ -773,10 +773,13 @@ def missing_gradient_warnings(rank: int, world: int) -> dict:
     out = {}
     g = torch.Generator().manual_seed(rank)
     for label, model, uses in (("middle", Branchy(), [True, True, False, True, False]),
-                               ("first", FirstOptional(), [True, True, False, True, False])):
+                               ("first", FirstOptional(), [True, True, False, True, False]),
+                               ("frozen", FirstOptional(), [True] * 5)):
         dp = sparcoll.torch.DataParallel(model, strategy="ring", timeout=60)
         out[label] = []
-        for use in uses:
+        for step, use in enumerate(uses):
+            if label == "frozen" and step == 2:     # fine-tuning: no gradient from now on, not a skip
+                model.a.requires_grad_(False)
             x, ids = torch.randn(4, 12, generator=g), torch.randint(20, (4,), generator=g)
             inputs = (x, ids, use, True) if label == "middle" else (x, use)
             with warnings.catch_warnings(record=True) as caught:
@@ -799,6 +802,7 @@ def test_a_rank_that_skips_what_the_last_step_used_is_told_about_find_unused_par
             assert len(steps[2]) == 1 and skipped in steps[2][0] and f"rank {rank}" in steps[2][0] \
                 and "find_unused_parameters=True" in steps[2][0], (label, steps)
             assert steps[3] == steps[4] == [], (label, steps)     # once per wrapper
+        assert out["frozen"] == [[]] * 5, out["frozen"]
 
 
 def test_find_unused_parameters_gives_the_average_of_what_each_rank_used():

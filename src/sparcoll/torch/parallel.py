@@ -403,13 +403,15 @@ class DataParallel(nn.Module):
         step uses, ranks then form different buckets and gloo aborts the process whose collective
         disagrees, with a message of its own that does not say why; a rank that skipped a parameter
         says so before its last bucket goes (its earlier buckets may disagree already). Every rank
-        skipping the same parameters (frozen layers) is harmless: hence a warning, and only once."""
+        skipping the same parameters is harmless: hence a warning, and only once; a parameter frozen
+        since (requires_grad False) is not missing."""
         missing = self._came_last - self._came
         self._came_last, self._came = self._came, set()
-        if not missing or self._warned_missing:
+        names = [name for name, p in self.module.named_parameters()
+                 if id(p) in missing and p.requires_grad]
+        if not names or self._warned_missing:
             return
         self._warned_missing = True
-        names = [name for name, p in self.module.named_parameters() if id(p) in missing]
         warnings.warn(f"rank {dist.get_rank(self.group)}: no gradient in this step for "
                       f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}, which had one in the "
                       f"last step. If data decides which parameters a step uses and ranks differ, their "
