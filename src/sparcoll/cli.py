@@ -1,5 +1,5 @@
-"""The `sparcoll` command: `aggregator` (a dedicated aggregator), `bench`, `demo`, `plan`, `simulate` and
-`train`."""
+"""The `sparcoll` command: `aggregator` (a dedicated aggregator), `bench`, `demo`, `emulate` (your own
+script on emulated hosts), `plan`, `simulate` and `train`."""
 from __future__ import annotations
 
 import argparse
@@ -95,6 +95,8 @@ COMMANDS: dict[str, tuple[str, Loader]] = {
     "bench": ("compare sparcoll with gloo ring, sparse AllGather and a parameter server, on loopback or "
               "an emulated network", _entry("sparcoll.bench.command")),
     "demo": ("4 local workers: sparse allreduce vs gloo at several densities", _entry("sparcoll.demo")),
+    "emulate": ("run your own torch.distributed script with each rank on an emulated host behind a "
+                "shaped link (needs root)", _entry("sparcoll.emulate")),
     "plan": ("profile a model on this machine and network and choose a strategy per tensor "
              "(ByteComp's planner)", _entry("sparcoll.plan.command")),
     "simulate": ("predict time per allreduce at worker counts and link rates beyond this machine, "

@@ -1,0 +1,127 @@
+"""`sparcoll emulate`: a user's own script with each rank on an emulated host of its own. Its ranks
+reduce through sparcoll and gloo across the hosts' addresses; a failing rank, or the deadline, stops
+the rest and leaves no process or namespace behind. Needs root and iproute2 (skipped otherwise),
+except for the refusal of bad options."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sparcoll.bench.netem import netem_available
+from sparcoll.bench.netns import list_netns
+
+_AVAILABLE, _REASON = netem_available()
+needs_netem = pytest.mark.skipif(not _AVAILABLE, reason=f"emulated network unavailable: {_REASON}")
+TIMEOUT = 120
+
+REDUCE = """
+    import json, os, socket, torch, torch.distributed as dist
+    import sparcoll
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = sparcoll.init()
+    blocks = torch.zeros(1 << 16)
+    blocks[rank * 256:(rank + 1) * 256] = rank + 1.0      # one block a rank: the sparse path
+    comm.allreduce(blocks)
+    dense = torch.full((1000,), rank + 1.0)
+    dist.all_reduce(dense)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((os.environ["MASTER_ADDR"], 9))
+        address = probe.getsockname()[0]
+    print(json.dumps({"rank": rank, "world": world, "address": address,
+                      "blocks": blocks[:1024:256].tolist(), "dense": dense.unique().tolist(),
+                      "threads": os.environ["OMP_NUM_THREADS"]}), flush=True)
+    comm.close()
+    dist.destroy_process_group()
+"""
+
+# rank 1 fails at once; the others would sleep far beyond the test's deadline
+FAIL_ONE = """
+    import os, sys, time
+    if os.environ["RANK"] == "1":
+        print("failing on purpose", file=sys.stderr)
+        sys.exit(3)
+    open(os.path.join({directory!r}, "pid" + os.environ["RANK"]), "w").write(str(os.getpid()))
+    time.sleep(600)
+"""
+
+
+def emulate(tmp_path, script: str, *options: str) -> tuple[subprocess.CompletedProcess, int, float]:
+    """Run `script` under `sparcoll emulate OPTIONS`: its result, its pid and how long it took."""
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(script))
+    start = time.monotonic()
+    with subprocess.Popen([sys.executable, "-m", "sparcoll", "emulate", *options, str(path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.terminate()        # its clean-up runs on SIGTERM as on Ctrl-C
+            out, err = proc.communicate(timeout=30)
+            pytest.fail(f"sparcoll emulate did not end within {TIMEOUT} s: {err[-2000:]}")
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return result, proc.pid, time.monotonic() - start
+
+
+def namespaces_of(pid: int) -> list[str]:
+    return [name for name in list_netns() if name.startswith(f"sparcoll-{pid}x")]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@needs_netem
+def test_every_rank_runs_on_its_own_host_and_reduces_across_them(tmp_path):
+    result, pid, _ = emulate(tmp_path, REDUCE, "--hosts", "3", "--network", "1gbit")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split("] ", 1) for line in result.stdout.splitlines() if line.startswith("[rank ")]
+    ranks = sorted((json.loads(text) for _, text in lines), key=lambda r: r["rank"])
+    assert sorted(prefix for prefix, _ in lines) == ["[rank 0", "[rank 1", "[rank 2"], lines
+    assert [r["rank"] for r in ranks] == [0, 1, 2] and {r["world"] for r in ranks} == {3}
+    addresses = [r["address"] for r in ranks]
+    assert len(set(addresses)) == 3 and all(a.startswith("10.77.") for a in addresses), addresses
+    for r in ranks:
+        assert r["blocks"] == [1.0, 2.0, 3.0, 0.0]      # every rank's block, summed through sparcoll
+        assert r["dense"] == [6.0] and r["threads"] == "1"
+    assert namespaces_of(pid) == []
+
+
+@needs_netem
+def test_a_failing_rank_stops_the_others_and_gives_its_exit_code(tmp_path):
+    result, pid, took = emulate(tmp_path, FAIL_ONE.format(directory=str(tmp_path)), "--hosts", "3",
+                                "--network", "none")
+    assert result.returncode == 3 and "rank 1 exited with code 3" in result.stderr, result.stderr[-3000:]
+    assert "[rank 1] failing on purpose" in result.stderr       # a failed rank's last words are kept
+    pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 2)]
+    assert not any(alive(p) for p in pids) and took < 60
+    assert namespaces_of(pid) == []
+
+
+@needs_netem
+def test_the_timeout_stops_every_rank(tmp_path):
+    script = FAIL_ONE.format(directory=str(tmp_path)).replace('"1"', '"none"')   # nobody fails
+    result, pid, took = emulate(tmp_path, script, "--hosts", "2", "--network", "none", "--timeout", "3")
+    assert result.returncode == 1 and "still running after the timeout" in result.stderr, result.stderr
+    pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
+    assert not any(alive(p) for p in pids) and 3 <= took < 60
+    assert namespaces_of(pid) == []
+
+
+@pytest.mark.parametrize("options, problem", [
+    (["--hosts", "0"], "--hosts 0: between 1 and"),
+    (["--timeout", "0"], "--timeout 0 must be positive"),
+])
+def test_bad_options_are_refused_with_the_reason(tmp_path, options, problem):
+    result, _, _ = emulate(tmp_path, "print('never')", *options)
+    assert result.returncode == 2 and problem in result.stderr and "never" not in result.stdout
