@@ -41,13 +41,22 @@ REDUCE = """
     dist.destroy_process_group()
 """
 
-# rank 1 fails at once; the others would sleep far beyond the test's deadline
+# rank 1 fails once every other rank has said who it is (at most 30 s); they would sleep far beyond
+# the test's deadline
 FAIL_ONE = """
     import os, sys, time
-    if os.environ["RANK"] == "1":
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank == 1:
+        others = [os.path.join({directory!r}, f"pid{{r}}") for r in range(world) if r != 1]
+        deadline = time.monotonic() + 30
+        while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         print("failing on purpose", file=sys.stderr)
         sys.exit(3)
-    open(os.path.join({directory!r}, "pid" + os.environ["RANK"]), "w").write(str(os.getpid()))
+    mine = os.path.join({directory!r}, f"pid{{rank}}")
+    with open(mine + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(mine + ".tmp", mine)      # whole when it appears
     time.sleep(600)
 """
 
@@ -110,11 +119,11 @@ def test_a_failing_rank_stops_the_others_and_gives_its_exit_code(tmp_path):
 
 @needs_netem
 def test_the_timeout_stops_every_rank(tmp_path):
-    script = FAIL_ONE.format(directory=str(tmp_path)).replace('"1"', '"none"')   # nobody fails
-    result, pid, took = emulate(tmp_path, script, "--hosts", "2", "--network", "none", "--timeout", "3")
+    script = FAIL_ONE.format(directory=str(tmp_path)).replace("rank == 1", "rank == -1")   # nobody fails
+    result, pid, took = emulate(tmp_path, script, "--hosts", "2", "--network", "none", "--timeout", "8")
     assert result.returncode == 1 and "still running after the timeout" in result.stderr, result.stderr
     pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
-    assert not any(alive(p) for p in pids) and 3 <= took < 60
+    assert not any(alive(p) for p in pids) and 8 <= took < 60
     assert namespaces_of(pid) == []
 
 
