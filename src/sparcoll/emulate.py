@@ -22,10 +22,10 @@ import subprocess
 import sys
 import time
 
+from .bench.launch import NETNS_MASTER_PORT
 from .bench.netem import (MAX_HOSTS, EmulatedNetwork, add_link_burst_argument, check_link_burst,
                           netem_available)
 
-MASTER_PORT = 29500     # inside namespaces of our own nothing else listens
 POLL = 0.1              # seconds between looks at the ranks
 DRAIN = 5.0             # seconds the output of ranks that ended may take to arrive whole
 
@@ -48,7 +48,7 @@ def rank_environment(rank: int, world: int, master: str, interface: str) -> dict
     """What torchrun sets for a job of one process per host, plus the interface gloo must use."""
     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
            "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "ROLE_RANK": str(rank),
-           "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": master, "MASTER_PORT": str(MASTER_PORT),
+           "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": master, "MASTER_PORT": str(NETNS_MASTER_PORT),
            "GLOO_SOCKET_IFNAME": interface}
     env.setdefault("OMP_NUM_THREADS", "1")
     return env

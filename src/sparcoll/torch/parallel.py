@@ -182,14 +182,14 @@ class DataParallel(nn.Module):
         self._arrivals: list[int] | None = []   # ids in the order this step's gradients came, until
                                                 # the order is rebuilt (then None)
         self._handed = 0                        # how many of _order this step has handed on
+        self._got: set[int] = set()             # parameters whose gradient this backward produced
+        self._accumulated_ids: set[int] = set()     # ... or one under no_sync since the last step
         # without find_unused_parameters: the ids of the parameters whose gradients (or SFB factors)
         # came this step and in the last, to warn when one stops coming (a skipped branch), before
         # the step's last bucket goes
         self._came: set[int] = set()
         self._came_last: set[int] = set()
         self._warned_missing = False
-        self._got: set[int] = set()             # parameters whose gradient this backward produced
-        self._accumulated_ids: set[int] = set()     # ... or one under no_sync since the last step
         self._coo = sparse.sparse_weights(module)
         self._linear: dict[int, LinearState] = {}    # weight id -> its layer's step
         self._weight_of: dict[int, nn.Parameter] = {}  # bias id -> its layer's weight
@@ -377,8 +377,8 @@ class DataParallel(nn.Module):
     # ---- backward --------------------------------------------------------------------------------
     def _ready(self, p: torch.Tensor) -> None:
         """Autograd has accumulated p's gradient for this backward: hand it on. With
-        find_unused_parameters, in the fixed order: p and the gradients after it in that order that
-        are ready already."""
+        find_unused_parameters, in the ranks' common order: p and the gradients after it in that
+        order that are ready already."""
         if self.world == 1:
             return
         if not self._sync:
@@ -407,9 +407,11 @@ class DataParallel(nn.Module):
         since (requires_grad False) is not missing."""
         missing = self._came_last - self._came
         self._came_last, self._came = self._came, set()
+        if not missing or self._warned_missing:     # the usual step: no walk over the parameters
+            return
         names = [name for name, p in self.module.named_parameters()
                  if id(p) in missing and p.requires_grad]
-        if not names or self._warned_missing:
+        if not names:
             return
         self._warned_missing = True
         warnings.warn(f"rank {dist.get_rank(self.group)}: no gradient in this step for "
