@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import sparcoll
-from sparcoll import aggregator as aggregator_module, server as server_module
+from sparcoll import aggregator as aggregator_module, server as server_module, wire
 from sparcoll.communicator import Communicator
 from ranks import fork_context, fork_process
 from support import error_chain, on_threads, wait_for
@@ -680,6 +680,49 @@ def test_async_calls_in_different_order_raise_on_every_rank():
     for rank, (first, second) in enumerate(in_threads(2, target)):
         assert first[0] == "MismatchError", (rank, first)
         assert second[0] == "PoisonedError", (rank, second)
+
+
+@pytest.mark.parametrize("path,numel", [("sparse", 5000), ("dedicated", 5000), ("ring", 300_000),
+                                        ("ring", 500)])
+def test_same_size_tensors_swapped_are_told_apart_by_their_tags(path, numel, request):
+    """Two tensors of one size, A (tag 1, ones) and B (tag 2, twos), reduced in turn for 3 rounds;
+    then rank 1 reduces B where rank 0 reduces A (a skipped branch). Untagged, that sum is 3 on
+    both ranks, with no error; tagged, both ranks raise MismatchError naming both tags, and nothing
+    is summed. Every path: the aggregators' check (sparse path, colocated or dedicated), and the
+    ring's check round, with a larger call's data beside it on rank 0 (300K: each rank expects A,
+    which came after B last time) and after it on rank 1, or a tiny call's in it (500)."""
+    options = dict(algorithm="sparse" if path != "ring" else "ring")
+    if path == "dedicated":
+        options["aggregators"] = request.getfixturevalue("dedicated_in_process")
+
+    def target(comm, rank):
+        sums = []
+        for _ in range(3):
+            for tag, value in ((1, 1.0), (2, 2.0)):
+                x = torch.full((numel,), value)
+                comm.allreduce(x, tag=tag)
+                sums.append(bool((x == 2 * value).all()))
+        swapped = torch.full((numel,), 2.0 if rank else 1.0)
+        before = swapped.clone()
+        return sums, _outcome(lambda: comm.allreduce(swapped, tag=2 if rank else 1)), \
+            bool(torch.equal(swapped, before))
+
+    for rank, (sums, outcome, untouched) in enumerate(in_threads(2, target, **options)):
+        assert all(sums), (rank, sums)
+        assert outcome[0] == "MismatchError" and "tag 1" in outcome[1] and "tag 2" in outcome[1], \
+            (rank, outcome)
+        assert outcome[2] < TIMEOUT, (rank, outcome)
+        assert untouched, rank
+
+
+def test_a_tag_a_header_cannot_hold_is_refused_as_such():
+    def target(comm, rank):
+        return [_outcome(lambda t=t: comm.allreduce(torch.ones(8), tag=t), (ValueError,))
+                for t in (-1, wire.MAX_TAG + 1, 1.5, True)]
+
+    for rank, outcomes in enumerate(in_threads(2, target)):
+        for outcome in outcomes:
+            assert outcome[0] == "ValueError" and "tag must be" in outcome[1], (rank, outcome)
 
 
 @pytest.mark.parametrize("what", ["op", "dtype", "block_size", "numel_same_blocks"])

@@ -805,6 +805,59 @@ def test_a_rank_that_skips_what_the_last_step_used_is_told_about_find_unused_par
         assert out["frozen"] == [[]] * 5, out["frozen"]
 
 
+class SameSizes(nn.Module):
+    """Three layers of one shape: a rank that skips the middle one sends the first one's gradients
+    where its peers send the middle one's, of the same sizes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.a, self.b, self.c = (nn.Linear(48, 48) for _ in range(3))
+
+    def forward(self, x, use_b: bool):
+        h = torch.relu(self.a(x))
+        return self.c(torch.relu(self.b(h)) if use_b else h)
+
+
+def skipped_layer_under_the_sparse_strategy(rank: int, world: int) -> dict:
+    """Rank 1 skips the middle layer in step 1, without find_unused_parameters: each step's outcome,
+    on sparcoll's paths as the communicator chooses them, and on the aggregators' path forced."""
+    out = {}
+    for algorithm in ("auto", "sparse"):
+        comm = sparcoll.init(algorithm=algorithm, timeout=30)
+        dp = sparcoll.torch.DataParallel(SameSizes(), comm=comm, strategy="sparse", timeout=60)
+        out[algorithm] = []
+        try:
+            for step in range(2):
+                x = torch.randn(8, 48, generator=torch.Generator().manual_seed(10 * step + rank))
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", RuntimeWarning)
+                        dp(x, use_b=not (rank == 1 and step == 1)).sum().backward()
+                    out[algorithm].append("ok")
+                except RuntimeError as exc:
+                    out[algorithm].append(f"{type(exc.__cause__).__name__}: {exc}")
+                    break
+        finally:
+            dp.close()
+            comm.close()
+    return out
+
+
+def test_a_skipped_layer_under_the_sparse_strategy_fails_that_step_on_every_rank():
+    """Its gradients are tagged with their parameters, so no rank sums one layer's gradient with
+    another's of the same size (before the tags: a silently wrong step, then MismatchError in the
+    next): every rank's backward fails in that step, naming the parameters and the flag."""
+    for rank, out in enumerate(run_ranks(skipped_layer_under_the_sparse_strategy, WORLD, timeout=120)):
+        for algorithm, steps in out.items():
+            assert steps[0] == "ok" and len(steps) == 2, (rank, algorithm, steps)
+            text = steps[1]
+            assert text.startswith("MismatchError: gradient synchronization failed"), (rank, text)
+            assert "'a.weight'" in text and "'b.weight'" in text or \
+                "'a.bias'" in text and "'b.bias'" in text, (rank, algorithm, text)
+            assert "find_unused_parameters=True" in text, (rank, algorithm, text)
+
+
 def test_find_unused_parameters_gives_the_average_of_what_each_rank_used():
     for out in run_ranks(unused_parameters, WORLD, timeout=120):
         # "none" and "fp16": the compressed path, lossless and to half precision

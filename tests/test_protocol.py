@@ -187,7 +187,7 @@ def make_stream(workers=2, credits=2, message_blocks=4):
 def test_aggregator_rejects_bad_messages():
     rows = torch.ones(2, 4)
     desc = (40, 4, 0, 0)
-    with pytest.raises(MismatchError, match="numel 80 where another rank has 40"):
+    with pytest.raises(MismatchError, match="numel 80 where another rank has numel 40"):
         make_stream().on_contribution(0, 0, 5, (80, 4, 0, 0), np.array([1, 2]), rows)
     with pytest.raises(ProtocolError, match="not strictly increasing"):
         make_stream().on_contribution(0, 0, 5, desc, np.array([2, 2]), rows)

@@ -56,8 +56,8 @@ class LocalWorker:
 class CollectiveShard:
     """This aggregator's part of one collective: the AggregatorStream of each of its ranges."""
 
-    def __init__(self, descriptor: tuple[int, int, int, int], job: "AggregatorJob"):
-        numel, block_size, dtype_code, op = descriptor
+    def __init__(self, descriptor: tuple[int, int, int, int, int], job: "AggregatorJob"):
+        numel, block_size, dtype_code, op, _ = descriptor
         dtype, acc = wire.DTYPES[dtype_code]
         config = job.config
         geometry = Geometry(block_count(numel, block_size), config.num_aggs, config.streams)

@@ -40,12 +40,13 @@ _MOVES = {
 class WorkerCollective:
     """Worker-side state of one allreduce: of a dense tensor (in place) or of a sparse COO tensor."""
 
-    def __init__(self, cid: int, tensor: torch.Tensor, kind: tuple, timeout: float):
+    def __init__(self, cid: int, tensor: torch.Tensor, kind: tuple, timeout: float, tag: int = 0):
         self.id = cid
         self.tensor = tensor            # the input; for a COO tensor, replaced by the result
         self.sparse = tensor.layout == torch.sparse_coo
-        self.kind = kind                # (numel, dtype code, op code): what every rank must agree on
-        self.descriptor: tuple | None = None    # the kind and its block size, set by start()
+        self.kind = kind                # (numel, dtype code, op code): what every rank must agree on,
+        self.tag = tag                  # and the caller's tag (which tensor of that kind it is)
+        self.descriptor: tuple | None = None    # the kind, its block size and the tag, set by start()
         self.timeout = timeout
         self.streams: dict[tuple[int, int], WorkerStream | None] = {}   # None: not started yet
         self.stream_locks: dict[tuple[int, int], threading.Lock] = {}
@@ -67,7 +68,7 @@ class WorkerCollective:
         for every range's stream."""
         numel, dtype, op = self.kind
         with self.lock:
-            self.descriptor = (numel, block_size, dtype, op)
+            self.descriptor = (numel, block_size, dtype, op, self.tag)
             self.state.move(CollectiveState.STREAMING)
         # Read and written through a view outside autograd (as gloo does): same memory, so the
         # result still lands in the caller's tensor, also when it requires grad.

@@ -20,7 +20,7 @@ from .bootstrap import Rendezvous, local_host
 from .collective import WorkerCollective
 from .engine import Engine, Work
 from .errors import SparcollError
-from .options import Options, check_timeout
+from .options import Options, check_tag, check_timeout
 from .server import AggregatorServer
 from .star import Credentials
 from .worker import WorkerJob
@@ -105,13 +105,17 @@ class Communicator:
 
     # ---- public API -----------------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False,
-                  timeout: float | None = None):
+                  timeout: float | None = None, tag: int = 0):
         """Sum (op="sum") or average (op="avg") `tensor` over all ranks, in place.
-        Returns the tensor, or a Work handle with async_op=True."""
-        return self._submit(tensor, torch.strided, op, async_op, timeout)
+        Returns the tensor, or a Work handle with async_op=True.
+        `tag` (0 to 65535) says which tensor this is, and every rank must give the same for the
+        same call: ranks whose calls differ only in their tensors' contents (two gradients of one
+        size in different orders) would otherwise sum different tensors without an error. Calls
+        whose tags differ fail with MismatchError on every rank."""
+        return self._submit(tensor, torch.strided, op, async_op, timeout, tag)
 
     def allreduce_coo(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False,
-                      timeout: float | None = None):
+                      timeout: float | None = None, tag: int = 0):
         """Sum or average a sparse COO tensor (such as an nn.Embedding(sparse=True) gradient) over all
         ranks without densifying it: only the blocks its entries touch are sent (a tensor small
         enough to gather may go through gloo's paths as one dense buffer where that was faster in
@@ -119,22 +123,23 @@ class Communicator:
         coalesced COO tensor (or a Work whose wait() returns it); ranks may store different entries.
         The result lists the entries some rank stored, as gloo's sum does (an optimizer such as
         SparseAdam updates every listed row); where entries are narrower than a block, which then
-        carries several, an entry whose sum is exactly zero is not listed."""
-        return self._submit(tensor, torch.sparse_coo, op, async_op, timeout)
+        carries several, an entry whose sum is exactly zero is not listed. `tag`: as allreduce's."""
+        return self._submit(tensor, torch.sparse_coo, op, async_op, timeout, tag)
 
-    def _submit(self, tensor, layout, op, async_op, timeout):
+    def _submit(self, tensor, layout, op, async_op, timeout, tag):
         if self._engine is None:
             raise SparcollError("communicator is closed")
         cid = self._engine.next_id()
         try:    # a bad input is reported as such, poisoned communicator or not
             if timeout is not None:
                 check_timeout(timeout)
+            check_tag(tag)
             kind = self._describe(tensor, layout, op)
         except (TypeError, ValueError) as exc:
             self._engine.reject(cid, exc)
             raise
         self._engine.check_poison(cid)
-        coll = WorkerCollective(cid, tensor, kind, self.timeout if timeout is None else timeout)
+        coll = WorkerCollective(cid, tensor, kind, self.timeout if timeout is None else timeout, tag)
         work = self._engine.new_work(coll, tensor)
         self._engine.submit(coll, work, async_op)
         return work if async_op else work.wait()

@@ -282,7 +282,7 @@ class Engine:
                 averages = self.ring.allreduce(coll.id, data, op, coll.timeout, peer_report,
                                                self.chooser.to_share(kind),
                                                gather=algorithm is Algorithm.GATHER,
-                                               lost=self._lost_connection)
+                                               lost=self._lost_connection, tag=coll.tag)
                 if averages is not None:
                     self.chooser.shared(kind, averages)
                 error = None

@@ -89,6 +89,12 @@ def check_timeout(timeout) -> None:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
 
+def check_tag(tag) -> None:
+    """ValueError unless `tag` is a whole number a header's tag field holds (0 to wire.MAX_TAG)."""
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= wire.MAX_TAG:
+        raise ValueError(f"tag must be a whole number from 0 to {wire.MAX_TAG}, got {tag!r}")
+
+
 def _given_or_env(option: str, value, parse: Callable, default):
     """The argument if given, else $SPARCOLL_<OPTION> if set, else the default."""
     if value is not None:

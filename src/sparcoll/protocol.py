@@ -160,7 +160,7 @@ class Step:
 class AggregatorStream:
     """The aggregator's side of one range for one collective: accumulate, finalize below c, emit."""
 
-    def __init__(self, lo: int, hi: int, workers: int, descriptor: tuple[int, int, int, int],
+    def __init__(self, lo: int, hi: int, workers: int, descriptor: tuple[int, int, int, int, int],
                  dtype: torch.dtype, acc_dtype: torch.dtype, average: bool, message_blocks: int,
                  credits: int):
         self.lo, self.hi = lo, hi
@@ -330,7 +330,7 @@ def _describe_mismatch(worker: int, got: tuple, expected: tuple) -> str:
         if name == "op":
             return Op(value).name.lower() if value in Op._value2member_map_ else f"code {value}"
         return str(value)
-    names = ("numel", "block_size", "dtype", "op")
-    diffs = ", ".join(f"{n} {show(n, g)} where another rank has {show(n, e)}"
+    names = ("numel", "block_size", "dtype", "op", "tag")
+    diffs = ", ".join(f"{n} {show(n, g)} where another rank has {n} {show(n, e)}"
                       for n, g, e in zip(names, got, expected) if g != e)
     return f"ranks disagree on the collective: rank {worker} has {diffs}"

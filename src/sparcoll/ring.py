@@ -4,14 +4,14 @@ gloo aborts the whole process when ranks pass buffers of different sizes to one 
 ("Received data size doesn't match expected size"), and sums garbage when the dtypes differ but the
 byte counts agree. So every ring collective comes with a check: a round through the star (star.py:
 every rank's frame to rank 0, rank 0's verdict back, frames of any length) carrying the call (id,
-numel, dtype, op, gathered or not), the call this rank expects next, and _SHARED numbers. The
-verdict (rank 0's; with 2 ranks the rows cross and each rank makes it) holds every rank's fields:
-each rank compares the calls itself (and names the ranks whose call differs), so every rank sees a
-disagreement and raises MismatchError; none aborts. The shared
-numbers are the ranks' averages of what each put there (the chooser's times, algorithm.py), the same
-on every rank. The star rather than gloo: its round is written and read by the calling thread, 58 us
-median on 2 ranks on loopback and 236 us on 4 where gloo's allgather of the fixed-size buffer this
-check used to be took 266 and 3070 us (star.py).
+numel, dtype, op, gathered or not, the caller's tag), the call this rank expects next, and _SHARED
+numbers. The verdict (rank 0's; with 2 ranks the rows cross and each rank makes it) holds every
+rank's fields: each rank compares the calls itself (and names the ranks whose call differs), so
+every rank sees a disagreement and raises MismatchError; none aborts. The shared numbers are the
+ranks' averages of what each put there (the chooser's times, algorithm.py), the same on every rank.
+The star rather than gloo: its round is written and read by the calling thread, 58 us median on 2
+ranks on loopback and 236 us on 4 where gloo's allgather of the fixed-size buffer this check used to
+be took 266 and 3070 us (star.py).
   - A tiny tensor (at most TINY_NUMEL elements) travels in that round in float64, and so does a
     gathered one (the chooser's gather path, algorithm.py: at most GATHER_ELEMENTS elements over
     all ranks) in its own dtype: rank 0 (with 2 ranks, each rank) sums them in rank order (halves
@@ -43,14 +43,14 @@ from .algorithm import GATHER_ELEMENTS, TINY_NUMEL
 from .errors import MismatchError, PeerError, ProtocolError
 from .star import POLL, Credentials, Star, report_soon, still_waiting
 
-_FIELDS = 5                 # a call: id, numel, dtype, op, and 1 if its data is gathered
+_FIELDS = 6                 # a call: id, numel, dtype, op, 1 if its data is gathered, and its tag
 _SHARED = 3                 # numbers averaged over the ranks in the check round
 _CALL = slice(0, _FIELDS)                   # in a rank's fields: this call,
 _NEXT = slice(_FIELDS, 2 * _FIELDS)         # the call it expects next,
 _SHARE = slice(2 * _FIELDS, 2 * _FIELDS + _SHARED)     # and the numbers to average
 _HEAD = _SHARE.stop         # float64 fields in front of the data a call carries
 
-Call = tuple[int, int, int, int, int]   # (id, numel, dtype code, op, gathered)
+Call = tuple[int, int, int, int, int, int]  # (id, numel, dtype code, op, gathered, tag)
 _NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64}   # dtypes read and written
                         # through numpy as they are: a tiny call's numpy calls cost less than torch's
 
@@ -59,11 +59,11 @@ def _describe(call: list[float]) -> str:
     """A call's fields as a rank put them in its check, in words."""
     if not np.isfinite(call).all():
         return f"unreadable fields {call}"
-    cid, numel, dtype, op, gathered = (int(f) for f in call)
+    cid, numel, dtype, op, gathered, tag = (int(f) for f in call)
     dtype_name = wire.DTYPES[dtype][0] if dtype in wire.DTYPES else f"dtype code {dtype}"
     op_name = wire.Op(op).name.lower() if op in wire.Op._value2member_map_ else f"op code {op}"
     return f"allreduce {cid}: {numel} elements of {dtype_name}, op {op_name}" + \
-        (", gathered" if gathered else "")
+        (", gathered" if gathered else "") + wire.tagged(tag)
 
 
 def _total_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -162,11 +162,12 @@ class Ring:
 
     def allreduce(self, cid: int, tensor: torch.Tensor, op: int, timeout: float, peer_report,
                   share: list[float] | None = None, gather: bool = False,
-                  lost=lambda: None) -> list[float] | None:
+                  lost=lambda: None, tag: int = 0) -> list[float] | None:
         """Sum (or average) `tensor` in place over all ranks; returns the ranks' averages of the
         _SHARED numbers in `share` (None if none given: then every rank must give none).
         `gather`: a larger tensor (at most gather_limit elements) travels with its check and is
-        summed by rank 0, not allreduced. `peer_report()` returns a peer's error for this
+        summed by rank 0, not allreduced. `tag`: the caller's, which every rank's call must have too.
+        `peer_report()` returns a peer's error for this
         collective, if one arrived; `lost()` the error of a connection this rank lost meanwhile
         (a peer's process died), which ends the check round's waits too: the round cannot end
         without that peer, and a survivor that gave up first may close before its report of why
@@ -174,7 +175,7 @@ class Ring:
         data = tensor.detach()
         numel = data.numel()
         gather = gather and TINY_NUMEL < numel <= self.gather_limit
-        call = (cid, numel, wire.DTYPE_CODES[data.dtype], op, int(gather))
+        call = (cid, numel, wire.DTYPE_CODES[data.dtype], op, int(gather), tag)
         deadline = time.monotonic() + timeout
         expected_next = self._next(call)
         fields = np.array((*call, *(expected_next or (0,) * _FIELDS), *(share or (0.0,) * _SHARED)),

@@ -2,7 +2,8 @@
 
 Every message starts with the same 56-byte header so a receiver can validate it completely before it
 reads (or allocates for) a single payload byte. Data messages carry the collective's descriptor
-(numel, block size, dtype, op) so an aggregator can detect ranks that disagree about the collective.
+(numel, block size, dtype, op, tag) so an aggregator can detect ranks that disagree about the
+collective (the tag is the caller's: which tensor of that size it is, Communicator.allreduce).
 
     CONTRIBUTE  worker -> aggregator   count int32 block indices, then count blocks of data
     RESULT      aggregator -> worker   same layout; `progress` is c, "every block below c is final"
@@ -37,6 +38,7 @@ INDEX_BYTES = 4
 MAX_BLOCK_SIZE = 1 << 16
 MAX_ERROR_BYTES = 1 << 16
 MAX_MESSAGE_BYTES = 64 << 20    # largest contribution an aggregator will allocate for
+MAX_TAG = (1 << 16) - 1         # a collective's tag is a header's last 16 bits
 
 
 class Kind(enum.IntEnum):
@@ -110,14 +112,15 @@ class Header:
     block_size: int = 0
     dtype: int = 0
     op: int = 0
+    tag: int = 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype][0]
 
     @property
-    def descriptor(self) -> tuple[int, int, int, int]:
-        return (self.numel, self.block_size, self.dtype, self.op)
+    def descriptor(self) -> tuple[int, int, int, int, int]:
+        return (self.numel, self.block_size, self.dtype, self.op, self.tag)
 
     def payload_sizes(self) -> tuple[int, int]:
         """(index bytes, data bytes) that follow this header on the wire."""
@@ -129,9 +132,14 @@ class Header:
         return 0, 0
 
 
+def tagged(tag: int) -> str:
+    """A collective's tag in the words of an error message (nothing for the default, 0)."""
+    return f", tag {tag}" if tag else ""
+
+
 def encode_header(h: Header) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, h.kind, h.stream, h.job, h.collective, h.seq, h.count,
-                        h.progress, h.numel, h.block_size, h.dtype, h.op, 0)
+                        h.progress, h.numel, h.block_size, h.dtype, h.op, h.tag)
 
 
 def decode_header(buf, max_blocks: int, expected_job: int) -> Header:
@@ -139,7 +147,7 @@ def decode_header(buf, max_blocks: int, expected_job: int) -> Header:
     if len(buf) != HEADER_BYTES:
         raise ProtocolError(f"truncated header: {len(buf)} of {HEADER_BYTES} bytes")
     (magic, version, kind, stream, job, collective, seq, count, progress, numel, block_size,
-     dtype, op, _reserved) = _HEADER.unpack(buf)
+     dtype, op, tag) = _HEADER.unpack(buf)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}")
     if version != VERSION:
@@ -148,7 +156,8 @@ def decode_header(buf, max_blocks: int, expected_job: int) -> Header:
         kind = Kind(kind)
     except ValueError:
         raise ProtocolError(f"unknown message kind {kind}") from None
-    h = Header(kind, stream, job, collective, seq, count, progress, numel, block_size, dtype, op)
+    h = Header(kind, stream, job, collective, seq, count, progress, numel, block_size, dtype, op,
+               tag)
     if kind in (Kind.CONTRIBUTE, Kind.RESULT):
         if dtype not in DTYPES:
             raise ProtocolError(f"unknown dtype code {dtype}")
@@ -240,10 +249,8 @@ def read_body(h: Header, recv_into: Callable[[memoryview], None], expected: froz
 
 
 def data_header(kind: Kind, *, stream: int, job: int, collective: int, seq: int, count: int,
-                progress: int, descriptor: tuple[int, int, int, int]) -> bytes:
-    numel, block_size, dtype, op = descriptor
-    return encode_header(Header(kind, stream, job, collective, seq, count, progress, numel,
-                                block_size, dtype, op))
+                progress: int, descriptor: tuple[int, int, int, int, int]) -> bytes:
+    return encode_header(Header(kind, stream, job, collective, seq, count, progress, *descriptor))
 
 
 def error_message(job: int, collective: int, text: str, code: ErrorCode) -> list[bytes]:

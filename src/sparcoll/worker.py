@@ -319,11 +319,12 @@ class WorkerJob:
         descriptor = None if self.local_job is None else self.local_job.descriptor_of(cid)
         if descriptor is None:
             return None
-        numel, _, dtype, op = descriptor
+        numel, _, dtype, op, tag = descriptor
         return MismatchError(
             f"rank {self.rank}: ranks called allreduce {cid} with different tensors or ops: this "
             f"rank's call went to gloo's ring, a peer's ({numel} elements of "
-            f"{wire.DTYPES[dtype][0]}, op {wire.Op(op).name.lower()}) to the sparse AllReduce")
+            f"{wire.DTYPES[dtype][0]}, op {wire.Op(op).name.lower()}{wire.tagged(tag)}) to the "
+            f"sparse AllReduce")
 
     def close(self, poison: BaseException | None) -> None:
         """Leave the job: BYE to every aggregator, then stop every thread."""

@@ -63,6 +63,7 @@ import datetime
 import functools
 import json
 import queue
+import re
 import threading
 import time
 import warnings
@@ -74,12 +75,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sparcoll import wire
 from sparcoll.algorithm import entry_block_size
 from sparcoll.blocks import BlockTensor, entries_of
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, parse
 from sparcoll.compress.channel import Channel
-from sparcoll.errors import CollectiveTimeout
+from sparcoll.errors import CollectiveTimeout, MismatchError
 
 from . import hybrid, sparse
 from .ps import ps_allreduce
@@ -172,6 +174,10 @@ class DataParallel(nn.Module):
                              "cannot serve a model with find_unused_parameters=True")
         self._handles: list = []
         self._names = {id(p): name for name, p in module.named_parameters()}
+        # each parameter's tag on sparcoll's collectives (Communicator.allreduce): a rank whose
+        # collective is another parameter's than its peers' (a skipped branch) fails it on every
+        # rank where the sum would otherwise be of different tensors of one size
+        self._tags = {id(p): 1 + i % wire.MAX_TAG for i, p in enumerate(module.parameters())}
         self._params = [p for p in module.parameters() if p.requires_grad]
         # find_unused_parameters: gradients are handed on in this order on every rank, so that ranks
         # that skip different parameters still form the same buckets: backward's usual order in the
@@ -663,7 +669,19 @@ class DataParallel(nn.Module):
                 if state.bias is not None:
                     state.bias.grad = bias
         if error is not None:
-            raise RuntimeError(f"gradient synchronization failed: {error}") from error
+            raise RuntimeError(f"gradient synchronization failed: {error}{self._hint(error)}") from error
+
+    def _hint(self, error: BaseException) -> str:
+        """What a MismatchError means here: the parameters its tags stand for, and the likely cause."""
+        if not isinstance(error, MismatchError):
+            return ""
+        names = {tag: self._names.get(pid, "?") for pid, tag in self._tags.items()}
+        tags = sorted({int(t) for t in re.findall(r"\btag (\d+)", str(error))})  # wire.tagged's words
+        which = "; ".join(f"tag {t} is {names[t]!r}" for t in tags if t in names)
+        cause = "" if self.find_unused_parameters else (
+            " If some ranks' steps leave out parameters the others use (a branch the data decides), "
+            "pass find_unused_parameters=True.")
+        return (f" ({which}.)" if which else "") + cause
 
     # ---- the synchronization thread ----------------------------------------------------------------
     def _serve(self) -> None:
@@ -730,7 +748,8 @@ class DataParallel(nn.Module):
             return self._later(work, finish)
         if chosen == COO_UNIT:          # one sparse AllReduce of the unit's rows (sparse.concatenate)
             grads = [self._note_rows(q, q.grad.coalesce()) for q in extra]
-            for q, total in zip(extra, sparse.allreduce_many(grads, "avg", self.comm)):
+            totals = sparse.allreduce_many(grads, "avg", self.comm, tag=self._tags[id(extra[0])])
+            for q, total in zip(extra, totals):
                 q.grad = total
             return None
         if chosen == COMPRESSED:
@@ -763,7 +782,7 @@ class DataParallel(nn.Module):
                 self._scratch[id(p)] = [torch.empty(shard, dtype=flat.dtype) for _ in range(self.world - 1)]
             ps_allreduce(flat, self.group, self._scratch[id(p)]).div_(self.world)
         elif chosen == hybrid.SPARSE:
-            self.comm.allreduce(flat, op="avg")
+            self.comm.allreduce(flat, op="avg", tag=self._tags[id(p)])
         finish()
         return None
 
@@ -805,7 +824,7 @@ class DataParallel(nn.Module):
             total, work = self._group_channel.start_sparse_mean(grad)
             return self._later(work, lambda: setattr(p, "grad", total.coalesce()))
         if chosen == hybrid.SPARSE:
-            p.grad = self.comm.allreduce_coo(grad, op="avg")
+            p.grad = self.comm.allreduce_coo(grad, op="avg", tag=self._tags[id(p)])
         else:
             p.grad = self._reducer(chosen).reduce(grad, key=id(p))
         return None

@@ -67,13 +67,14 @@ def concatenate(coos: list[torch.Tensor]) -> torch.Tensor:
                                    (offset, g), is_coalesced=True, check_invariants=False)
 
 
-def allreduce_many(coos: list[torch.Tensor], op: str, comm: Communicator) -> list[torch.Tensor]:
+def allreduce_many(coos: list[torch.Tensor], op: str, comm: Communicator,
+                   tag: int = 0) -> list[torch.Tensor]:
     """Several COO tensors reduced in one collective of `comm` (concatenated, then split; one alone
-    as it is): each result coalesced, of its input's shape."""
+    as it is), tagged `tag` (Communicator.allreduce): each result coalesced, of its input's shape."""
     coalesced = [c.coalesce() for c in coos]
     if len(coalesced) == 1:
-        return [comm.allreduce_coo(coalesced[0], op=op).coalesce()]
-    return split(comm.allreduce_coo(concatenate(coalesced), op=op), coalesced)
+        return [comm.allreduce_coo(coalesced[0], op=op, tag=tag).coalesce()]
+    return split(comm.allreduce_coo(concatenate(coalesced), op=op, tag=tag), coalesced)
 
 
 def split(total: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
