@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -125,6 +126,43 @@ def test_the_timeout_stops_every_rank(tmp_path):
     pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
     assert not any(alive(p) for p in pids) and 8 <= took < 60
     assert namespaces_of(pid) == []
+
+
+@needs_netem
+def test_ranks_end_with_the_command_when_it_is_killed_outright(tmp_path):
+    """SIGKILL leaves the command no clean-up: the kernel ends its ranks (they would sleep 600 s),
+    and the next run removes the namespaces it left."""
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(FAIL_ONE.format(directory=str(tmp_path)).replace("rank == 1",
+                                                                                     "rank == -1")))
+    proc = subprocess.Popen([sys.executable, "-m", "sparcoll", "emulate", "--hosts", "2", "--network",
+                             "none", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = []
+    try:
+        files = [tmp_path / f"pid{rank}" for rank in (0, 1)]
+        deadline = time.monotonic() + 60
+        while not all(f.exists() for f in files) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert all(f.exists() for f in files), "the ranks did not start"
+        pids += [int(f.read_text()) for f in files]
+        left = namespaces_of(proc.pid)
+        assert len(left) >= 2, left
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        for p in filter(alive, pids):   # only if the test failed
+            os.kill(p, signal.SIGKILL)
+    again, _, _ = emulate(tmp_path, "print('next run')", "--hosts", "1", "--network", "none")
+    assert again.returncode == 0 and "[rank 0] next run" in again.stdout, again.stderr[-3000:]
+    assert all(f"removed namespace {name}" in again.stderr for name in left), again.stderr[-3000:]
+    assert namespaces_of(proc.pid) == []
 
 
 @pytest.mark.parametrize("options, problem", [

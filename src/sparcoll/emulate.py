@@ -11,7 +11,9 @@ the hosts' interface so that gloo takes the shaped link, and OMP_NUM_THREADS 1 u
 share this machine's cores. Their output comes here line by line, each line after "[rank R] " (the
 ranks share this terminal; lines written at once by two ranks would otherwise run together). When a
 rank fails, the others are stopped (as torchrun does) and the exit code is the first failing rank's;
-every process is stopped and every namespace removed on the way out, Ctrl-C and --timeout included.
+every process is stopped and every namespace removed on the way out, Ctrl-C and --timeout included;
+if this command is killed outright (SIGKILL), the kernel ends the ranks, and the next run removes
+the namespaces it left.
 """
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ import subprocess
 import sys
 import time
 
-from .bench.launch import NETNS_MASTER_PORT
+from .bench.launch import NETNS_MASTER_PORT, die_with_parent
 from .bench.netem import (MAX_HOSTS, EmulatedNetwork, add_link_burst_argument, check_link_burst,
-                          netem_available)
+                          cleanup_stale, netem_available)
 
 POLL = 0.1              # seconds between looks at the ranks
 DRAIN = 5.0             # seconds the output of ranks that ended may take to arrive whole
@@ -75,12 +77,15 @@ def run(args: argparse.Namespace) -> int:
                                   burst_bytes=args.link_burst)
     except ValueError as exc:
         return _refuse(str(exc))
+    for name in cleanup_stale():    # of an earlier run that was killed outright
+        print(f"sparcoll emulate: removed namespace {name} left by a process that died", file=sys.stderr)
     with network as net, Relay() as relay:
         procs = []
         for i in range(args.hosts):
             procs.append(net.popen(i, [sys.executable, args.script, *args.args],
                                    env=rank_environment(i, args.hosts, net.addresses[0], net.interface),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   preexec_fn=die_with_parent))
             relay.add(i, procs[-1])
         return _wait(procs, relay, time.monotonic() + args.timeout)
 

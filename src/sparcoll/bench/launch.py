@@ -78,7 +78,9 @@ class _Child:
     log: str
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """For a child's preexec_fn: the kernel kills the child when its parent dies, even by SIGKILL,
+    when no clean-up of the parent's can run."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -199,7 +201,7 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
             with open(log, "wb") as f:
                 return net.popen(host, [sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE if pipe_stdout else f, stderr=f,
-                                 preexec_fn=_die_with_parent)
+                                 preexec_fn=die_with_parent)
         stack.callback(_stop, children)  # runs before the network is torn down
 
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": interface,
