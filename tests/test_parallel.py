@@ -809,10 +809,10 @@ class SameSizes(nn.Module):
     """Three layers of one shape: a rank that skips the middle one sends the first one's gradients
     where its peers send the middle one's, of the same sizes."""
 
-    def __init__(self):
+    def __init__(self, width: int):
         super().__init__()
         torch.manual_seed(5)
-        self.a, self.b, self.c = (nn.Linear(48, 48) for _ in range(3))
+        self.a, self.b, self.c = (nn.Linear(width, width) for _ in range(3))
 
     def forward(self, x, use_b: bool):
         h = torch.relu(self.a(x))
@@ -821,22 +821,26 @@ class SameSizes(nn.Module):
 
 def skipped_layer_under_the_sparse_strategy(rank: int, world: int) -> dict:
     """Rank 1 skips the middle layer in step 1, without find_unused_parameters: each step's outcome,
-    on sparcoll's paths as the communicator chooses them, and on the aggregators' path forced."""
+    on sparcoll's paths as the communicator chooses them, on the aggregators' path forced, and under
+    a compressor whose payloads the sparse AllReduce sums (layers above the bucket's size: a
+    collective each)."""
     out = {}
-    for algorithm in ("auto", "sparse"):
+    for label, algorithm, strategy, width in (("auto", "auto", "sparse", 48),
+                                              ("sparse", "sparse", "sparse", 48),
+                                              ("blocktopk", "sparse", "blocktopk:0.5", 320)):
         comm = sparcoll.init(algorithm=algorithm, timeout=30)
-        dp = sparcoll.torch.DataParallel(SameSizes(), comm=comm, strategy="sparse", timeout=60)
-        out[algorithm] = []
+        dp = sparcoll.torch.DataParallel(SameSizes(width), comm=comm, strategy=strategy, timeout=60)
+        out[label] = []
         try:
             for step in range(2):
-                x = torch.randn(8, 48, generator=torch.Generator().manual_seed(10 * step + rank))
+                x = torch.randn(8, width, generator=torch.Generator().manual_seed(10 * step + rank))
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore", RuntimeWarning)
                         dp(x, use_b=not (rank == 1 and step == 1)).sum().backward()
-                    out[algorithm].append("ok")
+                    out[label].append("ok")
                 except RuntimeError as exc:
-                    out[algorithm].append(f"{type(exc.__cause__).__name__}: {exc}")
+                    out[label].append(f"{type(exc.__cause__).__name__}: {exc}")
                     break
         finally:
             dp.close()
@@ -849,6 +853,7 @@ def test_a_skipped_layer_under_the_sparse_strategy_fails_that_step_on_every_rank
     another's of the same size (before the tags: a silently wrong step, then MismatchError in the
     next): every rank's backward fails in that step, naming the parameters and the flag."""
     for rank, out in enumerate(run_ranks(skipped_layer_under_the_sparse_strategy, WORLD, timeout=120)):
+        assert list(out) == ["auto", "sparse", "blocktopk"], out
         for algorithm, steps in out.items():
             assert steps[0] == "ok" and len(steps) == 2, (rank, algorithm, steps)
             text = steps[1]

@@ -51,7 +51,8 @@ class Channel:
         work = self.start_allreduce_mean(flat)
         return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)], work
 
-    def blocks_mean(self, tensors: list, block_size: int, into: list | None = None) -> list:
+    def blocks_mean(self, tensors: list, block_size: int, into: list | None = None,
+                    tag: int = 0) -> list:
         """Average block-sparse tensors given as (block indices ascending, rows, numel) in one sparse
         AllReduce: their blocks side by side as one COO tensor of rows, so nothing dense is built,
         scanned or sent for the blocks no rank kept. Returns each tensor's flat dense average,
@@ -64,7 +65,7 @@ class Channel:
         rows = torch.cat([r for _, r, _ in tensors])
         coo = torch.sparse_coo_tensor(indices.unsqueeze(0), rows, (sum(counts), block_size),
                                       is_coalesced=True, check_invariants=False)
-        summed = self.sparse_mean(coo)
+        summed = self.sparse_mean(coo, tag)
         got, vals = summed.indices()[0], summed.values()
         bounds = torch.searchsorted(got, torch.tensor(offsets + [sum(counts)])).tolist()
         out = []
@@ -73,14 +74,15 @@ class Channel:
             out.append(_scatter_rows(dense.zero_(), got[lo:hi] - off, vals[lo:hi], block_size))
         return out
 
-    def sparse_mean(self, t: torch.Tensor) -> torch.Tensor:
+    def sparse_mean(self, t: torch.Tensor, tag: int = 0) -> torch.Tensor:
         """Average a sparse COO tensor (a new coalesced one) with sparcoll's sparse AllReduce: only
         blocks that are non-zero somewhere cross the wire. Without a communicator, the group's own
-        sparse all_reduce (gloo's gathers; a sparcoll group's is sparcoll's)."""
+        sparse all_reduce (gloo's gathers; a sparcoll group's is sparcoll's). `tag`: the sparse
+        AllReduce's (Communicator.allreduce); gloo's collectives carry none."""
         if self.world == 1:
             return t
         if self.comm is not None:
-            return self.comm.allreduce_coo(t, op="avg")
+            return self.comm.allreduce_coo(t, op="avg", tag=tag)
         total, work = self.start_sparse_mean(t)
         _wait(work)
         return total.coalesce()

@@ -41,17 +41,19 @@ class Reducer:
         data). A sparse COO tensor's payload depends on its entries: `sent_bytes` counts it."""
         return self.compressor.payload_bytes(tensor.numel(), tuple(tensor.shape))
 
-    def reduce(self, tensor: torch.Tensor, key=None) -> torch.Tensor:
-        return self.reduce_many([tensor], [key])[0]
+    def reduce(self, tensor: torch.Tensor, key=None, tag: int = 0) -> torch.Tensor:
+        return self.reduce_many([tensor], [key], tag=tag)[0]
 
-    def reduce_many(self, tensors: list, keys: list, exact: list = (), into: list | None = None) -> list:
+    def reduce_many(self, tensors: list, keys: list, exact: list = (), into: list | None = None,
+                    tag: int = 0) -> list:
         """`reduce` for several tensors, with one collective for all of them (two for PowerSGD and
         variable-size gathers) instead of one per tensor: latency is paid once. Sparse COO tensors
         of compressors that keep them sparse are reduced one by one. `exact`: dense tensors averaged
         uncompressed in the same collective (every block of them; only where the compressor's
         collective can carry them, `carries_exact`), their averages after the others'. `into`: flat
         float32 tensors, one per dense input then per exact one, that receive the averages (the
-        sparse AllReduce writes there directly, saving a dense temporary and a copy); returned."""
+        sparse AllReduce writes there directly, saving a dense temporary and a copy); returned.
+        `tag`: the sparse AllReduce's (Communicator.allreduce), which every rank must give alike."""
         if exact and not self.compressor.carries_exact:
             raise ValueError(f"{self.spec} cannot carry uncompressed tensors in its collective")
         if into is not None and any(t.is_sparse for t in tensors):
@@ -59,7 +61,7 @@ class Reducer:
         c, results, dense = self.compressor, [None] * len(tensors), []
         for i, (tensor, key) in enumerate(zip(tensors, keys)):
             if tensor.is_sparse and c.entries:
-                results[i] = self._reduce_entries(tensor.coalesce(), key)
+                results[i] = self._reduce_entries(tensor.coalesce(), key, tag)
             else:
                 dense.append(i)
         shapes = [tuple(tensors[i].shape) for i in dense]
@@ -76,7 +78,7 @@ class Reducer:
             payloads = [self._compress(comp, keys[i]) for comp, i in zip(comps, dense)]
             riders = [c.whole(_flat_float(t)) for t in exact]
             self.sent_bytes += sum(c.sent_bytes(payload) for payload in riders)
-            outs = self._communicate(payloads + riders, into)
+            outs = self._communicate(payloads + riders, into, tag)
         if into is not None:
             for target, out in zip(into, outs):
                 if out.data_ptr() != target.data_ptr():
@@ -101,11 +103,12 @@ class Reducer:
                              if tensor.is_dense else "compress takes dense tensors")
         return self._compress(self.memory.compensate(_flat_float(tensor), key), key)
 
-    def communicate(self, payloads: list, likes: list, into: list | None = None) -> list:
+    def communicate(self, payloads: list, likes: list, into: list | None = None, tag: int = 0) -> list:
         """The averages over ranks of what `compress` kept, one collective for all the payloads (two
         for variable-size gathers), each shaped and typed as its tensor in `likes`. `into`: flat
-        float32 tensors the sparse AllReduce writes the averages into (as `reduce_many`'s)."""
-        outs = self._communicate(payloads, into)
+        float32 tensors the sparse AllReduce writes the averages into (as `reduce_many`'s); `tag` as
+        `reduce_many`'s."""
+        outs = self._communicate(payloads, into, tag)
         return [out.view(like.shape).to(like.dtype) for out, like in zip(outs, likes)]
 
     def _compress(self, comp: torch.Tensor, key) -> Payload:
@@ -115,14 +118,14 @@ class Reducer:
             self.memory.update(comp, self.compressor.sent(payload), key)
         return payload
 
-    def _communicate(self, payloads: list, into: list | None = None) -> list:
+    def _communicate(self, payloads: list, into: list | None = None, tag: int = 0) -> list:
         c, count = self.compressor, len(payloads[0].parts)
         parts = [p for payload in payloads for p in payload.parts]
         if c.scheme == "allreduce":
             parts = self.channel.allreduce_mean_many(parts)
         elif c.scheme == "sparse":
             return self.channel.blocks_mean([(*payload.parts, payload.ctx) for payload in payloads],
-                                            c.block_size, into)
+                                            c.block_size, into, tag)
         else:
             gathered = self.channel.allgather(tuple(parts), c.variable)
             return [c.combine([ranks[j * count:(j + 1) * count] for ranks in gathered], payload.ctx)
@@ -130,7 +133,7 @@ class Reducer:
         return [c.decompress(tuple(parts[j * count:(j + 1) * count]), payload.ctx)
                 for j, payload in enumerate(payloads)]
 
-    def _reduce_entries(self, g: torch.Tensor, key) -> torch.Tensor:
+    def _reduce_entries(self, g: torch.Tensor, key, tag: int) -> torch.Tensor:
         """A COO tensor compressed entry by entry, never densified (memory included). Kept entries
         go by sparcoll's sparse AllReduce for blocktopk, and when there is a communicator for
         compressors that keep every entry (none, fp16, bf16: the blocks are the input's own);
@@ -149,7 +152,7 @@ class Reducer:
             self.sent_bytes += block_bytes(blocks, c.block_size, kept_vals.element_size())
             flat = torch.sparse_coo_tensor(kept_idx.unsqueeze(0), kept_vals, (comp.numel(),),
                                            is_coalesced=True, check_invariants=False)
-            result = self.channel.sparse_mean(flat).coalesce()
+            result = self.channel.sparse_mean(flat, tag).coalesce()
             idx, vals = result.indices()[0], result.values()
         else:
             parts = (kept_idx.to(index_dtype(comp.numel())), kept_vals)

@@ -174,9 +174,10 @@ class DataParallel(nn.Module):
                              "cannot serve a model with find_unused_parameters=True")
         self._handles: list = []
         self._names = {id(p): name for name, p in module.named_parameters()}
-        # each parameter's tag on sparcoll's collectives (Communicator.allreduce): a rank whose
-        # collective is another parameter's than its peers' (a skipped branch) fails it on every
-        # rank where the sum would otherwise be of different tensors of one size
+        # each parameter's tag on sparcoll's collectives (Communicator.allreduce; a unit's, its first
+        # parameter's): a rank whose collective is another parameter's than its peers' (a skipped
+        # branch) fails it on every rank where the sum would otherwise be of different tensors of
+        # one size
         self._tags = {id(p): 1 + i % wire.MAX_TAG for i, p in enumerate(module.parameters())}
         self._params = [p for p in module.parameters() if p.requires_grad]
         # find_unused_parameters: gradients are handed on in this order on every rank, so that ranks
@@ -761,10 +762,11 @@ class DataParallel(nn.Module):
             # 400 MB of copy fewer per step)
             into = [g.view(-1) for g in grads] if all(
                 g.dtype == torch.float32 and g.is_contiguous() for g in grads) else None
+            tag = self._tags[id(members[0][0])]
             if payloads[0] is None:             # compressed here, on the synchronization thread
-                outs = reducer.reduce_many(grads, [id(q) for q, _ in members], into=into)
+                outs = reducer.reduce_many(grads, [id(q) for q, _ in members], into=into, tag=tag)
             else:
-                outs = reducer.communicate(payloads, grads, into)
+                outs = reducer.communicate(payloads, grads, into, tag)
             for grad, out in zip(grads, outs):
                 if out.data_ptr() != grad.data_ptr():
                     grad.copy_(out.view_as(grad))
@@ -826,7 +828,7 @@ class DataParallel(nn.Module):
         if chosen == hybrid.SPARSE:
             p.grad = self.comm.allreduce_coo(grad, op="avg", tag=self._tags[id(p)])
         else:
-            p.grad = self._reducer(chosen).reduce(grad, key=id(p))
+            p.grad = self._reducer(chosen).reduce(grad, key=id(p), tag=self._tags[id(p)])
         return None
 
     def _reducer(self, spec: str, placement: str = CHANNEL) -> Reducer:
