@@ -27,16 +27,17 @@ other module's part of the gradient. (A weight used outside its module, as in `F
 layer.weight)` elsewhere, cannot be detected: give such a layer an explicit strategy.) Every rank must
 produce a gradient for the same parameters each step, as under DDP without find_unused_parameters:
 where a rank skips a branch the others take, their buckets differ in size, and gloo aborts the
-process whose collective disagrees (docs/reliability.md, "Known gaps"); a rank whose step lacks
-gradients the last step had warns at the end of its backward, naming them and the flag below, once
-(its earlier buckets may have gone already: the warning can come too late). For models whose data
-decides which parameters a step uses, find_unused_parameters=True does what DDP's does: each rank
-hands its gradients on in one order (the parameters' reverse order, backward's usual one, in the
-first step; from the second on, the order rank 0's gradients came in the first, as DDP rebuilds its
-buckets: gradients that come in that order go while backward runs), a parameter it did not use as
-zeros at the end of backward, so every rank forms the same buckets; one small allreduce a step
-counts the ranks that used each parameter (and tells every rank rank 0's order, in the first step),
-and one no rank used keeps its gradient as it was (None, as under DDP).
+process whose collective disagrees (docs/reliability.md, "Known gaps"; sparcoll's own collectives,
+tagged with their first parameter, fail on every rank instead, naming the parameters); a rank whose
+step lacks gradients the last step had warns at the end of its backward, naming them and the flag
+below, once (its earlier buckets may have gone already: the warning can come too late). For models
+whose data decides which parameters a step uses, find_unused_parameters=True does what DDP's does:
+each rank hands its gradients on in one order (the parameters' reverse order, backward's usual one,
+in the first step; from the second on, the order rank 0's gradients came in the first, as DDP
+rebuilds its buckets: gradients that come in that order go while backward runs), a parameter it did
+not use as zeros at the end of backward, so every rank forms the same buckets; one small allreduce a
+step counts the ranks that used each parameter (and tells every rank rank 0's order, in the first
+step), and one no rank used keeps its gradient as it was (None, as under DDP).
 
 Gradients are synchronized on one thread, in the order backward produces them (the same on every
 rank); backward waits for the last of them before it returns. The group's own allreduces (the ring's,
