@@ -71,7 +71,7 @@ class Channel:
         out = []
         for j, ((_, _, numel), off, lo, hi) in enumerate(zip(tensors, offsets, bounds, bounds[1:])):
             dense = torch.empty(numel) if into is None else into[j]
-            out.append(_scatter_rows(dense.zero_(), got[lo:hi] - off, vals[lo:hi], block_size))
+            out.append(scatter_rows(dense.zero_(), got[lo:hi] - off, vals[lo:hi], block_size))
         return out
 
     def sparse_mean(self, t: torch.Tensor, tag: int = 0) -> torch.Tensor:
@@ -124,9 +124,10 @@ def _wait(work) -> None:
         work.wait()
 
 
-def _scatter_rows(flat: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, width: int):
+def scatter_rows(flat: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, width: int):
     """Write `rows` (width elements each, ascending block `indices`) into the flat tensor; the
-    last block may be partial (its padding dropped)."""
+    last block may be partial (its padding dropped). How a sparse AllReduce's average reaches a
+    gradient (`blocks_mean` with `into`), which `sparcoll plan` times as the decompression."""
     full = flat.numel() // width
     inside = int(torch.searchsorted(indices, full))
     flat[:full * width].view(full, width).index_copy_(0, indices[:inside], rows[:inside])
