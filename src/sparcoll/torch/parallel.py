@@ -425,8 +425,10 @@ class DataParallel(nn.Module):
         warnings.warn(f"rank {dist.get_rank(self.group)}: no gradient in this step for "
                       f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}, which had one in the "
                       f"last step. If data decides which parameters a step uses and ranks differ, their "
-                      f"buckets differ and gloo aborts the process whose collective disagrees: pass "
-                      f"find_unused_parameters=True, as DDP needs", RuntimeWarning, stacklevel=1)
+                      f"buckets differ: gloo aborts the process whose collective disagrees (sparcoll's "
+                      f"raise MismatchError), or sums gradients of one size that are not the same "
+                      f"parameter's. Pass find_unused_parameters=True, as DDP needs", RuntimeWarning,
+                      stacklevel=1)
 
     def _hand_on(self, p: torch.Tensor) -> None:
         """p's gradient to the synchronization thread: alone, in a bucket, or compressed first."""
