@@ -165,6 +165,37 @@ def test_ranks_end_with_the_command_when_it_is_killed_outright(tmp_path):
     assert namespaces_of(proc.pid) == []
 
 
+def test_progress_bars_and_endless_lines_are_passed_on_while_the_rank_runs(capsys):
+    """A rank's carriage returns end lines (a progress bar redraws after one) and a line longer than
+    LONGEST_LINE is passed on in pieces: neither waits for a newline that may come only at the end."""
+    from sparcoll.emulate import LONGEST_LINE, Relay
+    script = ("import sys, time\n"
+              "sys.stdout.write('\\r  0%|\\r 50%|\\r100%|'); sys.stdout.flush()\n"
+              f"sys.stderr.write('x' * {LONGEST_LINE + 10}); sys.stderr.flush()\n"
+              "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with Relay() as relay:
+            relay.add(0, proc)
+            out, err = "", ""
+            deadline = time.monotonic() + 30
+            while ("[rank 0]  50%|" not in out or "x" not in err) and time.monotonic() < deadline:
+                relay.pump(0.1)
+                captured = capsys.readouterr()
+                out, err = out + captured.out, err + captured.err
+            assert proc.poll() is None          # passed on while the rank still runs
+            proc.kill()
+            proc.wait(timeout=30)
+        captured = capsys.readouterr()
+        out, err = out + captured.out, err + captured.err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert out.splitlines() == ["[rank 0]   0%|", "[rank 0]  50%|", "[rank 0] 100%|"], out
+    assert err.splitlines() == [f"[rank 0] {'x' * LONGEST_LINE}", "[rank 0] xxxxxxxxxx"], err[-200:]
+
+
 @pytest.mark.parametrize("options, problem", [
     (["--hosts", "0"], "--hosts 0: between 1 and"),
     (["--timeout", "0"], "--timeout 0 must be positive"),

@@ -9,7 +9,8 @@ Each rank runs `python SCRIPT ARGS` with the environment torchrun gives a job of
 (RANK, WORLD_SIZE, LOCAL_RANK 0, MASTER_ADDR the first host's address, ...), GLOO_SOCKET_IFNAME set to
 the hosts' interface so that gloo takes the shaped link, and OMP_NUM_THREADS 1 unless set: the hosts
 share this machine's cores. Their output comes here line by line, each line after "[rank R] " (the
-ranks share this terminal; lines written at once by two ranks would otherwise run together). When a
+ranks share this terminal; lines written at once by two ranks would otherwise run together; a
+progress bar's redraws come as lines of their own). When a
 rank fails, the others are stopped (as torchrun does) and the exit code is the first failing rank's;
 every process is stopped and every namespace removed on the way out, Ctrl-C and --timeout included;
 if this command is killed outright (SIGKILL), the kernel ends the ranks, and the next run removes
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import selectors
 import subprocess
 import sys
@@ -30,6 +32,9 @@ from .bench.netem import (MAX_HOSTS, EmulatedNetwork, add_link_burst_argument, c
 
 POLL = 0.1              # seconds between looks at the ranks
 DRAIN = 5.0             # seconds the output of ranks that ended may take to arrive whole
+LINE_END = re.compile(rb"(\r\n|\r|\n)")   # a carriage return ends a line too: a progress bar (tqdm)
+                                            # redraws its line after one, and would show only at its end
+LONGEST_LINE = 1 << 16  # bytes of a line held back for its end, at most: the rest is passed on as is
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 class Relay:
-    """The ranks' output, a whole line at a time, each after "[rank R] ", to this process's stdout and
-    stderr as the rank wrote it."""
+    """The ranks' output, a whole line at a time (ended by a newline or a carriage return, or
+    LONGEST_LINE bytes), each after "[rank R] ", to this process's stdout and stderr as the rank
+    wrote it."""
 
     def __init__(self):
         self._selector = selectors.DefaultSelector()
@@ -134,12 +140,20 @@ class Relay:
         if not chunk:
             self._end(key)
             return False
-        *lines, self._partial[key.fd] = (self._partial[key.fd] + chunk).split(b"\n")
+        data = self._partial[key.fd] + chunk
+        held = data.endswith(b"\r")        # its "\n" may come in the next read
+        *parts, rest = LINE_END.split(data[:-1] if held else data)
+        # (line, its end) pairs; nothing for the empty "line" before a progress bar's carriage return
+        lines = [line for line, end in zip(parts[::2], parts[1::2]) if line or end != b"\r"]
+        while len(rest) > LONGEST_LINE:
+            lines.append(rest[:LONGEST_LINE])
+            rest = rest[LONGEST_LINE:]
+        self._partial[key.fd] = rest + b"\r" if held else rest
         self._write(key, lines)
         return True
 
     def _end(self, key) -> None:
-        rest = self._partial.pop(key.fd, b"")
+        rest = self._partial.pop(key.fd, b"").removesuffix(b"\r")
         self._write(key, [rest] if rest else [])
         self._selector.unregister(key.fileobj)
         key.fileobj.close()
