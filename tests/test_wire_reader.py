@@ -52,8 +52,9 @@ def encoded_blocks(kind, indices, rows, descriptor):
 def test_block_messages_round_trip_into_the_placed_memory(kind, dtype):
     indices = [0, 5, 6, 40]
     rows = torch.arange(4 * 8, dtype=torch.float32).view(4, 8).to(dtype)
-    code = wire.DTYPE_CODES[dtype]
-    h, message, landed = read(encoded_blocks(kind, indices, rows, (41 * 8, 8, code, 0)))
+    descriptor = (41 * 8, 8, wire.DTYPE_CODES[dtype], 0, wire.MAX_TAG)    # the tag's every bit
+    h, message, landed = read(encoded_blocks(kind, indices, rows, descriptor))
+    assert h.descriptor == descriptor
     assert isinstance(message, wire.Blocks) and message.header == h
     assert message.indices.dtype == np.int64 and message.indices.tolist() == indices
     assert torch.equal(landed[0].view(dtype).view(4, 8), rows)
