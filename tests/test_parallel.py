@@ -863,6 +863,53 @@ def test_a_skipped_layer_under_the_sparse_strategy_fails_that_step_on_every_rank
             assert "find_unused_parameters=True" in text, (rank, algorithm, text)
 
 
+class Experts(nn.Module):
+    """Two experts of one shape, the data choosing one: ranks that choose differently send the same
+    sizes for different parameters."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(6)
+        self.a, self.first, self.second, self.c = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x, use_first: bool):
+        h = torch.relu(self.a(x))
+        return self.c(torch.relu(self.first(h) if use_first else self.second(h)))
+
+
+def experts_on_the_ring(rank: int, world: int) -> list[str]:
+    """Every rank takes the first expert in step 0; in step 1 rank 0 takes the first, the others the
+    second; no find_unused_parameters. Each step's outcome."""
+    dp = sparcoll.torch.DataParallel(Experts(), strategy="ring", timeout=60)
+    out = []
+    try:
+        for step in range(2):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    dp(x, use_first=rank == 0 or step == 0).sum().backward()
+                out.append("ok")
+            except RuntimeError as exc:
+                out.append(f"{type(exc.__cause__).__name__}: {exc}")
+                break
+            dp.module.zero_grad()
+    finally:
+        dp.close()
+    return out
+
+
+def test_ranks_whose_ring_buckets_hold_other_parameters_of_the_same_sizes_fail_that_step():
+    """gloo's allreduce sums whatever has the same size: the bucket's check elements make every rank's
+    backward fail in the step where the ranks' buckets held different experts (it trains through
+    without them, mixing the two experts' gradients)."""
+    for rank, steps in enumerate(run_ranks(experts_on_the_ring, WORLD, timeout=120)):
+        assert steps[0] == "ok" and len(steps) == 2, (rank, steps)
+        assert steps[1].startswith("MismatchError: gradient synchronization failed"), (rank, steps)
+        assert "buckets of small gradients held different parameters" in steps[1], (rank, steps)
+        assert "find_unused_parameters=True" in steps[1], (rank, steps)
+
+
 def test_find_unused_parameters_gives_the_average_of_what_each_rank_used():
     for out in run_ranks(unused_parameters, WORLD, timeout=120):
         # "none" and "fp16": the compressed path, lossless and to half precision

@@ -68,6 +68,7 @@ import re
 import threading
 import time
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Union
@@ -98,6 +99,8 @@ CHANNEL, THREAD, OFFLOAD = "channel", "thread", "offload"     # where a compress
 SMALL_BYTES = 256 << 10     # a gradient this small joins the bucket (without a plan, any smaller than
                             # BUCKET_BYTES on the ring) ...
 BUCKET_BYTES = 1 << 20      # ... which goes when it holds this much (as DDP's first bucket)
+BUCKET_CHECK_MOST = 250     # a ring bucket's check value t is 1 to this, and with at most
+BUCKET_CHECK_WORLD = 256    # ... this many ranks the sum of t * t stays below 2^24, exact in float32
 COO_BUCKET_BYTES = 25 << 20     # COO gradients under the sparse AllReduce share one until their
                                 # tables (dense) hold this much (DDP's bucket_cap_mb): the same on
                                 # every rank, where their rows are not
@@ -744,9 +747,17 @@ class DataParallel(nn.Module):
             return
         if chosen == BUCKET:
             grads = [q.grad for q in extra]
-            flats, work = self.channel.start_allreduce_mean_many([g.reshape(-1) for g in grads])
+            check = self._bucket_check(extra, grads[0].dtype)
+            flats, work = self.channel.start_allreduce_mean_many(
+                [g.reshape(-1) for g in grads] + ([] if check is None else [check]))
 
             def finish() -> None:
+                if check is not None and not torch.equal(flats[-1], check):
+                    raise MismatchError(
+                        f"rank {dist.get_rank(self.group)}: the ranks' buckets of small gradients held "
+                        f"different parameters in one allreduce (this rank's: "
+                        f"{', '.join(self._names.get(id(q), '?') for q in extra[:4])}"
+                        f"{' ...' if len(extra) > 4 else ''}), so their sums mix them")
                 for q, grad, flat in zip(extra, grads, flats):
                     self._put_back(q, grad, flat)
             return self._later(work, finish)
@@ -790,6 +801,18 @@ class DataParallel(nn.Module):
             self.comm.allreduce(flat, op="avg", tag=self._tags[id(p)])
         finish()
         return None
+
+    def _bucket_check(self, members: list, dtype: torch.dtype) -> torch.Tensor | None:
+        """Two elements that ride at the end of a ring bucket, world * t and world * t * t, where t (1 to
+        BUCKET_CHECK_MOST) stands for the bucket's parameters in order. Divided by the world and
+        summed, they come back as they went on every rank if and only if every rank's t was the same
+        (their variance is zero): a rank whose bucket held other parameters of the same sizes (a
+        branch the others did not take) fails that step on every rank, where gloo would have summed
+        them. Exact integers in float32 up to BUCKET_CHECK_WORLD ranks; none for half dtypes."""
+        if not 1 < self.world <= BUCKET_CHECK_WORLD or dtype not in (torch.float32, torch.float64):
+            return None
+        t = 1 + zlib.crc32(str([self._tags[id(q)] for q in members]).encode()) % BUCKET_CHECK_MOST
+        return torch.tensor([self.world * t, self.world * t * t], dtype=dtype)
 
     @staticmethod
     def _later(work, finish: Callable[[], None]) -> tuple | None:
