@@ -686,9 +686,9 @@ class DataParallel(nn.Module):
         tags = sorted({int(t) for t in re.findall(r"\btag (\d+)", str(error))})  # wire.tagged's words
         which = "; ".join(f"tag {t} is {names[t]!r}" for t in tags if t in names)
         cause = "" if self.find_unused_parameters else (
-            " If some ranks' steps leave out parameters the others use (a branch the data decides), "
-            "pass find_unused_parameters=True.")
-        return (f" ({which}.)" if which else "") + cause
+            ". If some ranks' steps leave out parameters the others use (a branch the data decides), "
+            "pass find_unused_parameters=True")
+        return (f" ({which})" if which else "") + cause
 
     # ---- the synchronization thread ----------------------------------------------------------------
     def _serve(self) -> None:
@@ -757,7 +757,7 @@ class DataParallel(nn.Module):
                         f"rank {dist.get_rank(self.group)}: the ranks' buckets of small gradients held "
                         f"different parameters in one allreduce (this rank's: "
                         f"{', '.join(self._names.get(id(q), '?') for q in extra[:4])}"
-                        f"{' ...' if len(extra) > 4 else ''}), so their sums mix them")
+                        f"{' ...' if len(extra) > 4 else ''}): their sums would mix them")
                 for q, grad, flat in zip(extra, grads, flats):
                     self._put_back(q, grad, flat)
             return self._later(work, finish)
