@@ -865,37 +865,41 @@ def test_a_skipped_layer_under_the_sparse_strategy_fails_that_step_on_every_rank
 
 class Experts(nn.Module):
     """Two experts of one shape, the data choosing one: ranks that choose differently send the same
-    sizes for different parameters."""
+    sizes for different parameters. Small ones go in the ring's buckets; large ones without a bias
+    (600 x 600) are reduced alone, and only the small layers' bucket after them can tell."""
 
-    def __init__(self):
+    def __init__(self, hidden: int, expert_bias: bool):
         super().__init__()
         torch.manual_seed(6)
-        self.a, self.first, self.second, self.c = (nn.Linear(16, 16) for _ in range(4))
+        self.a, self.c = nn.Linear(16, hidden), nn.Linear(hidden, 1)
+        self.first, self.second = (nn.Linear(hidden, hidden, bias=expert_bias) for _ in range(2))
 
     def forward(self, x, use_first: bool):
         h = torch.relu(self.a(x))
         return self.c(torch.relu(self.first(h) if use_first else self.second(h)))
 
 
-def experts_on_the_ring(rank: int, world: int) -> list[str]:
+def experts_on_the_ring(rank: int, world: int) -> dict:
     """Every rank takes the first expert in step 0; in step 1 rank 0 takes the first, the others the
-    second; no find_unused_parameters. Each step's outcome."""
-    dp = sparcoll.torch.DataParallel(Experts(), strategy="ring", timeout=60)
-    out = []
-    try:
-        for step in range(2):
-            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", RuntimeWarning)
-                    dp(x, use_first=rank == 0 or step == 0).sum().backward()
-                out.append("ok")
-            except RuntimeError as exc:
-                out.append(f"{type(exc.__cause__).__name__}: {exc}")
-                break
-            dp.module.zero_grad()
-    finally:
-        dp.close()
+    second; no find_unused_parameters. Each step's outcome, for small and for large experts."""
+    out = {}
+    for label, hidden, expert_bias in (("small", 16, True), ("large", 600, False)):
+        dp = sparcoll.torch.DataParallel(Experts(hidden, expert_bias), strategy="ring", timeout=60)
+        out[label] = []
+        try:
+            for step in range(2):
+                x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", RuntimeWarning)
+                        dp(x, use_first=rank == 0 or step == 0).sum().backward()
+                    out[label].append("ok")
+                except RuntimeError as exc:
+                    out[label].append(f"{type(exc.__cause__).__name__}: {exc}")
+                    break
+                dp.module.zero_grad()
+        finally:
+            dp.close()
     return out
 
 
@@ -903,11 +907,14 @@ def test_ranks_whose_ring_buckets_hold_other_parameters_of_the_same_sizes_fail_t
     """gloo's allreduce sums whatever has the same size: the bucket's check elements make every rank's
     backward fail in the step where the ranks' buckets held different experts (it trains through
     without them, mixing the two experts' gradients)."""
-    for rank, steps in enumerate(run_ranks(experts_on_the_ring, WORLD, timeout=120)):
-        assert steps[0] == "ok" and len(steps) == 2, (rank, steps)
-        assert steps[1].startswith("MismatchError: gradient synchronization failed"), (rank, steps)
-        assert "buckets of small gradients held different parameters" in steps[1], (rank, steps)
-        assert "find_unused_parameters=True" in steps[1], (rank, steps)
+    for rank, out in enumerate(run_ranks(experts_on_the_ring, WORLD, timeout=120)):
+        assert list(out) == ["small", "large"], out
+        for label, steps in out.items():
+            assert steps[0] == "ok" and len(steps) == 2, (rank, label, steps)
+            assert steps[1].startswith("MismatchError: gradient synchronization failed"), \
+                (rank, label, steps)
+            assert "held different parameters" in steps[1], (rank, label, steps)
+            assert "find_unused_parameters=True" in steps[1], (rank, label, steps)
 
 
 def test_find_unused_parameters_gives_the_average_of_what_each_rank_used():

@@ -183,6 +183,7 @@ class DataParallel(nn.Module):
         # branch) fails it on every rank where the sum would otherwise be of different tensors of
         # one size
         self._tags = {id(p): 1 + i % wire.MAX_TAG for i, p in enumerate(module.parameters())}
+        self._unchecked: list[int] = []     # tags of gradients gloo reduced alone since the last bucket
         self._params = [p for p in module.parameters() if p.requires_grad]
         # find_unused_parameters: gradients are handed on in this order on every rank, so that ranks
         # that skip different parameters still form the same buckets: backward's usual order in the
@@ -665,6 +666,7 @@ class DataParallel(nn.Module):
                                             f"{self.timeout} s")
                 self._idle.wait(left)
             error, self._error = self._error, None
+        self._unchecked = []        # a step's gradients are checked in that step's buckets or not at all
         self._restore_unused_everywhere(stand_ins, counts, error)
         if error is None and counts is not None and len(counts) > len(self._order):
             self._rebuild_order(counts[len(self._order):].tolist())
@@ -743,21 +745,24 @@ class DataParallel(nn.Module):
             return self._later(work, lambda: self._rows.update(zip(weights, (rows / self.world).tolist())))
         if chosen == hybrid.SFB:
             state, u, v = extra
+            self._unchecked.append(self._tags[id(p)])
             state.add(*gather_factors(u, v, self.channel))
             return
         if chosen == BUCKET:
             grads = [q.grad for q in extra]
-            check = self._bucket_check(extra, grads[0].dtype)
+            tags, self._unchecked = self._unchecked + [self._tags[id(q)] for q in extra], []
+            check = self._bucket_check(tags, grads[0].dtype)
             flats, work = self.channel.start_allreduce_mean_many(
                 [g.reshape(-1) for g in grads] + ([] if check is None else [check]))
 
             def finish() -> None:
                 if check is not None and not torch.equal(flats[-1], check):
                     raise MismatchError(
-                        f"rank {dist.get_rank(self.group)}: the ranks' buckets of small gradients held "
-                        f"different parameters in one allreduce (this rank's: "
+                        f"rank {dist.get_rank(self.group)}: the ranks' gradients reduced by gloo held "
+                        f"different parameters since the last check (this rank's bucket: "
                         f"{', '.join(self._names.get(id(q), '?') for q in extra[:4])}"
-                        f"{' ...' if len(extra) > 4 else ''}): their sums would mix them")
+                        f"{' ...' if len(extra) > 4 else ''}, and the gradients before it): their sums "
+                        f"mix them")
                 for q, grad, flat in zip(extra, grads, flats):
                     self._put_back(q, grad, flat)
             return self._later(work, finish)
@@ -770,6 +775,8 @@ class DataParallel(nn.Module):
         if chosen == COMPRESSED:
             reducer, members = extra
             grads = [q.grad for q, _ in members]
+            if reducer.compressor.scheme != "sparse":   # on gloo's group: the next bucket checks them
+                self._unchecked += [self._tags[id(q)] for q, _ in members]
             payloads = [x.result(timeout=self.timeout) if isinstance(x, concurrent.futures.Future) else x
                         for _, x in members]
             # the averages straight into the gradients where they are flat float32 (vgg's layers:
@@ -790,6 +797,8 @@ class DataParallel(nn.Module):
             return self._synchronize_coo(p, self._note_rows(p, grad.coalesce()), chosen)
         flat = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1).clone()
         finish = functools.partial(self._put_back, p, grad, flat)
+        if chosen in (hybrid.RING, hybrid.PS):      # gloo's: the next ring bucket's check covers it
+            self._unchecked.append(self._tags[id(p)])
         if chosen == hybrid.RING:
             return self._later(self.channel.start_allreduce_mean(flat), finish)
         if chosen == hybrid.PS:
@@ -802,16 +811,18 @@ class DataParallel(nn.Module):
         finish()
         return None
 
-    def _bucket_check(self, members: list, dtype: torch.dtype) -> torch.Tensor | None:
+    def _bucket_check(self, tags: list[int], dtype: torch.dtype) -> torch.Tensor | None:
         """Two elements that ride at the end of a ring bucket, world * t and world * t * t, where t (1 to
-        BUCKET_CHECK_MOST) stands for the bucket's parameters in order. Divided by the world and
-        summed, they come back as they went on every rank if and only if every rank's t was the same
-        (their variance is zero): a rank whose bucket held other parameters of the same sizes (a
-        branch the others did not take) fails that step on every rank, where gloo would have summed
-        them. Exact integers in float32 up to BUCKET_CHECK_WORLD ranks; none for half dtypes."""
+        BUCKET_CHECK_MOST) stands for `tags` in order: the bucket's parameters', after those of the
+        gradients gloo reduced alone since the last bucket (large ones on the ring, the parameter
+        server's). Divided by the world and summed, they come back as they went on every rank if and
+        only if every rank's t was the same (their variance is zero): a rank that reduced other
+        parameters of the same sizes (a branch the others did not take) fails that step on every
+        rank, where gloo would have summed them. Exact integers in float32 up to BUCKET_CHECK_WORLD
+        ranks; none for half dtypes."""
         if not 1 < self.world <= BUCKET_CHECK_WORLD or dtype not in (torch.float32, torch.float64):
             return None
-        t = 1 + zlib.crc32(str([self._tags[id(q)] for q in members]).encode()) % BUCKET_CHECK_MOST
+        t = 1 + zlib.crc32(str(tags).encode()) % BUCKET_CHECK_MOST
         return torch.tensor([self.world * t, self.world * t * t], dtype=dtype)
 
     @staticmethod
@@ -849,6 +860,7 @@ class DataParallel(nn.Module):
         """A sparse COO gradient (nn.Embedding(sparse=True)): averaged without densifying, gloo's
         sparse all_reduce left running."""
         if chosen in (hybrid.RING, hybrid.PS):        # the group's sparse all_reduce (gloo's gathers)
+            self._unchecked.append(self._tags[id(p)])
             total, work = self._group_channel.start_sparse_mean(grad)
             return self._later(work, lambda: setattr(p, "grad", total.coalesce()))
         if chosen == hybrid.SPARSE:
