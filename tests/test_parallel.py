@@ -879,16 +879,30 @@ class Experts(nn.Module):
         return self.c(torch.relu(self.first(h) if use_first else self.second(h)))
 
 
+class BareExperts(nn.Module):
+    """The large experts alone: nothing small follows them into a bucket."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(6)
+        self.first, self.second = (nn.Linear(600, 600, bias=False) for _ in range(2))
+
+    def forward(self, x, use_first: bool):
+        return (self.first(x) if use_first else self.second(x)).tanh()
+
+
 def experts_on_the_ring(rank: int, world: int) -> dict:
     """Every rank takes the first expert in step 0; in step 1 rank 0 takes the first, the others the
-    second; no find_unused_parameters. Each step's outcome, for small and for large experts."""
+    second; no find_unused_parameters. Each step's outcome, for small experts, large ones before a
+    bucket and large ones alone (checked by an allreduce of its own)."""
     out = {}
-    for label, hidden, expert_bias in (("small", 16, True), ("large", 600, False)):
-        dp = sparcoll.torch.DataParallel(Experts(hidden, expert_bias), strategy="ring", timeout=60)
+    for label, model, width in (("small", Experts(16, True), 16), ("large", Experts(600, False), 16),
+                                ("alone", BareExperts(), 600)):
+        dp = sparcoll.torch.DataParallel(model, strategy="ring", timeout=60)
         out[label] = []
         try:
             for step in range(2):
-                x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+                x = torch.randn(8, width, generator=torch.Generator().manual_seed(10 * step + rank))
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore", RuntimeWarning)
@@ -908,7 +922,7 @@ def test_ranks_whose_ring_buckets_hold_other_parameters_of_the_same_sizes_fail_t
     backward fail in the step where the ranks' buckets held different experts (it trains through
     without them, mixing the two experts' gradients)."""
     for rank, out in enumerate(run_ranks(experts_on_the_ring, WORLD, timeout=120)):
-        assert list(out) == ["small", "large"], out
+        assert list(out) == ["small", "large", "alone"], out
         for label, steps in out.items():
             assert steps[0] == "ok" and len(steps) == 2, (rank, label, steps)
             assert steps[1].startswith("MismatchError: gradient synchronization failed"), \

@@ -93,6 +93,7 @@ AUTO = "auto"
 ROWS = "rows"           # the per-step allreduce of the rows the ranks fed their linear layers
 USED = "used"           # find_unused_parameters: the allreduce of which parameters each rank used
 BUCKET = "bucket"       # small dense gradients that take the ring, averaged in one allreduce
+CHECK = "check"         # the step's last check of what gloo reduced after its last bucket, if anything
 COMPRESSED = "compressed"   # gradients of one compressor, their payloads in one collective
 COO_UNIT = "coo unit"       # a plan's unit of sparse COO gradients: one sparse AllReduce of them all
 CHANNEL, THREAD, OFFLOAD = "channel", "thread", "offload"     # where a compressor runs
@@ -185,6 +186,10 @@ class DataParallel(nn.Module):
         self._tags = {id(p): 1 + i % wire.MAX_TAG for i, p in enumerate(module.parameters())}
         self._unchecked: list[int] = []     # tags of gradients gloo reduced alone since the last bucket
         self._params = [p for p in module.parameters() if p.requires_grad]
+        sizes = collections.Counter(p.numel() for p in self._params)
+        # the tags of parameters that another one's gradient could pass for (the same size): only
+        # those, reduced after a step's last bucket, need a check of their own
+        self._ambiguous = {self._tags[id(p)] for p in self._params if sizes[p.numel()] > 1}
         # find_unused_parameters: gradients are handed on in this order on every rank, so that ranks
         # that skip different parameters still form the same buckets: backward's usual order in the
         # first synchronized step, then the order rank 0's gradients came in that step (as DDP
@@ -650,6 +655,8 @@ class DataParallel(nn.Module):
             stand_ins, counts = [], None
             self._warn_if_some_stopped_coming()
         self._flush()
+        if not self.find_unused_parameters:     # (with it every rank reduces the same by construction)
+            self._put((None, CHECK, None, []))
         self._armed = False
         self._accumulated = False
         held, self._held = self._held, []
@@ -748,6 +755,8 @@ class DataParallel(nn.Module):
             self._unchecked.append(self._tags[id(p)])
             state.add(*gather_factors(u, v, self.channel))
             return
+        if chosen == CHECK:
+            return self._check_alone()
         if chosen == BUCKET:
             grads = [q.grad for q in extra]
             tags, self._unchecked = self._unchecked + [self._tags[id(q)] for q in extra], []
@@ -810,6 +819,24 @@ class DataParallel(nn.Module):
             self.comm.allreduce(flat, op="avg", tag=self._tags[id(p)])
         finish()
         return None
+
+    def _check_alone(self) -> tuple | None:
+        """At the end of a step, the check of what gloo reduced after its last bucket (a model whose
+        last gradients are large, or go to the parameter server), in an allreduce of its own: only
+        where one of them has the size of another parameter (else ranks that reduced different ones
+        disagree on sizes, and gloo stops them), as the ranks' reductions agree."""
+        tags, self._unchecked = self._unchecked, []
+        check = self._bucket_check(tags, torch.float32) if self._ambiguous.intersection(tags) else None
+        if check is None:
+            return None
+        sent = check.clone()
+
+        def finish() -> None:
+            if not torch.equal(check, sent):
+                raise MismatchError(f"rank {dist.get_rank(self.group)}: the ranks' gradients reduced by "
+                                    f"gloo held different parameters after the step's last bucket: "
+                                    f"their sums mix them")
+        return self._later(self.channel.start_allreduce_mean(check), finish)
 
     def _bucket_check(self, tags: list[int], dtype: torch.dtype) -> torch.Tensor | None:
         """Two elements that ride at the end of a ring bucket, world * t and world * t * t, where t (1 to
