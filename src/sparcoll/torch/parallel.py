@@ -28,7 +28,8 @@ layer.weight)` elsewhere, cannot be detected: give such a layer an explicit stra
 produce a gradient for the same parameters each step, as under DDP without find_unused_parameters:
 where a rank skips a branch the others take, their buckets differ in size, and gloo aborts the
 process whose collective disagrees (docs/reliability.md, "Known gaps"; sparcoll's own collectives,
-tagged with their first parameter, fail on every rank instead, naming the parameters); a rank whose
+tagged with their first parameter, fail on every rank instead, naming the parameters, and so do
+gloo's where their sizes agree: the ring's buckets carry a check of what gloo reduced); a rank whose
 step lacks gradients the last step had warns at the end of its backward, naming them and the flag
 below, once (its earlier buckets may have gone already: the warning can come too late). For models
 whose data decides which parameters a step uses, find_unused_parameters=True does what DDP's does:
