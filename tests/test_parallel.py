@@ -830,21 +830,29 @@ def skipped_layer_under_the_sparse_strategy(rank: int, world: int) -> dict:
                                               ("blocktopk", "sparse", "blocktopk:0.5", 320)):
         comm = sparcoll.init(algorithm=algorithm, timeout=30)
         dp = sparcoll.torch.DataParallel(SameSizes(width), comm=comm, strategy=strategy, timeout=60)
-        out[label] = []
         try:
-            for step in range(2):
-                x = torch.randn(8, width, generator=torch.Generator().manual_seed(10 * step + rank))
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", RuntimeWarning)
-                        dp(x, use_b=not (rank == 1 and step == 1)).sum().backward()
-                    out[label].append("ok")
-                except RuntimeError as exc:
-                    out[label].append(f"{type(exc.__cause__).__name__}: {exc}")
-                    break
+            out[label] = two_steps(dp, rank, width, lambda step: not (rank == 1 and step == 1))
         finally:
             dp.close()
             comm.close()
+    return out
+
+
+def two_steps(dp, rank: int, width: int, use) -> list[str]:
+    """Each of two steps' outcome ("ok", or the failure's cause and text, after which no more steps):
+    dp called on a batch of 8 rows of `width` and use(step), the missing-gradient warning silenced."""
+    out = []
+    for step in range(2):
+        x = torch.randn(8, width, generator=torch.Generator().manual_seed(10 * step + rank))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                dp(x, use(step)).sum().backward()
+            out.append("ok")
+        except RuntimeError as exc:
+            out.append(f"{type(exc.__cause__).__name__}: {exc}")
+            break
+        dp.module.zero_grad()
     return out
 
 
@@ -899,19 +907,8 @@ def experts_on_the_ring(rank: int, world: int) -> dict:
     for label, model, width in (("small", Experts(16, True), 16), ("large", Experts(600, False), 16),
                                 ("alone", BareExperts(), 600)):
         dp = sparcoll.torch.DataParallel(model, strategy="ring", timeout=60)
-        out[label] = []
         try:
-            for step in range(2):
-                x = torch.randn(8, width, generator=torch.Generator().manual_seed(10 * step + rank))
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", RuntimeWarning)
-                        dp(x, use_first=rank == 0 or step == 0).sum().backward()
-                    out[label].append("ok")
-                except RuntimeError as exc:
-                    out[label].append(f"{type(exc.__cause__).__name__}: {exc}")
-                    break
-                dp.module.zero_grad()
+            out[label] = two_steps(dp, rank, width, lambda step: rank == 0 or step == 0)
         finally:
             dp.close()
     return out
