@@ -825,7 +825,8 @@ class DataParallel(nn.Module):
         """At the end of a step, the check of what gloo reduced after its last bucket (a model whose
         last gradients are large, or go to the parameter server), in an allreduce of its own: only
         where one of them has the size of another parameter (else ranks that reduced different ones
-        disagree on sizes, and gloo stops them), as the ranks' reductions agree."""
+        disagree on sizes, and gloo stops them). Ranks whose reductions agree decide alike; ranks
+        whose reductions differ fail either way."""
         tags, self._unchecked = self._unchecked, []
         check = self._bucket_check(tags, torch.float32) if self._ambiguous.intersection(tags) else None
         if check is None:
