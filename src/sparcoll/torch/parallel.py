@@ -767,12 +767,9 @@ class DataParallel(nn.Module):
 
             def finish() -> None:
                 if check is not None and not torch.equal(flats[-1], check):
-                    raise MismatchError(
-                        f"rank {dist.get_rank(self.group)}: the ranks' gradients reduced by gloo held "
-                        f"different parameters since the last check (this rank's bucket: "
-                        f"{', '.join(self._names.get(id(q), '?') for q in extra[:4])}"
-                        f"{' ...' if len(extra) > 4 else ''}, and the gradients before it): their sums "
-                        f"mix them")
+                    names = ", ".join(self._names.get(id(q), "?") for q in extra[:4])
+                    raise self._mixed(f"since the last check (this rank's bucket: {names}"
+                                      f"{' ...' if len(extra) > 4 else ''}, and the gradients before)")
                 for q, grad, flat in zip(extra, grads, flats):
                     self._put_back(q, grad, flat)
             return self._later(work, finish)
@@ -835,10 +832,14 @@ class DataParallel(nn.Module):
 
         def finish() -> None:
             if not torch.equal(check, sent):
-                raise MismatchError(f"rank {dist.get_rank(self.group)}: the ranks' gradients reduced by "
-                                    f"gloo held different parameters after the step's last bucket: "
-                                    f"their sums mix them")
+                raise self._mixed("after the step's last bucket")
         return self._later(self.channel.start_allreduce_mean(check), finish)
+
+    def _mixed(self, where: str) -> MismatchError:
+        """The error of a check whose elements came back changed (_bucket_check), `where` saying which
+        gradients it covered."""
+        return MismatchError(f"rank {dist.get_rank(self.group)}: the ranks' gradients reduced by gloo "
+                             f"held different parameters {where}: their sums mix them")
 
     def _bucket_check(self, tags: list[int], dtype: torch.dtype) -> torch.Tensor | None:
         """Two elements that ride at the end of a ring bucket, world * t and world * t * t, where t (1 to
