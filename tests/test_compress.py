@@ -259,6 +259,38 @@ def test_bits_round_trip_any_length():
         assert packed.numel() == bits.packed_bytes(n, width=2)
         levels = torch.tensor([0.5, 1.5, 2.5, 3.5])
         assert torch.equal(bits.decode(packed, n, levels), levels[2 * mask.long() + other.long()])
+        out = torch.full((n,), math.nan)
+        assert bits.decode(packed, n, levels, out) is out
+        assert torch.equal(out, levels[2 * mask.long() + other.long()])
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if not s.startswith("powersgd")])
+def test_decompressing_and_combining_into_a_tensor_overwrite_it_with_the_same_values(spec):
+    """The executors decompress into the gradient itself (`out`): whatever it held, the result is
+    what a new tensor would hold. The average over ranks is computed apart, from each rank's parts
+    decompressed alone (signsgd: the majority vote from the unpacked bits); sizes of a partial last
+    byte and block, and a smaller tensor between two larger ones (the reused scratch buffer)."""
+    compressor = sc.make(spec)
+    for n in (1001, 37, 2050):
+        payloads = [compressor.compress(data(n, seed=seed)) for seed in range(3)]
+        for payload in payloads:
+            out = torch.full((n,), math.nan)
+            assert compressor.decompress(payload.parts, payload.ctx, out) is out
+            assert torch.equal(out, compressor.decompress(payload.parts, payload.ctx))
+        if compressor.scheme != "allgather":
+            continue
+        gathered = [payload.parts for payload in payloads]
+        out = torch.full((n,), math.nan)
+        assert compressor.combine(gathered, payloads[0].ctx, out) is out
+        alone = torch.stack([compressor.decompress(parts, payloads[0].ctx) for parts in gathered])
+        if spec == "signsgd":
+            signs = torch.stack([1 - 2 * bits.unpack(packed, n).float() for _, packed in gathered])
+            scale = torch.stack([levels[0] for levels, _ in gathered]).mean()
+            expected = signs.sum(0).sign() * scale
+        else:
+            expected = alone.mean(0)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(compressor.combine(gathered, payloads[0].ctx), expected, rtol=1e-6, atol=1e-7)
 
 
 # ---- unbiasedness ------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from .base import Compressor, Entries, Payload, block_bytes
+from .base import Compressor, Entries, Payload, block_bytes, zeroed
+from .channel import scatter_rows
 
 
 class BlockTopK(Compressor):
@@ -66,12 +67,9 @@ class BlockTopK(Compressor):
         mask = kept[where]
         return idx[mask], vals[mask]
 
-    def decompress(self, parts: tuple, numel: int) -> torch.Tensor:
+    def decompress(self, parts: tuple, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         indices, rows = parts
-        bs = self.block_size
-        out = torch.zeros(-(-numel // bs), bs)
-        out.index_copy_(0, indices, rows)
-        return out.view(-1)[:numel]
+        return scatter_rows(zeroed(numel, out), indices, rows, self.block_size)
 
     def sent(self, payload: Payload) -> Entries:
         """The kept elements, for error feedback (the last block's padding left out)."""

@@ -127,7 +127,7 @@ def _wait(work) -> None:
 def scatter_rows(flat: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, width: int):
     """Write `rows` (width elements each, ascending block `indices`) into the flat tensor; the
     last block may be partial (its padding dropped). How a sparse AllReduce's average reaches a
-    gradient (`blocks_mean` with `into`), which `sparcoll plan` times as the decompression."""
+    gradient (`blocks_mean` with `into`) and BlockTopK decompresses."""
     full = flat.numel() // width
     inside = int(torch.searchsorted(indices, full))
     flat[:full * width].view(full, width).index_copy_(0, indices[:inside], rows[:inside])

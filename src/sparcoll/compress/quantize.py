@@ -33,8 +33,8 @@ class Cast(Compressor):
     def compress_entries(self, idx: torch.Tensor, vals: torch.Tensor, numel: int):
         return idx, vals.to(self.dtype)
 
-    def decompress(self, parts: tuple, ctx) -> torch.Tensor:
-        return parts[0].float()
+    def decompress(self, parts: tuple, ctx, out: torch.Tensor | None = None) -> torch.Tensor:
+        return parts[0].to(torch.float32, copy=True) if out is None else out.copy_(parts[0])
 
     def payload_bytes(self, numel: int, shape=None) -> int:
         return numel * self.dtype.itemsize
@@ -60,9 +60,10 @@ class QSGD(Compressor):
         level.clamp_(max=self.levels)
         return Payload((norm, level.copysign_(flat).to(self.dtype)), flat.numel())
 
-    def decompress(self, parts: tuple, ctx) -> torch.Tensor:
+    def decompress(self, parts: tuple, ctx, out: torch.Tensor | None = None) -> torch.Tensor:
         norm, level = parts
-        return level.float().mul_(norm / self.levels)
+        scale = norm / self.levels
+        return level.float().mul_(scale) if out is None else torch.mul(level, scale, out=out)
 
     def payload_bytes(self, numel: int, shape=None) -> int:
         return 4 + numel * self.dtype.itemsize
@@ -80,9 +81,9 @@ class TernGrad(Compressor):
         keep = self.uniform(flat.numel()) < prob
         return Payload((scale, bits.pack(keep, flat < 0)), flat.numel())
 
-    def decompress(self, parts: tuple, numel: int) -> torch.Tensor:
+    def decompress(self, parts: tuple, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         scale, packed = parts            # codes: 0b10 = +scale, 0b11 = -scale, 0b0x = 0
-        return bits.decode(packed, numel, torch.cat([torch.zeros(2), scale, -scale]))
+        return bits.decode(packed, numel, torch.cat([torch.zeros(2), scale, -scale]), out)
 
     def payload_bytes(self, numel: int, shape=None) -> int:
         return 4 + bits.packed_bytes(numel, width=2)

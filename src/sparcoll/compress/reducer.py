@@ -51,8 +51,8 @@ class Reducer:
         of compressors that keep them sparse are reduced one by one. `exact`: dense tensors averaged
         uncompressed in the same collective (every block of them; only where the compressor's
         collective can carry them, `carries_exact`), their averages after the others'. `into`: flat
-        float32 tensors, one per dense input then per exact one, that receive the averages (the
-        sparse AllReduce writes there directly, saving a dense temporary and a copy); returned.
+        float32 tensors, one per dense input then per exact one, that receive the averages (each
+        scheme decompresses there directly, saving a dense temporary and a copy); returned.
         `tag`: the sparse AllReduce's (Communicator.allreduce), which every rank must give alike."""
         if exact and not self.compressor.carries_exact:
             raise ValueError(f"{self.spec} cannot carry uncompressed tensors in its collective")
@@ -106,7 +106,7 @@ class Reducer:
     def communicate(self, payloads: list, likes: list, into: list | None = None, tag: int = 0) -> list:
         """The averages over ranks of what `compress` kept, one collective for all the payloads (two
         for variable-size gathers), each shaped and typed as its tensor in `likes`. `into`: flat
-        float32 tensors the sparse AllReduce writes the averages into (as `reduce_many`'s); `tag` as
+        float32 tensors the averages are decompressed into (as `reduce_many`'s); `tag` as
         `reduce_many`'s."""
         outs = self._communicate(payloads, into, tag)
         return [out.view(like.shape).to(like.dtype) for out, like in zip(outs, likes)]
@@ -128,9 +128,11 @@ class Reducer:
                                             c.block_size, into, tag)
         else:
             gathered = self.channel.allgather(tuple(parts), c.variable)
-            return [c.combine([ranks[j * count:(j + 1) * count] for ranks in gathered], payload.ctx)
+            return [c.combine([ranks[j * count:(j + 1) * count] for ranks in gathered], payload.ctx,
+                              None if into is None else into[j])
                     for j, payload in enumerate(payloads)]
-        return [c.decompress(tuple(parts[j * count:(j + 1) * count]), payload.ctx)
+        return [c.decompress(tuple(parts[j * count:(j + 1) * count]), payload.ctx,
+                             None if into is None else into[j])
                 for j, payload in enumerate(payloads)]
 
     def _reduce_entries(self, g: torch.Tensor, key, tag: int) -> torch.Tensor:

@@ -31,17 +31,18 @@ class Sign(Compressor):
         negative = flat < 0
         return Payload((self.levels(flat, negative), bits.pack(negative)), flat.numel())
 
-    def decompress(self, parts: tuple, numel: int) -> torch.Tensor:
+    def decompress(self, parts: tuple, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         levels, packed = parts
-        return bits.decode(packed, numel, levels)
+        return bits.decode(packed, numel, levels, out)
 
-    def combine(self, gathered: list[tuple], numel: int) -> torch.Tensor:
+    def combine(self, gathered: list[tuple], numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if not self.vote:
-            return super().combine(gathered, numel)
+            return super().combine(gathered, numel, out)
         ballot = torch.tensor([1.0, -1.0])      # a 0 bit votes +1, a 1 bit -1
-        votes = bits.decode(gathered[0][1], numel, ballot)
+        votes = bits.decode(gathered[0][1], numel, ballot, out)
+        scratch = self.scratch(numel)
         for _, packed in gathered[1:]:
-            votes += bits.decode(packed, numel, ballot)
+            votes += bits.decode(packed, numel, ballot, scratch)
         scale = torch.stack([levels[0] for levels, _ in gathered]).mean()
         return votes.sign_().mul_(scale)
 

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .base import Compressor, Entries, Payload, index_dtype
+from .base import Compressor, Entries, Payload, index_dtype, zeroed
 
 
 def _count(ratio: float, numel: int) -> int:
@@ -39,18 +39,18 @@ class Sparsifier(Compressor):
         pos = self.select(vals, numel)
         return idx[pos], vals[pos]
 
-    def decompress(self, parts: tuple, numel: int) -> torch.Tensor:
+    def decompress(self, parts: tuple, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         idx, vals = parts
-        return torch.zeros(numel).index_put_((idx.long(),), vals)
+        return zeroed(numel, out).index_put_((idx.long(),), vals)
 
     def sent(self, payload: Payload) -> Entries:
         idx, vals = payload.parts
         return Entries(idx.long(), vals)
 
-    def combine(self, gathered: list[tuple], numel: int) -> torch.Tensor:
+    def combine(self, gathered: list[tuple], numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         idx = torch.cat([parts[0].long() for parts in gathered])
         vals = torch.cat([parts[1] for parts in gathered])
-        return torch.zeros(numel).index_add_(0, idx, vals).div_(len(gathered))
+        return zeroed(numel, out).index_add_(0, idx, vals).div_(len(gathered))
 
     def payload_bytes(self, numel: int, shape=None) -> int:
         return self._bound(numel) * (4 + index_dtype(numel).itemsize)
@@ -142,9 +142,9 @@ class RandomK(Compressor):
             vals = vals / -math.expm1(k * math.log1p(-1.0 / n))
         return Payload((vals,), (idx, n))
 
-    def decompress(self, parts: tuple, ctx) -> torch.Tensor:
+    def decompress(self, parts: tuple, ctx, out: torch.Tensor | None = None) -> torch.Tensor:
         idx, numel = ctx
-        return torch.zeros(numel).index_put_((idx,), parts[0])
+        return zeroed(numel, out).index_put_((idx,), parts[0])
 
     def payload_bytes(self, numel: int, shape=None) -> int:
         return 4 * _count(self.spec.arg, numel)

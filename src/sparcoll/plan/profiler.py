@@ -55,7 +55,7 @@ from sparcoll.bench.events import emit
 from sparcoll.bench.worker import exit_process, run_worker
 from sparcoll.blocks import BlockTensor
 from sparcoll.compress import Reducer
-from sparcoll.compress.channel import Channel, scatter_rows
+from sparcoll.compress.channel import Channel
 from sparcoll.torch import sparse
 from sparcoll.torch.ps import ps_allreduce
 from sparcoll.torch.sfb import eligible_layers
@@ -246,16 +246,14 @@ def profile_compressors(specs: list[str], world: int, gradients: dict, numels: t
             compress = timed(lambda _: payloads.append(reducer.compress(x, key=name or x.numel())))
             payload = payloads[-1]
             payloads.clear()
+            # into a gradient-sized tensor, as the executors decompress: a new one each time took
+            # 55 ms for deeplight's 68 MB embedding gradient (fresh pages) under blocktopk, about ten
+            # times its time in place
+            into = torch.empty(x.numel())
             if c.scheme == "allgather":
-                decompress = timed(lambda _: c.combine([payload.parts] * world, payload.ctx))
-            elif c.scheme == "sparse":      # the blocks written into the gradient itself, as the
-                # executor's `into` has them: a new dense tensor each time took 55 ms for deeplight's
-                # embedding (68 MB of fresh pages), where zeroing the gradient and writing the kept
-                # blocks there takes about a tenth of that
-                into = torch.empty(x.numel())
-                decompress = timed(lambda _: scatter_rows(into.zero_(), *payload.parts, c.block_size))
-            else:       # the average decompressed into a dense tensor
-                decompress = timed(lambda _: c.decompress(payload.parts, payload.ctx))
+                decompress = timed(lambda _: c.combine([payload.parts] * world, payload.ctx, into))
+            else:
+                decompress = timed(lambda _: c.decompress(payload.parts, payload.ctx, into))
             yield spec, x.numel(), name, compress, decompress
 
 
