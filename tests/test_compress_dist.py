@@ -67,6 +67,9 @@ def everything(rank: int, world: int) -> dict:
             several = [grad(spec, rank, 0), grad(spec, rank, 1)[:5], wire_input(rank)]
             keys = ["x", "y", "z"]
             out["many " + spec] = sc.Reducer(spec, comm=comm).reduce_many(several, keys)
+            into = [torch.full((t.numel(),), float("nan")) for t in several]
+            got = sc.Reducer(spec, comm=comm).reduce_many(several, keys, into=into)
+            out["into " + spec] = (got, all(g is i for g, i in zip(got, into)))
             alone = sc.Reducer(spec, comm=comm)
             out["alone " + spec] = [alone.reduce(t, key=k) for t, k in zip(several, keys)]
         for spec in COO_SPECS:
@@ -137,6 +140,16 @@ def test_several_tensors_in_one_collective_equal_one_by_one(outcome, spec):
             assert torch.equal(many, first)
             tolerance = {"fp16": 2e-3, "bf16": 1e-2}.get(spec, 1e-5)   # sums in another order
             assert torch.allclose(many, alone, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_averages_written_into_the_callers_tensors_are_those_returned_new(outcome, spec):
+    """`into` (DataParallel's gradients): each scheme decompresses there, whatever they held."""
+    for out in outcome:
+        got, returned_into = out["into " + spec]
+        assert returned_into
+        for into, many in zip(got, out["many " + spec]):
+            assert torch.equal(into, many.reshape(-1))
 
 
 def test_powersgd_q_is_identical_on_every_rank(outcome):
