@@ -262,6 +262,9 @@ def test_bits_round_trip_any_length():
         out = torch.full((n,), math.nan)
         assert bits.decode(packed, n, levels, out) is out
         assert torch.equal(out, levels[2 * mask.long() + other.long()])
+        strided = torch.full((2 * n,), math.nan)[::2]
+        assert bits.decode(packed, n, levels, strided) is strided
+        assert torch.equal(strided, levels[2 * mask.long() + other.long()])
 
 
 @pytest.mark.parametrize("spec", [s for s in SPECS if not s.startswith("powersgd")])
