@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from sparcoll.plan import decide
-from sparcoll.plan.command import choices_of, tensors_of, units_of
+from sparcoll.plan.command import choices_of, costing_of, tensors_of, units_of
 from sparcoll.plan.costs import Costing, Measured
 from sparcoll.plan.options import COMPRESSORS, JobFacts, TensorFacts
 from sparcoll.plan.timeline import Step
@@ -99,13 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     profiles = {name: p for name, p in profiles.items() if "fits" in p}
     for name, profile in profiles.items():
         step, measured = tensors_of(profile)
-        costing = Costing(profile["fits"], profile["workers"])
+        costing = costing_of(profile)
         for grouped, offload in itertools.product((True, False), repeat=2):
             ms, units = decision_ms(step, measured, costing, grouped, compressors_of(profile), offload)
             rows.append({"model": name, "tensors": len(measured), "units": units, "grouped": grouped,
                          "offload": offload, "decision_ms": ms})
     base = profiles.get("vgg") or next(iter(profiles.values()))
-    costing = Costing(base["fits"], base["workers"])
+    costing = costing_of(base)
     for count in (10, 32, 150, 300, 314):
         step, measured = resnet_instance(count)
         for grouped, offload in itertools.product((True, False), repeat=2):

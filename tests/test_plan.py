@@ -105,6 +105,28 @@ def test_an_offloaded_lane_overlaps_and_on_thread_compression_delays_backward():
     assert both.payload_ready == [0.5, 1.0] and both.iteration == 1.2
 
 
+def test_a_ring_collective_on_gloos_lane_holds_the_channel_only_for_its_share_of_the_link():
+    """DataParallel starts an uncompressed ring collective on gloo and goes on: the next tensor's
+    collective waits only for the ring's `hold` (the link), gloo runs its collectives one at a time,
+    and the step waits for gloo's last."""
+    step = Step((0.0, 0.1), 0.2)
+    beside = simulate(step, [Cost(comm=1.0, hold=0.25), Cost(comm=0.5)])
+    assert beside.comm_start == [0.0, 0.25] and beside.comm_end == [1.0, 0.75]
+    assert beside.iteration == 1.0
+    assert simulate(step, [Cost(comm=1.0), Cost(comm=0.5)]).iteration == 1.5      # on the channel
+    two = simulate(step, [Cost(comm=1.0, hold=0.25), Cost(comm=0.5, hold=0.1)])
+    assert two.comm_start == [0.0, 1.0] and two.comm_end == [1.0, 1.5]            # gloo serializes
+    for costs in ([Cost(comm=1.0, hold=0.25), Cost(comm=0.5)], [Cost(comm=1.0, hold=0.25), Cost(comm=0.5, hold=0.1)]):
+        assert Simulation(step, costs).iteration == simulate(step, costs).iteration
+    # under load: 0.2 s of backward work at half rate overlaps the ring's first 0.4 s, in which it
+    # advances at half its rate (1.0 alone, 2.0 loaded): 1.2 s in all, its hold stretched alike to
+    # 0.3 s, for which backward runs at half rate (0.15 s of work), the rest after: backward ends at
+    # 0.35; tensor 1's 0.1 s of work is done at 0.2 and waits for the hold
+    loaded = simulate(step, [Cost(comm=1.0, hold=0.25, loaded=2.0, slowdown=2.0), Cost(comm=0.5)])
+    assert loaded.comm_start == pytest.approx([0.0, 0.3]) and loaded.comm_end == pytest.approx([1.2, 0.8])
+    assert loaded.backward_end == pytest.approx(0.35) and loaded.iteration == pytest.approx(1.2)
+
+
 def test_collectives_and_backward_slow_each_other_down_hand_computed():
     """Backward has 0.3 s of work; tensor 0 (ready at 0.1) communicates under load for 0.2 s while
     backward runs at half its rate, so tensor 1's 0.2 s of work is ready at 0.3; its communication
@@ -137,7 +159,8 @@ def test_without_contention_measured_the_timeline_is_the_searches_max_plus_one()
         step, tensors = instance(rng, rng.randint(1, 12), 3, offload=True)
         costs = [rng.choice(list(t.costs.values())) for t in tensors]
         got, lanes = simulate(step, costs), Simulation(step, costs)
-        assert got.comm_end == pytest.approx([state[2] for state in lanes.states[1:]], abs=1e-12)
+        ends = [state[2] if cost.hold is None else state[3] for state, cost in zip(lanes.states[1:], costs)]
+        assert got.comm_end == pytest.approx(ends, abs=1e-12)
         assert got.backward_end == pytest.approx(step.backward_end + lanes.states[-1][0], abs=1e-12)
         assert got.iteration == pytest.approx(lanes.iteration, abs=1e-12)
 
@@ -185,6 +208,8 @@ def instance(rng: random.Random, n: int, kinds: int, offload: bool = False):
     for _ in range(kinds):
         size = rng.choice([1, 2, 4, 8])
         raw, ring = Cost(comm=rng.uniform(0, 0.4) * size), Cost(comm=rng.uniform(0, 0.4) * size)
+        if rng.random() < 0.5:          # on gloo's lane, holding the channel for part of its time
+            ring = Cost(comm=ring.comm, hold=ring.comm * rng.uniform(0, 1))
         compressed = Cost(rng.uniform(0, 0.3) * size, rng.uniform(0, 0.1) * size, rng.uniform(0, 0.05))
         kinds_costs.append((size, raw, ring, compressed))
     tensors = []
@@ -236,9 +261,10 @@ def test_the_frontier_moves_every_state_as_the_simulator_does():
     rng = random.Random(14)
     for _ in range(30):
         step = Step(tuple(sorted(rng.uniform(0, 1) for _ in range(3))), 1.0)
-        lanes = np.array([[rng.uniform(0, 0.3), rng.uniform(0, 1.5), rng.uniform(0, 1.5)] for _ in range(5)])
+        lanes = np.array([[rng.uniform(0, 0.3)] + [rng.uniform(0, 1.5) for _ in range(3)] for _ in range(5)])
         costs = [Cost(rng.choice([0.0, rng.uniform(0, 0.2)]), rng.uniform(0, 0.5), rng.uniform(0, 0.05),
-                      rng.random() < 0.5, rng.choice([0.0, rng.uniform(0, 0.3)])) for _ in range(4)]
+                      rng.random() < 0.5, rng.choice([0.0, rng.uniform(0, 0.3)])) for _ in range(3)]
+        costs.append(Cost(comm=rng.uniform(0, 0.5), hold=rng.uniform(0, 0.2)))     # on gloo's lane
         i = rng.randrange(3)
         got = decide._advance_all(step.ready[i], lanes, costs)
         want = [advance(step, tuple(state), i, cost)[0] for state in lanes.tolist() for cost in costs]
@@ -246,7 +272,7 @@ def test_the_frontier_moves_every_state_as_the_simulator_does():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(*[st.integers(0, 3).map(float)] * 3), min_size=1, max_size=40),
+@given(st.lists(st.tuples(*[st.integers(0, 3).map(float)] * 4), min_size=1, max_size=40),
        st.integers(1, 50))
 def test_the_frontier_keeps_exactly_the_undominated_lane_states(lanes, beam):
     """Against the definition, with many ties: a state is dropped iff another is at most it in every

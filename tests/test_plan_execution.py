@@ -91,6 +91,21 @@ def test_the_sparse_allreduce_is_priced_by_elements_and_share():
     assert own.cost(other, Option("none", SPARSE)) == cost
 
 
+def test_an_uncompressed_ring_tensor_holds_the_channel_for_its_bytes_on_the_link():
+    """DataParallel leaves it running on gloo (timeline.py's gloo lane): 2 (n - 1) / n of its bytes
+    cross the busiest link at the link's rate; where that takes all its time, and on loopback, it is
+    priced on the channel, as every other option is."""
+    t = Measured(TensorFacts("w", 250_000), (250_000,), density=1.0, union=1.0)
+    alone = 1e-3 + 1e-8 * 4 * 250_000
+    link = Costing(FITS, workers=4, link_rate=1e9)          # bytes per second
+    assert link.cost(t, Option()).comm == pytest.approx(alone)
+    assert link.cost(t, Option()).hold == pytest.approx(1.5 * 1e6 / 1e9)
+    assert Costing(FITS, workers=4, link_rate=1e6).cost(t, Option()).hold is None     # all its time
+    assert Costing(FITS, workers=4).cost(t, Option()).hold is None                    # loopback
+    for o in (Option("none", PS), Option("none", SPARSE), Option("fp16", RING)):
+        assert link.cost(t, o).hold is None
+
+
 def test_costs_follow_the_curves_hand_computed():
     costing = Costing(FITS, workers=4)
     t = Measured(TensorFacts("w", 1000 * 500, linear=True), (1000, 500), rows=32, density=0.1, union=0.3)

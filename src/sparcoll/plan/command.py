@@ -288,13 +288,19 @@ def uniforms_of(step: Step, tensors: list[decide.Choices], compressors) -> dict[
     return out
 
 
+def costing_of(profile: dict) -> Costing:
+    """The profile's cost models, on its network's links (loopback: none)."""
+    network = profile["network"]
+    return Costing(profile["fits"], profile["workers"], None if network == "none" else parse_rate(network) / 8)
+
+
 def priced(profile: dict, compressors: list[str]):
     """A profiled model's units as the plan chooses for them: the units' Step, the tensors, each
     unit's members, its Choices over `compressors`, and the Costing that priced them."""
     step, measured = tensors_of(profile)
     step, units, groups = units_of(step, measured)
     job = JobFacts(offload_core=profile["model"]["cores_per_worker"] >= 2)
-    costing = Costing(profile["fits"], profile["workers"])
+    costing = costing_of(profile)
     return step, measured, groups, choices_of(units, groups, measured, costing, compressors, job), costing
 
 

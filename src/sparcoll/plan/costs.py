@@ -24,6 +24,10 @@ a Grid):
                the training thread (`loaded`), and how many times longer they take meanwhile
                (`slowdown`; neither made monotone); PowerSGD, whose allreduces are the ring's, takes the
                ring's at its payload
+  the link     an uncompressed tensor on the ring runs on gloo's lane (timeline.py) and holds the
+               channel for its bytes on the busiest link (2 (n - 1) / n of its own) at the link's
+               rate; where that is all its time, and on loopback (no rate), it is priced on the
+               channel (the same timeline, fewer states for the decision's search)
 How an option's cost is built from them is `Costing.cost`.
 """
 from __future__ import annotations
@@ -133,7 +137,8 @@ class Costing:
     """Options' costs from a profile's curves (its "fits": per quantity the points' xs and ys, and the
     sparse AllReduce's grids under "grids", see profiler.fit)."""
 
-    def __init__(self, fits: dict, workers: int):
+    def __init__(self, fits: dict, workers: int, link_rate: float | None = None):
+        """`link_rate`: the network's, bytes per second (None: loopback)."""
         self.collective = {name: Curve(*xy) for name, xy in fits["collectives"].items()}
         self.grids = {quantity: {name: Grid.of_rows(rows, monotone=quantity == "collectives")
                                  for name, rows in by_name.items()}
@@ -150,6 +155,7 @@ class Costing:
         self.slowdown = {name: Curve(*xy) for name, xy in fits.get("slowdown", {}).items()}
         self._curves = {"collectives": self.collective, "loaded": self.loaded, "slowdown": self.slowdown}
         self.workers = workers
+        self.link_rate = link_rate
 
     def _measured(self, quantity: str, kind: str, x: float, numel: int, name: str | None = None) -> float | None:
         """The profile's `quantity` ("collectives", "loaded" or "slowdown") of collective `kind` for x
@@ -166,17 +172,22 @@ class Costing:
         return None if curve is None else curve(x)
 
     def _on(self, kind: str, x: float, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
-            sooner: float = 0.0, comm: float | None = None, numel: int = 0, name: str | None = None) -> Cost:
+            sooner: float = 0.0, comm: float | None = None, numel: int = 0, name: str | None = None,
+            beside: bool = False) -> Cost:
         """A cost whose payload of size x (of tensor `name`, of `numel` elements) travels on collective
         `kind` (its time alone `comm`, if not the kind's measured one), with that kind's contention
-        where the profile measured it."""
+        where the profile measured it; `beside`: on gloo's lane (an uncompressed ring allreduce)."""
         measured = self._measured("collectives", kind, x, numel, name)
         alone = measured if comm is None else comm
+        hold = None     # a collective that needs the link for all its time: the same as on the channel
+        if beside and self.link_rate:
+            link = 2 * (self.workers - 1) / self.workers * x / self.link_rate
+            hold = link if link < alone else None
         loaded = self._measured("loaded", kind, x, numel, name)
         if loaded is None:
-            return Cost(compress, alone, decompress, offload, sooner)
+            return Cost(compress, alone, decompress, offload, sooner, hold=hold)
         return Cost(compress, alone, decompress, offload, sooner, alone * loaded / max(measured, 1e-12),
-                    max(1.0, self._measured("slowdown", kind, x, numel, name)))
+                    max(1.0, self._measured("slowdown", kind, x, numel, name)), hold)
 
     def _gathered(self, x: float, parts: int, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
                   sooner: float = 0.0, variable: bool = True) -> Cost:
@@ -202,7 +213,7 @@ class Costing:
             if option.collective in (SPARSE, DEDICATED):
                 return self._on(option.collective, sparse_volume(numel, t.density, t.union), numel=numel,
                                 name=t.facts.name)
-            return self._on(option.collective, numel * ITEMSIZE)
+            return self._on(option.collective, numel * ITEMSIZE, beside=option.collective == RING)
         return self.bucket([t], option)
 
     def priced_coo(self, name: str, option: Option) -> bool:

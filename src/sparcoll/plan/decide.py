@@ -103,17 +103,18 @@ def frontier(step: Step, tensors: list[Choices], alternatives: list[list[Option]
     beam = beam or max(16, BEAM_WORK // max(1, n))
     rest = [0.0] * (n + 1)          # the least channel time the tensors after i can take
     for i in reversed(range(n)):
-        rest[i] = rest[i + 1] + min(tensors[i].costs[o].comm + tensors[i].costs[o].decompress
-                                    for o in alternatives[i])
-    lanes = np.zeros((1, 3))        # the kept states: (on-thread delay, offload lane, channel)
+        rest[i] = rest[i + 1] + min(_channel_time(tensors[i].costs[o]) for o in alternatives[i])
+    lanes = np.zeros((1, 4))        # the kept states: (on-thread delay, offload lane, channel, gloo)
     layers = []                     # per tensor: the kept states' indices, parent * alternatives + option
     for i, t in enumerate(tensors):
         grown = _advance_all(step.ready[i], lanes, [t.costs[o] for o in alternatives[i]])
-        bound = np.maximum(np.maximum(step.backward_end + grown[:, 0], grown[:, 1]), grown[:, 2] + rest[i + 1])
+        bound = np.maximum.reduce([step.backward_end + grown[:, 0], grown[:, 1], grown[:, 2] + rest[i + 1],
+                                   grown[:, 3]])
         kept = _undominated(grown, bound, beam)
         layers.append(kept)
         lanes = grown[kept]
-    best = int(np.argmin(np.maximum(np.maximum(step.backward_end + lanes[:, 0], lanes[:, 2]), lanes[:, 1])))
+    best = int(np.argmin(np.maximum.reduce([step.backward_end + lanes[:, 0], lanes[:, 1], lanes[:, 2],
+                                            lanes[:, 3]])))
     out = []
     for i in reversed(range(n)):
         parent, option = divmod(int(layers[i][best]), len(alternatives[i]))
@@ -122,31 +123,40 @@ def frontier(step: Step, tensors: list[Choices], alternatives: list[list[Option]
     return out[::-1]
 
 
+def _channel_time(cost: Cost) -> float:
+    """How long the option holds the channel."""
+    return cost.comm + cost.decompress if cost.hold is None else cost.hold
+
+
 def _advance_all(ready: float, lanes: np.ndarray, costs: list[Cost]) -> np.ndarray:
-    """timeline.advance for every state in `lanes` (S x 3) under every cost: (S * len(costs)) x 3,
+    """timeline.advance for every state in `lanes` (S x 4) under every cost: (S * len(costs)) x 4,
     state-major."""
     table = np.array([(c.compress, c.comm, c.decompress, c.sooner, bool(c.compress and c.offload),
-                       bool(c.compress and not c.offload)) for c in costs])
+                       bool(c.compress and not c.offload), c.hold is not None, c.hold or 0.0) for c in costs])
     compress, comm, decompress, sooner = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
     offloaded, on_thread = table[:, 4].astype(bool), table[:, 5].astype(bool)
-    delay, lane, channel = lanes[:, 0:1], lanes[:, 1:2], lanes[:, 2:3]
+    on_gloo, hold = table[:, 6].astype(bool), table[:, 7]
+    delay, lane, channel, gloo = lanes[:, 0:1], lanes[:, 1:2], lanes[:, 2:3], lanes[:, 3:4]
     payload = ready + delay - sooner
     lane = np.where(offloaded, np.maximum(payload, lane) + compress, lane)
     payload = np.where(offloaded, lane, np.where(on_thread, payload + compress, payload))
     delay = np.where(on_thread, delay + compress, delay)
-    channel = np.maximum(payload, channel) + comm + decompress
-    return np.stack(np.broadcast_arrays(delay, lane, channel), axis=-1).reshape(-1, 3)
+    start = np.maximum(payload, channel)
+    start = np.where(on_gloo, np.maximum(start, gloo), start)
+    channel = np.where(on_gloo, start + hold, start + comm + decompress)
+    gloo = np.where(on_gloo, start + comm + decompress, gloo)
+    return np.stack(np.broadcast_arrays(delay, lane, channel, gloo), axis=-1).reshape(-1, 4)
 
 
 def useful(choices: Choices) -> list[Option]:
-    """The tensor's options that no other option of the same lane beats in compression time, channel
-    time and how soon its payload is ready (a beaten one can never give a smaller F)."""
-    costs = choices.costs
-    return [o for o, c in costs.items() if not any(
-        d.offload == c.offload and d.compress <= c.compress and d.comm + d.decompress <= c.comm + c.decompress
-        and d.sooner >= c.sooner
-        and (d.compress, d.comm + d.decompress, d.sooner) != (c.compress, c.comm + c.decompress, c.sooner)
-        for d in costs.values())]
+    """The tensor's options that no other option of the same lanes beats in compression time, channel
+    time (and time on gloo's lane) and how soon its payload is ready (a beaten one can never give a
+    smaller F)."""
+    keys = {o: (c.offload, c.hold is None, c.compress, _channel_time(c),
+                0.0 if c.hold is None else c.comm + c.decompress, -c.sooner) for o, c in choices.costs.items()}
+    return [o for o, c in keys.items() if not any(
+        d[:2] == c[:2] and d[2] <= c[2] and d[3] <= c[3] and d[4] <= c[4] and d[5] <= c[5] and d != c
+        for d in keys.values())]
 
 
 def _undominated(lanes: np.ndarray, bound: np.ndarray, beam: int) -> np.ndarray:
@@ -157,6 +167,7 @@ def _undominated(lanes: np.ndarray, bound: np.ndarray, beam: int) -> np.ndarray:
     # [j, i]: state j at most state i in every lane; for j < i the sort already gives the first
     at_most = ordered[:, None, 1] <= ordered[None, :, 1]
     at_most &= ordered[:, None, 2] <= ordered[None, :, 2]
+    at_most &= ordered[:, None, 3] <= ordered[None, :, 3]
     at_most &= _earlier(len(order))
     kept = order[~at_most.any(axis=0)]
     if len(kept) > beam:

@@ -1,14 +1,18 @@
 """ByteComp's timeline simulator: the iteration time F of a strategy, from each tensor's backward ready
 time and its option's costs.
 
-Three lanes, as sparcoll.torch.DataParallel runs them:
+Four lanes, as sparcoll.torch.DataParallel runs them:
   training thread  backward; a tensor compressed on it delays all later backward work by the
                    compression time (the gradients after it are ready that much later)
   offload lane     a worker thread that compresses offloaded tensors, one at a time, in backward order
   channel          the synchronization thread: one tensor at a time, in backward order, from the moment
                    its payload is ready; it communicates and then decompresses (the Reducer's order)
+  gloo's lane      an uncompressed ring collective (`Cost.hold`): the synchronization thread starts it
+                   on gloo and goes on to the next tensor; gloo runs them one at a time. It holds the
+                   channel only for its share of the link (its bytes on the busiest link at the link's
+                   rate): a collective after it waits for the link, not for the ring's latency
 F = the last of: backward's end (delayed by on-thread compression), the channel's last finish, the
-offload lane's last finish; plus the optimizer step, which waits for all of them.
+offload lane's last finish, gloo's last finish; plus the optimizer step, which waits for all of them.
 
 That is ByteComp's model, with every operation taking the time it takes alone (`Simulation`: what
 the decision searches with). With 4 workers on 2 cores, a collective that runs while backward
@@ -28,7 +32,9 @@ class Cost:
     work the option spares). `sooner`: the payload is ready that long before the gradient would be
     (SFB's factors: at the layer's output gradient, before its backward has run). `loaded`: the
     communication's time when it starts while backward computes (None: as `comm`); `slowdown`: how
-    many times longer backward's work takes while it runs."""
+    many times longer backward's work takes while it runs. `hold`: for a collective on gloo's lane
+    (an uncompressed one on the ring, nothing to compress or decompress), how long it holds the
+    channel; None: the channel's for its whole time."""
     compress: float = 0.0
     comm: float = 0.0
     decompress: float = 0.0
@@ -36,6 +42,7 @@ class Cost:
     sooner: float = 0.0
     loaded: float | None = None
     slowdown: float = 1.0
+    hold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -58,13 +65,14 @@ class Timeline:
     iteration: float
 
 
-State = tuple  # (on-thread compression so far, when the offload lane is free, when the channel is free)
+State = tuple  # (on-thread compression so far, when the offload lane, the channel, gloo's lane are free)
+START: State = (0.0, 0.0, 0.0, 0.0)
 
 
 def advance(step: Step, state: State, i: int, cost: Cost) -> tuple[State, float, float]:
     """Tensor i through the lanes: the state after it, when its payload was ready and when its
     communication started."""
-    delay, lane, channel = state
+    delay, lane, channel, gloo = state
     ready = step.ready[i] + delay - cost.sooner
     if cost.compress and cost.offload:
         lane = ready = max(ready, lane) + cost.compress
@@ -72,13 +80,16 @@ def advance(step: Step, state: State, i: int, cost: Cost) -> tuple[State, float,
         delay += cost.compress
         ready += cost.compress
     start = max(ready, channel)
-    return (delay, lane, start + cost.comm + cost.decompress), ready, start
+    if cost.hold is None:
+        return (delay, lane, start + cost.comm + cost.decompress, gloo), ready, start
+    start = max(start, gloo)
+    return (delay, lane, start + cost.hold, start + cost.comm + cost.decompress), ready, start
 
 
 def finish(step: Step, state: State) -> float:
     """F: the optimizer's end, after backward, the offload lane and the channel."""
-    delay, lane, channel = state
-    return max(step.backward_end + delay, channel, lane) + step.optimizer
+    delay, lane, channel, gloo = state
+    return max(step.backward_end + delay, channel, lane, gloo) + step.optimizer
 
 
 def simulate(step: Step, costs) -> Timeline:
@@ -87,10 +98,12 @@ def simulate(step: Step, costs) -> Timeline:
     comm / `loaded` of its rate alone while backward computes (its own work and the on-thread
     compression), and while it runs backward advances at 1 / `slowdown` of its rate alone. Backward's
     work is in seconds alone (the Step's ready times), turned into time along the channel's busy
-    intervals so far (a tensor is ready before any later tensor's communication starts). Without
-    contention (no `loaded`) every operation takes its time alone, as in `Simulation`."""
+    intervals so far (a tensor is ready before any later tensor's communication starts). A collective
+    on gloo's lane holds the channel for its `hold` stretched as its time is under load, and slows
+    backward for that long. Without contention (no `loaded`) every operation takes its time alone,
+    as in `Simulation`."""
     busy = _Busy()
-    delay = lane = channel = 0.0
+    delay = lane = channel = gloo = 0.0
     payload, starts, ends = [], [], []
     for i, cost in enumerate(costs):
         work = step.ready[i] + delay - cost.sooner
@@ -101,18 +114,21 @@ def simulate(step: Step, costs) -> Timeline:
                 delay += cost.compress
                 work += cost.compress
             ready = busy.time_of(work)
-        start = max(ready, channel)
+        start = max(ready, channel) if cost.hold is None else max(ready, channel, gloo)
         comm = cost.comm
         left = step.backward_end + delay - busy.work_at(start)       # backward's work still to do
         if cost.loaded is not None and left > 0:
             comm = _under_load(cost, left * max(1.0, cost.slowdown))
-            busy.add(start, start + comm + cost.decompress, cost.slowdown)
-        channel = start + comm + cost.decompress
+        end = start + comm + cost.decompress
+        held = end if cost.hold is None else start + min(comm, cost.hold * comm / max(cost.comm, 1e-12))
+        if cost.loaded is not None and left > 0:
+            busy.add(start, held, cost.slowdown)
+        channel, gloo = (held, gloo) if cost.hold is None else (held, end)
         payload.append(ready)
         starts.append(start)
-        ends.append(channel)
+        ends.append(end)
     backward_end = busy.time_of(step.backward_end + delay)
-    return Timeline(payload, starts, ends, backward_end, max(backward_end, channel, lane) + step.optimizer)
+    return Timeline(payload, starts, ends, backward_end, max(backward_end, channel, lane, gloo) + step.optimizer)
 
 
 def _under_load(cost: Cost, overlap: float) -> float:
@@ -166,9 +182,9 @@ class _Busy:
 
 class Simulation:
     """The iteration time of a strategy, and of the same strategy with one tensor's cost changed, in
-    constant time. Each tensor moves the lanes' state (delay, lane, channel) by maxima and sums
+    constant time. Each tensor moves the lanes' state (delay, lane, channel, gloo) by maxima and sums
     only, so F as a function of the state before tensor j is max(gd + delay, gL + lane, gC +
-    channel) + optimizer for three numbers g[j] that follow from the tensors after j: kept for every
+    channel, gG + gloo) + optimizer for four numbers g[j] that follow from the tensors after j: kept for every
     j, with the state before every tensor. Setting a tensor's cost makes the states after it and
     the terms before it stale; they are brought up to date only as far as a question reads them
     (the greedy's questions move around the timeline: recomputing both sides in full on every
@@ -177,8 +193,8 @@ class Simulation:
     def __init__(self, step: Step, costs):
         self.step, self.costs = step, list(costs)
         n = len(self.costs)
-        self.states = [(0.0, 0.0, 0.0)] * (n + 1)   # the state before tensor i (after the last: n)
-        self.after = [(self.step.backward_end, 0.0, 0.0)] * max(1, n)   # g for the state after i
+        self.states = [START] * (n + 1)   # the state before tensor i (after the last: n)
+        self.after = [(self.step.backward_end, 0.0, 0.0, 0.0)] * max(1, n)   # g for the state after i
         self._states_upto = 0           # states[0..this] are up to date
         self._after_from = max(0, n - 1)    # after[this..] are up to date
         self._state(n)
@@ -206,9 +222,9 @@ class Simulation:
 
     def with_cost(self, i: int, cost: Cost) -> float:
         """F if tensor i had `cost` and every other tensor its current one."""
-        delay, lane, channel = advance(self.step, self._state(i), i, cost)[0]
-        gd, gl, gc = self._terms(i)
-        return max(gd + delay, gl + lane, gc + channel) + self.step.optimizer
+        delay, lane, channel, gloo = advance(self.step, self._state(i), i, cost)[0]
+        gd, gl, gc, gg = self._terms(i)
+        return max(gd + delay, gl + lane, gc + channel, gg + gloo) + self.step.optimizer
 
     def set(self, i: int, cost: Cost) -> None:
         """Tensor i's cost changes: the states after it and the terms before it are stale."""
@@ -218,10 +234,15 @@ class Simulation:
 
 
 def _before(g: tuple, ready: float, cost: Cost) -> tuple:
-    """F's terms (gd, gl, gc) for the state before a tensor, from those for the state after it
+    """F's terms (gd, gl, gc, gg) for the state before a tensor, from those for the state after it
     (advance, read backwards)."""
-    gd, gl, gc = g
+    gd, gl, gc, gg = g
     c, t, ready = cost.compress, cost.comm + cost.decompress, ready - cost.sooner
+    if cost.hold is not None:       # starts at max(payload, channel, gloo); ends hold / t after
+        if c and cost.offload:
+            raise ValueError("a collective on gloo's lane has nothing to compress")
+        k = max(gc + cost.hold, gg + t)
+        return max(gd + c, k + ready + c), gl, k, k
     if c and cost.offload:
-        return max(gd, gl + c + ready, gc + t + c + ready), max(gl + c, gc + t + c), gc + t
-    return max(gd + c, gc + ready + c + t), gl, gc + t
+        return max(gd, gl + c + ready, gc + t + c + ready), max(gl + c, gc + t + c), gc + t, gg
+    return max(gd + c, gc + ready + c + t), gl, gc + t, gg
