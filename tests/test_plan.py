@@ -517,3 +517,41 @@ def test_a_trial_job_run_again_after_a_crash_keeps_only_its_last_run(monkeypatch
     steps = trial.train({"comm": "ddp"}, trial.DDP, 2, "none", 3, 1, 10.0, lambda what, more=0: calls.append(more))
     assert [s["step_s"] for s in steps] == [0.5, 0.5, 0.5]          # the warm-up and the crashed run left out
     assert len(calls) == 2 + 1 + 4 and sum(calls) == 3              # the bar grows by the 2 dropped steps + 1
+
+
+def test_a_slowdown_is_of_the_steps_work_while_the_collectives_ran():
+    """Hand-computed: steps of 1.0 s of work alone took 1.5 s, 0.6 s of which beside the
+    collectives; the other 0.9 s ran at their rate alone, so 0.1 s of work took those 0.6 s (6x).
+    Covering every step, it is the steps' whole ratio; below 1 (noise) it is 1; beyond MOST_SLOWDOWN
+    it is that."""
+    from sparcoll.plan.profiler import MOST_SLOWDOWN, slowed
+    assert slowed(0.6, 1.5, 1.0) == pytest.approx(6.0)
+    assert slowed(1.5, 1.5, 1.0) == pytest.approx(1.5)
+    assert slowed(0.5, 0.9, 1.0) == 1.0
+    assert slowed(0.6, 2.0, 1.0) == MOST_SLOWDOWN
+    assert slowed(0.0, 1.0, 1.0) == 1.0
+
+
+def _under_load(rank: int, world: int) -> tuple:
+    """profiler.under_load with a collective of 2 ms alone against steps of 50 ms: every rank runs
+    as many (a different count would hang the all_reduce), enough to span a step."""
+    import time
+    import torch.distributed as dist
+    from sparcoll.plan import profiler
+    calls = []
+
+    def run(_) -> None:
+        calls.append(time.perf_counter())
+        dist.all_reduce(torch.zeros(1))
+        time.sleep(0.002)
+    loaded, slowdown = profiler.under_load(run, lambda: None, lambda: time.sleep(0.05), 0.05, 0.002, timeout=30)
+    return len(calls), calls[-1] - calls[0], loaded, slowdown
+
+
+def test_collectives_under_load_run_as_many_times_on_every_rank_and_span_a_step():
+    from ranks import run_ranks
+    outcome = run_ranks(_under_load, 2, timeout=60)
+    assert [count for count, *_ in outcome] == [25, 25]        # ceil(50 ms / 2 ms)
+    for count, spanned, loaded, slowdown in outcome:
+        assert spanned >= 24 * 0.002 and loaded >= 0.002
+        assert 1.0 <= slowdown < 2.0            # sleeping steps are not slowed down

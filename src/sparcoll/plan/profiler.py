@@ -28,8 +28,8 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
                model's forward and backward back to back, as under DataParallel: the collective's
                median time then (`loaded`) and how many times longer a step took meanwhile
                (`slowdown`; 4 workers on 2 cores at 1 Gbit/s: a 4 KB ring allreduce took 18.4 ms
-               beside gpt's backward, 5.0 alone, and the steps up to 1.85x as long). Where a step is
-               longer than LOADED_RUNS collectives, the slowdown is of the part of a step they overlap
+               beside gpt's backward, 5.0 alone, and the steps up to 1.85x as long). The collectives
+               run for at least a step, and the slowdown is of the steps' work while they ran
 
 Rank 0 reports each measurement as an event (sparcoll.bench.events); `fit` turns them into the fits
 costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`) or the user's
@@ -38,6 +38,7 @@ costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`)
 from __future__ import annotations
 
 import functools
+import math
 import os
 import socket
 import statistics
@@ -77,7 +78,9 @@ COMPRESSOR_NUMELS = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 OWN_GRADIENT = 1 << 16      # gradients this large get their own compressor timings
 REPEAT = 3
 MAX_REPEAT = 25
-LOADED_RUNS = 4     # collectives timed per point under the training thread's load
+LOADED_RUNS = 4     # collectives timed per point under the training thread's load, at least ...
+MOST_LOADED_RUNS = 64   # ... and at most, however short they are against a step
+MOST_SLOWDOWN = 8.0     # a slowdown larger than this is taken as this one (noise in a short overlap)
 BUDGET = 0.2      # seconds of timed runs per point, at least
 
 
@@ -274,10 +277,12 @@ def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout
         for label in coo_labels(specs):
             reduce = uncompressed.get(label) or functools.partial(Reducer(label, None, comm).reduce, key=name)
             run = lambda _, g=g, reduce=reduce: reduce(g.coalesce())      # noqa: E731
-            yield label, name, timed(run), *under_load(run, lambda: None, train_step, alone_step, timeout)
+            alone = timed(run)
+            yield label, name, alone, *under_load(run, lambda: None, train_step, alone_step, alone, timeout)
     for names in coo_units(order, set(coo_gradients)):
         run = lambda _, grads=[coo_gradients[n] for n in names]: sparse.allreduce_many(grads, "avg", comm)  # noqa: E731
-        yield SPARSE, "+".join(names), timed(run), *under_load(run, lambda: None, train_step, alone_step, timeout)
+        alone = timed(run)
+        yield SPARSE, "+".join(names), alone, *under_load(run, lambda: None, train_step, alone_step, alone, timeout)
 
 
 def collectives(comm, block_size: int, rank: int, world: int, sizes: Sizes):
@@ -314,7 +319,8 @@ def profile_sparse_own(comm, gradients: dict, tensors: dict, train_step, timeout
     run = lambda t: comm.allreduce(t, op="avg")     # noqa: E731
     for name, g in gradients.items():
         if tensors[name]["union"] < 1.0:
-            yield name, timed(run, g.clone), *under_load(run, g.clone, train_step, alone_step, timeout)
+            alone = timed(run, g.clone)
+            yield name, alone, *under_load(run, g.clone, train_step, alone_step, alone, timeout)
 
 
 def profile_collectives(comm, block_size: int, rank: int, world: int, sizes: Sizes, train_step, timeout: float):
@@ -322,20 +328,29 @@ def profile_collectives(comm, block_size: int, rank: int, world: int, sizes: Siz
     slowdown of a training step) for each; see `under_load`."""
     alone_step = timed(lambda _: train_step())
     for kind, x, numel, run, prepare in collectives(comm, block_size, rank, world, sizes):
-        yield (kind, x, numel, timed(run, prepare), *under_load(run, prepare, train_step, alone_step, timeout))
+        alone = timed(run, prepare)
+        yield kind, x, numel, alone, *under_load(run, prepare, train_step, alone_step, alone, timeout)
 
 
-def under_load(run, prepare, train_step, alone_step: float, timeout: float) -> tuple[float, float]:
-    """run(prepare())'s median time over LOADED_RUNS runs on a second thread while this one runs
-    train_step back to back (at least once), and how many times longer a step took meanwhile than
-    `alone_step`: the slowest worker's. Every worker runs as many collectives, whatever its steps."""
+def under_load(run, prepare, train_step, alone_step: float, alone: float, timeout: float) -> tuple[float, float]:
+    """run(prepare())'s median time on a second thread while this one runs train_step back to back
+    (at least once), and how many times longer the steps' work took while the collectives ran than
+    `alone_step`: the slowest worker's. The collectives run at least LOADED_RUNS times, and as many
+    as their time `alone` needs to span a step alone (the same count on every worker: both times are
+    the slowest worker's): a step measured whole against collectives that covered a third of it said
+    a third of their slowdown (deeplight's 160K-element sparse layers, 1.2-1.5x, where its backward in
+    training took 2.7x as long under them as under one ring allreduce). The steps' time outside the
+    collectives counts at their rate alone (`slowed`)."""
     times: list[float] = []
+    span: list[float] = []
     failure: list[BaseException] = []
     done = threading.Event()
+    runs = max(LOADED_RUNS, min(MOST_LOADED_RUNS, math.ceil(alone_step / max(alone, 1e-6))))
 
     def loop() -> None:
+        began = time.perf_counter()
         try:
-            for _ in range(LOADED_RUNS):
+            for _ in range(runs):
                 arg = prepare()
                 start = time.perf_counter()
                 run(arg)
@@ -343,6 +358,7 @@ def under_load(run, prepare, train_step, alone_step: float, timeout: float) -> t
         except BaseException as exc:        # reaches the training thread, which raises it
             failure.append(exc)
         finally:
+            span[:] = [began, time.perf_counter()]
             done.set()
 
     dist.barrier()
@@ -356,9 +372,21 @@ def under_load(run, prepare, train_step, alone_step: float, timeout: float) -> t
     thread.join(timeout)
     if failure:
         raise failure[0]
-    slowest = torch.tensor([statistics.median(times), elapsed / steps / alone_step], dtype=torch.float64)
+    overlap = min(span[1], start + elapsed) - max(span[0], start)
+    slowest = torch.tensor([statistics.median(times), slowed(overlap, elapsed, steps * alone_step)],
+                           dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest[0].item(), slowest[1].item()
+
+
+def slowed(overlap: float, elapsed: float, work: float) -> float:
+    """How many times longer the steps' work took during `overlap` seconds of their `elapsed`: they
+    did `work` seconds of work alone in all, at their rate alone outside the overlap (at least 1,
+    at most MOST_SLOWDOWN: the steps' time alone is a median, the rest noise)."""
+    during = work - (elapsed - overlap)       # the work done while the collectives ran
+    if overlap <= 0:
+        return 1.0
+    return MOST_SLOWDOWN if during <= overlap / MOST_SLOWDOWN else max(1.0, overlap / during)
 
 
 def fit(events: list[dict]) -> dict:
