@@ -293,7 +293,8 @@ def test_decompressing_and_combining_into_a_tensor_overwrite_it_with_the_same_va
         else:
             expected = alone.mean(0)
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(compressor.combine(gathered, payloads[0].ctx), expected, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(compressor.combine(gathered, payloads[0].ctx), expected,
+                                   rtol=1e-6, atol=1e-7)
 
 
 # ---- unbiasedness ------------------------------------------------------------------------------------

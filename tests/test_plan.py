@@ -116,7 +116,8 @@ def test_a_ring_collective_on_gloos_lane_holds_the_channel_only_for_its_share_of
     assert simulate(step, [Cost(comm=1.0), Cost(comm=0.5)]).iteration == 1.5      # on the channel
     two = simulate(step, [Cost(comm=1.0, hold=0.25), Cost(comm=0.5, hold=0.1)])
     assert two.comm_start == [0.0, 1.0] and two.comm_end == [1.0, 1.5]            # gloo serializes
-    for costs in ([Cost(comm=1.0, hold=0.25), Cost(comm=0.5)], [Cost(comm=1.0, hold=0.25), Cost(comm=0.5, hold=0.1)]):
+    for costs in ([Cost(comm=1.0, hold=0.25), Cost(comm=0.5)],
+                  [Cost(comm=1.0, hold=0.25), Cost(comm=0.5, hold=0.1)]):
         assert Simulation(step, costs).iteration == simulate(step, costs).iteration
     # under load: 0.2 s of backward work at half rate overlaps the ring's first 0.4 s, in which it
     # advances at half its rate (1.0 alone, 2.0 loaded): 1.2 s in all, its hold stretched alike to
@@ -544,7 +545,8 @@ def _under_load(rank: int, world: int) -> tuple:
         calls.append(time.perf_counter())
         dist.all_reduce(torch.zeros(1))
         time.sleep(0.002)
-    loaded, slowdown = profiler.under_load(run, lambda: None, lambda: time.sleep(0.05), 0.05, 0.002, timeout=30)
+    loaded, slowdown = profiler.under_load(run, lambda: None, lambda: time.sleep(0.05), 0.05, 0.002,
+                                           timeout=30)
     return len(calls), calls[-1] - calls[0], loaded, slowdown
 
 

@@ -26,7 +26,8 @@ def unpack(packed: torch.Tensor, count: int) -> torch.Tensor:
     return torch.from_numpy(np.unpackbits(packed.numpy(), count=count).view(np.bool_))
 
 
-def decode(packed: torch.Tensor, count: int, levels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def decode(packed: torch.Tensor, count: int, levels: torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """float32 values of the first `count` elements packed by `pack`: element i is levels[code i];
     len(levels) is 2 (one plane) or 4 (two planes). Written into `out` (flat float32, `count`
     elements) when given: no temporary, and the last byte's padding is left out."""

@@ -282,7 +282,8 @@ def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout
     for names in coo_units(order, set(coo_gradients)):
         run = lambda _, grads=[coo_gradients[n] for n in names]: sparse.allreduce_many(grads, "avg", comm)  # noqa: E731
         alone = timed(run)
-        yield SPARSE, "+".join(names), alone, *under_load(run, lambda: None, train_step, alone_step, alone, timeout)
+        loaded = under_load(run, lambda: None, train_step, alone_step, alone, timeout)
+        yield SPARSE, "+".join(names), alone, *loaded
 
 
 def collectives(comm, block_size: int, rank: int, world: int, sizes: Sizes):
@@ -332,7 +333,8 @@ def profile_collectives(comm, block_size: int, rank: int, world: int, sizes: Siz
         yield kind, x, numel, alone, *under_load(run, prepare, train_step, alone_step, alone, timeout)
 
 
-def under_load(run, prepare, train_step, alone_step: float, alone: float, timeout: float) -> tuple[float, float]:
+def under_load(run, prepare, train_step, alone_step: float, alone: float,
+               timeout: float) -> tuple[float, float]:
     """run(prepare())'s median time on a second thread while this one runs train_step back to back
     (at least once), and how many times longer the steps' work took while the collectives ran than
     `alone_step`: the slowest worker's. The collectives run at least LOADED_RUNS times, and as many

@@ -87,7 +87,7 @@ def advance(step: Step, state: State, i: int, cost: Cost) -> tuple[State, float,
 
 
 def finish(step: Step, state: State) -> float:
-    """F: the optimizer's end, after backward, the offload lane and the channel."""
+    """F: the optimizer's end, after backward, the offload lane, the channel and gloo's lane."""
     delay, lane, channel, gloo = state
     return max(step.backward_end + delay, channel, lane, gloo) + step.optimizer
 
@@ -128,7 +128,8 @@ def simulate(step: Step, costs) -> Timeline:
         starts.append(start)
         ends.append(end)
     backward_end = busy.time_of(step.backward_end + delay)
-    return Timeline(payload, starts, ends, backward_end, max(backward_end, channel, lane, gloo) + step.optimizer)
+    return Timeline(payload, starts, ends, backward_end,
+                    max(backward_end, channel, lane, gloo) + step.optimizer)
 
 
 def _under_load(cost: Cost, overlap: float) -> float:
@@ -184,8 +185,8 @@ class Simulation:
     """The iteration time of a strategy, and of the same strategy with one tensor's cost changed, in
     constant time. Each tensor moves the lanes' state (delay, lane, channel, gloo) by maxima and sums
     only, so F as a function of the state before tensor j is max(gd + delay, gL + lane, gC +
-    channel, gG + gloo) + optimizer for four numbers g[j] that follow from the tensors after j: kept for every
-    j, with the state before every tensor. Setting a tensor's cost makes the states after it and
+    channel, gG + gloo) + optimizer for four numbers g[j] that follow from the tensors after j: kept for
+    every j, with the state before every tensor. Setting a tensor's cost makes the states after it and
     the terms before it stale; they are brought up to date only as far as a question reads them
     (the greedy's questions move around the timeline: recomputing both sides in full on every
     change was half of its time)."""
