@@ -108,6 +108,8 @@ def frontier(step: Step, tensors: list[Choices], alternatives: list[list[Option]
     layers = []                     # per tensor: the kept states' indices, parent * alternatives + option
     for i, t in enumerate(tensors):
         grown = _advance_all(step.ready[i], lanes, [t.costs[o] for o in alternatives[i]])
+        # gloo's lane free before the channel is free for good: no later start or F depends on it
+        grown[:, 3] = np.where(grown[:, 3] <= grown[:, 2], 0.0, grown[:, 3])
         bound = np.maximum.reduce([step.backward_end + grown[:, 0], grown[:, 1], grown[:, 2] + rest[i + 1],
                                    grown[:, 3]])
         kept = _undominated(grown, bound, beam)
