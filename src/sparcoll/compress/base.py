@@ -85,8 +85,9 @@ class Compressor:
         raise NotImplementedError
 
     def decompress(self, parts: tuple, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The dense tensor the parts stand for: a new one (never a view of the parts), or `out`
-        (flat float32 of its numel) overwritten."""
+        """The dense tensor the parts stand for: a new one (an allgather scheme's never a view of the
+        parts: `combine` sums into it; a cast's may be its averaged part), or `out` (flat float32 of
+        its numel) overwritten."""
         raise NotImplementedError
 
     def sent(self, payload: Payload):

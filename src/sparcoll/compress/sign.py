@@ -40,9 +40,8 @@ class Sign(Compressor):
             return super().combine(gathered, numel, out)
         ballot = torch.tensor([1.0, -1.0])      # a 0 bit votes +1, a 1 bit -1
         votes = bits.decode(gathered[0][1], numel, ballot, out)
-        scratch = self.scratch(numel)
         for _, packed in gathered[1:]:
-            votes += bits.decode(packed, numel, ballot, scratch)
+            votes += bits.decode(packed, numel, ballot, self.scratch(numel))
         scale = torch.stack([levels[0] for levels, _ in gathered]).mean()
         return votes.sign_().mul_(scale)
 

@@ -117,11 +117,12 @@ def simulate(step: Step, costs) -> Timeline:
         start = max(ready, channel) if cost.hold is None else max(ready, channel, gloo)
         comm = cost.comm
         left = step.backward_end + delay - busy.work_at(start)       # backward's work still to do
-        if cost.loaded is not None and left > 0:
+        contended = cost.loaded is not None and left > 0
+        if contended:
             comm = _under_load(cost, left * max(1.0, cost.slowdown))
         end = start + comm + cost.decompress
         held = end if cost.hold is None else start + min(comm, cost.hold * comm / max(cost.comm, 1e-12))
-        if cost.loaded is not None and left > 0:
+        if contended:
             busy.add(start, held, cost.slowdown)
         channel, gloo = (held, gloo) if cost.hold is None else (held, end)
         payload.append(ready)
