@@ -418,41 +418,32 @@ def at_eof(sock: socket.socket) -> bool:
         return True
 
 
-def test_two_connections_racing_for_one_rank_attach_only_one(monkeypatch):
-    """Two authenticated clients claim the same (job, rank) at once: both pass admission (held at a
-    barrier right after it), but only one is attached; the other is dropped, never sharing the slot."""
-    original = server_module.AggregatorServer._admit
-    barrier = threading.Barrier(2, timeout=10)
+def test_a_rank_is_taken_from_its_admission_so_a_second_connection_is_refused(monkeypatch):
+    """A client claims (job, rank) while another connection of that rank is admitted but not yet
+    attached (held here before attachment): the second is refused at its handshake, saying why;
+    the first is then attached, and the job, which had no attached worker, was kept for it."""
+    attend = server_module.AggregatorServer._attend
+    admitted, release = threading.Event(), threading.Event()
 
-    def admit(self, hello, token):
-        original(self, hello, token)    # checks under the server's lock that the rank is free
-        barrier.wait()              # both are admitted before either is attached
+    def held(self, sock, hello):
+        admitted.set()
+        release.wait(10)
+        return attend(self, sock, hello)
 
-    monkeypatch.setattr(server_module.AggregatorServer, "_admit", admit)
+    monkeypatch.setattr(server_module.AggregatorServer, "_attend", held)
     server = server_module.AggregatorServer("127.0.0.1", 0, b"k")
+    first = None
     try:
-        config = wire.JobConfig(2, 1, 1, 4, 2048)
-        socks, errors = [], []
-
-        def join():
-            try:
-                socks.append(transport.connect(server.address, hello_for(77, rank=1, config=config),
-                                               b"k", 5.0))
-            except BaseException as exc:
-                errors.append(exc)
-        threads = [threading.Thread(target=join) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
-        assert not errors and len(socks) == 2, errors
-        # One of them is closed by the server: poll (with a deadline) until it is, then the
-        # other must still be open.
-        assert wait_for(lambda: any(map(at_eof, socks)), 10), "neither connection was dropped"
-        closed = [at_eof(sock) for sock in socks]
-        assert sorted(closed) == [False, True], closed
-        assert len(server.jobs[77].workers) == 1 and len(server._connections) == 1
-        for sock in socks:
-            sock.close()
+        hello = hello_for(77, rank=1, config=wire.JobConfig(2, 1, 1, 4, 2048))
+        first = transport.connect(server.address, hello, b"k", 5.0, wire.job_token(b"k"))
+        assert admitted.wait(10)
+        assert "rank 1 of job 0x4d is already connected" in refused(server.address, hello, b"k")
+        assert not server.jobs[77].workers and server.jobs[77].arriving == {1}
+        release.set()
+        assert wait_for(lambda: 1 in server.jobs[77].workers, 10)
+        assert not at_eof(first) and len(server._connections) == 1
     finally:
+        release.set()
+        if first is not None:
+            first.close()
         server.close()

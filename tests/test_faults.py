@@ -754,6 +754,35 @@ def test_mismatched_descriptor_raises_on_every_rank(what):
         assert outcome[2] < TIMEOUT, (what, rank, outcome)
 
 
+def test_a_mismatch_reaches_the_peer_as_one_when_the_rank_that_saw_it_leaves_first(monkeypatch):
+    """Aggregator 0 finds the ranks' calls differ and tells both; its word to rank 1 is slow, and
+    so is rank 1's own part to aggregator 1 (a loaded machine; here delays). Rank 0 raises and
+    leaves, and its BYE reaches aggregator 1 before rank 1's part, so aggregator 1 never sees the
+    mismatch: the BYE says why rank 0 left, and rank 1 still raises the MismatchError (a CI run had
+    seen PeerError "rank 0 left the job", the BYE saying nothing)."""
+    send_error = server_module._RemoteWorker.send_error
+    contribute = aggregator_module.AggregatorJob.contribute
+
+    def slow_to_rank_1(self, *args):
+        if self.conn.peer.startswith("rank 1 "):
+            threading.Timer(0.6, send_error, (self, *args)).start()
+        else:
+            send_error(self, *args)
+
+    def slow_from_rank_1_to_its_own(self, rank, *args, **kwargs):
+        if rank == 1 and self.agg_index == 1:
+            time.sleep(0.3)
+        return contribute(self, rank, *args, **kwargs)
+    monkeypatch.setattr(server_module._RemoteWorker, "send_error", slow_to_rank_1)
+    monkeypatch.setattr(aggregator_module.AggregatorJob, "contribute", slow_from_rank_1_to_its_own)
+
+    def target(comm, rank):
+        return _outcome(lambda: comm.allreduce(torch.ones(4000 if rank else 4096)))
+    for rank, outcome in enumerate(in_threads(2, target)):
+        assert outcome[0] == "MismatchError", (rank, outcome)
+        assert outcome[2] < 0.6, (rank, outcome)     # rank 1's came through the BYE
+
+
 def test_mismatched_init_options_refused_on_every_rank(store):
     """Ranks that disagree on the job's configuration (here message_blocks) fail at init."""
     results = [None, None]
@@ -888,18 +917,34 @@ def test_peer_rejects_input_and_leaves_before_this_rank_starts(store):
     assert kind == "SparcollError" and "rank 1" in text and "meta" in text, results[0]
 
 
-def test_internal_error_in_the_aggregator_fails_the_job_fast(monkeypatch, dedicated_in_process):
+@pytest.mark.parametrize("rank_0_attached", ["at once", "late"])
+def test_internal_error_in_the_aggregator_fails_the_job_fast(monkeypatch, dedicated_in_process,
+                                                             rank_0_attached):
     """An unexpected exception while serving a connection (here injected into contribute) closes that
     connection with a logged reason; every rank then raises a PeerError at once instead of waiting for
-    its deadline, and the aggregator keeps serving new jobs."""
+    its deadline, and the aggregator keeps serving new jobs. "late": rank 0's connection is attached
+    to its job only after rank 1 failed and left (its handshake had ended; a loaded machine), and
+    it still learns the reason: the job was kept for it (a CI run had seen "aggregator 0 closed
+    the connection", the job forgotten when its only attached worker left)."""
     original = aggregator_module.AggregatorJob.contribute
+    failed = threading.Event()
 
     def broken(self, rank, *args, **kwargs):
         if rank == 1:
+            failed.set()
             raise RuntimeError("injected bug")
         return original(self, rank, *args, **kwargs)
 
     monkeypatch.setattr(aggregator_module.AggregatorJob, "contribute", broken)
+    if rank_0_attached == "late":
+        attend = server_module.AggregatorServer._attend
+
+        def late(self, sock, hello):
+            if hello.rank == 0:
+                failed.wait(5.0)
+                time.sleep(0.2)     # rank 1's connection ends meanwhile
+            return attend(self, sock, hello)
+        monkeypatch.setattr(server_module.AggregatorServer, "_attend", late)
     results = in_threads(2, lambda comm, rank: _outcome(lambda: comm.allreduce(torch.ones(4096))),
                          aggregators=dedicated_in_process, timeout=10.0)
     for rank, (kind, text, seconds) in enumerate(results):

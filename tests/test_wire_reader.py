@@ -70,7 +70,9 @@ def test_error_and_bye_messages():
             wire.ErrorCode.PEER: "PeerError", wire.ErrorCode.PROTOCOL: "ProtocolError",
             wire.ErrorCode.AUTHENTICATION: "AuthenticationError"}[code]
     _, message, _ = read(wire.bye_message(JOB))
-    assert message == wire.Bye()
+    assert message == wire.Bye() and not message.text
+    _, message, _ = read(wire.bye_message(JOB, (wire.ErrorCode.MISMATCH, "rank 2 left: caf\u00e9")))
+    assert message == wire.Bye(wire.ErrorCode.MISMATCH, "rank 2 left: caf\u00e9")
 
 
 def test_error_codes_round_trip_and_unknown_codes_read_as_generic():
@@ -117,7 +119,6 @@ def test_arbitrary_bodies_give_a_matching_message_or_a_clean_error(fields, body)
         assert message.indices.tolist() == np.frombuffer(body[:index_bytes],
                                                          dtype=wire.INDEX_DTYPE).tolist()
         assert bytes(landed[0].numpy()) == body[index_bytes:index_bytes + data_bytes]
-    elif isinstance(message, wire.Failure):
-        assert message.text == body[:data_bytes].decode("utf-8", "replace")
     else:
-        assert message == wire.Bye() and h.kind is wire.Kind.BYE
+        assert isinstance(message, wire.Failure if h.kind is wire.Kind.ERROR else wire.Bye)
+        assert message.text == body[:data_bytes].decode("utf-8", "replace")

@@ -79,6 +79,9 @@ class AggregatorJob:
         self.config = config
         self.job_token = job_token   # of its first rank: every later rank must show the same
         self.workers: dict[int, Worker] = {}
+        # Ranks admitted whose connection is not attached yet: their handshake has ended, so they
+        # may be running collectives; the job is kept for them (see the server's _forget_if_empty).
+        self.arriving: set[int] = set()
         self._collectives: dict[int, CollectiveShard] = {}
         self._failed: OrderedDict[int, tuple[wire.ErrorCode, str]] = OrderedDict()
         self._broken: tuple[wire.ErrorCode, str] | None = None
@@ -92,12 +95,14 @@ class AggregatorJob:
             raise MismatchError(f"rank {hello.rank} joins job {self.job:#x} with {hello.config}, "
                                 f"aggregator {hello.agg_index}; the job has {self.config}, "
                                 f"aggregator {self.agg_index}")
-        if hello.rank in self.workers:
+        if hello.rank in self.workers or hello.rank in self.arriving:
             raise ProtocolError(f"rank {hello.rank} of job {self.job:#x} is already connected")
+        self.arriving.add(hello.rank)
 
     def attach(self, rank: int, worker: Worker) -> None:
         with self._lock:
             self.workers[rank] = worker
+            self.arriving.discard(rank)
 
     def contribute(self, rank: int, header: wire.Header, indices: np.ndarray, rows: torch.Tensor,
                    lease: Lease | None = None, reuse: int = 0) -> None:
@@ -191,13 +196,14 @@ class AggregatorJob:
         for worker in workers:
             worker.send_error(self.job, collective, code, text)
 
-    def detach(self, rank: int, reason: str | None) -> None:
-        """A worker left (reason None: on purpose). Every collective now in progress or started
-        later fails, since it can never complete without that worker."""
+    def detach(self, rank: int, reason: tuple[wire.ErrorCode, str] | None) -> None:
+        """A worker left, for `reason` (the code and text its collectives fail with; None: on
+        purpose). Every collective now in progress or started later fails, since it can never
+        complete without that worker."""
         with self._lock:
             self.workers.pop(rank, None)
-            self._broken = self._broken or (wire.ErrorCode.PEER,
-                                            reason or f"rank {rank} left the job")
+            self._broken = self._broken or reason or (wire.ErrorCode.PEER,
+                                                      f"rank {rank} left the job")
             active = list(self._collectives)
         for collective in active:
             self.fail(collective, *self._broken)

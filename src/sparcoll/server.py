@@ -235,6 +235,8 @@ class AggregatorServer:
             log.exception("refused a connection after an internal error in its handshake")
         sock.close()
         if admitted:    # admitted, then lost before the verdict: don't keep an empty job
+            with self._lock:
+                self.jobs[admitted[0].job].arriving.discard(admitted[0].rank)
             self._forget_if_empty(admitted[0].job)
         return None
 
@@ -242,19 +244,12 @@ class AggregatorServer:
         """Attach an admitted worker to its job and serve its messages until it leaves."""
         conn = transport.Connection(sock, f"rank {hello.rank} of job {hello.job:#x}",
                                     lambda exc: None)
-        # Admission and attachment are two steps: check again, atomically, that the job still exists
-        # (its last worker may have left meanwhile) and that no other connection took this rank.
+        # Admission reserved this rank in its job, which is kept until it is attached: the others
+        # may have failed and left meanwhile, and this worker then learns why from the job.
         with self._lock:
-            job = self.jobs.get(hello.job)
-            attached = job is not None and hello.rank not in job.workers
-            if attached:
-                self._connections.add(conn)
-                job.attach(hello.rank, _RemoteWorker(conn))
-        if not attached:
-            log.warning("dropped rank %d of job %#x: the job ended or the rank connected twice",
-                        hello.rank, hello.job)
-            conn.close()
-            return
+            job = self.jobs[hello.job]
+            self._connections.add(conn)
+            job.attach(hello.rank, _RemoteWorker(conn))
         try:
             job.detach(hello.rank, self._receive(conn, job, hello.rank))
         finally:
@@ -267,11 +262,13 @@ class AggregatorServer:
     def _forget_if_empty(self, job_id: int) -> None:
         with self._lock:
             job = self.jobs.get(job_id)
-            if job is not None and not job.workers and self.only_job is None:
+            if job is not None and not job.workers and not job.arriving and self.only_job is None:
                 self.jobs.pop(job_id, None)
 
-    def _receive(self, conn: transport.Connection, job: AggregatorJob, rank: int) -> str | None:
-        """Read and dispatch a worker's messages until it leaves; returns why it left (None: BYE)."""
+    def _receive(self, conn: transport.Connection, job: AggregatorJob,
+                 rank: int) -> tuple[wire.ErrorCode, str] | None:
+        """Read and dispatch a worker's messages until it leaves; returns why it left, as the code
+        and text its collectives fail with (None: a BYE without a reason)."""
         pool = BufferPool(keep=2 * job.config.streams * job.config.credits)
         landed: list[torch.Tensor] = []
 
@@ -294,18 +291,22 @@ class AggregatorServer:
                     said = message.text if message.text.startswith(f"rank {rank}: ") else \
                         f"rank {rank}: {message.text}"
                     job.fail(message.collective, message.code, said)
+                elif message.text:          # left after an error: that error is the reason
+                    return message.code, (message.text if message.text.startswith(f"rank {rank} ")
+                                          else f"rank {rank} left the job: {message.text}")
                 else:
                     return None
         except ProtocolError as exc:
             log.warning("closing %s: %s", conn.peer, exc)
-            return f"rank {rank} sent a malformed message ({exc})"
+            return wire.ErrorCode.PEER, f"rank {rank} sent a malformed message ({exc})"
         except (PeerError, OSError) as exc:
             if self._closed:
-                return "the aggregator is shutting down"
-            return f"rank {rank} disconnected ({exc})"
+                return wire.ErrorCode.PEER, "the aggregator is shutting down"
+            return wire.ErrorCode.PEER, f"rank {rank} disconnected ({exc})"
         except Exception as exc:    # a bug costs this connection, never the thread's clean-up
             log.exception("closing %s after an internal error", conn.peer)
-            return f"rank {rank}: internal error in the aggregator ({type(exc).__name__}: {exc})"
+            return wire.ErrorCode.PEER, (f"rank {rank}: internal error in the aggregator "
+                                         f"({type(exc).__name__}: {exc})")
 
     def close(self) -> None:
         """Stop accepting, end every connection, and wait (at most CLOSE_JOIN) for the threads: one

@@ -8,7 +8,9 @@ collective (the tag is the caller's: which tensor of that size it is, Communicat
     CONTRIBUTE  worker -> aggregator   count int32 block indices, then count blocks of data
     RESULT      aggregator -> worker   same layout; `progress` is c, "every block below c is final"
     ERROR       either way             count bytes of UTF-8 text; fails the named collective
-    BYE         worker -> aggregator   the worker is leaving the job on purpose
+    BYE         worker -> aggregator   the worker leaves the job: on purpose (count 0), or after an
+                                       error, count bytes of UTF-8 text saying which (the peers'
+                                       collectives then fail with it: the root cause, not "left")
 
 A receiver decodes the header (`decode_header`), then `read_body` reads what the header announces
 and returns it as one of the message types below; the caller chooses where block data lands, so
@@ -127,7 +129,7 @@ class Header:
         if self.kind in (Kind.CONTRIBUTE, Kind.RESULT):
             itemsize = self.torch_dtype.itemsize
             return self.count * INDEX_BYTES, self.count * self.block_size * itemsize
-        if self.kind is Kind.ERROR:
+        if self.kind in TEXT_KINDS:
             return 0, self.count
         return 0, 0
 
@@ -173,8 +175,8 @@ def decode_header(buf, max_blocks: int, expected_job: int) -> Header:
         nblocks = block_count(numel, block_size)
         if progress > nblocks:
             raise ProtocolError(f"progress {progress} beyond the {nblocks} blocks of the tensor")
-    elif kind is Kind.ERROR and count > MAX_ERROR_BYTES:
-        raise ProtocolError(f"error text of {count} bytes exceeds {MAX_ERROR_BYTES}")
+    elif kind in TEXT_KINDS and count > MAX_ERROR_BYTES:
+        raise ProtocolError(f"{kind.name} text of {count} bytes exceeds {MAX_ERROR_BYTES}")
     if job != expected_job:
         raise ProtocolError(f"message for job {job:#x} on a connection of job {expected_job:#x}")
     return h
@@ -182,6 +184,7 @@ def decode_header(buf, max_blocks: int, expected_job: int) -> Header:
 
 # ---- messages ----------------------------------------------------------------------------------
 DATA_KINDS = frozenset({Kind.CONTRIBUTE, Kind.RESULT})
+TEXT_KINDS = frozenset({Kind.ERROR, Kind.BYE})
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,10 @@ class Failure:
 
 @dataclass(frozen=True)
 class Bye:
-    """A BYE message: the worker leaves the job on purpose."""
+    """A BYE message: the worker leaves the job, on purpose (no text) or after the error `text`,
+    which the collectives it leaves behind fail with (as exceptions of `code`)."""
+    code: ErrorCode = ErrorCode.PEER
+    text: str = ""
 
 
 @dataclass(frozen=True)
@@ -241,11 +247,11 @@ def read_body(h: Header, recv_into: Callable[[memoryview], None], expected: froz
         for view in views:
             recv_into(view)
         return Blocks(h, indices)
+    text = bytearray(data_bytes)
+    recv_into(memoryview(text))
     if h.kind is Kind.ERROR:
-        text = bytearray(data_bytes)
-        recv_into(memoryview(text))
         return Failure(h.collective, error_code(h.op), text.decode("utf-8", "replace"))
-    return Bye()
+    return Bye(error_code(h.op), text.decode("utf-8", "replace"))
 
 
 def data_header(kind: Kind, *, stream: int, job: int, collective: int, seq: int, count: int,
@@ -259,8 +265,11 @@ def error_message(job: int, collective: int, text: str, code: ErrorCode) -> list
                                  op=code)), raw]
 
 
-def bye_message(job: int) -> bytes:
-    return encode_header(Header(Kind.BYE, job=job))
+def bye_message(job: int, reason: tuple[ErrorCode, str] | None = None) -> bytes:
+    """A BYE; with `reason` (the code and text of the error) when the worker leaves after one."""
+    code, text = reason or (ErrorCode.PEER, "")
+    raw = text.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
+    return encode_header(Header(Kind.BYE, job=job, count=len(raw), op=code)) + raw
 
 
 # ---- handshake -----------------------------------------------------------------------------------

@@ -327,16 +327,19 @@ class WorkerJob:
             f"sparse AllReduce")
 
     def close(self, poison: BaseException | None) -> None:
-        """Leave the job: BYE to every aggregator, then stop every thread."""
+        """Leave the job: BYE to every aggregator, then stop every thread. After an error
+        (`poison`) the BYE says which, and the collectives this rank leaves behind fail with it:
+        peers still waiting on any aggregator learn the root cause (a cascade names the peer that
+        failed first; a mismatch stays a MismatchError), not that this rank left."""
         self._closed = True
+        reason = None if poison is None else (
+            wire.ErrorCode.MISMATCH if isinstance(poison, MismatchError) else wire.ErrorCode.PEER,
+            f"rank {self.rank} left the job after an error: {poison}")
         for conn in self.connections.values():
-            conn.send([wire.bye_message(self.job)])
+            conn.send([wire.bye_message(self.job, reason)])
             conn.close()
-        if self.local_job is not None:
-            # Peers still waiting on this aggregator learn why it leaves (a cascade then names the
-            # peer that failed first) before its connections close.
-            self.local_job.detach(self.rank, None if poison is None else
-                                  f"rank {self.rank} left the job after an error: {poison}")
+        if self.local_job is not None:      # before its connections close
+            self.local_job.detach(self.rank, reason)
         if self.server is not None:
             self.server.close()
         self._local_messages.put(None)
