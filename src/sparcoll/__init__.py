@@ -10,6 +10,7 @@ import collections
 import importlib
 from typing import TYPE_CHECKING
 
+from .allocator import keep_freed_memory
 from .errors import (AuthenticationError, CollectiveTimeout, MismatchError, PeerError,
                      PoisonedError, ProtocolError, SparcollError)
 
@@ -18,7 +19,8 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 __all__ = ["init", "Communicator", "Stats", "Work", "SparcollError", "ProtocolError",
-           "MismatchError", "PeerError", "AuthenticationError", "CollectiveTimeout", "PoisonedError"]
+           "MismatchError", "PeerError", "AuthenticationError", "CollectiveTimeout", "PoisonedError",
+           "keep_freed_memory"]
 
 _inits_per_group: collections.Counter = collections.Counter()
 

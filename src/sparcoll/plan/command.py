@@ -36,7 +36,14 @@ from .options import ALL_COMPRESSORS, COMPRESSORS, DEDICATED, PS, RING, SFB, SPA
 from .profiler import events_after_model, fit
 from .timeline import Cost, Step, simulate
 
-PROFILE_VERSION = 18      # 10 was also the reverted 5362592's; 12: PowerSGD 2-4x faster (ac39baa); 13: COO gradients measured whole; 14: the sparse AllReduce's points carry their elements; 15: units of COO gradients timed as one collective; 16: the sparse scheme's decompression into the gradient; 17: every decompression into the gradient (allgather: combined there); 18: the slowdown of the steps' work while the collectives ran, for at least a step
+# A stored profile of another version is measured anew. What each version changed (10 was also the
+# reverted 5362592's): 12 PowerSGD 2-4x faster (ac39baa); 13 COO gradients measured whole; 14 the
+# sparse AllReduce's points carry their elements; 15 units of COO gradients timed as one collective;
+# 16 the sparse scheme's decompression into the gradient; 17 every decompression into the gradient
+# (allgather: combined there); 18 the slowdown of the steps' work while the collectives ran, for at
+# least a step; 19 every worker keeps freed memory (sparcoll.keep_freed_memory): backward allocates
+# no large gradient afresh.
+PROFILE_VERSION = 19
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 TRIAL_UNIFORMS = 3

@@ -478,6 +478,7 @@ def profile_job(cfg: dict, rank: int, world: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sparcoll.keep_freed_memory()    # as sparcoll train's workers: the backward timeline is theirs
     return run_worker(argv, profile_job)
 
 
