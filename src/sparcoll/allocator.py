@@ -8,7 +8,12 @@ before torch writes it again. deeplight's 68 MB embedding gradient: one process'
 cores, a step of its planned strategy went from 164-172 ms to 117-121 (docs/benchmarks.md).
 Tuned CPU training avoids this with another allocator (jemalloc, tcmalloc); this keeps glibc and
 tells it to serve every block from its heap (no mmap) and to keep the heap's free top (no trim), so
-a freed gradient's pages serve the next one. The price: the process keeps its peak heap.
+a freed gradient's pages serve the next one. And one arena for every thread: a thread's own arena
+holds at most 64 MiB, so without mmap each larger block a thread asked for failed there first and
+was then served by the main arena (vgg's first step under sufficient factors, whose synchronization
+thread allocates its 341 and 392 MB gradients, took 8.0-8.5 s that way against 3.4-3.7 before and
+2.7 with one arena). The price: the process keeps its peak heap (a 64 MiB embedding trained 200 steps
+with SGD: 871 MB at its peak against 425), and its threads share one arena's lock.
 """
 from __future__ import annotations
 
@@ -17,13 +22,15 @@ import ctypes.util
 
 M_TRIM_THRESHOLD = -1     # mallopt's parameters (glibc's malloc.h)
 M_MMAP_MAX = -4
+M_ARENA_MAX = -8
 KEEP_TOP = 2**31 - 1      # bytes of free heap top kept before any goes back: the most mallopt's int holds
 
 
 def keep_freed_memory() -> bool:
     """Make this process's malloc keep freed memory for reuse (see above); False where the C library
-    has no glibc mallopt (nothing changed). Call it at the start of a training process: it applies to
-    the blocks allocated after it."""
+    has no glibc mallopt (nothing changed). Call it at the start of a training process, before its
+    threads: it applies to the blocks allocated after it, and a thread that already has an arena
+    keeps it."""
     name = ctypes.util.find_library("c")
     if name is None:
         return False
@@ -32,4 +39,6 @@ def keep_freed_memory() -> bool:
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_TOP))
+    done = [mallopt(parameter, value) for parameter, value in
+            ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEEP_TOP))]
+    return all(result == 1 for result in done)
