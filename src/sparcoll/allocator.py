@@ -11,8 +11,8 @@ tells it to serve every block from its heap (no mmap) and to keep the heap's fre
 a freed gradient's pages serve the next one. And one arena for every thread: a thread's own arena
 holds at most 64 MiB, so without mmap each larger block a thread asked for failed there first and
 was then served by the main arena (vgg's first step under sufficient factors, whose synchronization
-thread allocates its 341 and 392 MB gradients, took 8.0-8.5 s that way against 3.4-3.7 before and
-2.7 with one arena). The price: the process keeps its peak heap (a 64 MiB embedding trained 200 steps
+thread allocates its 341 and 392 MB gradients, took 8.0-9.1 s that way against 3.3-4.7 before, and
+2.7-3.1 with one arena). The price: the process keeps its peak heap (a 64 MiB embedding trained 200 steps
 with SGD: 871 MB at its peak against 425), and its threads share one arena's lock.
 """
 from __future__ import annotations
