@@ -762,10 +762,12 @@ def test_a_mismatch_reaches_the_peer_as_one_when_the_rank_that_saw_it_leaves_fir
     seen PeerError "rank 0 left the job", the BYE saying nothing)."""
     send_error = server_module._RemoteWorker.send_error
     contribute = aggregator_module.AggregatorJob.contribute
+    delayed: list[threading.Timer] = []
 
     def slow_to_rank_1(self, *args):
         if self.conn.peer.startswith("rank 1 "):
-            threading.Timer(0.6, send_error, (self, *args)).start()
+            delayed.append(threading.Timer(0.6, send_error, (self, *args)))
+            delayed[-1].start()
         else:
             send_error(self, *args)
 
@@ -778,7 +780,10 @@ def test_a_mismatch_reaches_the_peer_as_one_when_the_rank_that_saw_it_leaves_fir
 
     def target(comm, rank):
         return _outcome(lambda: comm.allreduce(torch.ones(4000 if rank else 4096)))
-    for rank, outcome in enumerate(in_threads(2, target)):
+    outcomes = in_threads(2, target)
+    for timer in delayed:
+        timer.join(5.0)
+    for rank, outcome in enumerate(outcomes):
         assert outcome[0] == "MismatchError", (rank, outcome)
         assert outcome[2] < 0.6, (rank, outcome)     # rank 1's came through the BYE
 

@@ -277,13 +277,10 @@ def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout
         for label in coo_labels(specs):
             reduce = uncompressed.get(label) or functools.partial(Reducer(label, None, comm).reduce, key=name)
             run = lambda _, g=g, reduce=reduce: reduce(g.coalesce())      # noqa: E731
-            alone = timed(run)
-            yield label, name, alone, *under_load(run, lambda: None, train_step, alone_step, alone, timeout)
+            yield label, name, *alone_and_loaded(run, lambda: None, train_step, alone_step, timeout)
     for names in coo_units(order, set(coo_gradients)):
         run = lambda _, grads=[coo_gradients[n] for n in names]: sparse.allreduce_many(grads, "avg", comm)  # noqa: E731
-        alone = timed(run)
-        loaded = under_load(run, lambda: None, train_step, alone_step, alone, timeout)
-        yield SPARSE, "+".join(names), alone, *loaded
+        yield SPARSE, "+".join(names), *alone_and_loaded(run, lambda: None, train_step, alone_step, timeout)
 
 
 def collectives(comm, block_size: int, rank: int, world: int, sizes: Sizes):
@@ -320,8 +317,7 @@ def profile_sparse_own(comm, gradients: dict, tensors: dict, train_step, timeout
     run = lambda t: comm.allreduce(t, op="avg")     # noqa: E731
     for name, g in gradients.items():
         if tensors[name]["union"] < 1.0:
-            alone = timed(run, g.clone)
-            yield name, alone, *under_load(run, g.clone, train_step, alone_step, alone, timeout)
+            yield name, *alone_and_loaded(run, g.clone, train_step, alone_step, timeout)
 
 
 def profile_collectives(comm, block_size: int, rank: int, world: int, sizes: Sizes, train_step, timeout: float):
@@ -329,8 +325,14 @@ def profile_collectives(comm, block_size: int, rank: int, world: int, sizes: Siz
     slowdown of a training step) for each; see `under_load`."""
     alone_step = timed(lambda _: train_step())
     for kind, x, numel, run, prepare in collectives(comm, block_size, rank, world, sizes):
-        alone = timed(run, prepare)
-        yield kind, x, numel, alone, *under_load(run, prepare, train_step, alone_step, alone, timeout)
+        yield kind, x, numel, *alone_and_loaded(run, prepare, train_step, alone_step, timeout)
+
+
+def alone_and_loaded(run, prepare, train_step, alone_step: float,
+                     timeout: float) -> tuple[float, float, float]:
+    """run(prepare())'s time alone (`timed`), then under load and the steps' slowdown (`under_load`)."""
+    alone = timed(run, prepare)
+    return alone, *under_load(run, prepare, train_step, alone_step, alone, timeout)
 
 
 def under_load(run, prepare, train_step, alone_step: float, alone: float,

@@ -124,7 +124,9 @@ def simulate(step: Step, costs) -> Timeline:
         held = end if cost.hold is None else start + min(comm, cost.hold * comm / max(cost.comm, 1e-12))
         if contended:
             busy.add(start, held, cost.slowdown)
-        channel, gloo = (held, gloo) if cost.hold is None else (held, end)
+        channel = held
+        if cost.hold is not None:
+            gloo = end
         payload.append(ready)
         starts.append(start)
         ends.append(end)
