@@ -557,3 +557,42 @@ def test_collectives_under_load_run_as_many_times_on_every_rank_and_span_a_step(
     for count, spanned, loaded, slowdown in outcome:
         assert spanned >= 24 * 0.002 and loaded >= 0.002
         assert 1.0 <= slowdown < 2.0            # sleeping steps are not slowed down
+
+
+def _compress_in_backward(rank: int, world: int) -> tuple:
+    """profiler.compress_in_backward on a two-layer model: each compressor's calls, with whether
+    autograd was running them (a graph task is current) and the shape of the gradient they saw."""
+    from sparcoll.plan import profiler
+    calls = []
+
+    class Spy(profiler.Reducer):
+        def compress(self, tensor, key=None):
+            calls.append((str(self.spec), key, torch._C._current_graph_task_id() != -1, tuple(tensor.shape)))
+            return super().compress(tensor, key=key)
+
+    profiler.Reducer = Spy
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 256))
+    loss_of = lambda m: m(torch.randn(8, 64)).square().sum()
+    names = ["0.weight", "2.weight"]
+    timed = list(profiler.compress_in_backward(["fp16", "powersgd:4", "topk:0.01"], model, loss_of, names))
+    model.zero_grad()
+    loss_of(model).backward()               # the hooks are gone: no more calls
+    return timed, calls, {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def test_compressors_are_timed_in_backward_on_the_gradient_where_a_plan_runs_them():
+    from ranks import run_ranks
+    from sparcoll.plan.profiler import IN_BACKWARD_STEPS
+    outcome = run_ranks(_compress_in_backward, 2, timeout=60)
+    (timed, _, _), (timed_peer, _, _) = outcome
+    assert timed == timed_peer                      # the slowest worker's, the same on every rank
+    assert [(spec, name) for spec, name, _ in timed] == [
+        ("fp16", "0.weight"), ("fp16", "2.weight"), ("topk:0.01", "0.weight"), ("topk:0.01", "2.weight")]
+    assert all(seconds > 0 for *_, seconds in timed)
+    for _, calls, shapes in outcome:
+        assert len(calls) == IN_BACKWARD_STEPS * 2 * 2         # PowerSGD cannot compress apart
+        assert all(in_backward for _, _, in_backward, _ in calls)
+        assert {(key, shape) for _, key, _, shape in calls} == {(name, shapes[name]) for name in ("0.weight", "2.weight")}
+        firsts = [spec for spec, key, *_ in calls[::2] if key == "2.weight"]     # each hook's first call
+        assert len(set(firsts)) == 2                # the order rotates between steps

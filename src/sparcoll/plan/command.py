@@ -42,8 +42,9 @@ from .timeline import Cost, Step, simulate
 # 16 the sparse scheme's decompression into the gradient; 17 every decompression into the gradient
 # (allgather: combined there); 18 the slowdown of the steps' work while the collectives ran, for at
 # least a step; 19 every worker keeps freed memory (sparcoll.keep_freed_memory): backward allocates
-# no large gradient afresh.
-PROFILE_VERSION = 19
+# no large gradient afresh; 20 a compressor's time on the model's gradient is measured inside
+# backward, where a plan runs it.
+PROFILE_VERSION = 20
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 TRIAL_UNIFORMS = 3

@@ -17,7 +17,10 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
                bound by memory and allocation, not flops)
   compressors  compress and decompress time of each compressor by tensor size, and on each of the
                model's gradients of at least OWN_GRADIENT elements (the time depends on the data), every
-               worker at once
+               worker at once; on those gradients, a compressor that compresses apart from its
+               collective is timed again where a plan runs it, inside backward on the training thread
+               while every worker trains (compress_in_backward: that time is the one priced, the one
+               apart is kept as `compress_alone`)
   COO          each sparse COO gradient of the model (nn.Embedding(sparse=True)) under each option it
                can take, timed whole on the gradient itself, alone and under load as below: its cost
                is its rows, which no curve by dense size predicts
@@ -82,6 +85,7 @@ LOADED_RUNS = 4     # collectives timed per point under the training thread's lo
 MOST_LOADED_RUNS = 64   # ... and at most, however short they are against a step
 MOST_SLOWDOWN = 8.0     # a slowdown larger than this is taken as this one (noise in a short overlap)
 BUDGET = 0.2      # seconds of timed runs per point, at least
+IN_BACKWARD_STEPS = 4   # training steps with the compressors timed inside backward, the first untimed
 
 
 @dataclass(frozen=True)
@@ -232,7 +236,8 @@ def profile_compressors(specs: list[str], world: int, gradients: dict, numels: t
     depends on the data: sampled thresholds, ties, momentum). The decompression is what each scheme runs
     after its collective (allreduce: decompress the average; allgather: combine every rank's parts; the
     sparse AllReduce: its blocks into a dense tensor); PowerSGD's whole reduction, its allreduces
-    included.
+    included. On a model's gradient, the compress time of a compressor a plan runs in backward is
+    priced from compress_in_backward instead: this one is yielded as "compress_alone".
     """
     samples = [(None, torch.randn(numel)) for numel in numels] + list(gradients.items())
     for spec in specs:
@@ -258,6 +263,46 @@ def profile_compressors(specs: list[str], world: int, gradients: dict, numels: t
             else:
                 decompress = timed(lambda _: c.decompress(payload.parts, payload.ctx, into))
             yield spec, x.numel(), name, compress, decompress
+
+
+def compress_in_backward(specs: list[str], model: nn.Module, loss_of, names: list[str]):
+    """(spec, tensor name, seconds) of each compressor that compresses apart from its collective, on
+    each of the model's gradients `names`, timed where sparcoll.torch.DataParallel runs it under a plan:
+    in backward, on the training thread, the moment the gradient is ready, every worker training at
+    once (ncf's largest gradient: efsignsgd 25.7 ms there against 22.8 apart, blocktopk 5.2 against
+    9.6; the neighbours' backward, not their compressors, shares the cores and the memory). Every
+    compressor runs in each gradient's hook, in an order rotated per step (the first reads the
+    gradient as backward left it, the others after it); per step the slowest worker's time, then
+    the median over the steps after the first."""
+    reducers = [(spec, reducer) for spec in specs if (reducer := Reducer(spec)).splits]
+    if not reducers or not names:
+        return
+    params = dict(model.named_parameters())
+    times = torch.zeros(IN_BACKWARD_STEPS, len(reducers), len(names), dtype=torch.float64)
+    step = 0
+
+    def hook_for(j: int, name: str):
+        def hook(p: torch.Tensor) -> None:
+            for k in np.roll(np.arange(len(reducers)), step):
+                start = time.perf_counter()
+                reducers[k][1].compress(p.grad, key=name)
+                times[step, k, j] = time.perf_counter() - start
+        return hook
+
+    handles = [params[name].register_post_accumulate_grad_hook(hook_for(j, name)) for j, name in enumerate(names)]
+    try:
+        for step in range(IN_BACKWARD_STEPS):
+            dist.barrier()
+            model.zero_grad()
+            loss_of(model).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    medians = times[1:].median(dim=0).values
+    for k, (spec, _) in enumerate(reducers):
+        for j, name in enumerate(names):
+            yield spec, name, medians[k, j].item()
 
 
 def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout: float, order: list[str]):
@@ -433,7 +478,9 @@ def events_after_model(cfg: dict, model: dict) -> int:
     large = [t for t in tensors if t["numel"] >= OWN_GRADIENT and not t["coo"]]
     coo = {name for name, t in model["tensors"].items() if t["coo"]}
     compressors = len(timed_compressors(cfg))
-    return (2 * compressors * (len(sizes.compressor_numels) + len(large)) + 3 * sum(t["union"] < 1.0 for t in large)
+    in_backward = sum(Reducer(spec).splits for spec in timed_compressors(cfg))
+    return (2 * compressors * (len(sizes.compressor_numels) + len(large)) + in_backward * len(large)
+            + 3 * sum(t["union"] < 1.0 for t in large)
             + 3 * len(coo_labels(timed_compressors(cfg))) * len(coo) + 3 * len(coo_units(model["order"], coo))
             + 3 * (2 * len(sizes.collective_bytes) + len(sizes.allgather_bytes)
                    + len(sizes.sparse_numels) * len(SPARSE_DENSITIES)))
@@ -447,11 +494,16 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     say({"event": "model", **measured, "cores_per_worker": cores_per_worker(world)})
     sizes = Sizes.of(measured)
     specs = timed_compressors(cfg)
+    in_backward = {spec for spec in specs if Reducer(spec).splits}     # compress_in_backward's
     for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients,
                                                                        sizes.compressor_numels):
-        say({"event": "point", "kind": "compress", "what": spec, "x": numel, "tensor": name, "seconds": compress})
+        kind = "compress_alone" if name and spec in in_backward else "compress"
+        say({"event": "point", "kind": kind, "what": spec, "x": numel, "tensor": name, "seconds": compress})
         say({"event": "point", "kind": "decompress", "what": spec, "x": numel, "tensor": name,
              "seconds": decompress})
+    for spec, name, seconds in compress_in_backward(specs, model, loss_of, list(gradients)):
+        say({"event": "point", "kind": "compress", "what": spec, "x": gradients[name].numel(), "tensor": name,
+             "seconds": seconds})
 
     def train_step() -> None:
         model.zero_grad()
