@@ -3,9 +3,11 @@
 profile of the same workload, both ways the simulator can (timeline.py): every operation taking its
 time alone (ByteComp's model, what the decision searches with) and with collectives and backward
 slowing each other down (`simulate` with the profile's contention, what `sparcoll plan` reports). Prints predicted / measured per
-candidate and workload, and with --json writes them.
+candidate and workload, and with --json writes them. --compress-apart prices each compressor on the
+model's own gradients by its time apart from training (`compress_alone`, what profiles before version
+20 priced) instead of its time inside backward: what timing it in backward changed, on the same steps.
 
-    python3 benchmarks/contention_predict.py MEASURED_DIR PROFILE_DIR [--json OUT]
+    python3 benchmarks/contention_predict.py MEASURED_DIR PROFILE_DIR [--compress-apart] [--json OUT]
 """
 from __future__ import annotations
 
@@ -32,10 +34,20 @@ def measured_steps(directory: Path, workload: str) -> dict[str, list[float]]:
     return out
 
 
+def compress_apart(points: list[dict]) -> list[dict]:
+    """The profile's points with each compressor's time on a model gradient taken apart from training
+    where the profile has it (`compress_alone`), not inside backward."""
+    apart = {(p["what"], p["tensor"]) for p in points if p["kind"] == "compress_alone"}
+    return [{**p, "kind": "compress"} if p["kind"] == "compress_alone" else p for p in points
+            if not (p["kind"] == "compress" and (p["what"], p.get("tensor")) in apart)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("measured", type=Path, help="a run_plan.sh output directory")
     parser.add_argument("profiles", type=Path, help="a directory of W-profile.json files")
+    parser.add_argument("--compress-apart", action="store_true",
+                        help="price compressors on the model's gradients by their time apart from training")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     rows = []
@@ -45,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         if not steps:
             continue
         profile = json.loads(profile_file.read_text())
-        profile["fits"] = fit(profile["points"])        # as this version fits the stored points
+        points = compress_apart(profile["points"]) if args.compress_apart else profile["points"]
+        profile["fits"] = fit(points)        # as this version fits the stored points
         step, measured, groups, tensors, costing = priced(profile, list(profile["compressors"]))
         forward = profile["model"]["forward"]
         print(f"{workload}: predicted / measured (measured: median of {len(next(iter(steps.values())))} rounds)")

@@ -269,40 +269,37 @@ def compress_in_backward(specs: list[str], model: nn.Module, loss_of, names: lis
     """(spec, tensor name, seconds) of each compressor that compresses apart from its collective, on
     each of the model's gradients `names`, timed where sparcoll.torch.DataParallel runs it under a plan:
     in backward, on the training thread, the moment the gradient is ready, every worker training at
-    once (ncf's largest gradient: efsignsgd 25.7 ms there against 22.8 apart, blocktopk 5.2 against
-    9.6; the neighbours' backward, not their compressors, shares the cores and the memory). Every
-    compressor runs in each gradient's hook, in an order rotated per step (the first reads the
-    gradient as backward left it, the others after it); per step the slowest worker's time, then
-    the median over the steps after the first."""
-    reducers = [(spec, reducer) for spec in specs if (reducer := Reducer(spec)).splits]
-    if not reducers or not names:
-        return
+    once with the same compressor (ncf's largest gradient under efsignsgd: 25.7 ms there against 22.8
+    apart, as it took 27-30 ms in training; under blocktopk 5.2 against 9.6). IN_BACKWARD_STEPS steps
+    per compressor, per step the slowest worker's time, the median over the steps after the first."""
     params = dict(model.named_parameters())
-    times = torch.zeros(IN_BACKWARD_STEPS, len(reducers), len(names), dtype=torch.float64)
-    step = 0
+    for spec in specs:
+        reducer = Reducer(spec)
+        if not reducer.splits or not names:
+            continue
+        times = torch.zeros(IN_BACKWARD_STEPS, len(names), dtype=torch.float64)
+        step = 0
 
-    def hook_for(j: int, name: str):
-        def hook(p: torch.Tensor) -> None:
-            for k in np.roll(np.arange(len(reducers)), step):
+        def hook_for(j: int, name: str):
+            def hook(p: torch.Tensor) -> None:
                 start = time.perf_counter()
-                reducers[k][1].compress(p.grad, key=name)
-                times[step, k, j] = time.perf_counter() - start
-        return hook
+                reducer.compress(p.grad, key=name)
+                times[step, j] = time.perf_counter() - start
+            return hook
 
-    handles = [params[name].register_post_accumulate_grad_hook(hook_for(j, name)) for j, name in enumerate(names)]
-    try:
-        for step in range(IN_BACKWARD_STEPS):
-            dist.barrier()
-            model.zero_grad()
-            loss_of(model).backward()
-    finally:
-        for handle in handles:
-            handle.remove()
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    medians = times[1:].median(dim=0).values
-    for k, (spec, _) in enumerate(reducers):
-        for j, name in enumerate(names):
-            yield spec, name, medians[k, j].item()
+        handles = [params[name].register_post_accumulate_grad_hook(hook_for(j, name))
+                   for j, name in enumerate(names)]
+        try:
+            for step in range(IN_BACKWARD_STEPS):
+                dist.barrier()
+                model.zero_grad()
+                loss_of(model).backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        for name, seconds in zip(names, times[1:].median(dim=0).values.tolist()):
+            yield spec, name, seconds
 
 
 def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout: float, order: list[str]):
