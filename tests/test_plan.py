@@ -2,7 +2,9 @@
 hand-computed timelines, the decision against brute force (seeded random instances), the exact
 offload search against brute force, and what the profile reads of a model (its gradients' kinds,
 its backward timeline)."""
+import math
 import random
+import threading
 
 import numpy as np
 
@@ -571,26 +573,39 @@ def _compress_in_backward(rank: int, world: int) -> tuple:
             return super().compress(tensor, key=key)
 
     profiler.Reducer = Spy
+    decompressed = []
+    decompress_into = profiler.decompress_into
+
+    def spy_decompress(compressor, payload, world, into):
+        decompressed.append((str(compressor.spec), threading.current_thread().name, into.numel()))
+        decompress_into(compressor, payload, world, into)
+    profiler.decompress_into = spy_decompress
     torch.manual_seed(rank)
     model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 256))
     loss_of = lambda m: m(torch.randn(8, 64)).square().sum()
     names = ["0.weight", "2.weight"]
-    timed = list(profiler.compress_in_backward(["fp16", "powersgd:4", "topk:0.01"], model, loss_of, names))
+    timed = list(profiler.compress_in_backward(["fp16", "powersgd:4", "topk:0.01"], world, model, loss_of, names,
+                                               timeout=30))
     model.zero_grad()
     loss_of(model).backward()               # the hooks are gone: no more calls
-    return timed, calls, {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return timed, calls, {name: tuple(p.shape) for name, p in model.named_parameters()}, decompressed
 
 
 def test_compressors_are_timed_in_backward_on_the_gradient_where_a_plan_runs_them():
+    """Each compressor but PowerSGD, on each named gradient, in autograd's hook, every payload then
+    decompressed on another thread; the hooks gone after."""
     from ranks import run_ranks
     from sparcoll.plan.profiler import IN_BACKWARD_STEPS
     outcome = run_ranks(_compress_in_backward, 2, timeout=60)
-    (timed, _, _), (timed_peer, _, _) = outcome
+    (timed, *_), (timed_peer, *_) = outcome
     assert timed == timed_peer                      # the slowest worker's, the same on every rank
     assert [(spec, name) for spec, name, _ in timed] == [
         ("fp16", "0.weight"), ("fp16", "2.weight"), ("topk:0.01", "0.weight"), ("topk:0.01", "2.weight")]
     assert all(seconds > 0 for *_, seconds in timed)
-    for _, calls, shapes in outcome:
+    for _, calls, shapes, decompressed in outcome:
+        # each payload decompressed on a thread of its own, as the synchronization thread does
+        assert sorted(decompressed) == sorted((spec, "sparcoll-profile-channel_0", math.prod(shape))
+                                              for spec, _, _, shape in calls)
         assert len(calls) == IN_BACKWARD_STEPS * 2 * 2         # PowerSGD cannot compress apart
         assert all(in_backward for _, _, in_backward, _ in calls)
         assert {(key, shape) for _, key, _, shape in calls} == {(name, shapes[name]) for name in ("0.weight", "2.weight")}

@@ -40,6 +40,7 @@ costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`)
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import os
@@ -230,6 +231,16 @@ def sfb_products(shape, rows: int, world: int) -> tuple[float, float]:
     return timed(lambda _: torch.mm(u.t(), v)), timed(lambda _: torch.mm(big_u.t(), big_v, out=result))
 
 
+def decompress_into(compressor, payload, world: int, into: torch.Tensor) -> None:
+    """What the synchronization thread computes on a payload after its collective: an allgather
+    scheme combines every rank's parts (here this rank's, `world` times), any other decompresses
+    into the gradient-sized `into`, as the executors do."""
+    if compressor.scheme == "allgather":
+        compressor.combine([payload.parts] * world, payload.ctx, into)
+    else:
+        compressor.decompress(payload.parts, payload.ctx, into)
+
+
 def profile_compressors(specs: list[str], world: int, gradients: dict, numels: tuple[int, ...]):
     """(spec, numel, tensor name or None, compress seconds, decompress seconds), on random tensors of
     `numels` elements (the curves) and on the model's own large gradients (a compressor's time
@@ -258,48 +269,56 @@ def profile_compressors(specs: list[str], world: int, gradients: dict, numels: t
             # 55 ms for deeplight's 68 MB embedding gradient (fresh pages) under blocktopk, about ten
             # times its time in place
             into = torch.empty(x.numel())
-            if c.scheme == "allgather":
-                decompress = timed(lambda _: c.combine([payload.parts] * world, payload.ctx, into))
-            else:
-                decompress = timed(lambda _: c.decompress(payload.parts, payload.ctx, into))
+            decompress = timed(lambda _: decompress_into(c, payload, world, into))
             yield spec, x.numel(), name, compress, decompress
 
 
-def compress_in_backward(specs: list[str], model: nn.Module, loss_of, names: list[str]):
+def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of, names: list[str],
+                         timeout: float):
     """(spec, tensor name, seconds) of each compressor that compresses apart from its collective, on
     each of the model's gradients `names`, timed where sparcoll.torch.DataParallel runs it under a plan:
-    in backward, on the training thread, the moment the gradient is ready, every worker training at
-    once with the same compressor (ncf's largest gradient under efsignsgd: 25.7 ms there against 22.8
-    apart, as it took 27-30 ms in training; under blocktopk 5.2 against 9.6). IN_BACKWARD_STEPS steps
-    per compressor, per step the slowest worker's time, the median over the steps after the first."""
+    in backward, on the training thread, the moment the gradient is ready, every worker training with
+    the same compressor, and a second thread decompressing each payload as it comes, as the
+    synchronization thread does after each collective (ncf's largest gradient under efsignsgd: 27-30 ms
+    in training, 22 in the profile apart from training). IN_BACKWARD_STEPS steps per compressor, per
+    step the slowest worker's time, the median over the steps after the first."""
     params = dict(model.named_parameters())
-    for spec in specs:
-        reducer = Reducer(spec)
-        if not reducer.splits or not names:
-            continue
-        times = torch.zeros(IN_BACKWARD_STEPS, len(names), dtype=torch.float64)
-        step = 0
+    into = {name: torch.empty(params[name].numel()) for name in names}
+    channel = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparcoll-profile-channel")
+    try:
+        for spec in specs:
+            reducer = Reducer(spec)
+            if not reducer.splits or not names:
+                continue
+            times = torch.zeros(IN_BACKWARD_STEPS, len(names), dtype=torch.float64)
+            step, pending = 0, []
 
-        def hook_for(j: int, name: str):
-            def hook(p: torch.Tensor) -> None:
-                start = time.perf_counter()
-                reducer.compress(p.grad, key=name)
-                times[step, j] = time.perf_counter() - start
-            return hook
+            def hook_for(j: int, name: str):
+                def hook(p: torch.Tensor) -> None:
+                    start = time.perf_counter()
+                    payload = reducer.compress(p.grad, key=name)
+                    times[step, j] = time.perf_counter() - start
+                    pending.append(channel.submit(decompress_into, reducer.compressor, payload, world, into[name]))
+                return hook
 
-        handles = [params[name].register_post_accumulate_grad_hook(hook_for(j, name))
-                   for j, name in enumerate(names)]
-        try:
-            for step in range(IN_BACKWARD_STEPS):
-                dist.barrier()
-                model.zero_grad()
-                loss_of(model).backward()
-        finally:
-            for handle in handles:
-                handle.remove()
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        for name, seconds in zip(names, times[1:].median(dim=0).values.tolist()):
-            yield spec, name, seconds
+            handles = [params[name].register_post_accumulate_grad_hook(hook_for(j, name))
+                       for j, name in enumerate(names)]
+            try:
+                for step in range(IN_BACKWARD_STEPS):
+                    dist.barrier()
+                    model.zero_grad()
+                    loss_of(model).backward()
+                    for done in pending:
+                        done.result(timeout)
+                    pending.clear()
+            finally:
+                for handle in handles:
+                    handle.remove()
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            for name, seconds in zip(names, times[1:].median(dim=0).values.tolist()):
+                yield spec, name, seconds
+    finally:
+        channel.shutdown(cancel_futures=True)
 
 
 def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout: float, order: list[str]):
@@ -498,7 +517,7 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
         say({"event": "point", "kind": kind, "what": spec, "x": numel, "tensor": name, "seconds": compress})
         say({"event": "point", "kind": "decompress", "what": spec, "x": numel, "tensor": name,
              "seconds": decompress})
-    for spec, name, seconds in compress_in_backward(specs, model, loss_of, list(gradients)):
+    for spec, name, seconds in compress_in_backward(specs, world, model, loss_of, list(gradients), cfg["timeout"]):
         say({"event": "point", "kind": "compress", "what": spec, "x": gradients[name].numel(), "tensor": name,
              "seconds": seconds})
 
