@@ -19,8 +19,8 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
                model's gradients of at least OWN_GRADIENT elements (the time depends on the data), every
                worker at once; on those gradients, a compressor that compresses apart from its
                collective is timed again where a plan runs it, inside backward on the training thread
-               while every worker trains (compress_in_backward: that time is the one priced, the one
-               apart is kept as `compress_alone`)
+               while every worker trains and a second thread decompresses (compress_in_backward: that
+               time is the one priced, the one apart is kept as `compress_alone`)
   COO          each sparse COO gradient of the model (nn.Embedding(sparse=True)) under each option it
                can take, timed whole on the gradient itself, alone and under load as below: its cost
                is its rows, which no curve by dense size predicts
