@@ -447,7 +447,7 @@ def test_a_payload_ready_sooner_starts_sooner_and_spared_work_shortens_backward(
     assert Simulation(step, [costs[0], Cost()]).with_cost(1, costs[1]) == pytest.approx(0.9)
 
 
-def test_backward_timeline_follows_autograd_and_restores_the_parameters():
+def test_backward_timeline_follows_autograd_and_leaves_the_parameters_as_they_were():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), Pause(0.05), nn.Linear(16, 4))
     before = [p.detach().clone() for p in model.parameters()]
@@ -584,8 +584,8 @@ def _compress_in_backward(rank: int, world: int) -> tuple:
     model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 256))
     loss_of = lambda m: m(torch.randn(8, 64)).square().sum()
     names = ["0.weight", "2.weight"]
-    timed = list(profiler.compress_in_backward(["fp16", "powersgd:4", "topk:0.01"], world, model, loss_of, names,
-                                               timeout=30))
+    specs = ["fp16", "powersgd:4", "topk:0.01"]
+    timed = list(profiler.compress_in_backward(specs, world, model, loss_of, names, timeout=30))
     model.zero_grad()
     loss_of(model).backward()               # the hooks are gone: no more calls
     return timed, calls, {name: tuple(p.shape) for name, p in model.named_parameters()}, decompressed
@@ -595,7 +595,8 @@ def test_compressors_are_timed_in_backward_on_the_gradient_where_a_plan_runs_the
     """Each compressor but PowerSGD, on each named gradient, in autograd's hook, every payload then
     decompressed on another thread; the hooks gone after."""
     from ranks import run_ranks
-    from sparcoll.plan.profiler import IN_BACKWARD_STEPS
+    from sparcoll.plan.profiler import IN_BACKWARD_STEPS as steps
+    names = ("0.weight", "2.weight")
     outcome = run_ranks(_compress_in_backward, 2, timeout=60)
     (timed, *_), (timed_peer, *_) = outcome
     assert timed == timed_peer                      # the slowest worker's, the same on every rank
@@ -606,7 +607,7 @@ def test_compressors_are_timed_in_backward_on_the_gradient_where_a_plan_runs_the
         # each payload decompressed on a thread of its own, as the synchronization thread does
         assert sorted(decompressed) == sorted((spec, "sparcoll-profile-channel_0", math.prod(shape))
                                               for spec, _, _, shape in calls)
-        assert len(calls) == IN_BACKWARD_STEPS * 2 * 2         # PowerSGD cannot compress apart
+        assert len(calls) == steps * 2 * 2         # PowerSGD cannot compress apart
         assert all(in_backward for _, _, in_backward, _ in calls)
-        assert {(key, shape) for _, key, _, shape in calls} == {(name, shapes[name]) for name in ("0.weight", "2.weight")}
-        assert [spec for spec, *_ in calls] == ["fp16"] * (2 * IN_BACKWARD_STEPS) + ["topk:0.01"] * (2 * IN_BACKWARD_STEPS)
+        assert {(key, shape) for _, key, _, shape in calls} == {(name, shapes[name]) for name in names}
+        assert [spec for spec, *_ in calls] == ["fp16"] * (2 * steps) + ["topk:0.01"] * (2 * steps)

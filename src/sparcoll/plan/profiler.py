@@ -192,9 +192,11 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
     union = [part.mean().item() if part.numel() else 0.0 for part in marks.split(sizes)]
     density = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(density)
-    gradients = {name: p.grad.detach().clone() for name, p in params.items()
+    # the gradients themselves, not copies: zero_grad lets the model go of them (vgg's 800 MB, with
+    # every worker on one host)
+    gradients = {name: p.grad.detach() for name, p in params.items()
                  if p.numel() >= OWN_GRADIENT and not p.grad.is_sparse}
-    coo_gradients = {name: p.grad.detach().clone() for name, p in params.items() if p.grad.is_sparse}
+    coo_gradients = {name: p.grad.detach() for name, p in params.items() if p.grad.is_sparse}
     model.zero_grad()
     timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5), peers=Together())
     # how long each SFB-able layer's backward takes from its output gradient to its weight gradient
@@ -278,12 +280,11 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
     """(spec, tensor name, seconds) of each compressor that compresses apart from its collective, on
     each of the model's gradients `names`, timed where sparcoll.torch.DataParallel runs it under a plan:
     in backward, on the training thread, the moment the gradient is ready, every worker training with
-    the same compressor, and a second thread decompressing each payload as it comes, as the
-    synchronization thread does after each collective (ncf's largest gradient under efsignsgd: 27-30 ms
-    in training, 22 in the profile apart from training). IN_BACKWARD_STEPS steps per compressor, per
-    step the slowest worker's time, the median over the steps after the first."""
+    the same compressor, and a second thread decompressing each payload into its gradient as it comes,
+    as the synchronization thread does after each collective (ncf's largest gradient under efsignsgd:
+    27-30 ms in training, 22 in the profile apart from training). IN_BACKWARD_STEPS steps per
+    compressor, per step the slowest worker's time, the median over the steps after the first."""
     params = dict(model.named_parameters())
-    into = {name: torch.empty(params[name].numel()) for name in names}
     channel = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparcoll-profile-channel")
     try:
         for spec in specs:
@@ -298,7 +299,8 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
                     start = time.perf_counter()
                     payload = reducer.compress(p.grad, key=name)
                     times[step, j] = time.perf_counter() - start
-                    pending.append(channel.submit(decompress_into, reducer.compressor, payload, world, into[name]))
+                    pending.append(channel.submit(decompress_into, reducer.compressor, payload, world,
+                                                  p.grad.view(-1)))
                 return hook
 
             handles = [params[name].register_post_accumulate_grad_hook(hook_for(j, name))
@@ -517,7 +519,8 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
         say({"event": "point", "kind": kind, "what": spec, "x": numel, "tensor": name, "seconds": compress})
         say({"event": "point", "kind": "decompress", "what": spec, "x": numel, "tensor": name,
              "seconds": decompress})
-    for spec, name, seconds in compress_in_backward(specs, world, model, loss_of, list(gradients), cfg["timeout"]):
+    for spec, name, seconds in compress_in_backward(specs, world, model, loss_of, list(gradients),
+                                                    cfg["timeout"]):
         say({"event": "point", "kind": "compress", "what": spec, "x": gradients[name].numel(), "tensor": name,
              "seconds": seconds})
 
