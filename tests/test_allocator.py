@@ -38,3 +38,27 @@ def test_a_large_gradient_reuses_the_pages_of_the_last_one():
     # gradients are served from it; it may still grow now and then (8 steps of 200 with an
     # optimizer; its peak memory 871 MB against 425)
     assert sum(kept["faults"][-16:]) < 4 * PAGES, json.dumps(kept)
+
+
+RELEASE = """
+import json, sys, torch
+from sparcoll import allocator
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+allocator.keep_freed_memory()
+big = torch.ones(1 << 26)                       # 256 MiB, written
+del big
+kept = rss()
+released = allocator.release_freed_memory()
+print(json.dumps({"kept": kept, "after": rss(), "released": released}))
+"""
+
+
+def test_freed_memory_goes_back_to_the_kernel_when_released():
+    """keep_freed_memory keeps a freed block's pages; release_freed_memory hands them back."""
+    out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["released"]
+    assert result["kept"] - result["after"] > 200 << 20, result      # most of the 256 MiB

@@ -13,7 +13,10 @@ holds at most 64 MiB, so without mmap each larger block a thread asked for faile
 was then served by the main arena (vgg's first step under sufficient factors, whose synchronization
 thread allocates its 341 and 392 MB gradients, took 8.0-9.1 s that way against 3.3-4.7 before, and
 2.7-3.1 with one arena). The price: the process keeps its peak heap (a 64 MiB embedding trained 200 steps
-with SGD: 871 MB at its peak against 425), and its threads share one arena's lock.
+with SGD: 871 MB at its peak against 425), and its threads share one arena's lock. A process that
+goes through phases of different sizes (`sparcoll plan --profile`) hands what a finished phase freed
+back with release_freed_memory: vgg's four profiling workers, each keeping every phase's peak, ran
+a 24 GB machine out of memory.
 """
 from __future__ import annotations
 
@@ -26,19 +29,32 @@ M_ARENA_MAX = -8
 KEEP_TOP = 2**31 - 1      # bytes of free heap top kept before any goes back: the most mallopt's int holds
 
 
+def _libc():
+    name = ctypes.util.find_library("c")
+    return None if name is None else ctypes.CDLL(name)
+
+
 def keep_freed_memory() -> bool:
     """Make this process's malloc keep freed memory for reuse (see above); False where the C library
     has no glibc mallopt (nothing changed). Call it at the start of a training process, before its
     threads: it applies to the blocks allocated after it, and a thread that already has an arena
     keeps it."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
-    mallopt = getattr(libc, "mallopt", None)
+    mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     done = [mallopt(parameter, value) for parameter, value in
             ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEEP_TOP))]
     return all(result == 1 for result in done)
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free memory back to the kernel now (glibc's malloc_trim), keeping what is in
+    use; False where the C library has no malloc_trim. The next blocks fault their pages in again:
+    call it between phases, not between the steps of one."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

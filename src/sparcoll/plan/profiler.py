@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 import sparcoll
+from sparcoll.allocator import release_freed_memory
 from sparcoll.bench.events import emit
 from sparcoll.bench.worker import exit_process, run_worker
 from sparcoll.blocks import BlockTensor
@@ -254,6 +255,7 @@ def profile_compressors(specs: list[str], world: int, gradients: dict, numels: t
     """
     samples = [(None, torch.randn(numel)) for numel in numels] + list(gradients.items())
     for spec in specs:
+        release_freed_memory()      # the last compressor's (its memory, its scratch)
         reducer = Reducer(spec)
         c = reducer.compressor
         for name, x in samples:
@@ -263,10 +265,9 @@ def profile_compressors(specs: list[str], world: int, gradients: dict, numels: t
                 yield spec, x.numel(), name, timed(lambda _: reducer.reduce_many(
                     [x], [name or x.numel()], into=into)), 0.0
                 continue
-            payloads = []
-            compress = timed(lambda _: payloads.append(reducer.compress(x, key=name or x.numel())))
-            payload = payloads[-1]
-            payloads.clear()
+            last = [None]       # only the last run's payload is kept: vgg's layer has 205 MB under fp16
+            compress = timed(lambda _: last.__setitem__(0, reducer.compress(x, key=name or x.numel())))
+            payload = last.pop()
             # into a gradient-sized tensor, as the executors decompress: a new one each time took
             # 55 ms for deeplight's 68 MB embedding gradient (fresh pages) under blocktopk, about ten
             # times its time in place
@@ -288,6 +289,7 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
     channel = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparcoll-profile-channel")
     try:
         for spec in specs:
+            release_freed_memory()      # the last compressor's
             reducer = Reducer(spec)
             if not reducer.splits or not names:
                 continue
@@ -523,6 +525,7 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
                                                     cfg["timeout"]):
         say({"event": "point", "kind": "compress", "what": spec, "x": gradients[name].numel(), "tensor": name,
              "seconds": seconds})
+    release_freed_memory()      # the compressors' memories and payloads
 
     def train_step() -> None:
         model.zero_grad()
