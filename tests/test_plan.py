@@ -582,6 +582,8 @@ def _compress_in_backward(rank: int, world: int) -> tuple:
     profiler.decompress_into = spy_decompress
     torch.manual_seed(rank)
     model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 256))
+    # a weight laid out transposed (as channels_last lays out a convolution's): its gradient is not flat
+    model[0].weight = nn.Parameter(model[0].weight.detach().t().contiguous().t())
     loss_of = lambda m: m(torch.randn(8, 64)).square().sum()
     names = ["0.weight", "2.weight"]
     specs = ["fp16", "powersgd:4", "topk:0.01"]

@@ -276,6 +276,14 @@ def profile_compressors(specs: list[str], world: int, gradients: dict, numels: t
             yield spec, x.numel(), name, compress, decompress
 
 
+def _flat_target(grad: torch.Tensor) -> torch.Tensor:
+    """Where the executor decompresses a gradient's average: the gradient itself where it is flat
+    float32 (a view), else a tensor of its own (then copied in)."""
+    if grad.dtype == torch.float32 and grad.is_contiguous():
+        return grad.view(-1)
+    return torch.empty(grad.numel())
+
+
 def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of, names: list[str],
                          timeout: float):
     """(spec, tensor name, seconds) of each compressor that compresses apart from its collective, on
@@ -302,7 +310,7 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
                     payload = reducer.compress(p.grad, key=name)
                     times[step, j] = time.perf_counter() - start
                     pending.append(channel.submit(decompress_into, reducer.compressor, payload, world,
-                                                  p.grad.view(-1)))
+                                                  _flat_target(p.grad)))
                 return hook
 
             handles = [params[name].register_post_accumulate_grad_hook(hook_for(j, name))
