@@ -1,5 +1,6 @@
 """sparcoll.torch.allreduce_hook: never blocks, completes from the communicator's callback, fails its
-future on errors; under DDP on 2 gloo ranks it matches a single-process full-batch reference."""
+future on errors; under DDP on 2 gloo ranks it matches a single-process full-batch reference, and a
+bfloat16 or float16 model's buckets come back as the float64 mean of the ranks' gradients."""
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -102,3 +103,47 @@ def test_failed_allreduce_in_ddp_backward_raises_runtime_error():
     rank0, rank1 = run_ranks(hook_backward_fails, WORLD, timeout=TIMEOUT)
     assert rank0.startswith("RuntimeError") and "MismatchError" in rank0, rank0
     assert rank1.startswith("MismatchError"), rank1
+
+
+def half_precision_gradients(rank: int, world: int, dtype_name: str) -> dict:
+    """One backward of a half-precision model under DDP with the hook, against the mean over ranks of
+    each rank's gradient computed in float64 on a copy (gathered with gloo)."""
+    import copy
+    import torch.distributed as dist
+    dtype = getattr(torch, dtype_name)
+    state = sparcoll.torch.HookState(sparcoll.init())
+    seen = []
+
+    def hook(state, bucket):
+        seen.append(bucket.buffer().dtype)
+        return sparcoll.torch.allreduce_hook(state, bucket)
+    try:
+        torch.manual_seed(0)
+        model = mlp().to(dtype)
+        reference = copy.deepcopy(model).double()
+        ddp = DDP(model)
+        ddp.register_comm_hook(state, hook)
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank)) * (1 + 2 * rank)  # ranks apart
+        ddp(x.to(dtype)).float().square().sum().backward()
+        reference(x.double()).square().sum().backward()
+        local = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        expected = torch.stack(gathered).mean(0)
+        got = torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
+        return {"dtypes": sorted({str(d) for d in seen}),
+                "error": ((got - expected).abs().max() / expected.abs().max()).item(),
+                "own_error": ((local - expected).abs().max() / expected.abs().max()).item()}
+    finally:
+        state.comm.close()
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+def test_half_precision_buckets_average_to_the_float64_mean(dtype_name):
+    """DDP's buckets of a bfloat16 or float16 model go through the hook in their own dtype and come
+    back as the ranks' mean, within the half type's rounding of the model's own computation (a rank's
+    own gradient is much farther from the mean: the check can tell a missing rank)."""
+    for outcome in run_ranks(half_precision_gradients, WORLD, timeout=TIMEOUT, dtype_name=dtype_name):
+        assert outcome["dtypes"] == [f"torch.{dtype_name}"]
+        assert outcome["error"] < 0.03, outcome
+        assert outcome["own_error"] > 0.2, outcome
