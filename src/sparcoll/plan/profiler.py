@@ -63,6 +63,7 @@ from sparcoll.blocks import BlockTensor
 from sparcoll.compress import Reducer
 from sparcoll.compress.channel import Channel
 from sparcoll.torch import sparse
+from sparcoll.torch.parallel import takes_average_in_place
 from sparcoll.torch.ps import ps_allreduce
 from sparcoll.torch.sfb import eligible_layers
 from sparcoll.workloads import get_workload
@@ -276,12 +277,10 @@ def profile_compressors(specs: list[str], world: int, gradients: dict, numels: t
             yield spec, x.numel(), name, compress, decompress
 
 
-def _flat_target(grad: torch.Tensor) -> torch.Tensor:
-    """Where the executor decompresses a gradient's average: the gradient itself where it is flat
-    float32 (a view), else a tensor of its own (then copied in)."""
-    if grad.dtype == torch.float32 and grad.is_contiguous():
-        return grad.view(-1)
-    return torch.empty(grad.numel())
+def in_backward(specs: list[str]) -> list[str]:
+    """The compressors a plan runs in backward: every one that compresses apart from its collective
+    (all but PowerSGD)."""
+    return [spec for spec in specs if Reducer(spec).splits]
 
 
 def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of, names: list[str],
@@ -293,14 +292,14 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
     as the synchronization thread does after each collective (ncf's largest gradient under efsignsgd:
     27-30 ms in training, 22 in the profile apart from training). IN_BACKWARD_STEPS steps per
     compressor, per step the slowest worker's time, the median over the steps after the first."""
+    if not names:
+        return
     params = dict(model.named_parameters())
     channel = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparcoll-profile-channel")
     try:
-        for spec in specs:
+        for spec in in_backward(specs):
             release_freed_memory()      # the last compressor's
             reducer = Reducer(spec)
-            if not reducer.splits or not names:
-                continue
             times = torch.zeros(IN_BACKWARD_STEPS, len(names), dtype=torch.float64)
             step, pending = 0, []
 
@@ -309,8 +308,9 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
                     start = time.perf_counter()
                     payload = reducer.compress(p.grad, key=name)
                     times[step, j] = time.perf_counter() - start
-                    pending.append(channel.submit(decompress_into, reducer.compressor, payload, world,
-                                                  _flat_target(p.grad)))
+                    # into the gradient itself where the executor decompresses there
+                    into = p.grad.view(-1) if takes_average_in_place(p.grad) else torch.empty(p.grad.numel())
+                    pending.append(channel.submit(decompress_into, reducer.compressor, payload, world, into))
                 return hook
 
             handles = [params[name].register_post_accumulate_grad_hook(hook_for(j, name))
@@ -506,8 +506,8 @@ def events_after_model(cfg: dict, model: dict) -> int:
     large = [t for t in tensors if t["numel"] >= OWN_GRADIENT and not t["coo"]]
     coo = {name for name, t in model["tensors"].items() if t["coo"]}
     compressors = len(timed_compressors(cfg))
-    in_backward = sum(Reducer(spec).splits for spec in timed_compressors(cfg))
-    return (2 * compressors * (len(sizes.compressor_numels) + len(large)) + in_backward * len(large)
+    return (2 * compressors * (len(sizes.compressor_numels) + len(large))
+            + len(in_backward(timed_compressors(cfg))) * len(large)
             + 3 * sum(t["union"] < 1.0 for t in large)
             + 3 * len(coo_labels(timed_compressors(cfg))) * len(coo) + 3 * len(coo_units(model["order"], coo))
             + 3 * (2 * len(sizes.collective_bytes) + len(sizes.allgather_bytes)
@@ -522,10 +522,10 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     say({"event": "model", **measured, "cores_per_worker": cores_per_worker(world)})
     sizes = Sizes.of(measured)
     specs = timed_compressors(cfg)
-    in_backward = {spec for spec in specs if Reducer(spec).splits}     # compress_in_backward's
+    priced_in_backward = in_backward(specs)
     for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients,
                                                                        sizes.compressor_numels):
-        kind = "compress_alone" if name and spec in in_backward else "compress"
+        kind = "compress_alone" if name and spec in priced_in_backward else "compress"
         say({"event": "point", "kind": kind, "what": spec, "x": numel, "tensor": name, "seconds": compress})
         say({"event": "point", "kind": "decompress", "what": spec, "x": numel, "tensor": name,
              "seconds": decompress})
