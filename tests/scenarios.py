@@ -494,3 +494,32 @@ def assert_all_match(outcomes: list[dict]) -> None:
         assert set(errors) == set(DDP_CASES)
         for case, error in errors.items():
             assert error < DDP_TOLERANCE, (rank, case, error)
+
+
+def half_precision_vs_float64(rank: int, world: int, dtype_name: str, wrap) -> dict:
+    """One backward of a bfloat16 or float16 model under DDP (made by wrap(model)) against the mean
+    over ranks of each rank's gradient computed in float64 on a copy (gathered on the default group,
+    gloo's): the averaged gradients' largest error relative to that mean, and the rank's own
+    gradient's (far larger: a missing rank shows)."""
+    torch.manual_seed(0)
+    model = mlp().to(getattr(torch, dtype_name))
+    reference = copy.deepcopy(model).double()
+    ddp = wrap(model)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank)) * (1 + 2 * rank)  # ranks apart
+    ddp(x.to(model[0].weight.dtype)).float().square().sum().backward()
+    reference(x.double()).square().sum().backward()
+    local = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    expected = torch.stack(gathered).mean(0)
+    got = torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
+    scale = expected.abs().max()
+    return {"error": ((got - expected).abs().max() / scale).item(),
+            "own_error": ((local - expected).abs().max() / scale).item()}
+
+
+def assert_half_precision_mean(outcome: dict) -> None:
+    """Within 3% of the float64 mean (bf16 rounding of the model's own computation is about 0.3%),
+    and a rank's own gradient more than 20% from it."""
+    assert outcome["error"] < 0.03, outcome
+    assert outcome["own_error"] > 0.2, outcome

@@ -9,7 +9,8 @@ import pytest
 import sparcoll
 import sparcoll.torch
 from ranks import run_ranks
-from scenarios import all_cases_vs_reference, assert_all_match, mlp
+from scenarios import (all_cases_vs_reference, assert_all_match, assert_half_precision_mean,
+                       half_precision_vs_float64, mlp)
 
 pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
 
@@ -106,34 +107,22 @@ def test_failed_allreduce_in_ddp_backward_raises_runtime_error():
 
 
 def half_precision_gradients(rank: int, world: int, dtype_name: str) -> dict:
-    """One backward of a half-precision model under DDP with the hook, against the mean over ranks of
-    each rank's gradient computed in float64 on a copy (gathered with gloo)."""
-    import copy
-    import torch.distributed as dist
-    dtype = getattr(torch, dtype_name)
+    """A half-precision model under DDP with the hook, against the float64 mean (scenarios.py); and
+    the dtypes of the buckets the hook saw."""
     state = sparcoll.torch.HookState(sparcoll.init())
     seen = []
 
     def hook(state, bucket):
         seen.append(bucket.buffer().dtype)
         return sparcoll.torch.allreduce_hook(state, bucket)
-    try:
-        torch.manual_seed(0)
-        model = mlp().to(dtype)
-        reference = copy.deepcopy(model).double()
+
+    def wrap(model):
         ddp = DDP(model)
         ddp.register_comm_hook(state, hook)
-        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank)) * (1 + 2 * rank)  # ranks apart
-        ddp(x.to(dtype)).float().square().sum().backward()
-        reference(x.double()).square().sum().backward()
-        local = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
-        gathered = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local)
-        expected = torch.stack(gathered).mean(0)
-        got = torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
-        return {"dtypes": sorted({str(d) for d in seen}),
-                "error": ((got - expected).abs().max() / expected.abs().max()).item(),
-                "own_error": ((local - expected).abs().max() / expected.abs().max()).item()}
+        return ddp
+    try:
+        errors = half_precision_vs_float64(rank, world, dtype_name, wrap)
+        return {**errors, "dtypes": sorted({str(d) for d in seen})}
     finally:
         state.comm.close()
 
@@ -145,5 +134,4 @@ def test_half_precision_buckets_average_to_the_float64_mean(dtype_name):
     own gradient is much farther from the mean: the check can tell a missing rank)."""
     for outcome in run_ranks(half_precision_gradients, WORLD, timeout=TIMEOUT, dtype_name=dtype_name):
         assert outcome["dtypes"] == [f"torch.{dtype_name}"]
-        assert outcome["error"] < 0.03, outcome
-        assert outcome["own_error"] > 0.2, outcome
+        assert_half_precision_mean(outcome)

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ranks import run_ranks
-from scenarios import all_cases_vs_reference, assert_all_match, mlp
+from scenarios import (all_cases_vs_reference, assert_all_match, assert_half_precision_mean,
+                       half_precision_vs_float64, mlp)
 
 pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
 
@@ -50,6 +51,19 @@ def ddp_on_default_sparcoll_group(rank: int, world: int) -> dict:
     out = torch.full((2,), float(rank))
     dist.all_reduce(out)
     return {**errors, "sum": out.tolist()}
+
+
+def half_precision_on_sparcoll_group(rank: int, world: int, dtype_name: str) -> dict:
+    """A half-precision model under DDP on the sparcoll backend, against the float64 mean
+    (scenarios.py); and how many collectives sparcoll itself ran (not handed to gloo)."""
+    import sparcoll.torch
+
+    pg = sparcoll_group()
+    try:
+        errors = half_precision_vs_float64(rank, world, dtype_name, lambda m: DDP(m, process_group=pg))
+        return {**errors, "collectives": sparcoll.torch.stats(pg).collectives}
+    finally:
+        dist.destroy_process_group(pg)
 
 
 def collectives(rank: int, world: int) -> dict:
@@ -253,6 +267,16 @@ def test_ddp_on_default_group_matches_full_batch_reference():
     for out in outcomes:
         assert out.pop("sum") == [1.0, 1.0]
     assert_all_match(outcomes)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+def test_half_precision_model_under_ddp_on_the_backend_averages_to_the_float64_mean(dtype_name):
+    """DDP's half-precision buckets reduced by sparcoll itself (its own dtype codes), within the half
+    type's rounding of the ranks' float64 mean."""
+    for outcome in run_ranks(half_precision_on_sparcoll_group, WORLD, timeout=TIMEOUT,
+                             dtype_name=dtype_name):
+        assert outcome["collectives"] >= 1, outcome
+        assert_half_precision_mean(outcome)
 
 
 def test_ddp_buckets_on_the_ring_stop_waiting_for_their_checks_and_sum_exactly():
