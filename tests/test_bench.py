@@ -389,6 +389,20 @@ def test_a_worker_that_crashes_in_native_code_leaves_its_stack_and_its_signal(tm
     assert failure.value.crashed == ("worker 1 (signal SIGSEGV)",)   # what `sparcoll train` runs again
 
 
+def test_a_worker_killed_from_outside_is_reported_as_likely_out_of_memory(tmp_path):
+    """A worker ended by a SIGKILL the launcher did not send (what the kernel's OOM killer does: the
+    worker cannot say so itself): the error names the signal and its likely cause, and it is no
+    native crash to run again (the same job would run out of memory again)."""
+    (tmp_path / "killed_worker.py").write_text(CRASHING_WORKER.replace("SIGSEGV", "SIGKILL"))
+    with pytest.raises(BenchError) as failure:
+        run_job(Job(2, "none", 0, dict(timeout=30), timeout=30, worker="killed_worker",
+                    env={"PYTHONPATH": str(tmp_path)}), lambda event: None)
+    message = str(failure.value)
+    assert "worker 1 (last lines of its output; it ended with signal SIGKILL" in message, message
+    assert "out-of-memory killer" in message and " GiB of memory" in message, message
+    assert failure.value.crashed == ()
+
+
 def _bench(tmp_path, *argv, env=None):
     out = tmp_path / "results.json"
     fig = tmp_path / "results.png"

@@ -150,7 +150,23 @@ def _crash_signal(code: int | None) -> bool:
 
 
 def _describe_exit(code: int) -> str:
+    """How a child ended, as a failure shows it (before the launcher stops the others: a SIGKILL
+    then came from outside, most often the kernel's out-of-memory killer, which the child cannot
+    report itself)."""
+    if code == -signal.SIGKILL:
+        return ("signal SIGKILL, which sparcoll had not sent: most often the kernel's out-of-memory "
+                f"killer (`dmesg` says; this host has {_memory_gib()} of memory for all the job's processes)")
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+
+
+def _memory_gib() -> str:
+    """The host's total memory, as "23.4 GiB" ("unknown" without /proc/meminfo)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return "an unknown amount"
+    return f"{kib / 2 ** 20:.1f} GiB"
 
 
 #: torchrun's agents give the workers rank, world size and the Store's address; restarts need their own
