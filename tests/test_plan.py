@@ -5,6 +5,7 @@ its backward timeline)."""
 import math
 import random
 import threading
+import time
 
 import numpy as np
 
@@ -466,6 +467,74 @@ def test_backward_timeline_follows_autograd_and_leaves_the_parameters_as_they_we
     assert set(arrived) == {"0.weight", "2.weight"}
     assert 0 <= arrived["2.weight"] <= at["2.weight"]
     assert max(at["2.weight"], at["2.bias"]) + 0.05 <= arrived["0.weight"] <= at["0.weight"]
+
+
+class _SlowWeightGradient(torch.autograd.Function):
+    """y = x W^T + b whose weight gradient takes `seconds` more (a known cost for SFB to spare)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, seconds):
+        ctx.save_for_backward(x, weight)
+        ctx.seconds = seconds
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            time.sleep(ctx.seconds)
+            grad_weight = grad.t() @ x
+        return grad @ weight, grad_weight, grad.sum(0), None
+
+
+class SlowWeightLinear(nn.Linear):
+    def __init__(self, n_in: int, n_out: int, seconds: float):
+        super().__init__(n_in, n_out)
+        self.seconds = seconds
+
+    def forward(self, x):
+        return _SlowWeightGradient.apply(x, self.weight, self.bias, self.seconds)
+
+
+def test_what_sfb_spares_is_measured_in_backward_with_the_weight_gradients_skipped():
+    """Backward again with the linear layers' weight gradients skipped (as SFB runs them): those
+    weights get no gradient and want one again afterwards, the layers' output gradients still
+    arrive, and each layer's spared share is its own weight gradient's time (0.1 s and 0.05 s)."""
+    from sparcoll.plan.profiler import layer_backward, spared_in_backward
+    model = nn.Sequential(SlowWeightLinear(16, 16, 0.1), nn.ReLU(), SlowWeightLinear(16, 4, 0.05))
+    x = torch.randn(8, 16, requires_grad=True)
+    loss_of = lambda m: m(x).pow(2).mean()     # noqa: E731
+    full = backward_timeline(model, loss_of, iterations=5, seconds=0.0)
+    skipping = backward_timeline(model, loss_of, iterations=5, seconds=0.0,
+                                 skipped=frozenset({"0.weight", "2.weight"}))
+    assert set(skipping.order) == {"0.bias", "2.bias"} and set(skipping.output_gradient) == {"0.weight", "2.weight"}
+    assert all(p.requires_grad for p in model.parameters()) and model[0].weight.grad is None
+    node = layer_backward(full)
+    assert node["0.weight"] >= 0.1 and node["2.weight"] >= 0.05
+    spared = spared_in_backward(full, skipping, node)
+    assert 0.06 <= spared["0.weight"] <= 0.16 and 0.03 <= spared["2.weight"] <= 0.1, spared
+    assert all(spared[name] <= node[name] for name in spared)
+
+
+def test_spared_work_is_each_layers_share_of_backward_at_most_its_own_backward():
+    """By hand: the later layer's output gradient comes 0.3 s sooner when skipping, backward ends
+    0.5 s sooner; the first layer spared 0.3, the second 0.2 (its node caps a share that noise made
+    larger than the layer's own backward, and noise never makes one negative)."""
+    from sparcoll.plan.profile import BackwardProfile
+    from sparcoll.plan.profiler import spared_in_backward
+
+    def profile(arrived: dict, end: float) -> BackwardProfile:
+        return BackwardProfile((), Step((), end), 0.0, arrived)
+    full = profile({"out.weight": 0.1, "hidden.weight": 0.9}, 2.0)
+    skipping = profile({"out.weight": 0.1, "hidden.weight": 0.6}, 1.5)
+    assert spared_in_backward(full, skipping, {"out.weight": 0.4, "hidden.weight": 0.7}) == pytest.approx(
+        {"out.weight": 0.3, "hidden.weight": 0.2})
+    assert spared_in_backward(full, skipping, {"out.weight": 0.25, "hidden.weight": 0.1}) == pytest.approx(
+        {"out.weight": 0.25, "hidden.weight": 0.1})
+    slower = profile({"out.weight": 0.1, "hidden.weight": 0.95}, 1.5)
+    assert spared_in_backward(full, slower, {"out.weight": 0.4, "hidden.weight": 0.7}) == pytest.approx(
+        {"out.weight": 0.0, "hidden.weight": 0.55})
 
 
 def test_the_trial_says_when_ddp_was_faster_than_every_candidate():

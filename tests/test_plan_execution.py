@@ -124,12 +124,13 @@ def test_costs_follow_the_curves_hand_computed():
     own = Costing({**FITS, "compress_own": {"topk:0.01": {"w": 0.5}}}, workers=4)     # measured on w itself
     assert own.cost(t, Option("topk:0.01", ALLGATHER)).compress == 0.5
     assert own.cost(t, Option("topk:0.01", ALLGATHER)).decompress == topk.decompress
-    # SFB: the measured products, the factors' allgather, ready at the output gradient
+    # SFB: the spared work, the factors' allgather then the rebuild on the channel, ready at the
+    # output gradient
     layer = Measured(TensorFacts("w", 1000 * 500, linear=True), (1000, 500), rows=32, node=0.05, spared=0.02,
                      rebuild=0.3)
     sfb = costing.cost(layer, Option("none", SFB))
     assert [sfb.compress, sfb.comm, sfb.decompress, sfb.sooner] == pytest.approx(
-        [-0.02, sizes + 5e-4 + 3e-8 * 32 * (1000 + 500) * 4, 0.3, 0.03])
+        [-0.02, sizes + 5e-4 + 3e-8 * 32 * (1000 + 500) * 4 + 0.3, 0.0, 0.03])
 def test_a_coo_gradients_option_costs_what_the_profile_measured_on_it():
     """A sparse COO gradient's cost is its option's time measured whole on the gradient (alone, under
     load, backward's slowdown), on the channel: never the dense curves of its numel."""
@@ -161,6 +162,13 @@ def test_contention_follows_its_curves_and_adds_up_one_by_one():
     assert costing.cost(t, Option("none", PS)).loaded is None            # not measured: no contention
     factors = 32 * 1500 * 4                                   # after a round of their sizes (16 bytes)
     assert costing.cost(t, Option("none", SFB)).loaded == pytest.approx(1e-3 + 3e-8 * 16 + 1e-3 + 3e-8 * factors)
+    # the rebuild after the factors, on the channel: its own time and slowdown beside backward
+    layer = Measured(TensorFacts("w", 1000 * 500, linear=True), (1000, 500), rows=32, node=0.05, spared=0.02,
+                     rebuild=0.3, rebuild_loaded=0.6, rebuild_slowdown=2.0)
+    gather = costing.cost(t, Option("none", SFB))
+    sfb = costing.cost(layer, Option("none", SFB))
+    assert sfb.comm == pytest.approx(gather.comm + 0.3) and sfb.loaded == pytest.approx(gather.loaded + 0.6)
+    assert sfb.slowdown == pytest.approx((gather.loaded * gather.slowdown + 0.6 * 2.0) / (gather.loaded + 0.6))
     rank4 = costing.cost(t, Option("powersgd:4", RING))
     payload = 4 * (1000 + 500) * 4
     assert rank4.loaded == pytest.approx(rank4.comm * (4e-3 + 2e-8 * payload) / (1e-3 + 1e-8 * payload))
@@ -618,6 +626,11 @@ def test_plan_a_users_own_model(tmp_path):
     assert [t["name"] for t in plan["tensors"]] == ["4.bias", "4.weight", "2.bias", "2.weight", "0.bias", "0.weight"]
     units = {t["name"]: t["unit"] for t in plan["tensors"]}
     assert units["2.bias"] == units["2.weight"]           # a layer SFB can serve is one unit with its bias
+    layers = json.loads((tmp_path / "p.json").read_text())["model"]["tensors"]
+    for name in ("0.weight", "2.weight", "4.weight"):    # SFB's work measured in backward and beside it
+        t = layers[name]
+        assert 0 <= t["spared"] <= t["node"] and t["rebuild"] > 0 and t["rebuild_loaded"] > 0, (name, t)
+        assert t["rebuild_slowdown"] >= 1, (name, t)
     tried = plan["trial"]
     assert tried["steps"] == 1 and not tried["failed"] and "planned" in tried["step_s"]
     assert tried["ddp"]["step_s"] > 0 and "DDP on gloo (the reference)" in done.stdout

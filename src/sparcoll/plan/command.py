@@ -43,8 +43,9 @@ from .timeline import Cost, Step, simulate
 # (allgather: combined there); 18 the slowdown of the steps' work while the collectives ran, for at
 # least a step; 19 every worker keeps freed memory (sparcoll.keep_freed_memory): backward allocates
 # no large gradient afresh; 20 a compressor's time on the model's gradient is measured inside
-# backward, where a plan runs it.
-PROFILE_VERSION = 20
+# backward, where a plan runs it; 21 SFB's spared work is measured in backward, its rebuild beside
+# training too.
+PROFILE_VERSION = 21
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 TRIAL_UNIFORMS = 3
@@ -155,7 +156,8 @@ def tensors_of(profile: dict) -> tuple[Step, list[Measured]]:
         t = m["tensors"][name]
         measured.append(Measured(TensorFacts(name, t["numel"], t["linear"] and t["rows"] > 0, t["coo"]),
                                  tuple(t["shape"]), t["rows"], t["density"], t["union"],
-                                 *(t.get(k, 0.0) for k in ("node", "spared", "rebuild"))))
+                                 *(t.get(k, 0.0) for k in ("node", "spared", "rebuild")),
+                                 t.get("rebuild_loaded"), t.get("rebuild_slowdown", 1.0)))
     return Step(tuple(m["ready"]), m["backward_end"], m["optimizer"]), measured
 
 

@@ -11,8 +11,9 @@ a Grid):
   compressors  compress and decompress: x = the tensor's elements (measured while every worker of the
                job computes at once, as in training); a large gradient of the model's own takes the
                times measured on it instead (a compressor's time depends on the data)
-  SFB          per linear layer, measured at its shapes under the same load: the weight gradient it
-               spares backward, its rebuild from every worker's factors, and how long the layer's
+  SFB          per linear layer: the weight gradient's share of backward, which SFB spares; its
+               rebuild from every worker's factors, on the channel after the factors' allgather, alone
+               and while backward computes (a collective's contention); and how long the layer's
                backward takes from its output gradient (when the factors are ready) to its weight
                gradient
   COO          a sparse COO gradient's options (its compressor on the entries and its collective),
@@ -115,8 +116,9 @@ class Measured:
     """One tensor as the profile saw it (besides its facts): its shape, the rows K its layer saw per
     step (linear layers), the block density of its gradient on one worker and of their union, and
     for a linear layer's weight SFB's times (seconds): its layer's backward from the output gradient
-    to the weight gradient (`node`), the local weight gradient's product (`spared`) and the rebuild
-    from every worker's factors (`rebuild`)."""
+    to the weight gradient (`node`), the local weight gradient's share of backward (`spared`) and the
+    rebuild from every worker's factors, alone (`rebuild`) and while backward computes
+    (`rebuild_loaded`, None: as alone; backward `rebuild_slowdown` times slower meanwhile)."""
     facts: TensorFacts
     shape: tuple
     rows: int = 0
@@ -125,6 +127,8 @@ class Measured:
     node: float = 0.0
     spared: float = 0.0
     rebuild: float = 0.0
+    rebuild_loaded: float | None = None
+    rebuild_slowdown: float = 1.0
 
 
 def sparse_volume(numel: int, density: float, union: float) -> float:
@@ -206,9 +210,11 @@ class Costing:
         if t.facts.coo:
             return self._coo(t, option)
         if option.collective == SFB:        # backward no longer computes the local weight gradient
-            m, n = t.shape
-            return self._gathered(t.rows * (m + n) * ITEMSIZE, 2, -t.spared, t.rebuild,
-                                  sooner=max(0.0, t.node - t.spared))
+            m, n = t.shape      # the rebuild runs on the channel, slower while backward computes
+            gather = self._gathered(t.rows * (m + n) * ITEMSIZE, 2, -t.spared, sooner=max(0.0, t.node - t.spared))
+            rebuild = Cost(comm=t.rebuild, loaded=t.rebuild_loaded, slowdown=t.rebuild_slowdown)
+            both = in_sequence([gather, rebuild])
+            return replace(gather, comm=both.comm, loaded=both.loaded, slowdown=both.slowdown)
         if c == "none":
             if option.collective in (SPARSE, DEDICATED):
                 return self._on(option.collective, sparse_volume(numel, t.density, t.union), numel=numel,

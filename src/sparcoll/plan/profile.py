@@ -56,7 +56,8 @@ class Alone:
 
 
 def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor], iterations: int = 5,
-                      warmup: int = 1, seconds: float = 1.0, most: int = 200, peers=Alone()) -> BackwardProfile:
+                      warmup: int = 1, seconds: float = 1.0, most: int = 200, peers=Alone(),
+                      skipped: frozenset = frozenset()) -> BackwardProfile:
     """Time steps of the model, uncompressed: loss_of(model) builds the loss, backward and a plain SGD
     step follow; at least `iterations` after `warmup`, as many as fit in `seconds` by the warm-up's
     length (at most `most`). `peers` starts every iteration on every worker together and takes, per
@@ -65,8 +66,23 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
     whole or waits for a time slice, so each worker's own times (the median of five: ncf's backward
     ended at 2.1 ms in one profile, 9.3 in another) said little. The step's learning rate is 0: it
     costs what any plain SGD step costs and leaves the parameters as they were, with no copy of them
-    to restore (vgg's 800 MB, with every worker on one host)."""
+    to restore (vgg's 800 MB, with every worker on one host). `skipped`: names of layers' weights
+    whose gradient backward does not compute (requires_grad off throughout, as under SFB): what
+    computing them costs is the difference from a timeline without (`spared_in_backward`)."""
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    watched = [layer for layer in eligible_layers(model) if id(layer.weight) in names]
+    turned_off = [p for p in model.parameters() if names.get(id(p)) in skipped]
+    for p in turned_off:
+        p.requires_grad_(False)
+    try:
+        return _timeline(model, loss_of, iterations, warmup, seconds, most, peers, names, watched)
+    finally:
+        for p in turned_off:
+            p.requires_grad_(True)
+
+
+def _timeline(model, loss_of, iterations, warmup, seconds, most, peers, names, watched) -> BackwardProfile:
+    """backward_timeline's iterations, with the weights it skips already turned off."""
     params = [p for p in model.parameters() if p.requires_grad]
     seen: list[tuple[str, float]] = []
     outputs: list[tuple[str, float]] = []
@@ -77,7 +93,6 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
         if output.requires_grad:
             name = names[id(layer.weight)]
             output.register_hook(lambda grad: outputs.append((name, time.perf_counter())))
-    watched = [layer for layer in eligible_layers(model) if id(layer.weight) in names]
     handles += [layer.register_forward_hook(watch_output) for layer in watched]
     optimizer = torch.optim.SGD(params, lr=0.0)
     rows, starts, orders, count = [], [], [], warmup + iterations

@@ -9,12 +9,13 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
                gradient's block density on one worker and over the union of workers; the rows each
                linear layer sees per step (SFB's K); the cores each worker has (offloading needs a
                spare one)
-  SFB          per linear layer, the two products SFB changes, at the layer's shapes, every worker at
-               once: the local weight gradient it spares backward (u^T v, K rows) and its rebuild from
-               every worker's factors (K x workers rows), written into a preallocated gradient as the
-               executor does (a flop rate from a square product put vgg's spared work at a quarter of
-               the measured, its rebuilds 3-30% low: a product of 32 rows into a fresh gradient is
-               bound by memory and allocation, not flops)
+  SFB          per linear layer, what SFB changes, where it runs: the local weight gradient it spares
+               backward, from the same backward timeline measured again with every such layer's weight
+               gradient skipped (spared_in_backward: timed apart, vgg's product took more than the
+               layer's whole backward), and its rebuild from every worker's factors (K x workers rows,
+               written into a preallocated gradient as the executor does) alone and on a second thread
+               while the training thread trains, as the synchronization thread rebuilds during
+               backward (rebuild_beside_training)
   compressors  compress and decompress time of each compressor by tensor size, and on each of the
                model's gradients of at least OWN_GRADIENT elements (the time depends on the data), every
                worker at once; on those gradients, a compressor that compresses apart from its
@@ -72,7 +73,7 @@ from sparcoll.workloads.user import UserModel
 from .costs import COO_KINDS, ITEMSIZE, Curve, Grid, sparse_volume
 from .fusion import coo_units
 from .options import ALLGATHER, COMPRESSORS, PS, RING, SPARSE, coo_labels
-from .profile import backward_timeline, facts
+from .profile import BackwardProfile, backward_timeline, facts
 
 COLLECTIVE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 25)
 ALLGATHER_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)
@@ -200,18 +201,30 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
                  if p.numel() >= OWN_GRADIENT and not p.grad.is_sparse}
     coo_gradients = {name: p.grad.detach() for name, p in params.items() if p.grad.is_sparse}
     model.zero_grad()
-    timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5), peers=Together())
-    # how long each SFB-able layer's backward takes from its output gradient to its weight gradient
-    node = [timeline.step.ready[timeline.order.index(name)] - timeline.output_gradient[name]
-            if name in timeline.output_gradient else 0.0 for name in params]
+    iterations = cfg.get("iterations", 5)
+    timeline = backward_timeline(model, loss_of, iterations=iterations, peers=Together())
+    node = layer_backward(timeline)
     by_name = {f.name: f for f in facts(model)}
-    sfb = {name: sfb_products(p.shape, rows[id(p)], world)
-           for name, p in params.items() if by_name[name].linear and rows.get(id(p))}
+    sfb_able = [name for name, p in params.items() if by_name[name].linear and rows.get(id(p))]
+    sfb = {}
+    if sfb_able:
+        skipping = backward_timeline(model, loss_of, iterations=iterations, peers=Together(),
+                                     skipped=frozenset(sfb_able))
+        spared = spared_in_backward(timeline, skipping, node)
+
+        def train_step() -> None:
+            model.zero_grad()
+            loss_of(model).backward()
+        alone_step = timed(lambda _: train_step())
+        sfb = {name: {"spared": spared.get(name, 0.0),
+                      **rebuild_beside_training(params[name].shape, rows[id(params[name])], world, train_step,
+                                                alone_step, cfg["timeout"])}
+               for name in sfb_able}
+        model.zero_grad()
     tensors = {name: {"numel": p.numel(), "shape": list(p.shape), "linear": by_name[name].linear,
                       "coo": by_name[name].coo, "rows": rows.get(id(p), 0),
-                      "density": d / world, "union": u, "node": nd,
-                      **dict(zip(("spared", "rebuild"), sfb.get(name, ())))}
-               for (name, p), d, u, nd in zip(params.items(), density.tolist(), union, node)}
+                      "density": d / world, "union": u, "node": node.get(name, 0.0), **sfb.get(name, {})}
+               for (name, p), d, u in zip(params.items(), density.tolist(), union)}
     return {"order": list(timeline.order), "ready": list(timeline.step.ready),
             "backward_end": timeline.step.backward_end, "optimizer": timeline.step.optimizer,
             "forward": timeline.forward, "tensors": tensors}, gradients, coo_gradients
@@ -225,14 +238,48 @@ def cores_per_worker(world: int) -> float:
     return len(os.sched_getaffinity(0)) / hosts.count(socket.gethostname())
 
 
-def sfb_products(shape, rows: int, world: int) -> tuple[float, float]:
-    """The seconds of the local weight gradient SFB spares backward (u^T v, a new tensor as autograd
-    makes it) and of its rebuild from every worker's factors (written into a preallocated gradient,
-    as sfb.LinearState does), for a weight of `shape` whose layer saw `rows` rows."""
+def layer_backward(timeline: BackwardProfile) -> dict:
+    """How long each SFB-able layer's backward takes from its output gradient (when SFB's factors
+    are ready) to its weight gradient."""
+    ready = dict(zip(timeline.order, timeline.step.ready))
+    return {name: ready[name] - at for name, at in timeline.output_gradient.items() if name in ready}
+
+
+def spared_in_backward(full: BackwardProfile, skipping: BackwardProfile, node: dict) -> dict:
+    """Each SFB-able layer's weight gradient's time in backward (what SFB spares it), from the same
+    backward measured with every such layer's weight gradient skipped (`skipping`): the layers in
+    backward order, each layer's share is how much sooner the next layer's output gradient (after
+    the last, backward's end) arrives when skipping, less the layers' before it; at most the
+    layer's `node` (its output gradient to its weight gradient). Timed apart from backward, the
+    product took more than the whole node on vgg (1.27 s against 0.79: 4096 x 25088 from 32 rows,
+    every worker at once), and backward ended before it began in the plan's timeline."""
+    layers = sorted((name for name in node if name in skipping.output_gradient),
+                    key=lambda name: full.output_gradient[name])
+    if not layers:
+        return {}
+
+    def sooner(k: int) -> float:
+        """How much sooner, when skipping, the point after layer k is reached (k = -1: layer 0's
+        output gradient, the common start)."""
+        if k < 0:
+            return full.output_gradient[layers[0]] - skipping.output_gradient[layers[0]]
+        if k + 1 < len(layers):
+            return full.output_gradient[layers[k + 1]] - skipping.output_gradient[layers[k + 1]]
+        return full.step.backward_end - skipping.step.backward_end
+    return {name: min(node[name], max(0.0, sooner(k) - sooner(k - 1))) for k, name in enumerate(layers)}
+
+
+def rebuild_beside_training(shape, rows: int, world: int, train_step, alone_step: float, timeout: float) -> dict:
+    """SFB's rebuild of a weight of `shape` whose layer saw `rows` rows from every worker's factors
+    (K x workers rows, written into a preallocated gradient as sfb.LinearState does), alone
+    (`rebuild`) and on a second thread while this one trains (`rebuild_loaded`, and backward's
+    `rebuild_slowdown` meanwhile), every worker at once: the synchronization thread rebuilds while
+    backward computes the layers before (vgg's output layer: 0.94 s in training, 0.65 priced alone)."""
     m, n = shape
-    u, v = torch.randn(rows, m), torch.randn(rows, n)
     big_u, big_v, result = torch.randn(rows * world, m), torch.randn(rows * world, n), torch.empty(m, n)
-    return timed(lambda _: torch.mm(u.t(), v)), timed(lambda _: torch.mm(big_u.t(), big_v, out=result))
+    run = lambda _: torch.mm(big_u.t(), big_v, out=result)     # noqa: E731
+    alone, loaded, slowdown = alone_and_loaded(run, lambda: None, train_step, alone_step, timeout)
+    return {"rebuild": alone, "rebuild_loaded": loaded, "rebuild_slowdown": slowdown}
 
 
 def decompress_into(compressor, payload, world: int, into: torch.Tensor) -> None:
