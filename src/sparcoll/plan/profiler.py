@@ -15,7 +15,7 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
                layer's whole backward), and its rebuild from every worker's factors (K x workers rows,
                written into a preallocated gradient as the executor does) alone and on a second thread
                while the training thread trains, as the synchronization thread rebuilds during
-               backward (rebuild_beside_training)
+               backward, which slows as much as the rebuild does (rebuild_beside_training)
   compressors  compress and decompress time of each compressor by tensor size, and on each of the
                model's gradients of at least OWN_GRADIENT elements (the time depends on the data), every
                worker at once; on those gradients, a compressor that compresses apart from its
@@ -272,14 +272,17 @@ def spared_in_backward(full: BackwardProfile, skipping: BackwardProfile, node: d
 def rebuild_beside_training(shape, rows: int, world: int, train_step, alone_step: float, timeout: float) -> dict:
     """SFB's rebuild of a weight of `shape` whose layer saw `rows` rows from every worker's factors
     (K x workers rows, written into a preallocated gradient as sfb.LinearState does), alone
-    (`rebuild`) and on a second thread while this one trains (`rebuild_loaded`, and backward's
-    `rebuild_slowdown` meanwhile), every worker at once: the synchronization thread rebuilds while
-    backward computes the layers before (vgg's output layer: 0.94 s in training, 0.65 priced alone)."""
+    (`rebuild`) and on a second thread while this one trains (`rebuild_loaded`), every worker at
+    once: the synchronization thread rebuilds while backward computes the layers before (vgg's
+    output layer: 0.94-1.10 s in training, 0.54 priced alone). Backward slows as much as the product
+    (`rebuild_slowdown`, loaded / alone): two compute-bound threads share the cores alike. The steps'
+    own slowdown, measured whole as a collective's is, said 8x (its cap) on vgg, where one step
+    spanned all the rebuilds; its backward under SFB ran 2-3x its time alone in training."""
     m, n = shape
     big_u, big_v, result = torch.randn(rows * world, m), torch.randn(rows * world, n), torch.empty(m, n)
     run = lambda _: torch.mm(big_u.t(), big_v, out=result)     # noqa: E731
-    alone, loaded, slowdown = alone_and_loaded(run, lambda: None, train_step, alone_step, timeout)
-    return {"rebuild": alone, "rebuild_loaded": loaded, "rebuild_slowdown": slowdown}
+    alone, loaded, _ = alone_and_loaded(run, lambda: None, train_step, alone_step, timeout)
+    return {"rebuild": alone, "rebuild_loaded": loaded, "rebuild_slowdown": max(1.0, loaded / max(alone, 1e-12))}
 
 
 def decompress_into(compressor, payload, world: int, into: torch.Tensor) -> None:
