@@ -129,6 +129,15 @@ def model_and_loss(cfg: dict, rank: int, world: int):
     return workload.model, lambda m: workload.loss(m, next(batches))
 
 
+def training_step(model: nn.Module, loss_of):
+    """One forward and backward of the model's next batch, as the load beside which the profile
+    times what runs on a second thread."""
+    def step() -> None:
+        model.zero_grad()
+        loss_of(model).backward()
+    return step
+
+
 def slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -211,10 +220,7 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
         skipping = backward_timeline(model, loss_of, iterations=iterations, peers=Together(),
                                      skipped=frozenset(sfb_able))
         spared = spared_in_backward(timeline, skipping, node)
-
-        def train_step() -> None:
-            model.zero_grad()
-            loss_of(model).backward()
+        train_step = training_step(model, loss_of)
         alone_step = timed(lambda _: train_step())
         sfb = {name: {"spared": spared.get(name, 0.0),
                       **rebuild_beside_training(params[name].shape, rows[id(params[name])], world, train_step,
@@ -584,11 +590,7 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
         say({"event": "point", "kind": "compress", "what": spec, "x": gradients[name].numel(), "tensor": name,
              "seconds": seconds})
     release_freed_memory()      # the compressors' memories and payloads
-
-    def train_step() -> None:
-        model.zero_grad()
-        loss_of(model).backward()
-
+    train_step = training_step(model, loss_of)
     for label, name, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"],
                                            measured["order"]):
         for kind, seconds in zip(COO_KINDS, times):
