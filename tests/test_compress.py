@@ -341,6 +341,35 @@ def test_error_feedback_loses_nothing(spec):
     assert torch.allclose(applied + residual, grads, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("spec", ["efsignsgd", "fp16,ef=on"])
+def test_what_error_feedback_subtracts_lands_in_a_buffer_each_thread_keeps(spec):
+    """A dense `sent` goes into one buffer per thread (no gradient-sized tensor per step): tensors of
+    two sizes in turn still lose nothing, and another thread (an offload lane) gets its own."""
+    import threading
+    reducer = sc.Reducer(spec)
+    shapes = {"large": (30, 40), "small": (7, 9)}
+    applied = {key: torch.zeros(shape) for key, shape in shapes.items()}
+    grads = {key: torch.zeros(shape) for key, shape in shapes.items()}
+    for step in range(20):
+        for key, shape in shapes.items():
+            g = data(*shape, seed=300 + step)
+            grads[key] += g
+            applied[key] += reducer.reduce(g, key=key)
+    for key, shape in shapes.items():
+        total = applied[key] + reducer.memory.residual(key).view(shape)
+        assert torch.allclose(total, grads[key], atol=1e-5 * max(1.0, applied[key].abs().max().item())), key
+    c = reducer.compressor
+    payload = c.compress(data(30, 40, seed=1))
+    mine = c.sent(payload, 1200)
+    assert torch.equal(mine, c.decompress(payload.parts, payload.ctx))
+    assert c.sent(c.compress(data(7, 9, seed=2)), 63).data_ptr() == mine.data_ptr()
+    theirs = []
+    thread = threading.Thread(target=lambda: theirs.append(c.sent(payload, 1200).data_ptr()))
+    thread.start()
+    thread.join(10)
+    assert theirs and theirs[0] != mine.data_ptr()
+
+
 @pytest.mark.parametrize("spec", ["powersgd:2", "blocktopk:0.1", "topk:0.05"])
 def test_averages_written_into_the_gradient_itself_lose_nothing(spec):
     """`into` may be the input itself (DDP's bucket, DataParallel's flat gradient): the average lands

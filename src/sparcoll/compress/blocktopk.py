@@ -71,10 +71,10 @@ class BlockTopK(Compressor):
         indices, rows = parts
         return scatter_rows(zeroed(numel, out), indices, rows, self.block_size)
 
-    def sent(self, payload: Payload) -> Entries:
+    def sent(self, payload: Payload, numel: int) -> Entries:
         """The kept elements, for error feedback (the last block's padding left out)."""
         indices, rows = payload.parts
-        bs, numel = self.block_size, payload.ctx
+        bs = self.block_size
         positions = (indices.unsqueeze(1) * bs + torch.arange(bs)).view(-1)
         inside = positions < numel
         return Entries(positions[inside], rows.reshape(-1)[inside])

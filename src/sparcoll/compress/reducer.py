@@ -115,7 +115,7 @@ class Reducer:
         payload = self.compressor.compress(comp)
         self.sent_bytes += self.compressor.sent_bytes(payload)
         if self.memory.active:      # before the collective, which may reuse the parts' memory
-            self.memory.update(comp, self.compressor.sent(payload), key)
+            self.memory.update(comp, self.compressor.sent(payload, comp.numel()), key)
         return payload
 
     def _communicate(self, payloads: list, into: list | None = None, tag: int = 0) -> list:

@@ -43,7 +43,7 @@ class Sparsifier(Compressor):
         idx, vals = parts
         return zeroed(numel, out).index_put_((idx.long(),), vals)
 
-    def sent(self, payload: Payload) -> Entries:
+    def sent(self, payload: Payload, numel: int) -> Entries:
         idx, vals = payload.parts
         return Entries(idx.long(), vals)
 
