@@ -469,6 +469,24 @@ def test_backward_timeline_follows_autograd_and_leaves_the_parameters_as_they_we
     assert max(at["2.weight"], at["2.bias"]) + 0.05 <= arrived["0.weight"] <= at["0.weight"]
 
 
+@pytest.mark.parametrize("faulting, warmups", [(3, 4), (100, 8)])
+def test_the_backward_timeline_warms_up_until_an_iteration_touches_no_new_memory(faulting, warmups):
+    """Iterations that touch 16 MB of new memory each (as a training step's allocator before it has
+    settled) are warm-up, then one that touches none, at most MOST_WARMUP of them; the timed
+    iterations follow."""
+    from sparcoll.plan.profile import MOST_WARMUP
+    model, x = nn.Linear(16, 4), torch.randn(8, 16)
+    kept, calls = [], []
+
+    def loss_of(m):
+        calls.append(1)
+        if len(kept) < faulting:
+            kept.append(torch.ones(1 << 22))        # new pages, written
+        return m(x).pow(2).mean()
+    backward_timeline(model, loss_of, iterations=3, seconds=0.0)
+    assert len(calls) == min(warmups, MOST_WARMUP) + 3
+
+
 class _SlowWeightGradient(torch.autograd.Function):
     """y = x W^T + b whose weight gradient takes `seconds` more (a known cost for SFB to spare)."""
 

@@ -4,6 +4,7 @@ post-accumulate hooks, as ByteComp traces its models).
 """
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -16,6 +17,10 @@ from sparcoll.torch.sparse import sparse_weights
 
 from .options import TensorFacts
 from .timeline import Step
+
+PAGE = 4096
+SETTLED_PAGES = 256     # an iteration that touches fewer new pages than this (or 1% of the parameters' bytes)
+MOST_WARMUP = 8         # ... ends the warm-up, which runs at most this many iterations
 
 
 def facts(model: nn.Module) -> list[TensorFacts]:
@@ -66,7 +71,12 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
     whole or waits for a time slice, so each worker's own times (the median of five: ncf's backward
     ended at 2.1 ms in one profile, 9.3 in another) said little. The step's learning rate is 0: it
     costs what any plain SGD step costs and leaves the parameters as they were, with no copy of them
-    to restore (vgg's 800 MB, with every worker on one host). `skipped`: names of layers' weights
+    to restore (vgg's 800 MB, with every worker on one host). The warm-up lasts until an iteration
+    touches almost no new memory (SETTLED_PAGES, at most MOST_WARMUP iterations), as the allocator
+    of a training step some steps in: after one warm-up iteration, vgg's first timeline faulted
+    1.46-1.47 GB of pages in and read its backward at 1.22-1.43 s (its first hidden layer's part
+    0.73-0.90 s; profiles had read 0.35-1.11 s for it), after settling 0.92-0.98 s (0.41-0.48), and
+    timelines after it 0.71-1.03 s (4 workers, one probe each). `skipped`: names of layers' weights
     whose gradient backward does not compute (requires_grad off throughout, as under SFB): what
     computing them costs is the difference from a timeline without (`spared_in_backward`)."""
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
@@ -79,6 +89,11 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
     finally:
         for p in turned_off:
             p.requires_grad_(True)
+
+
+def _page_faults() -> int:
+    """This process's minor page faults so far: memory it touched for the first time."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _timeline(model, loss_of, iterations, warmup, seconds, most, peers, names, watched) -> BackwardProfile:
@@ -95,14 +110,16 @@ def _timeline(model, loss_of, iterations, warmup, seconds, most, peers, names, w
             output.register_hook(lambda grad: outputs.append((name, time.perf_counter())))
     handles += [layer.register_forward_hook(watch_output) for layer in watched]
     optimizer = torch.optim.SGD(params, lr=0.0)
-    rows, starts, orders, count = [], [], [], warmup + iterations
+    settled = max(SETTLED_PAGES, sum(p.numel() * p.element_size() for p in params) // (100 * PAGE))
+    rows, starts, orders = [], [], []
     try:
-        i = 0
-        while i < count:
+        warmed, count = 0, None
+        while count is None or len(rows) < count:
             optimizer.zero_grad()
             seen.clear()
             outputs.clear()
             peers.start()
+            faults = _page_faults()
             start = time.perf_counter()
             loss = loss_of(model)
             forward_end = time.perf_counter()
@@ -110,15 +127,18 @@ def _timeline(model, loss_of, iterations, warmup, seconds, most, peers, names, w
             backward_end = time.perf_counter()
             optimizer.step()
             done = time.perf_counter()
-            if i == 0:      # the first one's length says how many iterations fit (the same on every worker)
-                count = warmup + min(most, max(iterations, int(seconds / peers.most(max(done - start, 1e-6)))))
-            if i >= warmup:
-                arrived = dict(reversed(outputs))       # a layer's first output gradient to arrive
-                rows.append([t - start for t in (forward_end, *(t for _, t in seen), backward_end, done,
-                             *(arrived.get(names[id(layer.weight)], float("nan")) for layer in watched))])
-                starts.append(start)
-                orders.append([n for n, _ in seen])
-            i += 1
+            if count is None:       # warming up (every worker decides alike: peers.most is everyone's most)
+                warmed += 1
+                new_pages = peers.most(float(_page_faults() - faults))
+                if warmed >= warmup and (new_pages <= settled or warmed >= MOST_WARMUP):
+                    # the last warm-up's length says how many iterations fit
+                    count = min(most, max(iterations, int(seconds / peers.most(max(done - start, 1e-6)))))
+                continue
+            arrived = dict(reversed(outputs))       # a layer's first output gradient to arrive
+            rows.append([t - start for t in (forward_end, *(t for _, t in seen), backward_end, done,
+                         *(arrived.get(names[id(layer.weight)], float("nan")) for layer in watched))])
+            starts.append(start)
+            orders.append([n for n, _ in seen])
     finally:
         for handle in handles:
             handle.remove()
