@@ -95,9 +95,9 @@ class Compressor:
     def sent(self, payload: Payload, numel: int):
         """This rank's own payload as error feedback subtracts it (of a tensor of `numel` elements):
         Entries, or a dense tensor in a buffer the calling thread keeps (as large as its largest
-        tensor so far; valid until its next call). A new gradient-sized tensor per call, 770 MB a
-        step for vgg's head under efsignsgd, grew the heap of every worker of its profile, which
-        keeps freed memory."""
+        tensor so far; valid until its next call), not a new gradient-sized tensor per call: 770 MB
+        a step for vgg's head under efsignsgd, allocated and freed in processes that keep freed
+        memory (vgg's profile, 4 workers on one host, is close to the machine's memory)."""
         buffer = getattr(self._sent, "buffer", None)
         if buffer is None or buffer.numel() < numel:
             buffer = self._sent.buffer = torch.empty(numel)
