@@ -3,6 +3,7 @@ hand-computed timelines, the decision against brute force (seeded random instanc
 offload search against brute force, and what the profile reads of a model (its gradients' kinds,
 its backward timeline)."""
 import math
+import mmap
 import random
 import threading
 import time
@@ -480,8 +481,9 @@ def test_the_backward_timeline_warms_up_until_an_iteration_touches_no_new_memory
 
     def loss_of(m):
         calls.append(1)
-        if len(kept) < faulting:
-            kept.append(torch.ones(1 << 22))        # new pages, written
+        if len(kept) < faulting:     # a new mapping, written: new pages whatever malloc keeps
+            kept.append(mmap.mmap(-1, 1 << 24))
+            kept[-1].write(b"\1" * (1 << 24))
         return m(x).pow(2).mean()
     backward_timeline(model, loss_of, iterations=3, seconds=0.0)
     assert len(calls) == min(warmups, MOST_WARMUP) + 3
