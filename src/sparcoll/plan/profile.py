@@ -74,7 +74,7 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
     to restore (vgg's 800 MB, with every worker on one host). The warm-up lasts until an iteration
     touches almost no new memory (SETTLED_PAGES, at most MOST_WARMUP iterations), as the allocator
     of a training step some steps in: after one warm-up iteration, vgg's first timeline faulted
-    1.46-1.47 GB of pages in and read its backward at 1.22-1.43 s (its first hidden layer's part
+    1458-1470 MiB of pages in and read its backward at 1.22-1.43 s (its first hidden layer's part
     0.73-0.90 s; profiles had read 0.35-1.11 s for it), after settling 0.92-0.98 s (0.41-0.48), and
     timelines after it 0.71-1.03 s (4 workers, one probe each). `skipped`: names of layers' weights
     whose gradient backward does not compute (requires_grad off throughout, as under SFB): what
