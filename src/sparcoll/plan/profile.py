@@ -96,23 +96,6 @@ def _page_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def warm_up(iteration, params, agree, least: int = 1) -> float:
-    """Run iteration() until one touches almost no new memory (fewer pages than SETTLED_PAGES or 1% of
-    `params`' bytes), at least `least` and at most MOST_WARMUP times, as a training step's allocator
-    has settled some steps in; every worker decides alike (`agree`: every worker's most of a number).
-    The last one's seconds, every worker's most."""
-    settled = max(SETTLED_PAGES, sum(p.numel() * p.element_size() for p in params) // (100 * PAGE))
-    warmed = 0
-    while True:
-        faults, start = _page_faults(), time.perf_counter()
-        iteration()
-        seconds = time.perf_counter() - start
-        warmed += 1
-        new_pages = agree(float(_page_faults() - faults))
-        if warmed >= least and (new_pages <= settled or warmed >= MOST_WARMUP):
-            return agree(max(seconds, 1e-6))
-
-
 def _timeline(model, loss_of, iterations, warmup, seconds, most, peers, names, watched) -> BackwardProfile:
     """backward_timeline's iterations, with the weights it skips already turned off."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -127,25 +110,30 @@ def _timeline(model, loss_of, iterations, warmup, seconds, most, peers, names, w
             output.register_hook(lambda grad: outputs.append((name, time.perf_counter())))
     handles += [layer.register_forward_hook(watch_output) for layer in watched]
     optimizer = torch.optim.SGD(params, lr=0.0)
-
-    def iteration() -> tuple[float, float, float, float]:
-        """One step: its start, forward's end, backward's end and the optimizer's."""
-        optimizer.zero_grad()
-        seen.clear()
-        outputs.clear()
-        peers.start()
-        start = time.perf_counter()
-        loss = loss_of(model)
-        forward_end = time.perf_counter()
-        loss.backward()
-        backward_end = time.perf_counter()
-        optimizer.step()
-        return start, forward_end, backward_end, time.perf_counter()
+    settled = max(SETTLED_PAGES, sum(p.numel() * p.element_size() for p in params) // (100 * PAGE))
     rows, starts, orders = [], [], []
     try:
-        last = warm_up(iteration, params, peers.most, warmup)       # its length says how many fit
-        for _ in range(min(most, max(iterations, int(seconds / max(last, 1e-6))))):
-            start, forward_end, backward_end, done = iteration()
+        warmed, count = 0, None
+        while count is None or len(rows) < count:
+            optimizer.zero_grad()
+            seen.clear()
+            outputs.clear()
+            peers.start()
+            faults = _page_faults()
+            start = time.perf_counter()
+            loss = loss_of(model)
+            forward_end = time.perf_counter()
+            loss.backward()
+            backward_end = time.perf_counter()
+            optimizer.step()
+            done = time.perf_counter()
+            if count is None:       # warming up (every worker decides alike: peers.most is everyone's most)
+                warmed += 1
+                new_pages = peers.most(float(_page_faults() - faults))
+                if warmed >= warmup and (new_pages <= settled or warmed >= MOST_WARMUP):
+                    # the last warm-up's length says how many iterations fit
+                    count = min(most, max(iterations, int(seconds / peers.most(max(done - start, 1e-6)))))
+                continue
             arrived = dict(reversed(outputs))       # a layer's first output gradient to arrive
             rows.append([t - start for t in (forward_end, *(t for _, t in seen), backward_end, done,
                          *(arrived.get(names[id(layer.weight)], float("nan")) for layer in watched))])

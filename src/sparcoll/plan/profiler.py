@@ -73,7 +73,7 @@ from sparcoll.workloads.user import UserModel
 from .costs import COO_KINDS, ITEMSIZE, Curve, Grid, sparse_volume
 from .fusion import coo_units
 from .options import ALLGATHER, COMPRESSORS, PS, RING, SPARSE, coo_labels
-from .profile import BackwardProfile, backward_timeline, facts, warm_up
+from .profile import BackwardProfile, backward_timeline, facts
 
 COLLECTIVE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 25)
 ALLGATHER_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)
@@ -89,7 +89,7 @@ LOADED_RUNS = 4     # collectives timed per point under the training thread's lo
 MOST_LOADED_RUNS = 64   # ... and at most, however short they are against a step
 MOST_SLOWDOWN = 8.0     # a slowdown larger than this is taken as this one (noise in a short overlap)
 BUDGET = 0.2      # seconds of timed runs per point, at least
-IN_BACKWARD_STEPS = 3   # training steps with the compressors timed inside backward, after a warm-up
+IN_BACKWARD_STEPS = 4   # training steps with the compressors timed inside backward, the first untimed
 
 
 @dataclass(frozen=True)
@@ -346,10 +346,8 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
     in backward, on the training thread, the moment the gradient is ready, every worker training with
     the same compressor, and a second thread decompressing each payload into its gradient as it comes,
     as the synchronization thread does after each collective (ncf's largest gradient under efsignsgd:
-    27-30 ms in training, 22 in the profile apart from training). Per compressor, untimed steps until
-    one touches almost no new memory (profile.warm_up: after one, efsignsgd's timed steps on gpt
-    still faulted 14 and 28 MB of pages in), then IN_BACKWARD_STEPS steps, per step the slowest
-    worker's time, the median over them."""
+    27-30 ms in training, 22 in the profile apart from training). IN_BACKWARD_STEPS steps per
+    compressor, per step the slowest worker's time, the median over the steps after the first."""
     if not names:
         return
     params = dict(model.named_parameters())
@@ -359,7 +357,7 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
             release_freed_memory()      # the last compressor's
             reducer = Reducer(spec)
             times = torch.zeros(IN_BACKWARD_STEPS, len(names), dtype=torch.float64)
-            step, pending = 0, []       # the warm-up's times land in row 0, which its first step overwrites
+            step, pending = 0, []
 
             def hook_for(j: int, name: str):
                 def hook(p: torch.Tensor) -> None:
@@ -373,23 +371,19 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
 
             handles = [params[name].register_post_accumulate_grad_hook(hook_for(j, name))
                        for j, name in enumerate(names)]
-
-            def train() -> None:
-                dist.barrier()
-                model.zero_grad()
-                loss_of(model).backward()
-                for done in pending:
-                    done.result(timeout)
-                pending.clear()
             try:
-                warm_up(train, model.parameters(), slowest)
                 for step in range(IN_BACKWARD_STEPS):
-                    train()
+                    dist.barrier()
+                    model.zero_grad()
+                    loss_of(model).backward()
+                    for done in pending:
+                        done.result(timeout)
+                    pending.clear()
             finally:
                 for handle in handles:
                     handle.remove()
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            for name, seconds in zip(names, times.median(dim=0).values.tolist()):
+            for name, seconds in zip(names, times[1:].median(dim=0).values.tolist()):
                 yield spec, name, seconds
     finally:
         channel.shutdown(cancel_futures=True)
