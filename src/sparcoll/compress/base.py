@@ -69,8 +69,7 @@ class Compressor:
 
     def __init__(self, spec: Spec):
         self.spec = spec
-        self._scratch = torch.empty(0)
-        self._sent = threading.local()      # each thread's buffer for `sent`
+        self._kept = threading.local()      # each thread's scratch buffer
         self.seed_rank(0)
 
     def seed_rank(self, rank: int) -> None:
@@ -98,10 +97,7 @@ class Compressor:
         tensor so far; valid until its next call), not a new gradient-sized tensor per call: 770 MB
         a step for vgg's head under efsignsgd, allocated and freed in processes that keep freed
         memory (vgg's profile, 4 workers on one host, is close to the machine's memory)."""
-        buffer = getattr(self._sent, "buffer", None)
-        if buffer is None or buffer.numel() < numel:
-            buffer = self._sent.buffer = torch.empty(numel)
-        return self.decompress(payload.parts, payload.ctx, buffer[:numel])
+        return self.decompress(payload.parts, payload.ctx, self.scratch(numel))
 
     def combine(self, gathered: list[tuple], ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """Average of every rank's decompressed parts (allgather scheme), in `out` as `decompress`'s;
@@ -114,12 +110,15 @@ class Compressor:
         return total.div_(len(gathered))
 
     def scratch(self, numel: int) -> torch.Tensor:
-        """A float32 buffer of `numel` elements for the other ranks' parts while combining: kept
-        (as large as the largest tensor so far) and reused, where a new one each time took a third
-        longer (ncf's 4.4M-element table under efsignsgd, 4 ranks). Combining runs on one thread."""
-        if self._scratch.numel() < numel:
-            self._scratch = torch.empty(numel)
-        return self._scratch[:numel]
+        """A float32 buffer of `numel` elements, the calling thread's (valid until its next call):
+        for `sent`, and for the other ranks' parts while combining. Kept (as large as the thread's
+        largest tensor so far) and reused, where a new one each time took a third longer (ncf's
+        4.4M-element table under efsignsgd, 4 ranks); per thread, as compressing may run on the
+        training thread or an offload thread while the synchronization thread combines."""
+        buffer = getattr(self._kept, "buffer", None)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._kept.buffer = torch.empty(numel)
+        return buffer[:numel]
 
     def sent_bytes(self, payload: Payload) -> int:
         """Bytes of this payload's parts (what this rank contributes to the collective)."""
