@@ -44,8 +44,10 @@ from .timeline import Cost, Step, simulate
 # least a step; 19 every worker keeps freed memory (sparcoll.keep_freed_memory): backward allocates
 # no large gradient afresh; 20 a compressor's time on the model's gradient is measured inside
 # backward, where a plan runs it; 21 SFB's spared work is measured in backward, its rebuild beside
-# training too; 22 the backward timeline warms up until its pages have settled.
-PROFILE_VERSION = 22
+# training too; 22 the backward timeline warms up until its pages have settled; (23 was a warm-up of
+# the compressors' steps in backward, reverted) 24 the compressors' steps in backward timed as many as
+# fit in a few seconds.
+PROFILE_VERSION = 24
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 TRIAL_UNIFORMS = 3

@@ -89,7 +89,9 @@ LOADED_RUNS = 4     # collectives timed per point under the training thread's lo
 MOST_LOADED_RUNS = 64   # ... and at most, however short they are against a step
 MOST_SLOWDOWN = 8.0     # a slowdown larger than this is taken as this one (noise in a short overlap)
 BUDGET = 0.2      # seconds of timed runs per point, at least
-IN_BACKWARD_STEPS = 4   # training steps with the compressors timed inside backward, the first untimed
+IN_BACKWARD_STEPS = 3   # steps timed per compressor inside backward after an untimed one, at least ...
+MOST_IN_BACKWARD_STEPS = 24     # ... and at most, as many as fit in IN_BACKWARD_SECONDS
+IN_BACKWARD_SECONDS = 3.0
 
 
 @dataclass(frozen=True)
@@ -339,6 +341,15 @@ def in_backward(specs: list[str]) -> list[str]:
     return [spec for spec in specs if Reducer(spec).splits]
 
 
+def in_backward_steps(untimed: float) -> int:
+    """How many steps compress_in_backward times after an untimed one of `untimed` seconds: as many
+    as fit in IN_BACKWARD_SECONDS, at least IN_BACKWARD_STEPS, at most MOST_IN_BACKWARD_STEPS. On 4
+    workers sharing 2 cores one compressor's time in a step of gpt moved up to 4x from step to step
+    (blocktopk 12-46 ms, efsignsgd 32-113), and the median of 3 steps read blocktopk's total at 26-62
+    ms in six profiles; vgg's steps of a second and more stay at 3."""
+    return min(MOST_IN_BACKWARD_STEPS, max(IN_BACKWARD_STEPS, int(IN_BACKWARD_SECONDS / max(untimed, 1e-6))))
+
+
 def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of, names: list[str],
                          timeout: float):
     """(spec, tensor name, seconds) of each compressor that compresses apart from its collective, on
@@ -346,8 +357,9 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
     in backward, on the training thread, the moment the gradient is ready, every worker training with
     the same compressor, and a second thread decompressing each payload into its gradient as it comes,
     as the synchronization thread does after each collective (ncf's largest gradient under efsignsgd:
-    27-30 ms in training, 22 in the profile apart from training). IN_BACKWARD_STEPS steps per
-    compressor, per step the slowest worker's time, the median over the steps after the first."""
+    27-30 ms in training, 22 in the profile apart from training). Per compressor an untimed step,
+    then as many as in_backward_steps says from its length; per step the slowest worker's time, the
+    median over the steps."""
     if not names:
         return
     params = dict(model.named_parameters())
@@ -356,7 +368,7 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
         for spec in in_backward(specs):
             release_freed_memory()      # the last compressor's
             reducer = Reducer(spec)
-            times = torch.zeros(IN_BACKWARD_STEPS, len(names), dtype=torch.float64)
+            times = torch.zeros(1 + MOST_IN_BACKWARD_STEPS, len(names), dtype=torch.float64)
             step, pending = 0, []
 
             def hook_for(j: int, name: str):
@@ -371,19 +383,27 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
 
             handles = [params[name].register_post_accumulate_grad_hook(hook_for(j, name))
                        for j, name in enumerate(names)]
+
+            def train() -> float:
+                dist.barrier()
+                start = time.perf_counter()
+                model.zero_grad()
+                loss_of(model).backward()
+                for done in pending:
+                    done.result(timeout)
+                pending.clear()
+                return time.perf_counter() - start
+
             try:
-                for step in range(IN_BACKWARD_STEPS):
-                    dist.barrier()
-                    model.zero_grad()
-                    loss_of(model).backward()
-                    for done in pending:
-                        done.result(timeout)
-                    pending.clear()
+                count = in_backward_steps(slowest(train()))     # step 0: untimed, every worker's count
+                for step in range(1, 1 + count):
+                    train()
             finally:
                 for handle in handles:
                     handle.remove()
-            dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            for name, seconds in zip(names, times[1:].median(dim=0).values.tolist()):
+            timed_steps = times[1:1 + count]
+            dist.all_reduce(timed_steps, op=dist.ReduceOp.MAX)
+            for name, seconds in zip(names, timed_steps.median(dim=0).values.tolist()):
                 yield spec, name, seconds
     finally:
         channel.shutdown(cancel_futures=True)
