@@ -28,12 +28,13 @@ for i in range(int(sys.argv[1])):
     loss.backward()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     opt.step()
-    rows.append([1e3 * (seen["hidden.0.weight"] - seen["hidden.1.weight"]), faults * 4 / 1024])
+    rss = int(open("/proc/self/statm").read().split()[1]) * 4 / 1024
+    rows.append([1e3 * (seen["hidden.0.weight"] - seen["hidden.1.weight"]), faults * 4 / 1024, rss])
 table = torch.tensor(rows)
 every = [torch.zeros_like(table) for _ in range(world)]
 dist.all_gather(every, table)
 if rank == 0:
     for i in range(len(rows)):
-        print(f"iteration {i}: hidden.0 after hidden.1, ms / MB faulted in backward, per worker:",
-              "  ".join(f"{int(t[i, 0])}/{int(t[i, 1])}" for t in every), flush=True)
+        print(f"iteration {i}: hidden.0 after hidden.1, ms / MB faulted in backward / RSS MB after the step, per worker:",
+              "  ".join(f"{int(t[i, 0])}/{int(t[i, 1])}/{int(t[i, 2])}" for t in every), flush=True)
 dist.destroy_process_group()
