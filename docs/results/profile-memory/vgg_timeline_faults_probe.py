@@ -19,6 +19,9 @@ seen = {}
 for name in ("hidden.1.weight", "hidden.0.weight"):
     params[name].register_post_accumulate_grad_hook(lambda p, name=name: seen.__setitem__(name, time.perf_counter()))
 opt = torch.optim.SGD(model.parameters(), lr=0.0)
+if len(sys.argv) > 2:       # pre-grow the heap: that many blocks of the largest gradient, written, then freed
+    blocks = [torch.ones(max(p.numel() for p in model.parameters())) for _ in range(int(sys.argv[2]))]
+    del blocks
 rows = []
 for i in range(int(sys.argv[1])):
     opt.zero_grad()
