@@ -8,9 +8,11 @@ before torch writes it again. deeplight's 68 MB embedding gradient: one process'
 2 cores, a step of its plan went from 161-168 ms to 128-135 (docs/benchmarks.md, section 4).
 Tuned CPU training avoids this with another allocator (jemalloc, tcmalloc); this keeps glibc and
 tells it to serve every block from its heap (no mmap) and to keep the heap's free top (no trim), so
-a freed gradient's pages serve the next one. And one arena for every thread: a thread's own arena
-holds at most 64 MiB, so without mmap each larger block a thread asked for failed there first and
-was then served by the main arena (vgg's first step under sufficient factors, whose synchronization
+a freed gradient's pages serve the next one (not always under glibc before 2.38, which does not
+fit torch's aligned blocks into a freed one of the same size: the heap then grows by the block
+now and then; docs/reliability.md, "Known gaps"). And one arena for every thread: a thread's own
+arena holds at most 64 MiB, so without mmap each larger block a thread asked for failed there first
+and was then served by the main arena (vgg's first step under sufficient factors, whose synchronization
 thread allocates its 341 and 392 MB gradients, took 8.0-9.1 s that way against 3.3-4.7 before, and
 2.7-3.1 with one arena). The price: the process keeps its peak heap (a 64 MiB embedding trained 200 steps
 with SGD: 871 MB at its peak against 425), and its threads share one arena's lock. A process that
