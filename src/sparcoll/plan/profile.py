@@ -91,6 +91,11 @@ def backward_timeline(model: nn.Module, loss_of: Callable[[nn.Module], torch.Ten
             p.requires_grad_(True)
 
 
+def runs_that_fit(seconds: float, each: float, least: int, most: int) -> int:
+    """How many runs of `each` seconds fit in `seconds`, at least `least` and at most `most`."""
+    return min(most, max(least, int(seconds / max(each, 1e-6))))
+
+
 def _page_faults() -> int:
     """This process's minor page faults so far: memory it touched for the first time."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -132,7 +137,7 @@ def _timeline(model, loss_of, iterations, warmup, seconds, most, peers, names, w
                 new_pages = peers.most(float(_page_faults() - faults))
                 if warmed >= warmup and (new_pages <= settled or warmed >= MOST_WARMUP):
                     # the last warm-up's length says how many iterations fit
-                    count = min(most, max(iterations, int(seconds / peers.most(max(done - start, 1e-6)))))
+                    count = runs_that_fit(seconds, peers.most(done - start), iterations, most)
                 continue
             arrived = dict(reversed(outputs))       # a layer's first output gradient to arrive
             rows.append([t - start for t in (forward_end, *(t for _, t in seen), backward_end, done,

@@ -73,7 +73,7 @@ from sparcoll.workloads.user import UserModel
 from .costs import COO_KINDS, ITEMSIZE, Curve, Grid, sparse_volume
 from .fusion import coo_units
 from .options import ALLGATHER, COMPRESSORS, PS, RING, SPARSE, coo_labels
-from .profile import BackwardProfile, backward_timeline, facts
+from .profile import BackwardProfile, backward_timeline, facts, runs_that_fit
 
 COLLECTIVE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 25)
 ALLGATHER_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)
@@ -347,7 +347,7 @@ def in_backward_steps(untimed: float) -> int:
     workers sharing 2 cores one compressor's time in a step of gpt moved up to 4x from step to step
     (blocktopk 12-46 ms, efsignsgd 32-113), and the median of 3 steps read blocktopk's total at 26-62
     ms in six profiles; vgg's steps of a second and more stay at 3."""
-    return min(MOST_IN_BACKWARD_STEPS, max(IN_BACKWARD_STEPS, int(IN_BACKWARD_SECONDS / max(untimed, 1e-6))))
+    return runs_that_fit(IN_BACKWARD_SECONDS, untimed, IN_BACKWARD_STEPS, MOST_IN_BACKWARD_STEPS)
 
 
 def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of, names: list[str],
