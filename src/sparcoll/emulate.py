@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 
+from .allocator import startup_environment
 from .bench.launch import NETNS_MASTER_PORT, die_with_parent
 from .bench.netem import (MAX_HOSTS, EmulatedNetwork, add_link_burst_argument, check_link_burst,
                           cleanup_stale, netem_available)
@@ -52,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def rank_environment(rank: int, world: int, master: str, interface: str) -> dict[str, str]:
-    """What torchrun sets for a job of one process per host, plus the interface gloo must use."""
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+    """What torchrun sets for a job of one process per host, plus the interface gloo must use and
+    glibc's tunables for a process that keeps freed memory (allocator.startup_environment)."""
+    env = {**startup_environment(os.environ), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
            "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "ROLE_RANK": str(rank),
            "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": master, "MASTER_PORT": str(NETNS_MASTER_PORT),
            "GLOO_SOCKET_IFNAME": interface}

@@ -4,8 +4,8 @@ A loopback job's every worker used to be a new interpreter importing torch: 1.7 
 to four of them at once on the machine's cores, before the first step of every job (a `sparcoll plan`
 trial runs one job per candidate, a `train --compare` one per mode). Forked from a server that did
 those imports once, a worker starts in tens of milliseconds. The server is multiprocessing's fork
-server, started on first use with OMP_NUM_THREADS=1 (each job process runs one torch thread) and
-PRELOAD imported; tests fork their ranks from it too (tests/ranks.py). PRELOAD has torch._dynamo,
+server, started on first use with OMP_NUM_THREADS=1 (each job process runs one torch thread), glibc's
+thread cache off (allocator.startup_environment) and PRELOAD imported; tests fork their ranks from it too (tests/ranks.py). PRELOAD has torch._dynamo,
 which DistributedDataParallel's constructor imports (2 s a worker, measured under the profiler:
 ncf tiny on 4 workers, `--compare ddp,sparcoll,hook`, 12.4 s without it, 3.8-4.4 s with it).
 As with multiprocessing's other start methods but fork, each child imports the launching program's
@@ -34,6 +34,8 @@ import sys
 import threading
 import time
 
+from ..allocator import startup_environment
+
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "sparcoll", "sparcoll.communicator",
            "sparcoll.aggregator", "sparcoll.server", "sparcoll.torch", "sparcoll.bench.worker",
            "sparcoll.train.worker"]
@@ -45,22 +47,25 @@ _started = False
 
 def fork_context():
     """The multiprocessing context of this process's fork server, started on first use with
-    OMP_NUM_THREADS=1 and PRELOAD imported (the server's environment is this process's of that
-    moment; a child then takes the one it is given)."""
+    OMP_NUM_THREADS=1, glibc's tunables for keeping freed memory (allocator.startup_environment:
+    read at start only, so the children have them from the server) and PRELOAD imported (the
+    server's environment is this process's of that moment; a child then takes the one it is given)."""
     global _started
     ctx = mp.get_context("forkserver")
     with _LOCK:
         if not _started:
-            saved = os.environ.get("OMP_NUM_THREADS")
-            os.environ["OMP_NUM_THREADS"] = "1"
+            server_env = startup_environment({**os.environ, "OMP_NUM_THREADS": "1"})
+            saved = {name: os.environ.get(name) for name in server_env}
+            os.environ.update(server_env)
             try:
                 ctx.set_forkserver_preload(PRELOAD)
                 forkserver.ensure_running()
             finally:
-                if saved is None:
-                    os.environ.pop("OMP_NUM_THREADS", None)
-                else:
-                    os.environ["OMP_NUM_THREADS"] = saved
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
             _started = True
     return ctx
 

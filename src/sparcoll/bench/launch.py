@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column
 
+from sparcoll.allocator import startup_environment
 from sparcoll.bench.events import decode
 from sparcoll.bench.forked import ForkedChild
 from sparcoll.bench.netem import EmulatedNetwork, NetemError
@@ -220,7 +221,7 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
                                  preexec_fn=die_with_parent)
         stack.callback(_stop, children)  # runs before the network is torn down
 
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": interface,
+        env = {**startup_environment(os.environ), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": interface,
                "SPARCOLL_SECRET": secrets.token_hex(16), "MASTER_ADDR": hosts[0],
                "MASTER_PORT": str(master_port), "WORLD_SIZE": str(job.workers)}
 

@@ -46,8 +46,9 @@ from .timeline import Cost, Step, simulate
 # backward, where a plan runs it; 21 SFB's spared work is measured in backward, its rebuild beside
 # training too; 22 the backward timeline warms up until its pages have settled; (23 was a warm-up of
 # the compressors' steps in backward, reverted) 24 the compressors' steps in backward timed as many as
-# fit in a few seconds.
-PROFILE_VERSION = 24
+# fit in a few seconds; 25 the workers start with glibc's thread cache and fastbins off, so a freed
+# large gradient serves the next (allocator): no worker faults one in at a random iteration.
+PROFILE_VERSION = 25
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 TRIAL_UNIFORMS = 3
