@@ -239,29 +239,6 @@ def test_units_of_one_compressor_share_a_collective_where_the_timeline_predicts_
             assert decide.predict(*again) == decide.predict(fused_step, fused, options)
 
 
-def test_a_whole_run_of_units_shares_a_collective_where_one_join_at_a_time_predicts_slower():
-    """Three ring units, the first ready well before the others, collectives slowing backward 1.5x
-    while they run: joining the first two predicts a slower step than apart, so the greedy leaves the
-    first apart and joins the last two; all three in one collective predicts faster still, and fuse
-    prices that too (gpt's 14 blocktopk units, one collective of all measured 1.4x as fast)."""
-    fits = {**FITS, "loaded": {RING: line(1e-3, 3e-8)}, "slowdown": {RING: line(1.5, 0.0)}}
-    costing = Costing(fits, workers=4)
-    measured = [Measured(TensorFacts(name, numel), (numel,))
-                for name, numel in (("a", 100_000), ("b", 10_000), ("c", 100_000))]
-    units_step, units, groups = units_of(Step((0.076, 0.095, 0.096), 0.096), measured)
-    tensors = choices_of(units, groups, measured, costing, ["none"], JobFacts())
-    chosen = [Option()] * 3
-    fused_step, got, fused, options = fusion.fuse(units_step, measured, groups, tensors, chosen, costing)
-    assert got == [[0, 1, 2]]
-    whole = decide.predict(fused_step, fused, options)
-    for names in ({"a": 0, "b": 1, "c": 1}, {"a": 0, "b": 0, "c": 1}, {"a": 0, "b": 1, "c": 2}):
-        assert whole < decide.predict(*fusion.as_planned(units_step, measured, groups, tensors, chosen, costing,
-                                                         names)), names
-    first_two = fusion.as_planned(units_step, measured, groups, tensors, chosen, costing, {"a": 0, "b": 0, "c": 1})
-    apart = fusion.as_planned(units_step, measured, groups, tensors, chosen, costing, {"a": 0, "b": 1, "c": 2})
-    assert decide.predict(*first_two) > decide.predict(*apart)       # why the greedy stops at the first
-
-
 def test_coo_gradients_share_a_collective_where_the_profile_timed_them_together():
     """Three embeddings' COO gradients in a row under the sparse AllReduce: the profile timed the first
     two, and the first three, as one collective (fusion.coo_units), faster than apart: fused into one

@@ -69,26 +69,8 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
     or where `joins(previous members, members)` says so. A COO unit looks further: it joins with the
     units after it up to whichever end of their run predicts the fastest step, if any is no slower
     than apart (the profile timed only such prefixes together, and ncf's first two embeddings
-    together took longer than apart, all four together a third less). Without `joins`, every run of
-    joinable units merged whole is priced too, and whichever predicts the faster step is returned:
-    the greedy's one join at a time can miss it (gpt's 14 blocktopk units, each join predicted
-    slower, all in one collective faster: 162 ms a step measured against 235 for the 14). Returns the
-    new units' Step, members, Choices and options."""
-    if joins is not None:
-        return _fused(step, measured, groups, tensors, chosen, costing, joins)
-    greedy = _fused(step, measured, groups, tensors, chosen, costing, None)
-    whole = _fused(step, measured, groups, tensors, chosen, costing, lambda previous, members: True)
-
-    def predicted(units: tuple) -> float:
-        unit_step, _, unit_tensors, unit_chosen = units
-        return simulate(unit_step, [t.costs[o] for t, o in zip(unit_tensors, unit_chosen)]).iteration
-    return whole if predicted(whole) < predicted(greedy) else greedy
-
-
-def _fused(step: Step, measured: list[Measured], groups: list[list[int]], tensors: list[Choices],
-           chosen: list[Option], costing: Costing, joins: Callable[[list[int], list[int]], bool] | None
-           ) -> tuple[Step, list[list[int]], list[Choices], list[Option]]:
-    """fuse's greedy (`joins` None) or the merges `joins` asks for."""
+    together took longer than apart, all four together a third less). Returns the new units' Step,
+    members, Choices and options."""
     ready = list(step.ready)
     costs = [t.costs[o] for t, o in zip(tensors, chosen)]
 
