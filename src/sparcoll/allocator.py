@@ -10,14 +10,15 @@ Tuned CPU training avoids this with another allocator (jemalloc, tcmalloc); this
 tells it to serve every block from its heap (no mmap) and to keep the heap's free top (no trim), so
 a freed gradient's pages serve the next one.
 
-And there is one arena for every thread: a thread's own arena holds at most 64 MiB, so without
-mmap each larger block a thread asked for failed there first and was then served by the main arena (vgg's first step under sufficient factors, whose synchronization
-thread allocates its 341 and 392 MB gradients, took 8.0-9.1 s that way against 3.3-4.7 before, and
-2.7-3.1 with one arena). The price: the process keeps its peak heap (a 64 MiB embedding trained 200 steps
-with SGD: 871 MB at its peak against 425), and its threads share one arena's lock. A process that
-goes through phases of different sizes (`sparcoll plan --profile`) hands what a finished phase freed
-back with release_freed_memory: vgg's four profiling workers, each keeping every phase's peak, ran
-a 24 GB machine out of memory.
+And there is one arena for every thread: a thread's own arena holds at most 64 MiB, so without mmap
+each larger block a thread asked for failed there first and was then served by the main arena (vgg's
+first step under sufficient factors, whose synchronization thread allocates its 341 and 392 MB
+gradients, took 8.0-9.1 s that way against 3.3-4.7 before, and 2.7-3.1 with one arena). The price:
+the process keeps its peak heap (a 64 MiB embedding trained 200 steps with SGD: 871 MB at its peak
+against 425), and its threads share one arena's lock. A process that goes through phases of
+different sizes (`sparcoll plan --profile`) hands what a finished phase freed back with
+release_freed_memory: vgg's four profiling workers, each keeping every phase's peak, ran a 24 GB
+machine out of memory.
 
 Under glibc before 2.38 that was not enough: torch allocates with posix_memalign, which takes a
 chunk larger by the alignment and frees the few bytes left over behind the block. Those land in the
@@ -28,7 +29,7 @@ each time faulting the block in during backward). So fastbins are off too (mallo
 tcache, which only the environment a process starts with can turn off (GLIBC_TUNABLES, the
 TUNABLES of `startup_environment`): the workers sparcoll starts get it; a user's own script needs it
 from its launcher. A small block then costs a lock of the one arena: no cost seen in the bench's
-loopback collectives, where the protocol's Python allocates the most.
+loopback collectives, where the protocol's Python allocates the most, nor in DDP's training steps.
 """
 from __future__ import annotations
 

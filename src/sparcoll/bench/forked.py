@@ -1,16 +1,16 @@
 """Local job processes forked from one fork server that has imported torch and sparcoll already.
 
-A loopback job's every worker used to be a new interpreter importing torch: 1.7 s of CPU each, two
-to four of them at once on the machine's cores, before the first step of every job (a `sparcoll plan`
-trial runs one job per candidate, a `train --compare` one per mode). Forked from a server that did
-those imports once, a worker starts in tens of milliseconds. The server is multiprocessing's fork
-server, started on first use with OMP_NUM_THREADS=1 (each job process runs one torch thread), glibc's
-thread cache off (allocator.startup_environment) and PRELOAD imported; tests fork their ranks from it too (tests/ranks.py). PRELOAD has torch._dynamo,
-which DistributedDataParallel's constructor imports (2 s a worker, measured under the profiler:
-ncf tiny on 4 workers, `--compare ddp,sparcoll,hook`, 12.4 s without it, 3.8-4.4 s with it).
-As with multiprocessing's other start methods but fork, each child imports the launching program's
-main module again: a script that launches jobs keeps its work under `if __name__ == "__main__":`
-(the `sparcoll` command does).
+A loopback job's every worker used to be a new interpreter importing torch: 1.7 s of CPU each, two to
+four of them at once on the machine's cores, before the first step of every job (a `sparcoll plan` trial
+runs one job per candidate, a `train --compare` one per mode). Forked from a server that did those
+imports once, a worker starts in tens of milliseconds. The server is multiprocessing's fork server,
+started on first use with OMP_NUM_THREADS=1 (each job process runs one torch thread), glibc's thread
+cache off (allocator.startup_environment) and PRELOAD imported; tests fork their ranks from it too
+(tests/ranks.py). PRELOAD has torch._dynamo, which DistributedDataParallel's constructor imports (2 s a
+worker, measured under the profiler: ncf tiny on 4 workers, `--compare ddp,sparcoll,hook`, 12.4 s
+without it, 3.8-4.4 s with it). As with multiprocessing's other start methods but fork, each child
+imports the launching program's main module again: a script that launches jobs keeps its work under `if
+__name__ == "__main__":` (the `sparcoll` command does).
 
 A forked child runs `python -m MODULE ARGS` as a new interpreter would: in the environment and
 current directory its launcher gives it (with PYTHONPATH and the directory in front of its import
