@@ -301,16 +301,22 @@ def test_the_plan_never_loses_to_every_tensor_uncompressed():
         assert f_of(step, tensors, decide.plan(step, tensors)) <= f_of(step, tensors, plain) + 1e-12
 
 
-def plan_of(*strategies: str) -> dict:
-    return {"tensors": [{"name": f"t{i}", "strategy": s, "placement": "thread"} for i, s in enumerate(strategies)]}
+def plan_of(*strategies: str, units: tuple[int, ...] | None = None) -> dict:
+    """A plan of one tensor per strategy, each its own unit unless `units` says which each shares."""
+    return {"tensors": [{"name": f"t{i}", "strategy": s, "placement": "thread", "unit": i if units is None else units[i]}
+                        for i, s in enumerate(strategies)]}
 
 
 def test_a_trial_runs_each_distinct_strategy_once_the_plan_first():
+    """Distinct: a tensor's strategy, placement or unit differs (units that share a collective run
+    differently from the same units apart)."""
     plan = plan_of("ring", "topk:0.01")
     others = {"without compression": plan_of("ring", "ring"), "without collective": plan_of("ring", "topk:0.01"),
-              "uniform ring": plan_of("ring", "ring"), "uniform topk:0.01": plan_of("topk:0.01", "topk:0.01")}
+              "uniform ring": plan_of("ring", "ring"), "uniform topk:0.01": plan_of("topk:0.01", "topk:0.01"),
+              "uniform ring, whole fusion": plan_of("ring", "ring", units=(0, 0)),
+              "uniform topk:0.01, whole fusion": plan_of("topk:0.01", "topk:0.01", units=(0, 1))}
     got = trial.candidates(plan, others)
-    assert list(got) == ["planned", "without compression", "uniform topk:0.01"]
+    assert list(got) == ["planned", "without compression", "uniform topk:0.01", "uniform ring, whole fusion"]
     assert got["planned"] is plan
 
 

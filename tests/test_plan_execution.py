@@ -227,6 +227,9 @@ def test_units_of_one_compressor_share_a_collective_where_the_timeline_predicts_
         fused_step, got_groups, fused, options = fusion.fuse(units_step, measured, groups, tensors, chosen, costing)
         assert got_groups == fused_groups
         assert decide.predict(fused_step, fused, options) <= decide.predict(units_step, tensors, chosen)
+        # every run of joinable neighbours whole, whatever the timeline predicts
+        whole = fusion.fuse(units_step, measured, groups, tensors, chosen, costing, fusion.whole_runs)
+        assert whole[1] == [[0, 1], [2], [3, 4], [5], [6]]
         ring = fused[got_groups.index([3, 4])].costs[Option()]
         assert ring == costing.cost(Measured(TensorFacts("d+e", 200_000), (200_000,)), Option())
         assert ring.comm == pytest.approx(1e-3 + 1e-8 * 4 * 200_000)      # one allreduce of both
@@ -591,6 +594,17 @@ def test_plan_then_train_the_plan(tmp_path):
     assert plan["predicted_step_s"] <= min(plan["uniform"].values()) + 1e-12
     assert set(plan["uniform"]) >= {"ring", "ps", "sparse", "fp16", "topk:0.01"}
     assert "every tensor ring" in first.stdout
+    for fused_by in ("greedy", "whole"):    # fp16 for every tensor: the dense ones can share collectives
+        done = subprocess.run(command + ["--trial", "0", "--uniform", "fp16", "--fusion", fused_by],
+                              capture_output=True, text=True, timeout=TIMEOUT, env=env)
+        assert done.returncode == 0 and f"({fused_by} fusion)" in done.stdout, done.stderr[-3000:]
+        fused = json.loads(plan_file.read_text())
+        assert fused["fusion"] == fused_by
+        if fused_by == "whole":             # each run of dense tensors (between the COO ones) is one unit
+            dense = [t["name"] not in coo for t in fused["tensors"]]
+            runs = sum(d and (i == 0 or not dense[i - 1]) for i, d in enumerate(dense))
+            assert fused["units"] == runs + dense.count(False) <= greedy_units, fused["tensors"]
+        greedy_units = fused["units"]
     out = tmp_path / "train.json"
     trained = subprocess.run([sys.executable, "-m", "sparcoll", "train", *tiny, "--steps", "3", "--compare",
                               "ddp,planned", "--plan", str(plan_file), "--json", str(out)],

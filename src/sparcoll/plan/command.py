@@ -51,6 +51,7 @@ from .timeline import Cost, Step, simulate
 PROFILE_VERSION = 25
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
+GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; every run whole
 TRIAL_UNIFORMS = 3
 TRIAL_WARMUP = 1
 
@@ -91,9 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the uniform strategy NAME (a row of the table: ring, ps, sparse, sfb or "
                              "a compressor spec) instead of the decision, to run it with the same executor")
     parser.add_argument("--trial", type=int, default=3, metavar="STEPS",
-                        help="train the plan, the planner without each dimension and the %d uniform "
-                             "strategies predicted best for at least STEPS steps and %g s each (after one "
-                             "warm-up) on the "
+                        help="train the plan, the planner without each dimension, the %d uniform "
+                             "strategies predicted best, and the plan and the best of those fused the other "
+                             "way (--fusion), for at least STEPS steps and %g s each (after one warm-up) on the "
                              "same network, and keep the fastest measured (the plan unless another is "
                              "more than %d%%%% faster); 0: the model's decision alone (default 3; a "
                              "--model trains on its example input)" % (TRIAL_UNIFORMS, trial.SECONDS, round(100 * trial.MARGIN)))
@@ -102,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "order, and keep by the mean (default %d: a machine that slows down or speeds "
                              "up during the trial then favours no candidate; 1 takes half the time)"
                              % trial.PASSES)
+    parser.add_argument("--fusion", choices=(GREEDY, WHOLE), default=GREEDY,
+                        help="how neighbouring tensors of one compressor (or uncompressed on the ring) "
+                             "share a collective: greedy, one more while the model predicts no slower "
+                             "a step (default); whole, every such run of tensors in one collective. The "
+                             "trial also trains the plan and the best uniform strategy fused the other way")
     parser.add_argument("--json", metavar="PATH", help="write the plan to PATH")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds without progress before profiling is declared hung (default 600)")
@@ -317,14 +323,17 @@ def priced(profile: dict, compressors: list[str]):
     return step, measured, groups, choices_of(units, groups, measured, costing, compressors, job), costing
 
 
-def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str | None = None) -> dict:
+def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str | None = None,
+              fused_by: str = GREEDY) -> dict:
     """The plan for a profile: the decision over `compressors` without `dimensions` (see `without`),
-    or with `fixed` the uniform strategy of that name; with every uniform strategy's prediction."""
+    or with `fixed` the uniform strategy of that name, its units fused `fused_by` (GREEDY or WHOLE,
+    see fusion); with every uniform strategy's prediction, fused the same way."""
     step, measured, groups, tensors, costing = priced(profile, compressors)
     uniforms = uniforms_of(step, tensors, compressors)
+    joins = fusion.whole_runs if fused_by == WHOLE else None
 
     def fused(strategy: list[Option]):
-        return fusion.fuse(step, measured, groups, tensors, strategy, costing)
+        return fusion.fuse(step, measured, groups, tensors, strategy, costing, joins)
 
     def predicted(units: tuple) -> float:
         """F of fusion.fuse's result."""
@@ -360,6 +369,7 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
     return {"workers": profile["workers"], "network": profile["network"],
             **{k: profile[k] for k in ("workload", "options", "batch_size", "model_spec") if k in profile},
             "strategy": f"uniform {fixed}" if fixed else "planned", "without": sorted(dimensions),
+            "fusion": fused_by,
             "decision_ms": decision_ms, "units": len(unit_tensors), "predicted_step_s": forward + timeline.iteration,
             "bound_s": forward + simulate(step, [free(t) for t in tensors]).iteration, "forward_s": forward,
             "cores_per_worker": profile["model"]["cores_per_worker"],
@@ -382,7 +392,8 @@ def table(plan: dict) -> str:
     what = plan["strategy"] + (f" without {', '.join(plan['without'])}" if plan["without"] else "")
     lines.append(f"predicted step (forward, backward, synchronization, optimizer): "
                  f"{1e3 * plan['predicted_step_s']:.1f} ms {what}, {1e3 * plan['bound_s']:.1f} ms with "
-                 f"free communication; {len(plan['tensors'])} tensors in {plan['units']} units, decided in "
+                 f"free communication; {len(plan['tensors'])} tensors in {plan['units']} units "
+                 f"({plan.get('fusion', GREEDY)} fusion), decided in "
                  f"{plan['decision_ms']:.1f} ms")
     for name, f in sorted(plan["uniform"].items(), key=lambda kv: kv[1]):
         lines.append(f"  every tensor {name:<16} {1e3 * f:>10.1f} ms  ({f / plan['predicted_step_s']:.2f}x this plan)")
@@ -415,10 +426,14 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
     """The trial (trial.py) of the plan against the planner without each dimension and the uniform
     strategies it predicts best, trained as `sparcoll train` does by default; the exit status and the
     plan kept, with the trial's measurements."""
-    compressors = args.compressors.split(",")
-    others = {f"without {dim}": make_plan(profile, compressors, (dim,)) for dim in DIMENSIONS}
-    for name in sorted(plan["uniform"], key=plan["uniform"].get)[:TRIAL_UNIFORMS]:
-        others[f"uniform {name}"] = make_plan(profile, compressors, fixed=name)
+    compressors, fused_by = args.compressors.split(","), args.fusion
+    others = {f"without {dim}": make_plan(profile, compressors, (dim,), fused_by=fused_by) for dim in DIMENSIONS}
+    best = sorted(plan["uniform"], key=plan["uniform"].get)[:TRIAL_UNIFORMS]
+    for name in best:
+        others[f"uniform {name}"] = make_plan(profile, compressors, fixed=name, fused_by=fused_by)
+    other = WHOLE if fused_by == GREEDY else GREEDY     # the model cannot tell these apart (fusion.whole_runs)
+    others[f"planned, {other} fusion"] = make_plan(profile, compressors, fused_by=other)
+    others[f"uniform {best[0]}, {other} fusion"] = make_plan(profile, compressors, fixed=best[0], fused_by=other)
     plans = trial.candidates(plan, others)
     defaults = vars(argparse_defaults(train_command.add_arguments))
     model = ({"model_spec": profile["model_spec"], "workload": None, "options": {}, "batch_size": None, "seed": 0}
@@ -485,7 +500,7 @@ def run(args) -> int:
         print(f"sparcoll plan: {exc}", file=sys.stderr)
         return 1
     try:
-        plan = make_plan(profile, args.compressors.split(","), args.without, args.uniform)
+        plan = make_plan(profile, args.compressors.split(","), args.without, args.uniform, args.fusion)
     except ValueError as exc:
         print(f"sparcoll plan: error: {exc}", file=sys.stderr)
         return 2

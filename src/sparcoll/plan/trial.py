@@ -6,13 +6,14 @@ once. In training, backward, the synchronization threads and colocated aggregato
 share the cores and their memory bandwidth, which no per-operation timing sees: on vgg (4 workers on
 2 cores) blocktopk on the 400 MB layer was predicted 4% faster than SFB and measured 1.4-2x slower.
 So the decision narrows the options to a handful (the plan, the planner without each dimension, the
-uniform strategies it predicts best), and a short run of each decides among them. Candidates within
-MARGIN of the fastest count as level (a few steps are noisy): of those a lossless one is kept if there
-is one, then the plan (the model's choice is the one that generalizes to other step counts). A
-candidate whose steps are short trains for at least SECONDS (by its predicted step, at most
-MOST_STEPS): three steps of ncf, 70 ms each, had the plan and the planner without compression 76.0
-and 76.3 ms apart, which longer rounds then measured 3-8% apart. Each candidate trains in PASSES
-jobs, in reversed order on every other pass (measure says why).
+uniform strategies it predicts best, and the plan and the best of those with their units fused the
+other way, which the model cannot rank either: fusion.whole_runs), and a short run of each decides
+among them. Candidates within MARGIN of the fastest count as level (a few steps are noisy): of those
+a lossless one is kept if there is one, then the plan (the model's choice is the one that
+generalizes to other step counts). A candidate whose steps are short trains for at least SECONDS (by
+its predicted step, at most MOST_STEPS): three steps of ncf, 70 ms each, had the plan and the
+planner without compression 76.0 and 76.3 ms apart, which longer rounds then measured 3-8% apart.
+Each candidate trains in PASSES jobs, in reversed order on every other pass (measure says why).
 """
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ def steps_of(plan: dict, steps: int) -> int:
 
 
 def signature(plan: dict) -> tuple:
-    """What DataParallel executes of a plan: each tensor's strategy and where it is compressed."""
-    return tuple((t["name"], t["strategy"], t["placement"]) for t in plan["tensors"])
+    """What DataParallel executes of a plan: each tensor's strategy, where it is compressed, and
+    which collective (unit) it shares."""
+    return tuple((t["name"], t["strategy"], t["placement"], t.get("unit")) for t in plan["tensors"])
 
 
 def candidates(plan: dict, others: dict[str, dict]) -> dict[str, dict]:
