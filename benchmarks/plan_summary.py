@@ -15,20 +15,23 @@ from pathlib import Path
 
 
 def name_of(label: str, workload: str) -> str:
-    """A report's name for a mode: ddp, planned, uniform NAME or without DIM."""
+    """A report's name for a mode: ddp, planned, uniform NAME[, whole fusion] or without DIM."""
     if not label.startswith("poseidon:"):
         return label
     stem = Path(label.split(":", 1)[1]).stem.removeprefix(f"{workload}-")
     kind, _, rest = stem.partition("-")
-    return f"uniform {rest.replace('_', ':')}" if kind == "u" else f"without {rest}"
+    if kind != "u":
+        return f"without {rest}"
+    name, whole, _ = rest.partition("-whole")
+    return f"uniform {name.replace('_', ':')}" + (", whole fusion" if whole else "")
 
 
 def predictions(out: Path, workload: str) -> dict[str, float]:
     plan = json.loads((out / f"{workload}-plan.json").read_text())
     pred = {"planned": plan["predicted_step_s"]}
     pred.update({f"uniform {k}": v for k, v in plan["uniform"].items()})
-    for f in out.glob(f"{workload}-without-*.json"):
-        pred[f"without {f.stem.rsplit('-', 1)[1]}"] = json.loads(f.read_text())["predicted_step_s"]
+    for f in [*out.glob(f"{workload}-without-*.json"), *out.glob(f"{workload}-u-*.json")]:
+        pred[name_of(f"poseidon:{f}", workload)] = json.loads(f.read_text())["predicted_step_s"]
     return pred
 
 

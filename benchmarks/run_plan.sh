@@ -3,6 +3,8 @@
 # workload (default: deeplight ncf gpt vgg):
 #   W-profile.json, W-plan.{json,txt}   `sparcoll plan`: the profile, the plan and its predictions
 #   W-u-NAME.json                       the uniform strategies the plan predicts best (three) and the ring
+#   W-u-NAME-whole.json                 the best of those with its units fused whole (--fusion whole), if
+#                                       that fuses them differently
 #   W-without-DIM.json                  the planner without compression, collective or offload choice
 #   W-rN.{json,txt}                     one `sparcoll train --compare` per round: DDP, the plan, each
 #                                       uniform strategy and each ablation whose plan differs from the plan,
@@ -32,20 +34,23 @@ for word in $workloads; do
   modes=ddp,planned
   best=$($py -c "import json, sys; u = json.load(open(sys.argv[1]))['uniform']; \
 print(' '.join(dict.fromkeys(sorted(u, key=u.get)[:3] + ['ring'])))" "$out/$w-plan.json")
+  same() {  # whether two plan files execute the same way
+    $py -c "import json, sys; a, b = (json.load(open(f))['tensors'] for f in sys.argv[1:]); \
+k = lambda t: (t['strategy'], t['placement'], t['unit']); sys.exit(0 if list(map(k, a)) == list(map(k, b)) else 1)" "$@"
+  }
   for name in $best; do
     file="$out/$w-u-${name//:/_}.json"
     plan --uniform "$name" --json "$file" > /dev/null
     modes="$modes,poseidon:strategy=$file"
   done
+  first=${best%% *} file="$out/$w-u-${first//:/_}-whole.json"
+  plan --uniform "$first" --fusion whole --json "$file" > /dev/null
+  same "$file" "$out/$w-u-${first//:/_}.json" || modes="$modes,poseidon:strategy=$file"
   for dim in compression collective offload; do
     file="$out/$w-without-$dim.json"
     plan --without "$dim" --json "$file" > /dev/null
     # an ablation that plans the same as the planner runs as the plan did
-    if ! $py -c "import json, sys; a, b = (json.load(open(f))['tensors'] for f in sys.argv[1:]); \
-k = lambda t: (t['strategy'], t['placement'], t['unit']); sys.exit(0 if list(map(k, a)) == list(map(k, b)) else 1)" \
-         "$file" "$out/$w-plan.json"; then
-      modes="$modes,poseidon:strategy=$file"
-    fi
+    same "$file" "$out/$w-plan.json" || modes="$modes,poseidon:strategy=$file"
   done
   for round in $(seq 1 "$rounds"); do
     timeout 3600 ./dev sparcoll train --workload "$workload" "${options[@]}" --workers 4 --network 1gbit --steps "${steps[$workload]}" \
