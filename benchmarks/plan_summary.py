@@ -35,6 +35,20 @@ def predictions(out: Path, workload: str) -> dict[str, float]:
     return pred
 
 
+def executes(plan: dict) -> list[tuple]:
+    """What the executor runs of a plan: each tensor's strategy, placement and unit."""
+    return [(t["strategy"], t["placement"], t["unit"]) for t in plan["tensors"]]
+
+
+def same_as_plan(out: Path, workload: str, label: str) -> bool:
+    """Whether a round's mode runs exactly what the plan runs (then their ratio is the rounds' noise)."""
+    if not label.startswith("poseidon:"):
+        return False
+    mode = out / Path(label.split(":", 1)[1]).name
+    plan = out / f"{workload}-plan.json"
+    return mode.exists() and executes(json.loads(mode.read_text())) == executes(json.loads(plan.read_text()))
+
+
 def span(values: list[float], fmt: str = "{:.1f}") -> str:
     lo, hi = min(values), max(values)
     return fmt.format(lo) if len(values) == 1 or fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
@@ -68,7 +82,8 @@ def summarize(out: Path, workload: str) -> str:
         uniform = [run for run in r["runs"] if name_of(run["label"], workload).startswith("uniform")]
         planned = next(run for run in r["runs"] if run["comm"] == "planned")
         best = min(uniform, key=lambda run: run["step_s"])
-        vs_best.append((best["step_s"] / planned["step_s"], name_of(best["label"], workload)))
+        vs_best.append((best["step_s"] / planned["step_s"], name_of(best["label"], workload)
+                        + (", the plan's own strategy" if same_as_plan(out, workload, best["label"]) else "")))
     share = [d["comm_s"] / d["step_s"] for d in ddp]
     lines += ["", f"plan vs the best uniform strategy measured in the same round: "
                   + ", ".join(f"{x:.2f}x ({name})" for x, name in vs_best)
