@@ -433,7 +433,8 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
         others[f"uniform {name}"] = make_plan(profile, compressors, fixed=name, fused_by=fused_by)
     other = WHOLE if fused_by == GREEDY else GREEDY     # the model cannot tell these apart (fusion.whole_runs)
     others[f"planned, {other} fusion"] = make_plan(profile, compressors, fused_by=other)
-    others[f"uniform {best[0]}, {other} fusion"] = make_plan(profile, compressors, fixed=best[0], fused_by=other)
+    for name in best[:1]:
+        others[f"uniform {name}, {other} fusion"] = make_plan(profile, compressors, fixed=name, fused_by=other)
     plans = trial.candidates(plan, others)
     defaults = vars(argparse_defaults(train_command.add_arguments))
     model = ({"model_spec": profile["model_spec"], "workload": None, "options": {}, "batch_size": None, "seed": 0}
