@@ -10,6 +10,7 @@ the plan's trial measured.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -87,6 +88,7 @@ def summarize(out: Path, workload: str) -> str:
     share = [d["comm_s"] / d["step_s"] for d in ddp]
     lines += ["", f"plan vs the best uniform strategy measured in the same round: "
                   + ", ".join(f"{x:.2f}x ({name})" for x, name in vs_best)
+                  + (f" (median {statistics.median(x for x, _ in vs_best):.2f}x)" if len(vs_best) > 2 else "")
               + f"; DDP's communication share of its step: {span([100 * s for s in share], '{:.0f}')}%"]
     tried = json.loads((out / f"{workload}-plan.json").read_text()).get("trial")
     if tried:

@@ -8,7 +8,8 @@
 #   W-without-DIM.json                  the planner without compression, collective or offload choice
 #   W-rN.{json,txt}                     one `sparcoll train --compare` per round: DDP, the plan, each
 #                                       uniform strategy and each ablation whose plan differs from the plan,
-#                                       all run by the same executor (sparcoll.torch.DataParallel)
+#                                       all run by the same executor (sparcoll.torch.DataParallel); every
+#                                       other round in reversed order
 # Run it idle: about 15 minutes per round for the four workloads, plus 5 for the profiles.
 #   benchmarks/run_plan.sh OUT_DIR [ROUNDS=3] [WORKLOADS="deeplight ncf gpt vgg"]
 # A workload may carry options of its config after '+' (each as --workload-option, in every mode, DDP's
@@ -52,9 +53,13 @@ k = lambda t: (t['strategy'], t['placement'], t['unit']); sys.exit(0 if list(map
     # an ablation that plans the same as the planner runs as the plan did
     same "$file" "$out/$w-plan.json" || modes="$modes,poseidon:strategy=$file"
   done
+  reversed=$(tr , '\n' <<< "$modes" | tac | paste -sd,)
   for round in $(seq 1 "$rounds"); do
+    # every other round in reversed order: the machine's speed drifts over minutes (benchmarks.md,
+    # section 7), and a fixed order would hand the same modes the same part of every round
+    order=$modes; [ $((round % 2)) -eq 0 ] && order=$reversed
     timeout 3600 ./dev sparcoll train --workload "$workload" "${options[@]}" --workers 4 --network 1gbit --steps "${steps[$workload]}" \
-      --warmup 2 --compare "$modes" --plan "$out/$w-plan.json" --json "$out/$w-r$round.json" \
+      --warmup 2 --compare "$order" --plan "$out/$w-plan.json" --json "$out/$w-r$round.json" \
       > "$out/$w-r$round.txt" 2> "$out/$w-r$round.err" && rm -f "$out/$w-r$round.err" \
       || echo "$(date +%T) FAILED: $w round $round" >&2
   done
