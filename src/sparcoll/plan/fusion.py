@@ -66,7 +66,8 @@ def whole_runs(previous: list[int], members: list[int]) -> bool:
     one more join predicts a slower step and can stop short of a whole run that predicts faster: it
     left gpt's blocktopk in 14 collectives, 208-212 ms a step measured, one collective 162-174; and
     the model cannot be trusted to pick between them: it also predicted one collective faster for
-    vgg, measured 5-16% slower. So the trial trains both (`sparcoll plan --fusion`)."""
+    vgg, measured 5-16% slower in two rounds and level within the noise in two others. So the trial
+    trains both (`sparcoll plan --fusion`)."""
     return True
 
 
