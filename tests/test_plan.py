@@ -326,6 +326,11 @@ def test_a_trial_keeps_the_plan_unless_another_is_clearly_faster():
     assert trial.choose({"planned": 1.0, "uniform sfb": 0.8, "without compression": 0.9}) == "uniform sfb"
     assert trial.choose({"planned": 0.5, "uniform sfb": 0.8}) == "planned"
     assert trial.choose({"uniform sfb": 0.8, "uniform ring": 0.9}) == "uniform sfb"     # the plan's run failed
+    # level, the plan not among them: the model ranks them; beyond the margin the measurement does
+    level = {"planned": 1.2, "uniform topk": 1.0, "without collective": 1.0 + margin / 2}
+    predicted = {"planned": 0.8, "uniform topk": 0.95, "without collective": 0.9}
+    assert trial.choose(level, predicted=predicted) == "without collective"
+    assert trial.choose({**level, "without collective": 1.0 + 2 * margin}, predicted=predicted) == "uniform topk"
 
 
 def test_a_trial_keeps_a_lossless_candidate_level_with_the_fastest():

@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "strategies predicted best, and the plan and the best of those fused the other "
                              "way (--fusion), for at least STEPS steps and %g s each (after one warm-up) on the "
                              "same network, and keep the fastest measured (the plan unless another is "
-                             "more than %d%%%% faster); 0: the model's decision alone (default 3; a "
+                             "more than %d%%%% faster; of others that close, the one predicted fastest); 0: the model's decision alone (default 3; a "
                              "--model trains on its example input)" % (TRIAL_UNIFORMS, trial.SECONDS, round(100 * trial.MARGIN)))
     parser.add_argument("--trial-passes", type=int, default=trial.PASSES, metavar="N",
                         help="train every candidate of the trial N times, every other pass in reversed "
@@ -457,7 +457,7 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
     for name, reason in failed.items():
         print(f"sparcoll plan: the trial of {name} failed and is left out: {reason}", file=sys.stderr)
     lossless = sorted(name for name in step_s if trial.lossless(plans[name]))
-    kept = trial.choose(step_s, set(lossless))
+    kept = trial.choose(step_s, set(lossless), predicted={n: p["predicted_step_s"] for n, p in plans.items()})
     return 0, {**plans[kept], "decision_ms": plan["decision_ms"],
                "trial": {"steps": args.trial, "warmup": TRIAL_WARMUP, "margin": trial.MARGIN, "kept": kept,
                          "steps_each": steps_each, "passes": passes,

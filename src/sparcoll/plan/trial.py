@@ -10,7 +10,7 @@ uniform strategies it predicts best, and the plan and the best of those with the
 other way, which the model cannot rank either: fusion.whole_runs), and a short run of each decides
 among them. Candidates within MARGIN of the fastest count as level (a few steps are noisy): of those
 a lossless one is kept if there is one, then the plan (the model's choice is the one that
-generalizes to other step counts). A candidate whose steps are short trains for at least SECONDS (by
+generalizes to other step counts), then the one the model predicts fastest. A candidate whose steps are short trains for at least SECONDS (by
 its predicted step, at most MOST_STEPS): three steps of ncf, 70 ms each, had the plan and the
 planner without compression 76.0 and 76.3 ms apart, which longer rounds then measured 3-8% apart.
 Each candidate trains in PASSES jobs, in reversed order on every other pass (measure says why).
@@ -67,16 +67,20 @@ def lossless(plan: dict) -> bool:
     return all(t["strategy"] in STRATEGIES for t in plan["tensors"])     # DataParallel's uncompressed ones
 
 
-def choose(step_s: dict[str, float], lossless_ones=frozenset(), margin: float = MARGIN) -> str:
+def choose(step_s: dict[str, float], lossless_ones=frozenset(), margin: float = MARGIN,
+           predicted: dict[str, float] | None = None) -> str:
     """The candidate to keep among those measured within `margin` of the fastest (a few steps cannot
     tell them apart): a lossless one if there is one, and of those (or of all) the plan if it is
-    there, else the fastest. vgg's plan, blocktopk on one layer, ran 2094 ms against 2110 for the
-    planner without compression (SFB for every layer), at a loss 2.4% above DDP's after 6 steps:
-    speed alone kept it."""
+    there, else the one `predicted` (each candidate's predicted step) ranks fastest, else the fastest
+    measured. vgg's plan, blocktopk on one layer, ran 2094 ms against 2110 for the planner without
+    compression (SFB for every layer), at a loss 2.4% above DDP's after 6 steps: speed alone kept it.
+    ncf's trial measured uniform blocktopk 51 ms and the planner without the collective choice 52;
+    four rounds then ran the second 3-8% faster in each, as the model had ranked them (42.0 against
+    44.5 ms predicted): within the margin the measurement is noise and the model is not."""
     best = min(step_s.values())
     near = [name for name in step_s if step_s[name] <= best * (1 + margin)]
     pool = [name for name in near if name in lossless_ones] or near
-    return PLANNED if PLANNED in pool else min(pool, key=step_s.get)
+    return PLANNED if PLANNED in pool else min(pool, key=lambda name: (predicted or step_s)[name])
 
 
 def train(config: dict, name: str, workers: int, network: str, steps: int, warmup: int, timeout: float,
