@@ -35,9 +35,9 @@ for word in $workloads; do
   modes=ddp,planned
   best=$($py -c "import json, sys; u = json.load(open(sys.argv[1]))['uniform']; \
 print(' '.join(dict.fromkeys(sorted(u, key=u.get)[:3] + ['ring'])))" "$out/$w-plan.json")
-  same() {  # whether two plan files execute the same way
-    $py -c "import json, sys; a, b = (json.load(open(f))['tensors'] for f in sys.argv[1:]); \
-k = lambda t: (t['strategy'], t['placement'], t['unit']); sys.exit(0 if list(map(k, a)) == list(map(k, b)) else 1)" "$@"
+  same() {  # whether two plan files execute the same way (as the trial tells its candidates apart)
+    $py -c "import json, sys; from sparcoll.plan.trial import signature; \
+a, b = (signature(json.load(open(f))) for f in sys.argv[1:]); sys.exit(0 if a == b else 1)" "$@"
   }
   for name in $best; do
     file="$out/$w-u-${name//:/_}.json"
