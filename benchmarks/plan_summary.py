@@ -1,10 +1,11 @@
 """Tables of the planner's figures from benchmarks/run_plan.sh's output (docs/benchmarks.md).
 
-    python3 benchmarks/plan_summary.py OUT_DIR
+    .venv/bin/python benchmarks/plan_summary.py OUT_DIR
 
 Per workload: each mode's predicted step (`sparcoll plan`) and measured step (range over rounds), the
 prediction's error, the speedup over DDP, bytes sent and the largest loss difference from DDP; then the
-plan against the best uniform strategy measured in the same round, DDP's communication share, and what
+plan against the best uniform strategy measured in the same round (in a round of interleaved modes,
+INTERLEAVE=1, also step by step against every uniform strategy), DDP's communication share, and what
 the plan's trial measured.
 """
 from __future__ import annotations
@@ -13,6 +14,9 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+from sparcoll.plan.trial import signature
+from sparcoll.train.command import paired_ratio, timed_step_times
 
 
 def name_of(label: str, workload: str) -> str:
@@ -36,18 +40,13 @@ def predictions(out: Path, workload: str) -> dict[str, float]:
     return pred
 
 
-def executes(plan: dict) -> list[tuple]:
-    """What the executor runs of a plan: each tensor's strategy, placement and unit."""
-    return [(t["strategy"], t["placement"], t["unit"]) for t in plan["tensors"]]
-
-
 def same_as_plan(out: Path, workload: str, label: str) -> bool:
     """Whether a round's mode runs exactly what the plan runs (then their ratio is the rounds' noise)."""
     if not label.startswith("poseidon:"):
         return False
     mode = out / Path(label.split(":", 1)[1]).name
     plan = out / f"{workload}-plan.json"
-    return mode.exists() and executes(json.loads(mode.read_text())) == executes(json.loads(plan.read_text()))
+    return mode.exists() and signature(json.loads(mode.read_text())) == signature(json.loads(plan.read_text()))
 
 
 def span(values: list[float], fmt: str = "{:.1f}") -> str:
@@ -90,6 +89,10 @@ def summarize(out: Path, workload: str) -> str:
                   + ", ".join(f"{x:.2f}x ({name})" for x, name in vs_best)
                   + (f" (median {statistics.median(x for x, _ in vs_best):.2f}x)" if len(vs_best) > 2 else "")
               + f"; DDP's communication share of its step: {span([100 * s for s in share], '{:.0f}')}%"]
+    for i, r in enumerate(rounds):
+        if r.get("interleaved"):
+            lines += ["", f"round {i + 1}, the modes interleaved step by step: the plan against each uniform strategy, "
+                          f"the median of its steps' ratios and its 95% interval: " + paired(out, workload, r)]
     tried = json.loads((out / f"{workload}-plan.json").read_text()).get("trial")
     if tried:
         each = tried.get("steps_each")     # since the trial's length follows the predicted step
@@ -99,6 +102,20 @@ def summarize(out: Path, workload: str) -> str:
                           f"{name} {1e3 * s:.0f} ({1e3 * tried['predicted_step_s'][name]:.0f})"
                           for name, s in sorted(tried["step_s"].items(), key=lambda kv: kv[1]))]
     return "\n".join(lines)
+
+
+def paired(out: Path, workload: str, round_: dict) -> str:
+    """An interleaved round's plan against each uniform strategy, step by step (paired_ratio)."""
+    planned = next(run for run in round_["runs"] if run["comm"] == "planned")
+    mine = timed_step_times(planned, round_["warmup"])
+    parts = []
+    for run in round_["runs"]:
+        name = name_of(run["label"], workload)
+        if name.startswith("uniform"):
+            p = paired_ratio(timed_step_times(run, round_["warmup"]), mine)
+            own = ", the plan's own strategy" if same_as_plan(out, workload, run["label"]) else ""
+            parts.append(f"{name}{own} {p['median']:.3f}x ({p['low']:.3f}-{p['high']:.3f}, {p['steps']} steps)")
+    return "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:

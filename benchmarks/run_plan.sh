@@ -15,7 +15,11 @@
 # A workload may carry options of its config after '+' (each as --workload-option, in every mode, DDP's
 # included), e.g. deeplight+sparse_embeddings=true; its files are then named deeplight+sparse_embeddings_true-*.
 # LINK_BURST=128K (for example) gives the links that token bucket in the profile and every run (--link-burst).
-# then: python3 benchmarks/plan_summary.py OUT_DIR
+# INTERLEAVE=1 runs each round's modes in one job, a step of each in turn (`sparcoll train --interleave`),
+# with twice the steps: the machine's drift then falls on every mode alike, and plan_summary.py compares
+# the plan with each uniform strategy step by step. Every mode holds its own model in every worker:
+# too much memory for vgg (about 2.5 GB a mode and worker).
+# then: .venv/bin/python benchmarks/plan_summary.py OUT_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "$1") rounds=${2:-3} workloads=${3:-"deeplight ncf gpt vgg"}
@@ -54,12 +58,14 @@ a, b = (signature(json.load(open(f))) for f in sys.argv[1:]); sys.exit(0 if a ==
     same "$file" "$out/$w-plan.json" || modes="$modes,poseidon:strategy=$file"
   done
   reversed=$(tr , '\n' <<< "$modes" | tac | paste -sd,)
+  interleave=() n=${steps[$workload]}
+  [ -n "${INTERLEAVE:-}" ] && interleave=(--interleave) n=$((2 * n))
   for round in $(seq 1 "$rounds"); do
     # every other round in reversed order: the machine's speed drifts over minutes (benchmarks.md,
     # section 7), and a fixed order would hand the same modes the same part of every round
     order=$modes; [ $((round % 2)) -eq 0 ] && order=$reversed
-    timeout 3600 ./dev sparcoll train --workload "$workload" "${options[@]}" --workers 4 --network 1gbit --steps "${steps[$workload]}" \
-      --warmup 2 --compare "$order" --plan "$out/$w-plan.json" --json "$out/$w-r$round.json" \
+    timeout 3600 ./dev sparcoll train --workload "$workload" "${options[@]}" --workers 4 --network 1gbit --steps "$n" \
+      --warmup 2 --compare "$order" "${interleave[@]}" --plan "$out/$w-plan.json" --json "$out/$w-r$round.json" \
       > "$out/$w-r$round.txt" 2> "$out/$w-r$round.err" && rm -f "$out/$w-r$round.err" \
       || echo "$(date +%T) FAILED: $w round $round" >&2
   done

@@ -105,6 +105,44 @@ def test_compare_compressed_hooks_against_ddp(tmp_path):
     assert [m["label"] for m in report["compare"]["modes"]] == labels[1:]
 
 
+def test_interleaved_modes_train_as_they_do_apart(tmp_path):
+    """--interleave runs the modes in one job, a step of each in turn: every mode's losses equal its
+    run in a job of its own (a lossy one's too, so no step of one mode counts as another's), and each
+    mode is compared with the baseline step by step."""
+    modes = "ddp,hook:compress=signsgd,poseidon:strategy=ring"
+    apart = train(tmp_path, "--workload", "ncf", "--steps", "4", *TINY, "--compare", modes)
+    (tmp_path / "out.json").unlink()
+    together = train(tmp_path, "--workload", "ncf", "--steps", "4", *TINY, "--compare", modes, "--interleave")
+    assert together["interleaved"] and not apart["interleaved"]
+    assert [r["label"] for r in together["runs"]] == ["ddp", "hook:signsgd", "poseidon:ring"]
+    for one, other in zip(apart["runs"], together["runs"]):
+        check_run(other, one["comm"], 4)
+        assert other["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    ddp, signs, ring = together["runs"]
+    assert signs["loss"] != pytest.approx(ddp["loss"], abs=1e-6)      # lossy: its own curve
+    assert ring["trace"]["tensors"] and "trace" not in ddp
+    for versus, run in zip(together["compare"]["modes"], (signs, ring)):
+        paired = versus["paired"]
+        ratios = [a / b for a, b in zip(ddp["per_step"]["step_s"][1:], run["per_step"]["step_s"][1:])]
+        assert paired["steps"] == 3 and paired["median"] == pytest.approx(sorted(ratios)[1])
+        assert min(ratios) <= paired["low"] <= paired["median"] <= paired["high"] <= max(ratios)
+    assert all("paired" not in m for m in apart["compare"]["modes"])
+
+
+def test_paired_ratio_and_the_interleaved_order():
+    from sparcoll.train.command import paired_ratio
+    from sparcoll.train.worker import interleaved_order
+
+    p = paired_ratio([2.0, 4.0, 6.0, 9.0], [1.0, 2.0, 2.0, 3.0])     # ratios 2, 2, 3, 3
+    assert p == {"steps": 4, "median": 2.5, "low": pytest.approx(2.0), "high": pytest.approx(3.0)}
+    same = paired_ratio([1.1] * 5, [1.0] * 5)
+    assert same["low"] == same["median"] == same["high"] == pytest.approx(1.1)
+    orders = [interleaved_order(3, 7, step) for step in range(20)]
+    assert all(sorted(o) == [0, 1, 2] for o in orders) and len({tuple(o) for o in orders}) > 1
+    assert orders == [interleaved_order(3, 7, step) for step in range(20)]     # every rank alike
+    assert orders != [interleaved_order(3, 8, step) for step in range(20)]
+
+
 def test_modes_parse_and_refuse_what_cannot_run():
     from sparcoll.train.command import _split_modes, parse_mode
 
@@ -129,6 +167,10 @@ def test_bad_arguments_exit_with_2(capsys):
     assert "--steps" in capsys.readouterr().err
     assert main(["train", "--compress", "topk:0.01", "--network", "none"]) == 2
     assert "--comm hook" in capsys.readouterr().err
+    assert main(["train", "--interleave", "--network", "none"]) == 2
+    assert "--interleave needs --compare with two modes" in capsys.readouterr().err
+    assert main(["train", "--compare", "ddp,sparcoll", "--interleave", "--network", "none"]) == 2
+    assert "--interleave cannot run the sparcoll mode" in capsys.readouterr().err
     # the links' token bucket shapes an emulated network, of at least one 64 KiB packet (plan alike)
     for command in ("train", "plan"):
         assert main([command, "--link-burst", "128K", "--network", "none"]) == 2

@@ -5,13 +5,17 @@
     sparcoll train --workload ncf --workers 4 --compare          # sparcoll, then ddp: speedup, loss gap
     sparcoll train --workload vgg --compare ddp,hook:compress=powersgd:4,hook:compress=blocktopk:0.01
     sparcoll train --workload ncf --compare ddp,poseidon,planned --plan plan.json
+    sparcoll train --workload gpt --compare planned,poseidon:strategy=ring --plan plan.json --interleave
 
 A mode is a --comm value, optionally with `:compress=SPEC` (a sparcoll.compress spec, for `hook`: DDP on
 gloo with sparcoll's compression hook) or, for `poseidon` (sparcoll.torch.DataParallel) and
 `poseidon-blocking` (the same without wait-free backpropagation), `:strategy=S` (ring, ps, sparse, sfb,
 auto, a compressor spec, or a JSON file of tensor name -> strategy); `planned` runs the plan of
 `sparcoll plan` given by --plan. Each compared mode gets its speedup over `ddp` and its largest
-loss difference against `ddp` (when ddp is among them; else against the last mode).
+loss difference against `ddp` (when ddp is among them; else against the last mode). Compared modes run
+one job each, one after the other; with --interleave they run in one job, a step of each in turn, and
+each is also compared with the baseline step by step (paired_ratio): a machine whose speed drifts over
+minutes then moves every mode alike.
 
 A process per worker, on the hosts of an emulated network shaped to --network (root needed) or on
 loopback with --network none, started and watched by the bench harness's launcher. Reports samples/s,
@@ -26,6 +30,8 @@ import json
 import math
 import statistics
 import sys
+
+import numpy as np
 
 from sparcoll.bench.launch import BenchError, Job, run_job, run_jobs
 from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
@@ -82,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              ":compress=SPEC (hook) or :strategy=S (poseidon) (default when given alone: "
                              "sparcoll,ddp); print each one's "
                              "speedup over ddp and largest loss difference")
+    parser.add_argument("--interleave", action="store_true",
+                        help="with --compare: run the modes in one job, a step of each in turn (in an order "
+                             "shuffled per step), so that the machine's drift over minutes falls on all of "
+                             "them alike; each mode's steps are then also compared pair by pair with the "
+                             "baseline's (the median ratio and its 95%% interval). Not with the sparcoll "
+                             "mode, whose DDP runs on a process group of its own backend")
     parser.add_argument("--network", default="1gbit", type=lambda text: text.strip().lower(),
                         help="link rate of the emulated network (1gbit, 10gbit ...; needs root), or none: "
                              "loopback (default 1gbit)")
@@ -162,6 +174,18 @@ def _split_modes(text: str) -> list[tuple[str, str | None]]:
     return [parse_mode(p) for p in parts + [current]]
 
 
+def check_interleave(args, modes: list[tuple[str, str | None]]) -> None:
+    """ValueError unless --interleave can run these modes in one job."""
+    if not args.interleave:
+        return
+    if args.compare is None or len(modes) < 2:
+        raise ValueError("--interleave needs --compare with two modes or more")
+    if any(comm == "sparcoll" for comm, _ in modes):
+        raise ValueError("--interleave cannot run the sparcoll mode: its DDP needs a process group of the "
+                         "sparcoll backend, the other modes one of gloo; compare it without --interleave "
+                         "(or use hook, the same allreduce from a DDP hook)")
+
+
 def _validate(args) -> None:
     if args.batch_size is None:
         args.batch_size = BATCH_SIZES.get(args.workload, 256)
@@ -215,7 +239,8 @@ def launch(config: dict, workers: int, network: str, timeout: float, on_event) -
         try:
             return run_job(job, on_event)
         except BenchError as failure:      # the job's kind asked only now: a user's model is built for it
-            if attempt == CRASH_RETRIES or not failure.crashed or not plain_ddp_on_sparse_gradients(config):
+            if attempt == CRASH_RETRIES or not failure.crashed or not any(
+                    plain_ddp_on_sparse_gradients({**config, **mode}) for mode in config.get("modes") or [{}]):
                 raise
             print(f"warning: DDP on gloo crashed in native code: {', '.join(failure.crashed)}; torch 2.13's "
                   f"gloo does so now and then with sparse gradients (docs/reliability.md); running the job "
@@ -274,15 +299,62 @@ def label(mode: tuple[str, str | None]) -> str:
     return comm if spec is None else f"{comm}:{spec}"
 
 
-def compare(runs: list[dict]) -> dict:
+def compare(runs: list[dict], paired: bool = False, warmup: int = 0) -> dict:
     """Every run against the baseline (ddp if it ran, else the last run): how much faster its steps
-    are, how far its losses drift, and its final loss relative to the baseline's."""
+    are, how far its losses drift, and its final loss relative to the baseline's; with `paired` (the
+    runs interleaved, step k of each run next to step k of the others) also paired_ratio over the
+    timed steps."""
     base = next((r for r in runs if r["comm"] == "ddp"), runs[-1])
     return {"baseline": base["label"], "modes": [
         {"label": r["label"], "speedup": base["step_s"] / r["step_s"],
          "max_loss_difference": max(abs(a - b) for a, b in zip(r["loss"], base["loss"])),
-         "final_loss_difference": (r["final_loss"] - base["final_loss"]) / abs(base["final_loss"])}
+         "final_loss_difference": (r["final_loss"] - base["final_loss"]) / abs(base["final_loss"]),
+         **({"paired": paired_ratio(timed_step_times(base, warmup), timed_step_times(r, warmup))}
+            if paired else {})}
         for r in runs if r is not base]}
+
+
+def timed_step_times(run: dict, warmup: int) -> list[float]:
+    """A summarized run's step times that count (timed_steps), in step order."""
+    per_step = run["per_step"]
+    steps = [{"step_s": t, "probed": p} for t, p in zip(per_step["step_s"], per_step["probed"])]
+    return [s["step_s"] for s in timed_steps(steps, warmup)]
+
+
+def paired_ratio(base: list[float], other: list[float], resamples: int = 2000) -> dict:
+    """How many times faster `other`'s steps are than `base`'s, step by step: the median of
+    base[k] / other[k] over the steps, and a 95% percentile bootstrap interval of that median
+    (a fixed seed: the same figures from the same steps)."""
+    ratios = np.asarray(base, dtype=float) / np.asarray(other, dtype=float)
+    picks = np.random.default_rng(0).integers(0, len(ratios), size=(resamples, len(ratios)))
+    low, high = np.percentile(np.median(ratios[picks], axis=1), [2.5, 97.5])
+    return {"steps": len(ratios), "median": float(np.median(ratios)), "low": float(low), "high": float(high)}
+
+
+class Collected:
+    """What one mode's job reported: its steps, the held-out loss, the trace, crashes run again."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.held_out: list[float] = []
+        self.traces: list[dict] = []
+        self.restarts: list[list[str]] = []
+
+    def add(self, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "eval":
+            self.held_out.append(event["loss"])
+        elif kind == "trace":
+            self.traces.append({k: v for k, v in event.items() if k not in ("event", "mode")})
+        else:
+            self.steps.append(event)
+
+    def restart(self, crashed: list[str]) -> None:
+        """The steps so far are of a run that crashed: dropped."""
+        self.restarts.append(crashed)
+        self.steps.clear()
+        self.held_out.clear()
+        self.traces.clear()
 
 
 def report(runs: list[dict], args) -> str:
@@ -317,6 +389,7 @@ def run(args) -> int:
     try:
         _validate(args)
         modes = modes_of(args)
+        check_interleave(args, modes)
         plan = load_plan(args, modes)
     except ValueError as exc:
         print(f"sparcoll train: error: {exc}", file=sys.stderr)
@@ -327,50 +400,51 @@ def run(args) -> int:
               "block_size": args.block_size, "timeout": args.timeout, "link_burst": args.link_burst}
     runs = []
 
+    def mode_config(mode: tuple[str, str | None]) -> dict:
+        return {"comm": mode[0], **option_of(mode), **({"strategy": plan} if mode[0] == "planned" else {})}
+
     def body(advance) -> None:
-        for mode in modes:
-            steps: list[dict] = []
-            held_out: list[float] = []
-            traces: list[dict] = []
-            restarts: list[list[str]] = []
+        jobs = [(modes, {**config, "comm": None, "modes": [mode_config(m) for m in modes]})] if args.interleave \
+            else [([mode], {**config, **mode_config(mode)}) for mode in modes]
+        for job_modes, job_config in jobs:
+            collected = [Collected() for _ in job_modes]
 
             def on_event(event: dict) -> None:
                 if event.get("event") == "restart":     # the steps so far are of a run that crashed
-                    advance(f"{label(mode)}: crashed in native code, again", more=len(steps) + 1)
-                    restarts.append(event["crashed"])
-                    steps.clear()
-                    held_out.clear()
-                    traces.clear()
+                    advance(f"{', '.join(map(label, job_modes))}: crashed in native code, again",
+                            more=sum(len(c.steps) for c in collected) + 1)
+                    for c in collected:
+                        c.restart(event["crashed"])
                     return
-                if event.get("event") == "eval":
-                    held_out.append(event["loss"])
-                    return
-                if event.get("event") == "trace":
-                    traces.append({k: v for k, v in event.items() if k != "event"})
-                    return
-                steps.append(event)
-                advance(f"{label(mode)}: step {event['step'] + 1}, loss {event['loss']:.4f}")
+                index = event.get("mode", 0)
+                collected[index].add(event)
+                if event.get("event") == "step":
+                    advance(f"{label(job_modes[index])}: step {event['step'] + 1}, loss {event['loss']:.4f}")
 
-            launch({**config, "comm": mode[0], **option_of(mode),
-                    **({"strategy": plan} if mode[0] == "planned" else {})},
-                   args.workers, args.network, args.timeout, on_event)
-            runs.append(summarize(mode, steps, args, held_out[0] if held_out else None))
-            if restarts:
-                runs[-1]["crashed_runs"] = restarts     # the processes a crash ended, run by run
-            if traces:
-                runs[-1]["trace"] = traces[0]
+            launch(job_config, args.workers, args.network, args.timeout, on_event)
+            for mode, c in zip(job_modes, collected):
+                runs.append(summarize(mode, c.steps, args, c.held_out[0] if c.held_out else None))
+                if c.restarts:
+                    runs[-1]["crashed_runs"] = c.restarts     # the processes a crash ended, run by run
+                if c.traces:
+                    runs[-1]["trace"] = c.traces[0]
 
     status = run_jobs("train", args.steps * len(modes), body)
     if status:
         return status
     print(report(runs, args))
-    result = {**config, "workers": args.workers, "network": args.network, "runs": runs}
+    result = {**config, "workers": args.workers, "network": args.network, "warmup": args.warmup,
+              "interleaved": args.interleave, "runs": runs}
     if len(runs) > 1:
-        result["compare"] = compare(runs)
+        result["compare"] = compare(runs, paired=args.interleave, warmup=args.warmup)
         for m in result["compare"]["modes"]:
             print(f"{m['label']} is {m['speedup']:.2f}x as fast as {result['compare']['baseline']} "
                   f"per step; largest loss difference over {args.steps} steps: "
                   f"{m['max_loss_difference']:.3g}; final loss {100 * m['final_loss_difference']:+.1f}%")
+            if "paired" in m:
+                p = m["paired"]
+                print(f"  step by step ({p['steps']} interleaved steps): {p['median']:.3f}x, 95% interval "
+                      f"{p['low']:.3f}-{p['high']:.3f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -1,4 +1,5 @@
-"""One worker process of `sparcoll train`: DDP training of a workload with one communication mode.
+"""One worker process of `sparcoll train`: DDP training of a workload with one communication mode, or with
+several interleaved (--interleave: each mode its own model, a step of each in turn; train).
 
 Started by command.py as `python -m sparcoll.train.worker CONFIG.json` with RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set. Rank 0 reports every step to the launcher as an event line (the bench
@@ -52,6 +53,7 @@ element.
 from __future__ import annotations
 
 import functools
+import random
 import time
 
 import torch
@@ -140,66 +142,99 @@ def plain_ddp_on_sparse_gradients(cfg: dict) -> bool:
     return bool(workload_arguments(cfg)["sparse_embeddings"])
 
 
-def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) -> None:
-    mode = cfg["comm"]
-    workload = (UserModel(cfg["model_spec"]) if cfg.get("model_spec")      # sparcoll plan --model's trial
-                else get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **workload_arguments(cfg)))
-    poseidon = mode in DATA_PARALLEL
-    if poseidon:
-        model = sparcoll.torch.DataParallel(workload.model, comm=comm, strategy=cfg.get("strategy") or "auto",
-                                            wait_free=mode != "poseidon-blocking")
-    else:
-        model = DistributedDataParallel(workload.model, gradient_as_bucket_view=True)
-    if mode == "hook" and cfg.get("compress"):
-        model.register_comm_hook(sparcoll.torch.CompressionState(comm, cfg["compress"]),
-                                 sparcoll.torch.compression_hook)
-    elif mode == "hook":
-        model.register_comm_hook(sparcoll.torch.HookState(comm), sparcoll.torch.allreduce_hook)
-    interface = cfg.get("interface")
-    params = list(workload.model.parameters())
-    optimizer = torch.optim.SGD(params, lr=cfg["lr"])
-    probe = GradientProbe(params, cfg["block_size"])
-    batches = workload.batches(cfg["batch_size"], rank, world, cfg["seed"])
-    for step in range(cfg["steps"]):
-        batch = next(batches)
-        optimizer.zero_grad()
+class Trainer:
+    """One mode's model, optimizer and batches in this worker: a step at a time, each reported by rank 0
+    as an event (with `tag`'s fields: the mode's index when several modes interleave)."""
+
+    def __init__(self, cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None, tag: dict):
+        self.cfg, self.rank, self.world, self.tag = cfg, rank, world, tag
+        mode = cfg["comm"]
+        self.workload = workload = (
+            UserModel(cfg["model_spec"]) if cfg.get("model_spec")      # sparcoll plan --model's trial
+            else get_workload(cfg["workload"], data=cfg["data"], seed=cfg["seed"], **workload_arguments(cfg)))
+        self.poseidon = mode in DATA_PARALLEL
+        if self.poseidon:
+            self.model = sparcoll.torch.DataParallel(workload.model, comm=comm,
+                                                     strategy=cfg.get("strategy") or "auto",
+                                                     wait_free=mode != "poseidon-blocking")
+        else:
+            self.model = DistributedDataParallel(workload.model, gradient_as_bucket_view=True)
+        if mode == "hook" and cfg.get("compress"):
+            self.model.register_comm_hook(sparcoll.torch.CompressionState(comm, cfg["compress"]),
+                                          sparcoll.torch.compression_hook)
+        elif mode == "hook":
+            self.model.register_comm_hook(sparcoll.torch.HookState(comm), sparcoll.torch.allreduce_hook)
+        params = list(workload.model.parameters())
+        self.optimizer = torch.optim.SGD(params, lr=cfg["lr"])
+        self.probe = GradientProbe(params, cfg["block_size"])
+        self.batches = workload.batches(cfg["batch_size"], rank, world, cfg["seed"])
+        self.backward_start = 0.0
+
+    def step(self, step: int) -> None:
+        cfg, model, probe, interface = self.cfg, self.model, self.probe, self.cfg.get("interface")
+        batch = next(self.batches)
+        self.optimizer.zero_grad()
         probed = step % PROBE_EVERY == 0
         probe.reset(marking=probed)
         sent = interface_counters(interface)[0] if interface else 0
         start = time.perf_counter()
-        loss = workload.loss(model, batch)
-        backward_start = time.perf_counter()
+        loss = self.workload.loss(model, batch)
+        self.backward_start = time.perf_counter()
         loss.backward()
         backward_end = time.perf_counter()
-        optimizer.step()
+        self.optimizer.step()
         step_s = time.perf_counter() - start - probe.overhead
         sent = interface_counters(interface)[0] - sent if interface else float("nan")
         comm_s = max(0.0, backward_end - probe.last_gradient) if probe.last_gradient else 0.0
         # Every rank measures (the same reduced density too) before the gather, which then lines the
         # ranks up again: no rank's bookkeeping shows up as communication time in the next step.
-        predicted, total, hidden = synchronization(model) if poseidon else (float("nan"),) * 3
+        predicted, total, hidden = synchronization(model) if self.poseidon else (float("nan"),) * 3
         densities = (probe.local_density(), probe.reduced_density()) if probed else (float("nan"),) * 2
         row = torch.tensor([loss.item(), step_s, comm_s, *densities, sent, predicted, total, hidden],
                            dtype=torch.float64)
-        rows = [torch.empty_like(row) for _ in range(world)]
+        rows = [torch.empty_like(row) for _ in range(self.world)]
         dist.all_gather(rows, row)
-        if rank == 0:
+        if self.rank == 0:
             table = torch.stack(rows)
             slowest = table[table[:, 1].argmax()]
-            emit({"event": "step", "step": step, "probed": probed, "loss": table[:, 0].mean().item(),
+            emit({"event": "step", **self.tag, "step": step, "probed": probed, "loss": table[:, 0].mean().item(),
                   "step_s": slowest[1].item(), "comm_s": slowest[2].item(),
                   "compute_s": (slowest[1] - slowest[2]).item(),
                   "density_local": table[:, 3].mean().item() if probed else None,
                   "density_union": row[4].item() if probed else None,
                   "bytes_sent": None if not interface else table[:, 5].mean().item(),
                   **({"predicted_bytes": table[:, 6].mean().item(), "comm_total_s": slowest[7].item(),
-                      "comm_hidden_s": slowest[8].item()} if poseidon else {})})
-    if poseidon and rank == 0:
-        emit(trace(model, backward_start))
-    if rank == 0 and hasattr(workload, "eval_loss"):      # parameters are identical on every rank
-        emit({"event": "eval", "loss": workload.eval_loss(workload.model)})
-    if poseidon:
-        model.close()
+                      "comm_hidden_s": slowest[8].item()} if self.poseidon else {})})
+
+    def finish(self) -> None:
+        """The last step's trace and the held-out loss (rank 0), then DataParallel's thread stopped."""
+        if self.poseidon and self.rank == 0:
+            emit({**trace(self.model, self.backward_start), **self.tag})
+        if self.rank == 0 and hasattr(self.workload, "eval_loss"):      # parameters are identical on every rank
+            emit({"event": "eval", **self.tag, "loss": self.workload.eval_loss(self.workload.model)})
+        if self.poseidon:
+            self.model.close()
+
+
+def interleaved_order(modes: int, seed: int, step: int) -> list[int]:
+    """The order the interleaved modes take their `step`: shuffled per step, so no mode always follows
+    the same one, and the same on every rank (a function of the seed and the step alone)."""
+    return random.Random(seed * 1_000_003 + step).sample(range(modes), modes)
+
+
+def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) -> None:
+    """The config's mode for its steps; or, with "modes" (each a dict of the config's fields that
+    differ, "comm" among them), every one of them in this job, each with its own model, optimizer
+    and batches, a step of each in turn (interleaved_order): the machine's speed drifts over minutes,
+    and modes run one after the other would each get a different part of that drift."""
+    modes = cfg.get("modes") or [{}]
+    tags = [{"mode": i} if "modes" in cfg else {} for i in range(len(modes))]
+    trainers = [Trainer({**cfg, **m}, rank, world, comm, tag) for m, tag in zip(modes, tags)]
+    for step in range(cfg["steps"]):
+        for i in interleaved_order(len(trainers), cfg["seed"], step):
+            trainers[i].step(step)
+    for trainer in trainers:
+        trainer.finish()
 
 
 def trace(model: sparcoll.torch.DataParallel, backward_start: float) -> dict:
@@ -231,7 +266,8 @@ def synchronization(model: sparcoll.torch.DataParallel) -> tuple[float, float, f
 
 
 def run_with_communicator(cfg: dict, rank: int, world: int) -> None:
-    comm = sparcoll.init(timeout=cfg["timeout"]) if cfg["comm"] in ("hook", "poseidon", "planned") else None
+    needs = {m.get("comm", cfg["comm"]) for m in cfg.get("modes") or [{}]} & {"hook", "poseidon", "planned"}
+    comm = sparcoll.init(timeout=cfg["timeout"]) if needs else None
     try:
         train(cfg, rank, world, comm)
     finally:
