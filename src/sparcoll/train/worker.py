@@ -72,6 +72,7 @@ from sparcoll.workloads.user import UserModel
 
 MODES = ("sparcoll", "ddp", "hook", "agsparse", "poseidon", "poseidon-blocking", "planned")
 DATA_PARALLEL = ("poseidon", "poseidon-blocking", "planned")     # the modes of sparcoll.torch.DataParallel
+WITH_COMMUNICATOR = ("hook", "poseidon", "planned")     # the modes given a sparcoll Communicator
 
 
 def nonzero_elements(grad: torch.Tensor) -> torch.Tensor:
@@ -222,19 +223,31 @@ def interleaved_order(modes: int, seed: int, step: int) -> list[int]:
     return random.Random(seed * 1_000_003 + step).sample(range(modes), modes)
 
 
-def train(cfg: dict, rank: int, world: int, comm: sparcoll.Communicator | None) -> None:
+def train(cfg: dict, rank: int, world: int) -> None:
     """The config's mode for its steps; or, with "modes" (each a dict of the config's fields that
-    differ, "comm" among them), every one of them in this job, each with its own model, optimizer
-    and batches, a step of each in turn (interleaved_order): the machine's speed drifts over minutes,
-    and modes run one after the other would each get a different part of that drift."""
+    differ, "comm" among them), every one of them in this job, each with its own model, optimizer,
+    batches and Communicator, a step of each in turn (interleaved_order): the machine's speed drifts
+    over minutes, and modes run one after the other would each get a different part of that drift.
+    (One Communicator shared, a kind of collective of one mode took the results of another mode's
+    kind of the same size as its own, dense then sparse, and was timed on both paths again: steps of
+    2-3 times the usual length, only when interleaved.)"""
     modes = cfg.get("modes") or [{}]
-    tags = [{"mode": i} if "modes" in cfg else {} for i in range(len(modes))]
-    trainers = [Trainer({**cfg, **m}, rank, world, comm, tag) for m, tag in zip(modes, tags)]
-    for step in range(cfg["steps"]):
-        for i in interleaved_order(len(trainers), cfg["seed"], step):
-            trainers[i].step(step)
-    for trainer in trainers:
-        trainer.finish()
+    comms: list[sparcoll.Communicator] = []
+    try:
+        trainers = []
+        for index, mode in enumerate(modes):
+            mode_cfg = {**cfg, **mode}
+            comm = sparcoll.init(timeout=cfg["timeout"]) if mode_cfg["comm"] in WITH_COMMUNICATOR else None
+            comms += [comm] if comm is not None else []
+            trainers.append(Trainer(mode_cfg, rank, world, comm, {"mode": index} if "modes" in cfg else {}))
+        for step in range(cfg["steps"]):
+            for index in interleaved_order(len(trainers), cfg["seed"], step):
+                trainers[index].step(step)
+        for trainer in trainers:
+            trainer.finish()
+    finally:
+        for comm in comms:
+            comm.close()
 
 
 def trace(model: sparcoll.torch.DataParallel, backward_start: float) -> dict:
@@ -265,19 +278,9 @@ def synchronization(model: sparcoll.torch.DataParallel) -> tuple[float, float, f
     return predicted, total, hidden
 
 
-def run_with_communicator(cfg: dict, rank: int, world: int) -> None:
-    needs = {m.get("comm", cfg["comm"]) for m in cfg.get("modes") or [{}]} & {"hook", "poseidon", "planned"}
-    comm = sparcoll.init(timeout=cfg["timeout"]) if needs else None
-    try:
-        train(cfg, rank, world, comm)
-    finally:
-        if comm is not None:
-            comm.close()
-
-
 def main(argv: list[str] | None = None) -> int:
     sparcoll.keep_freed_memory()    # every mode alike: no step pays page faults for a large gradient
-    return run_worker(argv, run_with_communicator,
+    return run_worker(argv, train,
                       backend=lambda cfg: "sparcoll" if cfg["comm"] == "sparcoll" else "gloo")
 
 
