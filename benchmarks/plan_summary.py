@@ -91,8 +91,9 @@ def summarize(out: Path, workload: str) -> str:
               + f"; DDP's communication share of its step: {span([100 * s for s in share], '{:.0f}')}%"]
     for i, r in enumerate(rounds):
         if r.get("interleaved"):
-            lines += ["", f"round {i + 1}, the modes interleaved step by step: the plan against each uniform strategy, "
-                          f"the median of its steps' ratios and its 95% interval: " + paired(out, workload, r)]
+            lines += ["", f"round {i + 1}, the modes interleaved ({len(timed_step_times(r['runs'][0], r['warmup']))} "
+                          f"timed steps each): the plan against each uniform strategy, the ratio of their mean "
+                          f"steps and its 95% interval: " + paired(out, workload, r)]
     tried = json.loads((out / f"{workload}-plan.json").read_text()).get("trial")
     if tried:
         each = tried.get("steps_each")     # since the trial's length follows the predicted step
@@ -114,7 +115,8 @@ def paired(out: Path, workload: str, round_: dict) -> str:
         if name.startswith("uniform"):
             p = paired_ratio(timed_step_times(run, round_["warmup"]), mine)
             own = ", the plan's own strategy" if same_as_plan(out, workload, run["label"]) else ""
-            parts.append(f"{name}{own} {p['median']:.3f}x ({p['low']:.3f}-{p['high']:.3f}, {p['steps']} steps)")
+            parts.append(f"{name}{own} {p['ratio']:.3f}x ({p['low']:.3f}-{p['high']:.3f}; median of the steps' "
+                         f"ratios {p['median']:.3f}x)")
     return "; ".join(parts)
 
 
