@@ -92,8 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --compare: run the modes in one job, a step of each in turn (in an order "
                              "shuffled per step), so that the machine's drift over minutes falls on all of "
                              "them alike; each mode's steps are then also compared pair by pair with the "
-                             "baseline's (the ratio of their mean steps and its 95%% interval). Not with the sparcoll "
-                             "mode, whose DDP runs on a process group of its own backend")
+                             "baseline's (the ratio of their mean steps and its 95%% interval). Not with "
+                             "the sparcoll mode, whose DDP runs on a process group of its own backend")
     parser.add_argument("--network", default="1gbit", type=lambda text: text.strip().lower(),
                         help="link rate of the emulated network (1gbit, 10gbit ...; needs root), or none: "
                              "loopback (default 1gbit)")
@@ -329,8 +329,8 @@ def paired_ratio(base: list[float], other: list[float], resamples: int = 2000) -
     base, other = np.asarray(base, dtype=float), np.asarray(other, dtype=float)
     picks = np.random.default_rng(0).integers(0, len(base), size=(resamples, len(base)))
     low, high = np.percentile(base[picks].sum(axis=1) / other[picks].sum(axis=1), [2.5, 97.5])
-    return {"steps": len(base), "ratio": float(base.sum() / other.sum()), "low": float(low), "high": float(high),
-            "median": float(np.median(base / other))}
+    return {"steps": len(base), "ratio": float(base.sum() / other.sum()), "low": float(low),
+            "high": float(high), "median": float(np.median(base / other))}
 
 
 class Collected:
@@ -406,8 +406,10 @@ def run(args) -> int:
         return {"comm": mode[0], **option_of(mode), **({"strategy": plan} if mode[0] == "planned" else {})}
 
     def body(advance) -> None:
-        jobs = [(modes, {**config, "comm": None, "modes": [mode_config(m) for m in modes]})] if args.interleave \
-            else [([mode], {**config, **mode_config(mode)}) for mode in modes]
+        if args.interleave:
+            jobs = [(modes, {**config, "comm": None, "modes": [mode_config(m) for m in modes]})]
+        else:
+            jobs = [([mode], {**config, **mode_config(mode)}) for mode in modes]
         for job_modes, job_config in jobs:
             collected = [Collected() for _ in job_modes]
 

@@ -198,7 +198,8 @@ class Trainer:
         if self.rank == 0:
             table = torch.stack(rows)
             slowest = table[table[:, 1].argmax()]
-            emit({"event": "step", **self.tag, "step": step, "probed": probed, "loss": table[:, 0].mean().item(),
+            emit({"event": "step", **self.tag, "step": step, "probed": probed,
+                  "loss": table[:, 0].mean().item(),
                   "step_s": slowest[1].item(), "comm_s": slowest[2].item(),
                   "compute_s": (slowest[1] - slowest[2]).item(),
                   "density_local": table[:, 3].mean().item() if probed else None,
