@@ -11,8 +11,8 @@ import torch
 
 from sparcoll.bench.launch import BenchError
 from sparcoll.cli import main
-from sparcoll.train.command import _option, timed_steps, workload_options
-from sparcoll.train.worker import block_density, nonzero_elements, synchronization
+from sparcoll.train.command import FAULTING_PAGES, _option, timed_steps, workload_options
+from sparcoll.train.worker import block_density, minor_faults, nonzero_elements, synchronization
 
 pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
 
@@ -42,6 +42,11 @@ def check_run(run: dict, comm: str, steps: int) -> None:
     assert run["per_step"]["density_local"][1:] == run["per_step"]["density_union"][1:] == [None] * (steps - 1)
     assert (run["density_local"], run["density_union"]) == \
         (run["per_step"]["density_local"][0], run["per_step"]["density_union"][0])
+    faults = run["per_step"]["page_faults"]
+    assert len(faults) == steps and all(isinstance(f, int) and f >= 0 for f in faults)
+    timed = faults[1:]      # the first step is the warm-up and the probed one
+    assert run["most_page_faults"] == max(timed)
+    assert run["faulting_steps"] == sum(f >= FAULTING_PAGES for f in timed)
 
 
 # ncf runs in the --compare test; cnn on the sparcoll backend also exercises the per-forward broadcast
@@ -129,6 +134,18 @@ def test_interleaved_modes_train_as_they_do_apart(tmp_path):
         assert paired["ratio"] == pytest.approx(sum(base) / sum(mine))
         assert min(ratios) <= paired["low"] <= paired["ratio"] <= paired["high"] <= max(ratios)
     assert all("paired" not in m for m in apart["compare"]["modes"])
+
+
+def test_minor_faults_count_the_pages_of_fresh_memory_written():
+    """A 64 MiB tensor, above glibc's mmap threshold, is fresh memory: filling it faults each of its
+    16384 pages of 4 KiB in (the count each step reports, the most over the ranks)."""
+    before = minor_faults()
+    fresh = torch.empty(16 << 20)
+    fresh.fill_(1.0)
+    assert minor_faults() - before >= 16000
+    before = minor_faults()
+    fresh.fill_(2.0)             # written again: its pages are there
+    assert minor_faults() - before < 100
 
 
 def test_paired_ratio_and_the_interleaved_order():
@@ -254,7 +271,7 @@ def test_plain_ddp_on_sparse_gradients_is_what_gets_run_again_after_a_crash(tmp_
 
 def _step(step: int, loss: float) -> dict:
     return {"event": "step", "step": step, "probed": step == 0, "loss": loss, "step_s": 0.02, "comm_s": 0.01,
-            "compute_s": 0.01, "density_local": 0.5, "density_union": 0.5, "bytes_sent": None}
+            "compute_s": 0.01, "density_local": 0.5, "density_union": 0.5, "bytes_sent": None, "page_faults": 3}
 
 
 class FakeJobs:

@@ -40,6 +40,8 @@ from sparcoll.workloads import WORKLOADS
 
 COMPARED = ("sparcoll", "ddp")
 CURVE_POINTS = 8        # steps of the loss curve printed (the JSON report has every step)
+FAULTING_PAGES = 4096   # a timed step in which some rank faulted this many pages in (16 MB of 4 KiB
+                        # pages) took fresh memory: the report counts them
 # Every mode must be able to run the same model, so that loss curves compare: a tied softmax cannot
 # have sparse embeddings (agsparse).
 COMMON_OPTIONS = {"lstm": {"tie_weights": False}}
@@ -275,14 +277,17 @@ def summarize(mode: tuple[str, str | None], steps: list[dict], args, held_out: f
     losses = [s["loss"] for s in steps]
     final, kind = final_loss(losses, held_out)
     predicted = [s["predicted_bytes"] for s in timed if s.get("predicted_bytes") is not None]
+    faults = [s["page_faults"] for s in timed]
     overlap = {key: statistics.fmean(s[key] for s in timed) for key in ("comm_total_s", "comm_hidden_s")
                if all(key in s for s in timed)}
     return {"comm": mode[0], **option_of(mode), "label": label(mode),
             "predicted_bytes_per_step": statistics.fmean(predicted) if predicted else None, **overlap,
             "samples_per_s": args.batch_size * args.workers / mean["step_s"], **mean,
             "bytes_sent_per_step": statistics.fmean(sent) if sent else None,
-            "timed_steps": len(timed), "loss": losses, "final_loss": final, "final_loss_kind": kind,
-            "per_step": {key: [s[key] for s in steps] for key in keys + tuple(overlap)}
+            "timed_steps": len(timed), "faulting_steps": sum(f >= FAULTING_PAGES for f in faults),
+            "most_page_faults": max(faults),
+            "loss": losses, "final_loss": final, "final_loss_kind": kind,
+            "per_step": {key: [s[key] for s in steps] for key in keys + ("page_faults",) + tuple(overlap)}
             | {"probed": [bool(s.get("probed")) for s in steps]}}
 
 
@@ -377,6 +382,11 @@ def report(runs: list[dict], args) -> str:
                          f"had finished computing"
                          + (f"; predicted {r['predicted_bytes_per_step'] / 1e6:.2f} MB sent per step"
                             if math.isfinite(r["predicted_bytes_per_step"] or float("nan")) else ""))
+    for r in runs:
+        if r["faulting_steps"]:
+            lines.append(f"{r['label']}: {r['faulting_steps']} of {r['timed_steps']} timed steps faulted "
+                         f"{FAULTING_PAGES} pages or more in on some rank (fresh memory: a heap that grew), "
+                         f"at most {r['most_page_faults']}")
     lines.append(f"final loss ({runs[0]['final_loss_kind']}): "
                  + ", ".join(f"{r['label']} {r['final_loss']:.4f}" for r in runs))
     for r in runs:
