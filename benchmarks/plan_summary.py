@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from sparcoll.plan.trial import signature
-from sparcoll.train.command import paired_ratio, timed_step_times
+from sparcoll.train.command import compare_paired, paired_steps
 
 
 def name_of(label: str, workload: str) -> str:
@@ -91,7 +91,8 @@ def summarize(out: Path, workload: str) -> str:
               + f"; DDP's communication share of its step: {span([100 * s for s in share], '{:.0f}')}%"]
     for i, r in enumerate(rounds):
         if r.get("interleaved"):
-            lines += ["", f"round {i + 1}, the modes interleaved ({len(timed_step_times(r['runs'][0], r['warmup']))} "
+            timed = len(paired_steps(r["runs"][0], r["runs"][0], r["warmup"])[0])
+            lines += ["", f"round {i + 1}, the modes interleaved ({timed} "
                           f"timed steps each): the plan against each uniform strategy, the ratio of their mean "
                           f"steps and its 95% interval: " + paired(out, workload, r)]
     tried = json.loads((out / f"{workload}-plan.json").read_text()).get("trial")
@@ -108,15 +109,20 @@ def summarize(out: Path, workload: str) -> str:
 def paired(out: Path, workload: str, round_: dict) -> str:
     """An interleaved round's plan against each uniform strategy, step by step (paired_ratio)."""
     planned = next(run for run in round_["runs"] if run["comm"] == "planned")
-    mine = timed_step_times(planned, round_["warmup"])
     parts = []
     for run in round_["runs"]:
         name = name_of(run["label"], workload)
         if name.startswith("uniform"):
-            p = paired_ratio(timed_step_times(run, round_["warmup"]), mine)
+            both = compare_paired(run, planned, round_["warmup"])
+            p = both["paired"]
             own = ", the plan's own strategy" if same_as_plan(out, workload, run["label"]) else ""
             parts.append(f"{name}{own} {p['ratio']:.3f}x ({p['low']:.3f}-{p['high']:.3f}; median of the steps' "
-                         f"ratios {p['median']:.3f}x)")
+                         f"ratios {p['median']:.3f}x")
+            if "paired_without_fresh_memory" in both:
+                q = both["paired_without_fresh_memory"]
+                parts[-1] += (f"; over the {q['steps']} steps in which neither took fresh memory "
+                              f"{q['ratio']:.3f}x ({q['low']:.3f}-{q['high']:.3f})")
+            parts[-1] += ")"
     return "; ".join(parts)
 
 

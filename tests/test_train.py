@@ -148,6 +148,27 @@ def test_minor_faults_count_the_pages_of_fresh_memory_written():
     assert minor_faults() - before < 100
 
 
+def test_steps_that_took_fresh_memory_are_also_left_out_of_a_second_comparison():
+    """Interleaved runs are compared over every timed step, and again over the steps in which neither
+    took fresh memory (a heap that grew faults a large block in: the step is slow for that)."""
+    from sparcoll.train.command import compare_paired, paired_steps
+
+    def run(times, faults):
+        return {"per_step": {"step_s": times, "probed": [True] + [False] * (len(times) - 1),
+                             "page_faults": faults}}
+
+    base = run([9.0, 2.0, 2.0, 2.0, 2.0], [30000, 5, 5, 5, 5])
+    other = run([9.0, 1.0, 3.0, 1.0, 1.0], [30000, 5, FAULTING_PAGES, 5, 5])    # step 2 grew the heap
+    assert paired_steps(base, other, 1) == ([2.0] * 4, [1.0, 3.0, 1.0, 1.0])
+    assert paired_steps(base, other, 1, fresh_memory=False) == ([2.0] * 3, [1.0] * 3)
+    both = compare_paired(base, other, 1)
+    assert both["paired"]["ratio"] == pytest.approx(8 / 6)
+    assert both["paired_without_fresh_memory"]["ratio"] == pytest.approx(2.0)
+    assert both["paired_without_fresh_memory"]["steps"] == 3
+    calm = run([9.0, 1.0, 1.0, 1.0, 1.0], [30000, 5, 5, 5, 5])
+    assert set(compare_paired(base, calm, 1)) == {"paired"}     # nothing left out: one comparison
+
+
 def test_paired_ratio_and_the_interleaved_order():
     from sparcoll.train.command import paired_ratio
     from sparcoll.train.worker import interleaved_order

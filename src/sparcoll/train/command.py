@@ -314,16 +314,33 @@ def compare(runs: list[dict], paired: bool = False, warmup: int = 0) -> dict:
         {"label": r["label"], "speedup": base["step_s"] / r["step_s"],
          "max_loss_difference": max(abs(a - b) for a, b in zip(r["loss"], base["loss"])),
          "final_loss_difference": (r["final_loss"] - base["final_loss"]) / abs(base["final_loss"]),
-         **({"paired": paired_ratio(timed_step_times(base, warmup), timed_step_times(r, warmup))}
-            if paired else {})}
+         **(compare_paired(base, r, warmup) if paired else {})}
         for r in runs if r is not base]}
 
 
-def timed_step_times(run: dict, warmup: int) -> list[float]:
-    """A summarized run's step times that count (timed_steps), in step order."""
-    per_step = run["per_step"]
-    steps = [{"step_s": t, "probed": p} for t, p in zip(per_step["step_s"], per_step["probed"])]
-    return [s["step_s"] for s in timed_steps(steps, warmup)]
+def compare_paired(base: dict, run: dict, warmup: int) -> dict:
+    """paired_ratio of two interleaved runs over their timed steps, and (if some took fresh memory)
+    over the steps in which neither did."""
+    out = {"paired": paired_ratio(*paired_steps(base, run, warmup))}
+    settled = paired_steps(base, run, warmup, fresh_memory=False)
+    if 0 < len(settled[0]) < out["paired"]["steps"]:
+        out["paired_without_fresh_memory"] = paired_ratio(*settled)
+    return out
+
+
+def paired_steps(base: dict, run: dict, warmup: int, fresh_memory: bool = True) -> tuple[list, list]:
+    """Two interleaved runs' timed step times (timed_steps), step k of one beside step k of the other;
+    without `fresh_memory`, only the steps in which neither took fresh memory (FAULTING_PAGES on some
+    rank: a heap that grew, which several models in one process make more frequent)."""
+    def timed(r: dict) -> list[dict]:
+        per_step = r["per_step"]
+        faults = per_step.get("page_faults") or [0] * len(per_step["step_s"])     # (reports before them)
+        return timed_steps([{"step_s": t, "probed": p, "page_faults": f}
+                            for t, p, f in zip(per_step["step_s"], per_step["probed"], faults)], warmup)
+
+    pairs = [(a, b) for a, b in zip(timed(base), timed(run))
+             if fresh_memory or max(a["page_faults"], b["page_faults"]) < FAULTING_PAGES]
+    return [a["step_s"] for a, _ in pairs], [b["step_s"] for _, b in pairs]
 
 
 def paired_ratio(base: list[float], other: list[float], resamples: int = 2000) -> dict:
@@ -459,6 +476,10 @@ def run(args) -> int:
                 p = m["paired"]
                 print(f"  step by step ({p['steps']} interleaved steps): {p['ratio']:.3f}x (95% interval "
                       f"{p['low']:.3f}-{p['high']:.3f}x), the steps' median ratio {p['median']:.3f}x")
+            if "paired_without_fresh_memory" in m:
+                p = m["paired_without_fresh_memory"]
+                print(f"  over the {p['steps']} of them in which neither took fresh memory: {p['ratio']:.3f}x "
+                      f"({p['low']:.3f}-{p['high']:.3f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
