@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from sparcoll.plan.trial import signature
-from sparcoll.train.command import compare_paired, paired_steps
+from sparcoll.train.command import compare_paired
 
 
 def name_of(label: str, workload: str) -> str:
@@ -91,8 +91,7 @@ def summarize(out: Path, workload: str) -> str:
               + f"; DDP's communication share of its step: {span([100 * s for s in share], '{:.0f}')}%"]
     for i, r in enumerate(rounds):
         if r.get("interleaved"):
-            timed = len(paired_steps(r["runs"][0], r["runs"][0], r["warmup"])[0])
-            lines += ["", f"round {i + 1}, the modes interleaved ({timed} "
+            lines += ["", f"round {i + 1}, the modes interleaved ({r['runs'][0]['timed_steps']} "
                           f"timed steps each): the plan against each uniform strategy, the ratio of their mean "
                           f"steps and its 95% interval: " + paired(out, workload, r)]
     tried = json.loads((out / f"{workload}-plan.json").read_text()).get("trial")

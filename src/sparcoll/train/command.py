@@ -307,8 +307,7 @@ def label(mode: tuple[str, str | None]) -> str:
 def compare(runs: list[dict], paired: bool = False, warmup: int = 0) -> dict:
     """Every run against the baseline (ddp if it ran, else the last run): how much faster its steps
     are, how far its losses drift, and its final loss relative to the baseline's; with `paired` (the
-    runs interleaved, step k of each run next to step k of the others) also paired_ratio over the
-    timed steps."""
+    runs interleaved, step k of each run next to step k of the others) also compare_paired's figures."""
     base = next((r for r in runs if r["comm"] == "ddp"), runs[-1])
     return {"baseline": base["label"], "modes": [
         {"label": r["label"], "speedup": base["step_s"] / r["step_s"],

@@ -241,9 +241,8 @@ def train(cfg: dict, rank: int, world: int) -> None:
     differ, "comm" among them), every one of them in this job, each with its own model, optimizer,
     batches and Communicator, a step of each in turn (interleaved_order): the machine's speed drifts
     over minutes, and modes run one after the other would each get a different part of that drift.
-    (One Communicator shared, a kind of collective of one mode took the results of another mode's
-    kind of the same size as its own, dense then sparse, and was timed on both paths again: steps of
-    2-3 times the usual length, only when interleaved.)"""
+    (A Communicator each: its chooser knows a kind of collective by its size alone, and would take
+    one mode's results for another's.)"""
     modes = cfg.get("modes") or [{}]
     comms: list[sparcoll.Communicator] = []
     try:
@@ -292,7 +291,8 @@ def synchronization(model: sparcoll.torch.DataParallel) -> tuple[float, float, f
 
 
 def main(argv: list[str] | None = None) -> int:
-    sparcoll.keep_freed_memory()    # every mode alike: no step pays page faults for a large gradient
+    sparcoll.keep_freed_memory()    # every mode alike: a large gradient reuses the last one's pages
+                                    # (nearly always: the steps report their page faults)
     return run_worker(argv, train,
                       backend=lambda cfg: "sparcoll" if cfg["comm"] == "sparcoll" else "gloo")
 
