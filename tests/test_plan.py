@@ -301,6 +301,26 @@ def test_the_plan_never_loses_to_every_tensor_uncompressed():
         assert f_of(step, tensors, decide.plan(step, tensors)) <= f_of(step, tensors, plain) + 1e-12
 
 
+def test_a_compressor_on_the_dense_gradients_only_leaves_the_sparse_ones_uncompressed():
+    from sparcoll.plan.command import dense_only_of, uniform
+    ring, sparse, topk = Option(), Option(collective=SPARSE), Option("topk:0.01", ALLGATHER)
+    mlp = decide.Choices("mlp", 1000, {ring: Cost(comm=0.005), topk: Cost(0.001, 0.001)})
+    table = decide.Choices("table", 10**6, {ring: Cost(comm=0.020), sparse: Cost(comm=0.004),
+                                            topk: Cost(0.001, 0.002)})
+    plain_table = decide.Choices("table", 10**6, {ring: Cost(comm=0.020), sparse: Cost(comm=0.004)})
+    tensors, coo = [mlp, table, mlp], [False, True, False]
+    uniforms = {"topk:0.01": uniform(tensors, "topk:0.01", None)}
+    assert uniforms["topk:0.01"] == [topk, topk, topk]          # the table too: top-k takes its rows
+    # the table keeps its cheapest uncompressed collective (the sparse AllReduce, not the ring)
+    assert dense_only_of(tensors, coo, ["none", "topk:0.01"], uniforms) == {"topk:0.01": [topk, sparse, topk]}
+    # nothing beyond the uniform strategy: no sparse gradient, or none the compressor could take
+    assert dense_only_of(tensors, [False] * 3, ["topk:0.01"], uniforms) == {}
+    alike = [mlp, plain_table, mlp]
+    assert dense_only_of(alike, coo, ["topk:0.01"], {"topk:0.01": uniform(alike, "topk:0.01", None)}) == {}
+    # a compressor no dense gradient can take has no such strategy
+    assert dense_only_of([table], [True], ["topk:0.01"], {"topk:0.01": [topk]}) == {}
+
+
 def plan_of(*strategies: str, units: tuple[int, ...] | None = None) -> dict:
     """A plan of one tensor per strategy, each its own unit unless `units` says which each shares."""
     return {"tensors": [{"name": f"t{i}", "strategy": s, "placement": "thread", "unit": i if units is None else units[i]}

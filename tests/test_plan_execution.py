@@ -594,6 +594,19 @@ def test_plan_then_train_the_plan(tmp_path):
     assert plan["predicted_step_s"] <= min(plan["uniform"].values()) + 1e-12
     assert set(plan["uniform"]) >= {"ring", "ps", "sparse", "fp16", "topk:0.01"}
     assert "every tensor ring" in first.stdout
+    # each compressor on the dense gradients only, the embeddings' COO ones uncompressed: a row each
+    assert set(plan["dense_only"]) == {"fp16", "topk:0.01"} and "dense tensors topk:0.01" in first.stdout
+    done = subprocess.run(command + ["--trial", "0", "--uniform", "topk:0.01", "--dense-only"],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    split = json.loads(plan_file.read_text())
+    assert split["strategy"] == "topk:0.01 for dense gradients" and split["predicted_step_s"] == pytest.approx(
+        plan["dense_only"]["topk:0.01"])
+    assert all(t["strategy"] in (RING, SPARSE) if t["name"] in coo else t["strategy"] == "topk:0.01"
+               for t in split["tensors"]), split["tensors"]
+    alone = subprocess.run(command + ["--trial", "0", "--dense-only"], capture_output=True, text=True,
+                           timeout=TIMEOUT, env=env)
+    assert alone.returncode == 2 and "--dense-only needs --uniform" in alone.stderr
     for fused_by in ("greedy", "whole"):    # fp16 for every tensor: the dense ones can share collectives
         done = subprocess.run(command + ["--trial", "0", "--uniform", "fp16", "--fusion", fused_by],
                               capture_output=True, text=True, timeout=TIMEOUT, env=env)

@@ -53,6 +53,7 @@ UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; every run whole
 TRIAL_UNIFORMS = 3
+DENSE_ONLY = "for dense gradients"      # a compressor's strategy on the dense gradients only (dense_only_of)
 TRIAL_WARMUP = 1
 
 
@@ -91,9 +92,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uniform", metavar="NAME",
                         help="write the uniform strategy NAME (a row of the table: ring, ps, sparse, sfb or "
                              "a compressor spec) instead of the decision, to run it with the same executor")
+    parser.add_argument("--dense-only", action="store_true",
+                        help="with --uniform a compressor: that compressor on the dense gradients only, the "
+                             "sparse (COO) ones on their cheapest uncompressed collective (a row 'dense "
+                             "tensors' of the table)")
     parser.add_argument("--trial", type=int, default=3, metavar="STEPS",
                         help="train the plan, the planner without each dimension, the %d uniform "
-                             "strategies predicted best, and the plan and the best of those fused the other "
+                             "strategies predicted best (and, for a model with sparse gradients, the "
+                             "'dense tensors' strategy predicted best), and the plan and the best of those fused the other "
                              "way (--fusion), for at least STEPS steps and %g s each (after one warm-up) on the "
                              "same network, and keep the fastest measured (the plan unless another is "
                              "more than %d%%%% faster; of others that close, the one predicted fastest); 0: the model's decision alone (default 3; a "
@@ -260,16 +266,34 @@ def choices_of(units: list[Measured], groups: list[list[int]], measured: list[Me
     return out
 
 
-def uniform(tensors: list[decide.Choices], compressor: str, collective: str | None) -> list[Option] | None:
+def uniform(tensors: list[decide.Choices], compressor: str, collective: str | None,
+            skipped: list[bool] | None = None) -> list[Option] | None:
     """Every tensor the same option where it is valid (SFB: linear layers; a compressor: by its
-    carrier), the others their cheapest uncompressed one; None if no tensor can take it."""
+    carrier) and not `skipped`, the others their cheapest uncompressed one; None if no tensor can
+    take it."""
     out, used = [], False
-    for t in tensors:
+    for i, t in enumerate(tensors):
         fits = [o for o in t.costs if o.compressor == compressor and not o.offload
-                and (collective is None or o.collective == collective)]
+                and (collective is None or o.collective == collective) and not (skipped and skipped[i])]
         out.append(fits[0] if fits else decide.uncompressed(t))
         used = used or bool(fits)
     return out if used else None
+
+
+def dense_only_of(tensors: list[decide.Choices], coo: list[bool], compressors,
+                  uniforms: dict[str, list[Option]]) -> dict[str, list[Option]]:
+    """For a model with sparse COO gradients: each compressor on the dense gradients only, the COO
+    ones on their cheapest uncompressed collective (a recommendation model's usual split: its
+    embeddings' rows travel as they are, its MLP compressed), where that differs from the uniform
+    strategy. A candidate of the trial beside the uniform strategies: the decision prices each
+    collective apart, and on deeplight with sparse embeddings its mix of small collectives ran
+    slower than it predicted where this split ran as predicted (docs/benchmarks.md, section 7)."""
+    out = {}
+    for compressor in compressors:
+        strategy = uniform(tensors, compressor, None, coo) if compressor != "none" else None
+        if strategy is not None and strategy != uniforms.get(compressor):
+            out[compressor] = strategy
+    return out
 
 
 def free(t: decide.Choices) -> Cost:
@@ -324,12 +348,15 @@ def priced(profile: dict, compressors: list[str]):
 
 
 def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str | None = None,
-              fused_by: str = GREEDY) -> dict:
+              fused_by: str = GREEDY, dense_only: bool = False) -> dict:
     """The plan for a profile: the decision over `compressors` without `dimensions` (see `without`),
-    or with `fixed` the uniform strategy of that name, its units fused `fused_by` (GREEDY or WHOLE,
-    see fusion); with every uniform strategy's prediction, fused the same way."""
+    or with `fixed` the uniform strategy of that name (with `dense_only`, that compressor on the
+    dense gradients only: dense_only_of), its units fused `fused_by` (GREEDY or WHOLE, see fusion);
+    with every uniform and dense-only strategy's prediction, fused the same way."""
     step, measured, groups, tensors, costing = priced(profile, compressors)
     uniforms = uniforms_of(step, tensors, compressors)
+    coo = [all(measured[i].facts.coo for i in members) for members in groups]
+    dense_onlies = dense_only_of(tensors, coo, compressors, uniforms)
     joins = fusion.whole_runs if fused_by == WHOLE else None
 
     def fused(strategy: list[Option]):
@@ -342,16 +369,19 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
 
     start = time.perf_counter()
     if fixed is not None:
-        if fixed not in uniforms:
-            raise ValueError(f"no uniform strategy {fixed!r}; there are {', '.join(uniforms)}")
-        chosen = uniforms[fixed]
+        named = dense_onlies if dense_only else uniforms
+        if fixed not in named:
+            raise ValueError(f"no {'dense-only' if dense_only else 'uniform'} strategy {fixed!r}; there are "
+                             f"{', '.join(named) or 'none'}")
+        chosen = named[fixed]
     else:
         allowed = without(tensors, dimensions)
         chosen = decide.plan(step, allowed)
     units = fused(chosen)
     decision_ms = 1e3 * (time.perf_counter() - start)
     if fixed is None:   # the searches price operations alone and units apart: a uniform may predict less
-        others = uniforms_of(step, allowed, compressors).values() if dimensions else uniforms.values()
+        others = uniforms_of(step, allowed, compressors).values() if dimensions \
+            else [*uniforms.values(), *dense_onlies.values()]
         units = min([units, *map(fused, others)], key=predicted)
     unit_step, unit_groups, unit_tensors, unit_chosen = units
     costs = [t.costs[o] for t, o in zip(unit_tensors, unit_chosen)]
@@ -368,12 +398,14 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
     forward = profile["model"]["forward"]
     return {"workers": profile["workers"], "network": profile["network"],
             **{k: profile[k] for k in ("workload", "options", "batch_size", "model_spec") if k in profile},
-            "strategy": f"uniform {fixed}" if fixed else "planned", "without": sorted(dimensions),
+            "strategy": (f"{fixed} {DENSE_ONLY}" if dense_only else f"uniform {fixed}") if fixed else "planned",
+            "without": sorted(dimensions),
             "fusion": fused_by,
             "decision_ms": decision_ms, "units": len(unit_tensors), "predicted_step_s": forward + timeline.iteration,
             "bound_s": forward + simulate(step, [free(t) for t in tensors]).iteration, "forward_s": forward,
             "cores_per_worker": profile["model"]["cores_per_worker"],
             "uniform": {name: forward + predicted(fused(strategy)) for name, strategy in uniforms.items()},
+            "dense_only": {name: forward + predicted(fused(strategy)) for name, strategy in dense_onlies.items()},
             "tensors": entries}
 
 
@@ -397,6 +429,9 @@ def table(plan: dict) -> str:
                  f"{plan['decision_ms']:.1f} ms")
     for name, f in sorted(plan["uniform"].items(), key=lambda kv: kv[1]):
         lines.append(f"  every tensor {name:<16} {1e3 * f:>10.1f} ms  ({f / plan['predicted_step_s']:.2f}x this plan)")
+    for name, f in sorted(plan.get("dense_only", {}).items(), key=lambda kv: kv[1]):
+        lines.append(f"  dense tensors {name:<15} {1e3 * f:>10.1f} ms  ({f / plan['predicted_step_s']:.2f}x this "
+                     f"plan; the sparse ones uncompressed)")
     if "trial" in plan:
         tr = plan["trial"]
         runs = len(tr.get("passes", {}).get(tr["kept"], ()))
@@ -435,6 +470,9 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
     others[f"planned, {other} fusion"] = make_plan(profile, compressors, fused_by=other)
     for name in best[:1]:
         others[f"uniform {name}, {other} fusion"] = make_plan(profile, compressors, fixed=name, fused_by=other)
+    for name in sorted(plan["dense_only"], key=plan["dense_only"].get)[:1]:
+        others[f"{name} {DENSE_ONLY}"] = make_plan(profile, compressors, fixed=name, fused_by=fused_by,
+                                                   dense_only=True)
     plans = trial.candidates(plan, others)
     defaults = vars(argparse_defaults(train_command.add_arguments))
     model = ({"model_spec": profile["model_spec"], "workload": None, "options": {}, "batch_size": None, "seed": 0}
@@ -478,6 +516,9 @@ def run(args) -> int:
         print("sparcoll plan: error: --workers must be >= 2, --batch-size >= 1, --trial >= 0 and "
               "--trial-passes >= 1", file=sys.stderr)
         return 2
+    if args.dense_only and args.uniform is None:
+        print("sparcoll plan: error: --dense-only needs --uniform COMPRESSOR", file=sys.stderr)
+        return 2
     if args.model:
         try:
             user.split(args.model)
@@ -501,7 +542,8 @@ def run(args) -> int:
         print(f"sparcoll plan: {exc}", file=sys.stderr)
         return 1
     try:
-        plan = make_plan(profile, args.compressors.split(","), args.without, args.uniform, args.fusion)
+        plan = make_plan(profile, args.compressors.split(","), args.without, args.uniform, args.fusion,
+                         args.dense_only)
     except ValueError as exc:
         print(f"sparcoll plan: error: {exc}", file=sys.stderr)
         return 2
