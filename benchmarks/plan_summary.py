@@ -20,11 +20,14 @@ from sparcoll.train.command import compare_paired
 
 
 def name_of(label: str, workload: str) -> str:
-    """A report's name for a mode: ddp, planned, uniform NAME[, whole fusion] or without DIM."""
+    """A report's name for a mode: ddp, planned, uniform NAME[, whole fusion], NAME for dense gradients
+    or without DIM."""
     if not label.startswith("poseidon:"):
         return label
     stem = Path(label.split(":", 1)[1]).stem.removeprefix(f"{workload}-")
     kind, _, rest = stem.partition("-")
+    if kind == "dense":
+        return f"{rest.replace('_', ':')} for dense gradients"
     if kind != "u":
         return f"without {rest}"
     name, whole, _ = rest.partition("-whole")
@@ -35,7 +38,8 @@ def predictions(out: Path, workload: str) -> dict[str, float]:
     plan = json.loads((out / f"{workload}-plan.json").read_text())
     pred = {"planned": plan["predicted_step_s"]}
     pred.update({f"uniform {k}": v for k, v in plan["uniform"].items()})
-    for f in [*out.glob(f"{workload}-without-*.json"), *out.glob(f"{workload}-u-*.json")]:
+    for f in [*out.glob(f"{workload}-without-*.json"), *out.glob(f"{workload}-u-*.json"),
+              *out.glob(f"{workload}-dense-*.json")]:
         pred[name_of(f"poseidon:{f}", workload)] = json.loads(f.read_text())["predicted_step_s"]
     return pred
 

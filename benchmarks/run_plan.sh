@@ -5,6 +5,8 @@
 #   W-u-NAME.json                       the uniform strategies the plan predicts best (three) and the ring
 #   W-u-NAME-whole.json                 the best of those with its units fused whole (--fusion whole), if
 #                                       that fuses them differently
+#   W-dense-NAME.json                   for a model with sparse gradients, the compressor predicted best on
+#                                       its dense gradients only (--dense-only), if the plan is not that
 #   W-without-DIM.json                  the planner without compression, collective or offload choice
 #   W-rN.{json,txt}                     one `sparcoll train --compare` per round: DDP, the plan, each
 #                                       uniform strategy and each ablation whose plan differs from the plan,
@@ -48,6 +50,14 @@ a, b = (signature(json.load(open(f))) for f in sys.argv[1:]); sys.exit(0 if a ==
     plan --uniform "$name" --json "$file" > /dev/null
     modes="$modes,poseidon:strategy=$file"
   done
+  # for a model with sparse gradients, the compressor predicted best on its dense ones only
+  dense=$($py -c "import json, sys; d = json.load(open(sys.argv[1])).get('dense_only', {}); \
+print(min(d, key=d.get) if d else '')" "$out/$w-plan.json")
+  if [ -n "$dense" ]; then
+    file="$out/$w-dense-${dense//:/_}.json"
+    plan --uniform "$dense" --dense-only --json "$file" > /dev/null
+    same "$file" "$out/$w-plan.json" || modes="$modes,poseidon:strategy=$file"
+  fi
   first=${best%% *} file="$out/$w-u-${first//:/_}-whole.json"
   plan --uniform "$first" --fusion whole --json "$file" > /dev/null
   same "$file" "$out/$w-u-${first//:/_}.json" || modes="$modes,poseidon:strategy=$file"
