@@ -2,7 +2,10 @@
 # The planner's figures of docs/benchmarks.md, 4 workers at 1 Gbit/s (emulated; root needed), per
 # workload (default: deeplight ncf gpt vgg):
 #   W-profile.json, W-plan.{json,txt}   `sparcoll plan`: the profile, the plan and its predictions
-#   W-u-NAME.json                       the uniform strategies the plan predicts best (three) and the ring
+#   W-u-NAME.json                       the uniform strategies the plan predicts best (three), the ring and
+#                                       the sparse AllReduce (the lossless ones, always: the model's ranking
+#                                       missed the fastest uniform strategy, uniform sparse on ncf with
+#                                       sparse embeddings)
 #   W-u-NAME-whole.json                 the best of those with its units fused whole (--fusion whole), if
 #                                       that fuses them differently
 #   W-dense-NAME.json                   for a model with sparse gradients, the compressor predicted best on
@@ -40,7 +43,7 @@ for word in $workloads; do
   plan --json "$out/$w-plan.json" > "$out/$w-plan.txt"
   modes=ddp,planned
   best=$($py -c "import json, sys; u = json.load(open(sys.argv[1]))['uniform']; \
-print(' '.join(dict.fromkeys(sorted(u, key=u.get)[:3] + ['ring'])))" "$out/$w-plan.json")
+print(' '.join(dict.fromkeys(sorted(u, key=u.get)[:3] + ['ring', 'sparse'])))" "$out/$w-plan.json")
   same() {  # whether two plan files execute the same way (as the trial tells its candidates apart)
     $py -c "import json, sys; from sparcoll.plan.trial import signature; \
 a, b = (signature(json.load(open(f))) for f in sys.argv[1:]); sys.exit(0 if a == b else 1)" "$@"

@@ -10,8 +10,9 @@ measured by a job of --workers processes on the --network, emulated or loopback)
 measures again). The decision (decide.plan) then prints a per-tensor table and the predicted step time
 F against every uniform strategy and a free-communication bound, and writes the plan as JSON
 (`decision_ms`, `predicted_step_s`: forward, backward, synchronization and optimizer, as `sparcoll train`
-measures a step; `uniform`, `bound_s`, `tensors`: one entry per tensor in backward order, with the
-strategy sparcoll.torch.DataParallel executes and its unit's predicted times from backward's start).
+measures a step; `uniform`, `dense_only` (dense_only_of), `bound_s`, `tensors`: one entry per tensor in
+backward order, with the strategy sparcoll.torch.DataParallel executes and its unit's predicted times
+from backward's start).
 """
 from __future__ import annotations
 
@@ -99,8 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trial", type=int, default=3, metavar="STEPS",
                         help="train the plan, the planner without each dimension, the %d uniform "
                              "strategies predicted best (and, for a model with sparse gradients, the "
-                             "'dense tensors' strategy predicted best), and the plan and the best of those fused the other "
-                             "way (--fusion), for at least STEPS steps and %g s each (after one warm-up) on the "
+                             "'dense tensors' strategy predicted best), and the plan and the best of those "
+                             "fused the other way (--fusion), for at least STEPS steps and %g s each (after one warm-up) on the "
                              "same network, and keep the fastest measured (the plan unless another is "
                              "more than %d%%%% faster; of others that close, the one predicted fastest); 0: the model's decision alone (default 3; a "
                              "--model trains on its example input)" % (TRIAL_UNIFORMS, trial.SECONDS, round(100 * trial.MARGIN)))
@@ -398,14 +399,15 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
     forward = profile["model"]["forward"]
     return {"workers": profile["workers"], "network": profile["network"],
             **{k: profile[k] for k in ("workload", "options", "batch_size", "model_spec") if k in profile},
-            "strategy": (f"{fixed} {DENSE_ONLY}" if dense_only else f"uniform {fixed}") if fixed else "planned",
-            "without": sorted(dimensions),
-            "fusion": fused_by,
+            "strategy": (f"{fixed} {DENSE_ONLY}" if dense_only else f"uniform {fixed}") if fixed
+            else "planned",
+            "without": sorted(dimensions), "fusion": fused_by,
             "decision_ms": decision_ms, "units": len(unit_tensors), "predicted_step_s": forward + timeline.iteration,
             "bound_s": forward + simulate(step, [free(t) for t in tensors]).iteration, "forward_s": forward,
             "cores_per_worker": profile["model"]["cores_per_worker"],
             "uniform": {name: forward + predicted(fused(strategy)) for name, strategy in uniforms.items()},
-            "dense_only": {name: forward + predicted(fused(strategy)) for name, strategy in dense_onlies.items()},
+            "dense_only": {name: forward + predicted(fused(strategy))
+                           for name, strategy in dense_onlies.items()},
             "tensors": entries}
 
 
@@ -430,8 +432,8 @@ def table(plan: dict) -> str:
     for name, f in sorted(plan["uniform"].items(), key=lambda kv: kv[1]):
         lines.append(f"  every tensor {name:<16} {1e3 * f:>10.1f} ms  ({f / plan['predicted_step_s']:.2f}x this plan)")
     for name, f in sorted(plan.get("dense_only", {}).items(), key=lambda kv: kv[1]):
-        lines.append(f"  dense tensors {name:<15} {1e3 * f:>10.1f} ms  ({f / plan['predicted_step_s']:.2f}x this "
-                     f"plan; the sparse ones uncompressed)")
+        lines.append(f"  dense tensors {name:<15} {1e3 * f:>10.1f} ms  "
+                     f"({f / plan['predicted_step_s']:.2f}x this plan; the sparse ones uncompressed)")
     if "trial" in plan:
         tr = plan["trial"]
         runs = len(tr.get("passes", {}).get(tr["kept"], ()))
