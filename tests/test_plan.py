@@ -321,6 +321,28 @@ def test_a_compressor_on_the_dense_gradients_only_leaves_the_sparse_ones_uncompr
     assert dense_only_of([table], [True], ["topk:0.01"], {"topk:0.01": [topk]}) == {}
 
 
+def test_the_trial_trains_the_lossless_uniform_strategy_predicted_best_whatever_its_rank(monkeypatch):
+    from sparcoll.plan import command
+    monkeypatch.setattr(command, "make_plan", lambda profile, compressors, dimensions=(), fixed=None,
+                        fused_by="greedy", dense_only=False: (fixed, tuple(dimensions), fused_by, dense_only))
+    plan = {"uniform": {"fp16": 1.0, "onebit": 1.1, "qsgd:16": 1.2, "topk:0.01": 1.3, "sparse": 1.4,
+                        "ring": 1.5, "ps": 2.0}, "dense_only": {"onebit": 0.95, "fp16": 0.9}}
+    others = command.trial_others(plan, {}, ["none"], "greedy")
+    assert others == {"without compression": (None, ("compression",), "greedy", False),
+                      "without collective": (None, ("collective",), "greedy", False),
+                      "without offload": (None, ("offload",), "greedy", False),
+                      "uniform fp16": ("fp16", (), "greedy", False),
+                      "uniform onebit": ("onebit", (), "greedy", False),
+                      "uniform qsgd:16": ("qsgd:16", (), "greedy", False),
+                      "uniform sparse": ("sparse", (), "greedy", False),       # 5th, but the best lossless
+                      "planned, whole fusion": (None, (), "whole", False),
+                      "uniform fp16, whole fusion": ("fp16", (), "whole", False),
+                      "fp16 for dense gradients": ("fp16", (), "greedy", True)}
+    plan["uniform"]["ring"] = 1.05             # a lossless one among the three best: no fourth
+    uniforms = {k for k in command.trial_others(plan, {}, ["none"], "greedy") if k.startswith("uniform ")}
+    assert uniforms == {"uniform fp16", "uniform ring", "uniform onebit", "uniform fp16, whole fusion"}
+
+
 def plan_of(*strategies: str, units: tuple[int, ...] | None = None) -> dict:
     """A plan of one tensor per strategy, each its own unit unless `units` says which each shares."""
     return {"tensors": [{"name": f"t{i}", "strategy": s, "placement": "thread", "unit": i if units is None else units[i]}

@@ -18,7 +18,7 @@ import sparcoll.torch
 from sparcoll.algorithm import entry_block_size
 from ranks import run_ranks
 from sparcoll.plan import decide, fusion
-from sparcoll.plan.command import choices_of, units_of
+from sparcoll.plan.command import choices_of, trial_others, units_of
 from sparcoll.plan.costs import Costing, Curve, Grid, Measured, in_sequence
 from sparcoll.plan.profile import backward_timeline
 from sparcoll.plan.profiler import Together, fit
@@ -594,6 +594,16 @@ def test_plan_then_train_the_plan(tmp_path):
     assert plan["predicted_step_s"] <= min(plan["uniform"].values()) + 1e-12
     assert set(plan["uniform"]) >= {"ring", "ps", "sparse", "fp16", "topk:0.01"}
     assert "every tensor ring" in first.stdout
+    # what the trial trains beside the plan: the 3 uniform strategies predicted best, the lossless one
+    # predicted best whatever its rank, the best dense-only one, the planner without each dimension
+    others = trial_others(plan, measured, ["none", "fp16", "topk:0.01"], "greedy")
+    ranked = sorted(plan["uniform"], key=plan["uniform"].get)
+    lossless = min((n for n in ranked if n in (RING, PS, SPARSE, SFB)), key=plan["uniform"].get)
+    best_split = min(plan["dense_only"], key=plan["dense_only"].get)
+    assert {f"uniform {n}" for n in {*ranked[:3], lossless}} | {f"{best_split} for dense gradients",
+            "without compression", "without collective", "without offload"} <= set(others), sorted(others)
+    assert others[f"uniform {lossless}"]["strategy"] == f"uniform {lossless}"
+    assert all(t["strategy"] in (RING, PS, SPARSE, SFB) for t in others[f"uniform {lossless}"]["tensors"])
     # each compressor on the dense gradients only, the embeddings' COO ones uncompressed: a row each
     assert set(plan["dense_only"]) == {"fp16", "topk:0.01"} and "dense tensors topk:0.01" in first.stdout
     done = subprocess.run(command + ["--trial", "0", "--uniform", "topk:0.01", "--dense-only"],

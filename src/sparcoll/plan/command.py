@@ -99,8 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tensors' of the table)")
     parser.add_argument("--trial", type=int, default=3, metavar="STEPS",
                         help="train the plan, the planner without each dimension, the %d uniform "
-                             "strategies predicted best (and, for a model with sparse gradients, the "
-                             "'dense tensors' strategy predicted best), and the plan and the best of those "
+                             "strategies predicted best and the best predicted lossless one (and, for a "
+                             "model with sparse gradients, the 'dense tensors' strategy predicted best), "
+                             "and the plan and the best of those "
                              "fused the other way (--fusion), for at least STEPS steps and %g s each (after one warm-up) on the "
                              "same network, and keep the fastest measured (the plan unless another is "
                              "more than %d%%%% faster; of others that close, the one predicted fastest); 0: the model's decision alone (default 3; a "
@@ -459,13 +460,16 @@ def table(plan: dict) -> str:
     return "\n".join(lines)
 
 
-def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
-    """The trial (trial.py) of the plan against the planner without each dimension and the uniform
-    strategies it predicts best, trained as `sparcoll train` does by default; the exit status and the
-    plan kept, with the trial's measurements."""
-    compressors, fused_by = args.compressors.split(","), args.fusion
+def trial_others(plan: dict, profile: dict, compressors: list[str], fused_by: str) -> dict[str, dict]:
+    """What the trial trains beside the plan, by name (trial.candidates drops those that execute as
+    one before them): the planner without each dimension, the TRIAL_UNIFORMS uniform strategies
+    predicted best and the lossless one predicted best, whatever its rank (with sparse embeddings the
+    model put uniform sparse fourth on ncf, where it ran faster than every compressed one), the plan
+    and the best uniform strategy fused the other way, and the best dense-only strategy."""
     others = {f"without {dim}": make_plan(profile, compressors, (dim,), fused_by=fused_by) for dim in DIMENSIONS}
     best = sorted(plan["uniform"], key=plan["uniform"].get)[:TRIAL_UNIFORMS]
+    lossless = sorted((n for n in plan["uniform"] if n in UNIFORM_COLLECTIVES), key=plan["uniform"].get)[:1]
+    best += [n for n in lossless if n not in best]
     for name in best:
         others[f"uniform {name}"] = make_plan(profile, compressors, fixed=name, fused_by=fused_by)
     other = WHOLE if fused_by == GREEDY else GREEDY     # the model cannot tell these apart (fusion.whole_runs)
@@ -475,7 +479,13 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
     for name in sorted(plan["dense_only"], key=plan["dense_only"].get)[:1]:
         others[f"{name} {DENSE_ONLY}"] = make_plan(profile, compressors, fixed=name, fused_by=fused_by,
                                                    dense_only=True)
-    plans = trial.candidates(plan, others)
+    return others
+
+
+def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
+    """The trial (trial.py) of the plan against trial_others, trained as `sparcoll train` does by
+    default; the exit status and the plan kept, with the trial's measurements."""
+    plans = trial.candidates(plan, trial_others(plan, profile, args.compressors.split(","), args.fusion))
     defaults = vars(argparse_defaults(train_command.add_arguments))
     model = ({"model_spec": profile["model_spec"], "workload": None, "options": {}, "batch_size": None, "seed": 0}
              if "model_spec" in profile else {k: profile[k] for k in ("workload", "options", "batch_size", "seed")})
