@@ -242,6 +242,45 @@ def test_units_of_one_compressor_share_a_collective_where_the_timeline_predicts_
             assert decide.predict(*again) == decide.predict(fused_step, fused, options)
 
 
+def test_a_unit_joins_the_latest_unit_of_its_option_past_units_of_another():
+    """a and c compressed alike, b on the ring between them, all ready together: a and c share one
+    collective (one fixed cost saved), sent after b, with c; ready a second apart, a's collective hides
+    in backward and they stay apart. The same for COO gradients with a dense one between them, where
+    the profile timed them together (fusion.coo_units: the COO gradients in backward order, whatever
+    is ready between them)."""
+    costing = Costing(FITS, workers=4)
+    measured = [Measured(TensorFacts(name, numel), (numel // 1000, 1000))
+                for name, numel in (("a", 500_000), ("b", 100_000), ("c", 100_000))]
+    topk = Option("topk:0.01", ALLGATHER)
+    chosen = [topk, Option(), topk]
+    for ready, fused_groups in (((0.1,) * 3, [[1], [0, 2]]), ((0.0, 1.0, 1.0), [[0], [1], [2]])):
+        units_step, units, groups = units_of(Step(ready, max(ready)), measured)
+        tensors = choices_of(units, groups, measured, costing, ["none", "topk:0.01"], JobFacts())
+        fused_step, got, fused, options = fusion.fuse(units_step, measured, groups, tensors, chosen, costing)
+        assert got == fused_groups and list(fused_step.ready) == sorted(fused_step.ready)
+        assert decide.predict(fused_step, fused, options) <= decide.predict(units_step, tensors, chosen)
+        if len(got) == 2:
+            assert options == [Option(), topk] and fused[1].costs[topk] == costing.bucket([measured[0], measured[2]], topk)
+            assert decide.predict(fused_step, fused, options) < decide.predict(units_step, tensors, chosen)
+    # COO: e1, a dense w, e2; the profile timed e1 and e2 together, faster than apart
+    assert fusion.coo_units(["e1", "w", "e2", "v"], {"e1", "e2"}) == [["e1", "e2"]]
+    timed = {"e1": 0.004, "e2": 0.004, "e1+e2": 0.005}
+    own = {kind: {label: {n: scale * t for n, t in timed.items()} for label in (RING, SPARSE)}
+           for kind, scale in (("coo_own", 1.0), ("coo_loaded_own", 2.0))}
+    own["coo_slowdown_own"] = {label: dict.fromkeys(timed, 1.0) for label in (RING, SPARSE)}
+    costing = Costing({**FITS, **own}, workers=4)
+    measured = [Measured(TensorFacts("e1", 10**6, coo=True), (10**5, 10)), Measured(TensorFacts("w", 1000), (1000,)),
+                Measured(TensorFacts("e2", 10**6, coo=True), (10**5, 10))]
+    sparse = Option("none", SPARSE)
+    units_step, units, groups = units_of(Step((0.1,) * 3, 0.1), measured)
+    tensors = choices_of(units, groups, measured, costing, ["none"], JobFacts())
+    fused_step, got, fused, options = fusion.fuse(units_step, measured, groups, tensors, [sparse, Option(), sparse],
+                                                  costing)
+    assert got == [[1], [0, 2]] and options == [Option(), sparse]
+    assert fused[1].costs[sparse] == costing.cost(Measured(TensorFacts("e1+e2", 2 * 10**6, coo=True), (2 * 10**6,)),
+                                                  sparse)
+
+
 def test_coo_gradients_share_a_collective_where_the_profile_timed_them_together():
     """Three embeddings' COO gradients in a row under the sparse AllReduce: the profile timed the first
     two, and the first three, as one collective (fusion.coo_units), faster than apart: fused into one
@@ -455,6 +494,18 @@ def execution(rank: int, world: int) -> dict:
         # without a plan the COO gradients take the sparse AllReduce ("auto" with a communicator),
         # and those ready one after another share one collective
         out.update(trained_tables(sparcoll.torch.DataParallel(Tables(), comm=comm), rank, world, "unplanned coo"))
+        # a plan's unit whose members are not ready one after another (fusion.fuse joins a unit to the
+        # latest of its option): the ring's two layers around the sparse AllReduce's are one allreduce
+        apart = {"tensors": [{"name": n, "strategy": "sparse" if n.startswith("6.") else "ring",
+                              "unit": {"8": 0, "4": 0, "6": 1, "2": 2, "0": 2}[n[0]]}
+                             for n, _ in small_and_large().named_parameters()]}
+        dp = sparcoll.torch.DataParallel(small_and_large(), comm=comm, strategy=apart)
+        out["units apart"] = relative_error(step(dp, rank, 6, (12,)), reference_grads(small_and_large, 6, (12,), world))
+        starts = {}
+        for e in dp.trace:
+            starts.setdefault(e.start, []).append(e.name)
+        out["units apart collectives"] = sorted(sorted(names) for names in starts.values())
+        dp.close()
         # a plan's units close a bucket as soon as they are complete: here each small tensor is a unit
         names = [n for n, _ in small_and_large().named_parameters()]
         alone = {"tensors": [{"name": n, "strategy": "ring", "unit": i} for i, n in enumerate(names)]}
@@ -499,6 +550,17 @@ def test_the_planners_units_are_dataparallels_buckets(executed):
         assert len(rank["units topk:0.3"]) == 3 == len(rank["units blocktopk:0.3"])
         assert rank["bucketed none"] < 1e-5 and rank["bucketed topk"] < 1e-6
         assert rank["collectives alone"] == 10 and rank["units alone"] < 1e-5
+
+
+def test_a_plans_unit_gathers_its_members_whatever_is_ready_between_them(executed):
+    """The ring's unit of two layers with the sparse AllReduce's layer ready between them is one
+    allreduce, sent once both are ready; the layer between goes alone, a tensor at a time; the exact
+    average."""
+    for rank in executed:
+        assert rank["units apart"] < 1e-5
+        assert rank["units apart collectives"] == sorted(
+            [["4.bias", "4.weight", "8.bias", "8.weight"], ["6.bias"], ["6.weight"],
+             ["0.bias", "0.weight", "2.bias", "2.weight"]])
 
 
 def test_a_plans_unit_of_coo_gradients_is_one_sparse_allreduce(executed):

@@ -48,11 +48,12 @@ from .timeline import Cost, Step, simulate
 # training too; 22 the backward timeline warms up until its pages have settled; (23 was a warm-up of
 # the compressors' steps in backward, reverted) 24 the compressors' steps in backward timed as many as
 # fit in a few seconds; 25 the workers start with glibc's thread cache and fastbins off, so a freed
-# large gradient serves the next (allocator): no worker faults one in at a random iteration.
-PROFILE_VERSION = 25
+# large gradient serves the next (allocator): no worker faults one in at a random iteration; 26 the
+# COO gradients timed together whatever is ready between them (fusion.coo_units).
+PROFILE_VERSION = 26
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
-GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; every run whole
+GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; all at once
 TRIAL_UNIFORMS = 3
 DENSE_ONLY = "for dense gradients"      # a compressor's strategy on the dense gradients only (dense_only_of)
 TRIAL_WARMUP = 1
@@ -112,9 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "up during the trial then favours no candidate; 1 takes half the time)"
                              % trial.PASSES)
     parser.add_argument("--fusion", choices=(GREEDY, WHOLE), default=GREEDY,
-                        help="how neighbouring tensors of one compressor (or uncompressed on the ring) "
-                             "share a collective: greedy, one more while the model predicts no slower "
-                             "a step (default); whole, every such run of tensors in one collective. The "
+                        help="how tensors of one compressor (or uncompressed on the ring) share a "
+                             "collective: greedy, one more while the model predicts no slower a step "
+                             "(default); whole, all of them in one collective. The "
                              "trial also trains the plan and the best uniform strategy fused the other way")
     parser.add_argument("--json", metavar="PATH", help="write the plan to PATH")
     parser.add_argument("--timeout", type=float, default=600.0,

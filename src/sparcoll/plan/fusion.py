@@ -5,11 +5,14 @@ timeline prices each unit's collective on its own. Every collective has a fixed 
 bytes (about 5 ms among 4 processes on 2 cores), so gpt's 17 large compressed tensors, each in its
 own collective, made DataParallel 1.6-1.8x slower than DDP's compression hook, which sends a few
 25 MB buckets; the ring's large gradients, one allreduce each, made deeplight's ring for every tensor
-115 ms a step against DDP's 72. Here consecutive units (in backward order) under the same compressor
-and placement, or on the ring uncompressed, become one unit while the timeline predicts no slower a
+115 ms a step against DDP's 72. Here units (in backward order) under the same compressor and
+placement, or on the ring uncompressed, become one unit while the timeline predicts no slower a
 step: one collective of all their payloads (Costing.bucket; on the ring one allreduce), ready with its
-last member, which trades wait-free backpropagation's early start for fewer collectives.
-sparcoll.torch.DataParallel sends a plan's unit of several tensors as one bucket, whatever their sizes.
+last member, which trades wait-free backpropagation's early start for fewer collectives. A unit joins
+the latest unit of its option even past units of other options: deeplight's dense_embedding, ready
+between its two COO embeddings, joined the MLP's blocktopk collective that way, and its step went from
+0.92-0.94x DDP's to 0.97x (docs/benchmarks.md). sparcoll.torch.DataParallel sends a plan's unit of
+several tensors as one bucket, whatever their sizes, as soon as all of them are ready.
 """
 from __future__ import annotations
 
@@ -32,18 +35,12 @@ def fusable(option: Option, members: list[int], measured: list[Measured]) -> boo
 
 
 def coo_units(order: list[str], coo: set[str]) -> list[list[str]]:
-    """The units of several COO gradients the profile times as one collective: in backward order
-    (`order`), every run of consecutive COO gradients' prefixes of two or more. `fuse` joins a unit to
-    the one before it, so such a unit grows from the first of its run (one that starts later is not
-    priced, and stays apart)."""
-    units, run = [], []
-    for name in [*order, None]:
-        if name in coo:
-            run.append(name)
-            continue
-        units += [run[:k] for k in range(2, len(run) + 1)]
-        run = []
-    return units
+    """The units of several COO gradients the profile times as one collective: the prefixes of two or
+    more of the COO gradients in backward order (`order`), whatever is ready between them. `fuse`
+    joins a unit to the latest one of its option, so such a unit grows from the first COO gradient
+    (one that starts later is not priced, and stays apart)."""
+    run = [name for name in order if name in coo]
+    return [run[:k] for k in range(2, len(run) + 1)]
 
 
 def merged(members: list[int], option: Option, measured: list[Measured], costing: Costing) -> Choices | None:
@@ -62,8 +59,8 @@ def merged(members: list[int], option: Option, measured: list[Measured], costing
 
 
 def whole_runs(previous: list[int], members: list[int]) -> bool:
-    """`fuse`'s `joins` for every run of joinable neighbours in one collective. The greedy stops where
-    one more join predicts a slower step and can stop short of a whole run that predicts faster: it
+    """`fuse`'s `joins` for all the units of one option that may share, in one collective. The greedy
+    stops where one more join predicts a slower step and can stop short of a whole that predicts faster: it
     left gpt's blocktopk in 14 collectives, 208-212 ms a step measured, one collective 162-174; and
     the model cannot be trusted to pick between them: it also predicted one collective faster for
     vgg, measured 5-16% slower in two rounds and level within the noise in two others. So the trial
@@ -74,13 +71,13 @@ def whole_runs(previous: list[int], members: list[int]) -> bool:
 def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors: list[Choices],
          chosen: list[Option], costing: Costing, joins: Callable[[list[int], list[int]], bool] | None = None
          ) -> tuple[Step, list[list[int]], list[Choices], list[Option]]:
-    """The plan's units with neighbours of one compressor merged where the timeline predicts a step
-    no slower (greedy, in backward order: each unit joins the previous one if that predicts no worse),
-    or where `joins(previous members, members)` says so. A COO unit looks further: it joins with the
-    units after it up to whichever end of their run predicts the fastest step, if any is no slower
-    than apart (the profile timed only such prefixes together, and ncf's first two embeddings
-    together took longer than apart, all four together a third less). Returns the new units' Step,
-    members, Choices and options."""
+    """The plan's units with those of one compressor merged where the timeline predicts a step no
+    slower (greedy, in backward order: each unit joins the latest fused unit of its option, which then
+    comes after the units between them, if that predicts no worse), or where `joins(its members,
+    members)` says so. A COO unit looks further: it joins with the COO units after it up to whichever
+    predicts the fastest step, if any is no slower than apart (the profile timed only such prefixes
+    together, and ncf's first two embeddings together took longer than apart, all four together a
+    third less). Returns the new units' Step, members, Choices and options."""
     ready = list(step.ready)
     costs = [t.costs[o] for t, o in zip(tensors, chosen)]
 
@@ -89,27 +86,34 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
         return simulate(Step(tuple(head_ready + ready[i + 1:]), step.backward_end, step.optimizer),
                         head_costs + costs[i + 1:]).iteration
 
-    def may_join(k: int) -> bool:
-        return chosen[k] == out_chosen[-1] and fusable(chosen[k], groups[k], measured)
+    def target(i: int) -> int | None:
+        """The fused unit that unit i may join: the latest of its option, if both may share."""
+        same = [j for j, o in enumerate(out_chosen) if o == chosen[i]]
+        if not same or not fusable(chosen[i], groups[i], measured) \
+                or not fusable(chosen[i], out_groups[same[-1]], measured):
+            return None
+        return same[-1]
 
-    def joined_through(i: int) -> tuple[int, list[int], Choices] | None:
-        """The last unit that unit i joins the previous one up to, the members and the joined unit;
-        None if it stays apart."""
+    def joined_through(i: int, j: int) -> tuple[int, list[int], Choices] | None:
+        """The last unit that unit i joins fused unit j up to (i, or for COO gradients a later unit of
+        theirs), the members and the joined unit; None if it stays apart."""
         o = chosen[i]
         ends = [i]
         if joins is None and measured[groups[i][0]].facts.coo:
-            while ends[-1] + 1 < len(groups) and may_join(ends[-1] + 1):
+            while ends[-1] + 1 < len(groups) and chosen[ends[-1] + 1] == o \
+                    and fusable(o, groups[ends[-1] + 1], measured):
                 ends.append(ends[-1] + 1)
         apart = None if joins is not None else predicted(out_costs + [costs[i]], out_ready + [ready[i]], i)
         best, best_f = None, None
         for k in ends:
-            members = out_groups[-1] + [m for g in groups[i:k + 1] for m in g]
+            members = out_groups[j] + [m for g in groups[i:k + 1] for m in g]
             joined = merged(members, o, measured, costing)
             if joined is None:
                 continue
             if joins is not None:
-                return (k, members, joined) if joins(out_groups[-1], groups[i]) else None
-            f = predicted(out_costs[:-1] + [joined.costs[o]], out_ready[:-1] + [ready[k]], k)
+                return (k, members, joined) if joins(out_groups[j], groups[i]) else None
+            f = predicted(out_costs[:j] + out_costs[j + 1:] + [joined.costs[o]],
+                          out_ready[:j] + out_ready[j + 1:] + [ready[k]], k)
             if f <= apart and (best_f is None or f < best_f):
                 best, best_f = (k, members, joined), f
         return best
@@ -117,12 +121,17 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
     out_groups, out_tensors, out_chosen, out_ready, out_costs = [], [], [], [], []
     i = 0
     while i < len(groups):
-        through = joined_through(i) if out_chosen and may_join(i) and fusable(chosen[i], out_groups[-1], measured) \
-            else None
-        if through is not None:
+        j = target(i)
+        through = None if j is None else joined_through(i, j)
+        if through is not None:         # the joined unit goes after those ready before its last member
             k, members, joined = through
-            out_groups[-1] = members
-            out_tensors[-1], out_ready[-1], out_costs[-1] = joined, ready[k], joined.costs[chosen[i]]
+            for out in (out_groups, out_tensors, out_chosen, out_ready, out_costs):
+                del out[j]
+            out_groups.append(members)
+            out_tensors.append(joined)
+            out_chosen.append(chosen[i])
+            out_ready.append(ready[k])
+            out_costs.append(joined.costs[chosen[i]])
             i = k + 1
             continue
         out_groups.append(list(groups[i]))

@@ -63,6 +63,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import functools
+import itertools
 import json
 import queue
 import re
@@ -169,8 +170,8 @@ class DataParallel(nn.Module):
         self._held: list = []
         self._bucket: list = []           # (parameter, event, payload) of small gradients, in ready order
         self._bucket_bytes = 0            # their gradients' bytes
-        self._bucket_units: collections.Counter = collections.Counter()   # plan unit -> members in it
         self._bucket_kind: tuple = ()     # the bucket's (strategy, placement): one collective for all
+        self._unit_buckets: dict = {}     # a plan's unit -> (kind, its members so far, as in _bucket)
         self.world = dist.get_world_size(group)
         self.channel = Channel(group, comm)
         self._group_channel = Channel(group)     # the group's own collectives, without sparcoll
@@ -538,36 +539,58 @@ class DataParallel(nn.Module):
         MLP weights one by one made its step 1.16-1.22x longer on loopback). The bucket is formed
         on the training thread in ready order and sent when it is full, when a gradient that does
         not join it is ready, or at the end of backward, so it is the same on every rank without a
-        message; under a plan, as soon as it holds all of a unit of the plan (the plan priced the
-        unit ready with its last member: waiting for the next gradient cost ncf's first bucket 9 ms),
-        and then only: a unit may hold several large tensors, compressed or on the ring
-        (sparcoll.plan.fusion)."""
+        message. A plan's unit of several tensors gathers apart from it and from the other units (its
+        members need not be ready one after another: deeplight's dense_embedding is ready between
+        its two COO embeddings) and goes as soon as it is complete (the plan priced the unit ready
+        with its last member: waiting for the next gradient cost ncf's first bucket 9 ms), and then
+        only: a unit may hold several large tensors, compressed or on the ring (sparcoll.plan.fusion)."""
+        name = self._names.get(id(p), "?")
+        event = Event(name, kind[0], time.perf_counter())
+        self.trace.append(event)
+        unit = self._unit.get(name)
+        if unit is not None and self._unit_size[unit] > 1:
+            members = self._unit_buckets.setdefault(unit, (kind, []))[1]
+            members.append((p, event, payload))
+            if len(members) == self._unit_size[unit]:
+                self._send_unit(unit)
+            return
         if self._bucket and (self._bucket_kind != kind or self._bucket[0][0].grad.dtype != p.grad.dtype):
             self._flush()
         self._bucket_kind = kind
-        event = Event(self._names.get(id(p), "?"), kind[0], time.perf_counter())
-        self.trace.append(event)
         self._bucket.append((p, event, payload))
         self._bucket_bytes += p.grad.numel() * p.grad.element_size()
-        unit = self._unit.get(event.name)
-        if unit is None:
-            full = self._bucket_bytes >= (COO_BUCKET_BYTES if p.grad.is_sparse else BUCKET_BYTES)
-        else:
-            self._bucket_units[unit] += 1
-            full = self._bucket_units[unit] == self._unit_size[unit]
-        if full:
+        # a plan's unit of one tensor goes at once
+        if unit is not None or self._bucket_bytes >= (COO_BUCKET_BYTES if p.grad.is_sparse else BUCKET_BYTES):
             self._flush()
 
     def _flush(self) -> None:
+        """The open bucket (not a plan's unit) to the synchronization thread."""
         if not self._bucket:
             return
-        bucket, self._bucket = self._bucket, []
-        self._bucket_bytes, self._bucket_units = 0, collections.Counter()
-        whole = {hybrid.RING: BUCKET, hybrid.SPARSE: COO_UNIT}.get(self._bucket_kind[0])   # uncompressed
+        bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
+        self._put_bucket(self._bucket_kind, bucket)
+
+    def _send_unit(self, unit: int) -> None:
+        """A plan's unit, complete or at the end of backward, after the open bucket (ready before
+        it); one collective per dtype, as a bucket holds one."""
+        self._flush()
+        kind, members = self._unit_buckets.pop(unit)
+        for _, same in itertools.groupby(members, key=lambda member: member[0].grad.dtype):
+            self._put_bucket(kind, list(same))
+
+    def _send_incomplete_units(self) -> None:
+        """At the end of backward, the units some of whose members had no gradient, in the plan's
+        order: the same on every rank that missed the same ones (DDP's rule: find_unused_parameters
+        for ranks that differ)."""
+        for unit in sorted(self._unit_buckets):
+            self._send_unit(unit)
+
+    def _put_bucket(self, kind: tuple, bucket: list) -> None:
+        whole = {hybrid.RING: BUCKET, hybrid.SPARSE: COO_UNIT}.get(kind[0])   # uncompressed
         if whole is not None:
             self._put((None, whole, [q for q, _, _ in bucket], [e for _, e, _ in bucket]))
         else:
-            self._put_compressed(self._bucket_kind, bucket)
+            self._put_compressed(kind, bucket)
 
     def _put_compressed(self, kind: tuple, members: list) -> None:
         """(parameter, event, payload) of one compressor in one placement: one collective for all."""
@@ -617,6 +640,7 @@ class DataParallel(nn.Module):
                 p.grad = sparse.zeros_like(p) if id(p) in self._coo else torch.zeros_like(p)
             self._hand_on(p)
         self._flush()
+        self._send_incomplete_units()
         self._handed, self._got, self._accumulated_ids = 0, set(), set()
         if self._arrivals is None:
             counts = torch.tensor(used, dtype=torch.int32)
@@ -662,6 +686,7 @@ class DataParallel(nn.Module):
             stand_ins, counts = [], None
             self._warn_if_some_stopped_coming()
         self._flush()
+        self._send_incomplete_units()
         if not self.find_unused_parameters:     # (with it every rank reduces the same by construction)
             self._put((None, CHECK, None, []))
         self._armed = False
