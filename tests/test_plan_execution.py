@@ -506,6 +506,17 @@ def execution(rank: int, world: int) -> dict:
             starts.setdefault(e.start, []).append(e.name)
         out["units apart collectives"] = sorted(sorted(names) for names in starts.values())
         dp.close()
+        # a hand-made unit of two kinds: each member under its own strategy, one collective per kind
+        mixed = {"tensors": [{"name": n, "strategy": "fp16" if n.startswith("6.") else "ring",
+                              "unit": 0 if n[0] in "86" else 1}
+                             for n, _ in small_and_large().named_parameters()]}
+        dp = sparcoll.torch.DataParallel(small_and_large(), comm=comm, strategy=mixed)
+        out["mixed unit"] = relative_error(step(dp, rank, 6, (12,)), reference_grads(small_and_large, 6, (12,), world))
+        starts = {}
+        for e in dp.trace:
+            starts.setdefault(e.start, []).append((e.name, e.strategy))
+        out["mixed unit collectives"] = sorted(sorted(members) for members in starts.values())
+        dp.close()
         # a plan's units close a bucket as soon as they are complete: here each small tensor is a unit
         names = [n for n, _ in small_and_large().named_parameters()]
         alone = {"tensors": [{"name": n, "strategy": "ring", "unit": i} for i, n in enumerate(names)]}
@@ -561,6 +572,16 @@ def test_a_plans_unit_gathers_its_members_whatever_is_ready_between_them(execute
         assert rank["units apart collectives"] == sorted(
             [["4.bias", "4.weight", "8.bias", "8.weight"], ["6.bias"], ["6.weight"],
              ["0.bias", "0.weight", "2.bias", "2.weight"]])
+
+
+def test_a_hand_made_unit_of_two_kinds_sends_each_member_under_its_own_strategy(executed):
+    """A unit of ring and fp16 tensors (the planner never makes one): a collective per kind, as ready,
+    each member under its own strategy; fp16's rounding, no more."""
+    for rank in executed:
+        assert rank["mixed unit collectives"] == sorted(
+            [[("6.bias", "fp16"), ("6.weight", "fp16")], [("8.bias", "ring"), ("8.weight", "ring")],
+             [(f"{n}.{kind}", "ring") for n in "024" for kind in ("bias", "weight")]])
+        assert 1e-7 < rank["mixed unit"] < 1e-2
 
 
 def test_a_plans_unit_of_coo_gradients_is_one_sparse_allreduce(executed):

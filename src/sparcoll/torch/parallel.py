@@ -63,7 +63,6 @@ import concurrent.futures
 import contextlib
 import datetime
 import functools
-import itertools
 import json
 import queue
 import re
@@ -171,7 +170,7 @@ class DataParallel(nn.Module):
         self._bucket: list = []           # (parameter, event, payload) of small gradients, in ready order
         self._bucket_bytes = 0            # their gradients' bytes
         self._bucket_kind: tuple = ()     # the bucket's (strategy, placement): one collective for all
-        self._unit_buckets: dict = {}     # a plan's unit -> (kind, its members so far, as in _bucket)
+        self._unit_buckets: dict = {}     # a plan's unit -> [kind, members gathered (as in _bucket), count]
         self.world = dist.get_world_size(group)
         self.channel = Channel(group, comm)
         self._group_channel = Channel(group)     # the group's own collectives, without sparcoll
@@ -549,9 +548,16 @@ class DataParallel(nn.Module):
         self.trace.append(event)
         unit = self._unit.get(name)
         if unit is not None and self._unit_size[unit] > 1:
-            members = self._unit_buckets.setdefault(unit, (kind, []))[1]
-            members.append((p, event, payload))
-            if len(members) == self._unit_size[unit]:
+            gathering = self._unit_buckets.setdefault(unit, [kind, [], 0])
+            if gathering[1] and (gathering[0] != kind or gathering[1][0][0].grad.dtype != p.grad.dtype):
+                # a hand-made plan's unit of several kinds (or dtypes): one collective per kind, as
+                # without a plan, never a member sent under another's strategy
+                self._flush()
+                self._put_bucket(gathering[0], gathering[1])
+                gathering[:2] = kind, []
+            gathering[1].append((p, event, payload))
+            gathering[2] += 1
+            if gathering[2] == self._unit_size[unit]:
                 self._send_unit(unit)
             return
         if self._bucket and (self._bucket_kind != kind or self._bucket[0][0].grad.dtype != p.grad.dtype):
@@ -571,12 +577,10 @@ class DataParallel(nn.Module):
         self._put_bucket(self._bucket_kind, bucket)
 
     def _send_unit(self, unit: int) -> None:
-        """A plan's unit, complete or at the end of backward, after the open bucket (ready before
-        it); one collective per dtype, as a bucket holds one."""
+        """A plan's unit, complete or at the end of backward, after the open bucket (ready before it)."""
         self._flush()
-        kind, members = self._unit_buckets.pop(unit)
-        for _, same in itertools.groupby(members, key=lambda member: member[0].grad.dtype):
-            self._put_bucket(kind, list(same))
+        kind, members, _ = self._unit_buckets.pop(unit)
+        self._put_bucket(kind, members)
 
     def _send_incomplete_units(self) -> None:
         """At the end of backward, the units some of whose members had no gradient, in the plan's
