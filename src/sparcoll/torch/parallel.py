@@ -549,7 +549,7 @@ class DataParallel(nn.Module):
         unit = self._unit.get(name)
         if unit is not None and self._unit_size[unit] > 1:
             gathering = self._unit_buckets.setdefault(unit, [kind, [], 0])
-            if gathering[1] and (gathering[0] != kind or gathering[1][0][0].grad.dtype != p.grad.dtype):
+            if _other_kind(gathering[0], gathering[1], kind, p.grad):
                 # a hand-made plan's unit of several kinds (or dtypes): one collective per kind, as
                 # without a plan, never a member sent under another's strategy
                 self._flush()
@@ -560,7 +560,7 @@ class DataParallel(nn.Module):
             if gathering[2] == self._unit_size[unit]:
                 self._send_unit(unit)
             return
-        if self._bucket and (self._bucket_kind != kind or self._bucket[0][0].grad.dtype != p.grad.dtype):
+        if _other_kind(self._bucket_kind, self._bucket, kind, p.grad):
             self._flush()
         self._bucket_kind = kind
         self._bucket.append((p, event, payload))
@@ -955,6 +955,12 @@ class DataParallel(nn.Module):
                 dist.broadcast(flat, group=self.group, group_src=0)
                 for t, part in zip(same, flat.split([t.numel() for t in same])):
                     t.copy_(part.view_as(t))
+
+
+def _other_kind(kind: tuple, members: list, new_kind: tuple, grad: torch.Tensor) -> bool:
+    """Whether `grad`, of `new_kind`, cannot join `members` (as in DataParallel._bucket) gathered under
+    `kind`: one collective carries one kind and one dtype."""
+    return bool(members) and (kind != new_kind or members[0][0].grad.dtype != grad.dtype)
 
 
 def _load(strategy) -> tuple[Union[str, dict], dict, dict]:
