@@ -17,6 +17,7 @@ from torch import nn
 import sparcoll
 import sparcoll.torch
 from sparcoll.torch import hybrid
+from sparcoll.torch.dropped import DivergedError
 from pause import Pause
 from ranks import run_ranks
 from sparcoll.bench.netem import netem_available
@@ -937,3 +938,197 @@ def test_find_unused_parameters_gives_the_average_of_what_each_rank_used():
         assert out["sfb refused"] and "find_unused_parameters" in out["sfb refused"], out
         assert out["overlap"], out
         assert out["upside down overlap"][1:] == [True, True], out
+
+
+class Raising(torch.autograd.Function):
+    """The identity, whose backward raises while `armed`: a backward that fails half way, after the
+    layers above it have handed their gradients on and before those below have any."""
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if Raising.armed:
+            raise ArithmeticError("injected in backward")
+        return grad
+
+
+class HalfFailing(nn.Module):
+    """Layer 1's weight (900 x 300, 1.08 MB) goes alone, as soon as it is ready; layer 2's are small
+    (a bucket); Raising stops backward before layer 0's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.layers = nn.ModuleList([nn.Linear(12, 300), nn.Linear(300, 900), nn.Linear(900, 5)])
+
+    def forward(self, x):
+        h = Raising.apply(torch.relu(self.layers[0](x)))
+        return self.layers[2](torch.relu(self.layers[1](h)))
+
+
+class HalfFailingEmbeddings(nn.Module):
+    """Two sparse embeddings, Raising between them: backward fails after `after`'s COO gradient and
+    before `before`'s."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(9)
+        self.before = nn.Embedding(50, 8, sparse=True)
+        self.after = nn.Embedding(50, 8, sparse=True)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, ids):
+        return self.head(Raising.apply(self.before(ids)) + self.after(ids))
+
+
+def embedding_loss(model: nn.Module, rank: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    ids = torch.randint(50, (6,), generator=g)
+    return model(ids).pow(2).mean()
+
+
+def embedding_reference(world: int, seed: int) -> list:
+    model = HalfFailingEmbeddings().double()
+    (sum(embedding_loss(model, r, seed) for r in range(world)) / world).backward()
+    return [p.grad.to_dense().float() for p in model.parameters()]
+
+
+def dense_grads(model: nn.Module) -> list:
+    return [p.grad.to_dense() for p in model.parameters()]
+
+
+def failed_backward(rank: int, world: int, raising: tuple, labels: tuple | None = None) -> dict:
+    """Per setting: a step, a step whose backward raises on the ranks in `raising` (caught), the
+    gradients cleared as a training loop does (zero_grad, to None or to zeros in turn), then two
+    steps whose gradients must be the average. Returns each setting's errors and what each step
+    raised."""
+    comm = sparcoll.init()
+    planned = {"tensors": [{"name": n, "strategy": "ring", "unit": 0 if n.startswith("layers.2") else i}
+                           for i, (n, _) in enumerate(HalfFailing().named_parameters())]}
+    settings_ = [("ring", HalfFailing, {"strategy": "ring"}),
+                 ("auto", HalfFailing, {"strategy": "auto"}),
+                 ("ps", HalfFailing, {"strategy": "ps"}),
+                 ("sparse", HalfFailing, {"strategy": "sparse"}),
+                 ("fp16 offloaded", HalfFailing, {"strategy": {"tensors": [
+                     {"name": n, "strategy": "fp16", "placement": "offload", "unit": i}
+                     for i, (n, _) in enumerate(HalfFailing().named_parameters())]}}),
+                 ("planned", HalfFailing, {"strategy": planned}),
+                 ("held", HalfFailing, {"strategy": "ring", "wait_free": False}),
+                 ("unused", HalfFailing, {"strategy": "ring", "find_unused_parameters": True}),
+                 ("coo sparse", HalfFailingEmbeddings, {"strategy": "sparse"}),
+                 ("coo gloo", HalfFailingEmbeddings, {"strategy": "ring"})]
+    out = {}
+    try:
+        for label, make, kwargs in settings_:
+            if labels is not None and label not in labels:
+                continue
+            dp = sparcoll.torch.DataParallel(make(), comm=comm, timeout=20, **kwargs)
+            errors, raised = [], []
+            for s in range(4):
+                dp.zero_grad(set_to_none=s % 2 == 0)
+                Raising.armed = s == 1 and rank in raising
+                try:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        if make is HalfFailing:
+                            x, y = batch(rank, 6, (12,), seed=s)
+                            nn.functional.mse_loss(dp(x), y).backward()
+                        else:
+                            embedding_loss(dp, rank, s).backward()
+                    raised.append([str(w.message) for w in caught if "dropped" in str(w.message)])
+                except Exception as exc:        # noqa: BLE001 (what each step raised is the result)
+                    raised.append(f"{type(exc).__name__}: {exc}")
+                    if isinstance(exc, DivergedError):
+                        break                   # the job cannot go on
+                    continue
+                finally:
+                    Raising.armed = False
+                want = (reference_grads(HalfFailing, 6, (12,), world, seed=s) if make is HalfFailing
+                        else embedding_reference(world, s))
+                errors.append(relative_error(dense_grads(dp.module), want))
+            out[label] = {"errors": errors, "raised": raised}
+            dp.close()
+    finally:
+        comm.close()
+    return out
+
+
+def test_a_step_whose_backward_raised_on_every_rank_is_dropped_and_the_next_steps_are_exact():
+    """Before, the wrapper stayed armed after such a step: the next backward did not wait for its
+    synchronizations and sent the old step's half-filled buckets with its own gradients, whose
+    average came out wrong by 1e-3 relative, silently (ring), or without a gradient at all (SFB)."""
+    for rank, out in enumerate(run_ranks(failed_backward, WORLD, timeout=150, raising=tuple(range(WORLD)))):
+        for label, got in out.items():
+            raised, errors = got["raised"], got["errors"]
+            assert raised[1] == "ArithmeticError: injected in backward", (rank, label, raised)
+            assert raised[0] == [] and raised[3] == [], (rank, label, raised)
+            assert len(raised[2]) == 1 and "dropped that step" in raised[2][0], (rank, label, raised)
+            assert len(errors) == 3, (rank, label, got)
+            tolerance = 2e-3 if label.startswith("fp16") else 1e-5
+            assert max(errors) <= tolerance, (rank, label, errors)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "sparse", "auto"])
+def test_a_backward_that_raised_on_one_rank_only_fails_every_rank_within_seconds(strategy):
+    """Rank 1's backward raises half way, the others' go through: they wait for collectives rank 1
+    never starts, rank 1's next forward would pair its next step's with them. Every rank raises
+    DivergedError instead, the others in that step's backward, rank 1 at its next forward."""
+    start = time.monotonic()
+    outcome = run_ranks(failed_backward, WORLD, timeout=90, raising=(1,), labels=(strategy,))
+    assert time.monotonic() - start < 20
+    for rank, out in enumerate(outcome):
+        raised = out[strategy]["raised"]
+        assert raised[0] == [], (rank, raised)
+        if rank == 1:
+            assert raised[1:] == ["ArithmeticError: injected in backward",
+                                  "DivergedError: step 1's backward raised on rank 1, but a peer finished that "
+                                  "step: the ranks no longer agree; restart the job (from a checkpoint)"], raised
+        else:
+            assert raised[1:] == [f"DivergedError: a peer's backward raised in step 1, which rank {rank} "
+                                  f"finished: the ranks no longer agree; restart the job (from a checkpoint)"], \
+                (rank, raised)
+
+
+def agreement(rank: int, world: int) -> dict:
+    """DroppedSteps alone: every rank drops step 0 after as many collectives; then step 1 after
+    different counts; then step 2 on ranks 0 and 1 only."""
+    from sparcoll.torch.dropped import DroppedSteps
+    steps = DroppedSteps(None, rank, world)
+    out = {"same": steps.drop(0, 4, timeout=20)}
+    try:
+        steps.drop(1, rank, timeout=20)
+    except DivergedError as exc:
+        out["different"] = str(exc)
+    dist.barrier()
+    if rank < 2:
+        start = time.monotonic()
+        try:
+            steps.drop(2, 4, timeout=1)
+        except DivergedError as exc:
+            out["missing"], out["missing seconds"] = str(exc), time.monotonic() - start
+    dist.barrier()
+    # a rank that finished step 3 (waiting for its collectives) hears of a peer's drop of step 2 or 3
+    out["heard"] = [steps.dropped_by_a_peer(s) for s in (3, 4, 5)]
+    return out
+
+
+def test_the_ranks_drop_a_step_only_if_every_one_raised_after_as_many_collectives():
+    for rank, out in enumerate(run_ranks(agreement, WORLD, timeout=60)):
+        assert out["same"] is None, out
+        assert out["different"] == ("step 1's backward raised on every rank, at different points: the "
+                                    "ranks had started [0, 1, 2] collectives; restart the job (from a "
+                                    "checkpoint)"), out
+        if rank < 2:
+            assert out["missing"].startswith("step 2's backward raised on rank"), out
+            assert "not every rank said within 1 s" in out["missing"] and 1 <= out["missing seconds"] < 5, out
+            # step 2 was dropped by a peer, this rank finished step 3: it hears of step 2 at step 3,
+            # never of a step it dropped itself (2, the last) or of later ones
+            assert out["heard"][1:] == [None, None], out
+        else:
+            assert "missing" not in out, out
+            assert out["heard"][0].startswith("a peer's backward raised in step 2, which rank 2 finished"), out
+            assert out["heard"][1:] == [None, None], out

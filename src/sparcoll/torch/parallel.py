@@ -87,6 +87,7 @@ from sparcoll.compress.channel import Channel
 from sparcoll.errors import CollectiveTimeout, MismatchError
 
 from . import hybrid, sparse
+from .dropped import DivergedError, DroppedSteps
 from .ps import ps_allreduce
 from .sfb import Call, LinearState, eligible_layers, gather_factors
 
@@ -107,6 +108,7 @@ COO_BUCKET_BYTES = 25 << 20     # COO gradients under the sparse AllReduce share
                                 # tables (dense) hold this much (DDP's bucket_cap_mb): the same on
                                 # every rank, where their rows are not
 STRATEGIES = (hybrid.RING, hybrid.PS, hybrid.SPARSE, hybrid.SFB)
+WATCH_EVERY_S = 1.0     # backward waiting longer for its synchronizations looks whether a peer dropped the step
 
 
 def takes_average_in_place(grad: torch.Tensor) -> bool:
@@ -155,7 +157,11 @@ class DataParallel(nn.Module):
     synchronized, in one broadcast per dtype. find_unused_parameters: as DDP's, for models whose
     data decides which parameters a step uses (a branch one rank takes and another does not): a
     parameter without a gradient on a rank contributes zeros there, and one no rank used keeps its
-    gradient as it was; SFB is not used (its factors need every rank's call of the layer)."""
+    gradient as it was; SFB is not used (its factors need every rank's call of the layer). A backward
+    that raised on every rank at the same point (caught by the caller) is dropped at the next
+    forward, its gradients cleared; where the ranks' backward did not all raise alike, every rank
+    raises DivergedError instead (sparcoll.torch.dropped). Build wrappers in the same order on every
+    rank."""
 
     def __init__(self, module: nn.Module, comm: Communicator | None = None, group=None,
                  strategy: Union[str, Mapping, Path] = AUTO, timeout: float = 300.0,
@@ -241,6 +247,9 @@ class DataParallel(nn.Module):
         self._idle = threading.Condition()
         self._error: BaseException | None = None
         self._armed = False
+        self._step = -1             # the synchronized steps' count (the one armed, or the last)
+        self._started = 0           # the items this step queued (collectives, most of them)
+        self._dropped = DroppedSteps(group, dist.get_rank(group), self.world) if self.world > 1 else None
         self.trace: list[Event] = []
         self.backward_end = float("nan")
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -254,6 +263,8 @@ class DataParallel(nn.Module):
 
     # ---- the user's side --------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self._armed and torch._C._current_graph_task_id() == -1:    # not a recomputation in backward
+            self._drop_failed_step()
         if self.broadcast_buffers and self._sync and self.world > 1 and torch.is_grad_enabled():
             self._broadcast_buffers()
         return self.module(*args, **kwargs)
@@ -473,7 +484,7 @@ class DataParallel(nn.Module):
                              and self._unit_size[unit] > 1) or (coo_sparse and not self._unit) \
             or (dense_ring and self._ring_bucketed(size))
         if not (compressed or ((dense_ring or coo_sparse) and bucketed)):
-            self._enqueue(p, chosen, None)
+            self._enqueue(p, chosen, p.grad)
             return
         kind = (chosen, self._placement_of(p, chosen) if compressed else CHANNEL)
         try:
@@ -524,6 +535,7 @@ class DataParallel(nn.Module):
         self._put((p, chosen, extra, [event]))
 
     def _put(self, item: tuple) -> None:
+        self._started += 1
         with self._idle:
             self._pending += 1
         if self.wait_free:
@@ -592,13 +604,13 @@ class DataParallel(nn.Module):
     def _put_bucket(self, kind: tuple, bucket: list) -> None:
         whole = {hybrid.RING: BUCKET, hybrid.SPARSE: COO_UNIT}.get(kind[0])   # uncompressed
         if whole is not None:
-            self._put((None, whole, [q for q, _, _ in bucket], [e for _, e, _ in bucket]))
+            self._put((None, whole, [(q, q.grad) for q, _, _ in bucket], [e for _, e, _ in bucket]))
         else:
             self._put_compressed(kind, bucket)
 
     def _put_compressed(self, kind: tuple, members: list) -> None:
         """(parameter, event, payload) of one compressor in one placement: one collective for all."""
-        self._put((None, COMPRESSED, (self._reducer(*kind), [(q, x) for q, _, x in members]),
+        self._put((None, COMPRESSED, (self._reducer(*kind), [(q, q.grad, x) for q, _, x in members]),
                    [e for _, e, _ in members]))
 
     def _arm(self) -> None:
@@ -606,6 +618,8 @@ class DataParallel(nn.Module):
         if self._armed:
             return
         self._armed = True
+        self._step += 1
+        self._started = 0
         self.trace = []
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         self._share_rows()
@@ -698,17 +712,7 @@ class DataParallel(nn.Module):
         held, self._held = self._held, []
         for item in held:
             self._queue.put(item)
-        deadline = time.monotonic() + self.timeout
-        with self._idle:
-            # after an error the thread skips the rest of the step at once: wait for all of it, so
-            # that nothing of this step runs after the error is cleared
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CollectiveTimeout(f"gradient synchronization did not finish within "
-                                            f"{self.timeout} s")
-                self._idle.wait(left)
-            error, self._error = self._error, None
+        error = self._wait_for_the_step("gradient synchronization")
         self._unchecked = []        # a step's gradients are checked in that step's buckets or not at all
         self._restore_unused_everywhere(stand_ins, counts, error)
         if error is None and counts is not None and len(counts) > len(self._order):
@@ -722,6 +726,70 @@ class DataParallel(nn.Module):
                     state.bias.grad = bias
         if error is not None:
             raise RuntimeError(f"gradient synchronization failed: {error}{self._hint(error)}") from error
+
+    def _wait_for_the_step(self, what: str, watch: bool = True) -> BaseException | None:
+        """Wait for every synchronization of the step (within the timeout) and take its error, if any.
+        After an error the thread skips the rest of the step at once: waiting for all of it means
+        that nothing of this step runs after the error is cleared. `watch`: every second of waiting,
+        look whether a peer dropped this step (its backward raised, this rank's did not)."""
+        now = time.monotonic()
+        deadline, look = now + self.timeout, now + WATCH_EVERY_S
+        while True:
+            with self._idle:
+                while self._pending and now < min(deadline, look):
+                    self._idle.wait(min(deadline, look) - now)
+                    now = time.monotonic()
+                if not self._pending:
+                    error, self._error = self._error, None
+                    return error
+            if now >= deadline:
+                raise CollectiveTimeout(f"{what} did not finish within {self.timeout} s")
+            look = now + WATCH_EVERY_S
+            diverged = self._dropped.dropped_by_a_peer(self._step) if watch and self._dropped else None
+            if diverged is not None:
+                raise DivergedError(diverged)
+
+    def _drop_failed_step(self) -> None:
+        """At the forward after a backward that raised (autograd never called _finish): the step is
+        dropped, if every rank's backward raised at the same point (sparcoll.torch.dropped: the ranks
+        agree through the Store, else DivergedError on every rank). The step's synchronizations
+        already started run to their end, paired with the peers' same ones; what it had not sent
+        (the open bucket, the units being gathered, the held items) is dropped on every rank alike;
+        every gradient is cleared (set to None, as zero_grad does: a result of the step's
+        synchronization may have landed after the caller cleared them). Before, the next backward
+        found the wrapper armed: it never waited for its synchronizations and sent the old step's
+        half-filled buckets with its own gradients (gradients off by 1e-3 on a 3-layer MLP,
+        silently). DDP instead refuses every later step."""
+        error = None
+        with self._idle:
+            self._pending -= len(self._held)        # never queued (wait_free=False)
+        self._held = []
+        try:
+            self._dropped.drop(self._step, self._started, self.timeout)
+            error = self._wait_for_the_step("the synchronization of a step whose backward raised",
+                                            watch=False)
+            payloads = [x for _, _, x in self._bucket] + [x for gathering in self._unit_buckets.values()
+                                                          for _, _, x in gathering[1]]
+            concurrent.futures.wait([x for x in payloads if isinstance(x, concurrent.futures.Future)],
+                                    timeout=self.timeout)     # offloaded compressions: their memory settles
+        finally:
+            self._bucket, self._bucket_bytes, self._unit_buckets, self._held = [], 0, {}, []
+            self._armed = self._accumulated = False
+            self._unchecked = []
+            self._came = set()
+            self._handed, self._got, self._accumulated_ids = 0, set(), set()
+            if self._arrivals is not None:
+                self._arrivals = []
+            for state in self._linear.values():
+                state.reset()
+            for p in self._params:
+                p.grad = None
+        warnings.warn("a backward raised before its gradients were synchronized, on every rank: "
+                      "DataParallel dropped that step and cleared the gradients", RuntimeWarning,
+                      stacklevel=5)      # the caller's model(...)
+        if error is not None:
+            raise RuntimeError(f"the synchronization of a step whose backward raised failed: {error}"
+                               f"{self._hint(error)}") from error
 
     def _hint(self, error: BaseException) -> str:
         """What a MismatchError means here: the parameters its tags stand for, and the likely cause."""
@@ -794,46 +862,46 @@ class DataParallel(nn.Module):
         if chosen == CHECK:
             return self._check_alone()
         if chosen == BUCKET:
-            grads = [q.grad for q in extra]
-            tags, self._unchecked = self._unchecked + [self._tags[id(q)] for q in extra], []
+            params, grads = zip(*extra)
+            tags, self._unchecked = self._unchecked + [self._tags[id(q)] for q in params], []
             check = self._bucket_check(tags, grads[0].dtype)
             flats, work = self.channel.start_allreduce_mean_many(
                 [g.reshape(-1) for g in grads] + ([] if check is None else [check]))
 
             def finish() -> None:
                 if check is not None and not torch.equal(flats[-1], check):
-                    names = ", ".join(self._names.get(id(q), "?") for q in extra[:4])
+                    names = ", ".join(self._names.get(id(q), "?") for q in params[:4])
                     raise self._mixed(f"since the last check (this rank's bucket: {names}"
-                                      f"{' ...' if len(extra) > 4 else ''}, and the gradients before)")
-                for q, grad, flat in zip(extra, grads, flats):
+                                      f"{' ...' if len(params) > 4 else ''}, and the gradients before)")
+                for q, grad, flat in zip(params, grads, flats):
                     self._put_back(q, grad, flat)
             return self._later(work, finish)
         if chosen == COO_UNIT:          # one sparse AllReduce of the unit's rows (sparse.concatenate)
-            grads = [self._note_rows(q, q.grad.coalesce()) for q in extra]
-            totals = sparse.allreduce_many(grads, "avg", self.comm, tag=self._tags[id(extra[0])])
-            for q, total in zip(extra, totals):
+            grads = [self._note_rows(q, grad.coalesce()) for q, grad in extra]
+            totals = sparse.allreduce_many(grads, "avg", self.comm, tag=self._tags[id(extra[0][0])])
+            for (q, _), total in zip(extra, totals):
                 q.grad = total
             return None
         if chosen == COMPRESSED:
             reducer, members = extra
-            grads = [q.grad for q, _ in members]
+            grads = [grad for _, grad, _ in members]
             if reducer.compressor.scheme != "sparse":   # on gloo's group: the next bucket checks them
-                self._unchecked += [self._tags[id(q)] for q, _ in members]
+                self._unchecked += [self._tags[id(q)] for q, _, _ in members]
             payloads = [x.result(timeout=self.timeout) if isinstance(x, concurrent.futures.Future) else x
-                        for _, x in members]
+                        for _, _, x in members]
             # the averages straight into the gradients where they are flat float32 (vgg's layers:
             # 400 MB of copy fewer per step)
             into = [g.view(-1) for g in grads] if all(map(takes_average_in_place, grads)) else None
             tag = self._tags[id(members[0][0])]
             if payloads[0] is None:             # compressed here, on the synchronization thread
-                outs = reducer.reduce_many(grads, [id(q) for q, _ in members], into=into, tag=tag)
+                outs = reducer.reduce_many(grads, [id(q) for q, _, _ in members], into=into, tag=tag)
             else:
                 outs = reducer.communicate(payloads, grads, into, tag)
             for grad, out in zip(grads, outs):
                 if out.data_ptr() != grad.data_ptr():
                     grad.copy_(out.view_as(grad))
             return None
-        grad = p.grad
+        grad = extra        # as it was handed on: the caller may have cleared p.grad after a failed backward
         if grad.is_sparse:
             return self._synchronize_coo(p, self._note_rows(p, grad.coalesce()), chosen)
         flat = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1).clone()
