@@ -466,6 +466,80 @@ def test_a_candidate_of_short_steps_trains_longer(monkeypatch):
     assert asked == {"planned": 1 + 8, "uniform ring": 1 + 3}
 
 
+def test_an_interleaved_trial_runs_every_candidate_in_one_job_and_leaves_out_fresh_memory(monkeypatch):
+    """A fake launcher: a job of several modes reports a step of each in turn (mode index in each
+    event), a slow patch of the machine makes every step of one part of the job 50% slower (whatever
+    mode: it must favour none), one step of "uniform ring" took fresh memory (left out, or it would
+    look slower than "planned"); DDP's reference runs in a job of its own after them."""
+    durations = {"planned": 0.30, "uniform ring": 0.30, "uniform sfb": 0.45}
+    launched = []
+
+    def launch(config, workers, network, timeout, on_event):
+        if config["comm"] == "ddp":
+            launched.append(trial.DDP)
+            for _ in range(config["steps"]):
+                on_event({"event": "step", "step_s": 0.8, "comm_s": 0.4, "page_faults": 0})
+            return
+        names = [m["strategy"]["name"] for m in config["modes"]]
+        launched.append(tuple(names))
+        assert all(m["comm"] == trial.PLANNED for m in config["modes"])
+        for step in range(config["steps"]):
+            slow = 1.5 if 3 <= step < 6 else 1.0
+            for index, name in enumerate(names):
+                fresh = name == "uniform ring" and step == 4
+                on_event({"event": "step", "mode": index, "step": step, "comm_s": 0.1,
+                          "step_s": 9.0 if step == 0 else (1.0 if fresh else durations[name] * slow),
+                          "page_faults": trial.FAULTING_PAGES if fresh else 10})
+    monkeypatch.setattr(trial, "launch", launch)
+    advanced = []
+    plans = {n: {"name": n, "predicted_step_s": 10.0} for n in durations}
+    step_s, failed, reference, passes = trial.measure({}, plans, 4, "none", 8, 1, 10.0,
+                                                      lambda what, more=0: advanced.append(more), 8,
+                                                      interleave=True)
+    assert launched == [tuple(plans), trial.DDP, trial.DDP, tuple(plans)]      # DDP apart, reversed
+    assert step_s["planned"] == pytest.approx(step_s["uniform ring"])          # fresh memory left out
+    assert step_s["uniform sfb"] == pytest.approx(1.5 * step_s["planned"])
+    # the warm-up left out, and step 4 for every candidate: 5 steps as fast, 2 slow
+    assert step_s["planned"] == pytest.approx(0.3 * (5 + 2 * 1.5) / 7)
+    assert reference == {"step_s": pytest.approx(0.8), "comm_share": pytest.approx(0.5)} and failed == {}
+    assert all(len(p) == trial.PASSES for p in passes.values())
+    assert len(advanced) == trial.PASSES * (3 * 9 + 9) and not any(advanced)    # the bar completes
+
+
+def test_an_interleaved_trial_that_fails_trains_every_candidate_apart(monkeypatch):
+    """One candidate cannot run: the interleaved job fails, and the trial goes on in jobs of their
+    own, where only that one is left out; the bar grows by the steps run again."""
+    launched = []
+
+    def launch(config, workers, network, timeout, on_event):
+        modes = config.get("modes") or [config]
+        names = [trial.DDP if m["comm"] == "ddp" else m["strategy"]["name"] for m in modes]
+        launched.append(tuple(names))
+        for step in range(config["steps"]):
+            for index, name in enumerate(names):
+                if name == "uniform sfb" and step == 1:
+                    raise BenchError("worker 2 exited with status 1")
+                on_event({"event": "step", "mode": index, "step_s": 0.3, "comm_s": 0.1})
+    monkeypatch.setattr(trial, "launch", launch)
+    grew = []
+    plans = {n: {"name": n} for n in ("planned", "uniform sfb", "uniform ring")}
+    step_s, failed, _, _ = trial.measure({}, plans, 4, "none", 3, 1, 10.0,
+                                         lambda what, more=0: grew.append(more), 3, interleave=True)
+    assert launched[0] == tuple(plans) and ("planned",) in launched[1:]
+    assert list(step_s) == ["planned", "uniform ring"] and list(failed) == ["uniform sfb"]
+    assert sum(grew) == trial.PASSES * (3 * 4 + 4)
+
+
+def test_an_interleaved_trial_runs_where_every_candidates_model_fits_in_half_the_memory():
+    gib = 1 << 30
+    # deeplight (18.6M parameters), 7 candidates, 4 workers: 8.3 GB of 20 GiB available
+    assert trial.fits_interleaved(18_600_000, 7, 4, available=20 * gib)
+    # vgg (138M), 6 candidates, 4 workers: 53 GB
+    assert not trial.fits_interleaved(138_000_000, 6, 4, available=20 * gib)
+    assert not trial.fits_interleaved(1, 1, 1, available=0)               # memory unknown: apart
+    assert trial.memory_available() > 0                                   # Linux
+
+
 class Mixed(nn.Module):
     def __init__(self):
         super().__init__()

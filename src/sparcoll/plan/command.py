@@ -112,6 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "order, and keep by the mean (default %d: a machine that slows down or speeds "
                              "up during the trial then favours no candidate; 1 takes half the time)"
                              % trial.PASSES)
+    parser.add_argument("--trial-jobs", choices=("auto", "interleaved", "separate"), default="auto",
+                        help="interleaved: each pass trains every candidate in one job, a step of each in "
+                             "turn (a slow patch of the machine then falls on all alike); separate: each in "
+                             "a job of its own; auto (default): interleaved where every candidate's model "
+                             "fits in half the memory available in every worker at once")
     parser.add_argument("--fusion", choices=(GREEDY, WHOLE), default=GREEDY,
                         help="how tensors of one compressor (or uncompressed on the ring) share a "
                              "collective: greedy, one more while the model predicts no slower a step "
@@ -441,7 +446,9 @@ def table(plan: dict) -> str:
         runs = len(tr.get("passes", {}).get(tr["kept"], ()))
         lines.append(f"trial (at least {tr['steps']} step{'s' * (tr['steps'] != 1)} and {trial.SECONDS:g} s each "
                      f"after {tr['warmup']} warm-up, trained on this network"
-                     + (f", the mean of {runs} runs in alternating order" if runs > 1 else "") + f"), kept: {tr['kept']}")
+                     + (", interleaved step by step" if tr.get("interleaved") else "")
+                     + (f", the mean of {runs} runs in alternating order" if runs > 1 else "")
+                     + ", steps that took fresh memory left out" + f"), kept: {tr['kept']}")
         for name, s in sorted(tr["step_s"].items(), key=lambda kv: kv[1]):
             lines.append(f"  {name:<29} measured {1e3 * s:>10.1f} ms, predicted {1e3 * tr['predicted_step_s'][name]:.1f}"
                          + (", lossless" if name in tr.get("lossless", ()) else ""))
@@ -494,11 +501,16 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
               "link_burst": args.link_burst, **model}
     steps_each = {name: trial.steps_of(p, args.trial) for name, p in plans.items()}
     ddp_steps = max(steps_each.values())
+    parameters = sum(t["numel"] for t in profile["model"]["tensors"].values())
+    interleave = args.trial_jobs == "interleaved" or (
+        args.trial_jobs == "auto" and trial.fits_interleaved(parameters, len(plans), args.workers))
+    if interleave:        # every candidate trains as many steps as the one that needs most
+        steps_each = dict.fromkeys(steps_each, ddp_steps)
     measured: list[trial.Measured] = []
 
     def body(advance) -> None:
         measured.append(trial.measure(config, plans, args.workers, args.network, args.trial, TRIAL_WARMUP,
-                                      args.timeout, advance, ddp_steps, args.trial_passes))
+                                      args.timeout, advance, ddp_steps, args.trial_passes, interleave))
 
     status = run_jobs("plan --trial", args.trial_passes * sum(TRIAL_WARMUP + steps
                                                           for steps in [*steps_each.values(), ddp_steps]), body)
@@ -511,6 +523,7 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
     kept = trial.choose(step_s, set(lossless), predicted={n: p["predicted_step_s"] for n, p in plans.items()})
     return 0, {**plans[kept], "decision_ms": plan["decision_ms"],
                "trial": {"steps": args.trial, "warmup": TRIAL_WARMUP, "margin": trial.MARGIN, "kept": kept,
+                         "interleaved": interleave,
                          "steps_each": steps_each, "passes": passes,
                          "step_s": step_s, "lossless": lossless, "failed": failed,
                          "ddp": {"steps": ddp_steps, **reference},

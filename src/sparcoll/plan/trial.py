@@ -13,7 +13,9 @@ a lossless one is kept if there is one, then the plan (the model's choice is the
 generalizes to other step counts), then the one the model predicts fastest. A candidate whose steps are short trains for at least SECONDS (by
 its predicted step, at most MOST_STEPS): three steps of ncf, 70 ms each, had the plan and the
 planner without compression 76.0 and 76.3 ms apart, which longer rounds then measured 3-8% apart.
-Each candidate trains in PASSES jobs, in reversed order on every other pass (measure says why).
+The candidates train interleaved, a step of each in turn, in one job per pass (`sparcoll train
+--interleave`), where every candidate's model fits in memory at once (fits_interleaved); else each in
+jobs of its own, PASSES of them, in reversed order on every other pass (measure says why).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Callable, NamedTuple
 
 from sparcoll.bench.launch import BenchError
 from sparcoll.torch.parallel import STRATEGIES
-from sparcoll.train.command import launch, timed_steps
+from sparcoll.train.command import FAULTING_PAGES, launch, timed_steps
 
 MARGIN = 0.03
 PLANNED = "planned"
@@ -31,6 +33,11 @@ SECONDS = 2.0           # each candidate trains at least this long (by its predi
 MOST_STEPS = 30         # ... in at most this many steps
 PASSES = 2              # each candidate trains this many times, in alternating order (measure)
 DDP = "ddp"             # the reference's name among the jobs of measure
+# An interleaved job holds every candidate's model in every worker: parameters, gradients, error
+# feedback and buffers, about 16 bytes a parameter (vgg, 138M parameters: about 2.5 GB a mode and
+# worker); it runs where that takes at most MEMORY_SHARE of the memory available.
+BYTES_PER_PARAMETER = 16
+MEMORY_SHARE = 0.5
 
 
 class Measured(NamedTuple):
@@ -83,6 +90,43 @@ def choose(step_s: dict[str, float], lossless_ones=frozenset(), margin: float = 
     return PLANNED if PLANNED in pool else min(pool, key=lambda name: (predicted or step_s)[name])
 
 
+def memory_available() -> int:
+    """Bytes of memory available to new processes (Linux's MemAvailable); 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def fits_interleaved(parameters: int, candidates: int, workers: int, available: int | None = None) -> bool:
+    """Whether `candidates` models of `parameters` each, in each of `workers` processes, fit in
+    MEMORY_SHARE of the memory available (by default this machine's now)."""
+    available = memory_available() if available is None else available
+    return workers * candidates * parameters * BYTES_PER_PARAMETER <= MEMORY_SHARE * available
+
+
+def fresh_memory(events: list[dict]) -> set:
+    """The steps (numbers) in which some worker took fresh memory (FAULTING_PAGES pages faulted in)."""
+    return {e.get("step") for e in events if e.get("page_faults", 0) >= FAULTING_PAGES}
+
+
+def step_time(events: list[dict], left_out: set | None = None) -> float:
+    """A candidate's step from its timed step events: the mean over those not `left_out` (by
+    default its own steps that took fresh memory), if any are left; all of them otherwise. A step
+    that grows the heap (deeplight's 68 MB embedding gradient: 16,533 pages, 260-410 ms against
+    100-160) falls on 0-3 of a mode's 53 interleaved steps, whichever mode: one in a trial's 16 made
+    its mean 15% longer. Interleaved, the steps left out are those in which any candidate took fresh
+    memory, for every candidate alike: leaving out only a candidate's own would also leave out its
+    share of a slow patch of the machine that the others keep."""
+    left_out = fresh_memory(events) if left_out is None else left_out
+    kept = [e for e in events if e.get("step") not in left_out]
+    return statistics.fmean(e["step_s"] for e in (kept or events))
+
+
 def train(config: dict, name: str, workers: int, network: str, steps: int, warmup: int, timeout: float,
           advance: Callable[..., None]) -> list[dict]:
     """The timed step events (the slowest worker's, as `sparcoll train` reports them) of one training
@@ -108,9 +152,37 @@ def train(config: dict, name: str, workers: int, network: str, steps: int, warmu
     return timed_steps(events, warmup)
 
 
+def interleaved(config: dict, plans: dict[str, dict], workers: int, network: str, steps: int, warmup: int,
+                timeout: float, advance: Callable[..., None]) -> dict[str, list[dict]]:
+    """Each plan's timed step events in one job that trains them all, a step of each in turn
+    (`sparcoll train --interleave`: the same shuffled order on every worker), steps_of(plan, steps) of
+    the longest of them each after `warmup`; BenchError if it fails."""
+    names = list(plans)
+    n = max(steps_of(plan, steps) for plan in plans.values())
+    events: dict[str, list[dict]] = {name: [] for name in names}
+
+    def on_event(event: dict) -> None:
+        if event.get("event") == "step":
+            name = names[event.get("mode", 0)]
+            events[name].append(event)
+            advance(f"trial, interleaved: {name}: step {len(events[name])}")
+
+    job = {**config, "comm": None, "steps": warmup + n,
+           "modes": [{"comm": PLANNED, "compress": None, "strategy": plan} for plan in plans.values()]}
+    try:
+        launch(job, workers, network, timeout, on_event)
+        short = [name for name in names if len(events[name]) != warmup + n]
+        if short:
+            raise BenchError(f"{short[0]} reported {len(events[short[0]])} of {warmup + n} steps")
+    finally:
+        for _ in range(len(names) * (warmup + n) - sum(map(len, events.values()))):
+            advance("trial, interleaved: failed")
+    return {name: timed_steps(events[name], warmup) for name in names}
+
+
 def measure(config: dict, plans: dict[str, dict], workers: int, network: str, steps: int, warmup: int,
-            timeout: float, advance: Callable[[str], None], ddp_steps: int = 0,
-            passes: int = PASSES) -> Measured:
+            timeout: float, advance: Callable[..., None], ddp_steps: int = 0,
+            passes: int = PASSES, interleave: bool = False) -> Measured:
     """Each plan's step time, trained by sparcoll.torch.DataParallel as `sparcoll train --comm planned`
     does, for steps_of(plan, steps) steps after `warmup` untimed ones, one job after another; with
     `ddp_steps`, DDP on gloo too (the reference, last in the order: not a candidate, DataParallel cannot
@@ -120,7 +192,20 @@ def measure(config: dict, plans: dict[str, dict], workers: int, network: str, st
     machine whole launches ran 20-25% slower than others minutes apart (ncf with sparse embeddings, the
     same plan six times: 29.6-37.5 ms), so a candidate measured once, early or late, could win or lose
     by that alone; in reversed passes a drift falls on every candidate alike. A job that fails is left
-    out with its reason (one strategy that cannot run here must not cost the user the others)."""
+    out with its reason (one strategy that cannot run here must not cost the user the others).
+    `interleave`: each pass trains the plans in one job (`interleaved`), where a drift of the machine
+    falls on all of them alike: at 42832d4 a slow patch fell on both of deeplight's separate runs of
+    the planner's decision (129-139 ms), and the trial kept uniform sparse (122-130), which the rounds
+    and six rounds of separate jobs since measured 1.07-1.31x slower. If such a job fails, every
+    plan trains in jobs of its own instead, so that the one that failed is left out alone."""
+    if interleave and len(plans) > 1:
+        try:
+            return _measure_interleaved(config, plans, workers, network, steps, warmup, timeout, advance,
+                                        ddp_steps, passes)
+        except BenchError as exc:
+            advance(f"trial: the interleaved job failed ({exc}); each candidate in jobs of its own",
+                    more=passes * (sum(warmup + steps_of(plan, steps) for plan in plans.values())
+                                   + (warmup + ddp_steps if ddp_steps else 0)))
     jobs = {name: ({**config, "comm": PLANNED, "compress": None, "strategy": plan}, steps_of(plan, steps))
             for name, plan in plans.items()}
     if ddp_steps:
@@ -140,9 +225,11 @@ def measure(config: dict, plans: dict[str, dict], workers: int, network: str, st
             except BenchError as exc:
                 failed[name] = str(exc)
                 continue
-            means[name].append(statistics.fmean(e["step_s"] for e in events))
             if name == DDP:
+                means[name].append(statistics.fmean(e["step_s"] for e in events))
                 shares.append(statistics.fmean(e["comm_s"] for e in events) / means[name][-1])
+            else:
+                means[name].append(step_time(events))
     step_s = {name: statistics.fmean(means[name]) for name in plans if name not in failed}
     if not step_s:
         raise BenchError("every candidate of the trial failed: " + "; ".join(
@@ -154,3 +241,37 @@ def measure(config: dict, plans: dict[str, dict], workers: int, network: str, st
     else:
         reference = {"step_s": statistics.fmean(means[DDP]), "comm_share": statistics.fmean(shares)}
     return Measured(step_s, failed, reference, {name: means[name] for name in step_s})
+
+
+def _measure_interleaved(config: dict, plans: dict[str, dict], workers: int, network: str, steps: int,
+                         warmup: int, timeout: float, advance: Callable[..., None], ddp_steps: int,
+                         passes: int) -> Measured:
+    """measure, the plans interleaved in one job per pass, DDP's reference in a job of its own after
+    it (reversed on every other pass)."""
+    means: dict[str, list[float]] = {name: [] for name in plans}
+    ddp, shares = [], []
+    failed: dict[str, str] = {}
+    for number in range(passes):
+        jobs = ["plans", DDP] if ddp_steps else ["plans"]
+        for job in (jobs if number % 2 == 0 else reversed(jobs)):
+            if job == "plans":
+                events = interleaved(config, plans, workers, network, steps, warmup, timeout, advance)
+                fresh = set().union(*map(fresh_memory, events.values()))
+                for name, timed in events.items():
+                    means[name].append(step_time(timed, fresh))
+            elif DDP not in failed:
+                try:
+                    events = train({**config, "comm": "ddp", "compress": None, "strategy": None}, DDP, workers,
+                                   network, ddp_steps, warmup, timeout, advance)
+                except BenchError as exc:
+                    failed[DDP] = str(exc)
+                    continue
+                ddp.append(statistics.fmean(e["step_s"] for e in events))
+                shares.append(statistics.fmean(e["comm_s"] for e in events) / ddp[-1])
+            else:
+                for _ in range(warmup + ddp_steps):
+                    advance(f"trial {DDP}: failed")
+    step_s = {name: statistics.fmean(times) for name, times in means.items()}
+    reference = ({} if not ddp_steps else {"failed": failed[DDP]} if DDP in failed
+                 else {"step_s": statistics.fmean(ddp), "comm_share": statistics.fmean(shares)})
+    return Measured(step_s, {}, reference, means)
