@@ -17,7 +17,7 @@ from torch import nn
 import sparcoll
 import sparcoll.torch
 from sparcoll.torch import hybrid
-from sparcoll.torch.dropped import DivergedError
+from sparcoll.errors import DivergedError
 from pause import Pause
 from ranks import run_ranks
 from sparcoll.bench.netem import netem_available

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from .allocator import keep_freed_memory
-from .errors import (AuthenticationError, CollectiveTimeout, MismatchError, PeerError,
+from .errors import (AuthenticationError, CollectiveTimeout, DivergedError, MismatchError, PeerError,
                      PoisonedError, ProtocolError, SparcollError)
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = ["init", "Communicator", "Stats", "Work", "SparcollError", "ProtocolError",
            "MismatchError", "PeerError", "AuthenticationError", "CollectiveTimeout", "PoisonedError",
-           "keep_freed_memory"]
+           "DivergedError", "keep_freed_memory"]
 
 _inits_per_group: collections.Counter = collections.Counter()
 

@@ -31,3 +31,8 @@ class CollectiveTimeout(SparcollError, TimeoutError):
 
 class PoisonedError(SparcollError):
     """The communicator had a failed collective; it must be re-created."""
+
+
+class DivergedError(SparcollError):
+    """The ranks of a DataParallel did not all drop the same step (a backward that raised on some
+    ranks only, or at different points): their collectives no longer pair; the job must restart."""

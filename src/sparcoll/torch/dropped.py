@@ -19,13 +19,11 @@ import time
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from sparcoll.errors import DivergedError
+
 RESTART = "; restart the job (from a checkpoint)"
 POLL_S = 0.02                   # how often a dropping rank looks for its peers' word
 _instances: collections.Counter = collections.Counter()     # DataParallel wrappers per group
-
-
-class DivergedError(RuntimeError):
-    """The ranks did not all drop the same step: their collectives no longer pair."""
 
 
 class DroppedSteps:

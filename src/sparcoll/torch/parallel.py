@@ -84,10 +84,10 @@ from sparcoll.blocks import BlockTensor, entries_of
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, parse
 from sparcoll.compress.channel import Channel
-from sparcoll.errors import CollectiveTimeout, MismatchError
+from sparcoll.errors import CollectiveTimeout, DivergedError, MismatchError
 
 from . import hybrid, sparse
-from .dropped import DivergedError, DroppedSteps
+from .dropped import DroppedSteps
 from .ps import ps_allreduce
 from .sfb import Call, LinearState, eligible_layers, gather_factors
 
@@ -160,8 +160,8 @@ class DataParallel(nn.Module):
     gradient as it was; SFB is not used (its factors need every rank's call of the layer). A backward
     that raised on every rank at the same point (caught by the caller) is dropped at the next
     forward, its gradients cleared; where the ranks' backward did not all raise alike, every rank
-    raises DivergedError instead (sparcoll.torch.dropped). Build wrappers in the same order on every
-    rank."""
+    raises sparcoll.errors.DivergedError instead (sparcoll.torch.dropped). Build wrappers in the same
+    order on every rank."""
 
     def __init__(self, module: nn.Module, comm: Communicator | None = None, group=None,
                  strategy: Union[str, Mapping, Path] = AUTO, timeout: float = 300.0,
