@@ -261,13 +261,13 @@ def _measure_interleaved(config: dict, plans: dict[str, dict], workers: int, net
                     means[name].append(step_time(timed, fresh))
             elif DDP not in failed:
                 try:
-                    events = train({**config, "comm": "ddp", "compress": None, "strategy": None}, DDP, workers,
-                                   network, ddp_steps, warmup, timeout, advance)
+                    steps_of_ddp = train({**config, "comm": "ddp", "compress": None, "strategy": None}, DDP,
+                                         workers, network, ddp_steps, warmup, timeout, advance)
                 except BenchError as exc:
                     failed[DDP] = str(exc)
                     continue
-                ddp.append(statistics.fmean(e["step_s"] for e in events))
-                shares.append(statistics.fmean(e["comm_s"] for e in events) / ddp[-1])
+                ddp.append(statistics.fmean(e["step_s"] for e in steps_of_ddp))
+                shares.append(statistics.fmean(e["comm_s"] for e in steps_of_ddp) / ddp[-1])
             else:
                 for _ in range(warmup + ddp_steps):
                     advance(f"trial {DDP}: failed")
