@@ -357,8 +357,8 @@ def test_every_strategy_gives_the_average(outcome, strategy):
     assert all(out[f"strategy {strategy}"] <= limit for out in outcome)
     if strategy in ("ring", "ps", "sparse", "fp16"):
         assert all(out[f"strategy {strategy} used"] == [strategy] for out in outcome)
-    if strategy == "ring":       # the four small gradients travel in one bucket
-        assert all(out["strategy ring collectives"] == 1 for out in outcome)
+    if strategy in ("ring", "sparse"):       # the four small gradients travel in one bucket
+        assert all(out[f"strategy {strategy} collectives"] == 1 for out in outcome)
 
 
 def test_parameters_stay_identical_on_every_rank(outcome):
@@ -823,12 +823,14 @@ class SameSizes(nn.Module):
 def skipped_layer_under_the_sparse_strategy(rank: int, world: int) -> dict:
     """Rank 1 skips the middle layer in step 1, without find_unused_parameters: each step's outcome,
     on sparcoll's paths as the communicator chooses them, on the aggregators' path forced, and under
-    a compressor whose payloads the sparse AllReduce sums (layers above the bucket's size: a
-    collective each)."""
+    a compressor whose payloads the sparse AllReduce sums (layers above a small gradient's size: a
+    collective each, where only the tags tell them apart); and small layers, which share one
+    concatenated collective (its size tells)."""
     out = {}
-    for label, algorithm, strategy, width in (("auto", "auto", "sparse", 48),
-                                              ("sparse", "sparse", "sparse", 48),
-                                              ("blocktopk", "sparse", "blocktopk:0.5", 320)):
+    for label, algorithm, strategy, width in (("auto", "auto", "sparse", 320),
+                                              ("sparse", "sparse", "sparse", 320),
+                                              ("blocktopk", "sparse", "blocktopk:0.5", 320),
+                                              ("bucketed", "sparse", "sparse", 48)):
         comm = sparcoll.init(algorithm=algorithm, timeout=30)
         dp = sparcoll.torch.DataParallel(SameSizes(width), comm=comm, strategy=strategy, timeout=60)
         try:
@@ -862,13 +864,16 @@ def test_a_skipped_layer_under_the_sparse_strategy_fails_that_step_on_every_rank
     another's of the same size (before the tags: a silently wrong step, then MismatchError in the
     next): every rank's backward fails in that step, naming the parameters and the flag."""
     for rank, out in enumerate(run_ranks(skipped_layer_under_the_sparse_strategy, WORLD, timeout=120)):
-        assert list(out) == ["auto", "sparse", "blocktopk"], out
+        assert list(out) == ["auto", "sparse", "blocktopk", "bucketed"], out
         for algorithm, steps in out.items():
             assert steps[0] == "ok" and len(steps) == 2, (rank, algorithm, steps)
             text = steps[1]
             assert text.startswith("MismatchError: gradient synchronization failed"), (rank, text)
-            assert "'a.weight'" in text and "'b.weight'" in text or \
-                "'a.bias'" in text and "'b.bias'" in text, (rank, algorithm, text)
+            if algorithm == "bucketed":     # 4 of the 6 small gradients against 6: 4704 elements, 7056
+                assert "numel 4704" in text and "7056" in text, (rank, text)
+            else:
+                assert "'a.weight'" in text and "'b.weight'" in text or \
+                    "'a.bias'" in text and "'b.bias'" in text, (rank, algorithm, text)
             assert "find_unused_parameters=True" in text, (rank, algorithm, text)
 
 

@@ -183,7 +183,8 @@ def test_a_linear_layers_bias_shares_its_weights_unit_and_rides_with_sfb():
     """Backward order: a small tensor, then two layers' bias and weight. The first bias leaves the bucket
     it would have joined; under SFB a layer unit costs its weight's SFB (the factors carry the bias),
     under a compressor its members' compressions and one collective for both payloads, on the ring one
-    allreduce of both, under the parameter server its members one by one."""
+    allreduce of both, under the parameter server its members one by one, under the sparse AllReduce
+    one collective where the layer's gradients hold at most BUCKET_BYTES."""
     costing = Costing(FITS, workers=4)
     linear = dict(linear=True)
     measured = [Measured(TensorFacts("norm.weight", 64), (64,)),
@@ -206,6 +207,13 @@ def test_a_linear_layers_bias_shares_its_weights_unit_and_rides_with_sfb():
     kept = 5 + 5000                 # elements of the bias and the weight: 8 bytes each on the wire
     assert [topk.compress, topk.comm, topk.decompress] == pytest.approx(
         [2e-4 + 2e-9 * 500_500, (5e-4 + 3e-8 * 8 * 4) + (5e-4 + 3e-8 * 8 * kept), 4e-4 + 1e-9 * 500_500])
+    # under the sparse AllReduce a unit of at most BUCKET_BYTES (b: 400 KB) is one collective of it
+    # all, concatenated as DataParallel sends it; a larger one (a: 2 MB) its members one by one
+    sparse = Option("none", SPARSE)
+    assert choices[2].costs[sparse] == costing.cost(units[2], sparse)
+    assert choices[1].costs[sparse].comm == pytest.approx(
+        sum(costing.cost(measured[i], sparse).comm for i in (1, 2)))
+    assert choices[2].costs[sparse].comm < sum(costing.cost(measured[i], sparse).comm for i in (3, 4))
 
 
 def test_units_of_one_compressor_share_a_collective_where_the_timeline_predicts_no_slower():
@@ -565,12 +573,12 @@ def test_the_planners_units_are_dataparallels_buckets(executed):
 
 def test_a_plans_unit_gathers_its_members_whatever_is_ready_between_them(executed):
     """The ring's unit of two layers with the sparse AllReduce's layer ready between them is one
-    allreduce, sent once both are ready; the layer between goes alone, a tensor at a time; the exact
-    average."""
+    allreduce, sent once both are ready; the layer between, a unit under the sparse AllReduce, is
+    one collective of both its tensors concatenated; the exact average."""
     for rank in executed:
         assert rank["units apart"] < 1e-5
         assert rank["units apart collectives"] == sorted(
-            [["4.bias", "4.weight", "8.bias", "8.weight"], ["6.bias"], ["6.weight"],
+            [["4.bias", "4.weight", "8.bias", "8.weight"], ["6.bias", "6.weight"],
              ["0.bias", "0.weight", "2.bias", "2.weight"]])
 
 

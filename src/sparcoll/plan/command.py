@@ -191,8 +191,9 @@ def units_of(step: Step, measured: list[Measured]) -> tuple[Step, list[Measured]
     backward produces just before it, into its unit: under SFB the factors carry the bias
     (DataParallel sends nothing for it) and are ready at the layer's output gradient, before the
     bias. A unit of several tensors travels as DataParallel sends a plan's unit: on the ring as one
-    allreduce, under a compressor as one collective of their payloads, under the parameter server or
-    the sparse AllReduce one by one (choices_of). A unit is ready with its last member. Returns the
+    allreduce, under a compressor as one collective of their payloads, under the sparse AllReduce as
+    one collective if they hold at most BUCKET_BYTES, else one by one, as under the parameter server
+    (choices_of). A unit is ready with its last member. Returns the
     units' Step, the units, their members."""
     groups: list[list[int]] = []
     open_group: list[int] = []
@@ -257,12 +258,15 @@ def choices_of(units: list[Measured], groups: list[list[int]], measured: list[Me
     """Each unit's valid options and their costs, as sparcoll.torch.DataParallel sends a group: on the
     ring a bucket or a layer as one allreduce; under a compressor each
     member compressed, their payloads in one collective; under SFB the weight's factors carry its
-    bias; under any other option one by one."""
+    bias; under the sparse AllReduce uncompressed as one collective if they hold at most BUCKET_BYTES
+    (concatenated); under any other option one by one."""
     out = []
     for unit, members in zip(units, groups):
         costs = {}
+        concatenated = unit.facts.numel * ITEMSIZE <= BUCKET_BYTES
         for o in options(unit.facts, job, compressors):
-            if len(members) == 1 or o == Option():
+            if len(members) == 1 or o == Option() or (
+                    concatenated and o.compressor == "none" and o.collective in (SPARSE, DEDICATED)):
                 costs[o] = costing.cost(unit, o)
             elif o.collective == SFB:
                 costs[o] = costing.cost(measured[members[-1]], o)
