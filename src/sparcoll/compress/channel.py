@@ -47,9 +47,15 @@ class Channel:
             return list(tensors), None
         if len(tensors) == 1:
             return list(tensors), self.start_allreduce_mean(tensors[0])
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        work = self.start_allreduce_mean(flat)
-        return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)], work
+        flat, parts = _concatenated(tensors)
+        return parts, self.start_allreduce_mean(flat)
+
+    def sparse_mean_many(self, tensors: list, tag: int = 0) -> list:
+        """Average dense tensors of one dtype in one sparse AllReduce of the communicator (tagged
+        `tag`), concatenated: their averages (new tensors)."""
+        flat, parts = _concatenated(tensors)
+        self.comm.allreduce(flat, op="avg", tag=tag)
+        return parts
 
     def blocks_mean(self, tensors: list, block_size: int, into: list | None = None,
                     tag: int = 0) -> list:
@@ -117,6 +123,12 @@ class Channel:
         gathered = [torch.empty_like(data) for _ in range(self.world)]
         dist.all_gather(gathered, data, group=self.group)
         return [_split(buf, n, parts) for buf, n in zip(gathered, every)]
+
+
+def _concatenated(tensors: list) -> tuple[torch.Tensor, list]:
+    """One flat copy of `tensors` end to end, and each one's view of its part."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    return flat, [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
 def _wait(work) -> None:

@@ -891,11 +891,10 @@ class DataParallel(nn.Module):
             return self._later(work, finish)
         if chosen == SPARSE_BUCKET:
             params, grads = zip(*extra)
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.comm.allreduce(flat, op="avg", tag=self._tags[id(params[0])])
-            for q, grad, part in zip(params, grads, flat.split([g.numel() for g in grads])):
-                grad.copy_(part.view_as(grad))
-                self._learn_density(q, part)
+            averages = self.channel.sparse_mean_many(grads, self._tags[id(params[0])])
+            for q, grad, average in zip(params, grads, averages):
+                grad.copy_(average)
+                self._learn_density(q, average)
             return None
         if chosen == COO_UNIT:          # one sparse AllReduce of the unit's rows (sparse.concatenate)
             grads = [self._note_rows(q, grad.coalesce()) for q, grad in extra]
@@ -1049,8 +1048,10 @@ class DataParallel(nn.Module):
 def _other_kind(kind: tuple, members: list, new_kind: tuple, grad: torch.Tensor) -> bool:
     """Whether `grad`, of `new_kind`, cannot join `members` (as in DataParallel._bucket) gathered under
     `kind`: one collective carries one kind, one dtype and one layout."""
-    first = members[0][0].grad if members else None
-    return bool(members) and (kind != new_kind or first.dtype != grad.dtype or first.is_sparse != grad.is_sparse)
+    if not members:
+        return False
+    first = members[0][0].grad
+    return kind != new_kind or first.dtype != grad.dtype or first.is_sparse != grad.is_sparse
 
 
 def _load(strategy) -> tuple[Union[str, dict], dict, dict]:
