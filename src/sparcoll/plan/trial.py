@@ -209,38 +209,57 @@ def measure(config: dict, plans: dict[str, dict], workers: int, network: str, st
     jobs = {name: ({**config, "comm": PLANNED, "compress": None, "strategy": plan}, steps_of(plan, steps))
             for name, plan in plans.items()}
     if ddp_steps:
-        jobs[DDP] = ({**config, "comm": "ddp", "compress": None, "strategy": None}, ddp_steps)
+        jobs[DDP] = (_ddp_job(config), ddp_steps)
     means: dict[str, list[float]] = {name: [] for name in jobs}
     shares: list[float] = []
     failed: dict[str, str] = {}
     for number in range(passes):
         for name in (list(jobs) if number % 2 == 0 else reversed(list(jobs))):
             job, job_steps = jobs[name]
-            if name in failed:
-                for _ in range(warmup + job_steps):
-                    advance(f"trial {name}: failed")
-                continue
-            try:
-                events = train(job, name, workers, network, job_steps, warmup, timeout, advance)
-            except BenchError as exc:
-                failed[name] = str(exc)
-                continue
-            if name == DDP:
-                means[name].append(statistics.fmean(e["step_s"] for e in events))
-                shares.append(statistics.fmean(e["comm_s"] for e in events) / means[name][-1])
-            else:
-                means[name].append(step_time(events))
+            _train_into(means, shares, failed, job, name, workers, network, job_steps, warmup, timeout,
+                        advance)
     step_s = {name: statistics.fmean(means[name]) for name in plans if name not in failed}
     if not step_s:
         raise BenchError("every candidate of the trial failed: " + "; ".join(
             f"{n}: {r}" for n, r in failed.items() if n != DDP))
-    if not ddp_steps:
-        reference = {}
-    elif DDP in failed:
-        reference = {"failed": failed.pop(DDP)}
-    else:
-        reference = {"step_s": statistics.fmean(means[DDP]), "comm_share": statistics.fmean(shares)}
+    reference = _reference(ddp_steps, means, shares, failed)
     return Measured(step_s, failed, reference, {name: means[name] for name in step_s})
+
+
+def _ddp_job(config: dict) -> dict:
+    return {**config, "comm": "ddp", "compress": None, "strategy": None}
+
+
+def _train_into(means: dict[str, list[float]], shares: list[float], failed: dict[str, str], job: dict,
+                name: str, workers: int, network: str, steps: int, warmup: int, timeout: float,
+                advance: Callable[..., None]) -> None:
+    """One job of a candidate or of DDP (`name`), trained: its step time into means[name] (DDP's
+    communication share into `shares` too), or its failure into `failed` (then it is not run again)."""
+    if name in failed:
+        for _ in range(warmup + steps):
+            advance(f"trial {name}: failed")
+        return
+    try:
+        events = train(job, name, workers, network, steps, warmup, timeout, advance)
+    except BenchError as exc:
+        failed[name] = str(exc)
+        return
+    if name == DDP:
+        means[name].append(statistics.fmean(e["step_s"] for e in events))
+        shares.append(statistics.fmean(e["comm_s"] for e in events) / means[name][-1])
+    else:
+        means[name].append(step_time(events))
+
+
+def _reference(ddp_steps: int, means: dict[str, list[float]], shares: list[float],
+               failed: dict[str, str]) -> dict:
+    """DDP's reference for Measured (taken out of `failed`): nothing if not asked, its failure, or its
+    step and communication share."""
+    if not ddp_steps:
+        return {}
+    if DDP in failed:
+        return {"failed": failed.pop(DDP)}
+    return {"step_s": statistics.fmean(means[DDP]), "comm_share": statistics.fmean(shares)}
 
 
 def _measure_interleaved(config: dict, plans: dict[str, dict], workers: int, network: str, steps: int,
@@ -248,30 +267,20 @@ def _measure_interleaved(config: dict, plans: dict[str, dict], workers: int, net
                          passes: int) -> Measured:
     """measure, the plans interleaved in one job per pass, DDP's reference in a job of its own after
     it (reversed on every other pass)."""
-    means: dict[str, list[float]] = {name: [] for name in plans}
-    ddp, shares = [], []
+    means: dict[str, list[float]] = {name: [] for name in [*plans, DDP]}
+    shares: list[float] = []
     failed: dict[str, str] = {}
     for number in range(passes):
         jobs = ["plans", DDP] if ddp_steps else ["plans"]
         for job in (jobs if number % 2 == 0 else reversed(jobs)):
-            if job == "plans":
-                events = interleaved(config, plans, workers, network, steps, warmup, timeout, advance)
-                fresh = set().union(*map(fresh_memory, events.values()))
-                for name, timed in events.items():
-                    means[name].append(step_time(timed, fresh))
-            elif DDP not in failed:
-                try:
-                    steps_of_ddp = train({**config, "comm": "ddp", "compress": None, "strategy": None}, DDP,
-                                         workers, network, ddp_steps, warmup, timeout, advance)
-                except BenchError as exc:
-                    failed[DDP] = str(exc)
-                    continue
-                ddp.append(statistics.fmean(e["step_s"] for e in steps_of_ddp))
-                shares.append(statistics.fmean(e["comm_s"] for e in steps_of_ddp) / ddp[-1])
-            else:
-                for _ in range(warmup + ddp_steps):
-                    advance(f"trial {DDP}: failed")
-    step_s = {name: statistics.fmean(times) for name, times in means.items()}
-    reference = ({} if not ddp_steps else {"failed": failed[DDP]} if DDP in failed
-                 else {"step_s": statistics.fmean(ddp), "comm_share": statistics.fmean(shares)})
-    return Measured(step_s, {}, reference, means)
+            if job == DDP:
+                _train_into(means, shares, failed, _ddp_job(config), DDP, workers, network, ddp_steps, warmup,
+                            timeout, advance)
+                continue
+            events = interleaved(config, plans, workers, network, steps, warmup, timeout, advance)
+            fresh = set().union(*map(fresh_memory, events.values()))
+            for name, timed in events.items():
+                means[name].append(step_time(timed, fresh))
+    reference = _reference(ddp_steps, means, shares, failed)
+    return Measured({name: statistics.fmean(means[name]) for name in plans}, {}, reference,
+                    {name: means[name] for name in plans})
