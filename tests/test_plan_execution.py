@@ -106,6 +106,30 @@ def test_an_uncompressed_ring_tensor_holds_the_channel_for_its_bytes_on_the_link
         assert link.cost(t, o).hold is None
 
 
+def test_a_ring_tensor_holds_the_channel_as_long_as_the_profile_saw_it_delay_the_next_collective():
+    """Its CPU on a busy machine: where the profile timed a sparse AllReduce started right after a
+    ring of that size (`held`), the longer of that delay and its link share, up to the largest ring
+    so timed (beyond it the link alone); a delay as long as the ring itself: on the channel."""
+    def held(*points):
+        fits = fit([{"event": "point", "kind": "held", "what": RING, "x": x, "seconds": y} for x, y in points])
+        return Costing({**FITS, "held": fits["held"]}, workers=4, link_rate=1e9), fits["held"]
+
+    link, fitted = held((4096, 0.8e-3), (65536, 0.5e-3), (1 << 20, 4e-3))
+    assert fitted[RING] == [[4096.0, 65536.0, 1048576.0], [0.8e-3, 0.5e-3, 4e-3]]     # not made monotone
+
+    def hold(costing, numel, option=Option()):
+        return costing.cost(Measured(TensorFacts("w", numel), (numel,), density=1.0, union=1.0), option).hold
+
+    assert hold(link, 1024) == pytest.approx(0.8e-3)                    # 4 KB (1.04 ms alone): the delay
+    assert hold(link, 16384) == pytest.approx(0.5e-3)                   # 64 KB: the dip kept
+    assert hold(link, 1 << 18) == pytest.approx(4e-3)                   # 1 MB: more than its 1.6 ms link share
+    assert hold(link, 1 << 20) == pytest.approx(1.5 * (1 << 22) / 1e9)  # beyond: the link's 6.3 ms
+    assert hold(held((4096, 2e-3), (65536, 1e-3))[0], 1024) is None     # 2 ms of its 1.04: all its time
+    assert hold(Costing({**FITS, "held": fitted}, workers=4), 1024) is None                    # loopback
+    for o in (Option("none", PS), Option("none", SPARSE), Option("fp16", RING)):
+        assert hold(link, 1024, o) is None
+
+
 def test_costs_follow_the_curves_hand_computed():
     costing = Costing(FITS, workers=4)
     t = Measured(TensorFacts("w", 1000 * 500, linear=True), (1000, 500), rows=32, density=0.1, union=0.3)

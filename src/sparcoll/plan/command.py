@@ -49,8 +49,9 @@ from .timeline import Cost, Step, simulate
 # the compressors' steps in backward, reverted) 24 the compressors' steps in backward timed as many as
 # fit in a few seconds; 25 the workers start with glibc's thread cache and fastbins off, so a freed
 # large gradient serves the next (allocator): no worker faults one in at a random iteration; 26 the
-# COO gradients timed together whatever is ready between them (fusion.coo_units).
-PROFILE_VERSION = 26
+# COO gradients timed together whatever is ready between them (fusion.coo_units); 27 how long a small
+# ring delays a sparse AllReduce started right after it (profiler.held_beside).
+PROFILE_VERSION = 27
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; all at once

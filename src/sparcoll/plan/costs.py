@@ -27,7 +27,9 @@ a Grid):
                ring's at its payload
   the link     an uncompressed tensor on the ring runs on gloo's lane (timeline.py) and holds the
                channel for its bytes on the busiest link (2 (n - 1) / n of its own) at the link's
-               rate; where that is all its time, and on loopback (no rate), it is priced on the
+               rate, or, up to the largest ring the profile timed so, for as long as it delayed a
+               sparse AllReduce started right after it (`held`: its CPU on a busy machine), if
+               longer; where that is all its time, and on loopback (no rate), it is priced on the
                channel (the same timeline, fewer states for the decision's search)
 How an option's cost is built from them is `Costing.cost`.
 """
@@ -157,6 +159,7 @@ class Costing:
         self.coo = {kind: fits.get(f"{kind}_own", {}) for kind in COO_KINDS}
         self.loaded = {name: Curve(*xy) for name, xy in fits.get("loaded", {}).items()}
         self.slowdown = {name: Curve(*xy) for name, xy in fits.get("slowdown", {}).items()}
+        self.held = {name: Curve(*xy) for name, xy in fits.get("held", {}).items()}
         self._curves = {"collectives": self.collective, "loaded": self.loaded, "slowdown": self.slowdown}
         self.workers = workers
         self.link_rate = link_rate
@@ -186,6 +189,9 @@ class Costing:
         hold = None     # a collective that needs the link for all its time: the same as on the channel
         if beside and self.link_rate:
             link = 2 * (self.workers - 1) / self.workers * x / self.link_rate
+            held = self.held.get(kind)
+            if held is not None and x <= held.xs[-1]:
+                link = max(link, held(x))
             hold = link if link < alone else None
         loaded = self._measured("loaded", kind, x, numel, name)
         if loaded is None:

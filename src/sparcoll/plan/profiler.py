@@ -34,6 +34,9 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
                (`slowdown`; 4 workers on 2 cores at 1 Gbit/s: a 4 KB ring allreduce took 18.4 ms
                beside gpt's backward, 5.0 alone, and the steps up to 1.85x as long). The collectives
                run for at least a step, and the slowdown is of the steps' work while they ran
+  held         each ring allreduce of at most HELD_BYTES started on gloo's threads right before a
+               sparse AllReduce, as DataParallel runs an uncompressed tensor beside the channel: how
+               much later the sparse AllReduce finished than alone (held_beside)
 
 Rank 0 reports each measurement as an event (sparcoll.bench.events); `fit` turns them into the fits
 costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`) or the user's
@@ -81,6 +84,8 @@ SPARSE_NUMELS = (1 << 14, 1 << 18, 1 << 22)
 # Between 10% and 100% the executor's algorithm changes (a dense input takes the ring): a line from one
 # to the other priced ncf's 856K-element embedding (30% per worker, 75% union) at 24 ms, measured 8.5-16.
 SPARSE_DENSITIES = (0.01, 0.1, 0.3, 0.6, 1.0)
+HELD_BYTES = 1 << 20        # rings up to this size are timed beside a sparse AllReduce (held_beside) ...
+HELD_DENSITY = 0.1          # ... of the largest sparse size at this density (45 ms on ncf: longer than them)
 COMPRESSOR_NUMELS = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 OWN_GRADIENT = 1 << 16      # gradients this large get their own compressor timings
 REPEAT = 3
@@ -445,15 +450,49 @@ def collectives(comm, block_size: int, rank: int, world: int, sizes: Sizes):
         x = torch.randn(size // 4)
         yield ALLGATHER, size, None, lambda _, x=x: channel.allgather((x,), variable=False), lambda: None
     for numel in sizes.sparse_numels:
-        nblocks = -(-numel // block_size)
         for density in SPARSE_DENSITIES:
-            kept = [np.random.default_rng(r + 1000 * numel).random(nblocks) < density for r in range(world)]
-            mask = torch.from_numpy(np.repeat(kept[rank], block_size)[:numel])
-            x = torch.randn(numel) * mask
-            union = float(np.mean(np.logical_or.reduce(kept)))
-            local = float(np.mean([k.mean() for k in kept]))
+            x, local, union = sparse_input(numel, density, block_size, rank, world)
             yield SPARSE, sparse_volume(numel, local, union), numel, lambda t: comm.allreduce(t, op="avg"), \
                 x.clone
+
+
+def sparse_input(numel: int, density: float, block_size: int, rank: int, world: int):
+    """This rank's input of random blocks kept with probability `density` (each rank its own), and
+    the mean local and the union block density over the ranks."""
+    nblocks = -(-numel // block_size)
+    kept = [np.random.default_rng(r + 1000 * numel).random(nblocks) < density for r in range(world)]
+    mask = torch.from_numpy(np.repeat(kept[rank], block_size)[:numel])
+    union = float(np.mean(np.logical_or.reduce(kept)))
+    return torch.randn(numel) * mask, float(np.mean([k.mean() for k in kept])), union
+
+
+def held_beside(comm, block_size: int, rank: int, world: int, sizes: Sizes):
+    """(bytes, seconds) for each ring allreduce of at most HELD_BYTES: how much later a sparse
+    AllReduce started right after it finishes than alone, as DataParallel runs an uncompressed tensor
+    on the ring (started on gloo's threads, the synchronization thread going on to the next tensor).
+    Its bytes on the link are the least of it on a busy machine: with ncf's MLP on the ring beside its
+    embeddings' sparse AllReduce, priced by its link share, the model put a plan 6% ahead of uniform
+    sparse that ran 3-7% behind it. Larger rings are mostly their bytes on the link."""
+    channel = Channel(None, comm)
+    x = sparse_input(sizes.sparse_numels[-1], HELD_DENSITY, block_size, rank, world)[0]
+    alone = timed(lambda t: comm.allreduce(t, op="avg"), x.clone)
+    for size in sizes.collective_bytes:
+        if size > HELD_BYTES:
+            break
+        ring, started = torch.randn(size // 4), []
+
+        def prepare(ring=ring, started=started):
+            while started:
+                started.pop().wait()
+            return ring.clone(), x.clone()
+
+        def run(tensors, started=started):
+            started.append(channel.start_allreduce_mean(tensors[0]))
+            comm.allreduce(tensors[1], op="avg")
+
+        after = timed(run, prepare)
+        prepare()
+        yield size, max(0.0, after - alone)
 
 
 def profile_sparse_own(comm, gradients: dict, tensors: dict, train_step, timeout: float):
@@ -552,7 +591,7 @@ def fit(events: list[dict]) -> dict:
     points: dict = {}
     grid_points: dict = {}
     out: dict = {"collectives": {}, "compress": {}, "decompress": {}, "compress_own": {}, "decompress_own": {},
-                 "loaded": {}, "slowdown": {}, "grids": {}}
+                 "loaded": {}, "slowdown": {}, "held": {}, "grids": {}}
     for e in events:
         if e.get("tensor"):
             out.setdefault(f"{e['kind']}_own", {}).setdefault(e["what"], {})[e["tensor"]] = e["seconds"]
@@ -562,7 +601,7 @@ def fit(events: list[dict]) -> dict:
         else:
             points.setdefault((e["kind"], e["what"]), []).append((e["x"], e["seconds"]))
     for (kind, what), pts in points.items():
-        curve = Curve.of(pts, monotone=kind not in ("loaded", "slowdown"))
+        curve = Curve.of(pts, monotone=kind not in ("loaded", "slowdown", "held"))
         out[kind][what] = [list(curve.xs), list(curve.ys)]
     for (kind, what), pts in grid_points.items():
         out["grids"].setdefault(kind, {})[what] = Grid.of(pts, monotone=kind == "collectives").rows()
@@ -587,7 +626,8 @@ def events_after_model(cfg: dict, model: dict) -> int:
             + 3 * sum(t["union"] < 1.0 for t in large)
             + 3 * len(coo_labels(timed_compressors(cfg))) * len(coo) + 3 * len(coo_units(model["order"], coo))
             + 3 * (2 * len(sizes.collective_bytes) + len(sizes.allgather_bytes)
-                   + len(sizes.sparse_numels) * len(SPARSE_DENSITIES)))
+                   + len(sizes.sparse_numels) * len(SPARSE_DENSITIES))
+            + sum(size <= HELD_BYTES for size in sizes.collective_bytes))
 
 
 def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
@@ -628,6 +668,8 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
         for quantity, seconds in zip(("collectives", "loaded", "slowdown"), times):
             say({"event": "point", "kind": quantity, "what": kind, "x": x, "seconds": seconds,
                  **({} if numel is None else {"numel": numel})})
+    for x, seconds in held_beside(comm, block_size, rank, world, sizes):
+        say({"event": "point", "kind": "held", "what": RING, "x": x, "seconds": seconds})
 
 
 def profile_job(cfg: dict, rank: int, world: int) -> None:

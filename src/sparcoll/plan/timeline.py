@@ -9,8 +9,9 @@ Four lanes, as sparcoll.torch.DataParallel runs them:
                    its payload is ready; it communicates and then decompresses (the Reducer's order)
   gloo's lane      an uncompressed ring collective (`Cost.hold`): the synchronization thread starts it
                    on gloo and goes on to the next tensor; gloo runs them one at a time. It holds the
-                   channel only for its share of the link (its bytes on the busiest link at the link's
-                   rate): a collective after it waits for the link, not for the ring's latency
+                   channel only for part of its time (its share of the link, or as long as the
+                   profile saw it delay the next collective: costs.py): a collective after it waits
+                   for that, not for the ring's latency
 F = the last of: backward's end (delayed by on-thread compression), the channel's last finish, the
 offload lane's last finish, gloo's last finish; plus the optimizer step, which waits for all of them.
 
