@@ -105,8 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "model with sparse gradients, the 'dense tensors' strategy predicted best), "
                              "and the plan and the best of those "
                              "fused the other way (--fusion), for at least STEPS steps and %g s each (after one warm-up) on the "
-                             "same network, and keep the fastest measured (the plan unless another is "
-                             "more than %d%%%% faster; of others that close, the one predicted fastest); 0: the model's decision alone (default 3; a "
+                             "same network, and keep the fastest measured (of those within %d%%%% of it, "
+                             "a lossless one, and of those the one predicted fastest if predicted that much "
+                             "ahead of the others, else the fastest); 0: the model's decision alone (default 3; a "
                              "--model trains on its example input)" % (TRIAL_UNIFORMS, trial.SECONDS, round(100 * trial.MARGIN)))
     parser.add_argument("--trial-passes", type=int, default=trial.PASSES, metavar="N",
                         help="train every candidate of the trial N times, every other pass in reversed "

@@ -9,10 +9,11 @@ So the decision narrows the options to a handful (the plan, the planner without 
 uniform strategies it predicts best, and the plan and the best of those with their units fused the
 other way, which the model cannot rank either: fusion.whole_runs), and a short run of each decides
 among them. Candidates within MARGIN of the fastest count as level (a few steps are noisy): of those
-a lossless one is kept if there is one, then the plan (the model's choice is the one that
-generalizes to other step counts), then the one the model predicts fastest. A candidate whose steps are short trains for at least SECONDS (by
-its predicted step, at most MOST_STEPS): three steps of ncf, 70 ms each, had the plan and the
-planner without compression 76.0 and 76.3 ms apart, which longer rounds then measured 3-8% apart.
+a lossless one is kept if there is one, then the one the model predicts fastest if it predicts it
+more than MARGIN ahead of the others, else the fastest measured of those it predicts level (choose).
+A candidate whose steps are short trains for at least SECONDS (by its predicted step, at most
+MOST_STEPS): three steps of ncf, 70 ms each, had the plan and the planner without compression 76.0
+and 76.3 ms apart, which longer rounds then measured 3-8% apart.
 The candidates train interleaved, a step of each in turn, in one job per pass (`sparcoll train
 --interleave`), where every candidate's model fits in memory at once (fits_interleaved); else each in
 jobs of its own, PASSES of them, in reversed order on every other pass (measure says why).
@@ -77,17 +78,23 @@ def lossless(plan: dict) -> bool:
 def choose(step_s: dict[str, float], lossless_ones=frozenset(), margin: float = MARGIN,
            predicted: dict[str, float] | None = None) -> str:
     """The candidate to keep among those measured within `margin` of the fastest (a few steps cannot
-    tell them apart): a lossless one if there is one, and of those (or of all) the plan if it is
-    there, else the one `predicted` (each candidate's predicted step) ranks fastest, else the fastest
-    measured. vgg's plan, blocktopk on one layer, ran 2094 ms against 2110 for the planner without
-    compression (SFB for every layer), at a loss 2.4% above DDP's after 6 steps: speed alone kept it.
-    ncf's trial measured uniform blocktopk 51 ms and the planner without the collective choice 52;
-    four rounds then ran the second 3-8% faster in each, as the model had ranked them (42.0 against
-    44.5 ms predicted): within the margin the measurement is noise and the model is not."""
+    tell them apart), a lossless one if there is one (vgg's plan, blocktopk on one layer, ran 2094 ms
+    against 2110 for the planner without compression (SFB for every layer), at a loss 2.4% above
+    DDP's after 6 steps: speed alone kept it). Of those, the one `predicted` (each candidate's
+    predicted step) ranks fastest if it puts every other more than `margin` behind: ncf's trial
+    measured uniform blocktopk 51 ms and the planner without the collective choice 52; four rounds then
+    ran the second 3-8% faster in each, as the model had ranked them (42.0 against 44.5 ms predicted):
+    within the margin the measurement is noise and the model is not. Where the model sees some of them
+    level too, the fastest measured of those: on ncf with sparse embeddings the plan (its MLP on the
+    ring beside the embeddings' sparse AllReduce) was predicted 1.3% faster than uniform sparse and
+    measured 0.6-5.4% slower in three trials, 3-7% in rounds of 60 steps."""
     best = min(step_s.values())
     near = [name for name in step_s if step_s[name] <= best * (1 + margin)]
     pool = [name for name in near if name in lossless_ones] or near
-    return PLANNED if PLANNED in pool else min(pool, key=lambda name: (predicted or step_s)[name])
+    ranked = predicted or dict.fromkeys(pool, 0.0)
+    first = min(ranked[name] for name in pool)
+    level = [name for name in pool if ranked[name] <= first * (1 + margin)]
+    return min(level, key=step_s.get)
 
 
 def memory_available() -> int:
