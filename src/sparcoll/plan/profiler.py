@@ -472,7 +472,9 @@ def held_beside(comm, block_size: int, rank: int, world: int, sizes: Sizes):
     on the ring (started on gloo's threads, the synchronization thread going on to the next tensor).
     Its bytes on the link are the least of it on a busy machine: with ncf's MLP on the ring beside its
     embeddings' sparse AllReduce, priced by its link share, the model put a plan 6% ahead of uniform
-    sparse that ran 3-7% behind it. Larger rings are mostly their bytes on the link."""
+    sparse that ran 3-7% behind it. 4 workers on 2 cores at 1 Gbit/s: 0.9 ms after a 4 KB ring, 2.2
+    after 64 KB, where their link shares are 0.05 and 0.8. Larger rings are mostly their bytes on
+    the link."""
     channel = Channel(None, comm)
     x = sparse_input(sizes.sparse_numels[-1], HELD_DENSITY, block_size, rank, world)[0]
     alone = timed(lambda t: comm.allreduce(t, op="avg"), x.clone)
