@@ -356,6 +356,27 @@ def test_coo_gradients_share_a_collective_where_the_profile_timed_them_together(
     assert not fusion.fusable(Option("topk:0.01", ALLGATHER), [1, 2], measured)
 
 
+def test_dense_units_under_the_sparse_allreduce_share_a_collective_up_to_a_bucket():
+    """DataParallel concatenates a plan's unit of dense gradients under the sparse AllReduce if they
+    hold at most BUCKET_BYTES (else sends them one by one): fused whole, two of 400 KB share one
+    collective, priced at their mean densities, and a third would pass the bucket's 1 MB; on the ring
+    all three join (one allreduce, whatever its size)."""
+    costing = Costing(FITS, workers=4)
+    numel = 100_000
+    measured = [Measured(TensorFacts(f"w{i}", numel), (numel,), density=d, union=u)
+                for i, (d, u) in enumerate(((0.1, 0.3), (0.5, 0.7), (0.2, 0.2)))]
+    sparse = Option("none", SPARSE)
+    units_step, units, groups = units_of(Step((0.01, 0.02, 0.03), 0.03), measured)
+    assert groups == [[0], [1], [2]]
+    tensors = choices_of(units, groups, measured, costing, ["none"], JobFacts())
+    _, got, fused, _ = fusion.fuse(units_step, measured, groups, tensors, [sparse] * 3, costing, fusion.whole_runs)
+    assert got == [[0, 1], [2]]
+    assert fused[0].costs[sparse] == costing.cost(
+        Measured(TensorFacts("w0+w1", 2 * numel), (2 * numel,), density=0.3, union=0.5), sparse)
+    _, got, _, _ = fusion.fuse(units_step, measured, groups, tensors, [Option()] * 3, costing, fusion.whole_runs)
+    assert got == [[0, 1, 2]]
+
+
 def timed_together(rank: int, world: int) -> tuple:
     """Rank 1's forward sleeps 50 ms; rank 0's takes a fraction of a millisecond."""
     torch.manual_seed(0)

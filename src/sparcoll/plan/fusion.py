@@ -7,8 +7,8 @@ own collective, made DataParallel 1.6-1.8x slower than DDP's compression hook, w
 25 MB buckets; the ring's large gradients, one allreduce each, made deeplight's ring for every tensor
 115 ms a step against DDP's 72. Here units (in backward order) under the same compressor and
 placement, or on the ring uncompressed, become one unit while the timeline predicts no slower a
-step: one collective of all their payloads (Costing.bucket; on the ring one allreduce), ready with its
-last member, which trades wait-free backpropagation's early start for fewer collectives. A unit joins
+step: one collective of all their payloads (Costing.bucket; on the ring one allreduce; dense ones
+under the sparse AllReduce concatenated, up to 1 MB), ready with its last member, which trades wait-free backpropagation's early start for fewer collectives. A unit joins
 the latest unit of its option even past units of other options: deeplight's dense_embedding, ready
 between its two COO embeddings, joined the MLP's blocktopk collective that way, and its step went from
 0.92-0.94x DDP's to 0.97x (docs/benchmarks.md). sparcoll.torch.DataParallel sends a plan's unit of
@@ -18,20 +18,25 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .costs import Costing, Measured
+from sparcoll.torch.parallel import BUCKET_BYTES
+
+from .costs import ITEMSIZE, Costing, Measured
 from .decide import Choices
 from .options import DEDICATED, SPARSE, Option, TensorFacts
 from .timeline import Step, simulate
 
 
 def fusable(option: Option, members: list[int], measured: list[Measured]) -> bool:
-    """Whether a unit under `option` may share a collective with its neighbours: dense, and compressed
-    or on the ring uncompressed (one allreduce of them all, as DDP's buckets); or sparse COO gradients
-    under the sparse AllReduce uncompressed (one of their rows concatenated, sparcoll.torch.sparse)."""
+    """Whether a unit under `option` may share a collective with its neighbours: dense, and compressed,
+    on the ring uncompressed (one allreduce of them all, as DDP's buckets) or under the sparse
+    AllReduce uncompressed (concatenated, up to BUCKET_BYTES in all: `merged`); or sparse COO
+    gradients under the sparse AllReduce uncompressed (one of their rows concatenated,
+    sparcoll.torch.sparse)."""
     coo = [measured[i].facts.coo for i in members]
+    uncompressed_sparse = option.compressor == "none" and option.collective in (SPARSE, DEDICATED)
     if any(coo):
-        return all(coo) and option.compressor == "none" and option.collective in (SPARSE, DEDICATED)
-    return option.compressor != "none" or option == Option()
+        return all(coo) and uncompressed_sparse
+    return option.compressor != "none" or option == Option() or uncompressed_sparse
 
 
 def coo_units(order: list[str], coo: set[str]) -> list[list[str]]:
@@ -45,17 +50,22 @@ def coo_units(order: list[str], coo: set[str]) -> list[list[str]]:
 
 def merged(members: list[int], option: Option, measured: list[Measured], costing: Costing) -> Choices | None:
     """A unit of `members` under `option`, priced as one collective of their payloads (on the ring
-    uncompressed: one allreduce of all their elements; COO gradients: as the profile timed them
-    concatenated, None where it did not)."""
+    uncompressed: one allreduce of all their elements; under the sparse AllReduce uncompressed: one
+    of them concatenated, at their mean densities, None beyond BUCKET_BYTES; COO gradients: as the
+    profile timed them concatenated, None where it did not)."""
     group = [measured[i] for i in members]
     name, numel = "+".join(t.facts.name for t in group), sum(t.facts.numel for t in group)
     if group[0].facts.coo:
         facts = TensorFacts(name, numel, coo=True)
         return Choices(name, numel, {option: costing.cost(Measured(facts, (numel,)), option)}) \
             if costing.priced_coo(name, option) else None
-    cost = (costing.bucket(group, option) if option.compressor != "none"
-            else costing.cost(Measured(TensorFacts(name, numel), (numel,)), option))
-    return Choices(name, numel, {option: cost})
+    if option.compressor != "none":
+        return Choices(name, numel, {option: costing.bucket(group, option)})
+    if option != Option() and numel * ITEMSIZE > BUCKET_BYTES:     # DataParallel sends them one by one
+        return None
+    density, union = (sum(getattr(t, k) * t.facts.numel for t in group) / numel for k in ("density", "union"))
+    return Choices(name, numel, {option: costing.cost(Measured(TensorFacts(name, numel), (numel,), 0, density,
+                                                                union), option)})
 
 
 def whole_runs(previous: list[int], members: list[int]) -> bool:
