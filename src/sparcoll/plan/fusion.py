@@ -6,9 +6,10 @@ bytes (about 5 ms among 4 processes on 2 cores), so gpt's 17 large compressed te
 own collective, made DataParallel 1.6-1.8x slower than DDP's compression hook, which sends a few
 25 MB buckets; the ring's large gradients, one allreduce each, made deeplight's ring for every tensor
 115 ms a step against DDP's 72. Here units (in backward order) under the same compressor and
-placement, or on the ring uncompressed, become one unit while the timeline predicts no slower a
-step: one collective of all their payloads (Costing.bucket; on the ring one allreduce; dense ones
-under the sparse AllReduce concatenated, up to 1 MB), ready with its last member, which trades wait-free backpropagation's early start for fewer collectives. A unit joins
+placement, on the ring uncompressed, or dense under the sparse AllReduce uncompressed, become one unit
+while the timeline predicts no slower a step: one collective of all their payloads (Costing.bucket;
+on the ring one allreduce; under the sparse AllReduce concatenated, up to 1 MB), ready with its last
+member, which trades wait-free backpropagation's early start for fewer collectives. A unit joins
 the latest unit of its option even past units of other options: deeplight's dense_embedding, ready
 between its two COO embeddings, joined the MLP's blocktopk collective that way, and its step went from
 0.92-0.94x DDP's to 0.97x (docs/benchmarks.md). sparcoll.torch.DataParallel sends a plan's unit of
