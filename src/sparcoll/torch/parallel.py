@@ -893,8 +893,7 @@ class DataParallel(nn.Module):
             params, grads = zip(*extra)
             averages = self.channel.sparse_mean_many(grads, self._tags[id(params[0])])
             for q, grad, average in zip(params, grads, averages):
-                grad.copy_(average)
-                self._learn_density(q, average)
+                self._put_back(q, grad, average)
             return None
         if chosen == COO_UNIT:          # one sparse AllReduce of the unit's rows (sparse.concatenate)
             grads = [self._note_rows(q, grad.coalesce()) for q, grad in extra]
