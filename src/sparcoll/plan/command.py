@@ -267,8 +267,7 @@ def choices_of(units: list[Measured], groups: list[list[int]], measured: list[Me
         costs = {}
         concatenated = unit.facts.numel * ITEMSIZE <= BUCKET_BYTES
         for o in options(unit.facts, job, compressors):
-            if len(members) == 1 or o == Option() or (
-                    concatenated and o.compressor == "none" and o.collective in (SPARSE, DEDICATED)):
+            if len(members) == 1 or o == Option() or (concatenated and o.uncompressed_sparse):
                 costs[o] = costing.cost(unit, o)
             elif o.collective == SFB:
                 costs[o] = costing.cost(measured[members[-1]], o)

@@ -23,7 +23,7 @@ from sparcoll.torch.parallel import BUCKET_BYTES
 
 from .costs import ITEMSIZE, Costing, Measured
 from .decide import Choices
-from .options import DEDICATED, SPARSE, Option, TensorFacts
+from .options import Option, TensorFacts
 from .timeline import Step, simulate
 
 
@@ -34,10 +34,9 @@ def fusable(option: Option, members: list[int], measured: list[Measured]) -> boo
     gradients under the sparse AllReduce uncompressed (one of their rows concatenated,
     sparcoll.torch.sparse)."""
     coo = [measured[i].facts.coo for i in members]
-    uncompressed_sparse = option.compressor == "none" and option.collective in (SPARSE, DEDICATED)
     if any(coo):
-        return all(coo) and uncompressed_sparse
-    return option.compressor != "none" or option == Option() or uncompressed_sparse
+        return all(coo) and option.uncompressed_sparse
+    return option.compressor != "none" or option == Option() or option.uncompressed_sparse
 
 
 def coo_units(order: list[str], coo: set[str]) -> list[list[str]]:
@@ -62,7 +61,7 @@ def merged(members: list[int], option: Option, measured: list[Measured], costing
             if costing.priced_coo(name, option) else None
     if option.compressor != "none":
         return Choices(name, numel, {option: costing.bucket(group, option)})
-    if option != Option() and numel * ITEMSIZE > BUCKET_BYTES:     # DataParallel sends them one by one
+    if option.uncompressed_sparse and numel * ITEMSIZE > BUCKET_BYTES:     # DataParallel: one by one
         return None
     density, union = (sum(getattr(t, k) * t.facts.numel for t in group) / numel for k in ("density", "union"))
     return Choices(name, numel, {option: costing.cost(Measured(TensorFacts(name, numel), (numel,), 0, density,

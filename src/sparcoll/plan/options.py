@@ -35,6 +35,11 @@ class Option:
     collective: str = RING
     offload: bool = False          # compression on a worker thread instead of the training thread
 
+    @property
+    def uncompressed_sparse(self) -> bool:
+        """The gradient as it is, under the sparse AllReduce (colocated or dedicated)."""
+        return self.compressor == "none" and self.collective in (SPARSE, DEDICATED)
+
     def __str__(self) -> str:
         where = ", offloaded" if self.offload else ""
         return self.collective if self.compressor == "none" else f"{self.compressor} by {self.collective}{where}"
