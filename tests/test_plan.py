@@ -7,6 +7,7 @@ import mmap
 import random
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -95,6 +96,20 @@ def test_the_channel_serializes():
     timeline = simulate(Step((0.0, 0.1), 0.2, optimizer=0.05), [Cost(comm=1.0), Cost(comm=1.0, decompress=0.25)])
     assert timeline.comm_start == [0.0, 1.0] and timeline.comm_end == [1.0, 2.25]
     assert timeline.iteration == 2.3
+
+
+def test_the_step_is_no_shorter_than_the_workers_cpu_allows():
+    """The timeline alone: tensor 0 on the channel 0-0.01, tensor 1 0.01-0.02, backward done at
+    0.02, the optimizer 0.005 after: F 0.025. The workers' CPU: 0.03 s of the step's own and 0.01 of
+    the tensors' on half a core each, 0.08 s, of which F is what follows the 0.01 s forward: 0.07.
+    With 2 cores each the CPU takes 0.02 s and the timeline sets F; cores unknown, no bound."""
+    costs = [Cost(comm=0.01, cpu=0.004), Cost(comm=0.01, cpu=0.006)]
+    step = Step((0.0, 0.01), 0.02, optimizer=0.005, cpu=0.03, cores=0.5, forward=0.01)
+    assert simulate(step, costs).iteration == pytest.approx(0.07)
+    assert simulate(replace(step, cores=2.0), costs).iteration == pytest.approx(0.025)
+    assert simulate(replace(step, cores=0.0), costs).iteration == pytest.approx(0.025)
+    # what the decision searches with prices operations alone: the CPU is simulate's
+    assert Simulation(step, costs).iteration == pytest.approx(0.025)
 
 
 def test_an_offloaded_lane_overlaps_and_on_thread_compression_delays_backward():
@@ -790,6 +805,38 @@ def test_collectives_under_load_run_as_many_times_on_every_rank_and_span_a_step(
     for count, spanned, loaded, slowdown in outcome:
         assert spanned >= 24 * 0.002 and loaded >= 0.002
         assert 1.0 <= slowdown < 2.0            # sleeping steps are not slowed down
+
+
+def _timed_cpu(rank: int, world: int) -> tuple:
+    """profiler.timed of a run that computes for 20 ms and of one that sleeps as long."""
+    from sparcoll.plan import profiler
+
+    def busy(_) -> None:
+        end = time.process_time() + 0.02
+        while time.process_time() < end:
+            pass
+    return profiler.timed(busy), profiler.timed(lambda _: time.sleep(0.02))
+
+
+def test_a_timed_run_says_the_cpu_its_worker_spent_in_it():
+    from ranks import run_ranks
+    for busy, sleeping in run_ranks(_timed_cpu, 2, timeout=60):
+        assert busy.seconds >= 0.02 and busy.cpu >= 0.02
+        assert sleeping.seconds >= 0.02 and sleeping.cpu < 0.01
+
+
+def test_the_profiles_cpu_points_become_curves_grids_and_times_on_tensors():
+    from sparcoll.plan.profiler import fit
+    point = lambda kind, x, seconds, **more: {"event": "point", "kind": kind, "what": more.pop("what", "ring"),
+                                              "x": x, "seconds": seconds, **more}    # noqa: E731
+    fits = fit([point("cpu", 4096, 0.002), point("cpu", 65536, 0.001),            # made non-decreasing
+                point("cpu", 400, 0.003, what="sparse", numel=1000), point("cpu", 4000, 0.004, what="sparse", numel=1000),
+                point("compress_cpu", 1000, 0.001, what="fp16"), point("decompress_cpu", 1000, 0.0005, what="fp16"),
+                point("compress_cpu", 1000, 0.02, what="fp16", tensor="w"), point("coo_cpu", 0, 0.03, tensor="e")])
+    assert fits["cpu"]["ring"] == [[4096.0, 65536.0], [0.002, 0.002]]
+    assert fits["grids"]["cpu"]["sparse"] == [[1000.0, [0.1, 1.0], [0.003, 0.004]]]
+    assert fits["compress_cpu"]["fp16"] == [[1000.0], [0.001]] and fits["decompress_cpu"]["fp16"] == [[1000.0], [0.0005]]
+    assert fits["compress_cpu_own"] == {"fp16": {"w": 0.02}} and fits["coo_cpu_own"] == {"ring": {"e": 0.03}}
 
 
 def _compress_in_backward(rank: int, world: int) -> tuple:

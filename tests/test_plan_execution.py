@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -155,6 +156,53 @@ def test_costs_follow_the_curves_hand_computed():
     sfb = costing.cost(layer, Option("none", SFB))
     assert [sfb.compress, sfb.comm, sfb.decompress, sfb.sooner] == pytest.approx(
         [-0.02, sizes + 5e-4 + 3e-8 * 32 * (1000 + 500) * 4 + 0.3, 0.0, 0.03])
+def test_an_options_cpu_is_what_its_compression_collective_and_decompression_took_alone():
+    """Cost.cpu adds up the profile's CPU seconds: the collective's by its curve (the sparse
+    AllReduce's by its grid, as its time), the compressor's by its curves or as measured on the
+    tensor itself, a COO gradient's option as measured on it, SFB's factors and rebuild; none where
+    the profile has no CPU (one measured before it was)."""
+    cpu = {"cpu": {RING: line(2e-4, 1e-9), ALLGATHER: line(1e-4, 2e-9)},
+           "grids": {**FITS["grids"], "cpu": {SPARSE: grid_line(5e-4, 2e-9)}},
+           "compress_cpu": {"topk:0.01": line(3e-5, 1e-9)}, "decompress_cpu": {"topk:0.01": line(1e-5, 1e-9)},
+           "compress_cpu_own": {"topk:0.01": {"w": 0.007}}, "coo_cpu_own": {SPARSE: {"e": 0.004}}}
+    costing = Costing({**FITS, **cpu}, workers=4)
+    t = Measured(TensorFacts("v", 1000 * 500, linear=True), (1000, 500), rows=32, density=0.1, union=0.3,
+                 node=0.05, spared=0.02, rebuild=0.3, rebuild_cpu=0.25)
+    n = 500_000
+    assert costing.cost(t, Option()).cpu == pytest.approx(2e-4 + 1e-9 * 4 * n)
+    assert costing.cost(t, Option("none", SPARSE)).cpu == pytest.approx(5e-4 + 2e-9 * 4 * n * 0.2)
+    payload = 5000 * (4 + 4)
+    gathered = 1e-4 + 2e-9 * 16 + 1e-4 + 2e-9 * payload      # the parts' lengths, then the parts
+    topk = costing.cost(t, Option("topk:0.01", ALLGATHER))
+    assert topk.cpu == pytest.approx(3e-5 + 1e-9 * n + gathered + 1e-5 + 1e-9 * n)
+    w = replace(t, facts=TensorFacts("w", n, linear=True))            # its compression measured on it
+    assert costing.cost(w, Option("topk:0.01", ALLGATHER)).cpu == pytest.approx(0.007 + gathered + 1e-5 + 1e-9 * n)
+    sfb = costing.cost(t, Option("none", SFB))
+    assert sfb.cpu == pytest.approx(1e-4 + 2e-9 * 16 + 1e-4 + 2e-9 * 32 * 1500 * 4 + 0.25)
+    own = {kind: {SPARSE: {"e": 0.01}} for kind in ("coo_own", "coo_loaded_own", "coo_slowdown_own")}
+    e = Measured(TensorFacts("e", 10**8, coo=True), (10**6, 100))
+    assert Costing({**FITS, **cpu, **own}, workers=4).cost(e, Option("none", SPARSE)).cpu == 0.004
+    assert Costing(FITS, workers=4).cost(t, Option("topk:0.01", ALLGATHER)).cpu == 0.0
+
+
+def test_the_steps_cpu_and_cores_reach_every_simulated_step():
+    """A profile's step CPU and cores per worker reach the Step the plan simulates, through the
+    units and their fusion; a profile without them (measured before they were) gives no CPU bound."""
+    from sparcoll.plan.command import tensors_of
+    tensor = {"numel": 10, "shape": [10], "linear": False, "rows": 0, "coo": False, "density": 1.0, "union": 1.0}
+    model = {"order": ["a", "b"], "ready": [0.001, 0.002], "backward_end": 0.003, "optimizer": 0.001,
+             "forward": 0.004, "cpu": 0.01, "cores_per_worker": 0.5, "tensors": {"a": tensor, "b": tensor}}
+    step, measured = tensors_of({"model": model})
+    unit_step, units, groups = units_of(step, measured)
+    assert groups == [[0, 1]] and unit_step.ready == (0.002,)
+    costing = Costing(FITS, workers=4)
+    tensors = choices_of(units, groups, measured, costing, ["fp16"], JobFacts())
+    fused_step = fusion.fuse(unit_step, measured, groups, tensors, [next(iter(tensors[0].costs))], costing)[0]
+    for s in (step, unit_step, fused_step):
+        assert (s.cpu, s.cores, s.forward) == (0.01, 0.5, 0.004)
+    assert tensors_of({"model": {k: v for k, v in model.items() if k != "cpu"}})[0].cores == 0.0
+
+
 def test_a_coo_gradients_option_costs_what_the_profile_measured_on_it():
     """A sparse COO gradient's cost is its option's time measured whole on the gradient (alone, under
     load, backward's slowdown), on the channel: never the dense curves of its numel."""

@@ -51,7 +51,7 @@ from .timeline import Cost, Step, simulate
 # large gradient serves the next (allocator): no worker faults one in at a random iteration; 26 the
 # COO gradients timed together whatever is ready between them (fusion.coo_units); 27 how long a small
 # ring delays a sparse AllReduce started right after it (profiler.held_beside).
-PROFILE_VERSION = 27
+PROFILE_VERSION = 28
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; all at once
@@ -182,8 +182,9 @@ def tensors_of(profile: dict) -> tuple[Step, list[Measured]]:
         measured.append(Measured(TensorFacts(name, t["numel"], t["linear"] and t["rows"] > 0, t["coo"]),
                                  tuple(t["shape"]), t["rows"], t["density"], t["union"],
                                  *(t.get(k, 0.0) for k in ("node", "spared", "rebuild")),
-                                 t.get("rebuild_loaded"), t.get("rebuild_slowdown", 1.0)))
-    return Step(tuple(m["ready"]), m["backward_end"], m["optimizer"]), measured
+                                 t.get("rebuild_loaded"), t.get("rebuild_slowdown", 1.0), t.get("rebuild_cpu", 0.0)))
+    return Step(tuple(m["ready"]), m["backward_end"], m["optimizer"], m.get("cpu", 0.0),
+                m["cores_per_worker"] if "cpu" in m else 0.0, m["forward"]), measured
 
 
 def units_of(step: Step, measured: list[Measured]) -> tuple[Step, list[Measured], list[list[int]]]:
@@ -219,7 +220,7 @@ def units_of(step: Step, measured: list[Measured]) -> tuple[Step, list[Measured]
     if open_group:
         groups.append(open_group)
     units = [_unit(measured, g) for g in groups]
-    return Step(tuple(step.ready[g[-1]] for g in groups), step.backward_end, step.optimizer), units, groups
+    return replace(step, ready=tuple(step.ready[g[-1]] for g in groups)), units, groups
 
 
 def bias_of(weight: str) -> str | None:
@@ -416,6 +417,7 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
             "without": sorted(dimensions), "fusion": fused_by,
             "decision_ms": decision_ms, "units": len(unit_tensors), "predicted_step_s": forward + timeline.iteration,
             "bound_s": forward + simulate(step, [free(t) for t in tensors]).iteration, "forward_s": forward,
+            "cpu_bound_s": forward + unit_step.cpu_bound(costs) if unit_step.cores > 0 else None,
             "cores_per_worker": profile["model"]["cores_per_worker"],
             "uniform": {name: forward + predicted(fused(strategy)) for name, strategy in uniforms.items()},
             "dense_only": {name: forward + predicted(fused(strategy))
@@ -438,7 +440,10 @@ def table(plan: dict) -> str:
     what = plan["strategy"] + (f" without {', '.join(plan['without'])}" if plan["without"] else "")
     lines.append(f"predicted step (forward, backward, synchronization, optimizer): "
                  f"{1e3 * plan['predicted_step_s']:.1f} ms {what}, {1e3 * plan['bound_s']:.1f} ms with "
-                 f"free communication; {len(plan['tensors'])} tensors in {plan['units']} units "
+                 f"free communication"
+                 + (f", at least {1e3 * plan['cpu_bound_s']:.1f} ms by the workers' CPU" if plan.get("cpu_bound_s")
+                    else "")
+                 + f"; {len(plan['tensors'])} tensors in {plan['units']} units "
                  f"({plan.get('fusion', GREEDY)} fusion), decided in "
                  f"{plan['decision_ms']:.1f} ms")
     for name, f in sorted(plan["uniform"].items(), key=lambda kv: kv[1]):

@@ -21,6 +21,9 @@ a Grid):
                its rows, not its dense size
   PowerSGD     measured whole (its products, its error feedback and its two allreduces: thin products
                are bound by memory, not flops), on the channel
+  CPU          each of those collectives' and compressors' CPU seconds on one worker (every thread of
+               its process) where it was timed alone, and a step's forward, backward and optimizer:
+               what timeline.Step.cpu_bound spreads over the worker's cores
   contention   per collective kind and size, its time while the model's forward and backward run on
                the training thread (`loaded`), and how many times longer they take meanwhile
                (`slowdown`; neither made monotone); PowerSGD, whose allreduces are the ring's, takes the
@@ -46,8 +49,10 @@ from .options import ALLGATHER, DEDICATED, RING, SFB, SPARSE, Option, TensorFact
 from .timeline import Cost
 
 ITEMSIZE = 4
+MONOTONE = ("collectives", "cpu")     # quantities that never fall with size (contention's may)
 # A COO gradient's measurements per option (profiler.profile_coo): alone, beside backward, and
-# backward's slowdown meanwhile; the profile's fits hold each as KIND_own.
+# backward's slowdown meanwhile; the profile's fits hold each as KIND_own (and its CPU alone as
+# coo_cpu_own).
 COO_KINDS = ("coo", "coo_loaded", "coo_slowdown")
 
 
@@ -120,7 +125,8 @@ class Measured:
     for a linear layer's weight SFB's times (seconds): its layer's backward from the output gradient
     to the weight gradient (`node`), the local weight gradient's share of backward (`spared`) and the
     rebuild from every worker's factors, alone (`rebuild`) and while backward computes
-    (`rebuild_loaded`, None: as alone; backward `rebuild_slowdown` times slower meanwhile)."""
+    (`rebuild_loaded`, None: as alone; backward `rebuild_slowdown` times slower meanwhile), and the
+    rebuild's CPU seconds (`rebuild_cpu`)."""
     facts: TensorFacts
     shape: tuple
     rows: int = 0
@@ -131,6 +137,7 @@ class Measured:
     rebuild: float = 0.0
     rebuild_loaded: float | None = None
     rebuild_slowdown: float = 1.0
+    rebuild_cpu: float = 0.0
 
 
 def sparse_volume(numel: int, density: float, union: float) -> float:
@@ -146,26 +153,34 @@ class Costing:
     def __init__(self, fits: dict, workers: int, link_rate: float | None = None):
         """`link_rate`: the network's, bytes per second (None: loopback)."""
         self.collective = {name: Curve(*xy) for name, xy in fits["collectives"].items()}
-        self.grids = {quantity: {name: Grid.of_rows(rows, monotone=quantity == "collectives")
+        self.grids = {quantity: {name: Grid.of_rows(rows, monotone=quantity in MONOTONE)
                                  for name, rows in by_name.items()}
                       for quantity, by_name in fits.get("grids", {}).items()}
         # a collective measured on the model's own gradient: quantity -> kind -> tensor name -> time
-        self.own = {quantity: fits.get(f"{quantity}_own", {}) for quantity in ("collectives", "loaded", "slowdown")}
+        self.own = {quantity: fits.get(f"{quantity}_own", {}) for quantity in ("collectives", "loaded", "slowdown", "cpu")}
         self.compress = {spec: Curve(*xy) for spec, xy in fits["compress"].items()}
         self.decompress = {spec: Curve(*xy) for spec, xy in fits["decompress"].items()}
         self.compress_own = fits.get("compress_own", {})       # spec -> tensor name -> seconds
         self.decompress_own = fits.get("decompress_own", {})
+        # their CPU seconds (a profile before they were measured: none, no CPU bound)
+        self.compress_cpu = {spec: Curve(*xy) for spec, xy in fits.get("compress_cpu", {}).items()}
+        self.decompress_cpu = {spec: Curve(*xy) for spec, xy in fits.get("decompress_cpu", {}).items()}
+        self.compress_cpu_own = fits.get("compress_cpu_own", {})
+        self.decompress_cpu_own = fits.get("decompress_cpu_own", {})
+        self.coo_cpu = fits.get("coo_cpu_own", {})
         # a COO gradient's options, measured whole: option -> tensor name -> seconds (or slowdown)
         self.coo = {kind: fits.get(f"{kind}_own", {}) for kind in COO_KINDS}
         self.loaded = {name: Curve(*xy) for name, xy in fits.get("loaded", {}).items()}
         self.slowdown = {name: Curve(*xy) for name, xy in fits.get("slowdown", {}).items()}
         self.held = {name: Curve(*xy) for name, xy in fits.get("held", {}).items()}
-        self._curves = {"collectives": self.collective, "loaded": self.loaded, "slowdown": self.slowdown}
+        self.cpu = {name: Curve(*xy) for name, xy in fits.get("cpu", {}).items()}
+        self._curves = {"collectives": self.collective, "loaded": self.loaded, "slowdown": self.slowdown,
+                        "cpu": self.cpu}
         self.workers = workers
         self.link_rate = link_rate
 
     def _measured(self, quantity: str, kind: str, x: float, numel: int, name: str | None = None) -> float | None:
-        """The profile's `quantity` ("collectives", "loaded" or "slowdown") of collective `kind` for x
+        """The profile's `quantity` ("collectives", "loaded", "slowdown" or "cpu") of collective `kind` for x
         bytes of tensor `name` of `numel` elements: as measured on that tensor's own gradient if it
         was, else from the kind's grid (the share x is of its dense bytes) or curve; None if not
         measured."""
@@ -180,11 +195,15 @@ class Costing:
 
     def _on(self, kind: str, x: float, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
             sooner: float = 0.0, comm: float | None = None, numel: int = 0, name: str | None = None,
-            beside: bool = False) -> Cost:
+            beside: bool = False, cpu: float = 0.0, comm_cpu: float | None = None) -> Cost:
         """A cost whose payload of size x (of tensor `name`, of `numel` elements) travels on collective
-        `kind` (its time alone `comm`, if not the kind's measured one), with that kind's contention
-        where the profile measured it; `beside`: on gloo's lane (an uncompressed ring allreduce)."""
+        `kind` (its time alone `comm` and CPU `comm_cpu`, if not the kind's measured ones), with that
+        kind's contention where the profile measured it; `beside`: on gloo's lane (an uncompressed
+        ring allreduce); `cpu`: the compression's and decompression's CPU seconds."""
         measured = self._measured("collectives", kind, x, numel, name)
+        if comm_cpu is None:
+            comm_cpu = self._measured("cpu", kind, x, numel, name) or 0.0
+        cpu += comm_cpu
         alone = measured if comm is None else comm
         hold = None     # a collective that needs the link for all its time: the same as on the channel
         if beside and self.link_rate:
@@ -195,19 +214,19 @@ class Costing:
             hold = link if link < alone else None
         loaded = self._measured("loaded", kind, x, numel, name)
         if loaded is None:
-            return Cost(compress, alone, decompress, offload, sooner, hold=hold)
+            return Cost(compress, alone, decompress, offload, sooner, hold=hold, cpu=cpu)
         return Cost(compress, alone, decompress, offload, sooner, alone * loaded / max(measured, 1e-12),
-                    max(1.0, self._measured("slowdown", kind, x, numel, name)), hold)
+                    max(1.0, self._measured("slowdown", kind, x, numel, name)), hold, cpu)
 
     def _gathered(self, x: float, parts: int, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
-                  sooner: float = 0.0, variable: bool = True) -> Cost:
+                  sooner: float = 0.0, variable: bool = True, cpu: float = 0.0) -> Cost:
         """An allgather of `parts` tensors of x bytes in all, as the Channel runs it: sizes that vary
         between ranks (SFB's factors, a sparsifier's entries) are gathered first, a round of their own."""
-        data = self._on(ALLGATHER, x, compress, decompress, offload, sooner)
+        data = self._on(ALLGATHER, x, compress, decompress, offload, sooner, cpu=cpu)
         if not variable:
             return data
         both = in_sequence([self._on(ALLGATHER, 8 * parts), data])
-        return replace(data, comm=both.comm, loaded=both.loaded, slowdown=both.slowdown)
+        return replace(data, comm=both.comm, loaded=both.loaded, slowdown=both.slowdown, cpu=both.cpu)
 
     def cost(self, t: Measured, option: Option) -> Cost:
         """The option's compression time (on the training thread or offloaded), channel time and
@@ -218,9 +237,9 @@ class Costing:
         if option.collective == SFB:        # backward no longer computes the local weight gradient
             m, n = t.shape      # the rebuild runs on the channel, slower while backward computes
             gather = self._gathered(t.rows * (m + n) * ITEMSIZE, 2, -t.spared, sooner=max(0.0, t.node - t.spared))
-            rebuild = Cost(comm=t.rebuild, loaded=t.rebuild_loaded, slowdown=t.rebuild_slowdown)
+            rebuild = Cost(comm=t.rebuild, loaded=t.rebuild_loaded, slowdown=t.rebuild_slowdown, cpu=t.rebuild_cpu)
             both = in_sequence([gather, rebuild])
-            return replace(gather, comm=both.comm, loaded=both.loaded, slowdown=both.slowdown)
+            return replace(gather, comm=both.comm, loaded=both.loaded, slowdown=both.slowdown, cpu=both.cpu)
         if c == "none":
             if option.collective in (SPARSE, DEDICATED):
                 return self._on(option.collective, sparse_volume(numel, t.density, t.union), numel=numel,
@@ -242,7 +261,8 @@ class Costing:
         except KeyError:
             raise ValueError(f"the profile has no time for {name}'s sparse COO gradient under {label}; "
                              f"profile again (--reprofile)") from None
-        return Cost(0.0, alone, 0.0, option.offload, 0.0, loaded, max(1.0, slowdown))
+        return Cost(0.0, alone, 0.0, option.offload, 0.0, loaded, max(1.0, slowdown),
+                    cpu=self.coo_cpu.get(label, {}).get(name, 0.0))
 
     def bucket(self, ts: list[Measured], option: Option) -> Cost:
         """Dense tensors of one compressor as sparcoll.torch.DataParallel sends a bucket (or a layer's
@@ -250,37 +270,50 @@ class Costing:
         collective (PowerSGD's, measured whole per tensor, one by one)."""
         c = option.compressor
         compressor = _compressor(c)
-        compress = decompress = 0.0
+        compress = decompress = cpu = 0.0
         for t in ts:
-            own = [table.get(c, {}).get(t.facts.name) for table in (self.compress_own, self.decompress_own)]
-            compress += self.compress[c](t.facts.numel) if own[0] is None else own[0]
+            compress += _own_or_curve(self.compress_own, self.compress, c, t)
+            cpu += _own_or_curve(self.compress_cpu_own, self.compress_cpu, c, t, missing=0.0)
             if compressor.scheme != "powersgd":
-                decompress += self.decompress[c](t.facts.numel) if own[1] is None else own[1]
+                decompress += _own_or_curve(self.decompress_own, self.decompress, c, t)
+                cpu += _own_or_curve(self.decompress_cpu_own, self.decompress_cpu, c, t, missing=0.0)
         numel = sum(t.facts.numel for t in ts)
         payload = sum(compressor.payload_bytes(t.facts.numel, t.shape) for t in ts)
         if compressor.scheme == "powersgd":        # its time is measured whole: all on the channel
-            return self._on(RING, payload, comm=compress)
+            return self._on(RING, payload, comm=compress, comm_cpu=cpu)
         if compressor.scheme == "sparse":
             kept = min(1.0, payload / (numel * ITEMSIZE))
             return self._on(option.collective, sparse_volume(numel, kept, 1 - (1 - kept) ** self.workers),
-                            compress, decompress, option.offload, numel=numel)
+                            compress, decompress, option.offload, numel=numel, cpu=cpu)
         if compressor.scheme == "allreduce":
-            return self._on(RING, payload, compress, decompress, option.offload)
+            return self._on(RING, payload, compress, decompress, option.offload, cpu=cpu)
         return self._gathered(payload, 2 * len(ts), compress, decompress, option.offload,
-                              variable=compressor.variable)
+                              variable=compressor.variable, cpu=cpu)
 
 
 def in_sequence(parts: list[Cost], offload: bool = False) -> Cost:
     """Tensors or collectives sent one after another as one: their times add up; backward's slowdown
     is that of each part for as long as it runs."""
     total = Cost(sum(c.compress for c in parts), sum(c.comm for c in parts), sum(c.decompress for c in parts),
-                 offload)
+                 offload, cpu=sum(c.cpu for c in parts))
     if all(c.loaded is None for c in parts):
         return total
     loaded = [c.comm if c.loaded is None else c.loaded for c in parts]
     spans = [t + c.decompress for t, c in zip(loaded, parts)]
     slowdown = sum(s * c.slowdown for s, c in zip(spans, parts)) / sum(spans) if sum(spans) > 0 else 1.0
     return replace(total, loaded=sum(loaded), slowdown=slowdown)
+
+
+def _own_or_curve(own: dict, curves: dict, spec: str, t: Measured, missing: float | None = None) -> float:
+    """A compressor's time (or CPU) on tensor t: as measured on t's own gradient if it was, else from
+    its curve by elements; `missing` where the profile has neither (CPU: a profile from before it was
+    measured), if given."""
+    measured = own.get(spec, {}).get(t.facts.name)
+    if measured is not None:
+        return measured
+    if spec not in curves and missing is not None:
+        return missing
+    return curves[spec](t.facts.numel)
 
 
 @functools.lru_cache(maxsize=None)

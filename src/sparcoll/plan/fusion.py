@@ -17,6 +17,7 @@ several tensors as one bucket, whatever their sizes, as soon as all of them are 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from sparcoll.torch.parallel import BUCKET_BYTES
@@ -93,7 +94,7 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
 
     def predicted(head_costs: list, head_ready: list, i: int) -> float:
         """F with the units up to i as given and the later ones as decided."""
-        return simulate(Step(tuple(head_ready + ready[i + 1:]), step.backward_end, step.optimizer),
+        return simulate(replace(step, ready=tuple(head_ready + ready[i + 1:])),
                         head_costs + costs[i + 1:]).iteration
 
     def target(i: int) -> int | None:
@@ -150,7 +151,7 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
         out_ready.append(ready[i])
         out_costs.append(costs[i])
         i += 1
-    return Step(tuple(out_ready), step.backward_end, step.optimizer), out_groups, out_tensors, out_chosen
+    return replace(step, ready=tuple(out_ready)), out_groups, out_tensors, out_chosen
 
 
 def as_planned(step: Step, measured: list[Measured], groups: list[list[int]], tensors: list[Choices],

@@ -34,6 +34,10 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
                (`slowdown`; 4 workers on 2 cores at 1 Gbit/s: a 4 KB ring allreduce took 18.4 ms
                beside gpt's backward, 5.0 alone, and the steps up to 1.85x as long). The collectives
                run for at least a step, and the slowdown is of the steps' work while they ran
+  CPU          with each time alone above (a collective, a compressor, a COO gradient's option, SFB's
+               rebuild), the CPU seconds the busiest worker's process spent in it, and a training
+               step's (step_cpu): 4 workers on 2 cores run their fastest strategies as fast as their
+               CPU allows (timeline.Step.cpu_bound)
   held         each ring allreduce of at most HELD_BYTES started on gloo's threads right before a
                sparse AllReduce, as DataParallel runs an uncompressed tensor beside the channel: how
                much later the sparse AllReduce finished than alone (held_beside)
@@ -53,6 +57,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -73,7 +78,7 @@ from sparcoll.torch.sfb import eligible_layers
 from sparcoll.workloads import get_workload
 from sparcoll.workloads.user import UserModel
 
-from .costs import COO_KINDS, ITEMSIZE, Curve, Grid, sparse_volume
+from .costs import COO_KINDS, ITEMSIZE, MONOTONE, Curve, Grid, sparse_volume
 from .fusion import coo_units
 from .options import ALLGATHER, COMPRESSORS, PS, RING, SPARSE, coo_labels
 from .profile import BackwardProfile, backward_timeline, facts, runs_that_fit
@@ -97,6 +102,7 @@ BUDGET = 0.2      # seconds of timed runs per point, at least
 IN_BACKWARD_STEPS = 3   # steps timed per compressor inside backward after an untimed one, at least ...
 MOST_IN_BACKWARD_STEPS = 24     # ... and at most, as many as fit in IN_BACKWARD_SECONDS
 IN_BACKWARD_SECONDS = 3.0
+QUANTITIES = ("collectives", "loaded", "slowdown", "cpu")      # of a collective, as costs.Costing reads them
 
 
 @dataclass(frozen=True)
@@ -151,21 +157,33 @@ def slowest(seconds: float) -> float:
     return t.item()
 
 
-def timed(run, prepare=lambda: None) -> float:
+class Timing(NamedTuple):
+    """A run's time (`seconds`) and the CPU seconds its worker's process spent in it, every thread
+    (`cpu`: what timeline.Step.cpu_bound adds up)."""
+    seconds: float
+    cpu: float
+
+
+def timed(run, prepare=lambda: None) -> Timing:
     """The median of the slowest worker's time over at least REPEAT runs after an untimed one, more
     for short ones (until BUDGET seconds or MAX_REPEAT runs: small collectives are noisy on a busy
-    machine); every run starts together, and every worker sees the same times, so all run as many."""
+    machine), and of the busiest worker's CPU in them; every run starts together, and every worker
+    sees the same times, so all run as many."""
     times: list[float] = []
+    cpus: list[float] = []
     for i in range(MAX_REPEAT + 1):
         arg = prepare()
         dist.barrier()
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         run(arg)
         if i:
-            times.append(slowest(time.perf_counter() - start))
+            most = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            times.append(most[0].item())
+            cpus.append(most[1].item())
             if len(times) >= REPEAT and sum(times) >= BUDGET:
                 break
-    return statistics.median(times)
+    return Timing(statistics.median(times), statistics.median(cpus))
 
 
 class Together:
@@ -228,7 +246,7 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
                                      skipped=frozenset(sfb_able))
         spared = spared_in_backward(timeline, skipping, node)
         train_step = training_step(model, loss_of)
-        alone_step = timed(lambda _: train_step())
+        alone_step = timed(lambda _: train_step()).seconds
         sfb = {name: {"spared": spared.get(name, 0.0),
                       **rebuild_beside_training(params[name].shape, rows[id(params[name])], world, train_step,
                                                 alone_step, cfg["timeout"])}
@@ -241,6 +259,22 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
     return {"order": list(timeline.order), "ready": list(timeline.step.ready),
             "backward_end": timeline.step.backward_end, "optimizer": timeline.step.optimizer,
             "forward": timeline.forward, "tensors": tensors}, gradients, coo_gradients
+
+
+def step_cpu(model: nn.Module, loss_of) -> float:
+    """The CPU seconds of one training step (forward, backward, the optimizer) on the busiest
+    worker, every worker stepping at once: the work no strategy takes off the cores (ncf: 5.0 ms
+    alone, 5.6-5.9 with 4 workers on 2 cores)."""
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+
+    def step(_) -> None:
+        optimizer.zero_grad()
+        loss_of(model).backward()
+        optimizer.step()
+    try:
+        return timed(step).cpu
+    finally:
+        optimizer.zero_grad()
 
 
 def cores_per_worker(world: int) -> float:
@@ -295,7 +329,8 @@ def rebuild_beside_training(shape, rows: int, world: int, train_step, alone_step
     big_u, big_v, result = torch.randn(rows * world, m), torch.randn(rows * world, n), torch.empty(m, n)
     run = lambda _: torch.mm(big_u.t(), big_v, out=result)     # noqa: E731
     alone, loaded, _ = alone_and_loaded(run, lambda: None, train_step, alone_step, timeout)
-    return {"rebuild": alone, "rebuild_loaded": loaded, "rebuild_slowdown": max(1.0, loaded / max(alone, 1e-12))}
+    return {"rebuild": alone.seconds, "rebuild_loaded": loaded,
+            "rebuild_slowdown": max(1.0, loaded / max(alone.seconds, 1e-12)), "rebuild_cpu": alone.cpu}
 
 
 def decompress_into(compressor, payload, world: int, into: torch.Tensor) -> None:
@@ -309,7 +344,7 @@ def decompress_into(compressor, payload, world: int, into: torch.Tensor) -> None
 
 
 def profile_compressors(specs: list[str], world: int, gradients: dict, numels: tuple[int, ...]):
-    """(spec, numel, tensor name or None, compress seconds, decompress seconds), on random tensors of
+    """(spec, numel, tensor name or None, compress Timing, decompress Timing), on random tensors of
     `numels` elements (the curves) and on the model's own large gradients (a compressor's time
     depends on the data: sampled thresholds, ties, momentum). The decompression is what each scheme runs
     after its collective (allreduce: decompress the average; allgather: combine every rank's parts; the
@@ -327,7 +362,7 @@ def profile_compressors(specs: list[str], world: int, gradients: dict, numels: t
                 # its product written into a gradient-sized tensor, as the executors have it
                 into = [torch.empty(x.numel())]
                 yield spec, x.numel(), name, timed(lambda _: reducer.reduce_many(
-                    [x], [name or x.numel()], into=into)), 0.0
+                    [x], [name or x.numel()], into=into)), Timing(0.0, 0.0)
                 continue
             last = [None]       # only the last run's payload is kept: vgg's layer has 205 MB under fp16
             compress = timed(lambda _: last.__setitem__(0, reducer.compress(x, key=name or x.numel())))
@@ -415,7 +450,7 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
 
 
 def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout: float, order: list[str]):
-    """(option, tensor name, seconds alone, seconds under load, slowdown of a training step) for each
+    """(option, tensor name, Timing alone, seconds under load, slowdown of a training step) for each
     of the model's sparse COO gradients under each option it can take (options.coo_labels), measured
     whole on the gradient itself as sparcoll.torch.DataParallel runs it: coalesced, its entries
     compressed, its collective. A COO gradient's cost is its rows, not its dense size: deeplight's
@@ -424,7 +459,7 @@ def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout
     AllReduce of each unit of several (fusion.coo_units, in backward order `order`) as one collective,
     named by their names joined by "+": every collective has a fixed cost besides its rows (ncf's four
     embeddings took 3.4-5.8 ms each at 1 Gbit/s, their rows 1-2 ms of it)."""
-    alone_step = timed(lambda _: train_step())
+    alone_step = timed(lambda _: train_step()).seconds
     group = Channel(None)       # the group's own sparse all_reduce: gloo's gathers
     uncompressed = {RING: group.sparse_mean, SPARSE: lambda t: comm.allreduce_coo(t, op="avg")}
     for name, g in coo_gradients.items():
@@ -477,7 +512,7 @@ def held_beside(comm, block_size: int, rank: int, world: int, sizes: Sizes):
     the link."""
     channel = Channel(None, comm)
     x = sparse_input(sizes.sparse_numels[-1], HELD_DENSITY, block_size, rank, world)[0]
-    alone = timed(lambda t: comm.allreduce(t, op="avg"), x.clone)
+    alone = timed(lambda t: comm.allreduce(t, op="avg"), x.clone).seconds
     for size in sizes.collective_bytes:
         if size > HELD_BYTES:
             break
@@ -492,18 +527,18 @@ def held_beside(comm, block_size: int, rank: int, world: int, sizes: Sizes):
             started.append(channel.start_allreduce_mean(tensors[0]))
             comm.allreduce(tensors[1], op="avg")
 
-        after = timed(run, prepare)
+        after = timed(run, prepare).seconds
         prepare()
         yield size, max(0.0, after - alone)
 
 
 def profile_sparse_own(comm, gradients: dict, tensors: dict, train_step, timeout: float):
-    """(tensor name, seconds alone, seconds under load, slowdown of a training step) of the sparse
+    """(tensor name, Timing alone, seconds under load, slowdown of a training step) of the sparse
     AllReduce, as the executor runs it, on each of the model's large dense gradients that are not
     dense (its union below 1): the executor's algorithm changes with size and density (a 4M-element
     tensor at 30% took gloo's ring, a 1M-element one the sparse AllReduce), so the grid of random
     tensors between them priced deeplight's 1M-element linear layer at 40 ms, measured 13."""
-    alone_step = timed(lambda _: train_step())
+    alone_step = timed(lambda _: train_step()).seconds
     run = lambda t: comm.allreduce(t, op="avg")     # noqa: E731
     for name, g in gradients.items():
         if tensors[name]["union"] < 1.0:
@@ -511,18 +546,19 @@ def profile_sparse_own(comm, gradients: dict, tensors: dict, train_step, timeout
 
 
 def profile_collectives(comm, block_size: int, rank: int, world: int, sizes: Sizes, train_step, timeout: float):
-    """(collective, x, elements or None (as `collectives`), seconds alone, seconds under load,
+    """(collective, x, elements or None (as `collectives`), Timing alone, seconds under load,
     slowdown of a training step) for each; see `under_load`."""
-    alone_step = timed(lambda _: train_step())
+    alone_step = timed(lambda _: train_step()).seconds
     for kind, x, numel, run, prepare in collectives(comm, block_size, rank, world, sizes):
         yield kind, x, numel, *alone_and_loaded(run, prepare, train_step, alone_step, timeout)
 
 
 def alone_and_loaded(run, prepare, train_step, alone_step: float,
-                     timeout: float) -> tuple[float, float, float]:
-    """run(prepare())'s time alone (`timed`), then under load and the steps' slowdown (`under_load`)."""
+                     timeout: float) -> tuple[Timing, float, float]:
+    """run(prepare())'s time and CPU alone (`timed`), then its time under load and the steps'
+    slowdown (`under_load`)."""
     alone = timed(run, prepare)
-    return alone, *under_load(run, prepare, train_step, alone_step, alone, timeout)
+    return alone, *under_load(run, prepare, train_step, alone_step, alone.seconds, timeout)
 
 
 def under_load(run, prepare, train_step, alone_step: float, alone: float,
@@ -593,7 +629,8 @@ def fit(events: list[dict]) -> dict:
     points: dict = {}
     grid_points: dict = {}
     out: dict = {"collectives": {}, "compress": {}, "decompress": {}, "compress_own": {}, "decompress_own": {},
-                 "loaded": {}, "slowdown": {}, "held": {}, "grids": {}}
+                 "loaded": {}, "slowdown": {}, "held": {}, "grids": {}, "cpu": {}, "compress_cpu": {},
+                 "decompress_cpu": {}}
     for e in events:
         if e.get("tensor"):
             out.setdefault(f"{e['kind']}_own", {}).setdefault(e["what"], {})[e["tensor"]] = e["seconds"]
@@ -606,7 +643,7 @@ def fit(events: list[dict]) -> dict:
         curve = Curve.of(pts, monotone=kind not in ("loaded", "slowdown", "held"))
         out[kind][what] = [list(curve.xs), list(curve.ys)]
     for (kind, what), pts in grid_points.items():
-        out["grids"].setdefault(kind, {})[what] = Grid.of(pts, monotone=kind == "collectives").rows()
+        out["grids"].setdefault(kind, {})[what] = Grid.of(pts, monotone=kind in MONOTONE).rows()
     return out
 
 
@@ -623,11 +660,11 @@ def events_after_model(cfg: dict, model: dict) -> int:
     large = [t for t in tensors if t["numel"] >= OWN_GRADIENT and not t["coo"]]
     coo = {name for name, t in model["tensors"].items() if t["coo"]}
     compressors = len(timed_compressors(cfg))
-    return (2 * compressors * (len(sizes.compressor_numels) + len(large))
+    return (4 * compressors * (len(sizes.compressor_numels) + len(large))
             + len(in_backward(timed_compressors(cfg))) * len(large)
-            + 3 * sum(t["union"] < 1.0 for t in large)
-            + 3 * len(coo_labels(timed_compressors(cfg))) * len(coo) + 3 * len(coo_units(model["order"], coo))
-            + 3 * (2 * len(sizes.collective_bytes) + len(sizes.allgather_bytes)
+            + 4 * sum(t["union"] < 1.0 for t in large)
+            + 4 * len(coo_labels(timed_compressors(cfg))) * len(coo) + 4 * len(coo_units(model["order"], coo))
+            + 4 * (2 * len(sizes.collective_bytes) + len(sizes.allgather_bytes)
                    + len(sizes.sparse_numels) * len(SPARSE_DENSITIES))
             + sum(size <= HELD_BYTES for size in sizes.collective_bytes))
 
@@ -637,16 +674,16 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     say = emit if rank == 0 else (lambda event: None)
     model, loss_of = model_and_loss(cfg, rank, world)
     measured, gradients, coo_gradients = profile_model(cfg, model, loss_of, world, comm)
-    say({"event": "model", **measured, "cores_per_worker": cores_per_worker(world)})
+    say({"event": "model", **measured, "cpu": step_cpu(model, loss_of), "cores_per_worker": cores_per_worker(world)})
     sizes = Sizes.of(measured)
     specs = timed_compressors(cfg)
     priced_in_backward = in_backward(specs)
     for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients,
                                                                        sizes.compressor_numels):
         kind = "compress_alone" if name and spec in priced_in_backward else "compress"
-        say({"event": "point", "kind": kind, "what": spec, "x": numel, "tensor": name, "seconds": compress})
-        say({"event": "point", "kind": "decompress", "what": spec, "x": numel, "tensor": name,
-             "seconds": decompress})
+        for kind, timing in ((kind, compress.seconds), ("decompress", decompress.seconds),
+                             ("compress_cpu", compress.cpu), ("decompress_cpu", decompress.cpu)):
+            say({"event": "point", "kind": kind, "what": spec, "x": numel, "tensor": name, "seconds": timing})
     numels = {name: g.numel() for name, g in gradients.items()}
     # from here on only the gradients profile_sparse_own times stay: the others were vgg's 836 MB a
     # worker beside the gradients its steps inside backward compute, the profile's peak (a worker
@@ -658,16 +695,16 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
              "seconds": seconds})
     release_freed_memory()      # the compressors' memories and payloads
     train_step = training_step(model, loss_of)
-    for label, name, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"],
-                                           measured["order"]):
-        for kind, seconds in zip(COO_KINDS, times):
+    for label, name, alone, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"],
+                                                  measured["order"]):
+        for kind, seconds in zip((*COO_KINDS, "coo_cpu"), (alone.seconds, *times, alone.cpu)):
             say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds})
-    for name, *times in profile_sparse_own(comm, gradients, measured["tensors"], train_step, cfg["timeout"]):
-        for quantity, seconds in zip(("collectives", "loaded", "slowdown"), times):
+    for name, alone, *times in profile_sparse_own(comm, gradients, measured["tensors"], train_step, cfg["timeout"]):
+        for quantity, seconds in zip(QUANTITIES, (alone.seconds, *times, alone.cpu)):
             say({"event": "point", "kind": quantity, "what": SPARSE, "x": 0, "tensor": name, "seconds": seconds})
-    for kind, x, numel, *times in profile_collectives(comm, block_size, rank, world, sizes, train_step,
-                                                      cfg["timeout"]):
-        for quantity, seconds in zip(("collectives", "loaded", "slowdown"), times):
+    for kind, x, numel, alone, *times in profile_collectives(comm, block_size, rank, world, sizes, train_step,
+                                                             cfg["timeout"]):
+        for quantity, seconds in zip(QUANTITIES, (alone.seconds, *times, alone.cpu)):
             say({"event": "point", "kind": quantity, "what": kind, "x": x, "seconds": seconds,
                  **({} if numel is None else {"numel": numel})})
     for x, seconds in held_beside(comm, block_size, rank, world, sizes):

@@ -19,7 +19,11 @@ That is ByteComp's model, with every operation taking the time it takes alone (`
 the decision searches with). With 4 workers on 2 cores, a collective that runs while backward
 computes takes longer and slows backward down (the profile measures both per kind and size:
 `Cost.loaded`, `Cost.slowdown`); `simulate` predicts F with that too (what `sparcoll plan` reports
-and chooses among its candidates by).
+and chooses among its candidates by), and no sooner than the workers' CPU allows: a step's CPU work
+on one worker (forward, backward, the optimizer, and each option's compression, collective and
+decompression, `Cost.cpu`) over the cores each worker has (`Step.cores`). 4 workers on 2 cores ran
+their fastest strategies at 0.42-0.51 CPU seconds per second of step (ncf, deeplight, gpt): there the
+CPU, not the channel, sets the step.
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ class Cost:
     communication's time when it starts while backward computes (None: as `comm`); `slowdown`: how
     many times longer backward's work takes while it runs. `hold`: for a collective on gloo's lane
     (an uncompressed one on the ring, nothing to compress or decompress), how long it holds the
-    channel; None: the channel's for its whole time."""
+    channel; None: the channel's for its whole time. `cpu`: the CPU seconds all of it takes on one
+    worker, every thread of the process (its compression, collective and decompression)."""
     compress: float = 0.0
     comm: float = 0.0
     decompress: float = 0.0
@@ -44,16 +49,29 @@ class Cost:
     loaded: float | None = None
     slowdown: float = 1.0
     hold: float | None = None
+    cpu: float = 0.0
 
 
 @dataclass(frozen=True)
 class Step:
     """A model's backward: `ready[i]` the time (from backward's start) tensor i's gradient is ready,
     in backward order; `backward_end` when backward has computed everything; `optimizer` the step
-    after it."""
+    after it. `cpu`: the CPU seconds of a step's forward, backward and optimizer on one worker,
+    `cores` the cores each worker has (0: unknown, no CPU bound), `forward` the forward's time (F
+    starts after it)."""
     ready: tuple[float, ...]
     backward_end: float
     optimizer: float = 0.0
+    cpu: float = 0.0
+    cores: float = 0.0
+    forward: float = 0.0
+
+    def cpu_bound(self, costs) -> float:
+        """The least F the workers' CPU allows: the step's CPU work and every cost's, spread over
+        the worker's cores, less the forward (0 where the cores are unknown)."""
+        if self.cores <= 0:
+            return 0.0
+        return (self.cpu + sum(c.cpu for c in costs)) / self.cores - self.forward
 
 
 @dataclass
@@ -101,8 +119,8 @@ def simulate(step: Step, costs) -> Timeline:
     work is in seconds alone (the Step's ready times), turned into time along the channel's busy
     intervals so far (a tensor is ready before any later tensor's communication starts). A collective
     on gloo's lane holds the channel for its `hold` stretched as its time is under load, and slows
-    backward for that long. Without contention (no `loaded`) every operation takes its time alone,
-    as in `Simulation`."""
+    backward for that long. F is at least the CPU's bound (Step.cpu_bound). Without contention (no
+    `loaded`, no CPU times) every operation takes its time alone, as in `Simulation`."""
     busy = _Busy()
     delay = lane = channel = gloo = 0.0
     payload, starts, ends = [], [], []
@@ -133,7 +151,7 @@ def simulate(step: Step, costs) -> Timeline:
         ends.append(end)
     backward_end = busy.time_of(step.backward_end + delay)
     return Timeline(payload, starts, ends, backward_end,
-                    max(backward_end, channel, lane, gloo) + step.optimizer)
+                    max(max(backward_end, channel, lane, gloo) + step.optimizer, step.cpu_bound(costs)))
 
 
 def _under_load(cost: Cost, overlap: float) -> float:
