@@ -830,12 +830,14 @@ def test_the_profiles_cpu_points_become_curves_grids_and_times_on_tensors():
     point = lambda kind, x, seconds, **more: {"event": "point", "kind": kind, "what": more.pop("what", "ring"),
                                               "x": x, "seconds": seconds, **more}    # noqa: E731
     fits = fit([point("cpu", 4096, 0.002), point("cpu", 65536, 0.001),            # made non-decreasing
-                point("cpu", 400, 0.003, what="sparse", numel=1000), point("cpu", 4000, 0.004, what="sparse", numel=1000),
+                point("cpu", 400, 0.003, what="sparse", numel=1000),
+                point("cpu", 4000, 0.004, what="sparse", numel=1000),
                 point("compress_cpu", 1000, 0.001, what="fp16"), point("decompress_cpu", 1000, 0.0005, what="fp16"),
                 point("compress_cpu", 1000, 0.02, what="fp16", tensor="w"), point("coo_cpu", 0, 0.03, tensor="e")])
     assert fits["cpu"]["ring"] == [[4096.0, 65536.0], [0.002, 0.002]]
     assert fits["grids"]["cpu"]["sparse"] == [[1000.0, [0.1, 1.0], [0.003, 0.004]]]
-    assert fits["compress_cpu"]["fp16"] == [[1000.0], [0.001]] and fits["decompress_cpu"]["fp16"] == [[1000.0], [0.0005]]
+    assert fits["compress_cpu"]["fp16"] == [[1000.0], [0.001]]
+    assert fits["decompress_cpu"]["fp16"] == [[1000.0], [0.0005]]
     assert fits["compress_cpu_own"] == {"fp16": {"w": 0.02}} and fits["coo_cpu_own"] == {"ring": {"e": 0.03}}
 
 

@@ -157,7 +157,8 @@ class Costing:
                                  for name, rows in by_name.items()}
                       for quantity, by_name in fits.get("grids", {}).items()}
         # a collective measured on the model's own gradient: quantity -> kind -> tensor name -> time
-        self.own = {quantity: fits.get(f"{quantity}_own", {}) for quantity in ("collectives", "loaded", "slowdown", "cpu")}
+        self.own = {quantity: fits.get(f"{quantity}_own", {})
+                    for quantity in ("collectives", "loaded", "slowdown", "cpu")}
         self.compress = {spec: Curve(*xy) for spec, xy in fits["compress"].items()}
         self.decompress = {spec: Curve(*xy) for spec, xy in fits["decompress"].items()}
         self.compress_own = fits.get("compress_own", {})       # spec -> tensor name -> seconds
