@@ -22,7 +22,7 @@ computes takes longer and slows backward down (the profile measures both per kin
 and chooses among its candidates by), and no sooner than the workers' CPU allows: a step's CPU work
 on one worker (forward, backward, the optimizer, and each option's compression, collective and
 decompression, `Cost.cpu`) over the cores each worker has (`Step.cores`). 4 workers on 2 cores ran
-their fastest strategies at 0.42-0.51 CPU seconds per second of step (ncf, deeplight, gpt): there the
+their fastest strategies at 0.45-0.51 CPU seconds per second of step (ncf, deeplight, gpt): there the
 CPU, not the channel, sets the step.
 """
 from __future__ import annotations
