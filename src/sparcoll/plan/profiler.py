@@ -263,8 +263,8 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
 
 def step_cpu(model: nn.Module, loss_of) -> float:
     """The CPU seconds of one training step (forward, backward, the optimizer) on the busiest
-    worker, every worker stepping at once: the work no strategy takes off the cores (ncf: 5.0 ms
-    alone, 5.6-5.9 with 4 workers on 2 cores)."""
+    worker, every worker stepping at once: the work no strategy takes off the cores (ncf: 6.9 ms,
+    4 workers on 2 cores, docs/results/cpu-per-step/ncf-profile.json)."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
 
     def step(_) -> None:
