@@ -862,3 +862,11 @@ def test_plan_a_users_own_model(tmp_path):
     wrong = subprocess.run(command + ["--model", "users_model"], capture_output=True, text=True,
                            timeout=TIMEOUT, env=env)
     assert wrong.returncode == 2 and "expected MODULE:FUNCTION" in wrong.stderr
+    (tmp_path / "half_model.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def build():\n"
+        "    return nn.Linear(4, 4).to(torch.bfloat16), torch.randn(2, 4, dtype=torch.bfloat16)\n")
+    half = subprocess.run(command[:-4] + ["--profile", str(tmp_path / "half.json"), "--model", "half_model:build"],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert half.returncode != 0 and "parameter weight is torch.bfloat16" in half.stderr, half.stderr[-3000:]
+    assert "price float32 gradients" in half.stderr and not (tmp_path / "half.json").exists()

@@ -11,7 +11,8 @@ import torch
 
 from sparcoll.bench.launch import BenchError
 from sparcoll.cli import main
-from sparcoll.train.command import FAULTING_PAGES, _option, timed_steps, workload_options
+from sparcoll.bench.memory import FAULTING_PAGES
+from sparcoll.train.command import _option, timed_steps, workload_options
 from sparcoll.train.worker import block_density, nonzero_elements, synchronization
 
 pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
@@ -138,7 +139,7 @@ def test_interleaved_modes_train_as_they_do_apart(tmp_path):
 
 FRESH_MEMORY = """
 import torch
-from sparcoll.train.worker import minor_faults
+from sparcoll.bench.memory import minor_faults
 before = minor_faults()
 fresh = torch.empty(16 << 20)
 fresh.fill_(1.0)

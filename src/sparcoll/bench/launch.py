@@ -37,6 +37,7 @@ from rich.table import Column
 from sparcoll.allocator import startup_environment
 from sparcoll.bench.events import decode
 from sparcoll.bench.forked import ForkedChild
+from sparcoll.bench.memory import meminfo
 from sparcoll.bench.netem import EmulatedNetwork, NetemError
 
 # In a namespace of our own nothing else listens, so fixed ports cannot collide there.
@@ -161,13 +162,9 @@ def _describe_exit(code: int) -> str:
 
 
 def _memory_gib() -> str:
-    """The host's total memory, as "23.4 GiB" ("unknown" without /proc/meminfo)."""
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return "an unknown amount"
-    return f"{kib / 2 ** 20:.1f} GiB"
+    """The host's total memory, as "23.4 GiB" ("an unknown amount" without /proc/meminfo)."""
+    total = meminfo("MemTotal")
+    return "an unknown amount" if total is None else f"{total / 2 ** 30:.1f} GiB"
 
 
 #: torchrun's agents give the workers rank, world size and the Store's address; restarts need their own

@@ -4,7 +4,6 @@ post-accumulate hooks, as ByteComp traces its models).
 """
 from __future__ import annotations
 
-import resource
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -12,6 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from sparcoll.bench.memory import minor_faults
 from sparcoll.torch.sfb import eligible_layers
 from sparcoll.torch.sparse import sparse_weights
 
@@ -96,11 +96,6 @@ def runs_that_fit(seconds: float, each: float, least: int, most: int) -> int:
     return min(most, max(least, int(seconds / max(each, 1e-6))))
 
 
-def _page_faults() -> int:
-    """This process's minor page faults so far: memory it touched for the first time."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def _timeline(model, loss_of, iterations, warmup, seconds, most, peers, names, watched) -> BackwardProfile:
     """backward_timeline's iterations, with the weights it skips already turned off."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -124,7 +119,7 @@ def _timeline(model, loss_of, iterations, warmup, seconds, most, peers, names, w
             seen.clear()
             outputs.clear()
             peers.start()
-            faults = _page_faults()
+            faults = minor_faults()
             start = time.perf_counter()
             loss = loss_of(model)
             forward_end = time.perf_counter()
@@ -134,7 +129,7 @@ def _timeline(model, loss_of, iterations, warmup, seconds, most, peers, names, w
             done = time.perf_counter()
             if count is None:       # warming up (every worker decides alike: peers.most is everyone's most)
                 warmed += 1
-                new_pages = peers.most(float(_page_faults() - faults))
+                new_pages = peers.most(float(minor_faults() - faults))
                 if warmed >= warmup and (new_pages <= settled or warmed >= MOST_WARMUP):
                     # the last warm-up's length says how many iterations fit
                     count = runs_that_fit(seconds, peers.most(done - start), iterations, most)

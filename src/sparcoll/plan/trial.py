@@ -26,7 +26,8 @@ from typing import Callable, NamedTuple
 
 from sparcoll.bench.launch import BenchError
 from sparcoll.torch.parallel import STRATEGIES
-from sparcoll.train.command import FAULTING_PAGES, launch, timed_steps
+from sparcoll.bench.memory import meminfo, took_fresh_memory
+from sparcoll.train.command import launch, timed_steps
 
 MARGIN = 0.03
 PLANNED = "planned"
@@ -97,28 +98,17 @@ def choose(step_s: dict[str, float], lossless_ones=frozenset(), margin: float = 
     return min(level, key=step_s.get)
 
 
-def memory_available() -> int:
-    """Bytes of memory available to new processes (Linux's MemAvailable); 0 if unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def fits_interleaved(parameters: int, candidates: int, workers: int, available: int | None = None) -> bool:
     """Whether `candidates` models of `parameters` each, in each of `workers` processes, fit in
-    MEMORY_SHARE of the memory available (by default this machine's now)."""
-    available = memory_available() if available is None else available
+    MEMORY_SHARE of the memory available to new processes (by default this machine's now; none if
+    unknown)."""
+    available = (meminfo("MemAvailable") or 0) if available is None else available
     return workers * candidates * parameters * BYTES_PER_PARAMETER <= MEMORY_SHARE * available
 
 
 def fresh_memory(events: list[dict]) -> set:
-    """The steps (numbers) in which some worker took fresh memory (FAULTING_PAGES pages faulted in)."""
-    return {e.get("step") for e in events if e.get("page_faults", 0) >= FAULTING_PAGES}
+    """The steps (numbers) in which some worker took fresh memory (bench.memory)."""
+    return {e.get("step") for e in events if took_fresh_memory(e.get("page_faults", 0))}
 
 
 def step_time(events: list[dict], left_out: set | None = None) -> float:

@@ -34,14 +34,13 @@ import sys
 import numpy as np
 
 from sparcoll.bench.launch import BenchError, Job, run_job, run_jobs
+from sparcoll.bench.memory import FAULTING_PAGES, took_fresh_memory
 from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
 from sparcoll.train.worker import MODES, plain_ddp_on_sparse_gradients
 from sparcoll.workloads import WORKLOADS
 
 COMPARED = ("sparcoll", "ddp")
 CURVE_POINTS = 8        # steps of the loss curve printed (the JSON report has every step)
-FAULTING_PAGES = 4096   # a timed step in which some rank faulted this many pages in (16 MB of 4 KiB
-                        # pages) took fresh memory: the report counts them
 # Every mode must be able to run the same model, so that loss curves compare: a tied softmax cannot
 # have sparse embeddings (agsparse).
 COMMON_OPTIONS = {"lstm": {"tie_weights": False}}
@@ -284,7 +283,7 @@ def summarize(mode: tuple[str, str | None], steps: list[dict], args, held_out: f
             "predicted_bytes_per_step": statistics.fmean(predicted) if predicted else None, **overlap,
             "samples_per_s": args.batch_size * args.workers / mean["step_s"], **mean,
             "bytes_sent_per_step": statistics.fmean(sent) if sent else None,
-            "timed_steps": len(timed), "faulting_steps": sum(f >= FAULTING_PAGES for f in faults),
+            "timed_steps": len(timed), "faulting_steps": sum(map(took_fresh_memory, faults)),
             "most_page_faults": max(faults),
             "loss": losses, "final_loss": final, "final_loss_kind": kind,
             "per_step": {key: [s[key] for s in steps] for key in keys + ("page_faults",) + tuple(overlap)}
@@ -329,8 +328,8 @@ def compare_paired(base: dict, run: dict, warmup: int) -> dict:
 
 def paired_steps(base: dict, run: dict, warmup: int, fresh_memory: bool = True) -> tuple[list, list]:
     """Two interleaved runs' timed step times (timed_steps), step k of one beside step k of the other;
-    without `fresh_memory`, only the steps in which neither took fresh memory (FAULTING_PAGES on some
-    rank: a heap that grew, which several models in one process make more frequent)."""
+    without `fresh_memory`, only the steps in which neither took fresh memory (bench.memory: a heap
+    that grew, which several models in one process make more frequent)."""
     def timed(r: dict) -> list[dict]:
         per_step = r["per_step"]
         faults = per_step.get("page_faults") or [0] * len(per_step["step_s"])     # (reports before them)
@@ -338,7 +337,7 @@ def paired_steps(base: dict, run: dict, warmup: int, fresh_memory: bool = True) 
                             for t, p, f in zip(per_step["step_s"], per_step["probed"], faults)], warmup)
 
     pairs = [(a, b) for a, b in zip(timed(base), timed(run))
-             if fresh_memory or max(a["page_faults"], b["page_faults"]) < FAULTING_PAGES]
+             if fresh_memory or not took_fresh_memory(max(a["page_faults"], b["page_faults"]))]
     return [a["step_s"] for a, _ in pairs], [b["step_s"] for _, b in pairs]
 
 

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import functools
 import random
-import resource
 import time
 
 import torch
@@ -66,6 +65,7 @@ from torch.nn.parallel import DistributedDataParallel
 import sparcoll
 import sparcoll.torch  # registers the "sparcoll" backend
 from sparcoll.bench.events import emit
+from sparcoll.bench.memory import minor_faults
 from sparcoll.bench.netns import interface_counters
 from sparcoll.bench.worker import exit_process, run_worker
 from sparcoll.blocks import BlockTensor
@@ -221,13 +221,6 @@ class Trainer:
             emit({"event": "eval", **self.tag, "loss": self.workload.eval_loss(self.workload.model)})
         if self.poseidon:
             self.model.close()
-
-
-def minor_faults() -> int:
-    """The page faults this process has taken without I/O: a heap that grows faults each fresh page in
-    when it is first written (deeplight's 68 MB gradient: 16.5k of them, 150-180 ms on 4 processes on
-    2 cores)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def interleaved_order(modes: int, seed: int, step: int) -> list[int]:

@@ -7,6 +7,8 @@ output itself when the model returns a scalar, else the output's sum. That is en
 (what the planner needs), not to learn anything. Each worker calls FUNCTION itself (the module must be
 importable where the workers start: the current directory or PYTHONPATH); DataParallel and DDP
 broadcast rank 0's parameters, so a FUNCTION that does not seed its model still trains one model.
+The planner prices float32 gradients (4 bytes an element, as its collectives were timed): a model with
+a trainable parameter of another dtype is refused, naming it.
 """
 from __future__ import annotations
 
@@ -63,4 +65,9 @@ def build(spec: str) -> tuple[nn.Module, object]:
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
         raise ValueError(f"--model {spec!r}: {function_name}() must return (nn.Module, example input), "
                          f"got {type(built).__name__}")
+    other = [(name, p.dtype) for name, p in built[0].named_parameters() if p.requires_grad and p.dtype != torch.float32]
+    if other:
+        name, dtype = other[0]
+        raise ValueError(f"--model {spec!r}: parameter {name} is {dtype} ({len(other)} not float32): the planner's "
+                         f"cost models price float32 gradients, 4 bytes an element; build the model in float32")
     return built
