@@ -3,6 +3,7 @@ inputs, with and without bias, several K), every strategy gives the average that
 float64 computation over every rank's batch gives, parameters stay identical on every rank, no_sync
 accumulation works, and the trace shows communication starting before backward ends. Plus the hybrid
 cost model's choice (no processes)."""
+import datetime
 import json
 import time
 import warnings
@@ -1102,6 +1103,60 @@ def test_a_backward_that_raised_on_one_rank_only_fails_every_rank_within_seconds
                                                                  "failed: "), (rank, raised)
             assert raised[1:] == [diverged] or all(isinstance(r, str) and "Error" in r for r in raised[1:]), \
                 (rank, raised)
+
+
+def early_failure(rank: int, world: int) -> list:
+    """Rank 1's backward raises in step 1 before any gradient is ready (a hook on the loss), so its
+    wrapper never hears of that step; every rank's loop catches what backward raises and goes on. The
+    model has buffers: each forward broadcasts them, on a group whose gloo timeout is 10 s."""
+    comm = sparcoll.init()
+    torch.manual_seed(0)
+    group = dist.new_group(timeout=datetime.timedelta(seconds=10))
+    dp = sparcoll.torch.DataParallel(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2)),
+                                     comm=comm, group=group, strategy="ring", timeout=3)
+    start, raised = time.monotonic(), []
+
+    def early(_):
+        raise ArithmeticError("injected before any gradient")
+    try:
+        for step in range(4):
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            try:
+                loss = dp(x).pow(2).mean()
+            except Exception as exc:        # noqa: BLE001 (what the forward raised is the result)
+                raised.append(("forward", step, f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+                break
+            if rank == 1 and step == 1:
+                loss.register_hook(early)
+            try:
+                loss.backward()
+            except Exception as exc:        # noqa: BLE001
+                raised.append(("backward", step, f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+            dp.zero_grad()
+    finally:
+        comm.close()
+    return raised
+
+
+def test_after_a_step_that_timed_out_the_next_forward_raises_at_once():
+    """Rank 0 waits for collectives rank 1 never starts and times out (3 s). Before, its next forward
+    broadcast the buffers on gloo beside the step's pending allreduce, rank 1's next forward did the
+    same against it, and both waited for the process group's timeout (here 10 s, by default 30
+    minutes). Now rank 0's next forward raises DivergedError at once (a job under torchrun then
+    ends); rank 1's broadcast, inside gloo, fails when rank 0 leaves, at the latest at the group's
+    timeout."""
+    start = time.monotonic()
+    zero, one = run_ranks(early_failure, 2, timeout=90)
+    assert time.monotonic() - start < 30
+    assert [(where, step) for where, step, *_ in zero] == [("backward", 1), ("forward", 2)], zero
+    # backward's own deadline or gloo's for the ring allreduce it left running, whichever comes first
+    assert ("CollectiveTimeout: gradient synchronization did not finish within 3" in zero[0][2]
+            or "gradient synchronization failed: a collective did not finish within 3" in zero[0][2]), zero
+    assert zero[1][2].startswith("DivergedError: DataParallel runs no step after CollectiveTimeout: "), zero
+    assert "restart the job" in zero[1][2] and zero[1][3] - zero[0][3] < 1.0, zero
+    assert one[0][:3] == ("backward", 1, "ArithmeticError: injected before any gradient"), one
+    # gloo's error: the connection rank 0 closed as it left, or the group's timeout (10 s)
+    assert one[1][:2] == ("forward", 2) and one[1][2].startswith("RuntimeError: ") and one[1][3] < 20, one
 
 
 def agreement(rank: int, world: int) -> dict:

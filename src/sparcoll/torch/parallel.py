@@ -87,7 +87,7 @@ from sparcoll.compress.channel import Channel
 from sparcoll.errors import CollectiveTimeout, DivergedError, MismatchError
 
 from . import hybrid, sparse
-from .dropped import DroppedSteps
+from .dropped import RESTART, DroppedSteps
 from .ps import ps_allreduce
 from .sfb import Call, LinearState, eligible_layers, gather_factors
 
@@ -110,6 +110,7 @@ COO_BUCKET_BYTES = 25 << 20     # COO gradients under the sparse AllReduce share
                                 # every rank, where their rows are not
 STRATEGIES = (hybrid.RING, hybrid.PS, hybrid.SPARSE, hybrid.SFB)
 WATCH_EVERY_S = 1.0     # backward waiting longer for its synchronizations looks whether a peer dropped the step
+TIMED_OUT = 0.95        # a gloo wait that failed after this share of the timeout timed out
 
 
 def takes_average_in_place(grad: torch.Tensor) -> bool:
@@ -161,8 +162,9 @@ class DataParallel(nn.Module):
     gradient as it was; SFB is not used (its factors need every rank's call of the layer). A backward
     that raised on every rank at the same point (caught by the caller) is dropped at the next
     forward, its gradients cleared; where the ranks' backward did not all raise alike, every rank
-    raises sparcoll.errors.DivergedError instead (sparcoll.torch.dropped). Build wrappers in the same
-    order on every rank."""
+    raises sparcoll.errors.DivergedError instead (sparcoll.torch.dropped). After a DivergedError or a
+    step whose synchronizations timed out, every later forward raises DivergedError. Build wrappers
+    in the same order on every rank."""
 
     def __init__(self, module: nn.Module, comm: Communicator | None = None, group=None,
                  strategy: Union[str, Mapping, Path] = AUTO, timeout: float = 300.0,
@@ -255,6 +257,7 @@ class DataParallel(nn.Module):
         self._step = -1             # the synchronized steps' count (the one armed, or the last)
         self._started = 0           # the items this step queued (collectives, most of them)
         self._dropped = DroppedSteps(group, dist.get_rank(group), self.world) if self.world > 1 else None
+        self._broken: BaseException | None = None      # why no later step may run (_breaking)
         self.trace: list[Event] = []
         self.backward_end = float("nan")
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -268,8 +271,13 @@ class DataParallel(nn.Module):
 
     # ---- the user's side --------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self._broken is not None:
+            raise DivergedError(f"DataParallel runs no step after {type(self._broken).__name__}: "
+                                f"{self._broken}{'' if RESTART in str(self._broken) else RESTART}") \
+                from self._broken
         if self._armed and torch._C._current_graph_task_id() == -1:    # not a recomputation in backward
-            self._drop_failed_step()
+            with self._breaking():
+                self._drop_failed_step()
         if self.broadcast_buffers and self._sync and self.world > 1 and torch.is_grad_enabled():
             self._broadcast_buffers()
         return self.module(*args, **kwargs)
@@ -725,7 +733,9 @@ class DataParallel(nn.Module):
         held, self._held = self._held, []
         for item in held:
             self._queue.put(item)
-        error = self._wait_for_the_step("gradient synchronization")
+        with self._breaking():
+            error = self._wait_for_the_step("gradient synchronization")
+        self._break_on(error)
         self._unchecked = []        # a step's gradients are checked in that step's buckets or not at all
         self._restore_unused_everywhere(stand_ins, counts, error)
         if error is None and counts is not None and len(counts) > len(self._order):
@@ -739,6 +749,23 @@ class DataParallel(nn.Module):
                     state.bias.grad = bias
         if error is not None:
             raise RuntimeError(f"gradient synchronization failed: {error}{self._hint(error)}") from error
+
+    @contextlib.contextmanager
+    def _breaking(self):
+        """A step whose synchronizations timed out or whose ranks no longer agree leaves collectives
+        pending on gloo on some ranks: the next forward's buffer broadcast or the next step's
+        collectives would pair with them and wait for the process group's timeout (30 minutes) on
+        every rank. Such an error is kept, and every later forward raises at once instead (as DDP
+        refuses every step after a failed one)."""
+        try:
+            yield
+        except BaseException as exc:
+            self._break_on(exc)
+            raise
+
+    def _break_on(self, error: BaseException | None) -> None:
+        if isinstance(error, (CollectiveTimeout, DivergedError)):
+            self._broken = error
 
     def _wait_for_the_step(self, what: str, watch: bool = True) -> BaseException | None:
         """Wait for every synchronization of the step (within the timeout) and take its error, if any.
@@ -848,7 +875,7 @@ class DataParallel(nn.Module):
             if started is None:
                 return
             try:
-                started.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+                self._wait_for(started.work)
                 if self._error is None:
                     started.finish()
             except BaseException as exc:       # every error reaches backward, none kills the thread
@@ -859,6 +886,17 @@ class DataParallel(nn.Module):
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()
+
+    def _wait_for(self, work) -> None:
+        """gloo's wait for a collective left running, within the timeout; gloo's own timeout error
+        (a RuntimeError, "Operation timed out!") as CollectiveTimeout, which _breaking keeps."""
+        began = time.monotonic()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            if time.monotonic() - began < TIMED_OUT * self.timeout:
+                raise
+            raise CollectiveTimeout(f"a collective did not finish within {self.timeout} s ({exc})") from exc
 
     def _synchronize(self, p: torch.Tensor, chosen: str, extra) -> tuple | None:
         if chosen == USED:             # in place: _finish reads it once every synchronization is done
