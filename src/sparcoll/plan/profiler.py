@@ -680,8 +680,8 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     priced_in_backward = in_backward(specs)
     for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients,
                                                                        sizes.compressor_numels):
-        kind = "compress_alone" if name and spec in priced_in_backward else "compress"
-        for kind, timing in ((kind, compress.seconds), ("decompress", decompress.seconds),
+        compressed = "compress_alone" if name and spec in priced_in_backward else "compress"
+        for kind, timing in ((compressed, compress.seconds), ("decompress", decompress.seconds),
                              ("compress_cpu", compress.cpu), ("decompress_cpu", decompress.cpu)):
             say({"event": "point", "kind": kind, "what": spec, "x": numel, "tensor": name, "seconds": timing})
     numels = {name: g.numel() for name, g in gradients.items()}

@@ -25,8 +25,8 @@ import statistics
 from typing import Callable, NamedTuple
 
 from sparcoll.bench.launch import BenchError
-from sparcoll.torch.parallel import STRATEGIES
 from sparcoll.bench.memory import meminfo, took_fresh_memory
+from sparcoll.torch.parallel import STRATEGIES
 from sparcoll.train.command import launch, timed_steps
 
 MARGIN = 0.03
