@@ -50,8 +50,11 @@ from .timeline import Cost, Step, simulate
 # fit in a few seconds; 25 the workers start with glibc's thread cache and fastbins off, so a freed
 # large gradient serves the next (allocator): no worker faults one in at a random iteration; 26 the
 # COO gradients timed together whatever is ready between them (fusion.coo_units); 27 how long a small
-# ring delays a sparse AllReduce started right after it (profiler.held_beside).
-PROFILE_VERSION = 28
+# ring delays a sparse AllReduce started right after it (profiler.held_beside); 28 the CPU of each
+# time alone and of a training step (timeline.Step.cpu_bound); (29 was the workers' mean CPU, not
+# kept) 30 a compressor's CPU on the model's gradient measured inside backward too, and every curve
+# measured at the model's whole gradient, not extended to it from below (profiler.Sizes).
+PROFILE_VERSION = 30
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; all at once

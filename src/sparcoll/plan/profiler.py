@@ -37,7 +37,8 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
   CPU          with each time alone above (a collective, a compressor, a COO gradient's option, SFB's
                rebuild), the CPU seconds the busiest worker's process spent in it, and a training
                step's (step_cpu): 4 workers on 2 cores run their fastest strategies as fast as their
-               CPU allows (timeline.Step.cpu_bound)
+               CPU allows (timeline.Step.cpu_bound); a compressor timed inside backward, its training
+               thread's CPU there (the one apart kept as `compress_cpu_alone`)
   held         each ring allreduce of at most HELD_BYTES started on gloo's threads right before a
                sparse AllReduce, as DataParallel runs an uncompressed tensor beside the channel: how
                much later the sparse AllReduce finished than alone (held_beside)
@@ -85,12 +86,13 @@ from .profile import BackwardProfile, backward_timeline, facts, runs_that_fit
 
 COLLECTIVE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 25)
 ALLGATHER_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)
-SPARSE_NUMELS = (1 << 14, 1 << 18, 1 << 22)
+SPARSE_NUMELS = (1 << 14, 1 << 18, 1 << 22, 1 << 24)
 # Between 10% and 100% the executor's algorithm changes (a dense input takes the ring): a line from one
 # to the other priced ncf's 856K-element embedding (30% per worker, 75% union) at 24 ms, measured 8.5-16.
 SPARSE_DENSITIES = (0.01, 0.1, 0.3, 0.6, 1.0)
 HELD_BYTES = 1 << 20        # rings up to this size are timed beside a sparse AllReduce (held_beside) ...
-HELD_DENSITY = 0.1          # ... of the largest sparse size at this density (45 ms on ncf: longer than them)
+HELD_DENSITY = 0.1          # ... of the largest sparse size up to HELD_NUMEL at this density (45 ms on ncf:
+HELD_NUMEL = 1 << 22        # longer than them)
 COMPRESSOR_NUMELS = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 OWN_GRADIENT = 1 << 16      # gradients this large get their own compressor timings
 REPEAT = 3
@@ -107,11 +109,13 @@ QUANTITIES = ("collectives", "loaded", "slowdown", "cpu")      # of a collective
 
 @dataclass(frozen=True)
 class Sizes:
-    """The sizes a model's curves are measured at: each size list above up to its first point at or
-    beyond the model's whole gradient, at least two points (a curve extends beyond its last point,
-    costs.Curve). No unit the planner prices is larger than the whole gradient, and a small model's
-    profile no longer times 32 MB collectives: ncf's tiny test model profiled in 20.8 s with every
-    size."""
+    """The sizes a model's curves are measured at: each size list above up to the model's whole
+    gradient, which takes the place of the list's first point beyond it (_upto). No unit the planner
+    prices is larger than the whole gradient, and a small model's profile no longer times 32 MB
+    collectives: ncf's tiny test model profiled in 20.8 s with every size. Where the whole gradient is
+    larger than a list's last point, a curve extends beyond it (costs.Curve): ncf's 6.6M elements,
+    all in one unit under blocktopk, were priced by the line from 256K to 4M elements at 7.2 ms of
+    CPU for their sparse AllReduce, which took 5.4-5.7 at 6.6M (docs/results/sparse-grid-whole)."""
     collective_bytes: tuple[int, ...]
     allgather_bytes: tuple[int, ...]
     sparse_numels: tuple[int, ...]
@@ -126,9 +130,12 @@ class Sizes:
 
 
 def _upto(points: tuple[int, ...], largest: int) -> tuple[int, ...]:
-    """`points` up to the first at or beyond `largest`, at least two."""
-    reached = next((i for i, p in enumerate(points) if p >= largest), len(points) - 1)
-    return points[:max(2, reached + 1)]
+    """`points` below `largest`, then `largest` itself if the points reach it (else all of them); the
+    first two points if fewer than one is below it (a curve needs two)."""
+    below = tuple(p for p in points if p < largest)
+    if len(below) == len(points):
+        return points
+    return below + (largest,) if below else points[:2]
 
 
 def model_and_loss(cfg: dict, rank: int, world: int):
@@ -408,14 +415,15 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
         for spec in in_backward(specs):
             release_freed_memory()      # the last compressor's
             reducer = Reducer(spec)
-            times = torch.zeros(1 + MOST_IN_BACKWARD_STEPS, len(names), dtype=torch.float64)
+            # per step and gradient: the compression's time, then its thread's CPU
+            times = torch.zeros(2, 1 + MOST_IN_BACKWARD_STEPS, len(names), dtype=torch.float64)
             step, pending = 0, []
 
             def hook_for(j: int, name: str):
                 def hook(p: torch.Tensor) -> None:
-                    start = time.perf_counter()
+                    cpu, start = time.thread_time(), time.perf_counter()
                     payload = reducer.compress(p.grad, key=name)
-                    times[step, j] = time.perf_counter() - start
+                    times[:, step, j] = torch.tensor([time.perf_counter() - start, time.thread_time() - cpu])
                     # into the gradient itself where the executor decompresses there
                     into = p.grad.view(-1) if takes_average_in_place(p.grad) else torch.empty(p.grad.numel())
                     pending.append(channel.submit(decompress_into, reducer.compressor, payload, world, into))
@@ -441,10 +449,11 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
             finally:
                 for handle in handles:
                     handle.remove()
-            timed_steps = times[1:1 + count]
+            timed_steps = times[:, 1:1 + count].contiguous()
             dist.all_reduce(timed_steps, op=dist.ReduceOp.MAX)
-            for name, seconds in zip(names, timed_steps.median(dim=0).values.tolist()):
-                yield spec, name, seconds
+            seconds, cpus = timed_steps.median(dim=1).values.tolist()
+            for name, took, cpu in zip(names, seconds, cpus):
+                yield spec, name, Timing(took, cpu)
     finally:
         channel.shutdown(cancel_futures=True)
 
@@ -511,7 +520,7 @@ def held_beside(comm, block_size: int, rank: int, world: int, sizes: Sizes):
     after 64 KB, where their link shares are 0.05 and 0.8. Larger rings are mostly their bytes on
     the link."""
     channel = Channel(None, comm)
-    x = sparse_input(sizes.sparse_numels[-1], HELD_DENSITY, block_size, rank, world)[0]
+    x = sparse_input(min(sizes.sparse_numels[-1], HELD_NUMEL), HELD_DENSITY, block_size, rank, world)[0]
     alone = timed(lambda t: comm.allreduce(t, op="avg"), x.clone).seconds
     for size in sizes.collective_bytes:
         if size > HELD_BYTES:
@@ -661,7 +670,7 @@ def events_after_model(cfg: dict, model: dict) -> int:
     coo = {name for name, t in model["tensors"].items() if t["coo"]}
     compressors = len(timed_compressors(cfg))
     return (4 * compressors * (len(sizes.compressor_numels) + len(large))
-            + len(in_backward(timed_compressors(cfg))) * len(large)
+            + 2 * len(in_backward(timed_compressors(cfg))) * len(large)
             + 4 * sum(t["union"] < 1.0 for t in large)
             + 4 * len(coo_labels(timed_compressors(cfg))) * len(coo) + 4 * len(coo_units(model["order"], coo))
             + 4 * (2 * len(sizes.collective_bytes) + len(sizes.allgather_bytes)
@@ -680,19 +689,18 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     priced_in_backward = in_backward(specs)
     for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients,
                                                                        sizes.compressor_numels):
-        compressed = "compress_alone" if name and spec in priced_in_backward else "compress"
-        for kind, timing in ((compressed, compress.seconds), ("decompress", decompress.seconds),
-                             ("compress_cpu", compress.cpu), ("decompress_cpu", decompress.cpu)):
+        alone = "_alone" if name and spec in priced_in_backward else ""
+        for kind, timing in ((f"compress{alone}", compress.seconds), ("decompress", decompress.seconds),
+                             (f"compress_cpu{alone}", compress.cpu), ("decompress_cpu", decompress.cpu)):
             say({"event": "point", "kind": kind, "what": spec, "x": numel, "tensor": name, "seconds": timing})
     numels = {name: g.numel() for name, g in gradients.items()}
     # from here on only the gradients profile_sparse_own times stay: the others were vgg's 836 MB a
     # worker beside the gradients its steps inside backward compute, the profile's peak (a worker
     # killed by the OOM killer at 6.6-6.97 GB in those phases, 4 workers on 24 GB)
     gradients = {name: g for name, g in gradients.items() if measured["tensors"][name]["union"] < 1.0}
-    for spec, name, seconds in compress_in_backward(specs, world, model, loss_of, list(numels),
-                                                    cfg["timeout"]):
-        say({"event": "point", "kind": "compress", "what": spec, "x": numels[name], "tensor": name,
-             "seconds": seconds})
+    for spec, name, timing in compress_in_backward(specs, world, model, loss_of, list(numels), cfg["timeout"]):
+        for kind, seconds in (("compress", timing.seconds), ("compress_cpu", timing.cpu)):
+            say({"event": "point", "kind": kind, "what": spec, "x": numels[name], "tensor": name, "seconds": seconds})
     release_freed_memory()      # the compressors' memories and payloads
     train_step = training_step(model, loss_of)
     for label, name, alone, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"],
