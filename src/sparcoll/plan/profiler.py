@@ -91,8 +91,8 @@ SPARSE_NUMELS = (1 << 14, 1 << 18, 1 << 22, 1 << 24)
 # to the other priced ncf's 856K-element embedding (30% per worker, 75% union) at 24 ms, measured 8.5-16.
 SPARSE_DENSITIES = (0.01, 0.1, 0.3, 0.6, 1.0)
 HELD_BYTES = 1 << 20        # rings up to this size are timed beside a sparse AllReduce (held_beside) ...
-HELD_DENSITY = 0.1          # ... of the largest sparse size up to HELD_NUMEL at this density (45 ms on ncf:
-HELD_NUMEL = 1 << 22        # longer than them)
+HELD_DENSITY = 0.1          # ... of this density (45 ms on ncf: longer than them) ...
+HELD_NUMEL = 1 << 22        # ... and the largest sparse size up to this
 COMPRESSOR_NUMELS = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 OWN_GRADIENT = 1 << 16      # gradients this large get their own compressor timings
 REPEAT = 3
@@ -115,7 +115,8 @@ class Sizes:
     collectives: ncf's tiny test model profiled in 20.8 s with every size. Where the whole gradient is
     larger than a list's last point, a curve extends beyond it (costs.Curve): ncf's 6.6M elements,
     all in one unit under blocktopk, were priced by the line from 256K to 4M elements at 7.2 ms of
-    CPU for their sparse AllReduce, which took 5.4-5.7 at 6.6M (docs/results/sparse-grid-whole)."""
+    CPU for their sparse AllReduce, where a profile measuring 6.6M found 5.1
+    (docs/results/plan-3dfa44f-whole-grid)."""
     collective_bytes: tuple[int, ...]
     allgather_bytes: tuple[int, ...]
     sparse_numels: tuple[int, ...]
@@ -399,14 +400,14 @@ def in_backward_steps(untimed: float) -> int:
 
 def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of, names: list[str],
                          timeout: float):
-    """(spec, tensor name, seconds) of each compressor that compresses apart from its collective, on
+    """(spec, tensor name, Timing) of each compressor that compresses apart from its collective, on
     each of the model's gradients `names`, timed where sparcoll.torch.DataParallel runs it under a plan:
     in backward, on the training thread, the moment the gradient is ready, every worker training with
     the same compressor, and a second thread decompressing each payload into its gradient as it comes,
     as the synchronization thread does after each collective (ncf's largest gradient under efsignsgd:
     27-30 ms in training, 22 in the profile apart from training). Per compressor an untimed step,
-    then as many as in_backward_steps says from its length; per step the slowest worker's time, the
-    median over the steps."""
+    then as many as in_backward_steps says from its length; per step the slowest worker's time and
+    the busiest worker's training-thread CPU in the compression, the median of each over the steps."""
     if not names:
         return
     params = dict(model.named_parameters())
@@ -449,6 +450,7 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
             finally:
                 for handle in handles:
                     handle.remove()
+            # contiguous: gloo's all_reduce of a strided slice reduced only part of it, without error
             timed_steps = times[:, 1:1 + count].contiguous()
             dist.all_reduce(timed_steps, op=dist.ReduceOp.MAX)
             seconds, cpus = timed_steps.median(dim=1).values.tolist()
