@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sparcoll.compress as sc
 from sparcoll.compress import bits
@@ -181,6 +183,39 @@ def test_blocktopk_keeps_whole_blocks_of_largest_norm():
     assert norms[kept].min() >= norms[~kept].max()
     x[-100:] = 100.0                           # the short last block
     assert (compressor.decompress(*_parts(compressor.compress(x)))[-100:] == 100.0).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(numel=st.sampled_from([1, 100, 256, 384, 512, 1000, 2048 + 7, (1 << 16) + 300]),
+       ratio=st.sampled_from([0.01, 0.3, 1.0]), zero_blocks=st.integers(0, 3), seed=st.integers(0, 10**6),
+       pad_whole=st.booleans())
+def test_blocktopk_payload_and_what_it_sent_against_a_reference(numel, ratio, zero_blocks, seed, pad_whole):
+    """Either way of padding a short last block (the whole tensor copied, or the block alone) keeps
+    the blocks a plain reference picks, and `sent` names exactly their elements inside the tensor."""
+    from sparcoll.compress import blocktopk
+    bs = 256
+    x = data(numel, seed=seed)
+    nblocks = -(-numel // bs)
+    for b in range(min(zero_blocks, nblocks)):
+        x[b * bs:(b + 1) * bs] = 0.0
+    compressor = sc.make(f"blocktopk:{ratio}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(blocktopk, "WHOLE_COPY_MOST", 1 << 30 if pad_whole else 0)
+        payload = compressor.compress(x)
+    indices, rows = payload.parts
+    padded = torch.cat([x, torch.zeros(nblocks * bs - numel)]).view(nblocks, bs)
+    norms = padded.norm(dim=1)
+    want = min(max(1, math.ceil(ratio * nblocks)), int((norms > 0).sum()))
+    assert indices.tolist() == sorted(set(indices.tolist())) and len(indices) == want
+    assert torch.equal(rows, padded[indices])
+    if 0 < want < nblocks:
+        dropped = torch.ones(nblocks, dtype=torch.bool)
+        dropped[indices] = False
+        assert norms[indices].min() >= norms[dropped].max()
+    entries = compressor.sent(payload, numel)
+    positions = [i * bs + j for i in indices.tolist() for j in range(bs) if i * bs + j < numel]
+    assert entries.idx.tolist() == positions
+    assert torch.equal(entries.vals, x[positions])
 
 
 def _parts(payload):

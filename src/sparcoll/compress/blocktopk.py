@@ -8,12 +8,17 @@ blocks kept (at least one); blocks of norm 0 are never kept.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from .base import Compressor, Entries, Payload, block_bytes, zeroed
 from .channel import scatter_rows
+
+# the largest tensor with a short last block that compress pads whole (a copy of it) instead of
+# padding the last block alone (a few more small operations)
+WHOLE_COPY_MOST = 1 << 16
 
 
 class BlockTopK(Compressor):
@@ -30,20 +35,27 @@ class BlockTopK(Compressor):
         return min(nblocks, max(1, math.ceil(self.spec.arg * nblocks)))
 
     def _top(self, norms: torch.Tensor, nblocks: int) -> torch.Tensor:
-        top = norms.topk(min(self._keep(nblocks), norms.numel()), sorted=False).indices
-        return top[norms[top] > 0]
+        values, top = norms.topk(min(self._keep(nblocks), norms.numel()), sorted=False)
+        return top[values > 0]
 
     def compress(self, x: torch.Tensor) -> Payload:
         flat, bs = x.reshape(-1), self.block_size
         n = flat.numel()
         full = n // bs
-        rows = flat[:full * bs].view(full, bs)
-        norms = rows.norm(dim=1)            # 12x faster than square().sum(dim=1): no temporary
+        if n % bs and n <= WHOLE_COPY_MOST:
+            # a small tensor with a short last block: padded whole, one copy, then the same views as a
+            # tensor of whole blocks (a LayerNorm's 384 elements: 4 fewer operations, each ~5 us)
+            rows = flat.new_zeros(full + 1, bs)
+            rows.view(-1)[:n] = flat
+            full, n_tail = full + 1, 0
+        else:
+            rows, n_tail = flat[:full * bs].view(full, bs), n % bs
+        norms = torch.linalg.vector_norm(rows, dim=1)   # not square().sum(dim=1): no temporary
         tail = None
-        if n % bs:
+        if n_tail:
             tail = torch.zeros(1, bs)
-            tail[0, :n - full * bs] = flat[full * bs:]
-            norms = torch.cat([norms, tail.norm().reshape(1)])
+            tail[0, :n_tail] = flat[full * bs:]
+            norms = torch.cat([norms, torch.linalg.vector_norm(tail).reshape(1)])
         keep = self._top(norms, norms.numel()).sort().values
         if tail is not None and keep.numel() and int(keep[-1]) == full:
             kept = torch.cat([rows.index_select(0, keep[:-1]), tail])
@@ -75,9 +87,11 @@ class BlockTopK(Compressor):
         """The kept elements, for error feedback (the last block's padding left out)."""
         indices, rows = payload.parts
         bs = self.block_size
-        positions = (indices.unsqueeze(1) * bs + torch.arange(bs)).view(-1)
-        inside = positions < numel
-        return Entries(positions[inside], rows.reshape(-1)[inside])
+        positions = (indices.unsqueeze(1) * bs + _offsets(bs)).view(-1)
+        count = positions.numel()
+        if numel % bs and count and int(indices[-1]) == numel // bs:     # the padded last block is kept
+            count -= bs - numel % bs        # its padding is the end of the ascending positions
+        return Entries(positions[:count], rows.reshape(-1)[:count])
 
     def sent_bytes(self, payload: Payload) -> int:
         """The kept blocks and their indices, as sparcoll sends them."""
@@ -89,3 +103,9 @@ class BlockTopK(Compressor):
     def payload_bytes(self, numel: int, shape=None) -> int:
         """Data of the kept blocks and a 4-byte block index each (sparcoll's wire format)."""
         return self._blocks_bytes(self._keep(-(-numel // self.block_size)))
+
+
+@functools.lru_cache(maxsize=None)
+def _offsets(block_size: int) -> torch.Tensor:
+    """0 .. block_size - 1, made once (read only)."""
+    return torch.arange(block_size)
