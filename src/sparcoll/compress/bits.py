@@ -8,6 +8,10 @@ import numpy as np
 import torch
 
 _BYTE_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)).reshape(256, 8)   # most significant first
+# per code width in bits (1 or 2), each byte's codes, first element first: made once, where building
+# them in every decode took about 20 us, a third of efsignsgd's compression of a 384-element tensor
+_CODES = {width: (_BYTE_BITS.reshape(256, 8 // width, width) * (1 << np.arange(width)[::-1])).sum(axis=2)
+          for width in (1, 2)}
 
 
 def pack(*planes: torch.Tensor) -> torch.Tensor:
@@ -33,8 +37,7 @@ def decode(packed: torch.Tensor, count: int, levels: torch.Tensor,
     elements) when given: no temporary, and the last byte's padding is left out."""
     width = {2: 1, 4: 2}[levels.numel()]
     per = 8 // width                        # elements per byte
-    codes = (_BYTE_BITS.reshape(256, per, width) * (1 << np.arange(width)[::-1])).sum(axis=2)
-    table = levels.to(torch.float32).numpy()[codes]
+    table = levels.to(torch.float32).numpy()[_CODES[width]]
     if out is None:
         return torch.from_numpy(np.take(table, packed.numpy(), axis=0).reshape(-1)[:count])
     whole, values, data = count // per, out.numpy(), packed.numpy()
