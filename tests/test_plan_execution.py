@@ -20,7 +20,7 @@ from sparcoll.algorithm import entry_block_size
 from ranks import run_ranks
 from sparcoll.plan import decide, fusion
 from sparcoll.plan.command import choices_of, trial_others, units_of
-from sparcoll.plan.costs import Costing, Curve, Grid, Measured, in_sequence
+from sparcoll.plan.costs import BLOCKS, Costing, Curve, Grid, Measured, in_sequence
 from sparcoll.plan.profile import backward_timeline
 from sparcoll.plan.profiler import Together, fit
 from sparcoll.plan.options import ALLGATHER, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, coo_labels
@@ -90,6 +90,41 @@ def test_the_sparse_allreduce_is_priced_by_elements_and_share():
     assert own.cost(t, Option("none", SPARSE)) == Cost(0.0, 0.5, 0.0, False, 0.0, 0.8, 1.1)
     other = Measured(TensorFacts("v", 3000), (3000,), density=0.5, union=1.0)
     assert own.cost(other, Option("none", SPARSE)) == cost
+
+
+def test_a_sparse_scheme_compressors_payload_is_priced_as_its_blocks_not_as_a_scanned_dense_tensor():
+    """blocktopk's kept blocks travel as a COO tensor of them (Channel.blocks_mean): no dense tensor of
+    the gradient's size is scanned, so its collective follows the BLOCKS curve by the bytes it moves,
+    not the dense tensors' grid at the gradient's elements; the gradient as it is keeps the grid."""
+    n = 1_000_000
+    fits = {**FITS, "compress": {**FITS["compress"], "blocktopk:0.01": line(1e-4, 1e-9)},
+            "decompress": {**FITS["decompress"], "blocktopk:0.01": line(1e-4, 1e-9)}}
+    blocks = {"collectives": {**FITS["collectives"], BLOCKS: line(2e-4, 5e-9)}, "cpu": {BLOCKS: line(1e-4, 1e-9)}}
+    costing = Costing({**fits, **blocks}, workers=4)
+    t = Measured(TensorFacts("w", n), (n,), density=1.0, union=1.0)
+    kept = -(-(-(-n // 256)) // 100) * (256 * 4 + 4) / (4 * n)   # 1% of the blocks, rows and an index each
+    x = 4 * n * (kept + 1 - (1 - kept) ** 4) / 2    # a worker's blocks out, the union's back
+    cost = costing.cost(t, Option("blocktopk:0.01", SPARSE))
+    assert cost.comm == pytest.approx(2e-4 + 5e-9 * x) and cost.cpu == pytest.approx(1e-4 + 1e-9 * x)
+    # a hand-made profile without the curve: the grid, as before
+    assert Costing(fits, workers=4).cost(t, Option("blocktopk:0.01", SPARSE)).comm == pytest.approx(3e-3 + 1e-8 * x)
+    assert costing.cost(t, Option("none", SPARSE)).comm == pytest.approx(3e-3 + 1e-8 * 4 * n)
+
+
+def test_the_blocks_curve_is_timed_on_the_blocks_the_dense_grid_keeps():
+    """profiler.kept_blocks: the same random blocks as sparse_input's dense tensor, as the COO tensor of
+    rows a blocktopk payload travels as, at least one a rank, with the same densities."""
+    from sparcoll.plan.profiler import kept_blocks, sparse_input
+    for numel, share in ((16_384, 0.01), (100_000, 0.1), (1000, 0.3)):
+        for rank in range(4):
+            dense, local, union = sparse_input(numel, share, 256, rank, 4)
+            blocks, local_blocks, union_blocks = kept_blocks(numel, share, 256, rank, 4)
+            padded = torch.zeros(-(-numel // 256) * 256)
+            padded[:numel] = dense
+            nonzero = padded.view(-1, 256).ne(0).any(dim=1).nonzero().view(-1)
+            assert blocks.shape == (-(-numel // 256), 256) and blocks.is_coalesced()
+            assert torch.equal(blocks.indices()[0], nonzero) and nonzero.numel() >= 1
+            assert (local_blocks, union_blocks) == (local, union)
 
 
 def test_an_uncompressed_ring_tensor_holds_the_channel_for_its_bytes_on_the_link():
@@ -746,6 +781,7 @@ def test_plan_then_train_the_plan(tmp_path):
     assert all(s > 0 for s in step_s.values()) and f"kept: {tried['kept']}" in first.stdout
     stamp = profile.stat().st_mtime_ns
     measured = json.loads(profile.read_text())
+    assert all(BLOCKS in measured["fits"][quantity] for quantity in ("collectives", "loaded", "slowdown", "cpu"))
     coo = [n for n, t in measured["model"]["tensors"].items() if t["coo"]]
     assert len(coo) == 4          # the embeddings' gradients: each option timed on each, alone and loaded
     together = {"+".join(names) for names in fusion.coo_units(measured["model"]["order"], set(coo))}

@@ -53,8 +53,10 @@ from .timeline import Cost, Step, simulate
 # ring delays a sparse AllReduce started right after it (profiler.held_beside); 28 the CPU of each
 # time alone and of a training step (timeline.Step.cpu_bound); (29 was the workers' mean CPU, not
 # kept) 30 a compressor's CPU on the model's gradient measured inside backward too, and every curve
-# measured at the model's whole gradient, not extended to it from below (profiler.Sizes).
-PROFILE_VERSION = 30
+# measured at the model's whole gradient, not extended to it from below (profiler.Sizes); 31 a
+# sparse-scheme compressor's payload priced as the COO tensor of blocks it travels as (costs.BLOCKS),
+# not as a dense tensor of the gradient's size, whose scan it does not do.
+PROFILE_VERSION = 31
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; all at once

@@ -79,7 +79,7 @@ from sparcoll.torch.sfb import eligible_layers
 from sparcoll.workloads import get_workload
 from sparcoll.workloads.user import UserModel
 
-from .costs import COO_KINDS, ITEMSIZE, MONOTONE, Curve, Grid, sparse_volume
+from .costs import BLOCKS, COO_KINDS, ITEMSIZE, MONOTONE, Curve, Grid, sparse_volume
 from .fusion import coo_units
 from .options import ALLGATHER, COMPRESSORS, PS, RING, SPARSE, coo_labels
 from .profile import BackwardProfile, backward_timeline, facts, runs_that_fit
@@ -90,6 +90,8 @@ SPARSE_NUMELS = (1 << 14, 1 << 18, 1 << 22, 1 << 24)
 # Between 10% and 100% the executor's algorithm changes (a dense input takes the ring): a line from one
 # to the other priced ncf's 856K-element embedding (30% per worker, 75% union) at 24 ms, measured 8.5-16.
 SPARSE_DENSITIES = (0.01, 0.1, 0.3, 0.6, 1.0)
+BLOCK_SHARES = (0.01, 0.1)  # the shares of blocks kept per worker the BLOCKS curve is measured at (blocktopk
+                            # keeps 1% by default): a curve by bytes, which these spread over each size
 HELD_BYTES = 1 << 20        # rings up to this size are timed beside a sparse AllReduce (held_beside) ...
 HELD_DENSITY = 0.1          # ... of this density (45 ms on ncf: longer than them) ...
 HELD_NUMEL = 1 << 22        # ... and the largest sparse size up to this
@@ -500,16 +502,43 @@ def collectives(comm, block_size: int, rank: int, world: int, sizes: Sizes):
             x, local, union = sparse_input(numel, density, block_size, rank, world)
             yield SPARSE, sparse_volume(numel, local, union), numel, lambda t: comm.allreduce(t, op="avg"), \
                 x.clone
+    for numel in sizes.sparse_numels:
+        for share in BLOCK_SHARES:
+            blocks, local, union = kept_blocks(numel, share, block_size, rank, world)
+            yield BLOCKS, sparse_volume(numel, local, union), None, channel.sparse_mean, lambda b=blocks: b
+
+
+def _kept(numel: int, density: float, block_size: int, world: int) -> list[np.ndarray]:
+    """Each rank's random choice of blocks, each kept with probability `density` (at least one)."""
+    nblocks = -(-numel // block_size)
+    kept = [np.random.default_rng(r + 1000 * numel).random(nblocks) < density for r in range(world)]
+    for r, k in enumerate(kept):
+        k[r % nblocks] |= not k.any()
+    return kept
 
 
 def sparse_input(numel: int, density: float, block_size: int, rank: int, world: int):
     """This rank's input of random blocks kept with probability `density` (each rank its own), and
     the mean local and the union block density over the ranks."""
-    nblocks = -(-numel // block_size)
-    kept = [np.random.default_rng(r + 1000 * numel).random(nblocks) < density for r in range(world)]
+    kept = _kept(numel, density, block_size, world)
     mask = torch.from_numpy(np.repeat(kept[rank], block_size)[:numel])
-    union = float(np.mean(np.logical_or.reduce(kept)))
-    return torch.randn(numel) * mask, float(np.mean([k.mean() for k in kept])), union
+    return torch.randn(numel) * mask, *_densities(kept)
+
+
+def kept_blocks(numel: int, density: float, block_size: int, rank: int, world: int):
+    """The blocks sparse_input keeps, as a sparse-scheme compressor's payload travels: a COO tensor of
+    their rows (Channel.blocks_mean; the last block whole, zero-padded); and the same densities."""
+    kept = _kept(numel, density, block_size, world)
+    indices = torch.from_numpy(np.flatnonzero(kept[rank]))
+    rows = torch.randn(len(indices), block_size)
+    blocks = torch.sparse_coo_tensor(indices.unsqueeze(0), rows, (len(kept[rank]), block_size),
+                                     is_coalesced=True, check_invariants=False)
+    return blocks, *_densities(kept)
+
+
+def _densities(kept: list[np.ndarray]) -> tuple[float, float]:
+    """The mean local and the union block density over the ranks."""
+    return float(np.mean([k.mean() for k in kept])), float(np.mean(np.logical_or.reduce(kept)))
 
 
 def held_beside(comm, block_size: int, rank: int, world: int, sizes: Sizes):
@@ -676,7 +705,7 @@ def events_after_model(cfg: dict, model: dict) -> int:
             + 4 * sum(t["union"] < 1.0 for t in large)
             + 4 * len(coo_labels(timed_compressors(cfg))) * len(coo) + 4 * len(coo_units(model["order"], coo))
             + 4 * (2 * len(sizes.collective_bytes) + len(sizes.allgather_bytes)
-                   + len(sizes.sparse_numels) * len(SPARSE_DENSITIES))
+                   + len(sizes.sparse_numels) * (len(SPARSE_DENSITIES) + len(BLOCK_SHARES)))
             + sum(size <= HELD_BYTES for size in sizes.collective_bytes))
 
 
