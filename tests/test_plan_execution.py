@@ -102,7 +102,9 @@ def test_a_sparse_scheme_compressors_payload_is_priced_as_its_blocks_not_as_a_sc
     blocks = {"collectives": {**FITS["collectives"], BLOCKS: line(2e-4, 5e-9)}, "cpu": {BLOCKS: line(1e-4, 1e-9)}}
     costing = Costing({**fits, **blocks}, workers=4)
     t = Measured(TensorFacts("w", n), (n,), density=1.0, union=1.0)
-    kept = -(-(-(-n // 256)) // 100) * (256 * 4 + 4) / (4 * n)   # 1% of the blocks, rows and an index each
+    nblocks = -(-n // 256)
+    blocks_kept = -(-nblocks // 100)                # 1% of the 256-element blocks, rounded up
+    kept = blocks_kept * (256 * 4 + 4) / (4 * n)    # their rows and a 4-byte index each
     x = 4 * n * (kept + 1 - (1 - kept) ** 4) / 2    # a worker's blocks out, the union's back
     cost = costing.cost(t, Option("blocktopk:0.01", SPARSE))
     assert cost.comm == pytest.approx(2e-4 + 5e-9 * x) and cost.cpu == pytest.approx(1e-4 + 1e-9 * x)

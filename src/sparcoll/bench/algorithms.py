@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from sparcoll.blocks import nonzero_mask
+from sparcoll.compress.channel import block_rows
 from sparcoll.torch import ps
 
 
@@ -133,8 +134,7 @@ def agsparse_from_dense(ctx: Context, tensor: torch.Tensor) -> None:
     The result's rows cover every block this rank had non-zero, so no block needs zeroing."""
     rows = tensor.view(ctx.nblocks, ctx.block_size)
     indices = torch.from_numpy(np.flatnonzero(nonzero_mask(rows)))
-    coo = torch.sparse_coo_tensor(indices.unsqueeze(0), rows.index_select(0, indices), rows.shape,
-                                  is_coalesced=True, check_invariants=False)
+    coo = block_rows(indices, rows.index_select(0, indices), ctx.nblocks)
     dist.all_reduce(coo)
     rows.index_copy_(0, coo._indices()[0], coo._values())
 

@@ -69,9 +69,7 @@ class Channel:
             offsets.append(offsets[-1] + count)
         indices = torch.cat([idx + off for (idx, _, _), off in zip(tensors, offsets)])
         rows = torch.cat([r for _, r, _ in tensors])
-        coo = torch.sparse_coo_tensor(indices.unsqueeze(0), rows, (sum(counts), block_size),
-                                      is_coalesced=True, check_invariants=False)
-        summed = self.sparse_mean(coo, tag)
+        summed = self.sparse_mean(block_rows(indices, rows, sum(counts)), tag)
         got, vals = summed.indices()[0], summed.values()
         bounds = torch.searchsorted(got, torch.tensor(offsets + [sum(counts)])).tolist()
         out = []
@@ -134,6 +132,13 @@ def _concatenated(tensors: list) -> tuple[torch.Tensor, list]:
 def _wait(work) -> None:
     if work is not None:
         work.wait()
+
+
+def block_rows(indices: torch.Tensor, rows: torch.Tensor, nblocks: int) -> torch.Tensor:
+    """Blocks `indices` (ascending, distinct) of a tensor of `nblocks` blocks with their `rows`, as the
+    COO tensor of rows the sparse AllReduce takes: nothing dense is built or scanned."""
+    return torch.sparse_coo_tensor(indices.unsqueeze(0), rows, (nblocks, rows.shape[1]),
+                                   is_coalesced=True, check_invariants=False)
 
 
 def scatter_rows(flat: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, width: int):

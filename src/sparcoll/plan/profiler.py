@@ -71,7 +71,7 @@ from sparcoll.bench.events import emit
 from sparcoll.bench.worker import exit_process, run_worker
 from sparcoll.blocks import BlockTensor
 from sparcoll.compress import Reducer
-from sparcoll.compress.channel import Channel
+from sparcoll.compress.channel import Channel, block_rows
 from sparcoll.torch import sparse
 from sparcoll.torch.parallel import takes_average_in_place
 from sparcoll.torch.ps import ps_allreduce
@@ -530,10 +530,7 @@ def kept_blocks(numel: int, density: float, block_size: int, rank: int, world: i
     their rows (Channel.blocks_mean; the last block whole, zero-padded); and the same densities."""
     kept = _kept(numel, density, block_size, world)
     indices = torch.from_numpy(np.flatnonzero(kept[rank]))
-    rows = torch.randn(len(indices), block_size)
-    blocks = torch.sparse_coo_tensor(indices.unsqueeze(0), rows, (len(kept[rank]), block_size),
-                                     is_coalesced=True, check_invariants=False)
-    return blocks, *_densities(kept)
+    return block_rows(indices, torch.randn(len(indices), block_size), len(kept[rank])), *_densities(kept)
 
 
 def _densities(kept: list[np.ndarray]) -> tuple[float, float]:
