@@ -48,6 +48,10 @@ def check_run(run: dict, comm: str, steps: int) -> None:
     timed = faults[1:]      # the first step is the warm-up and the probed one
     assert run["most_page_faults"] == max(timed)
     assert run["faulting_steps"] == sum(f >= FAULTING_PAGES for f in timed)
+    # every step took some CPU on its busiest rank; the run's figure is the timed steps' mean
+    cpu = run["per_step"]["cpu_s"]
+    assert len(cpu) == steps and all(c > 0 for c in cpu)
+    assert run["cpu_s"] == pytest.approx(sum(cpu[1:]) / (steps - 1))
 
 
 # ncf runs in the --compare test; cnn on the sparcoll backend also exercises the per-forward broadcast
@@ -306,7 +310,8 @@ def test_plain_ddp_on_sparse_gradients_is_what_gets_run_again_after_a_crash(tmp_
 
 def _step(step: int, loss: float) -> dict:
     return {"event": "step", "step": step, "probed": step == 0, "loss": loss, "step_s": 0.02, "comm_s": 0.01,
-            "compute_s": 0.01, "density_local": 0.5, "density_union": 0.5, "bytes_sent": None, "page_faults": 3}
+            "compute_s": 0.01, "cpu_s": 0.015, "density_local": 0.5, "density_union": 0.5, "bytes_sent": None,
+            "page_faults": 3}
 
 
 class FakeJobs:

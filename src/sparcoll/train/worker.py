@@ -48,8 +48,10 @@ the last step, a workload with a held-out split (gpt) reports its loss there. Pe
 the mean loss over ranks (the full global batch's loss), the slowest rank's times, and on probed steps
 the block density of the local gradients (mean over ranks) and of the reduced gradient: the fraction of
 `block_size`-element blocks of all gradients, flattened in parameter order, that hold a non-zero
-element; and the most page faults a rank took in the step (minor_faults: a step that faulted in fresh
-memory, as a heap that grew does, is slow for that, not for its communication).
+element; the most page faults a rank took in the step (minor_faults: a step that faulted in fresh
+memory, as a heap that grew does, is slow for that, not for its communication); and the most CPU
+seconds a rank's process (every thread of it) spent in the step (cpu_s: what the planner's CPU bound
+predicts, timeline.Step.cpu_bound).
 """
 from __future__ import annotations
 
@@ -181,13 +183,14 @@ class Trainer:
         probe.reset(marking=probed)
         sent = interface_counters(interface)[0] if interface else 0
         faults = minor_faults()
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         loss = self.workload.loss(model, batch)
         self.backward_start = time.perf_counter()
         loss.backward()
         backward_end = time.perf_counter()
         self.optimizer.step()
         step_s = time.perf_counter() - start - probe.overhead
+        cpu = time.process_time() - cpu
         faults = minor_faults() - faults
         sent = interface_counters(interface)[0] - sent if interface else float("nan")
         comm_s = max(0.0, backward_end - probe.last_gradient) if probe.last_gradient else 0.0
@@ -195,7 +198,7 @@ class Trainer:
         # ranks up again: no rank's bookkeeping shows up as communication time in the next step.
         predicted, total, hidden = synchronization(model) if self.poseidon else (float("nan"),) * 3
         densities = (probe.local_density(), probe.reduced_density()) if probed else (float("nan"),) * 2
-        row = torch.tensor([loss.item(), step_s, comm_s, *densities, sent, predicted, total, hidden, faults],
+        row = torch.tensor([loss.item(), step_s, comm_s, *densities, sent, predicted, total, hidden, faults, cpu],
                            dtype=torch.float64)
         rows = [torch.empty_like(row) for _ in range(self.world)]
         dist.all_gather(rows, row)
@@ -209,7 +212,7 @@ class Trainer:
                   "density_local": table[:, 3].mean().item() if probed else None,
                   "density_union": row[4].item() if probed else None,
                   "bytes_sent": None if not interface else table[:, 5].mean().item(),
-                  "page_faults": int(table[:, 9].max().item()),
+                  "page_faults": int(table[:, 9].max().item()), "cpu_s": table[:, 10].max().item(),
                   **({"predicted_bytes": table[:, 6].mean().item(), "comm_total_s": slowest[7].item(),
                       "comm_hidden_s": slowest[8].item()} if self.poseidon else {})})
 
