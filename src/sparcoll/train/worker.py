@@ -51,7 +51,9 @@ the block density of the local gradients (mean over ranks) and of the reduced gr
 element; the most page faults a rank took in the step (minor_faults: a step that faulted in fresh
 memory, as a heap that grew does, is slow for that, not for its communication); and the most CPU
 seconds a rank's process (every thread of it) spent in the step (cpu_s: what the planner's CPU bound
-predicts, timeline.Step.cpu_bound).
+predicts, timeline.Step.cpu_bound); before each step, outside its time, every rank times a fixed piece of CPU
+work (bench.speed): the ranks' mean (reference_cpu_s) says how fast the machine ran then, so that
+steps measured minutes apart can be compared.
 """
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ import sparcoll.torch  # registers the "sparcoll" backend
 from sparcoll.bench.events import emit
 from sparcoll.bench.memory import minor_faults
 from sparcoll.bench.netns import interface_counters
+from sparcoll.bench.speed import reference_cpu_s
 from sparcoll.bench.worker import exit_process, run_worker
 from sparcoll.blocks import BlockTensor
 from sparcoll.workloads import get_workload
@@ -182,6 +185,7 @@ class Trainer:
         probed = step % PROBE_EVERY == 0
         probe.reset(marking=probed)
         sent = interface_counters(interface)[0] if interface else 0
+        reference = reference_cpu_s()
         faults = minor_faults()
         cpu, start = time.process_time(), time.perf_counter()
         loss = self.workload.loss(model, batch)
@@ -198,8 +202,8 @@ class Trainer:
         # ranks up again: no rank's bookkeeping shows up as communication time in the next step.
         predicted, total, hidden = synchronization(model) if self.poseidon else (float("nan"),) * 3
         densities = (probe.local_density(), probe.reduced_density()) if probed else (float("nan"),) * 2
-        row = torch.tensor([loss.item(), step_s, comm_s, *densities, sent, predicted, total, hidden, faults, cpu],
-                           dtype=torch.float64)
+        row = torch.tensor([loss.item(), step_s, comm_s, *densities, sent, predicted, total, hidden, faults, cpu,
+                            reference], dtype=torch.float64)
         rows = [torch.empty_like(row) for _ in range(self.world)]
         dist.all_gather(rows, row)
         if self.rank == 0:
@@ -213,6 +217,7 @@ class Trainer:
                   "density_union": row[4].item() if probed else None,
                   "bytes_sent": None if not interface else table[:, 5].mean().item(),
                   "page_faults": int(table[:, 9].max().item()), "cpu_s": table[:, 10].max().item(),
+                  "reference_cpu_s": table[:, 11].mean().item(),
                   **({"predicted_bytes": table[:, 6].mean().item(), "comm_total_s": slowest[7].item(),
                       "comm_hidden_s": slowest[8].item()} if self.poseidon else {})})
 
