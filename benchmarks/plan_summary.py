@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/plan_summary.py OUT_DIR
 
 Per workload: each mode's predicted step (`sparcoll plan`) and measured step (range over rounds), the
-prediction's error, the speedup over DDP, bytes sent and the largest loss difference from DDP; then the
+prediction's error (also with a CPU-bound prediction scaled to the machine's speed in that round,
+bench.speed, where the profile and the round both measured it), the speedup over DDP, bytes sent and the largest loss difference from DDP; then the
 plan against the best uniform strategy measured in the same round (in a round of interleaved modes,
 INTERLEAVE=1, also step by step against every uniform strategy), DDP's communication share, and what
 the plan's trial measured.
@@ -34,14 +35,32 @@ def name_of(label: str, workload: str) -> str:
     return f"uniform {name.replace('_', ':')}" + (", whole fusion" if whole else "")
 
 
-def predictions(out: Path, workload: str) -> dict[str, float]:
+def predictions(out: Path, workload: str) -> tuple[dict[str, float], dict[str, dict]]:
+    """Each mode's predicted step, and the plan file of each mode that has one."""
     plan = json.loads((out / f"{workload}-plan.json").read_text())
     pred = {"planned": plan["predicted_step_s"]}
+    files = {"planned": plan}
     pred.update({f"uniform {k}": v for k, v in plan["uniform"].items()})
     for f in [*out.glob(f"{workload}-without-*.json"), *out.glob(f"{workload}-u-*.json"),
               *out.glob(f"{workload}-dense-*.json")]:
-        pred[name_of(f"poseidon:{f}", workload)] = json.loads(f.read_text())["predicted_step_s"]
-    return pred
+        name = name_of(f"poseidon:{f}", workload)
+        files[name] = json.loads(f.read_text())
+        pred[name] = files[name]["predicted_step_s"]
+    return pred, files
+
+
+def at_run_speed(plan: dict | None, run: dict, warmup: int) -> float | None:
+    """A plan's prediction scaled by how much slower the machine ran (bench.speed's reference, the
+    median over the run's timed steps) than when its profile was measured; only where the prediction
+    is the workers' CPU bound, which scales with it (None where either speed or that is unknown)."""
+    if not plan or not plan.get("reference_cpu_s") or "reference_cpu_s" not in run["per_step"]:
+        return None
+    if not plan.get("cpu_bound_s") or plan["cpu_bound_s"] < plan["predicted_step_s"] * (1 - 1e-9):
+        return None
+    per_step = run["per_step"]
+    speeds = [per_step["reference_cpu_s"][i] for i in range(warmup, len(per_step["step_s"]))
+              if not per_step["probed"][i]]
+    return plan["predicted_step_s"] * statistics.median(speeds) / plan["reference_cpu_s"]
 
 
 def same_as_plan(out: Path, workload: str, label: str) -> bool:
@@ -62,14 +81,15 @@ def summarize(out: Path, workload: str) -> str:
     rounds = [json.loads(f.read_text()) for f in sorted(out.glob(f"{workload}-r*.json"))]
     if not rounds:
         return f"{workload}: no rounds"
-    pred = predictions(out, workload)
+    pred, files = predictions(out, workload)
     by_mode: dict[str, list[dict]] = {}
     for r in rounds:
         for run in r["runs"]:
             by_mode.setdefault(name_of(run["label"], workload), []).append(run)
     lines = [f"### {workload} ({len(rounds)} rounds, {rounds[0]['steps']} steps, batch {rounds[0]['batch_size']})",
-             "", "| mode | predicted ms | measured ms | predicted / measured | x DDP | MB/step | max loss diff vs DDP |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| mode | predicted ms | measured ms | predicted / measured | at the run's machine speed "
+                 "| x DDP | MB/step | max loss diff vs DDP |",
+             "|---|---|---|---|---|---|---|---|"]
     ddp = [next(run for run in r["runs"] if run["comm"] == "ddp") for r in rounds]
     for mode, runs in by_mode.items():
         steps = [1e3 * run["step_s"] for run in runs]
@@ -78,9 +98,12 @@ def summarize(out: Path, workload: str) -> str:
         diff = max(max(abs(a - b) for a, b in zip(run["loss"], d["loss"])) for d, run in zip(ddp, runs))
         p = pred.get(mode)
         ratio = span([1e3 * p / s for s in steps], "{:.2f}") if p else "-"
+        scaled = [at_run_speed(files.get(mode), run, rounds[0]["warmup"]) for run in runs]
+        scaled = span([x / run["step_s"] for x, run in zip(scaled, runs)], "{:.2f}") \
+            if scaled and None not in scaled else "-"
         lines.append(f"| {mode} | {1e3 * p:.1f} | " if p else f"| {mode} | - | ")
-        lines[-1] += (f"{span(steps)} | {ratio} | {span(speed, '{:.2f}')} | {span(sent, '{:.2f}') if sent else '-'} | "
-                      f"{diff:.2g} |")
+        lines[-1] += (f"{span(steps)} | {ratio} | {scaled} | {span(speed, '{:.2f}')} | "
+                      f"{span(sent, '{:.2f}') if sent else '-'} | {diff:.2g} |")
     vs_best = []
     for r in rounds:
         uniform = [run for run in r["runs"] if name_of(run["label"], workload).startswith("uniform")]

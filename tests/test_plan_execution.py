@@ -784,6 +784,7 @@ def test_plan_then_train_the_plan(tmp_path):
     stamp = profile.stat().st_mtime_ns
     measured = json.loads(profile.read_text())
     assert all(BLOCKS in measured["fits"][quantity] for quantity in ("collectives", "loaded", "slowdown", "cpu"))
+    assert 0 < measured["model"]["reference_cpu_s"] < 1      # the machine's speed the profile ran at
     coo = [n for n, t in measured["model"]["tensors"].items() if t["coo"]]
     assert len(coo) == 4          # the embeddings' gradients: each option timed on each, alone and loaded
     together = {"+".join(names) for names in fusion.coo_units(measured["model"]["order"], set(coo))}
@@ -808,7 +809,7 @@ def test_plan_then_train_the_plan(tmp_path):
     assert first.returncode == 0 and "trial (" not in first.stdout, first.stderr[-3000:]
     assert profile.stat().st_mtime_ns == stamp      # the profile reused
     plan = json.loads(plan_file.read_text())
-    assert "trial" not in plan
+    assert "trial" not in plan and plan["reference_cpu_s"] == measured["model"]["reference_cpu_s"]
     names = [n for n, _ in __import__("sparcoll.workloads", fromlist=["get_workload"]).get_workload(
         "ncf", tiny=True).model.named_parameters()]
     assert sorted(t["name"] for t in plan["tensors"]) == sorted(names)

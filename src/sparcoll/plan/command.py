@@ -155,6 +155,8 @@ def measure(ident: dict, timeout: float) -> dict:
             elif event["event"] == "point":
                 points.append({k: v for k, v in event.items() if k != "event"})
                 advance(f"{event['kind']} {event['what']}")
+            elif event["event"] == "speed":
+                model["reference_cpu_s"] = event["reference_cpu_s"]
         run_job(Job(ident["workers"], ident["network"], 0, {**ident, "timeout": timeout},
                     timeout, worker="sparcoll.plan.profiler", link_burst=ident["link_burst"]), on_event)
 
@@ -424,6 +426,7 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
             "bound_s": forward + simulate(step, [free(t) for t in tensors]).iteration, "forward_s": forward,
             "cpu_bound_s": forward + unit_step.cpu_bound(costs) if unit_step.cores > 0 else None,
             "cores_per_worker": profile["model"]["cores_per_worker"],
+            "reference_cpu_s": profile["model"].get("reference_cpu_s"),
             "uniform": {name: forward + predicted(fused(strategy)) for name, strategy in uniforms.items()},
             "dense_only": {name: forward + predicted(fused(strategy))
                            for name, strategy in dense_onlies.items()},

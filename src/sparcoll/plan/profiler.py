@@ -42,6 +42,9 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
   held         each ring allreduce of at most HELD_BYTES started on gloo's threads right before a
                sparse AllReduce, as DataParallel runs an uncompressed tensor beside the channel: how
                much later the sparse AllReduce finished than alone (held_beside)
+  speed        before each of the measurements above, bench.speed's reference work: the machine's
+               speed the profile's times hold for (its median, `reference_cpu_s`), to read a step
+               measured at another time beside (sparcoll train reports the same per step)
 
 Rank 0 reports each measurement as an event (sparcoll.bench.events); `fit` turns them into the fits
 costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`) or the user's
@@ -68,6 +71,7 @@ from torch import nn
 import sparcoll
 from sparcoll.allocator import release_freed_memory
 from sparcoll.bench.events import emit
+from sparcoll.bench.speed import reference_cpu_s
 from sparcoll.bench.worker import exit_process, run_worker
 from sparcoll.blocks import BlockTensor
 from sparcoll.compress import Reducer
@@ -174,6 +178,9 @@ class Timing(NamedTuple):
     cpu: float
 
 
+SPEED: list[float] = []     # bench.speed's reference, timed before each measurement of this profile
+
+
 def timed(run, prepare=lambda: None) -> Timing:
     """The median of the slowest worker's time over at least REPEAT runs after an untimed one, more
     for short ones (until BUDGET seconds or MAX_REPEAT runs: small collectives are noisy on a busy
@@ -181,6 +188,7 @@ def timed(run, prepare=lambda: None) -> Timing:
     sees the same times, so all run as many."""
     times: list[float] = []
     cpus: list[float] = []
+    SPEED.append(reference_cpu_s())
     for i in range(MAX_REPEAT + 1):
         arg = prepare()
         dist.barrier()
@@ -745,6 +753,10 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
                  **({} if numel is None else {"numel": numel})})
     for x, seconds in held_beside(comm, block_size, rank, world, sizes):
         say({"event": "point", "kind": "held", "what": RING, "x": x, "seconds": seconds})
+    # the machine's speed over the profile (the ranks' mean of their medians): what its times hold for
+    speed = torch.tensor([statistics.median(SPEED)], dtype=torch.float64)
+    dist.all_reduce(speed)
+    say({"event": "speed", "reference_cpu_s": speed.item() / world})
 
 
 def profile_job(cfg: dict, rank: int, world: int) -> None:
