@@ -4,10 +4,10 @@
 
 Per workload: each mode's predicted step (`sparcoll plan`) and measured step (range over rounds), the
 prediction's error (also with a CPU-bound prediction scaled to the machine's speed in that round,
-bench.speed, where the profile and the round both measured it), the speedup over DDP, bytes sent and the largest loss difference from DDP; then the
-plan against the best uniform strategy measured in the same round (in a round of interleaved modes,
-INTERLEAVE=1, also step by step against every uniform strategy), DDP's communication share, and what
-the plan's trial measured.
+bench.speed, where the profile and the round both measured it), the speedup over DDP, bytes sent and
+the largest loss difference from DDP; then the plan against the best uniform strategy measured in the
+same round (in a round of interleaved modes, INTERLEAVE=1, also step by step against every uniform
+strategy), DDP's communication share, and what the plan's trial measured.
 """
 from __future__ import annotations
 
