@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from sparcoll.plan.trial import signature
-from sparcoll.train.command import compare_paired
+from sparcoll.train.command import compare_paired, timed_steps
 
 
 def name_of(label: str, workload: str) -> str:
@@ -57,10 +57,10 @@ def at_run_speed(plan: dict | None, run: dict, warmup: int) -> float | None:
         return None
     if not plan.get("cpu_bound_s") or plan["cpu_bound_s"] < plan["predicted_step_s"] * (1 - 1e-9):
         return None
-    per_step = run["per_step"]
-    speeds = [per_step["reference_cpu_s"][i] for i in range(warmup, len(per_step["step_s"]))
-              if not per_step["probed"][i]]
-    return plan["predicted_step_s"] * statistics.median(speeds) / plan["reference_cpu_s"]
+    steps = [{"probed": probed, "reference_cpu_s": speed}
+             for probed, speed in zip(run["per_step"]["probed"], run["per_step"]["reference_cpu_s"])]
+    speed = statistics.median(s["reference_cpu_s"] for s in timed_steps(steps, warmup))
+    return plan["predicted_step_s"] * speed / plan["reference_cpu_s"]
 
 
 def same_as_plan(out: Path, workload: str, label: str) -> bool:

@@ -42,9 +42,10 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
   held         each ring allreduce of at most HELD_BYTES started on gloo's threads right before a
                sparse AllReduce, as DataParallel runs an uncompressed tensor beside the channel: how
                much later the sparse AllReduce finished than alone (held_beside)
-  speed        before each of the measurements above, bench.speed's reference work: the machine's
-               speed the profile's times hold for (its median, `reference_cpu_s`), to read a step
-               measured at another time beside (sparcoll train reports the same per step)
+  speed        before each measurement timed alone (`timed`: the collectives, compressors and steps
+               above, not those under load or inside backward), bench.speed's reference work: the
+               machine's speed the profile's times hold for (its median, `reference_cpu_s`), to read a
+               step measured at another time beside (sparcoll train reports the same per step)
 
 Rank 0 reports each measurement as an event (sparcoll.bench.events); `fit` turns them into the fits
 costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`) or the user's
