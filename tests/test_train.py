@@ -52,6 +52,8 @@ def check_run(run: dict, comm: str, steps: int) -> None:
     cpu = run["per_step"]["cpu_s"]
     assert len(cpu) == steps and all(c > 0 for c in cpu)
     assert run["cpu_s"] == pytest.approx(sum(cpu[1:]) / (steps - 1))
+    mean = run["per_step"]["cpu_mean_s"]      # the ranks' mean, at most the busiest rank's
+    assert len(mean) == steps and all(0 < m <= c for m, c in zip(mean, cpu))
     reference = run["per_step"]["reference_cpu_s"]
     assert len(reference) == steps and all(r > 0 for r in reference)
 
@@ -312,7 +314,8 @@ def test_plain_ddp_on_sparse_gradients_is_what_gets_run_again_after_a_crash(tmp_
 
 def _step(step: int, loss: float) -> dict:
     return {"event": "step", "step": step, "probed": step == 0, "loss": loss, "step_s": 0.02, "comm_s": 0.01,
-            "compute_s": 0.01, "cpu_s": 0.015, "reference_cpu_s": 0.003, "density_local": 0.5, "density_union": 0.5,
+            "compute_s": 0.01, "cpu_s": 0.015, "cpu_mean_s": 0.012,
+            "reference_cpu_s": 0.003, "density_local": 0.5, "density_union": 0.5,
             "bytes_sent": None, "page_faults": 3}
 
 

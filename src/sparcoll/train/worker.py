@@ -51,7 +51,8 @@ the block density of the local gradients (mean over ranks) and of the reduced gr
 element; the most page faults a rank took in the step (minor_faults: a step that faulted in fresh
 memory, as a heap that grew does, is slow for that, not for its communication); and the most CPU
 seconds a rank's process (every thread of it) spent in the step (cpu_s: what the planner's CPU bound
-predicts, timeline.Step.cpu_bound); before each step, outside its time, every rank times a fixed piece of CPU
+predicts, timeline.Step.cpu_bound) and the ranks' mean of it (cpu_mean_s: with the step's time and the
+cores, how long the cores stood idle while every rank waited); before each step, outside its time, every rank times a fixed piece of CPU
 work (bench.speed): the ranks' mean (reference_cpu_s) says how fast the machine ran then, so that
 steps measured minutes apart can be compared.
 """
@@ -217,7 +218,7 @@ class Trainer:
                   "density_union": row[4].item() if probed else None,
                   "bytes_sent": None if not interface else table[:, 5].mean().item(),
                   "page_faults": int(table[:, 9].max().item()), "cpu_s": table[:, 10].max().item(),
-                  "reference_cpu_s": table[:, 11].mean().item(),
+                  "cpu_mean_s": table[:, 10].mean().item(), "reference_cpu_s": table[:, 11].mean().item(),
                   **({"predicted_bytes": table[:, 6].mean().item(), "comm_total_s": slowest[7].item(),
                       "comm_hidden_s": slowest[8].item()} if self.poseidon else {})})
 
