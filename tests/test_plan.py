@@ -113,6 +113,23 @@ def test_the_step_is_no_shorter_than_the_workers_cpu_allows():
     assert Simulation(step, costs).iteration == pytest.approx(0.025)
 
 
+def test_the_cores_stand_idle_while_every_worker_waits_after_backward():
+    """Tensor 1 compressed on the training thread for 5 ms once ready at 10 ms: backward ends at 25
+    ms, its collective runs 15-35 ms and decompresses until 45; of its 9 ms of CPU, 4 are beyond the
+    compression, spread over those 30 ms: 2.67 of them after backward. So for 20 - 2.67 = 17.33 ms
+    the worker computes nothing, and the cores do not serve the CPU bound (0.086 s of CPU over half a
+    core, less the 10 ms forward: 76 ms): F 93.33 ms. Offloaded, backward ends at 20 ms and the lane's
+    compression (10-15 ms) is before it: idle 25 - 4 x 25 / 30 = 21.67 ms, F 97.67."""
+    step = Step((0.0, 0.01), 0.02, optimizer=0.005, cpu=0.03, cores=0.5, forward=0.01)
+    second = Cost(compress=0.005, comm=0.02, decompress=0.01, cpu=0.009)
+    costs = [Cost(comm=0.01, cpu=0.004), second]
+    assert simulate(step, costs).iteration == pytest.approx(0.076 + 0.02 - 0.004 * 2 / 3)
+    assert simulate(step, [costs[0], replace(second, offload=True)]).iteration == pytest.approx(
+        0.076 + 0.025 - 0.004 * 25 / 30)
+    # with a core each the timeline sets F: the collective's end and the optimizer
+    assert simulate(replace(step, cores=2.0), costs).iteration == pytest.approx(0.05)
+
+
 def test_an_offloaded_lane_overlaps_and_on_thread_compression_delays_backward():
     costs = [Cost(compress=0.5, comm=0.2, offload=True), Cost(compress=0.5, comm=0.2)]
     timeline = simulate(Step((0.0, 0.3), 1.0, optimizer=0.1), costs)
@@ -848,6 +865,19 @@ def test_the_profiles_cpu_points_become_curves_grids_and_times_on_tensors():
     assert fits["compress_cpu_own"] == {"fp16": {"w": 0.02}} and fits["coo_cpu_own"] == {"ring": {"e": 0.03}}
 
 
+def _slowest_and_mean(rank: int, world: int) -> tuple:
+    from sparcoll.plan.profiler import slowest_and_mean
+    seconds, cpu = slowest_and_mean(torch.tensor([[1.0 + rank, 5.0 - rank], [10.0 * (rank + 1), 3.0]],
+                                                 dtype=torch.float64))
+    return seconds.tolist(), cpu.tolist()
+
+
+def test_a_measurement_over_workers_is_the_slowest_time_and_the_mean_cpu():
+    """Times: the slowest worker's (a step ends with it); CPU: the workers' mean (the cores serve all)."""
+    from ranks import run_ranks
+    assert run_ranks(_slowest_and_mean, 2, timeout=60) == [([2.0, 5.0], [15.0, 3.0])] * 2
+
+
 def _compress_in_backward(rank: int, world: int) -> tuple:
     """profiler.compress_in_backward on a two-layer model: each compressor's calls, with whether
     autograd was running them (a graph task is current) and the shape of the gradient they saw."""
@@ -898,10 +928,12 @@ def test_compressors_are_timed_in_backward_on_the_gradient_where_a_plan_runs_the
     outcome = run_ranks(_compress_in_backward, 2, timeout=60)
     (timed, *_), (timed_peer, *_) = outcome
     assert timed == timed_peer                      # the slowest worker's, the same on every rank
-    assert [(spec, name) for spec, name, _ in timed] == [
+    assert [(spec, name) for spec, name, *_ in timed] == [
         ("fp16", "0.weight"), ("fp16", "2.weight"), ("topk:0.01", "0.weight"), ("topk:0.01", "2.weight")]
-    # the training thread's CPU in the compression: some, and no more than its time (one thread)
-    assert all(0 < cpu <= seconds + 1e-3 for *_, (seconds, cpu) in timed)
+    # the CPU of the thread that compressed (the training thread) and of the one that decompressed:
+    # some, and no more than the slowest worker's time (one thread each)
+    assert all(0 < cpu <= seconds + 1e-3 for *_, compress, decompress in timed
+               for seconds, cpu in (compress, decompress))
     for _, calls, shapes, decompressed in outcome:
         # each payload decompressed on a thread of its own, as the synchronization thread does
         assert sorted(decompressed) == sorted((spec, "sparcoll-profile-channel_0", math.prod(shape))

@@ -18,10 +18,11 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
                backward, which slows as much as the rebuild does (rebuild_beside_training)
   compressors  compress and decompress time of each compressor by tensor size, and on each of the
                model's gradients of at least OWN_GRADIENT elements (the time depends on the data), every
-               worker at once; on those gradients, a compressor that compresses apart from its
-               collective is timed again where a plan runs it, inside backward on the training thread
-               while every worker trains and a second thread decompresses (compress_in_backward: that
-               time is the one priced, the one apart is kept as `compress_alone`)
+               worker at once; on every dense gradient of the model, a compressor that compresses
+               apart from its collective is timed again where a plan runs it, inside backward on the
+               training thread while every worker trains and a second thread decompresses
+               (compress_in_backward: those times are the ones priced, the ones apart are kept as
+               `compress_alone` and `decompress_alone`)
   COO          each sparse COO gradient of the model (nn.Embedding(sparse=True)) under each option it
                can take, timed whole on the gradient itself, alone and under load as below: its cost
                is its rows, which no curve by dense size predicts
@@ -35,10 +36,11 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
                beside gpt's backward, 5.0 alone, and the steps up to 1.85x as long). The collectives
                run for at least a step, and the slowdown is of the steps' work while they ran
   CPU          with each time alone above (a collective, a compressor, a COO gradient's option, SFB's
-               rebuild), the CPU seconds the busiest worker's process spent in it, and a training
-               step's (step_cpu): 4 workers on 2 cores run their fastest strategies as fast as their
-               CPU allows (timeline.Step.cpu_bound); a compressor timed inside backward, its training
-               thread's CPU there (the one apart kept as `compress_cpu_alone`)
+               rebuild), the CPU seconds a worker's process spent in it (the workers' mean), and a
+               training step's (step_cpu): 4 workers on 2 cores run their fastest strategies as fast
+               as their CPU allows (timeline.Step.cpu_bound); a compressor timed inside backward, the
+               CPU of the thread that compressed or decompressed there (the ones apart kept as
+               `compress_cpu_alone` and `decompress_cpu_alone`)
   held         each ring allreduce of at most HELD_BYTES started on gloo's threads right before a
                sparse AllReduce, as DataParallel runs an uncompressed tensor beside the channel: how
                much later the sparse AllReduce finished than alone (held_beside)
@@ -172,8 +174,18 @@ def slowest(seconds: float) -> float:
     return t.item()
 
 
+def slowest_and_mean(measured: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Times and CPU seconds (`measured[0]`, `measured[1]`, any shape) over every worker: the slowest
+    worker's times (a collective, a step, ends with it) and the workers' mean CPU (what the cores
+    serve, timeline.Step.cpu_bound)."""
+    every = [torch.empty_like(measured) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, measured.contiguous())
+    every = torch.stack(every)
+    return every[:, 0].max(dim=0).values, every[:, 1].mean(dim=0)
+
+
 class Timing(NamedTuple):
-    """A run's time (`seconds`) and the CPU seconds its worker's process spent in it, every thread
+    """A run's time (`seconds`) and the CPU seconds a worker's process spent in it, every thread
     (`cpu`: what timeline.Step.cpu_bound adds up)."""
     seconds: float
     cpu: float
@@ -185,8 +197,9 @@ SPEED: list[float] = []     # bench.speed's reference, timed before each measure
 def timed(run, prepare=lambda: None) -> Timing:
     """The median of the slowest worker's time over at least REPEAT runs after an untimed one, more
     for short ones (until BUDGET seconds or MAX_REPEAT runs: small collectives are noisy on a busy
-    machine), and of the busiest worker's CPU in them; every run starts together, and every worker
-    sees the same times, so all run as many."""
+    machine), and of the workers' mean CPU in them (the cores serve every worker: the busiest one's
+    CPU, taken per measurement, added up to 4-7% more than any worker spent in a step); every run
+    starts together, and every worker sees the same times, so all run as many."""
     times: list[float] = []
     cpus: list[float] = []
     SPEED.append(reference_cpu_s())
@@ -196,10 +209,10 @@ def timed(run, prepare=lambda: None) -> Timing:
         cpu, start = time.process_time(), time.perf_counter()
         run(arg)
         if i:
-            most = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            times.append(most[0].item())
-            cpus.append(most[1].item())
+            took, cpu = slowest_and_mean(torch.tensor([[time.perf_counter() - start],
+                                                       [time.process_time() - cpu]], dtype=torch.float64))
+            times.append(took.item())
+            cpus.append(cpu.item())
             if len(times) >= REPEAT and sum(times) >= BUDGET:
                 break
     return Timing(statistics.median(times), statistics.median(cpus))
@@ -281,8 +294,8 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
 
 
 def step_cpu(model: nn.Module, loss_of) -> float:
-    """The CPU seconds of one training step (forward, backward, the optimizer) on the busiest
-    worker, every worker stepping at once: the work no strategy takes off the cores (ncf: 6.9 ms,
+    """The CPU seconds of one training step (forward, backward, the optimizer) on a worker (their
+    mean), every worker stepping at once: the work no strategy takes off the cores (ncf: 6.9 ms,
     4 workers on 2 cores, docs/results/cpu-per-step/ncf-profile.json)."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
 
@@ -368,8 +381,8 @@ def profile_compressors(specs: list[str], world: int, gradients: dict, numels: t
     depends on the data: sampled thresholds, ties, momentum). The decompression is what each scheme runs
     after its collective (allreduce: decompress the average; allgather: combine every rank's parts; the
     sparse AllReduce: its blocks into a dense tensor); PowerSGD's whole reduction, its allreduces
-    included. On a model's gradient, the compress time of a compressor a plan runs in backward is
-    priced from compress_in_backward instead: this one is yielded as "compress_alone".
+    included. On a model's gradient, the times of a compressor a plan runs in backward are priced
+    from compress_in_backward instead: these are kept as "compress_alone" and "decompress_alone".
     """
     samples = [(None, torch.randn(numel)) for numel in numels] + list(gradients.items())
     for spec in specs:
@@ -411,14 +424,17 @@ def in_backward_steps(untimed: float) -> int:
 
 def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of, names: list[str],
                          timeout: float):
-    """(spec, tensor name, Timing) of each compressor that compresses apart from its collective, on
-    each of the model's gradients `names`, timed where sparcoll.torch.DataParallel runs it under a plan:
-    in backward, on the training thread, the moment the gradient is ready, every worker training with
-    the same compressor, and a second thread decompressing each payload into its gradient as it comes,
-    as the synchronization thread does after each collective (ncf's largest gradient under efsignsgd:
-    27-30 ms in training, 22 in the profile apart from training). Per compressor an untimed step,
-    then as many as in_backward_steps says from its length; per step the slowest worker's time and
-    the busiest worker's training-thread CPU in the compression, the median of each over the steps."""
+    """(spec, tensor name, compress Timing, decompress Timing) of each compressor that compresses
+    apart from its collective, on each of the model's dense gradients `names`, timed where
+    sparcoll.torch.DataParallel runs it under a plan: in backward, on the training thread, the moment
+    the gradient is ready, every worker training with the same compressor, and a second thread
+    decompressing each payload into its gradient as it comes, as the synchronization thread does
+    after each collective (ncf's largest gradient under efsignsgd: 27-30 ms in training, 22 in the
+    profile apart from training; gpt's LayerNorm gradients under blocktopk: 0.12-0.16 ms each in
+    training, 0.27 timed apart, where 4 workers start at once after a barrier). Per compressor an
+    untimed step, then as many as in_backward_steps says from its length; per step the slowest
+    worker's time and the workers' mean CPU of the thread that ran it, the median of each over the
+    steps."""
     if not names:
         return
     params = dict(model.named_parameters())
@@ -427,18 +443,23 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
         for spec in in_backward(specs):
             release_freed_memory()      # the last compressor's
             reducer = Reducer(spec)
-            # per step and gradient: the compression's time, then its thread's CPU
-            times = torch.zeros(2, 1 + MOST_IN_BACKWARD_STEPS, len(names), dtype=torch.float64)
+            # per step and gradient: (the compression's, the decompression's) time, then thread CPU
+            times = torch.zeros(2, 2, 1 + MOST_IN_BACKWARD_STEPS, len(names), dtype=torch.float64)
             step, pending = 0, []
+
+            def decompress(payload, into: torch.Tensor, step: int, j: int) -> None:
+                cpu, start = time.thread_time(), time.perf_counter()
+                decompress_into(reducer.compressor, payload, world, into)
+                times[:, 1, step, j] = torch.tensor([time.perf_counter() - start, time.thread_time() - cpu])
 
             def hook_for(j: int, name: str):
                 def hook(p: torch.Tensor) -> None:
                     cpu, start = time.thread_time(), time.perf_counter()
                     payload = reducer.compress(p.grad, key=name)
-                    times[:, step, j] = torch.tensor([time.perf_counter() - start, time.thread_time() - cpu])
+                    times[:, 0, step, j] = torch.tensor([time.perf_counter() - start, time.thread_time() - cpu])
                     # into the gradient itself where the executor decompresses there
                     into = p.grad.view(-1) if takes_average_in_place(p.grad) else torch.empty(p.grad.numel())
-                    pending.append(channel.submit(decompress_into, reducer.compressor, payload, world, into))
+                    pending.append(channel.submit(decompress, payload, into, step, j))
                 return hook
 
             handles = [params[name].register_post_accumulate_grad_hook(hook_for(j, name))
@@ -461,12 +482,11 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
             finally:
                 for handle in handles:
                     handle.remove()
-            # contiguous: gloo's all_reduce of a strided slice reduced only part of it, without error
-            timed_steps = times[:, 1:1 + count].contiguous()
-            dist.all_reduce(timed_steps, op=dist.ReduceOp.MAX)
-            seconds, cpus = timed_steps.median(dim=1).values.tolist()
-            for name, took, cpu in zip(names, seconds, cpus):
-                yield spec, name, Timing(took, cpu)
+            seconds, cpus = slowest_and_mean(times[:, :, 1:1 + count])
+            seconds, cpus = seconds.median(dim=1).values, cpus.median(dim=1).values
+            for j, name in enumerate(names):
+                yield spec, name, Timing(seconds[0, j].item(), cpus[0, j].item()), \
+                    Timing(seconds[1, j].item(), cpus[1, j].item())
     finally:
         channel.shutdown(cancel_futures=True)
 
@@ -704,10 +724,11 @@ def events_after_model(cfg: dict, model: dict) -> int:
     sizes = Sizes.of(model)
     tensors = model["tensors"].values()
     large = [t for t in tensors if t["numel"] >= OWN_GRADIENT and not t["coo"]]
+    dense = [t for t in tensors if not t["coo"]]
     coo = {name for name, t in model["tensors"].items() if t["coo"]}
     compressors = len(timed_compressors(cfg))
     return (4 * compressors * (len(sizes.compressor_numels) + len(large))
-            + 2 * len(in_backward(timed_compressors(cfg))) * len(large)
+            + 4 * len(in_backward(timed_compressors(cfg))) * len(dense)
             + 4 * sum(t["union"] < 1.0 for t in large)
             + 4 * len(coo_labels(timed_compressors(cfg))) * len(coo) + 4 * len(coo_units(model["order"], coo))
             + 4 * (2 * len(sizes.collective_bytes) + len(sizes.allgather_bytes)
@@ -727,17 +748,19 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients,
                                                                        sizes.compressor_numels):
         alone = "_alone" if name and spec in priced_in_backward else ""
-        for kind, timing in ((f"compress{alone}", compress.seconds), ("decompress", decompress.seconds),
-                             (f"compress_cpu{alone}", compress.cpu), ("decompress_cpu", decompress.cpu)):
+        for kind, timing in ((f"compress{alone}", compress.seconds), (f"decompress{alone}", decompress.seconds),
+                             (f"compress_cpu{alone}", compress.cpu), (f"decompress_cpu{alone}", decompress.cpu)):
             say({"event": "point", "kind": kind, "what": spec, "x": numel, "tensor": name, "seconds": timing})
-    numels = {name: g.numel() for name, g in gradients.items()}
     # from here on only the gradients profile_sparse_own times stay: the others were vgg's 836 MB a
     # worker beside the gradients its steps inside backward compute, the profile's peak (a worker
     # killed by the OOM killer at 6.6-6.97 GB in those phases, 4 workers on 24 GB)
     gradients = {name: g for name, g in gradients.items() if measured["tensors"][name]["union"] < 1.0}
-    for spec, name, timing in compress_in_backward(specs, world, model, loss_of, list(numels), cfg["timeout"]):
-        for kind, seconds in (("compress", timing.seconds), ("compress_cpu", timing.cpu)):
-            say({"event": "point", "kind": kind, "what": spec, "x": numels[name], "tensor": name, "seconds": seconds})
+    dense = {name: t["numel"] for name, t in measured["tensors"].items() if not t["coo"]}
+    for spec, name, compress, decompress in compress_in_backward(specs, world, model, loss_of, list(dense),
+                                                                 cfg["timeout"]):
+        for kind, seconds in (("compress", compress.seconds), ("compress_cpu", compress.cpu),
+                              ("decompress", decompress.seconds), ("decompress_cpu", decompress.cpu)):
+            say({"event": "point", "kind": kind, "what": spec, "x": dense[name], "tensor": name, "seconds": seconds})
     release_freed_memory()      # the compressors' memories and payloads
     train_step = training_step(model, loss_of)
     for label, name, alone, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"],

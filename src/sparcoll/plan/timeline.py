@@ -21,9 +21,10 @@ computes takes longer and slows backward down (the profile measures both per kin
 `Cost.loaded`, `Cost.slowdown`); `simulate` predicts F with that too (what `sparcoll plan` reports
 and chooses among its candidates by), and no sooner than the workers' CPU allows: a step's CPU work
 on one worker (forward, backward, the optimizer, and each option's compression, collective and
-decompression, `Cost.cpu`) over the cores each worker has (`Step.cores`). 4 workers on 2 cores ran
-their fastest strategies at 0.45-0.51 CPU seconds per second of step (ncf, deeplight, gpt): there the
-CPU, not the channel, sets the step.
+decompression, `Cost.cpu`) over the cores each worker has (`Step.cores`), plus the time after
+backward in which every worker waits on its collectives with nothing to compute (the cores idle then).
+4 workers on 2 cores ran their fastest strategies at 0.45-0.51 CPU seconds per second of step (ncf,
+deeplight, gpt): there the CPU, not the channel, sets the step.
 """
 from __future__ import annotations
 
@@ -119,8 +120,9 @@ def simulate(step: Step, costs) -> Timeline:
     work is in seconds alone (the Step's ready times), turned into time along the channel's busy
     intervals so far (a tensor is ready before any later tensor's communication starts). A collective
     on gloo's lane holds the channel for its `hold` stretched as its time is under load, and slows
-    backward for that long. F is at least the CPU's bound (Step.cpu_bound). Without contention (no
-    `loaded`, no CPU times) every operation takes its time alone, as in `Simulation`."""
+    backward for that long. F is at least the CPU's bound (Step.cpu_bound) plus the time the cores
+    stand idle after backward (_idle). Without contention (no `loaded`, no CPU times) every operation
+    takes its time alone, as in `Simulation`."""
     busy = _Busy()
     delay = lane = channel = gloo = 0.0
     payload, starts, ends = [], [], []
@@ -150,8 +152,28 @@ def simulate(step: Step, costs) -> Timeline:
         starts.append(start)
         ends.append(end)
     backward_end = busy.time_of(step.backward_end + delay)
+    waited = max(backward_end, channel, lane, gloo)
+    idle = _idle(costs, payload, starts, ends, backward_end, waited)
     return Timeline(payload, starts, ends, backward_end,
-                    max(max(backward_end, channel, lane, gloo) + step.optimizer, step.cpu_bound(costs)))
+                    max(waited + step.optimizer, step.cpu_bound(costs) + idle))
+
+
+def _idle(costs, payload, starts, ends, backward_end: float, waited: float) -> float:
+    """How long a worker has no CPU work between backward's end and the optimizer (`waited`): not
+    what its offload lane compresses then, nor its collectives' and decompressions' CPU (a cost's
+    CPU beyond its compression, spread over its time on the channel). Every worker waits then, for
+    the same collectives, so the cores stand idle; the CPU bound holds only outside it (4 workers on
+    2 cores, alone: ncf's kept plan left the cores idle 5.4-6.1 ms of a 39 ms step, gpt's 7.8-8.1 of
+    148; docs/results/idle-cores)."""
+    def after(start: float, end: float) -> float:
+        return max(0.0, min(end, waited) - max(start, backward_end))
+    work = 0.0
+    for cost, ready, start, end in zip(costs, payload, starts, ends):
+        if cost.compress and cost.offload:
+            work += after(ready - cost.compress, ready)
+        if end > start:
+            work += max(0.0, cost.cpu - cost.compress) * after(start, end) / (end - start)
+    return max(0.0, waited - backward_end - work)
 
 
 def _under_load(cost: Cost, overlap: float) -> float:
