@@ -50,17 +50,19 @@ def predictions(out: Path, workload: str) -> tuple[dict[str, float], dict[str, d
 
 
 def at_run_speed(plan: dict | None, run: dict, warmup: int) -> float | None:
-    """A plan's prediction scaled by how much slower the machine ran (bench.speed's reference, the
-    median over the run's timed steps) than when its profile was measured; only where the prediction
-    is the workers' CPU bound, which scales with it (None where either speed or that is unknown)."""
+    """A plan's prediction with its CPU scaled by how much slower the machine ran (bench.speed's
+    reference, the median over the run's timed steps) than when its profile was measured; only where
+    the prediction is the workers' CPU bound (plus the time the cores stand idle, which does not
+    scale), None where either speed or that is unknown."""
     if not plan or not plan.get("reference_cpu_s") or "reference_cpu_s" not in run["per_step"]:
         return None
-    if not plan.get("cpu_bound_s") or plan["cpu_bound_s"] < plan["predicted_step_s"] * (1 - 1e-9):
+    idle = plan.get("idle_s", 0.0)
+    if not plan.get("cpu_bound_s") or plan["cpu_bound_s"] + idle < plan["predicted_step_s"] * (1 - 1e-9):
         return None
     steps = [{"probed": probed, "reference_cpu_s": speed}
              for probed, speed in zip(run["per_step"]["probed"], run["per_step"]["reference_cpu_s"])]
     speed = statistics.median(s["reference_cpu_s"] for s in timed_steps(steps, warmup))
-    return plan["predicted_step_s"] * speed / plan["reference_cpu_s"]
+    return plan["cpu_bound_s"] * speed / plan["reference_cpu_s"] + idle
 
 
 def same_as_plan(out: Path, workload: str, label: str) -> bool:

@@ -10,9 +10,10 @@ measured by a job of --workers processes on the --network, emulated or loopback)
 measures again). The decision (decide.plan) then prints a per-tensor table and the predicted step time
 F against every uniform strategy and a free-communication bound, and writes the plan as JSON
 (`decision_ms`, `predicted_step_s`: forward, backward, synchronization and optimizer, as `sparcoll train`
-measures a step; `uniform`, `dense_only` (dense_only_of), `bound_s`, `tensors`: one entry per tensor in
-backward order, with the strategy sparcoll.torch.DataParallel executes and its unit's predicted times
-from backward's start).
+measures a step; `cpu_bound_s`, the least the workers' CPU allows, and `idle_s`, how long the cores
+stand idle in the step while every worker waits; `uniform`, `dense_only` (dense_only_of), `bound_s`,
+`tensors`: one entry per tensor in backward order, with the strategy sparcoll.torch.DataParallel
+executes and its unit's predicted times from backward's start).
 """
 from __future__ import annotations
 
@@ -425,6 +426,7 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
             "decision_ms": decision_ms, "units": len(unit_tensors), "predicted_step_s": forward + timeline.iteration,
             "bound_s": forward + simulate(step, [free(t) for t in tensors]).iteration, "forward_s": forward,
             "cpu_bound_s": forward + unit_step.cpu_bound(costs) if unit_step.cores > 0 else None,
+            "idle_s": timeline.idle,
             "cores_per_worker": profile["model"]["cores_per_worker"],
             "reference_cpu_s": profile["model"].get("reference_cpu_s"),
             "uniform": {name: forward + predicted(fused(strategy)) for name, strategy in uniforms.items()},
@@ -449,8 +451,9 @@ def table(plan: dict) -> str:
     lines.append(f"predicted step (forward, backward, synchronization, optimizer): "
                  f"{1e3 * plan['predicted_step_s']:.1f} ms {what}, {1e3 * plan['bound_s']:.1f} ms with "
                  f"free communication"
-                 + (f", at least {1e3 * plan['cpu_bound_s']:.1f} ms by the workers' CPU" if plan.get("cpu_bound_s")
-                    else "")
+                 + (f", at least {1e3 * plan['cpu_bound_s']:.1f} ms by the workers' CPU"
+                    + (f" and {1e3 * plan['idle_s']:.1f} more in which the cores stand idle" if plan.get("idle_s")
+                       else "") if plan.get("cpu_bound_s") else "")
                  + f"; {len(plan['tensors'])} tensors in {plan['units']} units "
                  f"({plan.get('fusion', GREEDY)} fusion), decided in "
                  f"{plan['decision_ms']:.1f} ms")

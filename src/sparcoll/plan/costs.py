@@ -205,11 +205,13 @@ class Costing:
 
     def _on(self, kind: str, x: float, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
             sooner: float = 0.0, comm: float | None = None, numel: int = 0, name: str | None = None,
-            beside: bool = False, cpu: float = 0.0, comm_cpu: float | None = None) -> Cost:
+            beside: bool = False, cpu: float = 0.0, comm_cpu: float | None = None,
+            compress_cpu: float = 0.0) -> Cost:
         """A cost whose payload of size x (of tensor `name`, of `numel` elements) travels on collective
         `kind` (its time alone `comm` and CPU `comm_cpu`, if not the kind's measured ones), with that
         kind's contention where the profile measured it; `beside`: on gloo's lane (an uncompressed
-        ring allreduce); `cpu`: the compression's and decompression's CPU seconds."""
+        ring allreduce); `cpu`: the compression's and decompression's CPU seconds, `compress_cpu` the
+        compression's."""
         measured = self._measured("collectives", kind, x, numel, name)
         if comm_cpu is None:
             comm_cpu = self._measured("cpu", kind, x, numel, name) or 0.0
@@ -224,15 +226,15 @@ class Costing:
             hold = link if link < alone else None
         loaded = self._measured("loaded", kind, x, numel, name)
         if loaded is None:
-            return Cost(compress, alone, decompress, offload, sooner, hold=hold, cpu=cpu)
+            return Cost(compress, alone, decompress, offload, sooner, hold=hold, cpu=cpu, compress_cpu=compress_cpu)
         return Cost(compress, alone, decompress, offload, sooner, alone * loaded / max(measured, 1e-12),
-                    max(1.0, self._measured("slowdown", kind, x, numel, name)), hold, cpu)
+                    max(1.0, self._measured("slowdown", kind, x, numel, name)), hold, cpu, compress_cpu)
 
     def _gathered(self, x: float, parts: int, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
-                  sooner: float = 0.0, variable: bool = True, cpu: float = 0.0) -> Cost:
+                  sooner: float = 0.0, variable: bool = True, cpu: float = 0.0, compress_cpu: float = 0.0) -> Cost:
         """An allgather of `parts` tensors of x bytes in all, as the Channel runs it: sizes that vary
         between ranks (SFB's factors, a sparsifier's entries) are gathered first, a round of their own."""
-        data = self._on(ALLGATHER, x, compress, decompress, offload, sooner, cpu=cpu)
+        data = self._on(ALLGATHER, x, compress, decompress, offload, sooner, cpu=cpu, compress_cpu=compress_cpu)
         if not variable:
             return data
         both = in_sequence([self._on(ALLGATHER, 8 * parts), data])
@@ -280,13 +282,14 @@ class Costing:
         collective (PowerSGD's, measured whole per tensor, one by one)."""
         c = option.compressor
         compressor = _compressor(c)
-        compress = decompress = cpu = 0.0
+        compress = decompress = compress_cpu = decompress_cpu = 0.0
         for t in ts:
             compress += _own_or_curve(self.compress_own, self.compress, c, t)
-            cpu += _own_or_curve(self.compress_cpu_own, self.compress_cpu, c, t, missing=0.0)
+            compress_cpu += _own_or_curve(self.compress_cpu_own, self.compress_cpu, c, t, missing=0.0)
             if compressor.scheme != "powersgd":
                 decompress += _own_or_curve(self.decompress_own, self.decompress, c, t)
-                cpu += _own_or_curve(self.decompress_cpu_own, self.decompress_cpu, c, t, missing=0.0)
+                decompress_cpu += _own_or_curve(self.decompress_cpu_own, self.decompress_cpu, c, t, missing=0.0)
+        cpu = compress_cpu + decompress_cpu
         numel = sum(t.facts.numel for t in ts)
         payload = sum(compressor.payload_bytes(t.facts.numel, t.shape) for t in ts)
         if compressor.scheme == "powersgd":        # its time is measured whole: all on the channel
@@ -295,18 +298,18 @@ class Costing:
             kept = min(1.0, payload / (numel * ITEMSIZE))
             kind = BLOCKS if option.collective == SPARSE and BLOCKS in self.collective else option.collective
             return self._on(kind, sparse_volume(numel, kept, 1 - (1 - kept) ** self.workers),
-                            compress, decompress, option.offload, numel=numel, cpu=cpu)
+                            compress, decompress, option.offload, numel=numel, cpu=cpu, compress_cpu=compress_cpu)
         if compressor.scheme == "allreduce":
-            return self._on(RING, payload, compress, decompress, option.offload, cpu=cpu)
+            return self._on(RING, payload, compress, decompress, option.offload, cpu=cpu, compress_cpu=compress_cpu)
         return self._gathered(payload, 2 * len(ts), compress, decompress, option.offload,
-                              variable=compressor.variable, cpu=cpu)
+                              variable=compressor.variable, cpu=cpu, compress_cpu=compress_cpu)
 
 
 def in_sequence(parts: list[Cost], offload: bool = False) -> Cost:
     """Tensors or collectives sent one after another as one: their times add up; backward's slowdown
     is that of each part for as long as it runs."""
     total = Cost(sum(c.compress for c in parts), sum(c.comm for c in parts), sum(c.decompress for c in parts),
-                 offload, cpu=sum(c.cpu for c in parts))
+                 offload, cpu=sum(c.cpu for c in parts), compress_cpu=sum(c.compress_cpu for c in parts))
     if all(c.loaded is None for c in parts):
         return total
     loaded = [c.comm if c.loaded is None else c.loaded for c in parts]

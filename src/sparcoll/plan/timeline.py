@@ -16,15 +16,19 @@ F = the last of: backward's end (delayed by on-thread compression), the channel'
 offload lane's last finish, gloo's last finish; plus the optimizer step, which waits for all of them.
 
 That is ByteComp's model, with every operation taking the time it takes alone (`Simulation`: what
-the decision searches with). With 4 workers on 2 cores, a collective that runs while backward
-computes takes longer and slows backward down (the profile measures both per kind and size:
-`Cost.loaded`, `Cost.slowdown`); `simulate` predicts F with that too (what `sparcoll plan` reports
-and chooses among its candidates by), and no sooner than the workers' CPU allows: a step's CPU work
-on one worker (forward, backward, the optimizer, and each option's compression, collective and
-decompression, `Cost.cpu`) over the cores each worker has (`Step.cores`), plus the time after
-backward in which every worker waits on its collectives with nothing to compute (the cores idle then).
-4 workers on 2 cores ran their fastest strategies at 0.45-0.51 CPU seconds per second of step (ncf,
-deeplight, gpt): there the CPU, not the channel, sets the step.
+the decision searches with). `simulate` (what `sparcoll plan` reports and chooses among its
+candidates by) predicts F no sooner than the workers' CPU allows: a step's CPU work on one worker
+(forward, backward, the optimizer, and each option's compression, collective and decompression,
+`Cost.cpu`) over the cores each worker has (`Step.cores`), plus the time after backward in which
+every worker waits on its collectives with nothing to compute (the cores idle then). 4 workers on 2
+cores ran their fastest strategies at 0.45-0.51 CPU seconds per second of step (ncf, deeplight,
+gpt): there the CPU, not the channel, sets the step. Where each worker has a core or more (or the
+cores are unknown), a collective that runs while backward computes takes longer and slows backward
+down, as the profile measured per kind and size (`Cost.loaded`, `Cost.slowdown`), and `simulate`
+prices that too; where workers share cores, that sharing is the CPU bound's, and the slowdowns
+(measured with the training thread stepping back to back beside the collective, the cores busier
+than in any step) would count it twice: deeplight's uniform sparse AllReduce, predicted 161.9 ms
+with them and 129.0 without, ran 127.0-154.0 interleaved and 104.2-106.9 alone.
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ class Cost:
     many times longer backward's work takes while it runs. `hold`: for a collective on gloo's lane
     (an uncompressed one on the ring, nothing to compress or decompress), how long it holds the
     channel; None: the channel's for its whole time. `cpu`: the CPU seconds all of it takes on one
-    worker, every thread of the process (its compression, collective and decompression)."""
+    worker, every thread of the process (its compression, collective and decompression), of which
+    `compress_cpu` its compression's."""
     compress: float = 0.0
     comm: float = 0.0
     decompress: float = 0.0
@@ -51,6 +56,7 @@ class Cost:
     slowdown: float = 1.0
     hold: float | None = None
     cpu: float = 0.0
+    compress_cpu: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,11 @@ class Step:
     cores: float = 0.0
     forward: float = 0.0
 
+    @property
+    def shares_cores(self) -> bool:
+        """Whether each worker has less than a core (4 workers on 2 cores)."""
+        return 0 < self.cores < 1
+
     def cpu_bound(self, costs) -> float:
         """The least F the workers' CPU allows: the step's CPU work and every cost's, spread over
         the worker's cores, less the forward (0 where the cores are unknown)."""
@@ -77,12 +88,14 @@ class Step:
 
 @dataclass
 class Timeline:
-    """Each tensor's times in one simulated iteration, and F."""
+    """Each tensor's times in one simulated iteration, F, and how long in it the cores stand idle
+    while every worker waits (_idle; 0 where the cores are unknown)."""
     payload_ready: list[float]
     comm_start: list[float]
     comm_end: list[float]
     backward_end: float
     iteration: float
+    idle: float = 0.0
 
 
 State = tuple  # (on-thread compression so far, when the offload lane, the channel, gloo's lane are free)
@@ -120,9 +133,10 @@ def simulate(step: Step, costs) -> Timeline:
     work is in seconds alone (the Step's ready times), turned into time along the channel's busy
     intervals so far (a tensor is ready before any later tensor's communication starts). A collective
     on gloo's lane holds the channel for its `hold` stretched as its time is under load, and slows
-    backward for that long. F is at least the CPU's bound (Step.cpu_bound) plus the time the cores
-    stand idle after backward (_idle). Without contention (no `loaded`, no CPU times) every operation
-    takes its time alone, as in `Simulation`."""
+    backward for that long. None of this where the workers share cores (Step.shares_cores): the CPU
+    bound prices that. F is at least the CPU's bound (Step.cpu_bound) plus the time the cores stand
+    idle after backward (_idle). Without contention (no `loaded`, no CPU times) every operation takes
+    its time alone, as in `Simulation`."""
     busy = _Busy()
     delay = lane = channel = gloo = 0.0
     payload, starts, ends = [], [], []
@@ -138,7 +152,7 @@ def simulate(step: Step, costs) -> Timeline:
         start = max(ready, channel) if cost.hold is None else max(ready, channel, gloo)
         comm = cost.comm
         left = step.backward_end + delay - busy.work_at(start)       # backward's work still to do
-        contended = cost.loaded is not None and left > 0
+        contended = cost.loaded is not None and left > 0 and not step.shares_cores
         if contended:
             comm = _under_load(cost, left * max(1.0, cost.slowdown))
         end = start + comm + cost.decompress
@@ -153,27 +167,30 @@ def simulate(step: Step, costs) -> Timeline:
         ends.append(end)
     backward_end = busy.time_of(step.backward_end + delay)
     waited = max(backward_end, channel, lane, gloo)
-    idle = _idle(costs, payload, starts, ends, backward_end, waited)
+    idle = _idle(costs, payload, starts, ends, backward_end, waited, step.cores)
     return Timeline(payload, starts, ends, backward_end,
-                    max(waited + step.optimizer, step.cpu_bound(costs) + idle))
+                    max(waited + step.optimizer, step.cpu_bound(costs) + idle), idle)
 
 
-def _idle(costs, payload, starts, ends, backward_end: float, waited: float) -> float:
-    """How long a worker has no CPU work between backward's end and the optimizer (`waited`): not
-    what its offload lane compresses then, nor its collectives' and decompressions' CPU (a cost's
-    CPU beyond its compression, spread over its time on the channel). Every worker waits then, for
-    the same collectives, so the cores stand idle; the CPU bound holds only outside it (4 workers on
-    2 cores, alone: ncf's kept plan left the cores idle 5.4-6.1 ms of a 39 ms step, gpt's 7.8-8.1 of
-    148; docs/results/idle-cores)."""
+def _idle(costs, payload, starts, ends, backward_end: float, waited: float, cores: float) -> float:
+    """How long the cores stand idle between backward's end and the optimizer (`waited`), when every
+    worker waits for the same collectives: that time, less what the workers compute meanwhile over
+    the cores they have (`cores` each): their offload lanes' compressions, and their collectives'
+    and decompressions' CPU (a cost's CPU beyond its compression's, spread over its time on the
+    channel). The CPU bound holds only outside it (4 workers on 2 cores, alone: ncf's kept plan left
+    the cores idle 5.4-6.1 ms of a 39 ms step, gpt's 7.8-8.1 of 148; docs/results/idle-cores)."""
+    if cores <= 0:
+        return 0.0
+
     def after(start: float, end: float) -> float:
         return max(0.0, min(end, waited) - max(start, backward_end))
     work = 0.0
     for cost, ready, start, end in zip(costs, payload, starts, ends):
-        if cost.compress and cost.offload:
-            work += after(ready - cost.compress, ready)
+        if cost.compress > 0 and cost.offload:
+            work += cost.compress_cpu * after(ready - cost.compress, ready) / cost.compress
         if end > start:
-            work += max(0.0, cost.cpu - cost.compress) * after(start, end) / (end - start)
-    return max(0.0, waited - backward_end - work)
+            work += max(0.0, cost.cpu - cost.compress_cpu) * after(start, end) / (end - start)
+    return max(0.0, waited - backward_end - work / cores)
 
 
 def _under_load(cost: Cost, overlap: float) -> float:
