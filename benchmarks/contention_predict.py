@@ -1,8 +1,9 @@
 """The planner's predictions against steps already measured: each candidate strategy of a
 `run_plan.sh` directory (its plan JSON and its measured step in every round) predicted from another
 profile of the same workload, both ways the simulator can (timeline.py): every operation taking its
-time alone (ByteComp's model, what the decision searches with) and with collectives and backward
-slowing each other down (`simulate` with the profile's contention, what `sparcoll plan` reports). Prints predicted / measured per
+time alone (ByteComp's model, what the decision searches with) and as `sparcoll plan` reports it
+(`simulate`: the profile's contention, or where workers share cores the CPU bound and the cores' idle
+wait). Prints predicted / measured per
 candidate and workload, and with --json writes them. --compress-apart prices each compressor on the
 model's own gradients by its time apart from training (`compress_alone`, what profiles before version
 20 priced) instead of its time inside backward: what timing it in backward changed, on the same steps.

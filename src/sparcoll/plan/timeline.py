@@ -174,11 +174,15 @@ def simulate(step: Step, costs) -> Timeline:
 
 def _idle(costs, payload, starts, ends, backward_end: float, waited: float, cores: float) -> float:
     """How long the cores stand idle between backward's end and the optimizer (`waited`), when every
-    worker waits for the same collectives: that time, less what the workers compute meanwhile over
-    the cores they have (`cores` each): their offload lanes' compressions, and their collectives'
-    and decompressions' CPU (a cost's CPU beyond its compression's, spread over its time on the
-    channel). The CPU bound holds only outside it (4 workers on 2 cores, alone: ncf's kept plan left
-    the cores idle 5.4-6.1 ms of a 39 ms step, gpt's 7.8-8.1 of 148; docs/results/idle-cores)."""
+    worker waits for the same collectives: that time, less what a worker computes meanwhile: its
+    offload lane's compressions, and its collectives' and decompressions' CPU (a cost's CPU beyond
+    its compression's, spread over its time on the channel); 0 where the cores are unknown. That
+    work is not spread over the cores as a fluid would be (it waits on the wire between messages):
+    4 workers on 2 cores left the cores idle 7.5-8.0 ms a step on ncf's plan at 292cd77, 8.7-11.9 on
+    gpt's and 10.1-12.2 on deeplight's, against 8.1, 10.4 and 9.8 so priced, and 3.4, 2.6 and 0.8
+    had it been. Where the wait is long and its collectives' CPU large (the sparse AllReduce on
+    every dense gradient, sufficient factors), the cores stood idle less than so priced: ncf's
+    uniform sparse 7.7 ms against 29.5 (docs/benchmarks.md, section 7)."""
     if cores <= 0:
         return 0.0
 
@@ -190,7 +194,7 @@ def _idle(costs, payload, starts, ends, backward_end: float, waited: float, core
             work += cost.compress_cpu * after(ready - cost.compress, ready) / cost.compress
         if end > start:
             work += max(0.0, cost.cpu - cost.compress_cpu) * after(start, end) / (end - start)
-    return max(0.0, waited - backward_end - work / cores)
+    return max(0.0, waited - backward_end - work)
 
 
 def _under_load(cost: Cost, overlap: float) -> float:
