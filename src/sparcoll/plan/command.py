@@ -56,8 +56,11 @@ from .timeline import Cost, Step, simulate
 # kept) 30 a compressor's CPU on the model's gradient measured inside backward too, and every curve
 # measured at the model's whole gradient, not extended to it from below (profiler.Sizes); 31 a
 # sparse-scheme compressor's payload priced as the COO tensor of blocks it travels as (costs.BLOCKS),
-# not as a dense tensor of the gradient's size, whose scan it does not do.
-PROFILE_VERSION = 31
+# not as a dense tensor of the gradient's size, whose scan it does not do; 32 the CPU as the workers'
+# mean (profiler.slowest_and_mean), and every dense gradient's compressor timed inside backward, its
+# decompression too (the profiles of docs/results/plan-292cd77-idle and plan-0de37c5-fresh, measured
+# so, still say 31).
+PROFILE_VERSION = 32
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; all at once

@@ -179,6 +179,7 @@ def slowest_and_mean(measured: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     worker's times (a collective, a step, ends with it) and the workers' mean CPU (what the cores
     serve, timeline.Step.cpu_bound)."""
     every = [torch.empty_like(measured) for _ in range(dist.get_world_size())]
+    # contiguous: gloo reduced only part of a strided slice, without error
     dist.all_gather(every, measured.contiguous())
     every = torch.stack(every)
     return every[:, 0].max(dim=0).values, every[:, 1].mean(dim=0)
