@@ -167,25 +167,22 @@ def simulate(step: Step, costs) -> Timeline:
         ends.append(end)
     backward_end = busy.time_of(step.backward_end + delay)
     waited = max(backward_end, channel, lane, gloo)
-    idle = _idle(costs, payload, starts, ends, backward_end, waited, step.cores)
+    idle = _idle(costs, payload, starts, ends, backward_end, waited) if step.cores > 0 else 0.0
     return Timeline(payload, starts, ends, backward_end,
                     max(waited + step.optimizer, step.cpu_bound(costs) + idle), idle)
 
 
-def _idle(costs, payload, starts, ends, backward_end: float, waited: float, cores: float) -> float:
+def _idle(costs, payload, starts, ends, backward_end: float, waited: float) -> float:
     """How long the cores stand idle between backward's end and the optimizer (`waited`), when every
     worker waits for the same collectives: that time, less what a worker computes meanwhile: its
     offload lane's compressions, and its collectives' and decompressions' CPU (a cost's CPU beyond
-    its compression's, spread over its time on the channel); 0 where the cores are unknown. That
-    work is not spread over the cores as a fluid would be (it waits on the wire between messages):
-    4 workers on 2 cores left the cores idle 7.5-8.0 ms a step on ncf's plan at 292cd77, 8.7-11.9 on
-    gpt's and 10.1-12.2 on deeplight's, against 8.1, 10.4 and 9.8 so priced, and 3.4, 2.6 and 0.8
-    had it been. Where the wait is long and its collectives' CPU large (the sparse AllReduce on
-    every dense gradient, sufficient factors), the cores stood idle less than so priced: ncf's
-    uniform sparse 7.7 ms against 29.5 (docs/benchmarks.md, section 7)."""
-    if cores <= 0:
-        return 0.0
-
+    its compression's, spread over its time on the channel). That work is not spread over the cores
+    as a fluid would be (it waits on the wire between messages): 4 workers on 2 cores left the cores
+    idle 7.5-8.0 ms a step on ncf's plan at 292cd77, 8.7-11.9 on gpt's and 10.1-12.2 on deeplight's,
+    against 8.1, 10.4 and 9.8 so priced, and 3.4, 2.6 and 0.8 had it been spread so. Where the wait
+    is long and its collectives' CPU large (the sparse AllReduce on every dense gradient, sufficient
+    factors), the cores stood idle less than so priced: ncf's uniform sparse 7.7 ms against 29.5
+    (docs/benchmarks.md, section 7)."""
     def after(start: float, end: float) -> float:
         return max(0.0, min(end, waited) - max(start, backward_end))
     work = 0.0

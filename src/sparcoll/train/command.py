@@ -267,7 +267,8 @@ def timed_steps(steps: list[dict], warmup: int) -> list[dict]:
 def summarize(mode: tuple[str, str | None], steps: list[dict], args, held_out: float | None = None) -> dict:
     """One run's record: times averaged over the timed steps, densities over the probed ones, every
     step's values, and the final loss."""
-    keys = ("step_s", "compute_s", "comm_s", "cpu_s", "cpu_mean_s", "reference_cpu_s", "density_local", "density_union")
+    keys = ("step_s", "compute_s", "comm_s", "cpu_s", "cpu_mean_s", "reference_cpu_s", "density_local",
+            "density_union")
     timed = timed_steps(steps, args.warmup)
     probed = [s for s in steps if s.get("probed")] or steps
     mean = {key: statistics.fmean(s[key] for s in (probed if key.startswith("density") else timed))

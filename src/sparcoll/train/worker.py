@@ -52,9 +52,9 @@ element; the most page faults a rank took in the step (minor_faults: a step that
 memory, as a heap that grew does, is slow for that, not for its communication); and the most CPU
 seconds a rank's process (every thread of it) spent in the step (cpu_s: what the planner's CPU bound
 predicts, timeline.Step.cpu_bound) and the ranks' mean of it (cpu_mean_s: with the step's time and the
-cores, how long the cores stood idle while every rank waited); before each step, outside its time, every rank times a fixed piece of CPU
-work (bench.speed): the ranks' mean (reference_cpu_s) says how fast the machine ran then, so that
-steps measured minutes apart can be compared.
+cores, how long the cores stood idle while every rank waited); before each step, outside its time,
+every rank times a fixed piece of CPU work (bench.speed): the ranks' mean (reference_cpu_s) says how
+fast the machine ran then, so that steps measured minutes apart can be compared.
 """
 from __future__ import annotations
 
