@@ -17,9 +17,8 @@ import json
 import statistics
 from pathlib import Path
 
-from sparcoll.plan.command import priced
+from sparcoll.plan.command import priced_as_stored
 from sparcoll.plan.decide import predict
-from sparcoll.plan.fusion import as_planned
 from sparcoll.plan.profiler import fit
 from sparcoll.plan.timeline import Simulation
 
@@ -60,16 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         profile = json.loads(profile_file.read_text())
         points = compress_apart(profile["points"]) if args.compress_apart else profile["points"]
         profile["fits"] = fit(points)        # as this version fits the stored points
-        step, measured, groups, tensors, costing = priced(profile, list(profile["compressors"]))
         forward = profile["model"]["forward"]
         print(f"{workload}: predicted / measured (measured: median of {len(next(iter(steps.values())))} rounds)")
         for name, times in steps.items():
             plan = json.loads((args.measured / (f"{workload}-plan.json" if name == "planned" else name)).read_text())
-            by_name = {t["name"]: t for t in plan["tensors"]}
-            chosen = [next(o for o in t.costs if str(o) == by_name[measured[g[-1]].facts.name]["option"])
-                      for g, t in zip(groups, tensors)]
-            units = {name: t["unit"] for name, t in by_name.items()}
-            unit_step, unit_tensors, unit_chosen = as_planned(step, measured, groups, tensors, chosen, costing, units)
+            unit_step, unit_tensors, unit_chosen = priced_as_stored(profile, plan)
             alone = forward + Simulation(unit_step, [t.costs[o] for t, o in zip(unit_tensors, unit_chosen)]).iteration
             contended = forward + predict(unit_step, unit_tensors, unit_chosen)
             m = statistics.median(times)

@@ -19,7 +19,7 @@ import sparcoll.torch
 from sparcoll.algorithm import entry_block_size
 from ranks import run_ranks
 from sparcoll.plan import decide, fusion
-from sparcoll.plan.command import choices_of, trial_others, units_of
+from sparcoll.plan.command import choices_of, priced_as_stored, trial_others, units_of
 from sparcoll.plan.costs import BLOCKS, Costing, Curve, Grid, Measured, in_sequence
 from sparcoll.plan.profile import backward_timeline
 from sparcoll.plan.profiler import Together, fit
@@ -439,6 +439,12 @@ def test_coo_gradients_share_a_collective_where_the_profile_timed_them_together(
     assert fused(timed_as(e1_e2_e3=1.0), [Option()] + [sparse] * 3) == [[0], [1, 2], [3]]
     assert fused(timed_as(e1_e2=1.0, e1_e2_e3=1.0), [Option()] + [sparse] * 3) == [[0], [1], [2], [3]]
     assert not fusion.fusable(Option("topk:0.01", ALLGATHER), [1, 2], measured)
+    # small enough to share a dense bucket, still apart: a dense gradient and a COO one are priced as
+    # two collectives (DataParallel sends a unit of both kinds as one per kind), and the plan said one
+    measured[1:] = [Measured(TensorFacts(n, 100, coo=True), (10, 10)) for n in coo]
+    small = {kind: {label: {n: t for n, t in by_name.items()} for label, by_name in table.items()}
+             for kind, table in own.items()}
+    assert fused(small, [sparse] * 4) == [[0], [1, 2, 3]]
 
 
 def test_dense_units_under_the_sparse_allreduce_share_a_collective_up_to_a_bucket():
@@ -815,6 +821,10 @@ def test_plan_then_train_the_plan(tmp_path):
     assert sorted(t["name"] for t in plan["tensors"]) == sorted(names)
     assert plan["decision_ms"] > 0 and plan["bound_s"] <= plan["predicted_step_s"]
     assert plan["predicted_step_s"] <= min(plan["uniform"].values()) + 1e-12
+    # the stored plan priced again by its profile (as benchmarks/contention_predict.py prices it by
+    # another): the prediction the plan states
+    assert plan["forward_s"] + decide.predict(*priced_as_stored(measured, plan)) == pytest.approx(
+        plan["predicted_step_s"])
     assert set(plan["uniform"]) >= {"ring", "ps", "sparse", "fp16", "topk:0.01"}
     assert "every tensor ring" in first.stdout
     # what the trial trains beside the plan: the 3 uniform strategies predicted best, the lossless one

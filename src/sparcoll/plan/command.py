@@ -372,6 +372,17 @@ def priced(profile: dict, compressors: list[str]):
     return step, measured, groups, choices_of(units, groups, measured, costing, compressors, job), costing
 
 
+def priced_as_stored(profile: dict, plan: dict):
+    """A stored plan's units priced by `profile` (another profile of the same model may price it,
+    benchmarks/contention_predict.py): the units' Step, Choices and the plan's option of each."""
+    step, measured, groups, tensors, costing = priced(profile, list(profile["compressors"]))
+    by_name = {t["name"]: t for t in plan["tensors"]}
+    chosen = [next(o for o in t.costs if str(o) == by_name[measured[g[-1]].facts.name]["option"])
+              for g, t in zip(groups, tensors)]
+    return fusion.as_planned(step, measured, groups, tensors, chosen, costing,
+                             {name: t["unit"] for name, t in by_name.items()})
+
+
 def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str | None = None,
               fused_by: str = GREEDY, dense_only: bool = False) -> dict:
     """The plan for a profile: the decision over `compressors` without `dimensions` (see `without`),

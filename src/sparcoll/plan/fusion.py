@@ -100,8 +100,8 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
     def target(i: int) -> int | None:
         """The fused unit that unit i may join: the latest of its option, if both may share."""
         same = [j for j, o in enumerate(out_chosen) if o == chosen[i]]
-        if not same or not fusable(chosen[i], groups[i], measured) \
-                or not fusable(chosen[i], out_groups[same[-1]], measured):
+        # the two together: COO gradients never join dense ones (each kind its own collective)
+        if not same or not fusable(chosen[i], out_groups[same[-1]] + groups[i], measured):
             return None
         return same[-1]
 
@@ -112,7 +112,7 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
         ends = [i]
         if joins is None and measured[groups[i][0]].facts.coo:
             while ends[-1] + 1 < len(groups) and chosen[ends[-1] + 1] == o \
-                    and fusable(o, groups[ends[-1] + 1], measured):
+                    and fusable(o, groups[i] + groups[ends[-1] + 1], measured):
                 ends.append(ends[-1] + 1)
         apart = None if joins is not None else predicted(out_costs + [costs[i]], out_ready + [ready[i]], i)
         best, best_f = None, None
