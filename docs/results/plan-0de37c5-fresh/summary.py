@@ -1,13 +1,14 @@
 """Each workload's kept plan: predicted step, each separate job's measured step and the ratio, the same with
 the prediction's CPU scaled to the job's machine speed (where the prediction is the CPU bound plus the idle
 wait), and CPU per worker per step in speed references, predicted and measured.
-From the project root: .venv/bin/python docs/results/plan-0de37c5-fresh/summary.py"""
+From the project root: .venv/bin/python docs/results/plan-0de37c5-fresh/summary.py [DIR] (DIR: this one's)"""
 import json
 import os
 import statistics
+import sys
 
-here = os.path.dirname(os.path.abspath(__file__))
-for w in ("ncf", "gpt", "deeplight"):
+here = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
+for w in ("ncf", "gpt", "deeplight", "vgg"):
     try:
         plan = json.load(open(os.path.join(here, f"{w}-plan.json")))
     except FileNotFoundError:
