@@ -821,8 +821,8 @@ def _under_load(rank: int, world: int) -> tuple:
         calls.append(time.perf_counter())
         dist.all_reduce(torch.zeros(1))
         time.sleep(0.002)
-    loaded, slowdown = profiler.under_load(run, lambda: None, lambda: time.sleep(0.05), 0.05, 0.002,
-                                           timeout=30)
+    loaded, slowdown, _ = profiler.under_load(run, lambda: None, lambda: time.sleep(0.05), 0.05, 0.002,
+                                              timeout=30)
     return len(calls), calls[-1] - calls[0], loaded, slowdown
 
 
@@ -833,6 +833,37 @@ def test_collectives_under_load_run_as_many_times_on_every_rank_and_span_a_step(
     for count, spanned, loaded, slowdown in outcome:
         assert spanned >= 24 * 0.002 and loaded >= 0.002
         assert 1.0 <= slowdown < 2.0            # sleeping steps are not slowed down
+
+
+def _spin(seconds: float) -> None:
+    """Compute on this thread for `seconds` of its own CPU."""
+    import time
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def _under_load_cpu(rank: int, world: int) -> float:
+    """profiler.under_load's CPU of a collective that computes 1 ms and waits 4, beside training steps
+    that compute all the time: the collective's CPU, not the steps'."""
+    import time
+    import torch.distributed as dist
+    from sparcoll.plan import profiler
+
+    def run(_) -> None:
+        dist.all_reduce(torch.zeros(1))
+        _spin(0.001)
+        time.sleep(0.004)
+    return profiler.under_load(run, lambda: None, lambda: _spin(0.02), 0.05, 0.005, timeout=30)[2]
+
+
+def test_a_collectives_cpu_under_load_leaves_out_the_training_threads():
+    """The steps compute through every run (5 ms of their CPU a run, or more: the training thread's
+    whole CPU in the runs' span), the collective 1 ms of its own and an allreduce of one float."""
+    from ranks import run_ranks
+    cpus = run_ranks(_under_load_cpu, 2, timeout=60)
+    assert cpus[0] == cpus[1]       # the workers' mean, on every worker
+    assert 0.001 <= cpus[0] < 0.003, cpus
 
 
 def _timed_cpu(rank: int, world: int) -> tuple:

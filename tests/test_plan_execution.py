@@ -222,6 +222,40 @@ def test_an_options_cpu_is_what_its_compression_collective_and_decompression_too
     assert Costing(FITS, workers=4).cost(t, Option("topk:0.01", ALLGATHER)).cpu == 0.0
 
 
+def test_an_options_cpu_in_training_takes_its_collectives_cpu_beside_training():
+    """Cost.cpu_loaded: the compression's and decompression's CPU (measured in backward already) and the
+    collective's as the profile measured it beside training (its curve, the sparse AllReduce's grid, a COO
+    gradient's on it, SFB's rebuild); as alone where it has none (a profile measured before it was, PowerSGD's
+    whole). The CPU bound takes it."""
+    cpu = {"cpu": {RING: line(2e-4, 1e-9), ALLGATHER: line(1e-4, 2e-9)},
+           "grids": {**FITS["grids"], "cpu": {SPARSE: grid_line(5e-4, 2e-9)},
+                     "cpu_loaded": {SPARSE: grid_line(6e-4, 3e-9)}},
+           "cpu_loaded": {RING: line(3e-4, 2e-9), ALLGATHER: line(2e-4, 3e-9)},
+           "compress_cpu": {"topk:0.01": line(3e-5, 1e-9)}, "decompress_cpu": {"topk:0.01": line(1e-5, 1e-9)},
+           "coo_cpu_own": {SPARSE: {"e": 0.004}}, "coo_cpu_loaded_own": {SPARSE: {"e": 0.005}}}
+    costing = Costing({**FITS, **cpu}, workers=4)
+    t = Measured(TensorFacts("v", 1000 * 500, linear=True), (1000, 500), rows=32, density=0.1, union=0.3,
+                 node=0.05, spared=0.02, rebuild=0.3, rebuild_cpu=0.25, rebuild_cpu_loaded=0.35)
+    n = 500_000
+    ring = costing.cost(t, Option())
+    assert ring.cpu_loaded == pytest.approx(3e-4 + 2e-9 * 4 * n) and ring.in_training == ring.cpu_loaded
+    assert costing.cost(t, Option("none", SPARSE)).cpu_loaded == pytest.approx(6e-4 + 3e-9 * 4 * n * 0.2)
+    payload = 5000 * (4 + 4)
+    gathered = 2e-4 + 3e-9 * 16 + 2e-4 + 3e-9 * payload      # the parts' lengths, then the parts
+    topk = costing.cost(t, Option("topk:0.01", ALLGATHER))
+    assert topk.cpu_loaded == pytest.approx(3e-5 + 1e-9 * n + gathered + 1e-5 + 1e-9 * n)
+    assert topk.cpu == pytest.approx(3e-5 + 1e-9 * n + 1e-4 + 2e-9 * 16 + 1e-4 + 2e-9 * payload + 1e-5 + 1e-9 * n)
+    sfb = costing.cost(t, Option("none", SFB))
+    assert sfb.cpu_loaded == pytest.approx(2e-4 + 3e-9 * 16 + 2e-4 + 3e-9 * 32 * 1500 * 4 + 0.35)
+    own = {kind: {SPARSE: {"e": 0.01}} for kind in ("coo_own", "coo_loaded_own", "coo_slowdown_own")}
+    e = Measured(TensorFacts("e", 10**8, coo=True), (10**6, 100))
+    assert Costing({**FITS, **cpu, **own}, workers=4).cost(e, Option("none", SPARSE)).cpu_loaded == 0.005
+    alone = Costing({**FITS, "cpu": cpu["cpu"]}, workers=4).cost(t, Option())
+    assert alone.cpu_loaded is None and alone.in_training == alone.cpu == pytest.approx(2e-4 + 1e-9 * 4 * n)
+    step = Step((0.01,), 0.01, cpu=0.02, cores=0.5)
+    assert step.cpu_bound([ring, alone]) == pytest.approx((0.02 + ring.cpu_loaded + alone.cpu) / 0.5)
+
+
 def test_the_steps_cpu_and_cores_reach_every_simulated_step():
     """A profile's step CPU and cores per worker reach the Step the plan simulates, through the
     units and their fusion; a profile without them (measured before they were) gives no CPU bound."""

@@ -59,8 +59,8 @@ from .timeline import Cost, Step, simulate
 # not as a dense tensor of the gradient's size, whose scan it does not do; 32 the CPU as the workers'
 # mean (profiler.slowest_and_mean), and every dense gradient's compressor timed inside backward, its
 # decompression too (the profiles of docs/results/plan-292cd77-idle and plan-0de37c5-fresh, measured
-# so, still say 31).
-PROFILE_VERSION = 32
+# so, still say 31); 33 each collective's CPU beside training too (profiler.under_load).
+PROFILE_VERSION = 33
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; all at once
@@ -193,7 +193,8 @@ def tensors_of(profile: dict) -> tuple[Step, list[Measured]]:
         measured.append(Measured(TensorFacts(name, t["numel"], t["linear"] and t["rows"] > 0, t["coo"]),
                                  tuple(t["shape"]), t["rows"], t["density"], t["union"],
                                  *(t.get(k, 0.0) for k in ("node", "spared", "rebuild")),
-                                 t.get("rebuild_loaded"), t.get("rebuild_slowdown", 1.0), t.get("rebuild_cpu", 0.0)))
+                                 t.get("rebuild_loaded"), t.get("rebuild_slowdown", 1.0), t.get("rebuild_cpu", 0.0),
+                                 t.get("rebuild_cpu_loaded")))
     return Step(tuple(m["ready"]), m["backward_end"], m["optimizer"], m.get("cpu", 0.0),
                 m["cores_per_worker"] if "cpu" in m else 0.0, m["forward"]), measured
 

@@ -51,7 +51,7 @@ from .options import ALLGATHER, DEDICATED, RING, SFB, SPARSE, Option, TensorFact
 from .timeline import Cost
 
 ITEMSIZE = 4
-MONOTONE = ("collectives", "cpu")     # quantities that never fall with size (contention's may)
+MONOTONE = ("collectives", "cpu", "cpu_loaded")     # quantities that never fall with size (contention's may)
 # A COO gradient's measurements per option (profiler.profile_coo): alone, beside backward, and
 # backward's slowdown meanwhile; the profile's fits hold each as KIND_own (and its CPU alone as
 # coo_cpu_own).
@@ -128,7 +128,7 @@ class Measured:
     to the weight gradient (`node`), the local weight gradient's share of backward (`spared`) and the
     rebuild from every worker's factors, alone (`rebuild`) and while backward computes
     (`rebuild_loaded`, None: as alone; backward `rebuild_slowdown` times slower meanwhile), and the
-    rebuild's CPU seconds (`rebuild_cpu`)."""
+    rebuild's CPU seconds, alone (`rebuild_cpu`) and while backward computes (`rebuild_cpu_loaded`)."""
     facts: TensorFacts
     shape: tuple
     rows: int = 0
@@ -140,6 +140,7 @@ class Measured:
     rebuild_loaded: float | None = None
     rebuild_slowdown: float = 1.0
     rebuild_cpu: float = 0.0
+    rebuild_cpu_loaded: float | None = None
 
 
 # The sparse AllReduce of a COO tensor of blocks, as a sparse-scheme compressor's payload travels
@@ -167,7 +168,7 @@ class Costing:
                       for quantity, by_name in fits.get("grids", {}).items()}
         # a collective measured on the model's own gradient: quantity -> kind -> tensor name -> time
         self.own = {quantity: fits.get(f"{quantity}_own", {})
-                    for quantity in ("collectives", "loaded", "slowdown", "cpu")}
+                    for quantity in ("collectives", "loaded", "slowdown", "cpu", "cpu_loaded")}
         self.compress = {spec: Curve(*xy) for spec, xy in fits["compress"].items()}
         self.decompress = {spec: Curve(*xy) for spec, xy in fits["decompress"].items()}
         self.compress_own = fits.get("compress_own", {})       # spec -> tensor name -> seconds
@@ -178,22 +179,24 @@ class Costing:
         self.compress_cpu_own = fits.get("compress_cpu_own", {})
         self.decompress_cpu_own = fits.get("decompress_cpu_own", {})
         self.coo_cpu = fits.get("coo_cpu_own", {})
+        self.coo_cpu_loaded = fits.get("coo_cpu_loaded_own", {})
         # a COO gradient's options, measured whole: option -> tensor name -> seconds (or slowdown)
         self.coo = {kind: fits.get(f"{kind}_own", {}) for kind in COO_KINDS}
         self.loaded = {name: Curve(*xy) for name, xy in fits.get("loaded", {}).items()}
         self.slowdown = {name: Curve(*xy) for name, xy in fits.get("slowdown", {}).items()}
         self.held = {name: Curve(*xy) for name, xy in fits.get("held", {}).items()}
         self.cpu = {name: Curve(*xy) for name, xy in fits.get("cpu", {}).items()}
+        self.cpu_loaded = {name: Curve(*xy) for name, xy in fits.get("cpu_loaded", {}).items()}
         self._curves = {"collectives": self.collective, "loaded": self.loaded, "slowdown": self.slowdown,
-                        "cpu": self.cpu}
+                        "cpu": self.cpu, "cpu_loaded": self.cpu_loaded}
         self.workers = workers
         self.link_rate = link_rate
 
     def _measured(self, quantity: str, kind: str, x: float, numel: int, name: str | None = None) -> float | None:
-        """The profile's `quantity` ("collectives", "loaded", "slowdown" or "cpu") of collective `kind` for x
-        bytes of tensor `name` of `numel` elements: as measured on that tensor's own gradient if it
-        was, else from the kind's grid (the share x is of its dense bytes) or curve; None if not
-        measured."""
+        """The profile's `quantity` ("collectives", "loaded", "slowdown", "cpu" or "cpu_loaded") of
+        collective `kind` for x bytes of tensor `name` of `numel` elements: as measured on that
+        tensor's own gradient if it was, else from the kind's grid (the share x is of its dense
+        bytes) or curve; None if not measured."""
         own = self.own[quantity].get(kind, {}).get(name)
         if own is not None:
             return own
@@ -211,10 +214,14 @@ class Costing:
         `kind` (its time alone `comm` and CPU `comm_cpu`, if not the kind's measured ones), with that
         kind's contention where the profile measured it; `beside`: on gloo's lane (an uncompressed
         ring allreduce); `cpu`: the compression's and decompression's CPU seconds, `compress_cpu` the
-        compression's."""
+        compression's. Its CPU beside training, where the profile measured the kind's, is that
+        collective's (`Cost.cpu_loaded`)."""
         measured = self._measured("collectives", kind, x, numel, name)
+        comm_cpu_loaded = None
         if comm_cpu is None:
             comm_cpu = self._measured("cpu", kind, x, numel, name) or 0.0
+            comm_cpu_loaded = self._measured("cpu_loaded", kind, x, numel, name)
+        cpu_loaded = None if comm_cpu_loaded is None else cpu + comm_cpu_loaded
         cpu += comm_cpu
         alone = measured if comm is None else comm
         hold = None     # a collective that needs the link for all its time: the same as on the channel
@@ -226,9 +233,10 @@ class Costing:
             hold = link if link < alone else None
         loaded = self._measured("loaded", kind, x, numel, name)
         if loaded is None:
-            return Cost(compress, alone, decompress, offload, sooner, hold=hold, cpu=cpu, compress_cpu=compress_cpu)
+            return Cost(compress, alone, decompress, offload, sooner, hold=hold, cpu=cpu, compress_cpu=compress_cpu,
+                        cpu_loaded=cpu_loaded)
         return Cost(compress, alone, decompress, offload, sooner, alone * loaded / max(measured, 1e-12),
-                    max(1.0, self._measured("slowdown", kind, x, numel, name)), hold, cpu, compress_cpu)
+                    max(1.0, self._measured("slowdown", kind, x, numel, name)), hold, cpu, compress_cpu, cpu_loaded)
 
     def _gathered(self, x: float, parts: int, compress: float = 0.0, decompress: float = 0.0, offload: bool = False,
                   sooner: float = 0.0, variable: bool = True, cpu: float = 0.0, compress_cpu: float = 0.0) -> Cost:
@@ -238,7 +246,8 @@ class Costing:
         if not variable:
             return data
         both = in_sequence([self._on(ALLGATHER, 8 * parts), data])
-        return replace(data, comm=both.comm, loaded=both.loaded, slowdown=both.slowdown, cpu=both.cpu)
+        return replace(data, comm=both.comm, loaded=both.loaded, slowdown=both.slowdown, cpu=both.cpu,
+                       cpu_loaded=both.cpu_loaded)
 
     def cost(self, t: Measured, option: Option) -> Cost:
         """The option's compression time (on the training thread or offloaded), channel time and
@@ -249,9 +258,11 @@ class Costing:
         if option.collective == SFB:        # backward no longer computes the local weight gradient
             m, n = t.shape      # the rebuild runs on the channel, slower while backward computes
             gather = self._gathered(t.rows * (m + n) * ITEMSIZE, 2, -t.spared, sooner=max(0.0, t.node - t.spared))
-            rebuild = Cost(comm=t.rebuild, loaded=t.rebuild_loaded, slowdown=t.rebuild_slowdown, cpu=t.rebuild_cpu)
+            rebuild = Cost(comm=t.rebuild, loaded=t.rebuild_loaded, slowdown=t.rebuild_slowdown, cpu=t.rebuild_cpu,
+                           cpu_loaded=t.rebuild_cpu_loaded)
             both = in_sequence([gather, rebuild])
-            return replace(gather, comm=both.comm, loaded=both.loaded, slowdown=both.slowdown, cpu=both.cpu)
+            return replace(gather, comm=both.comm, loaded=both.loaded, slowdown=both.slowdown, cpu=both.cpu,
+                           cpu_loaded=both.cpu_loaded)
         if c == "none":
             if option.collective in (SPARSE, DEDICATED):
                 return self._on(option.collective, sparse_volume(numel, t.density, t.union), numel=numel,
@@ -274,7 +285,8 @@ class Costing:
             raise ValueError(f"the profile has no time for {name}'s sparse COO gradient under {label}; "
                              f"profile again (--reprofile)") from None
         return Cost(0.0, alone, 0.0, option.offload, 0.0, loaded, max(1.0, slowdown),
-                    cpu=self.coo_cpu.get(label, {}).get(name, 0.0))
+                    cpu=self.coo_cpu.get(label, {}).get(name, 0.0),
+                    cpu_loaded=self.coo_cpu_loaded.get(label, {}).get(name))
 
     def bucket(self, ts: list[Measured], option: Option) -> Cost:
         """Dense tensors of one compressor as sparcoll.torch.DataParallel sends a bucket (or a layer's
@@ -309,7 +321,8 @@ def in_sequence(parts: list[Cost], offload: bool = False) -> Cost:
     """Tensors or collectives sent one after another as one: their times add up; backward's slowdown
     is that of each part for as long as it runs."""
     total = Cost(sum(c.compress for c in parts), sum(c.comm for c in parts), sum(c.decompress for c in parts),
-                 offload, cpu=sum(c.cpu for c in parts), compress_cpu=sum(c.compress_cpu for c in parts))
+                 offload, cpu=sum(c.cpu for c in parts), compress_cpu=sum(c.compress_cpu for c in parts),
+                 cpu_loaded=None if all(c.cpu_loaded is None for c in parts) else sum(c.in_training for c in parts))
     if all(c.loaded is None for c in parts):
         return total
     loaded = [c.comm if c.loaded is None else c.loaded for c in parts]

@@ -113,7 +113,8 @@ BUDGET = 0.2      # seconds of timed runs per point, at least
 IN_BACKWARD_STEPS = 3   # steps timed per compressor inside backward after an untimed one, at least ...
 MOST_IN_BACKWARD_STEPS = 24     # ... and at most, as many as fit in IN_BACKWARD_SECONDS
 IN_BACKWARD_SECONDS = 3.0
-QUANTITIES = ("collectives", "loaded", "slowdown", "cpu")      # of a collective, as costs.Costing reads them
+# of a collective, as costs.Costing reads them (its measurements alone and under load, then its CPU alone)
+QUANTITIES = ("collectives", "loaded", "slowdown", "cpu_loaded", "cpu")
 
 
 @dataclass(frozen=True)
@@ -361,9 +362,10 @@ def rebuild_beside_training(shape, rows: int, world: int, train_step, alone_step
     m, n = shape
     big_u, big_v, result = torch.randn(rows * world, m), torch.randn(rows * world, n), torch.empty(m, n)
     run = lambda _: torch.mm(big_u.t(), big_v, out=result)     # noqa: E731
-    alone, loaded, _ = alone_and_loaded(run, lambda: None, train_step, alone_step, timeout)
+    alone, loaded, _, cpu_loaded = alone_and_loaded(run, lambda: None, train_step, alone_step, timeout)
     return {"rebuild": alone.seconds, "rebuild_loaded": loaded,
-            "rebuild_slowdown": max(1.0, loaded / max(alone.seconds, 1e-12)), "rebuild_cpu": alone.cpu}
+            "rebuild_slowdown": max(1.0, loaded / max(alone.seconds, 1e-12)), "rebuild_cpu": alone.cpu,
+            "rebuild_cpu_loaded": cpu_loaded}
 
 
 def decompress_into(compressor, payload, world: int, into: torch.Tensor) -> None:
@@ -493,14 +495,13 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
 
 
 def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout: float, order: list[str]):
-    """(option, tensor name, Timing alone, seconds under load, slowdown of a training step) for each
-    of the model's sparse COO gradients under each option it can take (options.coo_labels), measured
-    whole on the gradient itself as sparcoll.torch.DataParallel runs it: coalesced, its entries
-    compressed, its collective. A COO gradient's cost is its rows, not its dense size: deeplight's
-    embedding (17M elements) touches 3% of its blocks per worker, and gloo's gathers of them were
-    priced as a dense ring (1 s predicted for a step that trains in about 0.11 s). Then the sparse
-    AllReduce of each unit of several (fusion.coo_units, in backward order `order`) as one collective,
-    named by their names joined by "+": every collective has a fixed cost besides its rows (ncf's four
+    """(option, tensor name, Timing alone, seconds under load, slowdown of a training step, CPU seconds under load) for
+    each of the model's sparse COO gradients under each option it can take (options.coo_labels), measured whole on the
+    gradient itself as sparcoll.torch.DataParallel runs it: coalesced, its entries compressed, its collective. A COO
+    gradient's cost is its rows, not its dense size: deeplight's embedding (17M elements) touches 3% of its blocks per
+    worker, and gloo's gathers of them were priced as a dense ring (1 s predicted for a step that trains in about 0.11
+    s). Then the sparse AllReduce of each unit of several (fusion.coo_units, in backward order `order`) as one
+    collective, named by their names joined by "+": every collective has a fixed cost besides its rows (ncf's four
     embeddings took 3.4-5.8 ms each at 1 Gbit/s, their rows 1-2 ms of it)."""
     alone_step = timed(lambda _: train_step()).seconds
     group = Channel(None)       # the group's own sparse all_reduce: gloo's gathers
@@ -600,11 +601,11 @@ def held_beside(comm, block_size: int, rank: int, world: int, sizes: Sizes):
 
 
 def profile_sparse_own(comm, gradients: dict, tensors: dict, train_step, timeout: float):
-    """(tensor name, Timing alone, seconds under load, slowdown of a training step) of the sparse
-    AllReduce, as the executor runs it, on each of the model's large dense gradients that are not
-    dense (its union below 1): the executor's algorithm changes with size and density (a 4M-element
-    tensor at 30% took gloo's ring, a 1M-element one the sparse AllReduce), so the grid of random
-    tensors between them priced deeplight's 1M-element linear layer at 40 ms, measured 13."""
+    """(tensor name, Timing alone, seconds under load, slowdown of a training step, CPU seconds under load) of the
+    sparse AllReduce, as the executor runs it, on each of the model's large dense gradients that are not dense (its
+    union below 1): the executor's algorithm changes with size and density (a 4M-element tensor at 30% took gloo's ring,
+    a 1M-element one the sparse AllReduce), so the grid of random tensors between them priced deeplight's 1M-element
+    linear layer at 40 ms, measured 13."""
     alone_step = timed(lambda _: train_step()).seconds
     run = lambda t: comm.allreduce(t, op="avg")     # noqa: E731
     for name, g in gradients.items():
@@ -614,44 +615,51 @@ def profile_sparse_own(comm, gradients: dict, tensors: dict, train_step, timeout
 
 def profile_collectives(comm, block_size: int, rank: int, world: int, sizes: Sizes, train_step, timeout: float):
     """(collective, x, elements or None (as `collectives`), Timing alone, seconds under load,
-    slowdown of a training step) for each; see `under_load`."""
+    slowdown of a training step, CPU seconds under load) for each; see `under_load`."""
     alone_step = timed(lambda _: train_step()).seconds
     for kind, x, numel, run, prepare in collectives(comm, block_size, rank, world, sizes):
         yield kind, x, numel, *alone_and_loaded(run, prepare, train_step, alone_step, timeout)
 
 
 def alone_and_loaded(run, prepare, train_step, alone_step: float,
-                     timeout: float) -> tuple[Timing, float, float]:
-    """run(prepare())'s time and CPU alone (`timed`), then its time under load and the steps'
-    slowdown (`under_load`)."""
+                     timeout: float) -> tuple[Timing, float, float, float]:
+    """run(prepare())'s time and CPU alone (`timed`), then its time under load, the steps' slowdown
+    and its CPU under load (`under_load`)."""
     alone = timed(run, prepare)
     return alone, *under_load(run, prepare, train_step, alone_step, alone.seconds, timeout)
 
 
 def under_load(run, prepare, train_step, alone_step: float, alone: float,
-               timeout: float) -> tuple[float, float]:
+               timeout: float) -> tuple[float, float, float]:
     """run(prepare())'s median time on a second thread while this one runs train_step back to back
-    (at least once), and how many times longer the steps' work took while the collectives ran than
-    `alone_step`: the slowest worker's. The collectives run at least LOADED_RUNS times, and as many
-    as their time `alone` needs to span a step alone (the same count on every worker: both times are
-    the slowest worker's): a step measured whole against collectives that covered a third of it said
+    (at least once), how many times longer the steps' work took while the collectives ran than
+    `alone_step` (the slowest worker's), and the CPU seconds a run took meanwhile (the workers' mean):
+    the process's CPU over the runs less this thread's, read from the second thread. Beside training
+    a collective's threads spend more CPU than alone (ncf's four embeddings under the sparse AllReduce:
+    1.23x, docs/results/collective-cpu-loaded), and in training they run beside it. The collectives
+    run at least LOADED_RUNS times, and as many as their time `alone` needs to span a step alone (the
+    same count on every worker: both times are the slowest worker's): a step measured whole against
+    collectives that covered a third of it said
     a third of their slowdown (deeplight's 160K-element sparse layers, 1.2-1.5x, where its backward in
     training took 2.7x as long under them as under one ring allreduce). The steps' time outside the
     collectives counts at their rate alone (`slowed`)."""
     times: list[float] = []
     span: list[float] = []
+    cpu: list[float] = []
     failure: list[BaseException] = []
     done = threading.Event()
     runs = max(LOADED_RUNS, min(MOST_LOADED_RUNS, math.ceil(alone_step / max(alone, 1e-6))))
+    trainer = time.pthread_getcpuclockid(threading.get_ident())
 
     def loop() -> None:
-        began = time.perf_counter()
+        began, process, training = time.perf_counter(), time.process_time(), time.clock_gettime(trainer)
         try:
             for _ in range(runs):
                 arg = prepare()
                 start = time.perf_counter()
                 run(arg)
                 times.append(time.perf_counter() - start)
+            cpu.append(((time.process_time() - process) - (time.clock_gettime(trainer) - training)) / runs)
         except BaseException as exc:        # reaches the training thread, which raises it
             failure.append(exc)
         finally:
@@ -670,10 +678,10 @@ def under_load(run, prepare, train_step, alone_step: float, alone: float,
     if failure:
         raise failure[0]
     overlap = min(span[1], start + elapsed) - max(span[0], start)
-    slowest = torch.tensor([statistics.median(times), slowed(overlap, elapsed, steps * alone_step)],
-                           dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest[0].item(), slowest[1].item()
+    measured = torch.tensor([[statistics.median(times), slowed(overlap, elapsed, steps * alone_step)],
+                             [max(0.0, cpu[0]), 0.0]], dtype=torch.float64)
+    slowest, mean = slowest_and_mean(measured)
+    return slowest[0].item(), slowest[1].item(), mean[0].item()
 
 
 def slowed(overlap: float, elapsed: float, work: float) -> float:
@@ -696,7 +704,7 @@ def fit(events: list[dict]) -> dict:
     points: dict = {}
     grid_points: dict = {}
     out: dict = {"collectives": {}, "compress": {}, "decompress": {}, "compress_own": {}, "decompress_own": {},
-                 "loaded": {}, "slowdown": {}, "held": {}, "grids": {}, "cpu": {}, "compress_cpu": {},
+                 "loaded": {}, "slowdown": {}, "held": {}, "grids": {}, "cpu": {}, "cpu_loaded": {}, "compress_cpu": {},
                  "decompress_cpu": {}}
     for e in events:
         if e.get("tensor"):
@@ -728,12 +736,13 @@ def events_after_model(cfg: dict, model: dict) -> int:
     dense = [t for t in tensors if not t["coo"]]
     coo = {name for name, t in model["tensors"].items() if t["coo"]}
     compressors = len(timed_compressors(cfg))
+    measured = len(QUANTITIES)      # a collective's (and a COO option's) events, alone and under load
     return (4 * compressors * (len(sizes.compressor_numels) + len(large))
             + 4 * len(in_backward(timed_compressors(cfg))) * len(dense)
-            + 4 * sum(t["union"] < 1.0 for t in large)
-            + 4 * len(coo_labels(timed_compressors(cfg))) * len(coo) + 4 * len(coo_units(model["order"], coo))
-            + 4 * (2 * len(sizes.collective_bytes) + len(sizes.allgather_bytes)
-                   + len(sizes.sparse_numels) * (len(SPARSE_DENSITIES) + len(BLOCK_SHARES)))
+            + measured * sum(t["union"] < 1.0 for t in large)
+            + measured * (len(coo_labels(timed_compressors(cfg))) * len(coo) + len(coo_units(model["order"], coo)))
+            + measured * (2 * len(sizes.collective_bytes) + len(sizes.allgather_bytes)
+                          + len(sizes.sparse_numels) * (len(SPARSE_DENSITIES) + len(BLOCK_SHARES)))
             + sum(size <= HELD_BYTES for size in sizes.collective_bytes))
 
 
@@ -766,7 +775,7 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     train_step = training_step(model, loss_of)
     for label, name, alone, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"],
                                                   measured["order"]):
-        for kind, seconds in zip((*COO_KINDS, "coo_cpu"), (alone.seconds, *times, alone.cpu)):
+        for kind, seconds in zip((*COO_KINDS, "coo_cpu_loaded", "coo_cpu"), (alone.seconds, *times, alone.cpu)):
             say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds})
     for name, alone, *times in profile_sparse_own(comm, gradients, measured["tensors"], train_step, cfg["timeout"]):
         for quantity, seconds in zip(QUANTITIES, (alone.seconds, *times, alone.cpu)):

@@ -46,7 +46,8 @@ class Cost:
     (an uncompressed one on the ring, nothing to compress or decompress), how long it holds the
     channel; None: the channel's for its whole time. `cpu`: the CPU seconds all of it takes on one
     worker, every thread of the process (its compression, collective and decompression), of which
-    `compress_cpu` its compression's."""
+    `compress_cpu` its compression's; `cpu_loaded` the same with the collective's CPU as measured
+    beside training (None: as `cpu`)."""
     compress: float = 0.0
     comm: float = 0.0
     decompress: float = 0.0
@@ -57,6 +58,12 @@ class Cost:
     hold: float | None = None
     cpu: float = 0.0
     compress_cpu: float = 0.0
+    cpu_loaded: float | None = None
+
+    @property
+    def in_training(self) -> float:
+        """Its CPU seconds in training, beside the training thread (Step.cpu_bound)."""
+        return self.cpu if self.cpu_loaded is None else self.cpu_loaded
 
 
 @dataclass(frozen=True)
@@ -79,11 +86,13 @@ class Step:
         return 0 < self.cores < 1
 
     def cpu_bound(self, costs) -> float:
-        """The least F the workers' CPU allows: the step's CPU work and every cost's, spread over
-        the worker's cores, less the forward (0 where the cores are unknown)."""
+        """The least F the workers' CPU allows: the step's CPU work and every cost's in training
+        (`Cost.in_training`: a collective's threads spend 16-19% more CPU in training than alone,
+        docs/results/cpu-unpriced), spread over the worker's cores, less the forward (0 where the
+        cores are unknown)."""
         if self.cores <= 0:
             return 0.0
-        return (self.cpu + sum(c.cpu for c in costs)) / self.cores - self.forward
+        return (self.cpu + sum(c.in_training for c in costs)) / self.cores - self.forward
 
 
 @dataclass
