@@ -854,12 +854,13 @@ def _under_load_cpu(rank: int, world: int) -> float:
         dist.all_reduce(torch.zeros(1))
         _spin(0.001)
         time.sleep(0.004)
-    return profiler.under_load(run, lambda: None, lambda: _spin(0.02), 0.05, 0.005, timeout=30)[2]
+    return profiler.under_load(run, lambda: _spin(0.002), lambda: _spin(0.02), 0.05, 0.005, timeout=30)[2]
 
 
 def test_a_collectives_cpu_under_load_leaves_out_the_training_threads():
     """The steps compute through every run (5 ms of their CPU a run, or more: the training thread's
-    whole CPU in the runs' span), the collective 1 ms of its own and an allreduce of one float."""
+    whole CPU in the runs' span), each run's input takes 2 ms to prepare, the collective 1 ms of its
+    own and an allreduce of one float: only the collective's counts."""
     from ranks import run_ranks
     cpus = run_ranks(_under_load_cpu, 2, timeout=60)
     assert cpus[0] == cpus[1]       # the workers' mean, on every worker

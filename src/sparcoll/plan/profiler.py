@@ -631,18 +631,17 @@ def alone_and_loaded(run, prepare, train_step, alone_step: float,
 
 def under_load(run, prepare, train_step, alone_step: float, alone: float,
                timeout: float) -> tuple[float, float, float]:
-    """run(prepare())'s median time on a second thread while this one runs train_step back to back
-    (at least once), how many times longer the steps' work took while the collectives ran than
-    `alone_step` (the slowest worker's), and the CPU seconds a run took meanwhile (the workers' mean):
-    the process's CPU over the runs less this thread's, read from the second thread. Beside training
-    a collective's threads spend more CPU than alone (ncf's four embeddings under the sparse AllReduce:
-    1.23x, docs/results/collective-cpu-loaded), and in training they run beside it. The collectives
-    run at least LOADED_RUNS times, and as many as their time `alone` needs to span a step alone (the
-    same count on every worker: both times are the slowest worker's): a step measured whole against
-    collectives that covered a third of it said
-    a third of their slowdown (deeplight's 160K-element sparse layers, 1.2-1.5x, where its backward in
-    training took 2.7x as long under them as under one ring allreduce). The steps' time outside the
-    collectives counts at their rate alone (`slowed`)."""
+    """run(prepare())'s median time on a second thread while this one runs train_step back to back (at least
+    once), how many times longer the steps' work took while the collectives ran than `alone_step` (the
+    slowest worker's), and the CPU seconds a run took meanwhile (the workers' mean): the process's CPU over
+    the runs less this thread's (read from the second thread) and less the inputs' preparation. Beside
+    training a collective's threads spend more CPU than alone (ncf's four embeddings under the sparse
+    AllReduce: 1.23x, docs/results/collective-cpu-loaded), and in training they run beside it. The
+    collectives run at least LOADED_RUNS times, and as many as their time `alone` needs to span a step alone
+    (the same count on every worker: both times are the slowest worker's): a step measured whole against
+    collectives that covered a third of it said a third of their slowdown (deeplight's 160K-element sparse
+    layers, 1.2-1.5x, where its backward in training took 2.7x as long under them as under one ring
+    allreduce). The steps' time outside the collectives counts at their rate alone (`slowed`)."""
     times: list[float] = []
     span: list[float] = []
     cpu: list[float] = []
@@ -653,13 +652,17 @@ def under_load(run, prepare, train_step, alone_step: float, alone: float,
 
     def loop() -> None:
         began, process, training = time.perf_counter(), time.process_time(), time.clock_gettime(trainer)
+        preparing = 0.0     # the inputs' copies: not the collective's (`timed` leaves them out too)
         try:
             for _ in range(runs):
+                before = time.thread_time()
                 arg = prepare()
+                preparing += time.thread_time() - before
                 start = time.perf_counter()
                 run(arg)
                 times.append(time.perf_counter() - start)
-            cpu.append(((time.process_time() - process) - (time.clock_gettime(trainer) - training)) / runs)
+            cpu.append(((time.process_time() - process) - (time.clock_gettime(trainer) - training) - preparing)
+                       / runs)
         except BaseException as exc:        # reaches the training thread, which raises it
             failure.append(exc)
         finally:
