@@ -3,7 +3,7 @@ slowest worker's time from it) price a chain of collectives as training runs the
 AllReduce of one random tensor of ncf's largest embedding shape (4431776 elements) at its block
 densities, 4 workers: timed alone as the profile does, and K of them back to back after one barrier
 (the chain's time over K), in alternating order; and how far apart the workers leave the barrier.
-Run: .venv/bin/python docs/results/barrier-chain/probe.py [--network 1gbit] [--workers 4]"""
+Run: PYTHONPATH=src:benchmarks:docs/results/barrier-chain .venv/bin/python docs/results/barrier-chain/probe.py"""
 import argparse
 import json
 import statistics
@@ -50,13 +50,8 @@ def main() -> int:
     parser.add_argument("--network", default="1gbit")
     parser.add_argument("--workers", type=int, default=4)
     args = parser.parse_args()
-    from sparcoll.bench.launch import Job, run_job, run_jobs
-    found = []
-
-    def job(_advance) -> None:
-        run_job(Job(args.workers, args.network, 0, {"timeout": 300}, 300, worker="barrier_chain_worker"),
-                lambda e: found.append(e) if e.get("event") == "probe" else None)
-    status = run_jobs("probe", 1, job)
+    from probe_job import probe_events
+    status, found = probe_events("barrier_chain_worker", {"timeout": 300}, args.workers, args.network)
     for e in found:
         print(json.dumps(e))
         s, c = statistics.median(e["single_s"]), statistics.median(e["chain_s"])

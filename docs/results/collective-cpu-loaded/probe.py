@@ -3,7 +3,7 @@
 one after another, 4 workers: their CPU alone (the process's, the workers' mean), and on a second thread
 while the training thread steps forward and backward back to back (the process's CPU less the training
 thread's, over the collectives' span, read from the collectives' thread), in alternating rounds.
-Run: PYTHONPATH=src:docs/results/collective-cpu-loaded .venv/bin/python docs/results/collective-cpu-loaded/probe.py"""
+Run: PYTHONPATH=src:benchmarks:docs/results/collective-cpu-loaded .venv/bin/python docs/results/collective-cpu-loaded/probe.py"""
 import argparse
 import json
 import statistics
@@ -65,14 +65,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--network", default="1gbit")
     args = parser.parse_args()
-    from sparcoll.bench.launch import Job, run_job, run_jobs
-    found = []
+    from probe_job import probe_events
     cfg = {"timeout": 300, "workload": "ncf", "seed": 0, "options": {}, "batch_size": 256}
-
-    def job(_advance) -> None:
-        run_job(Job(4, args.network, 0, cfg, 300, worker="collective_cpu_worker"),
-                lambda e: found.append(e) if e.get("event") == "probe" else None)
-    status = run_jobs("probe", 1, job)
+    status, found = probe_events("collective_cpu_worker", cfg, 4, args.network)
     for e in found:
         print(json.dumps(e))
         a, b = statistics.median(e["alone_cpu_s"]), statistics.median(e["loaded_cpu_s"])
