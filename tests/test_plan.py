@@ -871,11 +871,7 @@ def _timed_cpu(rank: int, world: int) -> tuple:
     """profiler.timed of a run that computes for 20 ms and of one that sleeps as long."""
     from sparcoll.plan import profiler
 
-    def busy(_) -> None:
-        end = time.process_time() + 0.02
-        while time.process_time() < end:
-            pass
-    return profiler.timed(busy), profiler.timed(lambda _: time.sleep(0.02))
+    return profiler.timed(lambda _: _spin(0.02)), profiler.timed(lambda _: time.sleep(0.02))
 
 
 def test_a_timed_run_says_the_cpu_its_worker_spent_in_it():

@@ -54,7 +54,7 @@ ITEMSIZE = 4
 MONOTONE = ("collectives", "cpu", "cpu_loaded")     # quantities that never fall with size (contention's may)
 # A COO gradient's measurements per option (profiler.profile_coo): alone, beside backward, and
 # backward's slowdown meanwhile; the profile's fits hold each as KIND_own (and its CPU alone as
-# coo_cpu_own).
+# coo_cpu_own, beside training as coo_cpu_loaded_own).
 COO_KINDS = ("coo", "coo_loaded", "coo_slowdown")
 
 

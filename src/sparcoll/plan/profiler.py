@@ -495,14 +495,15 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
 
 
 def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout: float, order: list[str]):
-    """(option, tensor name, Timing alone, seconds under load, slowdown of a training step, CPU seconds under load) for
-    each of the model's sparse COO gradients under each option it can take (options.coo_labels), measured whole on the
-    gradient itself as sparcoll.torch.DataParallel runs it: coalesced, its entries compressed, its collective. A COO
-    gradient's cost is its rows, not its dense size: deeplight's embedding (17M elements) touches 3% of its blocks per
-    worker, and gloo's gathers of them were priced as a dense ring (1 s predicted for a step that trains in about 0.11
-    s). Then the sparse AllReduce of each unit of several (fusion.coo_units, in backward order `order`) as one
-    collective, named by their names joined by "+": every collective has a fixed cost besides its rows (ncf's four
-    embeddings took 3.4-5.8 ms each at 1 Gbit/s, their rows 1-2 ms of it)."""
+    """(option, tensor name, Timing alone, seconds under load, slowdown of a training step, CPU seconds
+    under load) for each of the model's sparse COO gradients under each option it can take
+    (options.coo_labels), measured whole on the gradient itself as sparcoll.torch.DataParallel runs it:
+    coalesced, its entries compressed, its collective. A COO gradient's cost is its rows, not its dense
+    size: deeplight's embedding (17M elements) touches 3% of its blocks per worker, and gloo's gathers
+    of them were priced as a dense ring (1 s predicted for a step that trains in about 0.11 s). Then the
+    sparse AllReduce of each unit of several (fusion.coo_units, in backward order `order`) as one
+    collective, named by their names joined by "+": every collective has a fixed cost besides its rows
+    (ncf's four embeddings took 3.4-5.8 ms each at 1 Gbit/s, their rows 1-2 ms of it)."""
     alone_step = timed(lambda _: train_step()).seconds
     group = Channel(None)       # the group's own sparse all_reduce: gloo's gathers
     uncompressed = {RING: group.sparse_mean, SPARSE: lambda t: comm.allreduce_coo(t, op="avg")}
@@ -601,11 +602,11 @@ def held_beside(comm, block_size: int, rank: int, world: int, sizes: Sizes):
 
 
 def profile_sparse_own(comm, gradients: dict, tensors: dict, train_step, timeout: float):
-    """(tensor name, Timing alone, seconds under load, slowdown of a training step, CPU seconds under load) of the
-    sparse AllReduce, as the executor runs it, on each of the model's large dense gradients that are not dense (its
-    union below 1): the executor's algorithm changes with size and density (a 4M-element tensor at 30% took gloo's ring,
-    a 1M-element one the sparse AllReduce), so the grid of random tensors between them priced deeplight's 1M-element
-    linear layer at 40 ms, measured 13."""
+    """(tensor name, Timing alone, seconds under load, slowdown of a training step, CPU seconds under
+    load) of the sparse AllReduce, as the executor runs it, on each of the model's large dense gradients
+    that are not dense (its union below 1): the executor's algorithm changes with size and density (a
+    4M-element tensor at 30% took gloo's ring, a 1M-element one the sparse AllReduce), so the grid of
+    random tensors between them priced deeplight's 1M-element linear layer at 40 ms, measured 13."""
     alone_step = timed(lambda _: train_step()).seconds
     run = lambda t: comm.allreduce(t, op="avg")     # noqa: E731
     for name, g in gradients.items():
@@ -631,17 +632,18 @@ def alone_and_loaded(run, prepare, train_step, alone_step: float,
 
 def under_load(run, prepare, train_step, alone_step: float, alone: float,
                timeout: float) -> tuple[float, float, float]:
-    """run(prepare())'s median time on a second thread while this one runs train_step back to back (at least
-    once), how many times longer the steps' work took while the collectives ran than `alone_step` (the
-    slowest worker's), and the CPU seconds a run took meanwhile (the workers' mean): the process's CPU over
-    the runs less this thread's (read from the second thread) and less the inputs' preparation. Beside
-    training a collective's threads spend more CPU than alone (ncf's four embeddings under the sparse
-    AllReduce: 1.23x, docs/results/collective-cpu-loaded), and in training they run beside it. The
-    collectives run at least LOADED_RUNS times, and as many as their time `alone` needs to span a step alone
-    (the same count on every worker: both times are the slowest worker's): a step measured whole against
-    collectives that covered a third of it said a third of their slowdown (deeplight's 160K-element sparse
-    layers, 1.2-1.5x, where its backward in training took 2.7x as long under them as under one ring
-    allreduce). The steps' time outside the collectives counts at their rate alone (`slowed`)."""
+    """run(prepare())'s median time on a second thread while this one runs train_step back to back (at
+    least once), how many times longer the steps' work took while the collectives ran than `alone_step`
+    (the slowest worker's), and the CPU seconds a run took meanwhile (the workers' mean): the process's
+    CPU over the runs less this thread's (read from the second thread) and less the inputs' preparation.
+    Beside training a collective's threads spend more CPU than alone (ncf's four embeddings under the
+    sparse AllReduce: 1.23x, docs/results/collective-cpu-loaded), and in training they run beside it.
+    The collectives run at least LOADED_RUNS times, and as many as their time `alone` needs to span a
+    step alone (the same count on every worker: both times are the slowest worker's): a step measured
+    whole against collectives that covered a third of it said a third of their slowdown (deeplight's
+    160K-element sparse layers, 1.2-1.5x, where its backward in training took 2.7x as long under them as
+    under one ring allreduce). The steps' time outside the collectives counts at their rate alone
+    (`slowed`)."""
     times: list[float] = []
     span: list[float] = []
     cpu: list[float] = []
