@@ -51,7 +51,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4)
     args = parser.parse_args()
     from probe_job import probe_events
-    status, found = probe_events("barrier_chain_worker", {"timeout": 300}, args.workers, args.network)
+    status, found = probe_events({"timeout": 300}, args.workers, args.network)
     for e in found:
         print(json.dumps(e))
         s, c = statistics.median(e["single_s"]), statistics.median(e["chain_s"])

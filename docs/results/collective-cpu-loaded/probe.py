@@ -67,7 +67,7 @@ def main() -> int:
     args = parser.parse_args()
     from probe_job import probe_events
     cfg = {"timeout": 300, "workload": "ncf", "seed": 0, "options": {}, "batch_size": 256}
-    status, found = probe_events("collective_cpu_worker", cfg, 4, args.network)
+    status, found = probe_events(cfg, 4, args.network)
     for e in found:
         print(json.dumps(e))
         a, b = statistics.median(e["alone_cpu_s"]), statistics.median(e["loaded_cpu_s"])
