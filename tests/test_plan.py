@@ -116,16 +116,17 @@ def test_the_step_is_no_shorter_than_the_workers_cpu_allows():
 def test_the_cores_stand_idle_while_every_worker_waits_after_backward():
     """Tensor 1 compressed on the training thread for 5 ms once ready at 10 ms: backward ends at 25
     ms, its collective runs 15-35 ms and decompresses until 45; of its 9 ms of CPU, 4 are beyond the
-    compression, spread over those 30 ms: 2.67 of them after backward. So for 20 - 2.67 = 17.33 ms
-    the cores stand idle and do not serve the CPU bound (0.086 s of CPU over half a core, less the
-    10 ms forward: 76 ms): F 93.33 ms. Offloaded, backward ends at 20 ms and the lane's compression
-    (10-15 ms) is before it: idle 25 - 4 x 25 / 30 = 21.67 ms, F 97.67."""
+    compression, spread over those 30 ms: 2.67 of them after backward, which keep the half core of
+    each worker busy for 5.33 ms. So for 20 - 5.33 = 14.67 ms the cores stand idle and do not serve
+    the CPU bound (0.086 s of CPU over half a core, less the 10 ms forward: 76 ms): F 90.67 ms.
+    Offloaded, backward ends at 20 ms and the lane's compression (10-15 ms) is before it: idle
+    25 - 2 x 4 x 25 / 30 = 18.33 ms, F 94.33."""
     step = Step((0.0, 0.01), 0.02, optimizer=0.005, cpu=0.03, cores=0.5, forward=0.01)
     second = Cost(compress=0.005, comm=0.02, decompress=0.01, cpu=0.009, compress_cpu=0.005)
     costs = [Cost(comm=0.01, cpu=0.004), second]
-    assert simulate(step, costs).iteration == pytest.approx(0.076 + 0.02 - 0.004 * 2 / 3)
+    assert simulate(step, costs).iteration == pytest.approx(0.076 + 0.02 - 2 * 0.004 * 2 / 3)
     assert simulate(step, [costs[0], replace(second, offload=True)]).iteration == pytest.approx(
-        0.076 + 0.025 - 0.004 * 25 / 30)
+        0.076 + 0.025 - 2 * 0.004 * 25 / 30)
     # with a core each the timeline sets F: the collective's end and the optimizer
     assert simulate(replace(step, cores=2.0), costs).iteration == pytest.approx(0.05)
 

@@ -176,22 +176,22 @@ def simulate(step: Step, costs) -> Timeline:
         ends.append(end)
     backward_end = busy.time_of(step.backward_end + delay)
     waited = max(backward_end, channel, lane, gloo)
-    idle = _idle(costs, payload, starts, ends, backward_end, waited) if step.cores > 0 else 0.0
+    idle = _idle(costs, payload, starts, ends, backward_end, waited, step.cores) if step.cores > 0 else 0.0
     return Timeline(payload, starts, ends, backward_end,
                     max(waited + step.optimizer, step.cpu_bound(costs) + idle), idle)
 
 
-def _idle(costs, payload, starts, ends, backward_end: float, waited: float) -> float:
+def _idle(costs, payload, starts, ends, backward_end: float, waited: float, cores: float) -> float:
     """How long the cores stand idle between backward's end and the optimizer (`waited`), when every
-    worker waits for the same collectives: that time, less what a worker computes meanwhile: its
-    offload lane's compressions, and its collectives' and decompressions' CPU (a cost's CPU beyond
-    its compression's, spread over its time on the channel). That work is not spread over the cores
-    as a fluid would be (it waits on the wire between messages): 4 workers on 2 cores left the cores
-    idle 7.5-8.0 ms a step on ncf's plan at 292cd77, 8.7-11.9 on gpt's and 10.1-12.2 on deeplight's,
-    against 8.1, 10.4 and 9.8 so priced, and 3.4, 2.6 and 0.8 had it been spread so. Where the wait
-    is long and its collectives' CPU large (the sparse AllReduce on every dense gradient, sufficient
-    factors), the cores stood idle less than so priced: ncf's uniform sparse 7.7 ms against 29.5
-    (docs/benchmarks.md, section 7)."""
+    worker waits for the same collectives: that time, less what the workers compute meanwhile (their
+    offload lanes' compressions, and their collectives' and decompressions' CPU: a cost's CPU beyond
+    its compression's, spread over its time on the channel), spread over the cores. Workers that
+    share cores (`cores` each, below 1) keep them busy for a worker's work / `cores`: the cores'
+    unused time, counted as F counts it (over all of them), is exactly that wait less that. 4 workers
+    on 2 cores at 5ab06fd stood idle 0 and 2.0 ms a step in the mean worker's step on ncf's and
+    deeplight's plans (2.4 and 0.0 so priced, docs/results/step-skew), 9.2-12.8 ms on the uniform
+    sparse AllReduce (5.1 and 7.3) and 737-760 on deeplight's ring (753): where each worker's own
+    slowest step had seemed to show a floor of 7-8 ms, that was the workers starting their steps apart."""
     def after(start: float, end: float) -> float:
         return max(0.0, min(end, waited) - max(start, backward_end))
     work = 0.0
@@ -200,7 +200,7 @@ def _idle(costs, payload, starts, ends, backward_end: float, waited: float) -> f
             work += cost.compress_cpu * after(ready - cost.compress, ready) / cost.compress
         if end > start:
             work += max(0.0, cost.cpu - cost.compress_cpu) * after(start, end) / (end - start)
-    return max(0.0, waited - backward_end - work)
+    return max(0.0, waited - backward_end - work / min(1.0, cores))
 
 
 def _under_load(cost: Cost, overlap: float) -> float:

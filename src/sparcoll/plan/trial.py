@@ -126,7 +126,7 @@ def step_time(events: list[dict], left_out: set | None = None) -> float:
 
 def train(config: dict, name: str, workers: int, network: str, steps: int, warmup: int, timeout: float,
           advance: Callable[..., None]) -> list[dict]:
-    """The timed step events (the slowest worker's, as `sparcoll train` reports them) of one training
+    """The timed step events (the workers' mean step, as `sparcoll train` reports them) of one training
     job of `warmup` untimed and `steps` more (command.timed_steps: the probed ones are left out);
     BenchError if it fails."""
     events: list[dict] = []

@@ -278,16 +278,16 @@ def summarize(mode: tuple[str, str | None], steps: list[dict], args, held_out: f
     final, kind = final_loss(losses, held_out)
     predicted = [s["predicted_bytes"] for s in timed if s.get("predicted_bytes") is not None]
     faults = [s["page_faults"] for s in timed]
-    overlap = {key: statistics.fmean(s[key] for s in timed) for key in ("comm_total_s", "comm_hidden_s")
-               if all(key in s for s in timed)}
+    optional = {key: statistics.fmean(s[key] for s in timed)
+                for key in ("comm_total_s", "comm_hidden_s", "slowest_step_s") if all(key in s for s in timed)}
     return {"comm": mode[0], **option_of(mode), "label": label(mode),
-            "predicted_bytes_per_step": statistics.fmean(predicted) if predicted else None, **overlap,
+            "predicted_bytes_per_step": statistics.fmean(predicted) if predicted else None, **optional,
             "samples_per_s": args.batch_size * args.workers / mean["step_s"], **mean,
             "bytes_sent_per_step": statistics.fmean(sent) if sent else None,
             "timed_steps": len(timed), "faulting_steps": sum(map(took_fresh_memory, faults)),
             "most_page_faults": max(faults),
             "loss": losses, "final_loss": final, "final_loss_kind": kind,
-            "per_step": {key: [s[key] for s in steps] for key in keys + ("page_faults",) + tuple(overlap)}
+            "per_step": {key: [s[key] for s in steps] for key in keys + ("page_faults",) + tuple(optional)}
             | {"probed": [bool(s.get("probed")) for s in steps]}}
 
 

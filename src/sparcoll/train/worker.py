@@ -45,7 +45,8 @@ with it. Probed steps report the densities and are left out of the step times (c
 the others report no density. On an emulated network
 each step also reports the bytes this host's interface sent (every mode alike; none on loopback). After
 the last step, a workload with a held-out split (gpt) reports its loss there. Per step, rank 0 reports
-the mean loss over ranks (the full global batch's loss), the slowest rank's times, and on probed steps
+the mean loss over ranks (the full global batch's loss), the ranks' mean times (slowest_step_s: the
+slowest rank's step), and on probed steps
 the block density of the local gradients (mean over ranks) and of the reduced gradient: the fraction of
 `block_size`-element blocks of all gradients, flattened in parameter order, that hold a non-zero
 element; the most page faults a rank took in the step (minor_faults: a step that faulted in fresh
@@ -55,6 +56,14 @@ predicts, timeline.Step.cpu_bound) and the ranks' mean of it (cpu_mean_s: with t
 cores, how long the cores stood idle while every rank waited); before each step, outside its time,
 every rank times a fixed piece of CPU work (bench.speed): the ranks' mean (reference_cpu_s) says how
 fast the machine ran then, so that steps measured minutes apart can be compared.
+
+Why the mean and not the slowest rank's step: that piece of work, the gather of each step's times and
+rank 0's report start the ranks' next steps apart, and the rank that starts first waits in its first
+collective for the others, its step the longer for it (ncf's plan on 4 workers at 1 Gbit/s: the ranks
+started 12.4 ms apart at the median, the slowest rank's step 43.9 ms, the mean 38.2; in training
+without these reports no rank waits so). Every rank's step ends with the same last collective, so the
+mean step is the time between steps less the ranks' mean time in these reports
+(docs/results/step-skew).
 """
 from __future__ import annotations
 
@@ -210,10 +219,10 @@ class Trainer:
         if self.rank == 0:
             table = torch.stack(rows)
             slowest = table[table[:, 1].argmax()]
+            mean = table.mean(dim=0)
             emit({"event": "step", **self.tag, "step": step, "probed": probed,
-                  "loss": table[:, 0].mean().item(),
-                  "step_s": slowest[1].item(), "comm_s": slowest[2].item(),
-                  "compute_s": (slowest[1] - slowest[2]).item(),
+                  "loss": mean[0].item(), "step_s": mean[1].item(), "comm_s": mean[2].item(),
+                  "compute_s": (mean[1] - mean[2]).item(), "slowest_step_s": slowest[1].item(),
                   "density_local": table[:, 3].mean().item() if probed else None,
                   "density_union": row[4].item() if probed else None,
                   "bytes_sent": None if not interface else table[:, 5].mean().item(),

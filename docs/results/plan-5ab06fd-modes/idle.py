@@ -1,0 +1,31 @@
+"""Per mode of this directory's rounds (the slowest rank's steps, as `sparcoll train` reported them at
+5ab06fd): the wait after backward as priced (`tail`) and as the last step's trace shows it, the workers'
+CPU in that wait (`work`, a worker's), the time the cores stand idle as 5ab06fd priced it (the wait
+less one worker's CPU in it) and as the next commit does (less that over the cores a worker has: half a
+core here), and as measured (step - 2 x the ranks' mean CPU).
+From the project root: PYTHONPATH=src .venv/bin/python docs/results/plan-5ab06fd-modes/idle.py"""
+import json
+from pathlib import Path
+
+from sparcoll.plan.command import priced_as_stored
+from sparcoll.plan.timeline import simulate
+
+here = Path(__file__).parent
+for w in ("ncf", "gpt", "deeplight"):
+    profile = json.loads((here / f"{w}-profile.json").read_text())
+    runs: dict = {}
+    for f in sorted(here.glob(f"{w}-r*.json")):
+        for run in json.loads(f.read_text())["runs"]:
+            if run["comm"] != "ddp":
+                name = f"{w}-plan.json" if run["comm"] == "planned" else Path(run["strategy"]).name
+                runs.setdefault(name, []).append(run)
+    for name, measured in runs.items():
+        step, tensors, chosen = priced_as_stored(profile, json.loads((here / name).read_text()))
+        timeline = simulate(step, [t.costs[o] for t, o in zip(tensors, chosen)])
+        tail = max(timeline.comm_end + [timeline.backward_end]) - timeline.backward_end
+        work = (tail - timeline.idle) * min(1.0, step.cores)
+        idle = [1e3 * (r["step_s"] - 2 * r["cpu_mean_s"]) for r in measured]
+        traced = [1e3 * (max(t[4] for t in r["trace"]["tensors"]) - r["trace"]["backward_end"]) for r in measured]
+        print(f"{name[:-5]:34} tail {1e3 * tail:6.1f} (traced {min(traced):6.1f}-{max(traced):6.1f}) work "
+              f"{1e3 * work:5.1f} | idle priced {1e3 * (tail - work):6.1f} -> {1e3 * timeline.idle:6.1f}, "
+              f"measured {min(idle):6.1f}-{max(idle):6.1f}")
