@@ -188,10 +188,9 @@ def _idle(costs, payload, starts, ends, backward_end: float, waited: float, core
     its compression's, spread over its time on the channel), spread over the cores. Workers that
     share cores (`cores` each, below 1) keep them busy for a worker's work / `cores`: the cores'
     unused time, counted as F counts it (over all of them), is exactly that wait less that. 4 workers
-    on 2 cores at 5ab06fd stood idle 0 and 2.0 ms a step in the mean worker's step on ncf's and
-    deeplight's plans (2.4 and 0.0 so priced, docs/results/step-skew), 9.2-12.8 ms on the uniform
-    sparse AllReduce (5.1 and 7.3) and 737-760 on deeplight's ring (753): where each worker's own
-    slowest step had seemed to show a floor of 7-8 ms, that was the workers starting their steps apart."""
+    on 2 cores left them idle -0.3 to 3.0 ms a step on short waits, so priced 0.1-4.4, and 248.5-259.9
+    on ncf's ring, priced 249.5 (docs/results/plan-e7fd6da); the slowest rank's step had seemed to show
+    a floor of 5-9 ms, the ranks starting their steps apart (docs/results/step-skew)."""
     def after(start: float, end: float) -> float:
         return max(0.0, min(end, waited) - max(start, backward_end))
     work = 0.0
