@@ -49,6 +49,18 @@ def predictions(out: Path, workload: str) -> tuple[dict[str, float], dict[str, d
     return pred, files
 
 
+def runs_by_plan(out: Path, workload: str) -> dict[str, list[dict]]:
+    """Every round's runs of each mode but DDP, by the name of its plan file in `out` (W-plan.json for
+    the plan): what a script that prices the modes again from the profile reads."""
+    runs: dict[str, list[dict]] = {}
+    for f in sorted(out.glob(f"{workload}-r*.json")):
+        for run in json.loads(f.read_text())["runs"]:
+            if run["comm"] != "ddp":
+                name = f"{workload}-plan.json" if run["comm"] == "planned" else Path(run["strategy"]).name
+                runs.setdefault(name, []).append(run)
+    return runs
+
+
 def at_run_speed(plan: dict | None, run: dict, warmup: int) -> float | None:
     """A plan's prediction with its CPU scaled by how much slower the machine ran (bench.speed's
     reference, the median over the run's timed steps) than when its profile was measured; only where

@@ -4,8 +4,6 @@ AllReduce of one random tensor of ncf's largest embedding shape (4431776 element
 densities, 4 workers: timed alone as the profile does, and K of them back to back after one barrier
 (the chain's time over K), in alternating order; and how far apart the workers leave the barrier.
 Run: PYTHONPATH=src:benchmarks:docs/results/barrier-chain .venv/bin/python docs/results/barrier-chain/probe.py"""
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -45,21 +43,13 @@ def body(cfg: dict, rank: int, world: int) -> None:
         comm.close()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--network", default="1gbit")
-    parser.add_argument("--workers", type=int, default=4)
-    args = parser.parse_args()
-    from probe_job import probe_events
-    status, found = probe_events({"timeout": 300}, args.workers, args.network)
-    for e in found:
-        print(json.dumps(e))
-        s, c = statistics.median(e["single_s"]), statistics.median(e["chain_s"])
-        print(f"alone after a barrier {1e3 * s:.2f} ms (median of {len(e['single_s'])} medians), in a chain of "
-              f"{CHAIN} {1e3 * c:.2f} ms each: {s / c:.2f}x; workers leave a barrier "
-              f"{1e3 * min(e['barrier_skew_s']):.2f}-{1e3 * max(e['barrier_skew_s']):.2f} ms apart")
-    return status
+def report(e: dict) -> None:
+    s, c = statistics.median(e["single_s"]), statistics.median(e["chain_s"])
+    print(f"alone after a barrier {1e3 * s:.2f} ms (median of {len(e['single_s'])} medians), in a chain of "
+          f"{CHAIN} {1e3 * c:.2f} ms each: {s / c:.2f}x; workers leave a barrier "
+          f"{1e3 * min(e['barrier_skew_s']):.2f}-{1e3 * max(e['barrier_skew_s']):.2f} ms apart")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from probe_job import run_probe
+    sys.exit(run_probe(report))

@@ -4,8 +4,6 @@ one after another, 4 workers: their CPU alone (the process's, the workers' mean)
 while the training thread steps forward and backward back to back (the process's CPU less the training
 thread's, over the collectives' span, read from the collectives' thread), in alternating rounds.
 Run: PYTHONPATH=src:benchmarks:docs/results/collective-cpu-loaded .venv/bin/python docs/results/collective-cpu-loaded/probe.py"""
-import argparse
-import json
 import statistics
 import sys
 import threading
@@ -61,20 +59,12 @@ def body(cfg: dict, rank: int, world: int) -> None:
         comm.close()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--network", default="1gbit")
-    args = parser.parse_args()
-    from probe_job import probe_events
-    cfg = {"timeout": 300, "workload": "ncf", "seed": 0, "options": {}, "batch_size": 256}
-    status, found = probe_events(cfg, 4, args.network)
-    for e in found:
-        print(json.dumps(e))
-        a, b = statistics.median(e["alone_cpu_s"]), statistics.median(e["loaded_cpu_s"])
-        print(f"the four collectives' CPU a worker: alone {1e3 * a:.2f} ms, beside training {1e3 * b:.2f} ms "
-              f"({b / a:.2f}x; medians of {len(e['alone_cpu_s'])} rounds)")
-    return status
+def report(e: dict) -> None:
+    a, b = statistics.median(e["alone_cpu_s"]), statistics.median(e["loaded_cpu_s"])
+    print(f"the four collectives' CPU a worker: alone {1e3 * a:.2f} ms, beside training {1e3 * b:.2f} ms "
+          f"({b / a:.2f}x; medians of {len(e['alone_cpu_s'])} rounds)")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from probe_job import run_probe
+    sys.exit(run_probe(report, {"workload": "ncf", "seed": 0, "options": {}, "batch_size": 256}))

@@ -1,24 +1,21 @@
 """Per mode of this directory's rounds: the cores' idle time per step as measured (step - 2 x the ranks'
 mean CPU, 4 workers on 2 cores) and as priced (timeline._idle), the simulated wait after backward
 (`tail`), and the CPU a worker per step, measured and priced (ms at the profile's machine speed: the
-measured scaled by the profile's speed reference over the run's).
-From the project root: PYTHONPATH=src .venv/bin/python docs/results/plan-7623400-100mbit/idle.py"""
+measured scaled by the profile's speed reference over the run's). idle.txt holds the idle time as `7623400` priced it
+(the wait less one worker's CPU in it); since `e7fd6da` the script prices it by the cores' arithmetic (its
+output then: idle-e7fd6da.txt).
+From the project root: PYTHONPATH=src:benchmarks .venv/bin/python docs/results/plan-7623400-100mbit/idle.py"""
 import json
 from pathlib import Path
 
+from plan_summary import runs_by_plan
 from sparcoll.plan.command import priced_as_stored
 from sparcoll.plan.timeline import simulate
 
 here = Path(__file__).parent
 profile = json.loads((here / "deeplight-profile.json").read_text())
 ref = profile["model"]["reference_cpu_s"]
-runs: dict = {}
-for round_file in sorted(here.glob("deeplight-r*.json")):
-    for run in json.loads(round_file.read_text())["runs"]:
-        if run["comm"] != "ddp":
-            name = "deeplight-plan.json" if run["comm"] == "planned" else Path(run["strategy"]).name
-            runs.setdefault(name, []).append(run)
-for name, measured in runs.items():
+for name, measured in runs_by_plan(here, "deeplight").items():
     step, tensors, chosen = priced_as_stored(profile, json.loads((here / name).read_text()))
     costs = [t.costs[o] for t, o in zip(tensors, chosen)]
     timeline = simulate(step, costs)

@@ -4,8 +4,6 @@ The four embedding gradients of one backward (4 workers, batch 256 a worker): ea
 times it, then the four back to back after one barrier in backward's order (each one's time on every
 worker, the slowest), in 6 rounds.
 Run: PYTHONPATH=src:benchmarks:docs/results/sparse-chain-ncf .venv/bin/python docs/results/sparse-chain-ncf/probe.py"""
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -53,23 +51,15 @@ def body(cfg: dict, rank: int, world: int) -> None:
         comm.close()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--network", default="1gbit")
-    parser.add_argument("--workers", type=int, default=4)
-    args = parser.parse_args()
-    from probe_job import probe_events
-    status, found = probe_events({"timeout": 300}, args.workers, args.network)
-    for e in found:
-        print(json.dumps(e))
-        for name in ORDER:
-            s, c = statistics.median(e["single_s"][name]), statistics.median(e["chain_s"][name])
-            print(f"{name:16} alone after a barrier {1e3 * s:6.2f} ms, in the chain {1e3 * c:6.2f} ms: {s / c:.2f}x")
-        alone = sum(statistics.median(e["single_s"][n]) for n in ORDER)
-        chain = statistics.median(e["chain_total_s"])
-        print(f"the four: alone {1e3 * alone:.2f} ms summed, the chain {1e3 * chain:.2f} ms: {alone / chain:.2f}x")
-    return status
+def report(e: dict) -> None:
+    for name in ORDER:
+        s, c = statistics.median(e["single_s"][name]), statistics.median(e["chain_s"][name])
+        print(f"{name:16} alone after a barrier {1e3 * s:6.2f} ms, in the chain {1e3 * c:6.2f} ms: {s / c:.2f}x")
+    alone = sum(statistics.median(e["single_s"][n]) for n in ORDER)
+    chain = statistics.median(e["chain_total_s"])
+    print(f"the four: alone {1e3 * alone:.2f} ms summed, the chain {1e3 * chain:.2f} ms: {alone / chain:.2f}x")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from probe_job import run_probe
+    sys.exit(run_probe(report))
