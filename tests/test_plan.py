@@ -127,8 +127,11 @@ def test_the_cores_stand_idle_while_every_worker_waits_after_backward():
     assert simulate(step, costs).iteration == pytest.approx(0.076 + 0.02 - 2 * 0.004 * 2 / 3)
     assert simulate(step, [costs[0], replace(second, offload=True)]).iteration == pytest.approx(
         0.076 + 0.025 - 2 * 0.004 * 25 / 30)
-    # with a core each the timeline sets F: the collective's end and the optimizer
+    assert simulate(step, costs).idle == pytest.approx(0.02 - 2 * 0.004 * 2 / 3)
+    # with a core each the timeline sets F: the collective's end and the optimizer; a worker's
+    # collectives keep only its own core busy, however many it has (a core each: 17.33 ms idle)
     assert simulate(replace(step, cores=2.0), costs).iteration == pytest.approx(0.05)
+    assert simulate(replace(step, cores=2.0), costs).idle == pytest.approx(0.02 - 0.004 * 2 / 3)
 
 
 def test_an_offloaded_lane_overlaps_and_on_thread_compression_delays_backward():
