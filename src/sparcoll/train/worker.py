@@ -223,12 +223,12 @@ class Trainer:
             emit({"event": "step", **self.tag, "step": step, "probed": probed,
                   "loss": mean[0].item(), "step_s": mean[1].item(), "comm_s": mean[2].item(),
                   "compute_s": (mean[1] - mean[2]).item(), "slowest_step_s": slowest[1].item(),
-                  "density_local": table[:, 3].mean().item() if probed else None,
+                  "density_local": mean[3].item() if probed else None,
                   "density_union": row[4].item() if probed else None,
-                  "bytes_sent": None if not interface else table[:, 5].mean().item(),
+                  "bytes_sent": None if not interface else mean[5].item(),
                   "page_faults": int(table[:, 9].max().item()), "cpu_s": table[:, 10].max().item(),
-                  "cpu_mean_s": table[:, 10].mean().item(), "reference_cpu_s": table[:, 11].mean().item(),
-                  **({"predicted_bytes": table[:, 6].mean().item(), "comm_total_s": slowest[7].item(),
+                  "cpu_mean_s": mean[10].item(), "reference_cpu_s": mean[11].item(),
+                  **({"predicted_bytes": mean[6].item(), "comm_total_s": slowest[7].item(),
                       "comm_hidden_s": slowest[8].item()} if self.poseidon else {})})
 
     def finish(self) -> None:
