@@ -12,6 +12,7 @@ from sparcoll import blocks
 from sparcoll.blocks import BlockTensor, SparseBlocks, nonzero_mask, runs
 
 CHUNK = 64      # the scan's rows per reduceat in these tests: its chunk edges in small tensors
+FLAGGED = 16    # rows of at most 8 words flagged at a time in these tests: their edges inside a chunk
 
 
 @pytest.mark.parametrize("width", [8, 9, 10, 12, 256])    # rows that 8, 4 or 2-byte words tile
@@ -27,7 +28,7 @@ def test_scan_matches_elementwise_definition(dtype, width):
     rows[9, 0] = torch.finfo(dtype).tiny / 4 if dtype != torch.bfloat16 else 1e-40   # subnormal
     rows[CHUNK, 0] = rows[CHUNK * 2 + 16, width - 1] = 1.0     # a chunk's first row, the last
     expected = (rows.double() != 0).any(1) | rows.double().isnan().any(1)
-    with mock.patch.object(blocks, "SCAN_ROWS", CHUNK):
+    with mock.patch.multiple(blocks, SCAN_ROWS=CHUNK, FLAG_ROWS=FLAGGED):
         mask = nonzero_mask(rows)
     assert np.array_equal(mask, expected.numpy())
     assert not mask[3] and mask[5] and mask[7] and mask[CHUNK] and mask[-1]
@@ -45,11 +46,11 @@ def test_scan_of_any_shape(nrows, width, data):
                                     min_size=len(picks), max_size=len(picks)))
         rows.view(-1)[torch.tensor(picks, dtype=torch.int64)] = torch.tensor(values)
     expected = (rows != 0).any(1) | rows.isnan().any(1)
-    with mock.patch.object(blocks, "SCAN_ROWS", CHUNK):
+    with mock.patch.multiple(blocks, SCAN_ROWS=CHUNK, FLAG_ROWS=FLAGGED):
         assert np.array_equal(nonzero_mask(rows), expected.numpy())
 
 
-NARROW = dict(SCAN_ROWS=CHUNK, COARSE_BYTES=512, SAMPLE_GROUPS=4)   # groups of 8 to 32 rows here
+NARROW = dict(SCAN_ROWS=CHUNK, COARSE_BYTES=512, SAMPLE_GROUPS=4, FLAG_ROWS=FLAGGED)   # groups of 8 to 32 rows here
 
 
 @settings(max_examples=80, deadline=None)
@@ -87,6 +88,20 @@ def test_narrow_rows_are_scanned_in_groups_only_where_sparse(every, grouped):
         assert grouped_scan.call_count == (40 if grouped else 0)
         assert np.array_equal(nonzero_mask(wide), (wide != 0).any(1).numpy())
         assert grouped_scan.call_count == (40 if grouped else 0)
+    assert np.array_equal(mask, (rows != 0).any(1).numpy())
+
+
+@pytest.mark.parametrize("dtype, width, flagged", [(torch.float32, 16, True), (torch.float16, 4, True),
+                                                    (torch.float32, 10, False), (torch.float32, 64, False)])
+def test_rows_of_at_most_eight_words_are_flagged_word_by_word(dtype, width, flagged):
+    """Rows of 1, 2, 4 or 8 words take the word-by-word path (its correctness is the tests above);
+    rows of 5 words, and wide ones, reduceat's."""
+    rows = torch.zeros(CHUNK * 3 + 5, width, dtype=dtype)
+    rows[::7, width - 1] = 1.0
+    with mock.patch.multiple(blocks, SCAN_ROWS=CHUNK, FLAG_ROWS=FLAGGED), \
+            mock.patch.object(blocks, "_flag_rows", wraps=blocks._flag_rows) as flag_rows:
+        mask = nonzero_mask(rows)
+    assert flag_rows.called == flagged
     assert np.array_equal(mask, (rows != 0).any(1).numpy())
 
 
