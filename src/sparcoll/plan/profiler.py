@@ -44,10 +44,12 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
   held         each ring allreduce of at most HELD_BYTES started on gloo's threads right before a
                sparse AllReduce, as DataParallel runs an uncompressed tensor beside the channel: how
                much later the sparse AllReduce finished than alone (held_beside)
-  speed        before each measurement timed alone (`timed`: the collectives, compressors and steps
-               above, not those under load or inside backward), bench.speed's reference work: the
-               machine's speed the profile's times hold for (its median, `reference_cpu_s`), to read a
-               step measured at another time beside (sparcoll train reports the same per step)
+  speed        before and after each measurement alone (`timed`) and each compressor's steps inside
+               backward, bench.speed's reference work on every worker at once (speed_now): the
+               machine's speed the profile's times hold for (their median, `reference_cpu_s`), to read
+               a step measured at another time beside (sparcoll train reports the same per step). Each
+               CPU time is given at that speed from its own measurement's once the profile ends
+               (at_profile_speed; a collective's CPU under load at its measurement alone's)
 
 Rank 0 reports each measurement as an event (sparcoll.bench.events); `fit` turns them into the fits
 costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`) or the user's
@@ -188,12 +190,29 @@ def slowest_and_mean(measured: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 class Timing(NamedTuple):
     """A run's time (`seconds`) and the CPU seconds a worker's process spent in it, every thread
-    (`cpu`: what timeline.Step.cpu_bound adds up)."""
+    (`cpu`: what timeline.Step.cpu_bound adds up), and the machine's speed around it (`speed`:
+    speed_now's reference before and after, their mean; 0 where not timed)."""
     seconds: float
     cpu: float
+    speed: float = 0.0
 
 
-SPEED: list[float] = []     # bench.speed's reference, timed before each measurement of this profile
+SPEED: list[float] = []     # speed_now's reference around each measurement of this profile
+
+
+def speed_now() -> float:
+    """bench.speed's reference work timed by every worker at once, their mean: the machine's speed at
+    this moment, as `sparcoll train` takes it before each step."""
+    reference = torch.tensor([reference_cpu_s()], dtype=torch.float64)
+    dist.all_reduce(reference)
+    return reference.item() / dist.get_world_size()
+
+
+def noted_speed(before: float) -> float:
+    """The speed around a measurement that began at speed `before` (the mean of it and now's), noted
+    in SPEED."""
+    SPEED.append((before + speed_now()) / 2)
+    return SPEED[-1]
 
 
 def timed(run, prepare=lambda: None) -> Timing:
@@ -204,7 +223,7 @@ def timed(run, prepare=lambda: None) -> Timing:
     starts together, and every worker sees the same times, so all run as many."""
     times: list[float] = []
     cpus: list[float] = []
-    SPEED.append(reference_cpu_s())
+    before = speed_now()
     for i in range(MAX_REPEAT + 1):
         arg = prepare()
         dist.barrier()
@@ -217,7 +236,7 @@ def timed(run, prepare=lambda: None) -> Timing:
             cpus.append(cpu.item())
             if len(times) >= REPEAT and sum(times) >= BUDGET:
                 break
-    return Timing(statistics.median(times), statistics.median(cpus))
+    return Timing(statistics.median(times), statistics.median(cpus), noted_speed(before))
 
 
 class Together:
@@ -295,9 +314,9 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
             "forward": timeline.forward, "tensors": tensors}, gradients, coo_gradients
 
 
-def step_cpu(model: nn.Module, loss_of) -> float:
+def step_cpu(model: nn.Module, loss_of) -> Timing:
     """The CPU seconds of one training step (forward, backward, the optimizer) on a worker (their
-    mean), every worker stepping at once: the work no strategy takes off the cores (ncf: 6.9 ms,
+    mean, `cpu`), every worker stepping at once: the work no strategy takes off the cores (ncf: 6.9 ms,
     4 workers on 2 cores, docs/results/cpu-per-step/ncf-profile.json)."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
 
@@ -306,7 +325,7 @@ def step_cpu(model: nn.Module, loss_of) -> float:
         loss_of(model).backward()
         optimizer.step()
     try:
-        return timed(step).cpu
+        return timed(step)
     finally:
         optimizer.zero_grad()
 
@@ -365,7 +384,7 @@ def rebuild_beside_training(shape, rows: int, world: int, train_step, alone_step
     alone, loaded, _, cpu_loaded = alone_and_loaded(run, lambda: None, train_step, alone_step, timeout)
     return {"rebuild": alone.seconds, "rebuild_loaded": loaded,
             "rebuild_slowdown": max(1.0, loaded / max(alone.seconds, 1e-12)), "rebuild_cpu": alone.cpu,
-            "rebuild_cpu_loaded": cpu_loaded}
+            "rebuild_cpu_loaded": cpu_loaded, "rebuild_speed": alone.speed}
 
 
 def decompress_into(compressor, payload, world: int, into: torch.Tensor) -> None:
@@ -480,16 +499,18 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
 
             try:
                 count = in_backward_steps(slowest(train()))     # step 0: untimed, every worker's count
+                before = speed_now()
                 for step in range(1, 1 + count):
                     train()
             finally:
                 for handle in handles:
                     handle.remove()
+            speed = noted_speed(before)
             seconds, cpus = slowest_and_mean(times[:, :, 1:1 + count])
             seconds, cpus = seconds.median(dim=1).values, cpus.median(dim=1).values
             for j, name in enumerate(names):
-                yield spec, name, Timing(seconds[0, j].item(), cpus[0, j].item()), \
-                    Timing(seconds[1, j].item(), cpus[1, j].item())
+                yield spec, name, Timing(seconds[0, j].item(), cpus[0, j].item(), speed), \
+                    Timing(seconds[1, j].item(), cpus[1, j].item(), speed)
     finally:
         channel.shutdown(cancel_futures=True)
 
@@ -727,6 +748,35 @@ def fit(events: list[dict]) -> dict:
     return out
 
 
+def is_cpu(kind: str) -> bool:
+    """Whether a point's quantity is CPU seconds (cpu, cpu_loaded, compress_cpu, coo_cpu_loaded, ...)."""
+    return "cpu" in kind.split("_")
+
+
+def at_profile_speed(model: dict, points: list[dict]) -> None:
+    """Each CPU time of a finished profile given at the profile's speed (the model's
+    `reference_cpu_s`, the median of its measurements'), from its own measurement's: in place, the
+    time measured kept beside (`measured_s`; the model's as `measured_cpu`). The machine's speed
+    moves 1.25-1.29x between its p10 and p90 over seconds to tens of seconds (docs/benchmarks.md,
+    "The machine's own speed"): three profiles of ncf in a row priced a worker's CPU 21% apart while
+    their median references moved 7%, each part timed at its own moment. The times of wall clocks
+    (collectives over links, a step's ready times) stay as measured."""
+    reference = model.get("reference_cpu_s")
+    if not reference:
+        return
+    for p in points:
+        if p.get("speed") and is_cpu(p["kind"]):
+            p["measured_s"] = p["seconds"]
+            p["seconds"] *= reference / p["speed"]
+    if model.get("cpu_speed"):
+        model["measured_cpu"] = model["cpu"]
+        model["cpu"] *= reference / model["cpu_speed"]
+    for t in model.get("tensors", {}).values():
+        for key in ("rebuild_cpu", "rebuild_cpu_loaded"):
+            if t.get("rebuild_speed") and t.get(key) is not None:
+                t[key] *= reference / t["rebuild_speed"]
+
+
 def timed_compressors(cfg: dict) -> list[str]:
     """The compressors whose times are measured (every one but none)."""
     return [s for s in cfg.get("compressors", COMPRESSORS) if s != "none"]
@@ -756,16 +806,21 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     say = emit if rank == 0 else (lambda event: None)
     model, loss_of = model_and_loss(cfg, rank, world)
     measured, gradients, coo_gradients = profile_model(cfg, model, loss_of, world, comm)
-    say({"event": "model", **measured, "cpu": step_cpu(model, loss_of), "cores_per_worker": cores_per_worker(world)})
+    step = step_cpu(model, loss_of)
+    say({"event": "model", **measured, "cpu": step.cpu, "cpu_speed": step.speed,
+         "cores_per_worker": cores_per_worker(world)})
     sizes = Sizes.of(measured)
     specs = timed_compressors(cfg)
     priced_in_backward = in_backward(specs)
     for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients,
                                                                        sizes.compressor_numels):
         alone = "_alone" if name and spec in priced_in_backward else ""
-        for kind, timing in ((f"compress{alone}", compress.seconds), (f"decompress{alone}", decompress.seconds),
-                             (f"compress_cpu{alone}", compress.cpu), (f"decompress_cpu{alone}", decompress.cpu)):
-            say({"event": "point", "kind": kind, "what": spec, "x": numel, "tensor": name, "seconds": timing})
+        for kind, timing, speed in ((f"compress{alone}", compress.seconds, compress.speed),
+                                    (f"decompress{alone}", decompress.seconds, decompress.speed),
+                                    (f"compress_cpu{alone}", compress.cpu, compress.speed),
+                                    (f"decompress_cpu{alone}", decompress.cpu, decompress.speed)):
+            say({"event": "point", "kind": kind, "what": spec, "x": numel, "tensor": name, "seconds": timing,
+                 "speed": speed})
     # from here on only the gradients profile_sparse_own times stay: the others were vgg's 836 MB a
     # worker beside the gradients its steps inside backward compute, the profile's peak (a worker
     # killed by the OOM killer at 6.6-6.97 GB in those phases, 4 workers on 24 GB)
@@ -775,27 +830,29 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
                                                                  cfg["timeout"]):
         for kind, seconds in (("compress", compress.seconds), ("compress_cpu", compress.cpu),
                               ("decompress", decompress.seconds), ("decompress_cpu", decompress.cpu)):
-            say({"event": "point", "kind": kind, "what": spec, "x": dense[name], "tensor": name, "seconds": seconds})
+            say({"event": "point", "kind": kind, "what": spec, "x": dense[name], "tensor": name, "seconds": seconds,
+                 "speed": compress.speed})
     release_freed_memory()      # the compressors' memories and payloads
     train_step = training_step(model, loss_of)
     for label, name, alone, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"],
                                                   measured["order"]):
         for kind, seconds in zip((*COO_KINDS, "coo_cpu_loaded", "coo_cpu"), (alone.seconds, *times, alone.cpu)):
-            say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds})
+            say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds,
+                 "speed": alone.speed})
     for name, alone, *times in profile_sparse_own(comm, gradients, measured["tensors"], train_step, cfg["timeout"]):
         for quantity, seconds in zip(QUANTITIES, (alone.seconds, *times, alone.cpu)):
-            say({"event": "point", "kind": quantity, "what": SPARSE, "x": 0, "tensor": name, "seconds": seconds})
+            say({"event": "point", "kind": quantity, "what": SPARSE, "x": 0, "tensor": name, "seconds": seconds,
+                 "speed": alone.speed})
     for kind, x, numel, alone, *times in profile_collectives(comm, block_size, rank, world, sizes, train_step,
                                                              cfg["timeout"]):
         for quantity, seconds in zip(QUANTITIES, (alone.seconds, *times, alone.cpu)):
-            say({"event": "point", "kind": quantity, "what": kind, "x": x, "seconds": seconds,
+            say({"event": "point", "kind": quantity, "what": kind, "x": x, "seconds": seconds, "speed": alone.speed,
                  **({} if numel is None else {"numel": numel})})
     for x, seconds in held_beside(comm, block_size, rank, world, sizes):
         say({"event": "point", "kind": "held", "what": RING, "x": x, "seconds": seconds})
-    # the machine's speed over the profile (the ranks' mean of their medians): what its times hold for
-    speed = torch.tensor([statistics.median(SPEED)], dtype=torch.float64)
-    dist.all_reduce(speed)
-    say({"event": "speed", "reference_cpu_s": speed.item() / world})
+    # the machine's speed over the profile (the median of its measurements'): what at_profile_speed
+    # gives its CPU times at
+    say({"event": "speed", "reference_cpu_s": statistics.median(SPEED)})
 
 
 def profile_job(cfg: dict, rank: int, world: int) -> None:
