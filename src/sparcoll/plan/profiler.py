@@ -190,28 +190,29 @@ def slowest_and_mean(measured: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 class Timing(NamedTuple):
     """A run's time (`seconds`) and the CPU seconds a worker's process spent in it, every thread
-    (`cpu`: what timeline.Step.cpu_bound adds up), and the machine's speed around it (`speed`:
-    speed_now's reference before and after, their mean; 0 where not timed)."""
+    (`cpu`: what timeline.Step.cpu_bound adds up), and the machine's speed meanwhile (`speed`:
+    bench.speed's reference timed before each of its runs, the workers' mean; 0 where not timed)."""
     seconds: float
     cpu: float
     speed: float = 0.0
 
 
-SPEED: list[float] = []     # speed_now's reference around each measurement of this profile
+SPEED: list[float] = []     # each measurement's speed (Timing.speed) in this profile
 
 
 def speed_now() -> float:
-    """bench.speed's reference work timed by every worker at once, their mean: the machine's speed at
-    this moment, as `sparcoll train` takes it before each step."""
+    """bench.speed's reference work timed by every worker at once, their mean, as `sparcoll train`
+    takes it before each step."""
     reference = torch.tensor([reference_cpu_s()], dtype=torch.float64)
     dist.all_reduce(reference)
     return reference.item() / dist.get_world_size()
 
 
-def noted_speed(before: float) -> float:
-    """The speed around a measurement that began at speed `before` (the mean of it and now's), noted
-    in SPEED."""
-    SPEED.append((before + speed_now()) / 2)
+def noted_speed(references: list[float]) -> float:
+    """A measurement's speed: the mean of the references timed before its runs (one is too noisy:
+    on 4 processes of ncf's training steps, each step's CPU followed the reference right before it
+    at a correlation of 0.27-0.46, means over 10 of each at 0.63-0.79), noted in SPEED."""
+    SPEED.append(statistics.fmean(references))
     return SPEED[-1]
 
 
@@ -223,20 +224,22 @@ def timed(run, prepare=lambda: None) -> Timing:
     starts together, and every worker sees the same times, so all run as many."""
     times: list[float] = []
     cpus: list[float] = []
-    before = speed_now()
+    references: list[float] = []
     for i in range(MAX_REPEAT + 1):
+        reference = reference_cpu_s()
         arg = prepare()
         dist.barrier()
         cpu, start = time.process_time(), time.perf_counter()
         run(arg)
         if i:
-            took, cpu = slowest_and_mean(torch.tensor([[time.perf_counter() - start],
-                                                       [time.process_time() - cpu]], dtype=torch.float64))
-            times.append(took.item())
-            cpus.append(cpu.item())
+            took, means = slowest_and_mean(torch.tensor([[time.perf_counter() - start, 0.0],
+                                                         [time.process_time() - cpu, reference]], dtype=torch.float64))
+            times.append(took[0].item())
+            cpus.append(means[0].item())
+            references.append(means[1].item())
             if len(times) >= REPEAT and sum(times) >= BUDGET:
                 break
-    return Timing(statistics.median(times), statistics.median(cpus), noted_speed(before))
+    return Timing(statistics.median(times), statistics.median(cpus), noted_speed(references))
 
 
 class Together:
@@ -499,13 +502,14 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
 
             try:
                 count = in_backward_steps(slowest(train()))     # step 0: untimed, every worker's count
-                before = speed_now()
+                references = []
                 for step in range(1, 1 + count):
+                    references.append(speed_now())
                     train()
             finally:
                 for handle in handles:
                     handle.remove()
-            speed = noted_speed(before)
+            speed = noted_speed(references)
             seconds, cpus = slowest_and_mean(times[:, :, 1:1 + count])
             seconds, cpus = seconds.median(dim=1).values, cpus.median(dim=1).values
             for j, name in enumerate(names):
