@@ -35,7 +35,7 @@ from sparcoll.torch.parallel import BUCKET_BYTES, SMALL_BYTES
 
 from .costs import ITEMSIZE, Costing, Measured, in_sequence
 from .options import ALL_COMPRESSORS, COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, options
-from .profiler import at_profile_speed, events_after_model, fit
+from .profiler import events_after_model, fit
 from .timeline import Cost, Step, simulate
 
 # A stored profile of another version is measured anew. What each version changed (10 was also the
@@ -61,9 +61,8 @@ from .timeline import Cost, Step, simulate
 # decompression too (the profiles of docs/results/plan-292cd77-idle and plan-0de37c5-fresh, measured
 # so, still say 31); 33 each collective's CPU beside training too (profiler.under_load); 34 that CPU
 # without its inputs' preparation (33 counted the copy of each run's input: the sparse AllReduce of ncf's
-# and deeplight's dense gradients 1.6-1.7x its CPU alone, docs/results/plan-d083989-fresh); 35 each CPU time
-# given at the profile's median speed from its own measurement's (profiler.at_profile_speed).
-PROFILE_VERSION = 35
+# and deeplight's dense gradients 1.6-1.7x its CPU alone, docs/results/plan-d083989-fresh).
+PROFILE_VERSION = 34
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; all at once
@@ -170,7 +169,6 @@ def measure(ident: dict, timeout: float) -> dict:
     status = run_jobs("plan --profile", 1, body)
     if status:
         raise RuntimeError(f"profiling failed (exit status {status})")
-    at_profile_speed(model, points)
     return {**ident, "model": model, "points": points, "fits": fit(points)}
 
 

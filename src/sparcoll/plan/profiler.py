@@ -44,12 +44,10 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
   held         each ring allreduce of at most HELD_BYTES started on gloo's threads right before a
                sparse AllReduce, as DataParallel runs an uncompressed tensor beside the channel: how
                much later the sparse AllReduce finished than alone (held_beside)
-  speed        before and after each measurement alone (`timed`) and each compressor's steps inside
-               backward, bench.speed's reference work on every worker at once (speed_now): the
-               machine's speed the profile's times hold for (their median, `reference_cpu_s`), to read
-               a step measured at another time beside (sparcoll train reports the same per step). Each
-               CPU time is given at that speed from its own measurement's once the profile ends
-               (at_profile_speed; a collective's CPU under load at its measurement alone's)
+  speed        before each measurement timed alone (`timed`: the collectives, compressors and steps
+               above, not those under load or inside backward), bench.speed's reference work: the
+               machine's speed the profile's times hold for (its median, `reference_cpu_s`), to read a
+               step measured at another time beside (sparcoll train reports the same per step)
 
 Rank 0 reports each measurement as an event (sparcoll.bench.events); `fit` turns them into the fits
 costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`) or the user's
@@ -190,30 +188,12 @@ def slowest_and_mean(measured: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 class Timing(NamedTuple):
     """A run's time (`seconds`) and the CPU seconds a worker's process spent in it, every thread
-    (`cpu`: what timeline.Step.cpu_bound adds up), and the machine's speed meanwhile (`speed`:
-    bench.speed's reference timed before each of its runs, the workers' mean; 0 where not timed)."""
+    (`cpu`: what timeline.Step.cpu_bound adds up)."""
     seconds: float
     cpu: float
-    speed: float = 0.0
 
 
-SPEED: list[float] = []     # each measurement's speed (Timing.speed) in this profile
-
-
-def speed_now() -> float:
-    """bench.speed's reference work timed by every worker at once, their mean, as `sparcoll train`
-    takes it before each step."""
-    reference = torch.tensor([reference_cpu_s()], dtype=torch.float64)
-    dist.all_reduce(reference)
-    return reference.item() / dist.get_world_size()
-
-
-def noted_speed(references: list[float]) -> float:
-    """A measurement's speed: the mean of the references timed before its runs (one is too noisy:
-    on 4 processes of ncf's training steps, each step's CPU followed the reference right before it
-    at a correlation of 0.27-0.46, means over 10 of each at 0.63-0.79), noted in SPEED."""
-    SPEED.append(statistics.fmean(references))
-    return SPEED[-1]
+SPEED: list[float] = []     # bench.speed's reference, timed before each measurement of this profile
 
 
 def timed(run, prepare=lambda: None) -> Timing:
@@ -224,22 +204,20 @@ def timed(run, prepare=lambda: None) -> Timing:
     starts together, and every worker sees the same times, so all run as many."""
     times: list[float] = []
     cpus: list[float] = []
-    references: list[float] = []
+    SPEED.append(reference_cpu_s())
     for i in range(MAX_REPEAT + 1):
-        reference = reference_cpu_s()
         arg = prepare()
         dist.barrier()
         cpu, start = time.process_time(), time.perf_counter()
         run(arg)
         if i:
-            took, means = slowest_and_mean(torch.tensor([[time.perf_counter() - start, 0.0],
-                                                         [time.process_time() - cpu, reference]], dtype=torch.float64))
-            times.append(took[0].item())
-            cpus.append(means[0].item())
-            references.append(means[1].item())
+            took, cpu = slowest_and_mean(torch.tensor([[time.perf_counter() - start],
+                                                       [time.process_time() - cpu]], dtype=torch.float64))
+            times.append(took.item())
+            cpus.append(cpu.item())
             if len(times) >= REPEAT and sum(times) >= BUDGET:
                 break
-    return Timing(statistics.median(times), statistics.median(cpus), noted_speed(references))
+    return Timing(statistics.median(times), statistics.median(cpus))
 
 
 class Together:
@@ -317,9 +295,9 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
             "forward": timeline.forward, "tensors": tensors}, gradients, coo_gradients
 
 
-def step_cpu(model: nn.Module, loss_of) -> Timing:
+def step_cpu(model: nn.Module, loss_of) -> float:
     """The CPU seconds of one training step (forward, backward, the optimizer) on a worker (their
-    mean, `cpu`), every worker stepping at once: the work no strategy takes off the cores (ncf: 6.9 ms,
+    mean), every worker stepping at once: the work no strategy takes off the cores (ncf: 6.9 ms,
     4 workers on 2 cores, docs/results/cpu-per-step/ncf-profile.json)."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
 
@@ -328,7 +306,7 @@ def step_cpu(model: nn.Module, loss_of) -> Timing:
         loss_of(model).backward()
         optimizer.step()
     try:
-        return timed(step)
+        return timed(step).cpu
     finally:
         optimizer.zero_grad()
 
@@ -387,7 +365,7 @@ def rebuild_beside_training(shape, rows: int, world: int, train_step, alone_step
     alone, loaded, _, cpu_loaded = alone_and_loaded(run, lambda: None, train_step, alone_step, timeout)
     return {"rebuild": alone.seconds, "rebuild_loaded": loaded,
             "rebuild_slowdown": max(1.0, loaded / max(alone.seconds, 1e-12)), "rebuild_cpu": alone.cpu,
-            "rebuild_cpu_loaded": cpu_loaded, "rebuild_speed": alone.speed}
+            "rebuild_cpu_loaded": cpu_loaded}
 
 
 def decompress_into(compressor, payload, world: int, into: torch.Tensor) -> None:
@@ -502,19 +480,16 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
 
             try:
                 count = in_backward_steps(slowest(train()))     # step 0: untimed, every worker's count
-                references = []
                 for step in range(1, 1 + count):
-                    references.append(speed_now())
                     train()
             finally:
                 for handle in handles:
                     handle.remove()
-            speed = noted_speed(references)
             seconds, cpus = slowest_and_mean(times[:, :, 1:1 + count])
             seconds, cpus = seconds.median(dim=1).values, cpus.median(dim=1).values
             for j, name in enumerate(names):
-                yield spec, name, Timing(seconds[0, j].item(), cpus[0, j].item(), speed), \
-                    Timing(seconds[1, j].item(), cpus[1, j].item(), speed)
+                yield spec, name, Timing(seconds[0, j].item(), cpus[0, j].item()), \
+                    Timing(seconds[1, j].item(), cpus[1, j].item())
     finally:
         channel.shutdown(cancel_futures=True)
 
@@ -752,35 +727,6 @@ def fit(events: list[dict]) -> dict:
     return out
 
 
-def is_cpu(kind: str) -> bool:
-    """Whether a point's quantity is CPU seconds (cpu, cpu_loaded, compress_cpu, coo_cpu_loaded, ...)."""
-    return "cpu" in kind.split("_")
-
-
-def at_profile_speed(model: dict, points: list[dict]) -> None:
-    """Each CPU time of a finished profile given at the profile's speed (the model's
-    `reference_cpu_s`, the median of its measurements'), from its own measurement's: in place, the
-    time measured kept beside (`measured_s`; the model's as `measured_cpu`). The machine's speed
-    moves 1.25-1.29x between its p10 and p90 over seconds to tens of seconds (docs/benchmarks.md,
-    "The machine's own speed"): three profiles of ncf in a row priced a worker's CPU 21% apart while
-    their median references moved 7%, each part timed at its own moment. The times of wall clocks
-    (collectives over links, a step's ready times) stay as measured."""
-    reference = model.get("reference_cpu_s")
-    if not reference:
-        return
-    for p in points:
-        if p.get("speed") and is_cpu(p["kind"]):
-            p["measured_s"] = p["seconds"]
-            p["seconds"] *= reference / p["speed"]
-    if model.get("cpu_speed"):
-        model["measured_cpu"] = model["cpu"]
-        model["cpu"] *= reference / model["cpu_speed"]
-    for t in model.get("tensors", {}).values():
-        for key in ("rebuild_cpu", "rebuild_cpu_loaded"):
-            if t.get("rebuild_speed") and t.get(key) is not None:
-                t[key] *= reference / t["rebuild_speed"]
-
-
 def timed_compressors(cfg: dict) -> list[str]:
     """The compressors whose times are measured (every one but none)."""
     return [s for s in cfg.get("compressors", COMPRESSORS) if s != "none"]
@@ -810,21 +756,16 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     say = emit if rank == 0 else (lambda event: None)
     model, loss_of = model_and_loss(cfg, rank, world)
     measured, gradients, coo_gradients = profile_model(cfg, model, loss_of, world, comm)
-    step = step_cpu(model, loss_of)
-    say({"event": "model", **measured, "cpu": step.cpu, "cpu_speed": step.speed,
-         "cores_per_worker": cores_per_worker(world)})
+    say({"event": "model", **measured, "cpu": step_cpu(model, loss_of), "cores_per_worker": cores_per_worker(world)})
     sizes = Sizes.of(measured)
     specs = timed_compressors(cfg)
     priced_in_backward = in_backward(specs)
     for spec, numel, name, compress, decompress in profile_compressors(specs, world, gradients,
                                                                        sizes.compressor_numels):
         alone = "_alone" if name and spec in priced_in_backward else ""
-        for kind, timing, speed in ((f"compress{alone}", compress.seconds, compress.speed),
-                                    (f"decompress{alone}", decompress.seconds, decompress.speed),
-                                    (f"compress_cpu{alone}", compress.cpu, compress.speed),
-                                    (f"decompress_cpu{alone}", decompress.cpu, decompress.speed)):
-            say({"event": "point", "kind": kind, "what": spec, "x": numel, "tensor": name, "seconds": timing,
-                 "speed": speed})
+        for kind, timing in ((f"compress{alone}", compress.seconds), (f"decompress{alone}", decompress.seconds),
+                             (f"compress_cpu{alone}", compress.cpu), (f"decompress_cpu{alone}", decompress.cpu)):
+            say({"event": "point", "kind": kind, "what": spec, "x": numel, "tensor": name, "seconds": timing})
     # from here on only the gradients profile_sparse_own times stay: the others were vgg's 836 MB a
     # worker beside the gradients its steps inside backward compute, the profile's peak (a worker
     # killed by the OOM killer at 6.6-6.97 GB in those phases, 4 workers on 24 GB)
@@ -834,29 +775,27 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
                                                                  cfg["timeout"]):
         for kind, seconds in (("compress", compress.seconds), ("compress_cpu", compress.cpu),
                               ("decompress", decompress.seconds), ("decompress_cpu", decompress.cpu)):
-            say({"event": "point", "kind": kind, "what": spec, "x": dense[name], "tensor": name, "seconds": seconds,
-                 "speed": compress.speed})
+            say({"event": "point", "kind": kind, "what": spec, "x": dense[name], "tensor": name, "seconds": seconds})
     release_freed_memory()      # the compressors' memories and payloads
     train_step = training_step(model, loss_of)
     for label, name, alone, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"],
                                                   measured["order"]):
         for kind, seconds in zip((*COO_KINDS, "coo_cpu_loaded", "coo_cpu"), (alone.seconds, *times, alone.cpu)):
-            say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds,
-                 "speed": alone.speed})
+            say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds})
     for name, alone, *times in profile_sparse_own(comm, gradients, measured["tensors"], train_step, cfg["timeout"]):
         for quantity, seconds in zip(QUANTITIES, (alone.seconds, *times, alone.cpu)):
-            say({"event": "point", "kind": quantity, "what": SPARSE, "x": 0, "tensor": name, "seconds": seconds,
-                 "speed": alone.speed})
+            say({"event": "point", "kind": quantity, "what": SPARSE, "x": 0, "tensor": name, "seconds": seconds})
     for kind, x, numel, alone, *times in profile_collectives(comm, block_size, rank, world, sizes, train_step,
                                                              cfg["timeout"]):
         for quantity, seconds in zip(QUANTITIES, (alone.seconds, *times, alone.cpu)):
-            say({"event": "point", "kind": quantity, "what": kind, "x": x, "seconds": seconds, "speed": alone.speed,
+            say({"event": "point", "kind": quantity, "what": kind, "x": x, "seconds": seconds,
                  **({} if numel is None else {"numel": numel})})
     for x, seconds in held_beside(comm, block_size, rank, world, sizes):
         say({"event": "point", "kind": "held", "what": RING, "x": x, "seconds": seconds})
-    # the machine's speed over the profile (the median of its measurements'): what at_profile_speed
-    # gives its CPU times at
-    say({"event": "speed", "reference_cpu_s": statistics.median(SPEED)})
+    # the machine's speed over the profile (the ranks' mean of their medians): what its times hold for
+    speed = torch.tensor([statistics.median(SPEED)], dtype=torch.float64)
+    dist.all_reduce(speed)
+    say({"event": "speed", "reference_cpu_s": speed.item() / world})
 
 
 def profile_job(cfg: dict, rank: int, world: int) -> None:
