@@ -56,8 +56,8 @@ def nonzero_mask(rows: torch.Tensor) -> np.ndarray:
     one core, medians of 100 alternated: 1% of rows non-zero, rows of 16 10.6 -> 6.7 ms, of 32
     6.2 -> 4.6 (rows of 256: 3.3); every row non-zero 10.9 -> 11.9 and 8.4 -> 8.7 (the sample).
     Rows of 64 gained nothing (4.9 -> 5.1 at 1%), so they are scanned row by row. Rows of at most 8
-    words skip reduceat altogether (_flag_rows): medians of 40 alternated, rows of 16 at 1% 7.8 ->
-    6.4 ms, every row 11.3 -> 7.5; rows of 8 at 1% 21.3 -> 8.4."""
+    words skip reduceat altogether (_flag_rows): medians of 40 alternated, rows of 16 at 1% 5.5 ->
+    4.8 ms, every row 10.7 -> 6.4; rows of 8 at 1% 19.7 -> 7.8 (docs/results/narrow-flags)."""
     if rows.device.type != "cpu":
         return ((rows.amax(1) != 0) | (rows.amin(1) != 0)).cpu().numpy()
     nrows, width = rows.shape
