@@ -2,6 +2,7 @@
 hand-computed timelines, the decision against brute force (seeded random instances), the exact
 offload search against brute force, and what the profile reads of a model (its gradients' kinds,
 its backward timeline)."""
+import itertools
 import math
 import mmap
 import random
@@ -883,6 +884,32 @@ def test_a_timed_run_says_the_cpu_its_worker_spent_in_it():
     for busy, sleeping in run_ranks(_timed_cpu, 2, timeout=60):
         assert busy.seconds >= 0.02 and busy.cpu >= 0.02
         assert sleeping.seconds >= 0.02 and sleeping.cpu < 0.01
+
+
+def test_the_profile_makes_its_batches_before_timing_anything():
+    """model_and_loss makes PROFILE_BATCHES batches at once and takes them in turn: the losses it
+    gives draw no further batch (a batch's making is not in `sparcoll train`'s step either)."""
+    from unittest import mock
+    from sparcoll.plan import profiler
+    drawn = []
+
+    class Workload:
+        model = torch.nn.Linear(2, 1)
+
+        def batches(self, batch_size, rank, world, seed):
+            for i in itertools.count():
+                drawn.append(i)
+                yield torch.full((batch_size, 2), float(i))
+
+        def loss(self, model, batch):
+            return batch[0, 0]
+
+    with mock.patch.object(profiler, "get_workload", lambda *args, **kwargs: Workload()):
+        model, loss_of = profiler.model_and_loss({"workload": "w", "options": {}, "seed": 0, "batch_size": 3}, 0, 2)
+    assert len(drawn) == profiler.PROFILE_BATCHES
+    losses = [loss_of(model).item() for _ in range(2 * profiler.PROFILE_BATCHES)]
+    assert len(drawn) == profiler.PROFILE_BATCHES
+    assert losses == [float(i % profiler.PROFILE_BATCHES) for i in range(2 * profiler.PROFILE_BATCHES)]
 
 
 def test_the_profiles_cpu_points_become_curves_grids_and_times_on_tensors():

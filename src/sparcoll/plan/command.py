@@ -61,8 +61,9 @@ from .timeline import Cost, Step, simulate
 # decompression too (the profiles of docs/results/plan-292cd77-idle and plan-0de37c5-fresh, measured
 # so, still say 31); 33 each collective's CPU beside training too (profiler.under_load); 34 that CPU
 # without its inputs' preparation (33 counted the copy of each run's input: the sparse AllReduce of ncf's
-# and deeplight's dense gradients 1.6-1.7x its CPU alone, docs/results/plan-d083989-fresh).
-PROFILE_VERSION = 34
+# and deeplight's dense gradients 1.6-1.7x its CPU alone, docs/results/plan-d083989-fresh); 36 no batch's
+# making timed (profiler.model_and_loss; 35 was tried and reverted, docs/results/profile-speed-median).
+PROFILE_VERSION = 36
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; all at once

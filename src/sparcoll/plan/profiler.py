@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import math
 import os
 import socket
@@ -113,6 +114,7 @@ BUDGET = 0.2      # seconds of timed runs per point, at least
 IN_BACKWARD_STEPS = 3   # steps timed per compressor inside backward after an untimed one, at least ...
 MOST_IN_BACKWARD_STEPS = 24     # ... and at most, as many as fit in IN_BACKWARD_SECONDS
 IN_BACKWARD_SECONDS = 3.0
+PROFILE_BATCHES = 4     # batches made before anything is timed, then taken in turn (model_and_loss)
 # of a collective, as costs.Costing reads them (its measurements alone and under load, then its CPU alone)
 QUANTITIES = ("collectives", "loaded", "slowdown", "cpu_loaded", "cpu")
 
@@ -150,14 +152,18 @@ def _upto(points: tuple[int, ...], largest: int) -> tuple[int, ...]:
 
 
 def model_and_loss(cfg: dict, rank: int, world: int):
-    """The model and a function giving the loss of its next batch."""
+    """The model and a function giving the loss of its next batch: PROFILE_BATCHES batches made at
+    once, then taken in turn, so that no measurement times the making of a batch, as `sparcoll
+    train`'s steps do not (it makes each before the step's clock starts). vgg's batch takes 43 ms on
+    one core, deeplight's 0.9 (docs/results/plan-9a6187c-fresh/batch_time.txt)."""
     if cfg.get("model_spec"):
         workload = UserModel(cfg["model_spec"])
         batches = workload.batches()
     else:
         workload = get_workload(cfg["workload"], data=cfg.get("data"), seed=cfg["seed"], **cfg["options"])
         batches = workload.batches(cfg["batch_size"], rank, world, cfg["seed"])
-    return workload.model, lambda m: workload.loss(m, next(batches))
+    made = itertools.cycle(list(itertools.islice(batches, PROFILE_BATCHES)))
+    return workload.model, lambda m: workload.loss(m, next(made))
 
 
 def training_step(model: nn.Module, loss_of):
