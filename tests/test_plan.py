@@ -886,10 +886,9 @@ def test_a_timed_run_says_the_cpu_its_worker_spent_in_it():
         assert sleeping.seconds >= 0.02 and sleeping.cpu < 0.01
 
 
-def test_the_profile_makes_its_batches_before_timing_anything():
+def test_the_profile_makes_its_batches_before_timing_anything(monkeypatch):
     """model_and_loss makes PROFILE_BATCHES batches at once and takes them in turn: the losses it
     gives draw no further batch (a batch's making is not in `sparcoll train`'s step either)."""
-    from unittest import mock
     from sparcoll.plan import profiler
     drawn = []
 
@@ -904,8 +903,8 @@ def test_the_profile_makes_its_batches_before_timing_anything():
         def loss(self, model, batch):
             return batch[0, 0]
 
-    with mock.patch.object(profiler, "get_workload", lambda *args, **kwargs: Workload()):
-        model, loss_of = profiler.model_and_loss({"workload": "w", "options": {}, "seed": 0, "batch_size": 3}, 0, 2)
+    monkeypatch.setattr(profiler, "get_workload", lambda *args, **kwargs: Workload())
+    model, loss_of = profiler.model_and_loss({"workload": "w", "options": {}, "seed": 0, "batch_size": 3}, 0, 2)
     assert len(drawn) == profiler.PROFILE_BATCHES
     losses = [loss_of(model).item() for _ in range(2 * profiler.PROFILE_BATCHES)]
     assert len(drawn) == profiler.PROFILE_BATCHES
