@@ -911,6 +911,24 @@ def test_the_profile_makes_its_batches_before_timing_anything(monkeypatch):
     assert losses == [float(i % profiler.PROFILE_BATCHES) for i in range(2 * profiler.PROFILE_BATCHES)]
 
 
+def test_the_profiles_step_is_the_mean_of_its_windows_each_kept():
+    from sparcoll.plan.profiler import WINDOWED, averaged_windows
+    first = {"order": ["b", "a"], "ready": [1.0, 3.0], "backward_end": 4.0, "optimizer": 1.0, "forward": 2.0,
+             "cpu": 6.0, "tensors": {"a": {}, "b": {}}, "cores_per_worker": 0.5}
+    later = [{"order": ["b", "a"], "ready": [2.0, 5.0], "backward_end": 7.0, "optimizer": 2.0, "forward": 4.0,
+              "cpu": 9.0},
+             {"order": ["b", "a"], "ready": [3.0, 4.0], "backward_end": 4.0, "optimizer": 3.0, "forward": 3.0,
+              "cpu": 3.0}]
+    model = averaged_windows(first, later)
+    assert model["ready"] == [2.0, 4.0] and model["backward_end"] == 5.0 and model["optimizer"] == 2.0
+    assert model["forward"] == 3.0 and model["cpu"] == 6.0
+    assert model["tensors"] is first["tensors"] and model["cores_per_worker"] == 0.5 and model["order"] == ["b", "a"]
+    assert model["windows"] == [{key: w[key] for key in WINDOWED} for w in (first, *later)]
+    assert averaged_windows(first, [])["forward"] == 2.0
+    with pytest.raises(RuntimeError, match="different orders"):
+        averaged_windows(first, [{**later[0], "order": ["a", "b"]}])
+
+
 def test_the_profiles_cpu_points_become_curves_grids_and_times_on_tensors():
     from sparcoll.plan.profiler import fit
     point = lambda kind, x, seconds, **more: {"event": "point", "kind": kind, "what": more.pop("what", "ring"),

@@ -22,7 +22,7 @@ from sparcoll.plan import decide, fusion
 from sparcoll.plan.command import choices_of, priced_as_stored, trial_others, units_of
 from sparcoll.plan.costs import BLOCKS, Costing, Curve, Grid, Measured, in_sequence
 from sparcoll.plan.profile import backward_timeline
-from sparcoll.plan.profiler import Together, fit
+from sparcoll.plan.profiler import TIMELINE_WINDOWS, Together, fit
 from sparcoll.plan.options import ALLGATHER, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, coo_labels
 from sparcoll.plan.timeline import Cost, Step
 from sparcoll.torch import hybrid
@@ -825,6 +825,9 @@ def test_plan_then_train_the_plan(tmp_path):
     measured = json.loads(profile.read_text())
     assert all(BLOCKS in measured["fits"][quantity] for quantity in ("collectives", "loaded", "slowdown", "cpu"))
     assert 0 < measured["model"]["reference_cpu_s"] < 1      # the machine's speed the profile ran at
+    windows = measured["model"]["windows"]      # the step's timeline and CPU: the mean of its windows
+    assert len(windows) == TIMELINE_WINDOWS and all(w["forward"] > 0 and w["cpu"] > 0 for w in windows)
+    assert measured["model"]["forward"] == pytest.approx(sum(w["forward"] for w in windows) / len(windows))
     coo = [n for n, t in measured["model"]["tensors"].items() if t["coo"]]
     assert len(coo) == 4          # the embeddings' gradients: each option timed on each, alone and loaded
     together = {"+".join(names) for names in fusion.coo_units(measured["model"]["order"], set(coo))}

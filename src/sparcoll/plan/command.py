@@ -35,7 +35,7 @@ from sparcoll.torch.parallel import BUCKET_BYTES, SMALL_BYTES
 
 from .costs import ITEMSIZE, Costing, Measured, in_sequence
 from .options import ALL_COMPRESSORS, COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, options
-from .profiler import events_after_model, fit
+from .profiler import averaged_windows, events_after_model, fit
 from .timeline import Cost, Step, simulate
 
 # A stored profile of another version is measured anew. What each version changed (10 was also the
@@ -62,8 +62,9 @@ from .timeline import Cost, Step, simulate
 # so, still say 31); 33 each collective's CPU beside training too (profiler.under_load); 34 that CPU
 # without its inputs' preparation (33 counted the copy of each run's input: the sparse AllReduce of ncf's
 # and deeplight's dense gradients 1.6-1.7x its CPU alone, docs/results/plan-d083989-fresh); 36 no batch's
-# making timed (profiler.model_and_loss; 35 was tried and reverted, docs/results/profile-speed-median).
-PROFILE_VERSION = 36
+# making timed (profiler.model_and_loss; 35 was tried and reverted, docs/results/profile-speed-median);
+# 37 the backward timeline and a step's CPU the mean of windows spread over the profile (averaged_windows).
+PROFILE_VERSION = 37
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; all at once
@@ -152,7 +153,7 @@ def identity(args) -> dict:
 
 def measure(ident: dict, timeout: float) -> dict:
     """Run the profiling job; the profile (identity, the model's measurements, the points, fits)."""
-    model, points = {}, []
+    model, points, windows = {}, [], []
 
     def body(advance) -> None:
         def on_event(event: dict) -> None:
@@ -162,6 +163,9 @@ def measure(ident: dict, timeout: float) -> dict:
             elif event["event"] == "point":
                 points.append({k: v for k, v in event.items() if k != "event"})
                 advance(f"{event['kind']} {event['what']}")
+            elif event["event"] == "window":
+                windows.append({k: v for k, v in event.items() if k != "event"})
+                advance("timeline window")
             elif event["event"] == "speed":
                 model["reference_cpu_s"] = event["reference_cpu_s"]
         run_job(Job(ident["workers"], ident["network"], 0, {**ident, "timeout": timeout},
@@ -170,7 +174,7 @@ def measure(ident: dict, timeout: float) -> dict:
     status = run_jobs("plan --profile", 1, body)
     if status:
         raise RuntimeError(f"profiling failed (exit status {status})")
-    return {**ident, "model": model, "points": points, "fits": fit(points)}
+    return {**ident, "model": averaged_windows(model, windows), "points": points, "fits": fit(points)}
 
 
 def load_or_measure(args) -> dict:

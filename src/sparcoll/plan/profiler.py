@@ -8,7 +8,9 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
                strategy's interference cannot stand for all); each
                gradient's block density on one worker and over the union of workers; the rows each
                linear layer sees per step (SFB's K); the cores each worker has (offloading needs a
-               spare one)
+               spare one). The timeline and a training step's CPU (below) are measured in
+               TIMELINE_WINDOWS windows, at the profile's start, after the compressors and at its end,
+               and averaged (averaged_windows): the machine's speed drifts over tens of seconds
   SFB          per linear layer, what SFB changes, where it runs: the local weight gradient it spares
                backward, from the same backward timeline measured again with every such layer's weight
                gradient skipped (spared_in_backward: timed apart, vgg's product took more than the
@@ -115,6 +117,8 @@ IN_BACKWARD_STEPS = 3   # steps timed per compressor inside backward after an un
 MOST_IN_BACKWARD_STEPS = 24     # ... and at most, as many as fit in IN_BACKWARD_SECONDS
 IN_BACKWARD_SECONDS = 3.0
 PROFILE_BATCHES = 4     # batches made before anything is timed, then taken in turn (model_and_loss)
+TIMELINE_WINDOWS = 3    # windows the backward timeline and a step's CPU are measured in (averaged_windows)
+WINDOWED = ("ready", "backward_end", "optimizer", "forward", "cpu")     # what a window measures, by name
 # of a collective, as costs.Costing reads them (its measurements alone and under load, then its CPU alone)
 QUANTITIES = ("collectives", "loaded", "slowdown", "cpu_loaded", "cpu")
 
@@ -296,9 +300,34 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
                       "coo": by_name[name].coo, "rows": rows.get(id(p), 0),
                       "density": d / world, "union": u, "node": node.get(name, 0.0), **sfb.get(name, {})}
                for (name, p), d, u in zip(params.items(), density.tolist(), union)}
+    return {**window(timeline), "tensors": tensors}, gradients, coo_gradients
+
+
+def window(timeline: BackwardProfile, cpu: float | None = None) -> dict:
+    """A window's measurements of the model's step, as the profile stores them: its backward
+    timeline, and its CPU (step_cpu) where given."""
     return {"order": list(timeline.order), "ready": list(timeline.step.ready),
             "backward_end": timeline.step.backward_end, "optimizer": timeline.step.optimizer,
-            "forward": timeline.forward, "tensors": tensors}, gradients, coo_gradients
+            "forward": timeline.forward, **({} if cpu is None else {"cpu": cpu})}
+
+
+def another_window(cfg: dict, model: nn.Module, loss_of) -> dict:
+    """The backward timeline and a step's CPU measured again, later in the profile."""
+    timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5), peers=Together())
+    return window(timeline, step_cpu(model, loss_of))
+
+
+def averaged_windows(model: dict, windows: list[dict]) -> dict:
+    """The model's measurements (the "model" event: the first window) with each WINDOWED quantity the
+    mean over it and the later `windows`, each window's own kept under "windows". The same step read
+    14.0-18.8 ms (forward, backward and optimizer) in windows of 1 s within one job of 4 workers of ncf,
+    drifting over tens of seconds (docs/results/timeline-windows): one window reads one moment."""
+    every = [model, *windows]
+    if any(w["order"] != model["order"] for w in windows):
+        raise RuntimeError("the model's gradients became ready in different orders in the profile's windows")
+    mean = {key: statistics.fmean(w[key] for w in every) for key in WINDOWED if key != "ready"}
+    return {**model, **mean, "ready": [statistics.fmean(times) for times in zip(*(w["ready"] for w in every))],
+            "windows": [{key: w[key] for key in WINDOWED} for w in every]}
 
 
 def step_cpu(model: nn.Module, loss_of) -> float:
@@ -754,7 +783,8 @@ def events_after_model(cfg: dict, model: dict) -> int:
             + measured * (len(coo_labels(timed_compressors(cfg))) * len(coo) + len(coo_units(model["order"], coo)))
             + measured * (2 * len(sizes.collective_bytes) + len(sizes.allgather_bytes)
                           + len(sizes.sparse_numels) * (len(SPARSE_DENSITIES) + len(BLOCK_SHARES)))
-            + sum(size <= HELD_BYTES for size in sizes.collective_bytes))
+            + sum(size <= HELD_BYTES for size in sizes.collective_bytes)
+            + TIMELINE_WINDOWS - 1)
 
 
 def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
@@ -783,6 +813,8 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
                               ("decompress", decompress.seconds), ("decompress_cpu", decompress.cpu)):
             say({"event": "point", "kind": kind, "what": spec, "x": dense[name], "tensor": name, "seconds": seconds})
     release_freed_memory()      # the compressors' memories and payloads
+    if TIMELINE_WINDOWS > 1:    # a window in the middle, the others at the end
+        say({"event": "window", **another_window(cfg, model, loss_of)})
     train_step = training_step(model, loss_of)
     for label, name, alone, *times in profile_coo(comm, specs, coo_gradients, train_step, cfg["timeout"],
                                                   measured["order"]):
@@ -798,6 +830,8 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
                  **({} if numel is None else {"numel": numel})})
     for x, seconds in held_beside(comm, block_size, rank, world, sizes):
         say({"event": "point", "kind": "held", "what": RING, "x": x, "seconds": seconds})
+    for _ in range(TIMELINE_WINDOWS - 2):
+        say({"event": "window", **another_window(cfg, model, loss_of)})
     # the machine's speed over the profile (the ranks' mean of their medians): what its times hold for
     speed = torch.tensor([statistics.median(SPEED)], dtype=torch.float64)
     dist.all_reduce(speed)
