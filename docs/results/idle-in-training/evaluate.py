@@ -12,7 +12,8 @@ from sparcoll.plan.timeline import simulate
 
 # (profile, plan, runs) of every fresh check with runs of the plan it kept
 SETS = []
-for profile in sorted(glob.glob("docs/results/*/*-profile.json") + glob.glob("docs/results/timeline-windows/ab/*-profile.json")):
+profiles = glob.glob("docs/results/*/*-profile.json") + glob.glob("docs/results/timeline-windows/ab/*-profile.json")
+for profile in sorted(profiles):
     stem = profile[:-len("-profile.json")]
     runs = sorted(glob.glob(stem + "-planned*.json"))
     # the checks since e7fd6da, whose runs' step is the ranks' mean (before it, the slowest rank's)

@@ -19,9 +19,10 @@ for i in (1, 2, 3):
         cores = plan["cores_per_worker"]
         priced = plan["cpu_bound_s"] * cores
         ref = statistics.median(run["per_step"]["reference_cpu_s"][2:])
-        lines.append(f"{name[10:-5]:<24} round {i}: CPU a worker priced {1e3 * priced:.1f} ms ({priced / profile_ref:.2f} "
-                     f"references), measured {1e3 * run['cpu_mean_s']:.1f} ({run['cpu_mean_s'] / ref:.2f}): "
-                     f"{(priced / profile_ref) / (run['cpu_mean_s'] / ref):.2f} in references; idle priced "
-                     f"{1e3 * plan['idle_s']:.1f} ms, measured {1e3 * (run['step_s'] - run['cpu_mean_s'] / cores):.1f}; "
+        measured = run["cpu_mean_s"]
+        lines.append(f"{name[10:-5]:<24} round {i}: CPU a worker priced {1e3 * priced:.1f} ms "
+                     f"({priced / profile_ref:.2f} references), measured {1e3 * measured:.1f} ({measured / ref:.2f}): "
+                     f"{(priced / profile_ref) / (measured / ref):.2f} in references; idle priced "
+                     f"{1e3 * plan['idle_s']:.1f} ms, measured {1e3 * (run['step_s'] - measured / cores):.1f}; "
                      f"step predicted {1e3 * plan['predicted_step_s']:.1f}, measured {1e3 * run['step_s']:.1f}")
 print("\n".join(sorted(lines)))
