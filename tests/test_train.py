@@ -54,6 +54,9 @@ def check_run(run: dict, comm: str, steps: int) -> None:
     assert run["cpu_s"] == pytest.approx(sum(cpu[1:]) / (steps - 1))
     mean = run["per_step"]["cpu_mean_s"]      # the ranks' mean, at most the busiest rank's
     assert len(mean) == steps and all(0 < m <= c for m, c in zip(mean, cpu))
+    thread = run["per_step"]["training_thread_cpu_s"]     # of it the training thread's: part of the process's
+    assert len(thread) == steps and all(0 < t <= m + 1e-9 for t, m in zip(thread, mean))
+    assert run["training_thread_cpu_s"] == pytest.approx(sum(thread[1:]) / (steps - 1))
     reference = run["per_step"]["reference_cpu_s"]
     assert len(reference) == steps and all(r > 0 for r in reference)
 

@@ -279,7 +279,8 @@ def summarize(mode: tuple[str, str | None], steps: list[dict], args, held_out: f
     predicted = [s["predicted_bytes"] for s in timed if s.get("predicted_bytes") is not None]
     faults = [s["page_faults"] for s in timed]
     optional = {key: statistics.fmean(s[key] for s in timed)
-                for key in ("comm_total_s", "comm_hidden_s", "slowest_step_s") if all(key in s for s in timed)}
+                for key in ("comm_total_s", "comm_hidden_s", "slowest_step_s", "training_thread_cpu_s")
+                if all(key in s for s in timed)}
     return {"comm": mode[0], **option_of(mode), "label": label(mode),
             "predicted_bytes_per_step": statistics.fmean(predicted) if predicted else None, **optional,
             "samples_per_s": args.batch_size * args.workers / mean["step_s"], **mean,

@@ -53,7 +53,9 @@ element; the most page faults a rank took in the step (minor_faults: a step that
 memory, as a heap that grew does, is slow for that, not for its communication); and the most CPU
 seconds a rank's process (every thread of it) spent in the step (cpu_s: what the planner's CPU bound
 predicts, timeline.Step.cpu_bound) and the ranks' mean of it (cpu_mean_s: with the step's time and the
-cores, how long the cores stood idle while every rank waited); before each step, outside its time,
+cores, how long the cores stood idle while every rank waited), and of it the training thread's (the
+ranks' mean, training_thread_cpu_s: the forward, backward, optimizer and whatever a strategy runs on
+that thread, against what the other threads spend, each priced apart by the planner); before each step, outside its time,
 every rank times a fixed piece of CPU work (bench.speed): the ranks' mean (reference_cpu_s) says how
 fast the machine ran then, so that steps measured minutes apart can be compared.
 
@@ -197,14 +199,14 @@ class Trainer:
         sent = interface_counters(interface)[0] if interface else 0
         reference = reference_cpu_s()
         faults = minor_faults()
-        cpu, start = time.process_time(), time.perf_counter()
+        cpu, thread_cpu, start = time.process_time(), time.thread_time(), time.perf_counter()
         loss = self.workload.loss(model, batch)
         self.backward_start = time.perf_counter()
         loss.backward()
         backward_end = time.perf_counter()
         self.optimizer.step()
         step_s = time.perf_counter() - start - probe.overhead
-        cpu = time.process_time() - cpu
+        cpu, thread_cpu = time.process_time() - cpu, time.thread_time() - thread_cpu
         faults = minor_faults() - faults
         sent = interface_counters(interface)[0] - sent if interface else float("nan")
         comm_s = max(0.0, backward_end - probe.last_gradient) if probe.last_gradient else 0.0
@@ -213,7 +215,7 @@ class Trainer:
         predicted, total, hidden = synchronization(model) if self.poseidon else (float("nan"),) * 3
         densities = (probe.local_density(), probe.reduced_density()) if probed else (float("nan"),) * 2
         row = torch.tensor([loss.item(), step_s, comm_s, *densities, sent, predicted, total, hidden, faults, cpu,
-                            reference], dtype=torch.float64)
+                            reference, thread_cpu], dtype=torch.float64)
         rows = [torch.empty_like(row) for _ in range(self.world)]
         dist.all_gather(rows, row)
         if self.rank == 0:
@@ -228,6 +230,7 @@ class Trainer:
                   "bytes_sent": None if not interface else mean[5].item(),
                   "page_faults": int(table[:, 9].max().item()), "cpu_s": table[:, 10].max().item(),
                   "cpu_mean_s": mean[10].item(), "reference_cpu_s": mean[11].item(),
+                  "training_thread_cpu_s": mean[12].item(),
                   **({"predicted_bytes": mean[6].item(), "comm_total_s": slowest[7].item(),
                       "comm_hidden_s": slowest[8].item()} if self.poseidon else {})})
 
