@@ -55,9 +55,10 @@ seconds a rank's process (every thread of it) spent in the step (cpu_s: what the
 predicts, timeline.Step.cpu_bound) and the ranks' mean of it (cpu_mean_s: with the step's time and the
 cores, how long the cores stood idle while every rank waited), and of it the training thread's (the
 ranks' mean, training_thread_cpu_s: the forward, backward, optimizer and whatever a strategy runs on
-that thread, against what the other threads spend, each priced apart by the planner); before each step, outside its time,
-every rank times a fixed piece of CPU work (bench.speed): the ranks' mean (reference_cpu_s) says how
-fast the machine ran then, so that steps measured minutes apart can be compared.
+that thread, against what the other threads spend, each priced apart by the planner); before each
+step, outside its time, every rank times a fixed piece of CPU work (bench.speed): the ranks' mean
+(reference_cpu_s) says how fast the machine ran then, so that steps measured minutes apart can be
+compared.
 
 Why the mean and not the slowest rank's step: that piece of work, the gather of each step's times and
 rank 0's report start the ranks' next steps apart, and the rank that starts first waits in its first
