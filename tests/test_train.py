@@ -317,7 +317,7 @@ def test_plain_ddp_on_sparse_gradients_is_what_gets_run_again_after_a_crash(tmp_
 
 def _step(step: int, loss: float) -> dict:
     return {"event": "step", "step": step, "probed": step == 0, "loss": loss, "step_s": 0.02, "comm_s": 0.01,
-            "compute_s": 0.01, "cpu_s": 0.015, "cpu_mean_s": 0.012,
+            "compute_s": 0.01, "cpu_s": 0.015, "cpu_mean_s": 0.012, "training_thread_cpu_s": 0.01,
             "reference_cpu_s": 0.003, "density_local": 0.5, "density_union": 0.5,
             "bytes_sent": None, "page_faults": 3}
 

@@ -279,15 +279,13 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
                  if p.numel() >= OWN_GRADIENT and not p.grad.is_sparse}
     coo_gradients = {name: p.grad.detach() for name, p in params.items() if p.grad.is_sparse}
     model.zero_grad()
-    iterations = cfg.get("iterations", 5)
-    timeline = backward_timeline(model, loss_of, iterations=iterations, peers=Together())
+    timeline = together_timeline(cfg, model, loss_of)
     node = layer_backward(timeline)
     by_name = {f.name: f for f in facts(model)}
     sfb_able = [name for name, p in params.items() if by_name[name].linear and rows.get(id(p))]
     sfb = {}
     if sfb_able:
-        skipping = backward_timeline(model, loss_of, iterations=iterations, peers=Together(),
-                                     skipped=frozenset(sfb_able))
+        skipping = together_timeline(cfg, model, loss_of, skipped=frozenset(sfb_able))
         spared = spared_in_backward(timeline, skipping, node)
         train_step = training_step(model, loss_of)
         alone_step = timed(lambda _: train_step()).seconds
@@ -303,18 +301,21 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
     return {**window(timeline), "tensors": tensors}, gradients, coo_gradients
 
 
-def window(timeline: BackwardProfile, cpu: float | None = None) -> dict:
-    """A window's measurements of the model's step, as the profile stores them: its backward
-    timeline, and its CPU (step_cpu) where given."""
+def together_timeline(cfg: dict, model: nn.Module, loss_of, skipped: frozenset = frozenset()) -> BackwardProfile:
+    """The model's backward timeline as the profile measures it: every worker's iterations together."""
+    return backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5), peers=Together(), skipped=skipped)
+
+
+def window(timeline: BackwardProfile) -> dict:
+    """A backward timeline as the profile stores it (a window's, with its step's CPU beside)."""
     return {"order": list(timeline.order), "ready": list(timeline.step.ready),
             "backward_end": timeline.step.backward_end, "optimizer": timeline.step.optimizer,
-            "forward": timeline.forward, **({} if cpu is None else {"cpu": cpu})}
+            "forward": timeline.forward}
 
 
 def another_window(cfg: dict, model: nn.Module, loss_of) -> dict:
     """The backward timeline and a step's CPU measured again, later in the profile."""
-    timeline = backward_timeline(model, loss_of, iterations=cfg.get("iterations", 5), peers=Together())
-    return window(timeline, step_cpu(model, loss_of))
+    return {**window(together_timeline(cfg, model, loss_of)), "cpu": step_cpu(model, loss_of)}
 
 
 def averaged_windows(model: dict, windows: list[dict]) -> dict:

@@ -267,8 +267,8 @@ def timed_steps(steps: list[dict], warmup: int) -> list[dict]:
 def summarize(mode: tuple[str, str | None], steps: list[dict], args, held_out: float | None = None) -> dict:
     """One run's record: times averaged over the timed steps, densities over the probed ones, every
     step's values, and the final loss."""
-    keys = ("step_s", "compute_s", "comm_s", "cpu_s", "cpu_mean_s", "reference_cpu_s", "density_local",
-            "density_union")
+    keys = ("step_s", "compute_s", "comm_s", "cpu_s", "cpu_mean_s", "training_thread_cpu_s", "reference_cpu_s",
+            "density_local", "density_union")
     timed = timed_steps(steps, args.warmup)
     probed = [s for s in steps if s.get("probed")] or steps
     mean = {key: statistics.fmean(s[key] for s in (probed if key.startswith("density") else timed))
@@ -279,8 +279,7 @@ def summarize(mode: tuple[str, str | None], steps: list[dict], args, held_out: f
     predicted = [s["predicted_bytes"] for s in timed if s.get("predicted_bytes") is not None]
     faults = [s["page_faults"] for s in timed]
     optional = {key: statistics.fmean(s[key] for s in timed)
-                for key in ("comm_total_s", "comm_hidden_s", "slowest_step_s", "training_thread_cpu_s")
-                if all(key in s for s in timed)}
+                for key in ("comm_total_s", "comm_hidden_s", "slowest_step_s") if all(key in s for s in timed)}
     return {"comm": mode[0], **option_of(mode), "label": label(mode),
             "predicted_bytes_per_step": statistics.fmean(predicted) if predicted else None, **optional,
             "samples_per_s": args.batch_size * args.workers / mean["step_s"], **mean,
