@@ -79,6 +79,22 @@ def test_by_default_the_planner_chooses_among_compressors_that_kept_the_loss():
     assert _compressors("all").split(",") == list(ALL_COMPRESSORS) and _compressors("none,fp16") == "none,fp16"
 
 
+def test_the_planners_compressors_always_include_no_compression_and_a_bad_spec_stops_before_the_profile(capsys):
+    """`--compressors blocktopk:0.01` once failed after the profile's minutes with "min() arg is an empty
+    sequence" (no uncompressed option to start each tensor from); a misspelled spec, with a traceback."""
+    import argparse
+
+    from sparcoll.plan.command import _compressors, add_arguments
+    assert _compressors("blocktopk:0.01") == "none,blocktopk:0.01"
+    assert _compressors(" fp16, none ,fp16") == "none,fp16"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for bad, says in (("blocktopk:x", "bad RATIO 'x'"), ("fp16,topq:0.1", "unknown compressor 'topq'")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--compressors", bad])
+        assert says in capsys.readouterr().err
+
+
 def test_a_pruned_option_says_why():
     assert "linear" in why_invalid(TensorFacts("b", 10), JobFacts(), Option(collective=SFB))
     assert "gathered" in why_invalid(TensorFacts("w", 10), JobFacts(), Option("topk:0.01", RING))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from sparcoll.bench.launch import Job, run_job, run_jobs
 from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
+from sparcoll.compress import parse
 from sparcoll.train import command as train_command
 from sparcoll.train.command import BATCH_SIZES, _option, workload_options
 from sparcoll.workloads import WORKLOADS, user
@@ -74,8 +75,18 @@ TRIAL_WARMUP = 1
 
 
 def _compressors(text: str) -> str:
-    """--compressors: "all" is every family of options.ALL_COMPRESSORS, convergence aside."""
-    return ",".join(ALL_COMPRESSORS) if text == "all" else text
+    """--compressors: "all" is every family of options.ALL_COMPRESSORS, convergence aside. Each spec is
+    checked here, before the profile's minutes; no compression ("none") is always among the options:
+    it is every tensor's starting point (decide.uncompressed) and the ring's and the sparse AllReduce's."""
+    if text.strip().lower() == "all":
+        return ",".join(ALL_COMPRESSORS)
+    specs = [spec.strip() for spec in text.split(",") if spec.strip()]
+    for spec in specs:
+        try:
+            parse(spec)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return ",".join(dict.fromkeys(["none", *specs]))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a field of the workload's config, as for sparcoll train; repeatable")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compressors", default=",".join(COMPRESSORS), type=_compressors,
-                        help="compressor specs to choose from, comma separated, or all (default: the "
+                        help="compressor specs to choose from besides no compression, comma separated, "
+                             "or all (default: the "
                              "families that kept the loss within 5%% of DDP's in our convergence runs: "
                              + ",".join(COMPRESSORS) + ")")
     parser.add_argument("--profile", metavar="PATH", default="sparcoll-profile.json",
