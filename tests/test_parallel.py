@@ -5,6 +5,7 @@ accumulation works, and the trace shows communication starting before backward e
 cost model's choice (no processes)."""
 import datetime
 import json
+import re
 import time
 import warnings
 
@@ -500,17 +501,56 @@ def test_strategy_file_and_bad_strategies(tmp_path):
 
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"0.weight": "sfb", "2.weight": "topk:0.1"}))
-    assert _load(path) == ({"0.weight": "sfb", "2.weight": "topk:0.1"}, {}, {})
-    assert _load(str(path))[0]["0.weight"] == "sfb"
+    assert _load(path).strategy == {"0.weight": "sfb", "2.weight": "topk:0.1"}
+    assert _load(str(path)).strategy["0.weight"] == "sfb"
     with pytest.raises(ValueError, match="unknown compressor"):
         _load({"0.weight": "zip"})
     plan = {"tensors": [{"name": "0.weight", "strategy": "topk:0.1", "placement": "offload"},
                         {"name": "0.bias", "strategy": "ring", "placement": "thread"}]}
-    assert _load(plan) == ({"0.weight": "topk:0.1", "0.bias": "ring"}, {"0.weight": "offload", "0.bias": "thread"}, {})
+    assert _load(plan)[:3] == ({"0.weight": "topk:0.1", "0.bias": "ring"},
+                               {"0.weight": "offload", "0.bias": "thread"}, {})
     plan["tensors"][0]["unit"] = 3
-    assert _load(plan)[2] == {"0.weight": 3}
+    assert _load(plan).units == {"0.weight": 3}
     with pytest.raises(ValueError, match="unknown placement 'gpu'"):
         _load({"tensors": [{"name": "0.weight", "strategy": "fp16", "placement": "gpu"}]})
+
+
+def test_a_strategy_that_is_not_one_says_what_a_strategy_is(tmp_path):
+    """Each once gave a raw FileNotFoundError, AttributeError or KeyError, took None for the compressor
+    "None", or called a mistyped "ring" an unknown compressor without naming the strategies."""
+    from sparcoll.torch.parallel import _load
+
+    assert _load("RING").strategy == "ring" and _load({"w": " Sparse "}).strategy == {"w": "sparse"}
+    for bad, says in (("rign", "unknown strategy 'rign': not 'auto', 'ring', 'ps', 'sparse', 'sfb'"),
+                      (str(tmp_path / "missing.json"), "cannot read the strategy file"),
+                      ({"w": None}, "the strategy for w is None"),
+                      ({"tensors": [{"name": "w"}]}, "a tensor of the plan is {'name': 'w'}")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            _load(bad)
+    for bad in (123, None, ["ring"]):
+        with pytest.raises(TypeError, match="strategy is 'auto'"):
+            _load(bad)
+    listed = tmp_path / "list.json"
+    listed.write_text('["ring"]')
+    with pytest.raises(ValueError, match="holds a JSON list"):
+        _load(listed)
+    # a file of another name is read as one when it names no strategy
+    other = tmp_path / "plan.PLAN"
+    other.write_text(json.dumps({"tensors": [{"name": "w", "strategy": "fp16"}]}))
+    assert _load(str(other)).strategy == {"w": "fp16"}
+
+
+def test_a_plan_for_another_model_is_refused_naming_what_differs():
+    """A plan made for another model once left every tensor on "auto" without a word."""
+    from sparcoll.torch.parallel import _load, check_names
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    check_names(model, _load({"tensors": [{"name": "0.weight", "strategy": "ring", "numel": 12}]}))
+    with pytest.raises(ValueError, match=r"does not have: emb\.weight \(the model's: 0\.weight, 0\.bias, "
+                                         r"2\.weight, 2\.bias\); a plan made for another model"):
+        check_names(model, _load({"emb.weight": "sparse", "0.weight": "ring"}))
+    with pytest.raises(ValueError, match="the plan gives 0.weight 16 elements, the model 12"):
+        check_names(model, _load({"tensors": [{"name": "0.weight", "strategy": "ring", "numel": 16}]}))
 
 
 @pytest.mark.parametrize("workload, batch", [("ncf", "8"), ("vgg", "8")])

@@ -72,7 +72,7 @@ import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Union
+from typing import Callable, Mapping, NamedTuple, Union
 
 import torch
 import torch.distributed as dist
@@ -183,7 +183,9 @@ class DataParallel(nn.Module):
         self.world = dist.get_world_size(group)
         self.channel = Channel(group, comm)
         self._group_channel = Channel(group)     # the group's own collectives, without sparcoll
-        self._explicit, self._placement, self._unit = _load(strategy)
+        loaded = _load(strategy)
+        check_names(module, loaded)
+        self._explicit, self._placement, self._unit = loaded.strategy, loaded.placement, loaded.units
         self._planned = bool(self._placement)      # a plan gives every tensor's placement
         self._unit_size = collections.Counter(self._unit.values())
         self._unit_bytes = collections.Counter()        # a plan's unit -> its gradients' bytes (dense)
@@ -1091,33 +1093,106 @@ def _other_kind(kind: tuple, members: list, new_kind: tuple, grad: torch.Tensor)
     return kind != new_kind or first.dtype != grad.dtype or first.is_sparse != grad.is_sparse
 
 
-def _load(strategy) -> tuple[Union[str, dict], dict, dict]:
-    """"auto", one strategy for all, or {name: strategy} from a dict, a plan or a JSON file of either;
-    each checked. Also, from a plan, {name: placement} of its compressed tensors and {name: unit}."""
-    if isinstance(strategy, Path) or (isinstance(strategy, str) and strategy.endswith(".json")):
-        strategy = json.loads(Path(strategy).read_text())
-    placement, units = {}, {}
+WHAT_STRATEGY_IS = (f"'{AUTO}', {', '.join(repr(s) for s in STRATEGIES)}, a compressor spec such as "
+                    f"'blocktopk:0.01', {{parameter name: strategy}}, a plan of `sparcoll plan` or the path of "
+                    f"a JSON file of either")
+
+
+class Loaded(NamedTuple):
+    """A strategy argument read and checked: "auto", one strategy for all, or {name: strategy}; from a
+    plan also {name: placement} of its compressed tensors, {name: unit} and {name: numel}."""
+    strategy: Union[str, dict]
+    placement: dict
+    units: dict
+    numels: dict
+
+
+def _load(strategy) -> Loaded:
+    """The strategy argument, each strategy in it checked (ValueError naming the problem, TypeError
+    for an argument of another type)."""
+    if isinstance(strategy, Path) or (isinstance(strategy, str) and _is_file_name(strategy)):
+        strategy = _read(Path(strategy))
     if isinstance(strategy, Mapping) and isinstance(strategy.get("tensors"), list):     # a plan
-        placement = {str(t["name"]): str(t.get("placement", CHANNEL)) for t in strategy["tensors"]}
-        units = {str(t["name"]): t["unit"] for t in strategy["tensors"] if "unit" in t}
-        strategy = {t["name"]: t["strategy"] for t in strategy["tensors"]}
-        wrong = sorted(set(placement.values()) - {CHANNEL, THREAD, OFFLOAD})
-        if wrong:
-            raise ValueError(f"unknown placement {wrong[0]!r} in the plan; expected {THREAD} or {OFFLOAD}")
+        return _plan(strategy["tensors"])
     if isinstance(strategy, Mapping):
-        table = {str(name): str(s) for name, s in strategy.items()}
-        for s in table.values():
-            check_strategy(s)
-        return table, placement, units
-    check_strategy(strategy)
-    return strategy, placement, units
+        return Loaded({str(name): _checked(s, name) for name, s in strategy.items()}, {}, {}, {})
+    if not isinstance(strategy, str):
+        raise TypeError(f"strategy is {WHAT_STRATEGY_IS}; got {type(strategy).__name__}")
+    return Loaded(_checked(strategy), {}, {}, {})
+
+
+def _is_file_name(text: str) -> bool:
+    """A JSON file's name (any case), or an existing file's that is no strategy's."""
+    if text.lower().endswith(".json"):
+        return True
+    try:
+        _checked(text)
+    except ValueError:
+        return Path(text).is_file()
+    return False
+
+
+def _read(path: Path):
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the strategy file {path}: {exc}") from None
+    if not isinstance(loaded, (Mapping, str)):
+        raise ValueError(f"{path} holds a JSON {type(loaded).__name__}; expected {{parameter name: strategy}} "
+                         f"or a plan of `sparcoll plan`")
+    return loaded
+
+
+def _plan(tensors: list) -> Loaded:
+    bad = next((t for t in tensors if not (isinstance(t, Mapping) and {"name", "strategy"} <= t.keys())), None)
+    if bad is not None:
+        raise ValueError(f"a tensor of the plan is {bad!r}; `sparcoll plan` writes each with its 'name' "
+                         f"and 'strategy'")
+    placement = {str(t["name"]): str(t.get("placement", CHANNEL)) for t in tensors}
+    wrong = sorted(set(placement.values()) - {CHANNEL, THREAD, OFFLOAD})
+    if wrong:
+        raise ValueError(f"unknown placement {wrong[0]!r} in the plan; expected {THREAD} or {OFFLOAD}")
+    return Loaded({str(t["name"]): _checked(t["strategy"], t["name"]) for t in tensors}, placement,
+                  {str(t["name"]): t["unit"] for t in tensors if "unit" in t},
+                  {str(t["name"]): t["numel"] for t in tensors if "numel" in t})
+
+
+def _checked(strategy, name=None) -> str:
+    """One strategy (of parameter `name`): a name among STRATEGIES or AUTO (any case), else a
+    compressor spec."""
+    of = f" for {name}" if name is not None else ""
+    if not isinstance(strategy, str):
+        raise ValueError(f"the strategy{of} is {strategy!r}, not {WHAT_STRATEGY_IS}")
+    if strategy.strip().lower() in (*STRATEGIES, AUTO):
+        return strategy.strip().lower()
+    try:
+        parse(strategy)
+    except ValueError as exc:
+        raise ValueError(f"unknown strategy {strategy!r}{of}: not {WHAT_STRATEGY_IS} ({exc})") from None
+    return strategy
 
 
 def check_strategy(strategy: str) -> None:
-    """ValueError unless `strategy` is one (or a JSON file of them, which is then read)."""
-    if strategy.endswith(".json"):
-        _load(strategy)
+    """ValueError unless `strategy` is one, or a JSON file of them (which is then read)."""
+    _load(strategy)
+
+
+def check_names(module: nn.Module, loaded: Loaded) -> None:
+    """ValueError if the strategy names a parameter the module does not have, or a plan gives one
+    another size: a plan made for another model would otherwise leave every tensor on "auto"."""
+    if not isinstance(loaded.strategy, dict):
         return
-    if strategy in STRATEGIES or strategy == AUTO:
-        return
-    parse(strategy)          # a compressor spec, or a ValueError naming the problem
+    sizes = {name: p.numel() for name, p in module.named_parameters()}
+    unknown = sorted(set(loaded.strategy) - sizes.keys())
+    if unknown:
+        raise ValueError(f"the strategy names {len(unknown)} parameter(s) the model does not have: "
+                         f"{_some(unknown)} (the model's: {_some(list(sizes))}); a plan made for another model?")
+    resized = [name for name, numel in loaded.numels.items() if sizes[name] != numel]
+    if resized:
+        name = resized[0]
+        raise ValueError(f"the plan gives {name} {loaded.numels[name]} elements, the model {sizes[name]}: "
+                         f"a plan made for another model or workload options?")
+
+
+def _some(names: list) -> str:
+    return ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
