@@ -540,6 +540,31 @@ def test_a_strategy_that_is_not_one_says_what_a_strategy_is(tmp_path):
     assert _load(str(other)).strategy == {"w": "fp16"}
 
 
+def unlike_ranks(rank: int, world: int) -> list[str]:
+    """Rank 1 gives DataParallel fp16 where the others give the ring, then a wider layer: what each
+    rank's constructor raised, in turn."""
+    from sparcoll.errors import MismatchError
+    said = []
+    for strategy, width in ((("ring", "fp16")[rank == 1], 3), ("ring", (3, 4)[rank == 1])):
+        torch.manual_seed(0)
+        started = time.monotonic()
+        try:
+            sparcoll.torch.DataParallel(nn.Linear(2, width), strategy=strategy, timeout=20)
+        except MismatchError as exc:
+            said.append(f"{exc} after {time.monotonic() - started:.1f} s")
+    return said
+
+
+def test_ranks_given_other_strategies_or_models_are_told_on_every_rank():
+    """Once gloo aborted rank 0 ("Received data size doesn't match expected size") where rank 1 ran
+    fp16 against its ring, and a model of other shapes failed in the broadcast of rank 0's parameters."""
+    for said in run_ranks(unlike_ranks, 2, timeout=60):
+        assert len(said) == 2, said
+        assert said[0].startswith("rank(s) [1] built DataParallel with another strategy"), said
+        assert said[1].startswith("rank(s) [1] built DataParallel with another model"), said
+        assert all(float(text.split(" after ")[1].split()[0]) < 10 for text in said), said
+
+
 def test_a_plan_for_another_model_is_refused_naming_what_differs():
     """A plan made for another model once left every tensor on "auto" without a word."""
     from sparcoll.torch.parallel import _load, check_names

@@ -186,6 +186,8 @@ class DataParallel(nn.Module):
         loaded = _load(strategy)
         check_names(module, loaded)
         self._explicit, self._placement, self._unit = loaded.strategy, loaded.placement, loaded.units
+        if self.world > 1:
+            self._check_alike_on_every_rank()
         self._planned = bool(self._placement)      # a plan gives every tensor's placement
         self._unit_size = collections.Counter(self._unit.values())
         self._unit_bytes = collections.Counter()        # a plan's unit -> its gradients' bytes (dense)
@@ -1064,6 +1066,26 @@ class DataParallel(nn.Module):
         if (spec, placement) not in self._reducers:
             self._reducers[spec, placement] = Reducer(spec, self.group, self.comm)
         return self._reducers[spec, placement]
+
+    def _check_alike_on_every_rank(self) -> None:
+        """MismatchError on every rank if the ranks were given other models (parameters' names,
+        shapes, dtypes) or other strategies, before anything else crosses the group: rank 0's
+        parameters broadcast into tensors of other sizes made gloo abort the process, and one rank's
+        fp16 against another's ring in a step did too. One all_gather of two checksums, within the
+        timeout."""
+        model = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in self.module.named_parameters()]
+        table = sorted(self._explicit.items()) if isinstance(self._explicit, dict) else self._explicit
+        strategy = (table, sorted(self._placement.items()), sorted(self._unit.items()), self.find_unused_parameters,
+                    self.comm is not None)
+        mine = torch.tensor([zlib.crc32(repr(model).encode()), zlib.crc32(repr(strategy).encode())])
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        self._wait_for(dist.all_gather(every, mine, group=self.group, async_op=True))
+        for i, what in enumerate(("model (its parameters' names, shapes or dtypes)",
+                                  "strategy (or find_unused_parameters, or a communicator)")):
+            others = [rank for rank, theirs in enumerate(every) if theirs[i] != every[0][i]]
+            if others:
+                raise MismatchError(f"rank(s) {others} built DataParallel with another {what} than rank 0: "
+                                    f"every rank needs the same")
 
     def _broadcast_from_rank0(self) -> None:
         with torch.no_grad():
