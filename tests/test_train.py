@@ -12,8 +12,8 @@ import torch
 from sparcoll.bench.launch import BenchError
 from sparcoll.cli import main
 from sparcoll.bench.memory import FAULTING_PAGES
-from sparcoll.train.command import _option, timed_steps, workload_options
-from sparcoll.train.worker import block_density, nonzero_elements, synchronization
+from sparcoll.train.command import _option, load_plan, timed_steps, workload_options
+from sparcoll.train.worker import GradientProbe, block_density, nonzero_elements, synchronization
 
 pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
 
@@ -256,6 +256,93 @@ def test_workload_options():
     assert lstm["tie_weights"] is False and lstm["vocab_size"] == 10_000 and lstm["embed_dim"] == 32
     assert "vocab_size" not in workload_options("lstm", [("tiny", True)])
     assert workload_options("ncf", []) == {}
+
+
+def test_workload_options_are_checked_against_the_workload_before_any_worker_builds_it(capsys):
+    """A field the workload's config lacks, or a value not of its type, is refused by name in the parent
+    (a worker would fail with a TypeError, or take the string 'maybe' for a true bool)."""
+    assert workload_options("ncf", [("tiny", "yes"), ("sparse_embeddings", 0), ("user_zipf", 1),
+                                    ("mlp_layers", (8, 4)), ("max_rows", None)]) == \
+        {"tiny": True, "sparse_embeddings": False, "user_zipf": 1.0, "mlp_layers": (8, 4), "max_rows": None}
+    assert workload_options("vgg", [("hidden", (64, 32))]) == {"hidden": (64, 32)}
+    with pytest.raises(ValueError, match="ncf has no such option; its options are tiny, sparse_embeddings, "
+                                         "num_users"):
+        workload_options("ncf", [("hidden", (64, 32))])
+    for key, value, kind in (("tiny", "maybe", r"bool \(true or false\)"), ("num_users", 1.5, "int"),
+                             ("num_users", True, "int"), ("mlp_layers", 64, r"tuple\[int, ...\] \(comma"),
+                             ("max_rows", "all", r"int \| None"), ("sparse_embeddings", 2, "bool")):
+        with pytest.raises(ValueError, match=f"--workload-option {key}={value!r}: ncf's {key} is of type {kind}"):
+            workload_options("ncf", [(key, value)])
+    assert main(["train", "--network", "none", "--workload-option", "hidden=64,32"]) == 2
+    assert "sparcoll train: error: --workload-option hidden: ncf has no such option" in capsys.readouterr().err
+
+
+def test_a_plan_is_refused_for_other_workload_options_or_for_a_users_model(tmp_path, capsys):
+    """The planned mode runs a plan only on the model it was made for: the options are compared as the
+    plan's JSON holds them (tuples as lists); a plan of `sparcoll plan --model` is not a workload's."""
+    from argparse import Namespace
+
+    args = Namespace(plan=str(tmp_path / "plan.json"), workload="ncf", workers=2, batch_size=8)
+    planned = [("planned", None)]
+
+    def plan_for(**made) -> None:
+        (tmp_path / "plan.json").write_text(json.dumps({"workers": 2, "tensors": [], **made}))
+
+    tiny = [("tiny", True), ("mlp_layers", (8, 4))]
+    plan_for(workload="ncf", batch_size=8, options=workload_options("ncf", tiny))
+    assert load_plan(args, planned, workload_options("ncf", tiny))["workload"] == "ncf"
+    with pytest.raises(ValueError, match="made with the workload options tiny=True, mlp_layers=\\[8, 4\\], this "
+                                         "run has tiny=True, mlp_layers=\\[8, 4\\], sparse_embeddings=True"):
+        load_plan(args, planned, workload_options("ncf", tiny + [("sparse_embeddings", True)]))
+    with pytest.raises(ValueError, match="this run has none"):
+        load_plan(args, planned, workload_options("ncf", []))
+    plan_for(model_spec="mymodels:build")
+    with pytest.raises(ValueError, match="made for the model mymodels:build \\(sparcoll plan --model\\), this "
+                                         "run trains the workload ncf"):
+        load_plan(args, planned, {})
+    # in the parent, before any worker: bad arguments
+    assert main(["train", "--comm", "planned", "--plan", args.plan, "--workers", "2", "--network", "none"]) == 2
+    assert "was made for the model mymodels:build" in capsys.readouterr().err
+
+
+def test_a_json_report_in_a_missing_directory_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    from sparcoll.train import command
+
+    monkeypatch.setattr(command, "run_job", FakeJobs(4, crashes=0))
+    missing = tmp_path / "no" / "r.json"
+    assert main(["train", "--network", "none", "--steps", "4", "--json", str(missing)]) == 2
+    assert f"--json {missing}: there is no directory {missing.parent}" in capsys.readouterr().err
+    assert main(["train", "--network", "none", "--steps", "4", "--json", str(tmp_path / "r.json")]) == 0
+    assert len(json.loads((tmp_path / "r.json").read_text())["runs"][0]["loss"]) == 4
+
+
+def test_a_warm_up_that_leaves_no_step_to_time_is_refused(capsys):
+    for warmup in ("3", "5"):
+        assert main(["train", "--network", "none", "--steps", "3", "--warmup", warmup]) == 2
+        assert f"--warmup {warmup} leaves none of the --steps 3 to time" in capsys.readouterr().err
+
+
+def test_a_misspelled_mode_among_several_is_named_alone(capsys):
+    """A comma continues a mode's spec only after a mode with one (hook:compress=topk:0.01,ef=off)."""
+    from sparcoll.train.command import _split_modes
+
+    for modes in ("ddp,posiedon", "posiedon,ddp", "hook:compress=none,ddp,posiedon"):
+        with pytest.raises(ValueError, match="^unknown mode 'posiedon'; modes are sparcoll, ddp, hook"):
+            _split_modes(modes)
+    assert main(["train", "--network", "none", "--compare", "ddp,posiedon"]) == 2
+    assert "error: unknown mode 'posiedon';" in capsys.readouterr().err
+
+
+def test_the_gradient_probe_leaves_frozen_parameters_out():
+    """A frozen parameter has no gradient to hook or to send (`sparcoll plan --model`'s trial trains
+    a user's model with one): the probe sees the trained ones, and its densities are theirs alone."""
+    model = torch.nn.Linear(4, 1)
+    model.weight.requires_grad_(False)
+    probe = GradientProbe(list(model.parameters()), 1)
+    probe.reset(marking=True)
+    model(torch.ones(2, 4)).sum().backward()
+    assert probe.params == [model.bias] and probe.last_gradient is not None
+    assert probe.local_density() == probe.reduced_density() == 1.0     # the bias's one element, not 1 of 5
 
 
 def test_density_counts_blocks_with_a_nonzero_element():

@@ -28,8 +28,11 @@ import argparse
 import ast
 import json
 import math
+import os
 import statistics
 import sys
+import types
+import typing
 
 import numpy as np
 
@@ -47,6 +50,8 @@ COMMON_OPTIONS = {"lstm": {"tie_weights": False}}
 BATCH_SIZES = {"vgg": 32, "gpt": 1}    # per worker, where 256 samples is not what the workload is for
 # The full-size LSTM is too heavy for CPU runs; these apply unless tiny=true or the user sets them.
 SMALLER = {"lstm": {"vocab_size": 10_000, "embed_dim": 64, "hidden_dim": 64, "bptt": 20}}
+BOOLEANS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+HINTS = {bool: "true or false", tuple[int, ...]: "comma separated: 64,32, or 16, for one"}
 
 
 def _option(text: str) -> tuple[str, object]:
@@ -109,8 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sparcoll's block size, also used to measure gradient density (default 256)")
     parser.add_argument("--data", metavar="PATH", help="the workload's data file (default: synthetic)")
     parser.add_argument("--workload-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
-                        help="set a field of the workload's config, e.g. num_users=1000, hidden=64,32 or "
-                             "tiny=true (the test preset); repeatable")
+                        help="set a field of the workload's config, e.g. num_users=1000 (ncf), hidden=64,32 "
+                             "(vgg) or tiny=true (the test preset); repeatable")
     parser.add_argument("--warmup", type=int, default=1,
                         help="first steps left out of the timing summary (default 1)")
     parser.add_argument("--json", metavar="PATH", help="write the configuration and results to PATH")
@@ -119,8 +124,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def workload_options(name: str, given: list[tuple[str, object]]) -> dict:
-    user = dict(given)
+    """The options workload `name` is built with: the user's, checked against its Config's fields (and
+    tiny, the preset) and typed as they are (a ValueError naming a bad one, before any worker builds it),
+    over the defaults of this command."""
+    fields = {"tiny": bool} | typing.get_type_hints(sys.modules[WORKLOADS[name].__module__].Config)
+    user = {}
+    for key, value in given:
+        if key not in fields:
+            raise ValueError(f"--workload-option {key}: {name} has no such option; its options are "
+                             f"{', '.join(fields)}")
+        try:
+            user[key] = _typed(value, fields[key])
+        except ValueError:
+            kind = fields[key]
+            raise ValueError(f"--workload-option {key}={value!r}: {name}'s {key} is of type "
+                             f"{kind.__name__ if isinstance(kind, type) else kind}"
+                             + (f" ({HINTS[kind]})" if kind in HINTS else "")) from None
     return {**COMMON_OPTIONS.get(name, {}), **({} if user.get("tiny") else SMALLER.get(name, {})), **user}
+
+
+def _typed(value: object, kind) -> object:
+    """`value` as _option parsed it, as a config field of type `kind` holds it; ValueError if it is not
+    one (a workload would take a string for a true bool, or fail in every worker)."""
+    if kind is bool and str(value).lower() in BOOLEANS:
+        return BOOLEANS[str(value).lower()]
+    if kind is float and type(value) is int:
+        return float(value)
+    if isinstance(kind, type) and type(value) is kind:
+        return value
+    if typing.get_origin(kind) is tuple and isinstance(value, tuple):
+        return tuple(_typed(v, typing.get_args(kind)[0]) for v in value)
+    for option in typing.get_args(kind) if typing.get_origin(kind) in (types.UnionType, typing.Union) else ():
+        try:
+            return _typed(value, option)
+        except ValueError:
+            pass
+    raise ValueError(f"not a {kind}")
 
 
 def parse_mode(text: str) -> tuple[str, str | None]:
@@ -163,16 +202,16 @@ def modes_of(args) -> list[tuple[str, str | None]]:
 
 
 def _split_modes(text: str) -> list[tuple[str, str | None]]:
-    """Modes separated by commas, where a spec may hold commas too: a new mode starts at a comma
-    followed by a mode name."""
-    parts, current = [], ""
+    """Modes separated by commas, where a spec may hold commas too: a comma after a mode with a spec
+    continues it unless a mode name follows; after one without, a mode follows (a misspelled one is
+    then named alone)."""
+    parts = []
     for piece in filter(str.strip, text.split(",")):
-        if current and piece.strip().partition(":")[0] in MODES:
-            parts.append(current)
-            current = piece
+        if parts and ":" in parts[-1] and piece.strip().partition(":")[0] not in MODES:
+            parts[-1] += f",{piece}"
         else:
-            current = f"{current},{piece}" if current else piece
-    return [parse_mode(p) for p in parts + [current]]
+            parts.append(piece)
+    return [parse_mode(p) for p in parts]
 
 
 def check_interleave(args, modes: list[tuple[str, str | None]]) -> None:
@@ -194,6 +233,11 @@ def _validate(args) -> None:
         raise ValueError("--workers, --steps, --batch-size and --block-size must be >= 1")
     if args.warmup < 0 or args.timeout <= 0:
         raise ValueError("--warmup must be >= 0 and --timeout > 0")
+    if args.warmup >= args.steps:
+        raise ValueError(f"--warmup {args.warmup} leaves none of the --steps {args.steps} to time; "
+                         f"give more steps or a smaller --warmup")
+    if args.json and not os.path.isdir(folder := os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json {args.json}: there is no directory {folder}")     # before the training
     check_link_burst(args.link_burst, args.network)
     if args.network != "none":
         ok, reason = netem_available()
@@ -202,9 +246,9 @@ def _validate(args) -> None:
         parse_rate(args.network)
 
 
-def load_plan(args, modes) -> dict | None:
-    """The plan of the planned mode (None if no mode is planned): for this workload's tensors and
-    worker count, else a ValueError saying what differs."""
+def load_plan(args, modes, options: dict) -> dict | None:
+    """The plan of the planned mode (None if no mode is planned): for this workload, its `options`
+    (workload_options), worker count and batch size, else a ValueError saying what differs."""
     if not any(comm == "planned" for comm, _ in modes):
         if args.plan:
             raise ValueError("--plan needs --comm planned or planned among --compare")
@@ -218,9 +262,18 @@ def load_plan(args, modes) -> dict | None:
         raise ValueError(f"cannot read the plan {args.plan}: {exc}") from None
     if not isinstance(plan, dict) or not isinstance(plan.get("tensors"), list):
         raise ValueError(f"{args.plan} is not a plan of `sparcoll plan` (no 'tensors' list)")
+    if "model_spec" in plan:
+        raise ValueError(f"{args.plan} was made for the model {plan['model_spec']} (sparcoll plan --model), "
+                         f"this run trains the workload {args.workload}")
     for key, want in (("workload", args.workload), ("workers", args.workers), ("batch_size", args.batch_size)):
         if key in plan and plan[key] != want:
             raise ValueError(f"{args.plan} was made for {key} {plan[key]}, this run has {want}")
+    options = json.loads(json.dumps(options))       # as the plan's JSON holds them (tuples as lists)
+    if "options" in plan and plan["options"] != options:
+        def listed(given: dict) -> str:
+            return ", ".join(f"{k}={v}" for k, v in given.items()) or "none"
+        raise ValueError(f"{args.plan} was made with the workload options {listed(plan['options'])}, this run "
+                         f"has {listed(options)} (--workload-option)")
     return plan
 
 
@@ -418,12 +471,12 @@ def run(args) -> int:
         _validate(args)
         modes = modes_of(args)
         check_interleave(args, modes)
-        plan = load_plan(args, modes)
+        options = workload_options(args.workload, args.workload_option)
+        plan = load_plan(args, modes, options)
     except ValueError as exc:
         print(f"sparcoll train: error: {exc}", file=sys.stderr)
         return 2
-    config = {"workload": args.workload, "data": args.data, "options": workload_options(
-                  args.workload, args.workload_option),
+    config = {"workload": args.workload, "data": args.data, "options": options,
               "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
               "block_size": args.block_size, "timeout": args.timeout, "link_burst": args.link_burst}
     runs = []

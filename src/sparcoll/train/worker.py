@@ -117,12 +117,13 @@ PROBE_EVERY = 10
 
 
 class GradientProbe:
-    """Sees each parameter's local gradient as autograd computes it, before DDP reduces it: notes the
-    time of the last one and, when `marking`, records its non-zero mask (and how long that took)."""
+    """Sees each trained parameter's local gradient as autograd computes it, before DDP reduces it: notes
+    the time of the last one and, when `marking`, records its non-zero mask (and how long that took).
+    A frozen parameter (requires_grad False) gets no gradient to see or to send: left out, densities too."""
 
     def __init__(self, params: list[nn.Parameter], block_size: int):
-        self.params, self.block_size = params, block_size
-        for index, param in enumerate(params):
+        self.params, self.block_size = [p for p in params if p.requires_grad], block_size
+        for index, param in enumerate(self.params):
             param.register_hook(functools.partial(self._seen, index))
         self.reset(marking=False)
 
@@ -179,7 +180,8 @@ class Trainer:
                                                      strategy=cfg.get("strategy") or "auto",
                                                      wait_free=mode != "poseidon-blocking")
         else:
-            self.model = DistributedDataParallel(workload.model, gradient_as_bucket_view=True)
+            self.model = DistributedDataParallel(workload.model, gradient_as_bucket_view=True,
+                                                 find_unused_parameters=cfg.get("find_unused_parameters", False))
         if mode == "hook" and cfg.get("compress"):
             self.model.register_comm_hook(sparcoll.torch.CompressionState(comm, cfg["compress"]),
                                           sparcoll.torch.compression_hook)
