@@ -70,6 +70,7 @@ UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; all at once
 TRIAL_UNIFORMS = 3
+TRIAL_STEPS = 3         # --trial's default
 DENSE_ONLY = "for dense gradients"      # a compressor's strategy on the dense gradients only (dense_only_of)
 TRIAL_WARMUP = 1
 
@@ -124,7 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --uniform a compressor: that compressor on the dense gradients only, the "
                              "sparse (COO) ones on their cheapest uncompressed collective (a row 'dense "
                              "tensors' of the table)")
-    parser.add_argument("--trial", type=int, default=3, metavar="STEPS",
+    parser.add_argument("--trial", type=int, default=None, metavar="STEPS",
                         help="train the plan, the planner without each dimension, the %d uniform "
                              "strategies predicted best and the best predicted lossless one (and, for a "
                              "model with sparse gradients, the 'dense tensors' strategy predicted best), "
@@ -132,8 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fused the other way (--fusion), for at least STEPS steps and %g s each (after one warm-up) on the "
                              "same network, and keep the fastest measured (of those within %d%%%% of it, "
                              "a lossless one, and of those the one predicted fastest if predicted that much "
-                             "ahead of the others, else the fastest); 0: the model's decision alone (default 3; a "
-                             "--model trains on its example input)" % (TRIAL_UNIFORMS, trial.SECONDS, round(100 * trial.MARGIN)))
+                             "ahead of the others, else the fastest); 0: the model's decision alone (default %d; a "
+                             "--model trains on its example input; not with --uniform or --without)"
+                             % (TRIAL_UNIFORMS, trial.SECONDS, round(100 * trial.MARGIN), TRIAL_STEPS))
     parser.add_argument("--trial-passes", type=int, default=trial.PASSES, metavar="N",
                         help="train every candidate of the trial N times, every other pass in reversed "
                              "order, and keep by the mean (default %d: a machine that slows down or speeds "
@@ -155,8 +157,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def identity(args) -> dict:
-    """What a profile was measured for: a stored profile is reused only for the same."""
-    model = {"model_spec": args.model} if args.model else {
+    """What a profile was measured for: a stored profile is reused only for the same. A --model is
+    built here (user.checked_here: a model the workers would refuse is a ValueError) and known by its
+    fingerprint too: edited under the same MODULE:FUNCTION, it is measured again."""
+    model = {"model_spec": args.model, "fingerprint": user.fingerprint(user.checked_here(args.model))} \
+        if args.model else {
         "workload": args.workload, "options": workload_options(args.workload, args.workload_option),
         "batch_size": args.batch_size or BATCH_SIZES.get(args.workload, 256), "seed": args.seed}
     return {"version": PROFILE_VERSION, "workers": args.workers, "network": args.network,
@@ -189,11 +194,31 @@ def measure(ident: dict, timeout: float) -> dict:
     return {**ident, "model": averaged_windows(model, windows), "points": points, "fits": fit(points)}
 
 
-def load_or_measure(args) -> dict:
-    ident = identity(args)
-    path = Path(args.profile)
-    if path.exists() and not args.reprofile:
+PROFILE_KEYS = ("version", "model", "fits")     # what tells a stored profile from another file
+
+
+def stored_profile(path: Path) -> dict | None:
+    """The profile stored at `path`, None if there is no file; a ValueError naming it if the file is
+    not a sparcoll profile (a plan, say), which is then never overwritten."""
+    if not path.exists():
+        return None
+    try:
         stored = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--profile {path}: not a sparcoll profile (unreadable as JSON: {exc}); remove it or "
+                         f"give another path") from None
+    if not (isinstance(stored, dict) and all(k in stored for k in PROFILE_KEYS)):
+        raise ValueError(f"--profile {path}: not a sparcoll profile (a JSON object with {', '.join(PROFILE_KEYS)}); "
+                         f"remove it or give another path")
+    return stored
+
+
+def load_or_measure(args, ident: dict) -> dict:
+    """The stored profile at --profile if it was measured for `ident` (identity), else a new one
+    written there."""
+    path = Path(args.profile)
+    stored = stored_profile(path)
+    if stored is not None and not args.reprofile:
         if {k: stored.get(k) for k in ident} == ident:
             return stored
         print(f"sparcoll plan: {path} was measured for another model, worker count or network; "
@@ -550,7 +575,9 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
     default; the exit status and the plan kept, with the trial's measurements."""
     plans = trial.candidates(plan, trial_others(plan, profile, args.compressors.split(","), args.fusion))
     defaults = vars(argparse_defaults(train_command.add_arguments))
-    model = ({"model_spec": profile["model_spec"], "workload": None, "options": {}, "batch_size": None, "seed": 0}
+    model = ({"model_spec": profile["model_spec"], "workload": None, "options": {}, "batch_size": None, "seed": 0,
+              # DDP, the trial's reference, fails a model whose forward leaves a parameter unused without it
+              "find_unused_parameters": bool(profile["model"].get("unused"))}
              if "model_spec" in profile else {k: profile[k] for k in ("workload", "options", "batch_size", "seed")})
     config = {**{k: defaults[k] for k in ("lr", "block_size", "data")}, "timeout": args.timeout,
               "link_burst": args.link_burst, **model}
@@ -591,37 +618,52 @@ def argparse_defaults(add_arguments) -> argparse.Namespace:
     return parser.parse_args([])
 
 
-def run(args) -> int:
+def check(args) -> None:
+    """A ValueError naming the first problem with the arguments, before any work starts."""
     if args.batch_size is not None and args.batch_size < 1 or args.workers < 2 or args.trial < 0 \
-            or args.trial_passes < 1:
-        print("sparcoll plan: error: --workers must be >= 2, --batch-size >= 1, --trial >= 0 and "
-              "--trial-passes >= 1", file=sys.stderr)
-        return 2
+            or args.trial_passes < 1 or args.timeout <= 0:
+        raise ValueError("--workers must be >= 2, --batch-size >= 1, --trial >= 0, --trial-passes >= 1 and "
+                         "--timeout > 0")
     if args.dense_only and args.uniform is None:
-        print("sparcoll plan: error: --dense-only needs --uniform COMPRESSOR", file=sys.stderr)
-        return 2
-    if args.model:
+        raise ValueError("--dense-only needs --uniform COMPRESSOR")
+    if args.uniform is not None:    # a uniform strategy the planner without the dimension never takes
+        compresses = args.uniform not in UNIFORM_COLLECTIVES
+        if "compression" in args.without and compresses:
+            raise ValueError(f"--uniform {args.uniform} compresses: --without compression rules it out")
+        if "collective" in args.without and not compresses and args.uniform != RING:
+            raise ValueError(f"--uniform {args.uniform} is not the ring: --without collective rules it out")
+    for option, path in (("--profile", args.profile), ("--json", args.json)):
+        if path and not Path(path).parent.is_dir():
+            raise ValueError(f"{option} {path}: no directory {Path(path).parent}")
+    check_link_burst(args.link_burst, args.network)
+    if args.network != "none":
         try:
-            user.split(args.model)
+            parse_rate(args.network)
         except ValueError as exc:
-            print(f"sparcoll plan: error: {exc}", file=sys.stderr)
-            return 2
+            raise ValueError(f"--network: {exc}, or none") from None
+        ok, reason = netem_available()
+        if not ok:
+            raise ValueError(f"{reason} (or use --network none)")
+
+
+def run(args) -> int:
+    untried = bool(args.trial) and (args.uniform is not None or args.without)     # given, and not 0
+    args.trial = TRIAL_STEPS if args.trial is None else args.trial
     try:
-        check_link_burst(args.link_burst, args.network)
+        check(args)
+        if untried:
+            print("sparcoll plan: --trial is not run with --uniform or --without: the strategy asked for is "
+                  "written untried", file=sys.stderr)
+        profile = load_or_measure(args, identity(args))
     except ValueError as exc:
         print(f"sparcoll plan: error: {exc}", file=sys.stderr)
         return 2
-    if args.network != "none":
-        ok, reason = netem_available()
-        if not ok:
-            print(f"sparcoll plan: error: {reason} (or use --network none)", file=sys.stderr)
-            return 2
-        parse_rate(args.network)
-    try:
-        profile = load_or_measure(args)
     except RuntimeError as exc:
         print(f"sparcoll plan: {exc}", file=sys.stderr)
         return 1
+    if profile["model"].get("unused"):
+        print(f"sparcoll plan: left out of the plan, as backward gives them no gradient (unused in forward): "
+              f"{', '.join(profile['model']['unused'])}", file=sys.stderr)
     try:
         plan = make_plan(profile, args.compressors.split(","), args.without, args.uniform, args.fusion,
                          args.dense_only)

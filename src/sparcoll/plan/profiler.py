@@ -252,7 +252,9 @@ class Together:
 
 def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tuple[dict, dict, dict]:
     """The model's measurements, its large dense gradients (for the compressors' timing) and its
-    sparse COO gradients as backward left them, uncoalesced (for profile_coo)."""
+    sparse COO gradients as backward left them, uncoalesced (for profile_coo). A trainable parameter
+    backward gives no gradient (unused in forward) is left out, named under "unused": there is
+    nothing of it to synchronize (DataParallel sends nothing for it either)."""
     block_size = comm.block_size
     rows = {}
     hooks = [layer.register_forward_pre_hook(
@@ -263,7 +265,8 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
     loss_of(model).backward()
     for hook in hooks:
         hook.remove()
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    params = {name: p for name, p in trainable.items() if p.grad is not None}
     masks = [BlockTensor((p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1).float(), block_size)
              for p in params.values()]
     local = [b.nonzero().size / max(1, b.nblocks) for b in masks]
@@ -298,7 +301,8 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
                       "coo": by_name[name].coo, "rows": rows.get(id(p), 0),
                       "density": d / world, "union": u, "node": node.get(name, 0.0), **sfb.get(name, {})}
                for (name, p), d, u in zip(params.items(), density.tolist(), union)}
-    return {**window(timeline), "tensors": tensors}, gradients, coo_gradients
+    unused = [name for name in trainable if name not in params]
+    return {**window(timeline), "tensors": tensors, "unused": unused}, gradients, coo_gradients
 
 
 def together_timeline(cfg: dict, model: nn.Module, loss_of, skipped: frozenset = frozenset()) -> BackwardProfile:

@@ -2,18 +2,23 @@
 trains.
 
 FUNCTION() returns ``(model, batch)``: an ``nn.Module`` and an example input of one worker (a tensor, or
-a tuple of the model's positional arguments). Every step trains on that same input; the loss is the
-output itself when the model returns a scalar, else the output's sum. That is enough to time a step
-(what the planner needs), not to learn anything. Each worker calls FUNCTION itself (the module must be
-importable where the workers start: the current directory or PYTHONPATH); DataParallel and DDP
+a tuple of tensors, the model's positional arguments). Every step trains on that same input; the model
+returns a tensor, and the loss is that output itself when it is a scalar, else the output's sum. That is
+enough to time a step (what the planner needs), not to learn anything. `sparcoll plan` calls FUNCTION
+first in its own process (checked_here, fingerprint), then each worker calls it itself (the module must
+be importable where the workers start: the current directory or PYTHONPATH); DataParallel and DDP
 broadcast rank 0's parameters, so a FUNCTION that does not seed its model still trains one model.
 The planner prices float32 gradients (4 bytes an element, as its collectives were timed): a model with
 a trainable parameter of another dtype is refused, naming it.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import itertools
+import json
+import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,6 +44,9 @@ class UserModel(Workload):
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         out = model(*batch)
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"--model {self.config.spec!r}: the model must return a tensor (a scalar loss or an "
+                             f"output whose sum is the loss), got {type(out).__name__}")
         return out if out.dim() == 0 else out.sum()
 
     def batches(self, batch_size: int = 0, rank: int = 0, world_size: int = 1, seed: int = 0,
@@ -58,16 +66,65 @@ def split(spec: str) -> tuple[str, str]:
 def build(spec: str) -> tuple[nn.Module, object]:
     """Import MODULE and call FUNCTION, with errors that say which part of the spec failed."""
     module_name, function_name = split(spec)
-    function = getattr(importlib.import_module(module_name), function_name, None)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"--model {spec!r}: cannot import {module_name} ({exc}); the module must be importable "
+                         f"from the current directory or PYTHONPATH") from None
+    function = getattr(module, function_name, None)
     if not callable(function):
         raise ValueError(f"--model {spec!r}: {module_name} has no function {function_name}")
     built = function()
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
         raise ValueError(f"--model {spec!r}: {function_name}() must return (nn.Module, example input), "
                          f"got {type(built).__name__}")
+    example = built[1] if isinstance(built[1], tuple) else (built[1],)
+    if not all(isinstance(x, torch.Tensor) for x in example):
+        raise ValueError(f"--model {spec!r}: the example input must be a tensor or a tuple of tensors (the model's "
+                         f"positional arguments), got {_kinds(built[1])}")
     other = [(name, p.dtype) for name, p in built[0].named_parameters() if p.requires_grad and p.dtype != torch.float32]
     if other:
         name, dtype = other[0]
         raise ValueError(f"--model {spec!r}: parameter {name} is {dtype} ({len(other)} not float32): the planner's "
                          f"cost models price float32 gradients, 4 bytes an element; build the model in float32")
     return built
+
+
+def _kinds(example) -> str:
+    """The type of an example input, and of each item of a tuple."""
+    if isinstance(example, tuple):
+        return f"a tuple of {', '.join(type(x).__name__ for x in example)}"
+    return type(example).__name__
+
+
+def checked_here(spec: str) -> UserModel:
+    """The model built in `sparcoll plan`'s own process as each worker builds it, before any starts: a
+    model the workers would refuse (build, loss) is refused once, with its reason, not in a traceback
+    of every worker. The module is imported as the workers' `python -m` imports it, from the current
+    directory too. One forward, without gradients, checks what the model returns. An error of the
+    user's code is a ValueError naming it."""
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        workload = UserModel(spec)
+        with torch.no_grad():
+            workload.loss(workload.model, workload.batch)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"--model {spec!r} failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        if added:
+            sys.path.remove(here)
+    return workload
+
+
+def fingerprint(workload: UserModel) -> str:
+    """What a profile of the model holds for (no forward): its parameters' names, shapes, dtypes and
+    requires_grad and its example input's shapes and dtypes, hashed. A model edited under the same
+    MODULE:FUNCTION is another model."""
+    described = [[name, list(p.shape), str(p.dtype), p.requires_grad] for name, p in workload.model.named_parameters()]
+    described.append([[list(x.shape), str(x.dtype)] for x in workload.batch])
+    return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
