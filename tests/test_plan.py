@@ -76,7 +76,7 @@ def test_by_default_the_planner_chooses_among_compressors_that_kept_the_loss():
     assert set(COMPRESSORS) | set(HURT_CONVERGENCE) == set(ALL_COMPRESSORS)
     assert not set(COMPRESSORS) & {"randomk:0.01", "topk:0.01", "dgc:0.01", "terngrad"}
     assert {"none", "blocktopk:0.01", "powersgd:4"} <= set(COMPRESSORS)
-    assert _compressors("all").split(",") == list(ALL_COMPRESSORS) and _compressors("none,fp16") == "none,fp16"
+    assert _compressors("all") == list(ALL_COMPRESSORS) and _compressors("none,fp16") == ["none", "fp16"]
 
 
 def test_the_planners_compressors_always_include_no_compression_and_a_bad_spec_stops_before_the_profile(capsys):
@@ -85,8 +85,9 @@ def test_the_planners_compressors_always_include_no_compression_and_a_bad_spec_s
     import argparse
 
     from sparcoll.plan.command import _compressors, add_arguments
-    assert _compressors("blocktopk:0.01") == "none,blocktopk:0.01"
-    assert _compressors(" fp16, none ,fp16") == "none,fp16"
+    assert _compressors("blocktopk:0.01") == ["none", "blocktopk:0.01"]
+    assert _compressors(" fp16, none ,fp16") == ["none", "fp16"]
+    assert _compressors("topk:0.01,ef=off,fp16") == ["none", "topk:0.01,ef=off", "fp16"]     # as train's --compress
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     for bad, says in (("blocktopk:x", "bad RATIO 'x'"), ("fp16,topq:0.1", "unknown compressor 'topq'")):

@@ -75,19 +75,26 @@ DENSE_ONLY = "for dense gradients"      # a compressor's strategy on the dense g
 TRIAL_WARMUP = 1
 
 
-def _compressors(text: str) -> str:
-    """--compressors: "all" is every family of options.ALL_COMPRESSORS, convergence aside. Each spec is
-    checked here, before the profile's minutes; no compression ("none") is always among the options:
-    it is every tensor's starting point (decide.uncompressed) and the ring's and the sparse AllReduce's."""
+def _compressors(text: str) -> list[str]:
+    """--compressors: specs separated by commas (an option such as ef=off continues the spec before
+    it, as in `sparcoll train --compress`), or "all": every family of options.ALL_COMPRESSORS,
+    convergence aside. Each spec is checked here, before the profile's minutes; no compression ("none")
+    is always among the options: it is every tensor's starting point (decide.uncompressed) and the
+    ring's and the sparse AllReduce's."""
     if text.strip().lower() == "all":
-        return ",".join(ALL_COMPRESSORS)
-    specs = [spec.strip() for spec in text.split(",") if spec.strip()]
+        return list(ALL_COMPRESSORS)
+    specs: list[str] = []
+    for piece in (piece.strip() for piece in text.split(",") if piece.strip()):
+        if specs and "=" in piece and ":" not in piece.partition("=")[0]:
+            specs[-1] += f",{piece}"
+        else:
+            specs.append(piece)
     for spec in specs:
         try:
             parse(spec)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-    return ",".join(dict.fromkeys(["none", *specs]))
+    return list(dict.fromkeys(["none", *specs]))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,7 +172,7 @@ def identity(args) -> dict:
         "workload": args.workload, "options": workload_options(args.workload, args.workload_option),
         "batch_size": args.batch_size or BATCH_SIZES.get(args.workload, 256), "seed": args.seed}
     return {"version": PROFILE_VERSION, "workers": args.workers, "network": args.network,
-            "link_burst": args.link_burst, "compressors": args.compressors.split(","), **model}
+            "link_burst": args.link_burst, "compressors": args.compressors, **model}
 
 
 def measure(ident: dict, timeout: float) -> dict:
@@ -573,7 +580,7 @@ def trial_others(plan: dict, profile: dict, compressors: list[str], fused_by: st
 def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
     """The trial (trial.py) of the plan against trial_others, trained as `sparcoll train` does by
     default; the exit status and the plan kept, with the trial's measurements."""
-    plans = trial.candidates(plan, trial_others(plan, profile, args.compressors.split(","), args.fusion))
+    plans = trial.candidates(plan, trial_others(plan, profile, args.compressors, args.fusion))
     defaults = vars(argparse_defaults(train_command.add_arguments))
     model = ({"model_spec": profile["model_spec"], "workload": None, "options": {}, "batch_size": None, "seed": 0,
               # DDP, the trial's reference, fails a model whose forward leaves a parameter unused without it
@@ -665,7 +672,7 @@ def run(args) -> int:
         print(f"sparcoll plan: left out of the plan, as backward gives them no gradient (unused in forward): "
               f"{', '.join(profile['model']['unused'])}", file=sys.stderr)
     try:
-        plan = make_plan(profile, args.compressors.split(","), args.without, args.uniform, args.fusion,
+        plan = make_plan(profile, args.compressors, args.without, args.uniform, args.fusion,
                          args.dense_only)
     except ValueError as exc:
         print(f"sparcoll plan: error: {exc}", file=sys.stderr)
