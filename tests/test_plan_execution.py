@@ -887,6 +887,11 @@ def test_plan_then_train_the_plan(tmp_path):
     alone = subprocess.run(command + ["--trial", "0", "--dense-only"], capture_output=True, text=True,
                            timeout=TIMEOUT, env=env)
     assert alone.returncode == 2 and "--dense-only needs --uniform" in alone.stderr
+    for uniform, why in ((["sfb"], "SFB takes the weight of a linear layer that travels alone"),
+                         (["powersgd:4"], "not among --compressors")):
+        refused = subprocess.run(command + ["--trial", "0", "--uniform", *uniform], capture_output=True, text=True,
+                                 timeout=TIMEOUT, env=env)
+        assert refused.returncode == 2 and why in refused.stderr, refused.stderr[-3000:]
     for fused_by in ("greedy", "whole"):    # fp16 for every tensor: the dense ones can share collectives
         done = subprocess.run(command + ["--trial", "0", "--uniform", "fp16", "--fusion", fused_by],
                               capture_output=True, text=True, timeout=TIMEOUT, env=env)

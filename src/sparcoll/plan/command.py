@@ -435,6 +435,20 @@ def priced_as_stored(profile: dict, plan: dict):
                              {name: t["unit"] for name, t in by_name.items()})
 
 
+def why_none(fixed: str, compressors: list[str], dense_only: bool, has_coo: bool, uniforms: dict) -> str:
+    """Why the model has no uniform (or dense-only) strategy `fixed`."""
+    if fixed not in UNIFORM_COLLECTIVES and fixed not in compressors:
+        return "not among --compressors"
+    if dense_only and not has_coo:
+        return "the model has no sparse (COO) gradient to leave uncompressed"
+    if dense_only and fixed in uniforms:
+        return f"it is --uniform {fixed} here (which leaves the sparse gradients uncompressed already)"
+    if fixed == SFB:
+        return (f"SFB takes the weight of a linear layer that travels alone (larger than {SMALL_BYTES >> 10} KB; "
+                f"smaller gradients share buckets), and this model has none")
+    return "no tensor of this model can take it"
+
+
 def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str | None = None,
               fused_by: str = GREEDY, dense_only: bool = False) -> dict:
     """The plan for a profile: the decision over `compressors` without `dimensions` (see `without`),
@@ -459,7 +473,8 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
     if fixed is not None:
         named = dense_onlies if dense_only else uniforms
         if fixed not in named:
-            raise ValueError(f"no {'dense-only' if dense_only else 'uniform'} strategy {fixed!r}; there are "
+            raise ValueError(f"no {'dense-only' if dense_only else 'uniform'} strategy {fixed!r}: "
+                             f"{why_none(fixed, compressors, dense_only, any(coo), uniforms)}; there are "
                              f"{', '.join(named) or 'none'}")
         chosen = named[fixed]
     else:
