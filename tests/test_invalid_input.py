@@ -101,6 +101,26 @@ def test_a_non_contiguous_tensor_without_overlap_is_reduced(store):
         close(comms)
 
 
+def test_a_sparse_tensor_of_more_blocks_than_the_indices_number_is_refused_on_every_rank(store):
+    """A COO tensor of 2^42 rows once had its block indices wrap at int32: one rank's sum came back
+    right, its peer's failed ("block indices not strictly increasing")."""
+    comms = pair(store, "indices/")
+    try:
+        rows = 1 << 42
+        out = on_both(comms, lambda r, c: c.allreduce_coo(torch.sparse_coo_tensor(
+            torch.tensor([[r, rows - 1]]), torch.tensor([1.0, 2.0]), (rows,))))
+        for r in range(2):
+            error, seconds = out[r]
+            assert isinstance(error, (ValueError, sparcoll.SparcollError)), error
+            assert "block indices number (2147483648)" in str(error) and seconds < PROMPT, (error, seconds)
+        assert comms[0].too_many_blocks(torch.zeros(10)) is None
+        # 2^36 elements, yet 2^30 rows of 64: a block each, as many as the indices number
+        assert comms[0].too_many_blocks(torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long),
+                                                                torch.zeros(0, 64), (1 << 30, 64))) is None
+    finally:
+        close(comms)
+
+
 @pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), "soon", True])
 def test_a_bad_per_call_timeout_is_a_value_error_and_the_peer_hears_of_it(store, timeout):
     comms = pair(store, f"timeout/{timeout}/")

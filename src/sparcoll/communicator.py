@@ -7,6 +7,7 @@ state). Here: validating a call's input, and the handles the caller sees (Work, 
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import torch
 
 from . import transport, wire
 from .aggregator import LocalWorker
-from .algorithm import Algorithm, Chooser
+from .algorithm import MIN_BLOCK, Algorithm, Chooser, entry_block_size
 from .blocks import may_overlap
 from .bootstrap import Rendezvous, local_host
 from .collective import WorkerCollective
@@ -160,10 +161,26 @@ class Communicator:
             raise ValueError(f"tensor of shape {tuple(tensor.shape)} and strides "
                              f"{tuple(tensor.stride())} has elements that share memory (e.g. from "
                              f"expand()); reduce a copy made with .contiguous() instead")
+        too_many = self.too_many_blocks(tensor)
+        if too_many:
+            raise ValueError(f"{too_many}; reduce it through gloo")
         op_name = op if isinstance(op, str) else getattr(op, "name", str(op)).lower()
         if op_name not in wire.OPS:
             raise ValueError(f"unsupported op {op!r}; supported: {', '.join(wire.OPS)}")
         return (tensor.numel(), wire.DTYPE_CODES[tensor.dtype], wire.OPS[op_name])
+
+    def too_many_blocks(self, tensor: torch.Tensor) -> str | None:
+        """Why `tensor` may need more blocks than the wire's block indices number, or None. The fewest
+        elements a block of it can hold: a COO tensor's whole entries; a dense one's MIN_BLOCK (narrow
+        rows). A sparse tensor of 2^40 rows once had its indices wrap: one rank's sum right, another's
+        an error."""
+        smallest = entry_block_size(math.prod(tensor.shape[tensor.sparse_dim():]), self.block_size) \
+            if tensor.layout == torch.sparse_coo else min(MIN_BLOCK, self.block_size)
+        blocks = -(-tensor.numel() // smallest)
+        if blocks <= wire.MAX_BLOCKS:
+            return None
+        return (f"tensor of shape {tuple(tensor.shape)} may take {blocks} blocks of {smallest} elements, more than "
+                f"sparcoll's {wire.INDEX_DTYPE.__name__} block indices number ({wire.MAX_BLOCKS})")
 
     @property
     def stats(self) -> Stats:

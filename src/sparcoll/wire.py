@@ -37,6 +37,7 @@ MAGIC = b"SPCL"
 VERSION = 1
 INDEX_DTYPE = np.int32
 INDEX_BYTES = 4
+MAX_BLOCKS = int(np.iinfo(INDEX_DTYPE).max) + 1    # a tensor's blocks, indexed from 0 by INDEX_DTYPE
 MAX_BLOCK_SIZE = 1 << 16
 MAX_ERROR_BYTES = 1 << 16
 MAX_MESSAGE_BYTES = 64 << 20    # largest contribution an aggregator will allocate for
