@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from unittest import mock
 
@@ -209,3 +209,66 @@ def test_sparse_blocks_list_no_row_whose_sum_is_zero(dtype):
         assert out.dtype == dtype and out.indices()[0].tolist() == [r for r in listed if r != 2]
         assert out.values().shape == (len(out.indices()[0]), 4)
         assert torch.equal(out.to_dense(), (coo.to_dense() * scale).index_fill(0, torch.tensor([2]), 0))
+
+
+def _shares_memory(t: torch.Tensor) -> bool:
+    """The truth by enumeration: whether two of t's elements sit at the same storage offset."""
+    offsets = np.tensordot(np.indices(t.shape).reshape(t.dim(), -1).T, np.array(t.stride()), axes=1) \
+        if t.dim() else np.zeros(1, dtype=np.int64)
+    return len(np.unique(offsets)) < t.numel()
+
+
+@st.composite
+def _views(draw):
+    """A view of a contiguous tensor by slices with steps, narrowings, transposes and permutes."""
+    shape = draw(st.lists(st.integers(2, 9), min_size=2, max_size=4))
+    t = torch.zeros(shape)
+    for kind in draw(st.lists(st.sampled_from(["slice", "narrow", "transpose", "permute"]), min_size=1, max_size=6)):
+        dim = draw(st.integers(0, t.dim() - 1))
+        if kind == "slice":
+            start = draw(st.integers(0, min(2, t.shape[dim] - 1)))     # non-empty: an empty view is trivially fine
+            stop = draw(st.one_of(st.none(), st.integers(start + 1, t.shape[dim])))
+            index = [slice(None)] * t.dim()
+            index[dim] = slice(start, stop, draw(st.integers(1, 4)))
+            t = t[tuple(index)]
+        elif kind == "narrow":
+            start = draw(st.integers(0, t.shape[dim] - 1))
+            t = t.narrow(dim, start, draw(st.integers(1, t.shape[dim] - start)))
+        elif kind == "transpose":
+            t = t.transpose(dim, draw(st.integers(0, t.dim() - 1)))
+        else:
+            t = t.permute(draw(st.permutations(range(t.dim()))))
+    return t
+
+
+@settings(max_examples=300, deadline=None)
+@given(_views())
+@example(torch.zeros(10, 5)[:, ::2])
+@example(torch.zeros(4, 6, 7)[1:, ::4, ::3].permute(2, 0, 1))
+def test_views_of_distinct_elements_may_be_reduced_in_place(view):
+    """Slices with steps (e.g. [:, ::2], strides (5, 2) of a (10, 5) tensor), narrowings, transposes
+    and permutes never share memory, so the in-place results can land in them."""
+    assert not _shares_memory(view)
+    assert not blocks.may_overlap(view)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(0, 6)), min_size=1, max_size=4))
+def test_strided_views_that_share_memory_are_refused(dims):
+    """Any as_strided layout whose elements really overlap is refused (the check may refuse more)."""
+    view = torch.zeros(2000).as_strided([n for n, _ in dims], [s for _, s in dims])
+    if _shares_memory(view):
+        assert blocks.may_overlap(view)
+
+
+@pytest.mark.parametrize("shape, strides, overlaps", [
+    ((10, 3), (5, 2), False),          # [:, ::2] of a (10, 5) tensor
+    ((3, 10), (2, 5), False),          # ... transposed
+    ((4, 3), (0, 1), True),            # expand()
+    ((2, 2), (1, 1), True),            # offsets 0 1 1 2
+    ((2, 2, 2), (3, 2, 1), True),      # each stride steps past the one below alone, not past both
+    ((2, 2, 2), (4, 2, 1), False),
+])
+def test_overlap_of_known_layouts(shape, strides, overlaps):
+    view = torch.zeros(100).as_strided(shape, strides)
+    assert _shares_memory(view) == overlaps and blocks.may_overlap(view) == overlaps

@@ -26,16 +26,17 @@ def block_count(numel: int, block_size: int) -> int:
 def may_overlap(t: torch.Tensor) -> bool:
     """Whether elements of a strided tensor may share memory: stride 0 (as expand() makes) or
     strides that interleave. Results are written back in place, so such a tensor cannot take them.
-    Where torch cannot tell, the dimensions sorted by stride must each step past the extent of
-    the ones below (transposes and slices do); any layout more tangled counts as overlapping."""
+    Where torch cannot tell, the dimensions sorted by stride must each step past the last offset
+    the ones below reach (every view of distinct elements that slices, steps, narrows, transposes
+    or permutes does); any layout more tangled counts as overlapping."""
     verdict = torch._debug_has_internal_overlap(t)     # 0: no, 1: yes, 2: torch cannot tell
     if verdict != 2:
         return verdict == 1
-    extent = 1
+    reach = 0     # the largest offset the dimensions so far reach
     for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
-        if stride < extent:
+        if stride <= reach:
             return True
-        extent = stride * size
+        reach += stride * (size - 1)
     return False
 
 
