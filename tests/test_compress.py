@@ -60,6 +60,12 @@ def test_usage_names_every_form():
     ("topk:0.1,seed=3", "option 'seed' does not apply to 'topk'"),
     ("topk:0.1,off", "expected KEY=VALUE"),
     ("randomk:0.1,seed=x", "bad seed"),
+    ("dgc:0.1,momentum=nan", r"bad momentum 'nan'.*\[0, 1\)"),
+    ("dgc:0.1,momentum=-5", r"momentum must be a number in \[0, 1\), got -5"),
+    ("dgc:0.1,momentum=2", r"momentum must be a number in \[0, 1\)"),
+    ("dgc:0.1,momentum=1", r"momentum must be a number in \[0, 1\)"),
+    ("dgc:0.1,momentum=inf", r"momentum must be a number in \[0, 1\)"),
+    ("dgc:0.1,momentum=fast", "bad momentum 'fast'"),
     (3, "a compressor spec is a string"),
 ])
 def test_bad_specs_raise_value_errors_naming_the_problem(spec, message):
@@ -438,6 +444,41 @@ def test_error_feedback_on_sparse_coo_keeps_a_sparse_residual():
     assert torch.allclose(applied + residual.to_dense(), grads, atol=1e-5)
 
 
+def random_coo(shape, sparse_dims, nnz, seed):
+    """A coalesced COO tensor of `nnz` random entries (0: none, as an embedding no row looked up)."""
+    g = torch.Generator().manual_seed(seed)
+    coords = torch.stack([torch.randint(shape[d], (nnz,), generator=g) for d in range(sparse_dims)])
+    values = torch.randn((nnz,) + tuple(shape[sparse_dims:]), generator=g)
+    return torch.sparse_coo_tensor(coords, values, shape, check_invariants=True).coalesce()
+
+
+@pytest.mark.parametrize("sparse_dims", [1, 2])
+@pytest.mark.parametrize("spec", EF_SPECS)
+def test_error_feedback_on_empty_sparse_coo(spec, sparse_dims):
+    """A COO gradient with no entries (rows of 3, or plain entries) reduces to an all-zero result, and
+    the steps around it still lose nothing: sum of what was applied + the residual == sum of the
+    gradients."""
+    reducer, shape = sc.Reducer(spec), (6, 3)
+    applied, grads = torch.zeros(shape), torch.zeros(shape)
+    for step, nnz in enumerate([0, 5, 0, 4]):
+        g = random_coo(shape, sparse_dims, nnz, seed=step)
+        out = reducer.reduce(g, key="emb")
+        assert out.shape == shape
+        if step == 0:
+            assert not out.to_dense().any()
+        applied += out.to_dense()
+        grads += g.to_dense()
+    residual = reducer.memory.residual("emb")
+    residual = residual.to_dense() if residual.is_sparse else residual.view(shape)
+    assert torch.allclose(applied + residual, grads, atol=1e-5 * max(1.0, applied.abs().max().item()))
+
+
+@pytest.mark.parametrize("momentum", ["0", "0.5", "0.999"])
+def test_dgc_momentum_in_range_is_taken(momentum):
+    assert sc.parse(f"dgc:0.1,momentum={momentum}").options == {"momentum": float(momentum)}
+    assert sc.make(f"dgc:0.1,momentum={momentum}")
+
+
 def test_dgc_momentum_correction_accumulates_velocity_and_masks_what_was_sent():
     reducer = sc.Reducer("dgc:0.1,momentum=0.5")
     g = data(200)
@@ -491,3 +532,18 @@ def test_sparse_coo_input_is_compressed_without_densifying(spec, monkeypatch):
     assert out.is_sparse and out.sparse_dim() == g.sparse_dim() and out.shape == g.shape
     monkeypatch.undo()
     assert torch.equal(out.to_dense(), dense)
+
+
+def test_reduce_many_refuses_keys_and_targets_that_do_not_match_its_tensors():
+    """Fewer keys gave an AttributeError, more were ignored, a key shared by two tensors of one error-
+    feedback compressor mixed their residuals (a RuntimeError on sizes), and blocktopk decompressed
+    into a shorter `into` silently truncated."""
+    four, six = torch.ones(4), torch.ones(6)
+    for spec, keys in (("topk:0.5", ["a"]), ("topk:0.5", ["a", "b", "c"]), ("topk:0.5", ["a", "a"]),
+                       ("powersgd:1", ["a", "a"])):
+        with pytest.raises(ValueError, match="reduce_many takes one key per tensor"):
+            sc.Reducer(spec).reduce_many([four.view(2, 2), six.view(2, 3)], keys)
+    out = sc.Reducer("fp16").reduce_many([four, six], [None, None])     # no state: keys may repeat
+    assert torch.equal(out[0], four) and torch.equal(out[1], six)
+    with pytest.raises(ValueError, match=r"`into` holds tensors of \[3\] elements for inputs of \[4\]"):
+        sc.Reducer("blocktopk:0.5").reduce_many([four], ["a"], into=[torch.empty(3)])

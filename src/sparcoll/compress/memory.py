@@ -6,15 +6,19 @@ already-sparse gradient is never densified by its memory.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import Entries
 
 
 def _sparse_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b without the entries that cancel to zero, so the residual does not grow."""
     total = (a + b).coalesce()
-    keep = total.values().reshape(total.values().shape[0], -1).ne(0).any(dim=1)
-    return torch.sparse_coo_tensor(total.indices()[:, keep], total.values()[keep], total.shape,
+    values = total.values()     # the row width is spelled out: -1 cannot be inferred with no entries
+    keep = values.reshape(values.shape[0], math.prod(values.shape[1:])).ne(0).any(dim=1)
+    return torch.sparse_coo_tensor(total.indices()[:, keep], values[keep], total.shape,
                                    is_coalesced=True, check_invariants=False)
 
 

@@ -54,10 +54,18 @@ class Reducer:
         float32 tensors, one per dense input then per exact one, that receive the averages (each
         scheme decompresses there directly, saving a dense temporary and a copy); returned.
         `tag`: the sparse AllReduce's (Communicator.allreduce), which every rank must give alike."""
+        stateful = self.memory.active or self.compressor.scheme == "powersgd"    # keys name their state
+        if len(keys) != len(tensors) or (stateful and len(set(keys)) < len(keys)):
+            raise ValueError(f"reduce_many takes one key per tensor{', each its own' if stateful else ''} (a key "
+                             f"names its tensor's error-feedback or warm-start state), got {len(keys)} keys, "
+                             f"{len(set(keys))} distinct, for {len(tensors)} tensors")
         if exact and not self.compressor.carries_exact:
             raise ValueError(f"{self.spec} cannot carry uncompressed tensors in its collective")
         if into is not None and any(t.is_sparse for t in tensors):
             raise ValueError("`into` takes dense inputs only")
+        if into is not None and [t.numel() for t in into] != [t.numel() for t in [*tensors, *exact]]:
+            raise ValueError(f"`into` holds tensors of {[t.numel() for t in into]} elements for inputs of "
+                             f"{[t.numel() for t in [*tensors, *exact]]}")
         c, results, dense = self.compressor, [None] * len(tensors), []
         for i, (tensor, key) in enumerate(zip(tensors, keys)):
             if tensor.is_sparse and c.entries:

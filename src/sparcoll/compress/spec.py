@@ -58,7 +58,16 @@ KINDS: dict[str, tuple] = {
     "blocktopk": (_ratio, "RATIO", True, ()),
 }
 
-_OPTIONS = {"seed": _int_in(0, (1 << 63) - 1), "momentum": float}
+
+def _momentum(text: str) -> float:
+    """A factor in [0, 1): at 1 or more (or NaN) the velocity grows without bound or turns NaN."""
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"momentum must be a number in [0, 1), got {text}")
+    return value
+
+
+_OPTIONS = {"seed": _int_in(0, (1 << 63) - 1), "momentum": _momentum}
 
 
 @dataclass(frozen=True)
