@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -230,6 +231,30 @@ def _args(*argv):
 def test_bad_arguments_return_2(argv, capsys):
     assert command.run(_args(*argv)) == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--json", "{missing}/x.json"], r"--json .*missing/x.json: directory .*missing does not exist"),
+    (["--plot", "{missing}/x.png"], r"--plot .*missing/x.png: directory .*missing does not exist"),
+    (["--json", "{tmp}"], "is a directory"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--block-size", "0"], "--block-size must be >= 1, got 0"),
+    (["--row-width", "0"], "--row-width must be >= 1, got 0"),
+    (["--row-width", "-4"], "--row-width must be >= 1, got -4"),
+])
+def test_bad_arguments_are_refused_by_name_before_any_work(argv, message, tmp_path, monkeypatch, capsys):
+    """Checked up front: not a traceback from deep inside, nor a failure once the whole run is done."""
+    monkeypatch.setattr(command, "run_jobs", lambda *a, **k: pytest.fail("the benchmark started"))
+    argv = [a.format(missing=tmp_path / "missing", tmp=tmp_path) for a in argv]
+    assert command.run(_args("--numel", "4096", "--network", "none", *argv)) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err
+
+
+def test_output_paths_in_existing_directories_are_taken(tmp_path, monkeypatch):
+    monkeypatch.setattr(command, "run_jobs", lambda *a, **k: 7)
+    assert command.run(_args("--numel", "4096", "--network", "none", "--seed", "0",
+                             "--json", str(tmp_path / "x.json"), "--plot", str(tmp_path / "x.png"))) == 7
 
 
 def test_without_netem_suggests_loopback(monkeypatch, capsys):

@@ -114,7 +114,7 @@ def test_a_profile_file_that_is_not_a_profile_is_refused_and_kept(models, tmp_pa
 def test_a_file_in_a_missing_directory_is_refused_before_the_work(tmp_path, capsys, option):
     path = tmp_path / "missing" / "file.json"
     status, err = plan(capsys, option, str(path))
-    assert status == 2 and f"sparcoll plan: error: {option} {path}: no directory {path.parent}" in err, err
+    assert status == 2 and f"sparcoll plan: error: {option} {path}: directory {path.parent} does not exist" in err, err
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -165,6 +166,56 @@ def test_costs_round_trip_and_missing_fields(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="message_s"):
         Costs.load(path)
+
+
+@pytest.mark.parametrize("content, message", [
+    ('[{"algo": "ring", "predicted_s": 0.1}]', "holds a JSON list; expected a JSON object of costs"),
+    ("algo,seconds\nring,0.1\n", r"not JSON \(Expecting value.*\); expected a JSON object of costs"),
+    ('{"message_s": "fast"}', "calibration lacks"),
+])
+def test_costs_that_are_not_a_calibration_are_refused_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "costs.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: {message}"):
+        Costs.load(path)
+
+
+def test_costs_that_are_not_numbers_are_refused_by_name(tmp_path):
+    path = tmp_path / "costs.json"
+    data = dataclasses.asdict(MEASURED) | {"latency_s": "1us", "goodput": None}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: goodput, latency_s must be numbers"):
+        Costs.load(path)
+
+
+def _run(*argv) -> int:
+    parser = argparse.ArgumentParser(prog="sparcoll simulate")
+    command.add_arguments(parser)
+    return command.run(parser.parse_args(["--workers", "2", "--network", "1gbit", "--density", "1", *argv]))
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot", "--calibrate"])
+def test_outputs_into_a_missing_directory_are_refused_before_any_work(option, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(command, "predict", lambda *a: pytest.fail("predicted before checking the output"))
+    monkeypatch.setattr(calibrate, "calibrate_median", lambda *a, **k: pytest.fail("calibrated"))
+    path = tmp_path / "missing" / "out"
+    assert _run(option, str(path)) == 2
+    assert f"{option} {path}: directory {path.parent} does not exist" in capsys.readouterr().err
+
+
+def test_a_bench_json_given_as_costs_is_refused_naming_the_file(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps([{"algo": "ring", "workers": 2, "time_s": 0.1}]))
+    assert _run("--costs", str(path)) == 2
+    assert f"{path}: holds a JSON list; expected a JSON object of costs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--link-burst", "--numel"])
+def test_a_zero_count_says_what_is_expected(option, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _run(option, "0")
+    assert exit_.value.code == 2
+    assert f"{option}: invalid count '0': expected a positive integer" in capsys.readouterr().err
 
 
 def test_fit_inverts_an_increasing_function():

@@ -311,7 +311,7 @@ def test_a_json_report_in_a_missing_directory_is_refused_before_training(tmp_pat
     monkeypatch.setattr(command, "run_job", FakeJobs(4, crashes=0))
     missing = tmp_path / "no" / "r.json"
     assert main(["train", "--network", "none", "--steps", "4", "--json", str(missing)]) == 2
-    assert f"--json {missing}: there is no directory {missing.parent}" in capsys.readouterr().err
+    assert f"--json {missing}: directory {missing.parent} does not exist" in capsys.readouterr().err
     assert main(["train", "--network", "none", "--steps", "4", "--json", str(tmp_path / "r.json")]) == 0
     assert len(json.loads((tmp_path / "r.json").read_text())["runs"][0]["loss"]) == 4
 

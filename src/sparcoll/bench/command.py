@@ -22,6 +22,7 @@ from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, nete
 from sparcoll.bench.patterns import InputSpec
 from sparcoll.bench.report import Setup, add_speedups, make_record, table, title, write_json
 from sparcoll.bench.sizes import count_argument, parse_count
+from sparcoll.outputs import check_output_path
 
 
 def _comma_list(convert: Callable) -> Callable[[str], list]:
@@ -83,12 +84,18 @@ def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
     algos = algorithms.select(list(dict.fromkeys(args.algos)))
     if min(args.workers) < 2:
         raise ValueError("--workers: an allreduce needs 2 workers at least")
-    if args.block_size < 1 or args.numel % args.block_size:
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.numel % args.block_size:
         raise ValueError(f"--numel {args.numel} must be a multiple of --block-size {args.block_size}")
     if args.row_width is None:
         args.row_width = args.block_size
-    if args.row_width < 1 or args.numel % args.row_width:
+    if args.row_width < 1:
+        raise ValueError(f"--row-width must be >= 1, got {args.row_width}")
+    if args.numel % args.row_width:
         raise ValueError(f"--numel {args.numel} must be a multiple of --row-width {args.row_width}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if not all(0 < d <= 1 for d in args.density):
         raise ValueError("--density values must be in (0, 1]")
     if not 0 <= args.overlap <= 1:
@@ -97,6 +104,8 @@ def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
         raise ValueError("--repeat must be >= 1, --warmup >= 0, --timeout > 0")
     if args.num_aggregators is not None and args.num_aggregators < 1:
         raise ValueError("--num-aggregators must be >= 1")
+    check_output_path(args.json, "--json")
+    check_output_path(args.plot, "--plot")
     check_link_burst(args.link_burst, args.network)
     if args.network == "none":
         if args.launcher == "torchrun":

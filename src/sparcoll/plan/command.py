@@ -27,6 +27,7 @@ from pathlib import Path
 from sparcoll.bench.launch import Job, run_job, run_jobs
 from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
 from sparcoll.compress import parse
+from sparcoll.outputs import check_output_path
 from sparcoll.train import command as train_command
 from sparcoll.train.command import BATCH_SIZES, _option, workload_options
 from sparcoll.workloads import WORKLOADS, user
@@ -655,8 +656,7 @@ def check(args) -> None:
         if "collective" in args.without and not compresses and args.uniform != RING:
             raise ValueError(f"--uniform {args.uniform} is not the ring: --without collective rules it out")
     for option, path in (("--profile", args.profile), ("--json", args.json)):
-        if path and not Path(path).parent.is_dir():
-            raise ValueError(f"{option} {path}: no directory {Path(path).parent}")
+        check_output_path(path, option)
     check_link_burst(args.link_burst, args.network)
     if args.network != "none":
         try:

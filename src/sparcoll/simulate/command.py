@@ -10,8 +10,9 @@ import sys
 
 from ..bench import bounds
 from ..bench.netem import parse_rate
-from ..bench.sizes import format_count, parse_count
+from ..bench.sizes import count_argument, format_count, parse_count
 from ..options import DEFAULT_CREDITS
+from ..outputs import check_output_path
 from .costs import DEFAULT_PATH, Costs
 from .model import ALGOS, Point, predict
 
@@ -37,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker counts, comma separated (default 2,4,...,256)")
     parser.add_argument("--network", type=_comma_list(str), default=["1gbit", "10gbit", "100gbit"],
                         help="link rates, comma separated (none: loopback, unshaped); default 1gbit,10gbit,100gbit")
-    parser.add_argument("--numel", type=parse_count, default=parse_count("16M"), help="float32 elements (default 16M)")
+    parser.add_argument("--numel", type=count_argument, default=parse_count("16M"),
+                        help="float32 elements (default 16M)")
     parser.add_argument("--density", type=_comma_list(float), default=[0.01, 0.1, 1.0],
                         help="block densities of every worker, independent patterns (default 0.01,0.1,1)")
     parser.add_argument("--overlap", type=float, default=0.0,
@@ -53,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=256, help="elements per block (default 256)")
     parser.add_argument("--credits", type=int, default=DEFAULT_CREDITS,
                         help=f"sparcoll's messages in flight per stream, as SPARCOLL_CREDITS (default {DEFAULT_CREDITS})")
-    parser.add_argument("--link-burst", type=parse_count, default=None, metavar="BYTES",
+    parser.add_argument("--link-burst", type=count_argument, default=None, metavar="BYTES",
                         help="a token bucket on every link, as sparcoll bench --link-burst's (e.g. 1M, the "
                              "emulated network's at 1gbit); default none: links that never send above their rate")
     parser.add_argument("--cores", type=int, default=None,
@@ -161,6 +163,12 @@ def plot(records: list[dict], path: str, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        for path, option in ((args.calibrate, "--calibrate"), (args.json, "--json"), (args.plot, "--plot")):
+            check_output_path(path, option)
+    except ValueError as exc:
+        print(f"sparcoll simulate: {exc}", file=sys.stderr)
+        return 2
     if args.calibrate:
         from .calibrate import calibrate_median
         try:

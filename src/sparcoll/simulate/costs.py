@@ -31,12 +31,24 @@ class Costs:
 
     @classmethod
     def load(cls, path: str | Path = DEFAULT_PATH) -> "Costs":
+        """The costs in `path`; a ValueError naming the file if it is not a calibration (a JSON object
+        of numbers, as `sparcoll simulate --calibrate` writes)."""
+        expected = "a JSON object of costs, as sparcoll simulate --calibrate writes"
         with open(path) as f:
-            data = json.load(f)
+            try:
+                data = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{path}: not JSON ({exc}); expected {expected}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: holds a JSON {type(data).__name__}; expected {expected}")
         names = {f.name for f in fields(cls)}
         missing = sorted(names - set(data) - {"note"})
         if missing:
             raise ValueError(f"{path}: calibration lacks {', '.join(missing)}")
+        bad = sorted(name for name in names - {"note"}
+                     if isinstance(data[name], bool) or not isinstance(data[name], (int, float)))
+        if bad:
+            raise ValueError(f"{path}: {', '.join(bad)} must be numbers; expected {expected}")
         return cls(**{k: v for k, v in data.items() if k in names})
 
     def save(self, path: str | Path) -> None:

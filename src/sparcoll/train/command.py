@@ -28,7 +28,6 @@ import argparse
 import ast
 import json
 import math
-import os
 import statistics
 import sys
 import types
@@ -39,6 +38,7 @@ import numpy as np
 from sparcoll.bench.launch import BenchError, Job, run_job, run_jobs
 from sparcoll.bench.memory import FAULTING_PAGES, took_fresh_memory
 from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
+from sparcoll.outputs import check_output_path
 from sparcoll.train.worker import MODES, plain_ddp_on_sparse_gradients
 from sparcoll.workloads import WORKLOADS
 
@@ -236,8 +236,7 @@ def _validate(args) -> None:
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup {args.warmup} leaves none of the --steps {args.steps} to time; "
                          f"give more steps or a smaller --warmup")
-    if args.json and not os.path.isdir(folder := os.path.dirname(os.path.abspath(args.json))):
-        raise ValueError(f"--json {args.json}: there is no directory {folder}")     # before the training
+    check_output_path(args.json, "--json")
     check_link_burst(args.link_burst, args.network)
     if args.network != "none":
         ok, reason = netem_available()
