@@ -243,3 +243,60 @@ def test_sparse_gradients_go_through_sparcolls_sparse_allreduce(outcome):
 
 def test_accumulation_under_no_sync_with_powersgd_agrees_across_ranks(outcome):
     assert len({out["accumulated powersgd"] for out in outcome}) == 1
+
+
+class SometimesUsed(nn.Module):
+    """dense_model, plus a layer used only on odd ranks at odd steps and one never used: under
+    DDP(find_unused_parameters=True) DDP allreduces which parameters were used on its own group as
+    the last bucket is handed over, while the hook's thread still reduces buckets."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = dense_model()
+        self.sometimes, self.never = nn.Linear(16, 1), nn.Linear(16, 1)
+
+    def forward(self, x, extra: bool):
+        return self.body(x) + self.sometimes(x) if extra else self.body(x)
+
+
+def unused_parameters(rank: int, world: int) -> dict:
+    """Every step's gradients under DDP(find_unused_parameters=True), plain and with the hook."""
+    out = {}
+    for spec in ("none", "fp16", "topk:0.1"):
+        for hooked in (False, True):
+            model = SometimesUsed()
+            wrapped = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+            if hooked:
+                wrapped.register_comm_hook(sparcoll.torch.CompressionState(None, spec),
+                                           sparcoll.torch.compression_hook)
+            steps = []
+            for step in range(4):
+                x, y = batch(model.body, rank, step)
+                wrapped.zero_grad()
+                nn.functional.mse_loss(wrapped(x, (rank + step) % 2 == 1), y).backward()
+                steps.append([None if p.grad is None else p.grad.numpy().copy() for p in model.parameters()])
+            out[spec, hooked] = steps
+    return out
+
+
+def test_find_unused_parameters_with_the_hook_on_ddps_group_matches_plain_ddp():
+    """DDP's used-parameter allreduce must not meet the hook's collectives on one group (gloo aborted
+    both processes or hung): none gives DDP's gradients bit for bit, fp16 within its rounding, topk
+    the same on every rank and the uncompressed biases exactly."""
+    outcome = run_ranks(unused_parameters, 2, timeout=60)
+    for out in outcome:
+        for spec in ("none", "fp16", "topk:0.1"):
+            for plain, hooked in zip(out[spec, False], out[spec, True]):
+                assert [g is None for g in plain] == [g is None for g in hooked], spec
+                assert plain[-2:] == [None, None]        # nobody used `never`
+                for p, h in zip(plain, hooked):
+                    if p is None:
+                        continue
+                    if spec == "none":
+                        assert np.array_equal(p, h)
+                    elif spec == "fp16" or p.ndim == 1:
+                        assert np.allclose(p, h, rtol=1e-3, atol=1e-4), (spec, np.abs(p - h).max())
+        assert any(g is not None for g in out["none", False][1][-4:-2])   # `sometimes` was used
+    for spec in ("none", "fp16", "topk:0.1"):
+        for mine, theirs in zip(outcome[0][spec, True], outcome[1][spec, True]):
+            assert all(a is None and b is None or np.array_equal(a, b) for a, b in zip(mine, theirs))

@@ -8,8 +8,9 @@ state's spec, except 1-D parameters (biases, norms), which go uncompressed unles
 and whatever `per_param` says (a {parameter: spec} mapping, or a function of the parameter returning
 a spec or None for the default). A bucket's gradients under one spec share one collective (two for
 PowerSGD and variable-size gathers: Reducer.reduce_many), each with its own error feedback and warm
-start (keyed by the parameter, so DDP's rebuilt buckets after the first step keep them). Any bucket layout works: every rank runs the same collectives in the same order, on one thread
-per state, while backward goes on (overlap=False: in the hook, before it returns).
+start (keyed by the parameter, so DDP's rebuilt buckets after the first step keep them). Any bucket
+layout works: every rank runs the same collectives in the same order, on one thread and a process
+group of its own per state, while backward goes on (overlap=False: in the hook, before it returns).
 
 Gradients are averaged, as DDP's. Under `no_sync` DDP calls no hook and gradients accumulate; the
 next synchronized step compresses the accumulated gradients, so accumulation works unchanged.
@@ -29,6 +30,18 @@ from .backend import _backend_of
 _NONE = parse("none")
 
 
+def _own_group(group) -> dist.ProcessGroup:
+    """A new group of `group`'s ranks, backend and timeout (default: the whole job's) for the state's
+    thread alone. On DDP's group, DDP's own collectives (find_unused_parameters' allreduce of the used
+    parameters, issued as the last bucket is handed over) would run while the thread reduces buckets,
+    in an order that differs from rank to rank: gloo aborts or pairs the wrong calls."""
+    pg = group or dist.distributed_c10d._get_default_group()
+    sparcoll_pg = _backend_of(pg)
+    gloo = sparcoll_pg.gloo if sparcoll_pg is not None else pg._get_backend(torch.device("cpu"))
+    return dist.new_group(dist.get_process_group_ranks(pg), timeout=gloo.options._timeout,
+                          backend=dist.get_backend(pg))
+
+
 class CompressionState:
     """What the hook needs: where to communicate, which spec each parameter gets, and the
     compressors' state (error feedback, warm starts, seeds) across steps.
@@ -42,18 +55,22 @@ class CompressionState:
     bucket's gradients under one spec as one tensor (top-k across layers rather than per layer;
     PowerSGD stays per matrix), with error feedback kept per bucket layout (DDP rebuilds its buckets
     once, after the first step, which drops that step's residual). `sent_bytes`: the payload bytes
-    this rank contributed so far."""
+    this rank contributed so far.
+
+    With overlap on more than one rank, the thread's collectives go on a group of their own, made
+    here by dist.new_group: build the state on every rank of the job, in the same order as the
+    job's other groups."""
 
     def __init__(self, comm_or_group=None, spec: Union[str, Spec] = "none", *,
                  per_param: Union[Mapping, Callable, None] = None, compress_1d: bool = False,
                  group=None, overlap: bool = True, whole_bucket: bool = False):
-        if isinstance(comm_or_group, Communicator):
-            comm = comm_or_group
-        else:
-            group = comm_or_group if comm_or_group is not None else group
-            backend = None
-            if group is not None or dist.is_initialized():
-                backend = _backend_of(group or dist.distributed_c10d._get_default_group())
+        comm = comm_or_group if isinstance(comm_or_group, Communicator) else None
+        if comm is None and comm_or_group is not None:
+            group = comm_or_group
+        if overlap and dist.is_initialized() and dist.get_world_size(group) > 1:
+            group = _own_group(group)
+        if comm is None and dist.is_initialized():
+            backend = _backend_of(group or dist.distributed_c10d._get_default_group())
             comm = backend.comm if backend is not None else None
         self.comm, self.group = comm, group
         self.spec = parse(spec)
@@ -130,9 +147,8 @@ class CompressionState:
 def compression_hook(state: CompressionState,
                      bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Compress and average `bucket`'s gradients (see CompressionState). With `overlap` (the
-    default) the bucket is reduced on the state's thread while backward goes on; DDP waits for
-    every bucket's future before backward returns, so nothing else uses the group meanwhile. A
-    failure fails the future, and DDP's backward raises it."""
+    default) the bucket is reduced on the state's thread, on the state's own group, while backward
+    and DDP's own collectives go on. A failure fails the future, and DDP's backward raises it."""
     buffer, params = bucket.buffer(), bucket.parameters()
     done = torch.futures.Future()
 
