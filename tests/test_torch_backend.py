@@ -80,6 +80,20 @@ def collectives(rank: int, world: int) -> dict:
         sparcoll.torch.stats()          # run_ranks's default group is gloo's
     except ValueError as e:
         out["stats_of_gloo"] = str(e)
+    # A dtype sparcoll does not reduce goes to gloo, sparse as dense; the group then still works.
+    sums = [torch.sparse_coo_tensor([[rank, 3, 7]], torch.tensor([[1, 2], [3, 4], [5, 6]]) * (rank + 1), (10, 2))
+            for _ in range(2)]
+    dist.all_reduce(sums[0], group=pg)
+    dist.all_reduce(sums[1])                        # the default group: gloo
+    out["sparse_int64"] = torch.equal(sums[0].to_dense(), sums[1].to_dense())
+    # so does a sparse tensor of more blocks than sparcoll's indices number (2^42 rows wrapped them)
+    rows = 1 << 42
+    huge = [torch.sparse_coo_tensor([[rank, rows - 1]], torch.tensor([1.0, 2.0]) * (rank + 1), (rows,))
+            for _ in range(2)]
+    dist.all_reduce(huge[0], group=pg)
+    dist.all_reduce(huge[1])
+    out["sparse_huge"] = torch.equal(huge[0].coalesce().values(), huge[1].coalesce().values()) and \
+        torch.equal(huge[0].coalesce().indices(), torch.tensor([[0, 1, rows - 1]]))
     t = torch.full((300,), float(rank + 1), dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
     out["avg"] = torch.equal(t, torch.full((300,), 1.5, dtype=torch.float64))
@@ -148,6 +162,24 @@ def mismatch(rank: int, world: int) -> dict:
     except Exception as exc:
         out["after"] = type(exc).__name__
     out["exception"] = type(work.exception()).__name__
+    dist.destroy_process_group(pg)
+    return out
+
+
+def barrier_against_all_reduce(rank: int, world: int) -> dict:
+    """Rank 0 enters a barrier while rank 1 all_reduces one element: both must raise MismatchError,
+    quickly (the barrier's sparcoll allreduce once summed with the all_reduce, which got 6.0)."""
+    pg = sparcoll_group()
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            dist.barrier(group=pg)
+        else:
+            dist.all_reduce(torch.tensor([5.0]), group=pg)
+        out = {"error": None}
+    except Exception as exc:
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    out["elapsed"] = time.monotonic() - start
     dist.destroy_process_group(pg)
     return out
 
@@ -224,7 +256,7 @@ def init_outside_the_group(rank: int, world: int) -> dict:
 def test_collectives_against_expected_values():
     outcomes = run_ranks(collectives, WORLD, timeout=TIMEOUT)
     for rank, out in enumerate(outcomes):
-        assert out["sum"] and out["avg"], out
+        assert out["sum"] and out["avg"] and out["sparse_int64"] and out["sparse_huge"], out
         assert out["max_int"] == [2, 2, 2]
         assert out["sparse_sum"] == [1.0, 1.0, 4.0, 0.0]
         assert out["sparse_avg"] == [0.5, 0.5, 2.0, 0.0]
@@ -250,6 +282,12 @@ def test_mismatched_all_reduce_raises_in_every_caller():
         assert out["error"] == "MismatchError", out
         assert out["elapsed"] < 10, out
         assert out["after"] == "PoisonedError" and out["exception"] == "PoisonedError", out
+
+
+def test_barrier_never_pairs_with_an_all_reduce():
+    for out in run_ranks(barrier_against_all_reduce, WORLD, timeout=TIMEOUT):
+        assert (out["error"] or "").startswith("MismatchError") and "tag 65535" in out["error"], out
+        assert out["elapsed"] < 10, out
 
 
 def test_failed_allreduce_in_ddp_backward_raises_runtime_error():

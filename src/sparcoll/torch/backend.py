@@ -8,9 +8,10 @@ Every other collective, and what sparcoll cannot reduce (other ops, dtypes or de
 at once), is delegated to an inner gloo group built on the same store, so nothing is unimplemented.
 One exception is torch's: `dist.monitored_barrier` refuses every backend not named "gloo" before it
 reaches the group; `sparcoll.torch.monitored_barrier` runs the inner gloo group's instead.
-Sparse COO all_reduce runs on sparcoll too (`sparse.allreduce_coo`: block-sparse, never densified). The communicator takes its options from the
-environment (SPARCOLL_BLOCK_SIZE, SPARCOLL_AGGREGATORS, SPARCOLL_HOST, SPARCOLL_STREAMS,
-SPARCOLL_MESSAGE_BLOCKS, SPARCOLL_CREDITS) and the group's timeout.
+Sparse COO all_reduce of those dtypes runs on sparcoll too (`sparse.allreduce_coo`: block-sparse, never
+densified). The communicator takes its options from the environment (SPARCOLL_BLOCK_SIZE,
+SPARCOLL_AGGREGATORS, SPARCOLL_HOST, SPARCOLL_STREAMS, SPARCOLL_MESSAGE_BLOCKS, SPARCOLL_CREDITS) and
+the group's timeout.
 
 Errors: a failed sparcoll collective raises its own exception (e.g. MismatchError) from `wait()`, and
 fails the work's future as a real error, so DDP's backward raises a RuntimeError instead of crashing.
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from sparcoll.communicator import Communicator
 from sparcoll.errors import CollectiveTimeout
-from sparcoll.wire import DTYPE_CODES, OPS as SPARCOLL_OPS
+from sparcoll.wire import DTYPE_CODES, MAX_TAG, OPS as SPARCOLL_OPS
 
 from . import sparse
 from .futures import Completion
@@ -36,6 +37,8 @@ from .futures import Completion
 NAME = "sparcoll"
 # The torch reduce ops sparcoll runs, to sparcoll's op names: torch names them alike (SUM: "sum").
 OPS = {getattr(dist.ReduceOp.RedOpType, name.upper()): name for name in SPARCOLL_OPS}
+BARRIER_TAG = MAX_TAG           # the barrier's sparcoll allreduce; the group's all_reduce uses tag 0
+WAIT_SLICE_S = 0.05             # how often a waiting SparcollWork looks whether a part failed
 
 # Our method -> the gloo method it forwards to (gloo names some tensor-in/tensor-out forms differently).
 DELEGATED = {
@@ -66,12 +69,16 @@ class SparcollWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until done (without a timeout: until the deadline of the sparcoll collectives it
-        waits for); raise the collective's own error (not wrapped)."""
+        waits for); raise the collective's own error (not wrapped) as soon as one part failed: a
+        barrier whose sparcoll part failed raises at once, while its gloo part waits for peers that
+        may never come."""
         seconds = _seconds(timeout)
         if seconds is None and self._completion.deadline is not None:
             seconds = max(0.0, self._completion.deadline - time.monotonic())
-        if not self._completion.done.wait(seconds):
-            raise CollectiveTimeout(f"collective not finished after {seconds:g} s")
+        end = None if seconds is None else time.monotonic() + seconds
+        while self._completion.error is None and not self._completion.done.wait(WAIT_SLICE_S):
+            if end is not None and time.monotonic() >= end:
+                raise CollectiveTimeout(f"collective not finished after {seconds:g} s")
         if self._completion.error is not None:
             raise self._completion.error
         return True
@@ -124,27 +131,33 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
         return self._group_desc
 
     def _accelerated(self, tensors: list[torch.Tensor], op) -> bool:
-        return (len(tensors) == 1 and op in OPS and tensors[0].layout == torch.strided
-                and tensors[0].device.type == "cpu" and tensors[0].dtype in DTYPE_CODES)
+        """One CPU tensor, dense or sparse COO, of a dtype and under an op that sparcoll reduces, and of
+        no more blocks than its indices number (a COO tensor of 2^40 rows goes to gloo)."""
+        return (len(tensors) == 1 and op in OPS and tensors[0].layout in (torch.strided, torch.sparse_coo)
+                and tensors[0].device.type == "cpu" and tensors[0].dtype in DTYPE_CODES
+                and self.comm.too_many_blocks(tensors[0]) is None)
 
     def allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
-        """Dense float SUM/AVG on sparcoll, one sparse COO tensor via sparse.allreduce_coo, the rest
-        on gloo."""
+        """Dense float SUM/AVG on sparcoll, a sparse COO one via sparse.allreduce_coo, the rest on
+        gloo."""
         op = opts.reduceOp.op
-        if self._accelerated(tensors, op):
-            return SparcollWork(Completion.start(tensors, lambda: [self.comm.allreduce(
-                tensors[0], op=OPS[op], async_op=True, timeout=_seconds(opts.timeout))]))
-        if len(tensors) == 1 and tensors[0].layout == torch.sparse_coo and op in OPS:
+        if not self._accelerated(tensors, op):
+            return self.gloo.allreduce(tensors, opts)
+        tensor = tensors[0]
+        if tensor.layout == torch.sparse_coo:
             return SparcollWork(Completion.start(tensors, lambda: [sparse.allreduce_coo(
-                tensors[0], OPS[op], self.comm)]))
-        return self.gloo.allreduce(tensors, opts)
+                tensor, OPS[op], self.comm)]))
+        return SparcollWork(Completion.start(tensors, lambda: [self.comm.allreduce(
+            tensor, op=OPS[op], async_op=True, timeout=_seconds(opts.timeout))]))
 
     def barrier(self, opts) -> dist.Work:
         """Done when every rank has issued all earlier collectives of both parts: a one-element
         sparcoll allreduce queues behind this rank's earlier sparcoll work, gloo's barrier behind
-        gloo's."""
+        gloo's. The allreduce's tag of its own makes a peer's all_reduce of one element, which
+        all_reduce never tags, fail with MismatchError instead of pairing with it."""
         return SparcollWork(Completion.start([], lambda: [
-            self.comm.allreduce(torch.ones(1), async_op=True, timeout=_seconds(opts.timeout)),
+            self.comm.allreduce(torch.ones(1), async_op=True, timeout=_seconds(opts.timeout),
+                                tag=BARRIER_TAG),
             self.gloo.barrier(opts)]))
 
     def shutdown(self) -> None:
@@ -163,7 +176,7 @@ def monitored_barrier(group=None, timeout: timedelta | None = None,
     """`torch.distributed.monitored_barrier` for a group on any backend: on a "sparcoll" group it
     runs the inner gloo group's (torch's own function refuses backends not named "gloo")."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    inner = pg if isinstance(pg, ProcessGroupSparcoll) else _backend_of(pg)
+    inner = _backend_of(pg)
     if inner is None:
         return dist.monitored_barrier(group, timeout, wait_all_ranks)
     if timeout is None:
@@ -175,7 +188,7 @@ def stats(group=None):
     """The traffic and collective counts (sparcoll.Stats) of a "sparcoll" group (default: the whole job):
     how a training script checks that its gradients really go through sparcoll, and how many bytes."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    inner = pg if isinstance(pg, ProcessGroupSparcoll) else _backend_of(pg)
+    inner = _backend_of(pg)
     if inner is None:
         raise ValueError(f"the group uses the {dist.get_backend(pg)!r} backend, not {NAME!r}: "
                          f"init_process_group({NAME!r}) after importing sparcoll.torch")
@@ -183,7 +196,10 @@ def stats(group=None):
 
 
 def _backend_of(pg) -> ProcessGroupSparcoll | None:
-    """The sparcoll group behind a torch ProcessGroup, if that is what it wraps."""
+    """The sparcoll group behind a torch ProcessGroup, if that is what it wraps (dist.new_group hands
+    out a "sparcoll" group itself, unwrapped)."""
+    if isinstance(pg, ProcessGroupSparcoll):
+        return pg
     try:
         backend = pg._get_backend(torch.device("cpu"))
     except Exception:   # torch raises when the group has no backend for cpu
