@@ -547,3 +547,20 @@ def test_reduce_many_refuses_keys_and_targets_that_do_not_match_its_tensors():
     assert torch.equal(out[0], four) and torch.equal(out[1], six)
     with pytest.raises(ValueError, match=r"`into` holds tensors of \[3\] elements for inputs of \[4\]"):
         sc.Reducer("blocktopk:0.5").reduce_many([four], ["a"], into=[torch.empty(3)])
+
+
+@pytest.mark.parametrize("spec", ["terngrad", "efsignsgd", "onebit", "topk:0.5", "none"])
+def test_a_tensor_that_requires_grad_is_reduced_as_data(spec):
+    """terngrad, efsignsgd and onebit failed on one ("Can't call numpy() on Tensor that requires grad")
+    where the other compressors took it."""
+    x = torch.randn(64, requires_grad=True)
+    out = sc.Reducer(spec).reduce(x, "k")
+    assert out.shape == x.shape and not out.requires_grad
+    if spec == "none":
+        assert torch.equal(out, x.detach())
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_reducer_names_the_layouts_it_takes():
+    with pytest.raises(TypeError, match="dense or sparse COO tensors, got torch.sparse_csr"):
+        sc.Reducer("fp16").reduce(torch.eye(3).to_sparse_csr())

@@ -149,6 +149,8 @@ def test_bad_points_are_refused_by_name():
         Point("allgather", 4, NUMEL, 1.0, GBIT)
     with pytest.raises(ValueError, match="at least 2"):
         Point("ring", 1, NUMEL, 1.0, GBIT)
+    with pytest.raises(ValueError, match="simulates at most 16384"):     # 10^8 once ran without end
+        Point("ring", 100_000_000, NUMEL, 1.0, GBIT)
     with pytest.raises(ValueError, match="density"):
         Point("ring", 4, NUMEL, 0.0, GBIT)
     with pytest.raises(ValueError, match="colocated or dedicated"):

@@ -54,6 +54,10 @@ class Reducer:
         float32 tensors, one per dense input then per exact one, that receive the averages (each
         scheme decompresses there directly, saving a dense temporary and a copy); returned.
         `tag`: the sparse AllReduce's (Communicator.allreduce), which every rank must give alike."""
+        other = next((t.layout for t in tensors if t.layout not in (torch.strided, torch.sparse_coo)), None)
+        if other is not None:
+            raise TypeError(f"a Reducer takes dense or sparse COO tensors, got {other}: convert it with .to_dense() "
+                            f"or .to_sparse_coo()")
         stateful = self.memory.active or self.compressor.scheme == "powersgd"    # keys name their state
         if len(keys) != len(tensors) or (stateful and len(set(keys)) < len(keys)):
             raise ValueError(f"reduce_many takes one key per tensor{', each its own' if stateful else ''} (a key "
@@ -174,5 +178,6 @@ class Reducer:
 
 
 def _flat_float(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat float32 view of a dense tensor where one exists (a sparse one densified)."""
-    return (tensor.to_dense() if tensor.is_sparse else tensor).reshape(-1).float()
+    """A flat float32 view of a dense tensor where one exists (a sparse one densified), detached: a
+    gradient that requires grad (one of a higher-order backward) is data here, as gloo takes it."""
+    return (tensor.to_dense() if tensor.is_sparse else tensor).detach().reshape(-1).float()

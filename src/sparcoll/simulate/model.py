@@ -36,6 +36,7 @@ ITEMSIZE = 4                 # float32
 GLOO_INDEX_BYTES = 8         # gloo's sparse allreduce sends int64 row indices
 PIECE_BYTES = 64 << 10      # the kernel hands veth and tbf packets of up to 64 KiB (GSO)
 MAX_GROUPS = 16
+MOST_WORKERS = 16384         # workers a point may have (a bound on the model's time and memory)
 HOST_CORES = 4               # cores of a host of its own (cores=None)
 CANDIDATE_DENSITY = 0.4      # the chooser keeps the sparse path below this union density
 CHOOSER_MARGIN = 0.9         # ...and above it only when the sparse path is 10% faster
@@ -64,8 +65,9 @@ class Point:
     def __post_init__(self):
         if self.algo not in ALGOS:
             raise ValueError(f"unknown algorithm {self.algo!r}; known: {', '.join(ALGOS)}")
-        if self.workers < 2:
-            raise ValueError(f"workers {self.workers}: an allreduce needs at least 2")
+        if not 2 <= self.workers <= MOST_WORKERS:
+            raise ValueError(f"workers {self.workers}: an allreduce needs at least 2, and the model simulates at "
+                             f"most {MOST_WORKERS} (its events grow faster than the workers: 16384 took 10 s a point)")
         if self.numel < self.block_size or self.block_size < 1:
             raise ValueError(f"numel {self.numel} must be at least one block of {self.block_size}")
         if not 0 < self.density <= 1:
