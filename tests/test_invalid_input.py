@@ -108,7 +108,7 @@ def test_a_sparse_tensor_of_more_blocks_than_the_indices_number_is_refused_on_ev
     try:
         rows = 1 << 42
         out = on_both(comms, lambda r, c: c.allreduce_coo(torch.sparse_coo_tensor(
-            torch.tensor([[r, rows - 1]]), torch.tensor([1.0, 2.0]), (rows,))))
+            torch.tensor([[r, rows - 1]]), torch.tensor([1.0, 2.0]), (rows,), check_invariants=True)))
         for r in range(2):
             error, seconds = out[r]
             assert isinstance(error, (ValueError, sparcoll.SparcollError)), error
@@ -116,7 +116,8 @@ def test_a_sparse_tensor_of_more_blocks_than_the_indices_number_is_refused_on_ev
         assert comms[0].too_many_blocks(torch.zeros(10)) is None
         # 2^36 elements, yet 2^30 rows of 64: a block each, as many as the indices number
         assert comms[0].too_many_blocks(torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long),
-                                                                torch.zeros(0, 64), (1 << 30, 64))) is None
+                                                                torch.zeros(0, 64), (1 << 30, 64),
+                                                                check_invariants=True)) is None
     finally:
         close(comms)
 
