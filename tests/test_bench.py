@@ -21,7 +21,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from sparcoll.bench import bounds, command
+from sparcoll.bench import bounds, command, netem
 from sparcoll.bench.algorithms import REGISTRY, select
 from sparcoll.bench.events import decode
 from sparcoll.bench.launch import BenchError, Job, run_job
@@ -258,7 +258,7 @@ def test_output_paths_in_existing_directories_are_taken(tmp_path, monkeypatch):
 
 
 def test_without_netem_suggests_loopback(monkeypatch, capsys):
-    monkeypatch.setattr(command, "netem_available", lambda: (False, "not running as root. "
+    monkeypatch.setattr(netem, "netem_available", lambda: (False, "not running as root. "
                                                               "Use --network none (plain loopback) instead."))
     assert command.run(_args("--network", "1gbit", "--workers", "2")) == 2
     assert "--network none" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from typing import Callable
 
 from sparcoll.bench import algorithms
 from sparcoll.bench.launch import Job, run_job, run_jobs
-from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
+from sparcoll.bench.netem import add_link_burst_argument, check_network
 from sparcoll.bench.patterns import InputSpec
 from sparcoll.bench.report import Setup, add_speedups, make_record, table, title, write_json
 from sparcoll.bench.sizes import count_argument, parse_count
@@ -106,15 +106,9 @@ def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
         raise ValueError("--num-aggregators must be >= 1")
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot")
-    check_link_burst(args.link_burst, args.network)
-    if args.network == "none":
-        if args.launcher == "torchrun":
-            raise ValueError("--launcher torchrun runs one agent per emulated host: give --network")
-        return algos, None
-    ok, reason = netem_available()
-    if not ok:
-        raise ValueError(reason)
-    return algos, parse_rate(args.network)
+    if args.network == "none" and args.launcher == "torchrun":
+        raise ValueError("--launcher torchrun runs one agent per emulated host: give --network")
+    return algos, check_network(args.network, args.link_burst)
 
 
 def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int | None,

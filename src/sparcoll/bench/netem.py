@@ -83,6 +83,7 @@ __all__ = [
     "MIN_BURST_BYTES",
     "NetemError",
     "NetemUnavailable",
+    "check_network",
     "cleanup_stale",
     "netem_available",
     "parse_rate",
@@ -157,6 +158,23 @@ def check_link_burst(burst_bytes: int | None, network: str) -> None:
         raise ValueError("--link-burst shapes the emulated links: give --network")
     if burst_bytes < MIN_BURST_BYTES:
         raise ValueError(f"--link-burst {burst_bytes}: at least {MIN_BURST_BYTES} bytes (64K)")
+
+
+def check_network(network: str, burst_bytes: int | None) -> int | None:
+    """The emulated links' rate in bit/s for `--network` (None: loopback), or a ValueError naming what
+    stops them: a bad burst or rate, then no netem here (so a mistyped rate is named alike with or
+    without root)."""
+    check_link_burst(burst_bytes, network)
+    if network == "none":
+        return None
+    try:
+        rate = parse_rate(network)
+    except ValueError as exc:
+        raise ValueError(f"--network: {exc}, or none") from None
+    ok, reason = netem_available()
+    if not ok:
+        raise ValueError(reason)
+    return rate
 
 
 def tbf_burst_bytes(rate_bps: int) -> int:

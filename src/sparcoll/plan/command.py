@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from sparcoll.bench.launch import Job, run_job, run_jobs
-from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
+from sparcoll.bench.netem import add_link_burst_argument, check_network, parse_rate
 from sparcoll.compress import parse
 from sparcoll.outputs import check_output_path
 from sparcoll.train import command as train_command
@@ -657,15 +657,7 @@ def check(args) -> None:
             raise ValueError(f"--uniform {args.uniform} is not the ring: --without collective rules it out")
     for option, path in (("--profile", args.profile), ("--json", args.json)):
         check_output_path(path, option)
-    check_link_burst(args.link_burst, args.network)
-    if args.network != "none":
-        try:
-            parse_rate(args.network)
-        except ValueError as exc:
-            raise ValueError(f"--network: {exc}, or none") from None
-        ok, reason = netem_available()
-        if not ok:
-            raise ValueError(f"{reason} (or use --network none)")
+    check_network(args.network, args.link_burst)
 
 
 def run(args) -> int:

@@ -37,7 +37,7 @@ import numpy as np
 
 from sparcoll.bench.launch import BenchError, Job, run_job, run_jobs
 from sparcoll.bench.memory import FAULTING_PAGES, took_fresh_memory
-from sparcoll.bench.netem import add_link_burst_argument, check_link_burst, netem_available, parse_rate
+from sparcoll.bench.netem import add_link_burst_argument, check_network
 from sparcoll.outputs import check_output_path
 from sparcoll.train.worker import MODES, plain_ddp_on_sparse_gradients
 from sparcoll.workloads import WORKLOADS
@@ -237,12 +237,7 @@ def _validate(args) -> None:
         raise ValueError(f"--warmup {args.warmup} leaves none of the --steps {args.steps} to time; "
                          f"give more steps or a smaller --warmup")
     check_output_path(args.json, "--json")
-    check_link_burst(args.link_burst, args.network)
-    if args.network != "none":
-        ok, reason = netem_available()
-        if not ok:
-            raise ValueError(f"{reason} (or use --network none)")
-        parse_rate(args.network)
+    check_network(args.network, args.link_burst)
 
 
 def load_plan(args, modes, options: dict) -> dict | None:
