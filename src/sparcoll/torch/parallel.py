@@ -1131,8 +1131,15 @@ class Loaded(NamedTuple):
 
 def _load(strategy) -> Loaded:
     """The strategy argument, each strategy in it checked (ValueError naming the problem, TypeError
-    for an argument of another type)."""
-    if isinstance(strategy, Path) or (isinstance(strategy, str) and _is_file_name(strategy)):
+    for an argument of another type). A string is a strategy, else the name of a file of them: one
+    ending .json (any case) always, another only where it names no strategy."""
+    if isinstance(strategy, str) and not strategy.lower().endswith(".json"):
+        try:
+            return Loaded(_checked(strategy), {}, {}, {})
+        except ValueError:
+            if not Path(strategy).is_file():
+                raise
+    if isinstance(strategy, (str, Path)):
         strategy = _read(Path(strategy))
     if isinstance(strategy, Mapping) and isinstance(strategy.get("tensors"), list):     # a plan
         return _plan(strategy["tensors"])
@@ -1140,18 +1147,7 @@ def _load(strategy) -> Loaded:
         return Loaded({str(name): _checked(s, name) for name, s in strategy.items()}, {}, {}, {})
     if not isinstance(strategy, str):
         raise TypeError(f"strategy is {WHAT_STRATEGY_IS}; got {type(strategy).__name__}")
-    return Loaded(_checked(strategy), {}, {}, {})
-
-
-def _is_file_name(text: str) -> bool:
-    """A JSON file's name (any case), or an existing file's that is no strategy's."""
-    if text.lower().endswith(".json"):
-        return True
-    try:
-        _checked(text)
-    except ValueError:
-        return Path(text).is_file()
-    return False
+    return Loaded(_checked(strategy), {}, {}, {})       # a file holding one strategy
 
 
 def _read(path: Path):
