@@ -4,6 +4,7 @@ included); with every compressor, training runs through several buckets, the los
 rank holds the same parameters after every step; sparse embedding gradients, a Communicator, a
 sparcoll group and per-parameter specs work."""
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -266,9 +267,9 @@ def unused_parameters(rank: int, world: int) -> dict:
         for hooked in (False, True):
             model = SometimesUsed()
             wrapped = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+            state = sparcoll.torch.CompressionState(None, spec)
             if hooked:
-                wrapped.register_comm_hook(sparcoll.torch.CompressionState(None, spec),
-                                           sparcoll.torch.compression_hook)
+                wrapped.register_comm_hook(state, sparcoll.torch.compression_hook)
             steps = []
             for step in range(4):
                 x, y = batch(model.body, rank, step)
@@ -276,6 +277,16 @@ def unused_parameters(rank: int, world: int) -> dict:
                 nn.functional.mse_loss(wrapped(x, (rank + step) % 2 == 1), y).backward()
                 steps.append([None if p.grad is None else p.grad.numpy().copy() for p in model.parameters()])
             out[spec, hooked] = steps
+            state.close()
+            state.close()
+            if hooked:      # a step after close is refused, not run on a destroyed group
+                try:
+                    nn.functional.mse_loss(wrapped(x, False), y).backward()
+                except RuntimeError as exc:
+                    out[spec, "after close"] = str(exc)
+    groups = dist.distributed_c10d._world.pg_map
+    out["states' groups left"] = len(groups) - 1        # but the default group
+    out["states' threads left"] = [t.name for t in threading.enumerate() if t.name.startswith("sparcoll-compress")]
     return out
 
 
@@ -297,6 +308,9 @@ def test_find_unused_parameters_with_the_hook_on_ddps_group_matches_plain_ddp():
                     elif spec == "fp16" or p.ndim == 1:
                         assert np.allclose(p, h, rtol=1e-3, atol=1e-4), (spec, np.abs(p - h).max())
         assert any(g is not None for g in out["none", False][1][-4:-2])   # `sometimes` was used
+        assert out["states' groups left"] == 0 and out["states' threads left"] == []    # closed
+        for spec in ("none", "fp16", "topk:0.1"):
+            assert "its CompressionState was closed" in out[spec, "after close"]
     for spec in ("none", "fp16", "topk:0.1"):
         for mine, theirs in zip(outcome[0][spec, True], outcome[1][spec, True]):
             assert all(a is None and b is None or np.array_equal(a, b) for a, b in zip(mine, theirs))

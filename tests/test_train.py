@@ -322,11 +322,23 @@ def test_a_warm_up_that_leaves_no_step_to_time_is_refused(capsys):
         assert f"--warmup {warmup} leaves none of the --steps 3 to time" in capsys.readouterr().err
 
 
+def test_one_step_runs_and_is_timed_without_a_warmup_given(tmp_path, monkeypatch):
+    """The default warm-up (1 step) leaves a one-step run (a smoke test) its step, not an error."""
+    from sparcoll.train import command
+
+    for steps, warmup in ((1, 0), (2, 1)):
+        monkeypatch.setattr(command, "run_job", FakeJobs(steps, crashes=0))
+        out = tmp_path / f"{steps}.json"
+        assert main(["train", "--network", "none", "--steps", str(steps), "--json", str(out)]) == 0
+        assert json.loads(out.read_text())["warmup"] == warmup
+
+
 def test_a_misspelled_mode_among_several_is_named_alone(capsys):
     """A comma continues a mode's spec only after a mode with one (hook:compress=topk:0.01,ef=off)."""
     from sparcoll.train.command import _split_modes
 
-    for modes in ("ddp,posiedon", "posiedon,ddp", "hook:compress=none,ddp,posiedon"):
+    for modes in ("ddp,posiedon", "posiedon,ddp", "hook:compress=none,ddp,posiedon", "poseidon:strategy=sfb,posiedon",
+                  "hook:compress=topk:0.01,ef=off,posiedon"):
         with pytest.raises(ValueError, match="^unknown mode 'posiedon'; modes are sparcoll, ddp, hook"):
             _split_modes(modes)
     assert main(["train", "--network", "none", "--compare", "ddp,posiedon"]) == 2

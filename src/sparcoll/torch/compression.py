@@ -59,7 +59,8 @@ class CompressionState:
 
     With overlap on more than one rank, the thread's collectives go on a group of their own, made
     here by dist.new_group: build the state on every rank of the job, in the same order as the
-    job's other groups."""
+    job's other groups. `close()` ends the thread and destroys that group (a state made per
+    experiment would otherwise keep both until the process ends)."""
 
     def __init__(self, comm_or_group=None, spec: Union[str, Spec] = "none", *,
                  per_param: Union[Mapping, Callable, None] = None, compress_1d: bool = False,
@@ -67,7 +68,8 @@ class CompressionState:
         comm = comm_or_group if isinstance(comm_or_group, Communicator) else None
         if comm is None and comm_or_group is not None:
             group = comm_or_group
-        if overlap and dist.is_initialized() and dist.get_world_size(group) > 1:
+        self._own = overlap and dist.is_initialized() and dist.get_world_size(group) > 1
+        if self._own:
             group = _own_group(group)
         if comm is None and dist.is_initialized():
             backend = _backend_of(group or dist.distributed_c10d._get_default_group())
@@ -85,6 +87,18 @@ class CompressionState:
         # One thread, so buckets are reduced one after another in the order DDP hands them over,
         # the same on every rank.
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sparcoll-compress") if overlap else None
+        self.closed = False
+
+    def close(self) -> None:
+        """Wait for the bucket in hand, end the thread and destroy the group made for it; the hook
+        refuses this state afterwards. Call it on every rank, after the last step; twice is harmless."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+        if self._own and dist.is_initialized():
+            dist.destroy_process_group(self.group)
 
     def spec_for(self, param: torch.Tensor) -> Spec:
         if id(param) in self._overrides:
@@ -149,6 +163,8 @@ def compression_hook(state: CompressionState,
     """Compress and average `bucket`'s gradients (see CompressionState). With `overlap` (the
     default) the bucket is reduced on the state's thread, on the state's own group, while backward
     and DDP's own collectives go on. A failure fails the future, and DDP's backward raises it."""
+    if state.closed:
+        raise RuntimeError("compression_hook: its CompressionState was closed; make a new one")
     buffer, params = bucket.buffer(), bucket.parameters()
     done = torch.futures.Future()
 

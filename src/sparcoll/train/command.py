@@ -116,8 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                         help="set a field of the workload's config, e.g. num_users=1000 (ncf), hidden=64,32 "
                              "(vgg) or tiny=true (the test preset); repeatable")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="first steps left out of the timing summary (default 1)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="first steps left out of the timing summary (default 1; 0 with --steps 1)")
     parser.add_argument("--json", metavar="PATH", help="write the configuration and results to PATH")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds without a finished step before the job is declared hung (default 600)")
@@ -203,11 +203,12 @@ def modes_of(args) -> list[tuple[str, str | None]]:
 
 def _split_modes(text: str) -> list[tuple[str, str | None]]:
     """Modes separated by commas, where a spec may hold commas too: a comma after a mode with a spec
-    continues it unless a mode name follows; after one without, a mode follows (a misspelled one is
-    then named alone)."""
+    continues it with an option (KEY=VALUE, compress.spec's format) unless a mode name follows;
+    anything else is a mode (a misspelled one is then named alone)."""
     parts = []
     for piece in filter(str.strip, text.split(",")):
-        if parts and ":" in parts[-1] and piece.strip().partition(":")[0] not in MODES:
+        name = piece.strip().partition(":")[0]
+        if parts and ":" in parts[-1] and "=" in piece and name not in MODES:
             parts[-1] += f",{piece}"
         else:
             parts.append(piece)
@@ -231,6 +232,8 @@ def _validate(args) -> None:
         args.batch_size = BATCH_SIZES.get(args.workload, 256)
     if args.workers < 1 or args.steps < 1 or args.batch_size < 1 or args.block_size < 1:
         raise ValueError("--workers, --steps, --batch-size and --block-size must be >= 1")
+    if args.warmup is None:     # a one-step run (a smoke test) times its only step
+        args.warmup = min(1, args.steps - 1) if args.steps >= 1 else 1
     if args.warmup < 0 or args.timeout <= 0:
         raise ValueError("--warmup must be >= 0 and --timeout > 0")
     if args.warmup >= args.steps:

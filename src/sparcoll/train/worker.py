@@ -182,9 +182,10 @@ class Trainer:
         else:
             self.model = DistributedDataParallel(workload.model, gradient_as_bucket_view=True,
                                                  find_unused_parameters=cfg.get("find_unused_parameters", False))
+        self.compression = None
         if mode == "hook" and cfg.get("compress"):
-            self.model.register_comm_hook(sparcoll.torch.CompressionState(comm, cfg["compress"]),
-                                          sparcoll.torch.compression_hook)
+            self.compression = sparcoll.torch.CompressionState(comm, cfg["compress"])
+            self.model.register_comm_hook(self.compression, sparcoll.torch.compression_hook)
         elif mode == "hook":
             self.model.register_comm_hook(sparcoll.torch.HookState(comm), sparcoll.torch.allreduce_hook)
         params = list(workload.model.parameters())
@@ -238,13 +239,16 @@ class Trainer:
                       "comm_hidden_s": slowest[8].item()} if self.poseidon else {})})
 
     def finish(self) -> None:
-        """The last step's trace and the held-out loss (rank 0), then DataParallel's thread stopped."""
+        """The last step's trace and the held-out loss (rank 0), then DataParallel's or the compression
+        hook's thread stopped."""
         if self.poseidon and self.rank == 0:
             emit({**trace(self.model, self.backward_start), **self.tag})
         if self.rank == 0 and hasattr(self.workload, "eval_loss"):      # parameters are identical on every rank
             emit({"event": "eval", **self.tag, "loss": self.workload.eval_loss(self.workload.model)})
         if self.poseidon:
             self.model.close()
+        if self.compression is not None:
+            self.compression.close()
 
 
 def interleaved_order(modes: int, seed: int, step: int) -> list[int]:
