@@ -51,7 +51,13 @@ gradients below 1 MB too, a bucket going once it holds 1 MB, DDP's first bucket)
 takes its own bias along when the bias came just before it (as `sparcoll plan` prices a layer). A
 plan's unit of several COO gradients under the sparse AllReduce is one collective of their rows
 (sparse.concatenate); without a plan, so are such gradients ready one after another (until their
-tables hold COO_BUCKET_BYTES). Under `no_sync()` gradients
+tables hold COO_BUCKET_BYTES). An embedding declared with dense gradients (nn.Embedding, or
+nn.EmbeddingBag but in "max" mode) whose weight takes the sparse AllReduce (by the strategy given,
+not the hybrid choice) looks its rows up with sparse=True while DataParallel runs it: its gradient
+comes as COO rows, goes through the sparse AllReduce without a scan of the dense table, and is made
+dense again for the optimizer (sparse.Lookups). Where anything else contributed to the weight's
+gradient (a regularizer, a tied use) autograd sums it dense, and it goes the dense way, scanned.
+Under `no_sync()` gradients
 accumulate locally; the next synchronized step reduces the accumulated gradients (SFB layers then take
 the ring: their factors cover one step only). `trace` records, for the last step, when each tensor
 was ready and when its synchronization started and ended, and when backward finished computing.
@@ -232,6 +238,9 @@ class DataParallel(nn.Module):
         self._came_last: set[int] = set()
         self._warned_missing = False
         self._coo = sparse.sparse_weights(module)
+        self._lookups = sparse.Lookups(module, lambda w: comm is not None and w.requires_grad
+                                       and self._requested(w) == hybrid.SPARSE)
+        self._handles += self._lookups.handles
         self._linear: dict[int, LinearState] = {}    # weight id -> its layer's step
         self._weight_of: dict[int, nn.Parameter] = {}  # bias id -> its layer's weight
         for layer in eligible_layers(module):      # a tied weight never takes SFB
@@ -680,7 +689,8 @@ class DataParallel(nn.Module):
             p = self._order[i]
             if not used[i]:
                 stand_ins.append((i, p, p.grad))
-                p.grad = sparse.zeros_like(p) if id(p) in self._coo else torch.zeros_like(p)
+                p.grad = sparse.zeros_like(p) if id(p) in self._coo or id(p) in self._lookups \
+                    else torch.zeros_like(p)
             self._hand_on(p)
         self._flush()
         self._send_incomplete_units()
@@ -941,7 +951,7 @@ class DataParallel(nn.Module):
             grads = [self._note_rows(q, grad.coalesce()) for q, grad in extra]
             totals = sparse.allreduce_many(grads, "avg", self.comm, tag=self._tags[id(extra[0][0])])
             for (q, _), total in zip(extra, totals):
-                q.grad = total
+                q.grad = self._lookups.as_declared(q, total)
             return None
         if chosen == COMPRESSED:
             reducer, members = extra
@@ -1055,11 +1065,12 @@ class DataParallel(nn.Module):
         if chosen in (hybrid.RING, hybrid.PS):        # the group's sparse all_reduce (gloo's gathers)
             self._unchecked.append(self._tags[id(p)])
             total, work = self._group_channel.start_sparse_mean(grad)
-            return self._later(work, lambda: setattr(p, "grad", total.coalesce()))
+            return self._later(work, lambda: setattr(p, "grad", self._lookups.as_declared(p, total.coalesce())))
         if chosen == hybrid.SPARSE:
-            p.grad = self.comm.allreduce_coo(grad, op="avg", tag=self._tags[id(p)])
+            total = self.comm.allreduce_coo(grad, op="avg", tag=self._tags[id(p)])
         else:
-            p.grad = self._reducer(chosen).reduce(grad, key=id(p), tag=self._tags[id(p)])
+            total = self._reducer(chosen).reduce(grad, key=id(p), tag=self._tags[id(p)])
+        p.grad = self._lookups.as_declared(p, total)
         return None
 
     def _reducer(self, spec: str, placement: str = CHANNEL) -> Reducer:

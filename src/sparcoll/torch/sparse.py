@@ -41,6 +41,43 @@ def sparse_weights(module: nn.Module) -> set[int]:
     return {id(m.weight) for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
 
 
+class Lookups:
+    """Embeddings declared with dense gradients that look their rows up with sparse=True while the
+    wrapper runs them (those whose weight `wanted` says the sparse AllReduce takes): autograd then
+    hands their weight a COO gradient of the rows looked up, which goes through the sparse AllReduce
+    as it is, where the dense gradient (a zeroed table with those rows added) had to be scanned for
+    its non-zero blocks (deeplight's 68 MB table: a pass over all of it each step). Where anything
+    else adds to the weight's gradient (a regularizer, a tied use, a gradient accumulated dense),
+    autograd sums the two dense, and the dense gradient goes as before. as_declared makes the sum
+    dense again, as the module's owner declared it (an optimizer may not take COO gradients)."""
+
+    def __init__(self, module: nn.Module, wanted):
+        self._weights: set[int] = set()
+        self.handles = []
+        for m in module.modules():
+            if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)) or m.sparse or not wanted(m.weight) \
+                    or getattr(m, "mode", "sum") == "max":       # EmbeddingBag's max has no sparse gradient
+                continue
+            self._weights.add(id(m.weight))
+            self.handles += [m.register_forward_pre_hook(_look_up_sparse),
+                             m.register_forward_hook(_restore_dense, always_call=True)]
+
+    def __contains__(self, weight_id: int) -> bool:
+        return weight_id in self._weights
+
+    def as_declared(self, weight: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """A reduced gradient of `weight` in the layout its module declared."""
+        return total.to_dense() if total.is_sparse and id(weight) in self._weights else total
+
+
+def _look_up_sparse(module: nn.Module, args) -> None:
+    module.sparse = True
+
+
+def _restore_dense(module: nn.Module, args, output) -> None:
+    module.sparse = False
+
+
 def zeros_like(weight: torch.Tensor) -> torch.Tensor:
     """An embedding weight's gradient with no rows: what a rank that did not use it contributes."""
     return torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.long),
