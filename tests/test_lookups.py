@@ -116,3 +116,37 @@ def test_dense_declared_tables_under_the_sparse_allreduce_go_as_rows_and_come_ba
         assert out["accumulated"]["came sparse"]["table.weight"] is True
         assert not any(out["table on the ring"]["came sparse"].values())
         assert out["skipped by rank 1"] <= 1e-5, out
+
+
+def profiled(rank: int, world: int) -> dict:
+    """profile_sparse_own times a dense-declared table's gradient as DataParallel sends it (its rows as
+    COO, the sum made dense), another large dense gradient as it is."""
+    from sparcoll.plan.profiler import profile_sparse_own
+
+    comm = sparcoll.init()
+    calls = {"allreduce": 0, "allreduce_coo": 0}
+    for name in calls:
+        def counted(*args, _call=getattr(comm, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _call(*args, **kwargs)
+        setattr(comm, name, counted)
+    table = torch.zeros(4096, 16)
+    table[torch.arange(rank, 4096, 97)] = 1.0
+    other = table.clone().reshape(-1)
+    tensors = {"table.weight": {"union": 0.02}, "other": {"union": 0.02}}
+    out = {}
+    for name, gradient, lookups in (("table.weight", table, {"table.weight"}), ("other", other, set())):
+        before = dict(calls)
+        (record,) = profile_sparse_own(comm, {name: gradient}, tensors, lookups, lambda: torch.ones(64, 64).sum(), 60)
+        out[name] = {k: calls[k] - before[k] for k in calls}
+        out[name]["seconds"] = record[1].seconds
+    comm.close()
+    dist.barrier()
+    return out
+
+
+def test_the_profile_times_a_dense_declared_table_as_rows():
+    for out in run_ranks(profiled, WORLD, timeout=120):
+        assert out["table.weight"]["allreduce_coo"] > 0 and out["table.weight"]["allreduce"] == 0, out
+        assert out["other"]["allreduce"] > 0 and out["other"]["allreduce_coo"] == 0, out
+        assert out["table.weight"]["seconds"] > 0 and out["other"]["seconds"] > 0

@@ -641,17 +641,21 @@ def held_beside(comm, block_size: int, rank: int, world: int, sizes: Sizes):
         yield size, max(0.0, after - alone)
 
 
-def profile_sparse_own(comm, gradients: dict, tensors: dict, train_step, timeout: float):
+def profile_sparse_own(comm, gradients: dict, tensors: dict, lookups: set[str], train_step, timeout: float):
     """(tensor name, Timing alone, seconds under load, slowdown of a training step, CPU seconds under
     load) of the sparse AllReduce, as the executor runs it, on each of the model's large dense gradients
     that are not dense (its union below 1): the executor's algorithm changes with size and density (a
     4M-element tensor at 30% took gloo's ring, a 1M-element one the sparse AllReduce), so the grid of
-    random tensors between them priced deeplight's 1M-element linear layer at 40 ms, measured 13."""
+    random tensors between them priced deeplight's 1M-element linear layer at 40 ms, measured 13. The
+    weights of `lookups` (embeddings declared dense) go as DataParallel sends them under it: their
+    rows as COO, the sum made dense again (sparse.Lookups)."""
     alone_step = timed(lambda _: train_step()).seconds
-    run = lambda t: comm.allreduce(t, op="avg")     # noqa: E731
+    dense = lambda t: comm.allreduce(t, op="avg")     # noqa: E731
+    rows = lambda t: comm.allreduce_coo(t, op="avg").to_dense()     # noqa: E731
     for name, g in gradients.items():
         if tensors[name]["union"] < 1.0:
-            yield name, *alone_and_loaded(run, g.clone, train_step, alone_step, timeout)
+            run, prepare = (rows, functools.partial(g.to_sparse, 1)) if name in lookups else (dense, g.clone)
+            yield name, *alone_and_loaded(run, prepare, train_step, alone_step, timeout)
 
 
 def profile_collectives(comm, block_size: int, rank: int, world: int, sizes: Sizes, train_step, timeout: float):
@@ -825,7 +829,10 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
                                                   measured["order"]):
         for kind, seconds in zip((*COO_KINDS, "coo_cpu_loaded", "coo_cpu"), (alone.seconds, *times, alone.cpu)):
             say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds})
-    for name, alone, *times in profile_sparse_own(comm, gradients, measured["tensors"], train_step, cfg["timeout"]):
+    lookups = {name for name, p in model.named_parameters()
+               if any(p is m.weight for m in sparse.dense_lookups(model))}
+    for name, alone, *times in profile_sparse_own(comm, gradients, measured["tensors"], lookups, train_step,
+                                                  cfg["timeout"]):
         for quantity, seconds in zip(QUANTITIES, (alone.seconds, *times, alone.cpu)):
             say({"event": "point", "kind": quantity, "what": SPARSE, "x": 0, "tensor": name, "seconds": seconds})
     for kind, x, numel, alone, *times in profile_collectives(comm, block_size, rank, world, sizes, train_step,

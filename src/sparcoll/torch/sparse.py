@@ -54,9 +54,8 @@ class Lookups:
     def __init__(self, module: nn.Module, wanted):
         self._weights: set[int] = set()
         self.handles = []
-        for m in module.modules():
-            if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)) or m.sparse or not wanted(m.weight) \
-                    or getattr(m, "mode", "sum") == "max":       # EmbeddingBag's max has no sparse gradient
+        for m in dense_lookups(module):
+            if not wanted(m.weight):
                 continue
             self._weights.add(id(m.weight))
             self.handles += [m.register_forward_pre_hook(_look_up_sparse),
@@ -68,6 +67,13 @@ class Lookups:
     def as_declared(self, weight: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
         """A reduced gradient of `weight` in the layout its module declared."""
         return total.to_dense() if total.is_sparse and id(weight) in self._weights else total
+
+
+def dense_lookups(module: nn.Module) -> list[nn.Module]:
+    """`module`'s embeddings declared with dense gradients that can look up sparse (an EmbeddingBag in
+    "max" mode has no sparse gradient in torch)."""
+    return [m for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and not m.sparse
+            and getattr(m, "mode", "sum") != "max"]
 
 
 def _look_up_sparse(module: nn.Module, args) -> None:
