@@ -52,7 +52,7 @@ takes its own bias along when the bias came just before it (as `sparcoll plan` p
 plan's unit of several COO gradients under the sparse AllReduce is one collective of their rows
 (sparse.concatenate); without a plan, so are such gradients ready one after another (until their
 tables hold COO_BUCKET_BYTES). An embedding declared with dense gradients (nn.Embedding, or
-nn.EmbeddingBag but in "max" mode) whose weight takes the sparse AllReduce (by the strategy given,
+nn.EmbeddingBag unless in "max" mode) whose weight takes the sparse AllReduce (by the strategy given,
 not the hybrid choice) looks its rows up with sparse=True while DataParallel runs it: its gradient
 comes as COO rows, goes through the sparse AllReduce without a scan of the dense table, and is made
 dense again for the optimizer (sparse.Lookups). Where anything else contributed to the weight's
