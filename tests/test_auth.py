@@ -217,7 +217,8 @@ def dedicated_init(address: str, secret: str | None, store=None, world=1, rank=0
                             aggregators=[address], timeout=5.0)
 
 
-def test_dedicated_aggregator_refuses_workers_without_its_secret():
+def test_dedicated_aggregator_refuses_workers_without_its_secret(caplog):
+    caplog.set_level(logging.WARNING, logger="sparcoll.aggregator")
     server = server_module.AggregatorServer("127.0.0.1", 0, SHARED.encode())
     try:
         for secret in ("a-wrong-secret-of-32-characters!", "", None):
@@ -225,6 +226,8 @@ def test_dedicated_aggregator_refuses_workers_without_its_secret():
             with pytest.raises(AuthenticationError, match=server.address):
                 dedicated_init(server.address, secret)
             assert time.monotonic() - t < 5
+        # the worker leaves once this server's proof fails its check: the log says why it may have
+        assert wait_for(lambda: any("its secret differs (or it has none)" in r.getMessage() for r in caplog.records))
         assert not server.jobs and not server._connections
         with dedicated_init(server.address, SHARED) as comm:
             x = torch.ones(3000)

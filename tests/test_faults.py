@@ -821,6 +821,30 @@ def test_peer_that_gave_up_init_is_named_with_its_reason(store):
     assert outcome[2] < 5.0, outcome
 
 
+def test_ranks_that_disagree_on_their_aggregators_fail_init_at_once(store):
+    """One rank with dedicated aggregators, its peer colocated (an environment variable set on one
+    host only): MismatchError on the first, its reason at once on the other, not both waiting out
+    init's timeout for keys that never come."""
+    server = server_module.AggregatorServer("127.0.0.1", 0, b"")
+    results = [None, None]
+
+    def run(rank):
+        options = dict(aggregators=[server.address]) if rank == 1 else {}
+        results[rank] = _outcome(lambda: Communicator(dist.PrefixStore("layout/", store), rank, 2,
+                                                      timeout=20.0, **options).close())
+    try:
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+    finally:
+        server.close()
+    assert results[1][0] == "MismatchError" and "1 dedicated, rank 0's are colocated" in results[1][1], results
+    assert "rank 1 gave up init" in results[0][1] and "colocated" in results[0][1], results
+    assert max(r[2] for r in results) < 5.0, results
+
+
 def test_missing_call_times_out_naming_the_peer_then_poisons():
     done = threading.Event()
 

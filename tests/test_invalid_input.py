@@ -158,3 +158,51 @@ def test_a_communicator_recreated_on_the_same_prefix_does_not_read_stale_keys(st
             assert torch.equal(inputs[0], torch.full((500,), float(2 * attempt + 1)))
         finally:
             close(comms)
+
+
+def test_coo_tensors_of_no_elements_come_back_empty_and_the_communicator_goes_on(store):
+    """No rows, or rows of no elements (shape (10, 0)): nothing to sum, an empty result (the latter
+    crashed in the scan-free path's block size, the former in the gathered path's reshape, poisoning
+    the communicator); a peer whose call has elements is told of the mismatch, not left waiting."""
+    comms = pair(store, "empty-coo/")
+    try:
+        for shape in ((0,), (0, 4), (10, 0)):
+            def empty(rank, comm, shape=shape):
+                indices = torch.tensor([[1, 2]]) if shape == (10, 0) else torch.zeros((1, 0), dtype=torch.long)
+                values = torch.zeros((indices.shape[1], *shape[1:]))
+                return comm.allreduce_coo(torch.sparse_coo_tensor(indices, values, shape, check_invariants=True))
+            out = on_both(comms, empty)
+            for r in range(2):
+                result, seconds = out[r]
+                assert isinstance(result, torch.Tensor), (shape, result)
+                assert result.is_sparse and result.shape == shape and result._nnz() == 0 and seconds < PROMPT
+        ones = {r: torch.ones(1000) for r in range(2)}
+        on_both(comms, lambda r, c: c.allreduce(ones[r]))
+        assert all(torch.equal(ones[r], torch.full((1000,), 2.0)) for r in range(2))
+        mixed = {0: torch.sparse_coo_tensor(torch.tensor([[1, 2]]), torch.zeros(2, 0), (10, 0), check_invariants=True),
+                 1: torch.sparse_coo_tensor(torch.tensor([[1, 2]]), torch.ones(2, 2), (10, 2), check_invariants=True)}
+        out = on_both(comms, lambda r, c: c.allreduce_coo(mixed[r]))
+        for r in range(2):
+            error, seconds = out[r]
+            assert isinstance(error, sparcoll.MismatchError) and seconds < PROMPT, (r, error, seconds)
+    finally:
+        close(comms)
+
+
+def test_a_bad_wait_timeout_or_async_op_is_refused(store):
+    comms = pair(store, "wait/")
+    try:
+        x = {r: torch.ones(100) for r in range(2)}
+        works = on_both(comms, lambda r, c: c.allreduce(x[r], async_op=True))
+        for r in range(2):
+            work, _ = works[r]
+            for bad in (-1, float("nan"), float("inf"), "1", True):
+                with pytest.raises(ValueError, match="wait's timeout must be a finite number of seconds"):
+                    work.wait(timeout=bad)
+            assert torch.equal(work.wait(timeout=TIMEOUT), torch.full((100,), 2.0))
+        out = on_both(comms, lambda r, c: c.allreduce(torch.ones(10), async_op="yes" if r == 0 else True).wait())
+        assert isinstance(out[0][0], TypeError) and "async_op must be True or False" in str(out[0][0])
+        assert isinstance(out[1][0], sparcoll.SparcollError) and "rank 0" in str(out[1][0]), out[1]
+        assert out[1][1] < PROMPT
+    finally:
+        close(comms)

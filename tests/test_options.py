@@ -32,6 +32,11 @@ class UntouchableStore:
     (dict(timeout=float("nan")), "timeout"),
     (dict(aggregators=[]), "aggregators"),
     (dict(aggregators=["no-port"]), "host:port"),
+    (dict(aggregators=["127.0.0.1:72836"]), "port 72836 is not in 1-65535"),     # not 7300, wrapped
+    (dict(aggregators=["127.0.0.1:0"]), "port 0 is not in 1-65535"),
+    (dict(aggregators=["a:7000", "b:7000", "a:7000"]), "a:7000 listed more than once"),
+    (dict(block_size=256.7), "block_size must be an integer, got 256.7"),     # not truncated to 256
+    (dict(credits=True), "credits must be an integer, got True"),
 ])
 def test_bad_options_are_value_errors_before_anything_is_built(options, named):
     threads = threading.active_count()
@@ -84,3 +89,10 @@ def test_workers_refuse_a_blank_or_short_secret_for_dedicated_aggregators(monkey
     options = Options.resolve(aggregators=["127.0.0.1:7000"])
     assert options.secret == b"k" * 32 and "kkkk" not in repr(options)
     assert Options.resolve().secret == b""      # colocated aggregators use the job's own secret
+
+
+@pytest.mark.parametrize("host", ["nonexistent.invalid", "192.0.2.1"])    # no such name; not this host's
+def test_a_host_this_rank_cannot_listen_on_is_named(host):
+    import torch.distributed as dist
+    with pytest.raises(ValueError, match=f"host '{host}' \\(host= or \\$SPARCOLL_HOST\\): this rank cannot listen"):
+        Communicator(dist.HashStore(), 0, 1, host=host, timeout=5.0)

@@ -6,6 +6,8 @@ on the same prefix has G = n: a re-created communicator never reads the keys of 
   G/job               rank 0's random 64-bit job id and 32-byte job secret
   G/aggregator/<rank> host:port of a rank's colocated aggregator
   G/init-failed/<rank>  why a rank gave up init (its aggregator is going away)
+  G/init-failures     how many ranks gave up init (one key every waiting rank can poll)
+  G/layout            rank 0's aggregators: "colocated", or how many dedicated ones
   G/ready/<rank>      the rank connected to every aggregator
   G/ring/star         host:port of rank 0's end of the star (star.py)
   G/ring/data/...     gloo's own keys, for the communicator's ring (ring.py)
@@ -40,6 +42,9 @@ def local_host() -> str:
         return "127.0.0.1"
 
 
+FAILURE_POLL = 0.25     # seconds between looks for a peer that gave up init while waiting for keys
+
+
 class Rendezvous:
     """One rank's steps of init, each bounded by one deadline."""
 
@@ -56,6 +61,19 @@ class Rendezvous:
         self._wait(["job"])
         blob = self.store.get("job")
         return int.from_bytes(blob[:8], "little"), blob[8:]
+
+    def same_layout(self, aggregators: list[str] | None) -> None:
+        """MismatchError unless this rank's aggregators are colocated where rank 0's are, or as many
+        dedicated ones (a host without $SPARCOLL_AGGREGATORS would wait for the others' colocated
+        aggregators until the timeout; the addresses themselves may differ by host: names, routes)."""
+        layout = "colocated" if aggregators is None else f"{len(aggregators)} dedicated"
+        if self.rank == 0:
+            self.store.set("layout", layout)
+        self._wait(["layout"])
+        first = self.store.get("layout").decode()
+        if first != layout:
+            raise errors.MismatchError(f"rank {self.rank}: its aggregators are {layout}, rank 0's are "
+                                       f"{first} (aggregators= or $SPARCOLL_AGGREGATORS must agree)")
 
     def colocated_addresses(self, own: str) -> list[str]:
         """Publish this rank's aggregator address; every rank's, once all are published."""
@@ -97,6 +115,7 @@ class Rendezvous:
         finds it gone should report this reason, not a refused connection or a timeout."""
         try:
             self.store.set(f"init-failed/{self.rank}", f"{type(exc).__name__}\n{exc}")
+            self.store.add("init-failures", 1)
         except Exception:   # best effort: the Store itself may be what failed
             pass
 
@@ -117,9 +136,27 @@ class Rendezvous:
             cls = PeerError
         return cls(f"rank {index} gave up init: {text}")
 
-    def _wait(self, keys: list[str]) -> None:
+    def _first_failure(self) -> SparcollError | None:
+        """The reason of a peer that gave up init, if one did (one Store call while none has)."""
         try:
-            self.store.wait(keys, timedelta(seconds=self.remaining()))
-        except Exception as exc:   # torch raises a plain RuntimeError/DistStoreError on timeout
-            raise CollectiveTimeout(f"rank {self.rank}: peers did not publish {keys} in the "
-                                    f"store within {self.timeout:g} s ({exc})") from None
+            if self.store.add("init-failures", 0) == 0:
+                return None
+        except Exception:
+            return None
+        return next((f for f in map(self._failure_of, range(self.world)) if f is not None), None)
+
+    def _wait(self, keys: list[str]) -> None:
+        """Wait for `keys` until the deadline, in slices of FAILURE_POLL seconds between which a peer
+        that gave up init ends the wait with its reason (a rank refused by its aggregator, with
+        another secret: its peers waited out the whole timeout for its keys)."""
+        while True:
+            try:
+                self.store.wait(keys, timedelta(seconds=min(FAILURE_POLL, self.remaining())))
+                return
+            except Exception as exc:   # torch raises a plain RuntimeError/DistStoreError on timeout
+                failure = self._first_failure()
+                if failure is not None:
+                    raise failure from None
+                if time.monotonic() >= self.deadline:
+                    raise CollectiveTimeout(f"rank {self.rank}: peers did not publish {keys} in the "
+                                            f"store within {self.timeout:g} s ({exc})") from None

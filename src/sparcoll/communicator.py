@@ -67,11 +67,18 @@ class Communicator:
 
     def _bootstrap(self, rendezvous: Rendezvous) -> None:
         self.job, job_secret = rendezvous.job()
+        rendezvous.same_layout(self.aggregators)
         job_token = wire.job_token(job_secret)
         server = local_job = None
         if self.aggregators is None:
-            server = AggregatorServer(self.options.host or local_host(), 0, job_secret,
-                                      only_job=self.job)
+            host = self.options.host or local_host()
+            try:
+                server = AggregatorServer(host, 0, job_secret, only_job=self.job)
+            except OSError as exc:      # a name that does not resolve, an address not this host's
+                if self.options.host is None:
+                    raise
+                raise ValueError(f"host {host!r} (host= or $SPARCOLL_HOST): this rank cannot listen "
+                                 f"there ({exc})") from exc
             local_job = server.add_job(self.job, self.rank, self.config, job_token)
             try:
                 addresses = rendezvous.colocated_addresses(server.address)
@@ -108,7 +115,8 @@ class Communicator:
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False,
                   timeout: float | None = None, tag: int = 0):
         """Sum (op="sum") or average (op="avg") `tensor` over all ranks, in place.
-        Returns the tensor, or a Work handle with async_op=True.
+        Returns the tensor, or a Work handle with async_op=True (leave the tensor alone until its
+        wait() returns: as under gloo, a change meanwhile may or may not be in the sum).
         `tag` (0 to 65535) says which tensor this is, and every rank must give the same for the
         same call: ranks whose calls differ only in their tensors' contents (two gradients of one
         size in different orders) would otherwise sum different tensors without an error. Calls
@@ -135,13 +143,23 @@ class Communicator:
             if timeout is not None:
                 check_timeout(timeout)
             check_tag(tag)
+            if not isinstance(async_op, bool):
+                raise TypeError(f"async_op must be True or False, got {async_op!r}")
             kind = self._describe(tensor, layout, op)
         except (TypeError, ValueError) as exc:
             self._engine.reject(cid, exc)
             raise
         self._engine.check_poison(cid)
+        result = tensor
+        if layout == torch.sparse_coo and tensor.numel() == 0:
+            # no element to sum (no rows, or rows of none): the collective of an empty dense tensor,
+            # its kind still checked against the peers', and no entry back
+            result = torch.sparse_coo_tensor(torch.zeros((tensor.sparse_dim(), 0), dtype=torch.long),
+                                             torch.zeros((0, *tensor.shape[tensor.sparse_dim():]), dtype=tensor.dtype),
+                                             tensor.shape, is_coalesced=True, check_invariants=True)
+            tensor = torch.empty(0, dtype=tensor.dtype)
         coll = WorkerCollective(cid, tensor, kind, self.timeout if timeout is None else timeout, tag)
-        work = self._engine.new_work(coll, tensor)
+        work = self._engine.new_work(coll, result)
         self._engine.submit(coll, work, async_op)
         return work if async_op else work.wait()
 
@@ -174,6 +192,8 @@ class Communicator:
         elements a block of it can hold: a COO tensor's whole entries; a dense one's MIN_BLOCK (narrow
         rows). A sparse tensor of 2^40 rows once had its indices wrap: one rank's sum right, another's
         an error."""
+        if tensor.numel() == 0:         # no block at all (and a COO tensor's entries may be 0 wide)
+            return None
         smallest = entry_block_size(math.prod(tensor.shape[tensor.sparse_dim():]), self.block_size) \
             if tensor.layout == torch.sparse_coo else min(MIN_BLOCK, self.block_size)
         blocks = -(-tensor.numel() // smallest)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import queue
 import threading
 import time
@@ -64,6 +65,8 @@ class Work:
         or raise the collective's error."""
         if timeout is None:
             timeout = max(0.0, self.deadline - time.monotonic())
+        elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
+            raise ValueError(f"wait's timeout must be a finite number of seconds >= 0, got {timeout!r}")
         if not self._event.wait(timeout):
             raise CollectiveTimeout(f"allreduce {self.id} not finished after {timeout:g} s")
         if self._error is not None:

@@ -5,8 +5,8 @@ naming the option (errors that peers cause are SparcollErrors).
 """
 from __future__ import annotations
 
-
 import math
+import operator
 import os
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -105,10 +105,16 @@ def _given_or_env(option: str, value, parse: Callable, default):
 
 
 def _integer(value, name: str) -> int:
+    """An integer argument, or the text of one (from the environment); 256.7 or True are refused, not
+    truncated to 256 or 1."""
     try:
-        return int(value)
+        if isinstance(value, str):
+            return int(value)
+        if not isinstance(value, bool):
+            return operator.index(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        pass
+    raise ValueError(f"{name} must be an integer, got {value!r}")
 
 
 def _addresses(value, name: str) -> tuple[str, ...]:
@@ -116,4 +122,7 @@ def _addresses(value, name: str) -> tuple[str, ...]:
     addresses = tuple(a.strip() for a in items if a.strip())
     for address in addresses:
         transport.parse_address(address)
+    twice = sorted({a for a in addresses if addresses.count(a) > 1})
+    if twice:
+        raise ValueError(f"{name}: {', '.join(twice)} listed more than once (one aggregator per address)")
     return addresses

@@ -45,9 +45,12 @@ class TrafficStats:
 
 
 def parse_address(text: str) -> tuple[str, int]:
+    """(host, port) of "host:port", the port in 1-65535 (the kernel would take 72836 for 7300)."""
     host, sep, port = text.strip().rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"aggregator address {text!r} is not host:port")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"aggregator address {text!r}: port {int(port)} is not in 1-65535")
     return host.strip("[]"), int(port)
 
 
@@ -321,7 +324,11 @@ def accept(sock: socket.socket, secret_for: Callable[[wire.Hello], bytes],
         _send_before(sock, wire.encode_challenge(server_nonce, wire.mac(secret, b"server", hello,
                                                                         server_nonce)), deadline)
         buf = bytearray(wire.PROOF_BYTES)
-        _recv_exact(sock, memoryview(buf), peer, deadline)
+        try:
+            _recv_exact(sock, memoryview(buf), peer, deadline)
+        except PeerError as exc:    # the client checks this server's proof first, and leaves if it fails
+            raise AuthenticationError(f"{peer} of job {hello.job:#x} left after this server's proof of the "
+                                      f"secret: its secret differs (or it has none), or it gave up ({exc})") from None
         client_mac, job_token = wire.decode_proof(buf)
         if not hmac.compare_digest(client_mac, wire.mac(secret, b"client", hello, server_nonce)):
             _send_before(sock, wire.encode_verdict("authentication failed"), deadline)
