@@ -309,8 +309,8 @@ class DataParallel(nn.Module):
         """Each tensor's strategy and predicted bytes sent per step by this worker, for a batch of
         `rows` rows per linear layer (default: the ranks' mean of what each layer saw last step); a
         dense tensor given the sparse strategy explicitly is counted whole (its density is learned
-        only where the hybrid choice needs it), a COO gradient by the rows this worker's last batch
-        touched."""
+        only where the hybrid choice needs it), a COO gradient (or a dense-declared embedding's, sent as
+        its rows: sparse.Lookups) by the rows this worker's last batch touched."""
         out = {}
         for p in self._params:
             weight = self._weight_of.get(id(p))
@@ -321,8 +321,8 @@ class DataParallel(nn.Module):
             entry = {"strategy": chosen, "numel": p.numel()}
             if chosen in STRATEGIES:
                 # a COO gradient's blocks are its rows (a row's share is its density, _note_rows)
-                block = entry_block_size(p[0].numel(), self._block_size()) if id(p) in self._coo \
-                    else self._block_size()
+                as_rows = id(p) in self._coo or (id(p) in self._lookups and id(p) in self._density)
+                block = entry_block_size(p[0].numel(), self._block_size()) if as_rows else self._block_size()
                 entry["predicted_bytes"] = hybrid.sent_bytes(chosen, self._model_of(p), self.world, k, block)
             out[self._names.get(id(p), str(id(p)))] = entry
         return out
