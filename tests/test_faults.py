@@ -833,11 +833,7 @@ def test_ranks_that_disagree_on_their_aggregators_fail_init_at_once(store):
         results[rank] = _outcome(lambda: Communicator(dist.PrefixStore("layout/", store), rank, 2,
                                                       timeout=20.0, **options).close())
     try:
-        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(40)
+        on_threads(run, 2, timeout=40)
     finally:
         server.close()
     assert results[1][0] == "MismatchError" and "1 dedicated, rank 0's are colocated" in results[1][1], results
