@@ -91,6 +91,27 @@ def lookups(rank: int, world: int) -> dict:
                      "dense": all(not g.is_sparse for g in grads), "came sparse": came_sparse,
                      "left dense": not model.table.sparse}
         wrapped.close()
+    # steps in a row: the table kept from step to step holds each step's rows alone, also after the
+    # caller changed it in place everywhere (a noise added, as differential privacy does) or zeroed it
+    # in place (zero_grad(set_to_none=False): the next gradient then comes dense)
+    model = Tables()
+    wrapped = sparcoll.torch.DataParallel(model, comm=comm, strategy=sparse_tables)
+    errors, tables = [], []
+    for s, between in ((6, None), (7, "noise"), (8, "zeroed"), (9, None)):
+        if between == "noise":
+            model.table.weight.grad.add_(1.0)
+        if between == "zeroed":
+            for p in model.parameters():
+                p.grad.zero_()
+            loss_of(wrapped, rank, s).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+        else:
+            grads = run(wrapped, model, rank, [s])
+        tables.append(model.table.weight.grad.data_ptr())
+        want = reference([s], world)
+        errors.append(max(((g - w).norm() / w.norm()).item() for g, w in zip(grads, want)))
+    out["steps in a row"] = {"errors": errors, "one table": tables[0] == tables[1] == tables[3]}
+    wrapped.close()
     model = Tables()
     wrapped = sparcoll.torch.DataParallel(model, comm=comm, strategy=sparse_tables, find_unused_parameters=True)
     grads = run(wrapped, model, rank, [5], uses_table=rank != 1)
@@ -116,6 +137,7 @@ def test_dense_declared_tables_under_the_sparse_allreduce_go_as_rows_and_come_ba
         assert out["accumulated"]["came sparse"]["table.weight"] is True
         assert not any(out["table on the ring"]["came sparse"].values())
         assert out["skipped by rank 1"] <= 1e-5, out
+        assert max(out["steps in a row"]["errors"]) <= 1e-5 and out["steps in a row"]["one table"], out
 
 
 def profiled(rank: int, world: int) -> dict:
