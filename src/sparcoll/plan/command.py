@@ -66,8 +66,9 @@ from .timeline import Cost, Step, simulate
 # and deeplight's dense gradients 1.6-1.7x its CPU alone, docs/results/plan-d083989-fresh); 36 no batch's
 # making timed (profiler.model_and_loss; 35 was tried and reverted, docs/results/profile-speed-median);
 # 37 the backward timeline and a step's CPU the mean of windows spread over the profile (averaged_windows);
-# 38 an embedding declared dense timed under the sparse AllReduce as DataParallel sends it: its rows as COO.
-PROFILE_VERSION = 38
+# 38 an embedding declared dense timed under the sparse AllReduce as DataParallel sends it: its rows as COO;
+# 39 its sum written into a table kept from run to run, as DataParallel now does (KeptTables), not to_dense.
+PROFILE_VERSION = 39
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; all at once

@@ -648,13 +648,17 @@ def profile_sparse_own(comm, gradients: dict, tensors: dict, lookups: set[str], 
     4M-element tensor at 30% took gloo's ring, a 1M-element one the sparse AllReduce), so the grid of
     random tensors between them priced deeplight's 1M-element linear layer at 40 ms, measured 13. The
     weights of `lookups` (embeddings declared dense) go as DataParallel sends them under it: their
-    rows as COO, the sum made dense again (sparse.Lookups)."""
+    rows as COO, the sum written into a table kept from run to run (sparse.Lookups, KeptTables)."""
     alone_step = timed(lambda _: train_step()).seconds
     dense = lambda t: comm.allreduce(t, op="avg")     # noqa: E731
-    rows = lambda t: comm.allreduce_coo(t, op="avg").to_dense()     # noqa: E731
+    tables = sparse.KeptTables()
     for name, g in gradients.items():
         if tensors[name]["union"] < 1.0:
-            run, prepare = (rows, functools.partial(g.to_sparse, 1)) if name in lookups else (dense, g.clone)
+            if name in lookups:
+                run = lambda t, key=name: tables.write(key, comm.allreduce_coo(t, op="avg"))     # noqa: E731
+                prepare = functools.partial(g.to_sparse, 1)
+            else:
+                run, prepare = dense, g.clone
             yield name, *alone_and_loaded(run, prepare, train_step, alone_step, timeout)
 
 

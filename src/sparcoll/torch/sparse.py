@@ -50,15 +50,11 @@ class Lookups:
     else adds to the weight's gradient (a regularizer, a tied use, a gradient accumulated dense),
     autograd sums the two dense, and the dense gradient goes as before. as_declared makes the sum
     dense again, as the module's owner declared it (an optimizer may not take COO gradients), in a
-    table kept from step to step (as DDP's gradient_as_bucket_view keeps its buckets): only the rows
-    the last sum wrote are zeroed again, not the whole table (deeplight's: 4.3 ms a step on one core),
-    unless the table changed since (its version counter: an in-place change by the caller, such as
-    clipping or zero_grad(set_to_none=False)), which zeroes all of it."""
+    KeptTables table."""
 
     def __init__(self, module: nn.Module, wanted):
         self._weights: set[int] = set()
-        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # weight id -> (table,
-        # the rows the last sum wrote, the table's version after it)
+        self._tables = KeptTables()
         self.handles = []
         for m in dense_lookups(module):
             if not wanted(m.weight):
@@ -71,11 +67,25 @@ class Lookups:
         return weight_id in self._weights
 
     def as_declared(self, weight: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        """A reduced gradient of `weight` in the layout its module declared: a coalesced COO sum of a
-        table's rows written into its dense table."""
+        """A reduced gradient of `weight` in the layout its module declared."""
         if not total.is_sparse or id(weight) not in self._weights:
             return total
-        kept = self._tables.get(id(weight))
+        return self._tables.write(id(weight), total)
+
+
+class KeptTables:
+    """Dense tables that COO sums of rows are written into, kept from step to step (as DDP's
+    gradient_as_bucket_view keeps its buckets): only the rows the last sum wrote are zeroed again, not
+    the whole table (deeplight's: 4.3 ms a step on one core for to_dense), unless the table changed
+    since (its version counter: an in-place change by the caller, such as clipping, a noise, or
+    zero_grad(set_to_none=False)), which zeroes all of it."""
+
+    def __init__(self):
+        self._tables: dict = {}     # key -> (table, the rows the last sum wrote, the table's version after it)
+
+    def write(self, key, total: torch.Tensor) -> torch.Tensor:
+        """The dense table of `key` holding the COO tensor `total` (a row index per entry) alone."""
+        kept = self._tables.get(key)
         if kept is None or kept[0].shape != total.shape or kept[0].dtype != total.dtype:
             table = torch.zeros(total.shape, dtype=total.dtype)
         else:
@@ -87,7 +97,7 @@ class Lookups:
         total = total.coalesce()        # one value a row (the collectives' sums are coalesced already)
         rows = total.indices()[0]
         table.index_copy_(0, rows, total.values())
-        self._tables[id(weight)] = (table, rows, table._version)
+        self._tables[key] = (table, rows, table._version)
         return table
 
 
