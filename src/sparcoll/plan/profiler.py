@@ -833,8 +833,8 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
                                                   measured["order"]):
         for kind, seconds in zip((*COO_KINDS, "coo_cpu_loaded", "coo_cpu"), (alone.seconds, *times, alone.cpu)):
             say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds})
-    lookups = {name for name, p in model.named_parameters()
-               if any(p is m.weight for m in sparse.dense_lookups(model))}
+    lookup_weights = {id(m.weight) for m in sparse.dense_lookups(model)}
+    lookups = {name for name, p in model.named_parameters() if id(p) in lookup_weights}
     for name, alone, *times in profile_sparse_own(comm, gradients, measured["tensors"], lookups, train_step,
                                                   cfg["timeout"]):
         for quantity, seconds in zip(QUANTITIES, (alone.seconds, *times, alone.cpu)):

@@ -56,8 +56,8 @@ nn.EmbeddingBag unless in "max" mode) whose weight takes the sparse AllReduce (b
 not the hybrid choice) looks its rows up with sparse=True while DataParallel runs it: its gradient
 comes as COO rows, goes through the sparse AllReduce without a scan of the dense table, and is made
 dense again for the optimizer, in a table kept from step to step (sparse.Lookups; do not hold such a
-gradient across steps, as under DDP's gradient_as_bucket_view). Where anything else contributed to the weight's
-gradient (a regularizer, a tied use) autograd sums it dense, and it goes the dense way, scanned.
+gradient across steps, as under DDP's gradient_as_bucket_view). Where anything else contributed to the
+weight's gradient (a regularizer, a tied use) autograd sums it dense, and it goes the dense way, scanned.
 Under `no_sync()` gradients
 accumulate locally; the next synchronized step reduces the accumulated gradients (SFB layers then take
 the ring: their factors cover one step only). `trace` records, for the last step, when each tensor

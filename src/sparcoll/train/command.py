@@ -233,7 +233,7 @@ def _validate(args) -> None:
     if args.workers < 1 or args.steps < 1 or args.batch_size < 1 or args.block_size < 1:
         raise ValueError("--workers, --steps, --batch-size and --block-size must be >= 1")
     if args.warmup is None:     # a one-step run (a smoke test) times its only step
-        args.warmup = min(1, args.steps - 1) if args.steps >= 1 else 1
+        args.warmup = min(1, args.steps - 1)
     if args.warmup < 0 or args.timeout <= 0:
         raise ValueError("--warmup must be >= 0 and --timeout > 0")
     if args.warmup >= args.steps:
