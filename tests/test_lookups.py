@@ -142,8 +142,9 @@ def test_dense_declared_tables_under_the_sparse_allreduce_go_as_rows_and_come_ba
 
 def profiled(rank: int, world: int) -> dict:
     """profile_sparse_own times a dense-declared table's gradient as DataParallel sends it (its rows as
-    COO, the sum made dense), another large dense gradient as it is."""
-    from sparcoll.plan.profiler import profile_sparse_own
+    COO, the sum made dense), another large dense gradient as it is; spared_by_lookups measures what
+    looking the model's tables up sparse spares its backward."""
+    from sparcoll.plan.profiler import lookup_names, profile_sparse_own, spared_by_lookups, together_timeline
 
     comm = sparcoll.init()
     calls = {"allreduce": 0, "allreduce_coo": 0}
@@ -163,8 +164,31 @@ def profiled(rank: int, world: int) -> dict:
         out[name] = {k: calls[k] - before[k] for k in calls}
         out[name]["seconds"] = record[1].seconds
     comm.close()
+    model, cfg, loss = Tables(), {"iterations": 2}, lambda m: loss_of(m, rank, 0)
+    out["spared"] = spared_by_lookups(cfg, model, loss, together_timeline(cfg, model, loss), lookup_names(model))
+    out["restored"] = not any(m.sparse or m._forward_hooks or m._forward_pre_hooks for m in model.modules()
+                              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)))
     dist.barrier()
     return out
+
+
+def test_looked_up_sparse_gives_coo_rows_and_leaves_the_model_as_declared():
+    """The profile's backward with the tables looked up as DataParallel looks them up: the two
+    tables that can (not the max bag) get COO gradients of the rows, equal to the dense ones; after
+    it the model computes dense gradients again."""
+    from sparcoll.plan.profiler import lookup_names, looked_up_sparse
+    model = Tables()
+    assert lookup_names(model) == {"table.weight", "bag.weight"}
+    loss_of(model, 0, 0).backward()
+    dense = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    with looked_up_sparse(model):
+        loss_of(model, 0, 0).backward()
+        assert {name for name, p in model.named_parameters() if p.grad.is_sparse} == {"table.weight", "bag.weight"}
+        assert all(torch.allclose(p.grad.to_dense(), dense[name]) for name, p in model.named_parameters())
+    model.zero_grad()
+    loss_of(model, 0, 0).backward()
+    assert not any(p.grad.is_sparse for p in model.parameters())
 
 
 def test_the_profile_times_a_dense_declared_table_as_rows():
@@ -172,3 +196,6 @@ def test_the_profile_times_a_dense_declared_table_as_rows():
         assert out["table.weight"]["allreduce_coo"] > 0 and out["table.weight"]["allreduce"] == 0, out
         assert out["other"]["allreduce"] > 0 and out["other"]["allreduce_coo"] == 0, out
         assert out["table.weight"]["seconds"] > 0 and out["other"]["seconds"] > 0
+        # the backward work the two lookups spare, measured for them alone, and the model left as declared
+        assert set(out["spared"]) == {"table.weight", "bag.weight"} and out["restored"], out
+        assert all(v["lookup_spared"] >= 0 and v["lookup_spared_cpu"] >= 0 for v in out["spared"].values()), out

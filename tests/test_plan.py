@@ -759,6 +759,25 @@ def test_spared_work_is_each_layers_share_of_backward_at_most_its_own_backward()
         {"out.weight": 0.0, "hidden.weight": 0.55})
 
 
+def test_what_looking_rows_up_sparse_spares_is_each_tables_own_shift_in_backward():
+    """By hand, in the dense backward's order: the MLP's gradients arrive as before (a 0.001 s shift is
+    noise, not the tables'), the first table 0.004 s sooner (0.003 of it its own), the second 0.006 s
+    sooner (0.002 its own); a table whose own shift noise made negative spares nothing."""
+    from sparcoll.plan.profile import BackwardProfile
+    from sparcoll.plan.profiler import spared_in_order
+
+    def profile(ready: dict) -> BackwardProfile:
+        return BackwardProfile(tuple(ready), Step(tuple(ready.values()), 0.05), 0.0, {})
+    dense = profile({"mlp.bias": 0.010, "mlp.weight": 0.012, "first.weight": 0.030, "second.weight": 0.040})
+    looked_up = profile({"mlp.bias": 0.010, "mlp.weight": 0.011, "first.weight": 0.026, "second.weight": 0.034})
+    assert spared_in_order(dense, looked_up, {"first.weight", "second.weight"}) == pytest.approx(
+        {"first.weight": 0.003, "second.weight": 0.002})
+    noisy = profile({"mlp.bias": 0.010, "mlp.weight": 0.011, "first.weight": 0.026, "second.weight": 0.037})
+    assert spared_in_order(dense, noisy, {"first.weight", "second.weight"}) == pytest.approx(
+        {"first.weight": 0.003, "second.weight": 0.0})
+    assert spared_in_order(dense, looked_up, {"absent.weight"}) == {}
+
+
 def test_the_trial_says_when_ddp_was_faster_than_every_candidate():
     """DDP on gloo is measured beside the trial's candidates; the table says when it won, so a user is
     never told to use a plan slower than what they have."""

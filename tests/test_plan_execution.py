@@ -24,7 +24,7 @@ from sparcoll.plan.costs import BLOCKS, Costing, Curve, Grid, Measured, in_seque
 from sparcoll.plan.profile import backward_timeline
 from sparcoll.plan.profiler import TIMELINE_WINDOWS, Together, fit
 from sparcoll.plan.options import ALLGATHER, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, coo_labels
-from sparcoll.plan.timeline import Cost, Step
+from sparcoll.plan.timeline import Cost, Step, simulate
 from sparcoll.torch import hybrid
 from test_parallel import batch, mlp, reference_grads, relative_error, step
 
@@ -90,6 +90,28 @@ def test_the_sparse_allreduce_is_priced_by_elements_and_share():
     assert own.cost(t, Option("none", SPARSE)) == Cost(0.0, 0.5, 0.0, False, 0.0, 0.8, 1.1)
     other = Measured(TensorFacts("v", 3000), (3000,), density=0.5, union=1.0)
     assert own.cost(other, Option("none", SPARSE)) == cost
+
+
+def test_an_embedding_looked_up_sparse_spares_its_backward_work_only_under_the_sparse_allreduce():
+    """DataParallel looks a dense-declared embedding's rows up sparse where the sparse AllReduce takes
+    its weight: backward no longer zeroes the table to add the rows into it (a negative compression on
+    the training thread, its CPU off the step's); on any other option the table is built dense as
+    before. The timeline then has the table ready sooner, backward end sooner, and the CPU bound lower."""
+    fits = {**FITS, "grids": {**FITS["grids"], "cpu": {SPARSE: grid_line(2e-3, 0.0)}}}
+    costing = Costing(fits, workers=4)
+    plain = Measured(TensorFacts("e", 10**6), (10**5, 10), density=0.01, union=0.04)
+    table = replace(plain, lookup_spared=0.004, lookup_spared_cpu=0.003)
+    sent, looked_up = (costing.cost(t, Option("none", SPARSE)) for t in (plain, table))
+    assert sent.compress == 0 and sent.cpu == pytest.approx(2e-3)
+    assert looked_up == replace(sent, compress=-0.004, cpu=pytest.approx(2e-3 - 0.003))
+    for option in (Option(), Option("fp16", RING), Option("topk:0.01", ALLGATHER)):
+        assert costing.cost(table, option) == costing.cost(plain, option)
+    step = Step(ready=(0.010, 0.030), backward_end=0.031, cpu=0.040, cores=0.5)
+    ring = costing.cost(plain, Option())
+    before, after = (simulate(step, [ring, c]) for c in (sent, looked_up))
+    assert after.payload_ready[1] == pytest.approx(before.payload_ready[1] - 0.004)
+    assert after.backward_end == pytest.approx(before.backward_end - 0.004)
+    assert step.cpu_bound([ring, looked_up]) == pytest.approx(step.cpu_bound([ring, sent]) - 0.003 / 0.5)
 
 
 def test_a_sparse_scheme_compressors_payload_is_priced_as_its_blocks_not_as_a_scanned_dense_tensor():

@@ -67,8 +67,9 @@ from .timeline import Cost, Step, simulate
 # making timed (profiler.model_and_loss; 35 was tried and reverted, docs/results/profile-speed-median);
 # 37 the backward timeline and a step's CPU the mean of windows spread over the profile (averaged_windows);
 # 38 an embedding declared dense timed under the sparse AllReduce as DataParallel sends it: its rows as COO;
-# 39 its sum written into a table kept from run to run, as DataParallel now does (KeptTables), not to_dense.
-PROFILE_VERSION = 39
+# 39 its sum written into a table kept from run to run, as DataParallel now does (KeptTables), not to_dense;
+# 40 the backward work its rows looked up sparse spare (profiler.spared_by_lookups).
+PROFILE_VERSION = 40
 UNIFORM_COLLECTIVES = (RING, PS, SPARSE, SFB)
 DIMENSIONS = ("compression", "collective", "offload")
 GREEDY, WHOLE = "greedy", "whole"       # fusion: one join at a time while predicted no slower; all at once
@@ -248,7 +249,8 @@ def tensors_of(profile: dict) -> tuple[Step, list[Measured]]:
                                  tuple(t["shape"]), t["rows"], t["density"], t["union"],
                                  *(t.get(k, 0.0) for k in ("node", "spared", "rebuild")),
                                  t.get("rebuild_loaded"), t.get("rebuild_slowdown", 1.0), t.get("rebuild_cpu", 0.0),
-                                 t.get("rebuild_cpu_loaded")))
+                                 t.get("rebuild_cpu_loaded"), t.get("lookup_spared", 0.0),
+                                 t.get("lookup_spared_cpu", 0.0)))
     return Step(tuple(m["ready"]), m["backward_end"], m["optimizer"], m.get("cpu", 0.0),
                 m["cores_per_worker"] if "cpu" in m else 0.0, m["forward"]), measured
 

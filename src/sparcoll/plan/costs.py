@@ -18,6 +18,9 @@ a Grid):
                and while backward computes (a collective's contention); and how long the layer's
                backward takes from its output gradient (when the factors are ready) to its weight
                gradient
+  lookups      an embedding declared dense whose rows DataParallel looks up sparse under the sparse
+               AllReduce: the backward time and CPU that spares (as SFB's spared work, a negative
+               compression on the training thread), its collective measured on its rows
   COO          a sparse COO gradient's options (its compressor on the entries and its collective),
                measured whole on the model's own gradient, alone and beside backward: its cost follows
                its rows, not its dense size
@@ -128,7 +131,9 @@ class Measured:
     to the weight gradient (`node`), the local weight gradient's share of backward (`spared`) and the
     rebuild from every worker's factors, alone (`rebuild`) and while backward computes
     (`rebuild_loaded`, None: as alone; backward `rebuild_slowdown` times slower meanwhile), and the
-    rebuild's CPU seconds, alone (`rebuild_cpu`) and while backward computes (`rebuild_cpu_loaded`)."""
+    rebuild's CPU seconds, alone (`rebuild_cpu`) and while backward computes (`rebuild_cpu_loaded`).
+    For an embedding's weight declared dense, the backward time and CPU its rows looked up sparse
+    spare where the sparse AllReduce takes it (`lookup_spared`, `lookup_spared_cpu`)"""
     facts: TensorFacts
     shape: tuple
     rows: int = 0
@@ -141,6 +146,8 @@ class Measured:
     rebuild_slowdown: float = 1.0
     rebuild_cpu: float = 0.0
     rebuild_cpu_loaded: float | None = None
+    lookup_spared: float = 0.0
+    lookup_spared_cpu: float = 0.0
 
 
 # The sparse AllReduce of a COO tensor of blocks, as a sparse-scheme compressor's payload travels
@@ -264,9 +271,12 @@ class Costing:
             return replace(gather, comm=both.comm, loaded=both.loaded, slowdown=both.slowdown, cpu=both.cpu,
                            cpu_loaded=both.cpu_loaded)
         if c == "none":
-            if option.collective in (SPARSE, DEDICATED):
-                return self._on(option.collective, sparse_volume(numel, t.density, t.union), numel=numel,
+            if option.collective in (SPARSE, DEDICATED):     # an embedding's backward looks its rows up sparse
+                sent = self._on(option.collective, sparse_volume(numel, t.density, t.union), numel=numel,
                                 name=t.facts.name)
+                spared = t.lookup_spared_cpu
+                return replace(sent, compress=-t.lookup_spared, cpu=sent.cpu - spared,
+                               cpu_loaded=None if sent.cpu_loaded is None else sent.cpu_loaded - spared)
             return self._on(option.collective, numel * ITEMSIZE, beside=option.collective == RING)
         return self.bucket([t], option)
 

@@ -18,6 +18,9 @@ emulated one), measuring what the planner's cost models are fitted to (costs.py)
                written into a preallocated gradient as the executor does) alone and on a second thread
                while the training thread trains, as the synchronization thread rebuilds during
                backward, which slows as much as the rebuild does (rebuild_beside_training)
+  lookups      per embedding declared dense, the backward work that looking its rows up sparse spares
+               (as DataParallel does under the sparse AllReduce): the backward timeline and a backward's
+               CPU measured again so (spared_by_lookups)
   compressors  compress and decompress time of each compressor by tensor size, and on each of the
                model's gradients of at least OWN_GRADIENT elements (the time depends on the data), every
                worker at once; on every dense gradient of the model, a compressor that compresses
@@ -58,6 +61,7 @@ costs.Costing takes. A model is a workload (`workload`, `options`, `batch_size`)
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import math
@@ -297,9 +301,12 @@ def profile_model(cfg: dict, model: nn.Module, loss_of, world: int, comm) -> tup
                                                 alone_step, cfg["timeout"])}
                for name in sfb_able}
         model.zero_grad()
+    lookups = lookup_names(model) & params.keys()
+    spared_lookups = spared_by_lookups(cfg, model, loss_of, timeline, lookups) if lookups else {}
     tensors = {name: {"numel": p.numel(), "shape": list(p.shape), "linear": by_name[name].linear,
                       "coo": by_name[name].coo, "rows": rows.get(id(p), 0),
-                      "density": d / world, "union": u, "node": node.get(name, 0.0), **sfb.get(name, {})}
+                      "density": d / world, "union": u, "node": node.get(name, 0.0), **sfb.get(name, {}),
+                      **spared_lookups.get(name, {})}
                for (name, p), d, u in zip(params.items(), density.tolist(), union)}
     unused = [name for name in trainable if name not in params]
     return {**window(timeline), "tensors": tensors, "unused": unused}, gradients, coo_gradients
@@ -388,6 +395,59 @@ def spared_in_backward(full: BackwardProfile, skipping: BackwardProfile, node: d
             return full.output_gradient[layers[k + 1]] - skipping.output_gradient[layers[k + 1]]
         return full.step.backward_end - skipping.step.backward_end
     return {name: min(node[name], max(0.0, sooner(k) - sooner(k - 1))) for k, name in enumerate(layers)}
+
+
+def lookup_names(model: nn.Module) -> set[str]:
+    """The names of the weights of `model`'s embeddings declared dense (sparse.dense_lookups)."""
+    weights = {id(m.weight) for m in sparse.dense_lookups(model)}
+    return {name for name, p in model.named_parameters() if id(p) in weights}
+
+
+@contextlib.contextmanager
+def looked_up_sparse(model: nn.Module):
+    """The model's embeddings declared dense looking their rows up sparse, as DataParallel runs them
+    when the sparse AllReduce takes their weights (sparse.Lookups)."""
+    lookups = sparse.Lookups(model, lambda weight: weight.requires_grad)
+    try:
+        yield
+    finally:
+        for handle in lookups.handles:
+            handle.remove()
+
+
+def spared_by_lookups(cfg: dict, model: nn.Module, loss_of, timeline: BackwardProfile, lookups: set[str]) -> dict:
+    """Per weight of `lookups`, the backward time (`lookup_spared`) and CPU (`lookup_spared_cpu`) its
+    rows looked up sparse spare: backward no longer zeroes the whole table to add the rows into it
+    (deeplight's 68 MB, 4.0 ms a step on one core, docs/results/lookups-dc528c2). The time from the
+    backward timeline measured again so (`timeline` is the one measured dense just before), the CPU
+    from a backward's CPU both ways, shared among the weights as their time is."""
+    def backward(_) -> None:
+        loss_of(model).backward()
+    dense_cpu = timed(backward, model.zero_grad).cpu
+    with looked_up_sparse(model):
+        looked_up = together_timeline(cfg, model, loss_of)
+        sparse_cpu = timed(backward, model.zero_grad).cpu
+    model.zero_grad()
+    spared = spared_in_order(timeline, looked_up, lookups)
+    total, cpu = sum(spared.values()), max(0.0, dense_cpu - sparse_cpu)
+    return {name: {"lookup_spared": seconds, "lookup_spared_cpu": cpu * seconds / total if total > 0 else 0.0}
+            for name, seconds in spared.items()}
+
+
+def spared_in_order(full: BackwardProfile, lighter: BackwardProfile, names: set[str]) -> dict:
+    """Each of `names`' share of backward that `lighter` (the same backward with less work in some
+    gradients) spares: in full's backward order, how much sooner its gradient is ready than in full,
+    less how much sooner the gradient before it was (never below 0: noise)."""
+    ready = dict(zip(lighter.order, lighter.step.ready))
+    spared, before = {}, 0.0
+    for name, at in zip(full.order, full.step.ready):
+        if name not in ready:
+            continue
+        sooner = at - ready[name]
+        if name in names:
+            spared[name] = max(0.0, sooner - before)
+        before = sooner
+    return spared
 
 
 def rebuild_beside_training(shape, rows: int, world: int, train_step, alone_step: float, timeout: float) -> dict:
@@ -833,10 +893,8 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
                                                   measured["order"]):
         for kind, seconds in zip((*COO_KINDS, "coo_cpu_loaded", "coo_cpu"), (alone.seconds, *times, alone.cpu)):
             say({"event": "point", "kind": kind, "what": label, "x": 0, "tensor": name, "seconds": seconds})
-    lookup_weights = {id(m.weight) for m in sparse.dense_lookups(model)}
-    lookups = {name for name, p in model.named_parameters() if id(p) in lookup_weights}
-    for name, alone, *times in profile_sparse_own(comm, gradients, measured["tensors"], lookups, train_step,
-                                                  cfg["timeout"]):
+    for name, alone, *times in profile_sparse_own(comm, gradients, measured["tensors"], lookup_names(model),
+                                                  train_step, cfg["timeout"]):
         for quantity, seconds in zip(QUANTITIES, (alone.seconds, *times, alone.cpu)):
             say({"event": "point", "kind": quantity, "what": SPARSE, "x": 0, "tensor": name, "seconds": seconds})
     for kind, x, numel, alone, *times in profile_collectives(comm, block_size, rank, world, sizes, train_step,
