@@ -103,7 +103,7 @@ def test_an_embedding_looked_up_sparse_spares_its_backward_work_only_under_the_s
     table = replace(plain, lookup_spared=0.004, lookup_spared_cpu=0.003)
     sent, looked_up = (costing.cost(t, Option("none", SPARSE)) for t in (plain, table))
     assert sent.compress == 0 and sent.cpu == pytest.approx(2e-3)
-    assert looked_up == replace(sent, compress=-0.004, cpu=pytest.approx(2e-3 - 0.003))
+    assert looked_up == replace(sent, compress=-0.004, cpu=pytest.approx(2e-3 - 0.003), compress_cpu=-0.003)
     for option in (Option(), Option("fp16", RING), Option("topk:0.01", ALLGATHER)):
         assert costing.cost(table, option) == costing.cost(plain, option)
     step = Step(ready=(0.010, 0.030), backward_end=0.031, cpu=0.040, cores=0.5)

@@ -274,8 +274,8 @@ class Costing:
             if option.collective in (SPARSE, DEDICATED):     # an embedding's backward looks its rows up sparse
                 sent = self._on(option.collective, sparse_volume(numel, t.density, t.union), numel=numel,
                                 name=t.facts.name)
-                spared = t.lookup_spared_cpu
-                return replace(sent, compress=-t.lookup_spared, cpu=sent.cpu - spared,
+                spared = t.lookup_spared_cpu        # backward's CPU: off the compression's, not the collective's
+                return replace(sent, compress=-t.lookup_spared, cpu=sent.cpu - spared, compress_cpu=-spared,
                                cpu_loaded=None if sent.cpu_loaded is None else sent.cpu_loaded - spared)
             return self._on(option.collective, numel * ITEMSIZE, beside=option.collective == RING)
         return self.bucket([t], option)
