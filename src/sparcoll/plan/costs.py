@@ -133,7 +133,7 @@ class Measured:
     (`rebuild_loaded`, None: as alone; backward `rebuild_slowdown` times slower meanwhile), and the
     rebuild's CPU seconds, alone (`rebuild_cpu`) and while backward computes (`rebuild_cpu_loaded`).
     For an embedding's weight declared dense, the backward time and CPU its rows looked up sparse
-    spare where the sparse AllReduce takes it (`lookup_spared`, `lookup_spared_cpu`)"""
+    spare where the sparse AllReduce takes it (`lookup_spared`, `lookup_spared_cpu`)."""
     facts: TensorFacts
     shape: tuple
     rows: int = 0

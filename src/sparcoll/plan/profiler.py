@@ -420,7 +420,7 @@ def spared_by_lookups(cfg: dict, model: nn.Module, loss_of, timeline: BackwardPr
     rows looked up sparse spare: backward no longer zeroes the whole table to add the rows into it
     (deeplight's 68 MB, 4.0 ms a step on one core, docs/results/lookups-dc528c2). The time from the
     backward timeline measured again so (`timeline` is the one measured dense just before), the CPU
-    from a backward's CPU both ways, shared among the weights as their time is."""
+    from a forward and backward's, both ways, shared among the weights as their time is."""
     def backward(_) -> None:
         loss_of(model).backward()
     dense_cpu = timed(backward, model.zero_grad).cpu
