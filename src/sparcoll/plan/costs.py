@@ -271,10 +271,14 @@ class Costing:
             return replace(gather, comm=both.comm, loaded=both.loaded, slowdown=both.slowdown, cpu=both.cpu,
                            cpu_loaded=both.cpu_loaded)
         if c == "none":
-            if option.collective in (SPARSE, DEDICATED):     # an embedding's backward looks its rows up sparse
+            if option.collective in (SPARSE, DEDICATED):
                 sent = self._on(option.collective, sparse_volume(numel, t.density, t.union), numel=numel,
                                 name=t.facts.name)
-                spared = t.lookup_spared_cpu        # backward's CPU: off the compression's, not the collective's
+                if not (t.lookup_spared or t.lookup_spared_cpu):
+                    return sent
+                # an embedding declared dense, its rows looked up sparse: the backward work that spares, as
+                # a negative compression (its CPU the compression's: the collective keeps its own)
+                spared = t.lookup_spared_cpu
                 return replace(sent, compress=-t.lookup_spared, cpu=sent.cpu - spared, compress_cpu=-spared,
                                cpu_loaded=None if sent.cpu_loaded is None else sent.cpu_loaded - spared)
             return self._on(option.collective, numel * ITEMSIZE, beside=option.collective == RING)
