@@ -87,6 +87,16 @@ def run_correctness(rank: int, world: int, cases: list[dict], block_size: int = 
     return outcome
 
 
+def check_outcome(outcomes: list[dict], cases: list[dict]) -> None:
+    """Every rank's run_correctness outcome of every case is None (its sum was the reference's)."""
+    failures = {}
+    for rank, outcome in enumerate(outcomes):
+        for case in cases:
+            if outcome.get(case["name"], "missing") is not None:
+                failures[f"rank {rank} {case['name']}"] = outcome.get(case["name"], "missing")
+    assert not failures, failures
+
+
 def run_layouts(rank: int, world: int, layouts: dict, nblocks: int, block_size: int = 256) -> dict:
     """Each layout (name -> the non-zero block indices, the same on every rank) summed with the
     sparse path forced; name -> (whether it equals the float64 reference, how many messages to or

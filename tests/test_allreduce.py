@@ -6,17 +6,9 @@ import pytest
 
 import scenarios
 from ranks import run_ranks
+from scenarios import check_outcome
 
 TIMEOUT = 240
-
-
-def check_outcome(outcomes, cases):
-    failures = {}
-    for rank, outcome in enumerate(outcomes):
-        for case in cases:
-            if outcome.get(case["name"], "missing") is not None:
-                failures[f"rank {rank} {case['name']}"] = outcome.get(case["name"], "missing")
-    assert not failures, failures
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -30,13 +30,14 @@ from .star import Credentials
 
 def local_host() -> str:
     """The address peers can reach this process at: SPARCOLL_HOST, else the interface that routes
-    to MASTER_ADDR (no packet is sent), else loopback."""
+    to MASTER_ADDR (no packet is sent; an IPv6 one where MASTER_ADDR is IPv6), else loopback."""
     if os.environ.get("SPARCOLL_HOST"):
         return os.environ["SPARCOLL_HOST"]
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((master, 9))
+        family, _, _, _, address = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
             return probe.getsockname()[0]
     except OSError:
         return "127.0.0.1"

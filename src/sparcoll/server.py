@@ -120,8 +120,8 @@ class AggregatorServer:
         self.accept_failures = _Throttled()
         self.over_cap = _Throttled()        # connections closed at once: too many handshakes
         self.refused = _Throttled()         # connections that failed their handshake
-        self.sock = socket.create_server((host, port), backlog=256)
-        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        self.sock = transport.listen(host, port, backlog=256)
+        self.address = transport.format_address(host, self.sock.getsockname()[1])
         self.stats = transport.TrafficStats()   # of connections already closed
         self._accepter = threading.Thread(target=self._accept_loop, name="sparcoll-accept",
                                           daemon=True)

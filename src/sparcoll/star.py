@@ -206,8 +206,8 @@ def _accept_ranks(store, world: int, host: str, credentials: Credentials,
             raise ProtocolError(f"rank {hello.rank} of job {hello.job:#x} cannot join "
                                 f"(already joined, or its options differ)")
 
-    with socket.create_server((host, 0), backlog=world) as listener:
-        store.set("star", "%s:%d" % (host, listener.getsockname()[1]))
+    with transport.listen(host, 0, backlog=world) as listener:
+        store.set("star", transport.format_address(host, listener.getsockname()[1]))
         while len(links) < world - 1:
             left = deadline - time.monotonic()
             if left <= 0:

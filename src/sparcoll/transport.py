@@ -45,13 +45,29 @@ class TrafficStats:
 
 
 def parse_address(text: str) -> tuple[str, int]:
-    """(host, port) of "host:port", the port in 1-65535 (the kernel would take 72836 for 7300)."""
+    """(host, port) of "host:port" or "[IPv6 address]:port", the port in 1-65535 (the kernel would
+    take 72836 for 7300)."""
     host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"aggregator address {text!r} is not host:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or "[" in host or "]" in host:
+        raise ValueError(f"aggregator address {text!r} is not host:port ([address]:port for IPv6)")
     if not 1 <= int(port) <= 65535:
         raise ValueError(f"aggregator address {text!r}: port {int(port)} is not in 1-65535")
-    return host.strip("[]"), int(port)
+    return host, int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    """"host:port", an IPv6 address in brackets (parse_address reads both back)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening socket at (host, port) in the family of the address `host` names (an IPv6
+    address or a name that resolves only to one needs AF_INET6; socket.create_server assumes
+    AF_INET). OSError where the name does not resolve or the address is not this host's."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return socket.create_server((host, port), family=family, backlog=backlog)
 
 
 def _byte_views(buffers: list) -> list:
