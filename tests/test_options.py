@@ -35,6 +35,8 @@ class UntouchableStore:
     (dict(aggregators=["127.0.0.1:72836"]), "port 72836 is not in 1-65535"),     # not 7300, wrapped
     (dict(aggregators=["127.0.0.1:0"]), "port 0 is not in 1-65535"),
     (dict(aggregators=["a:7000", "b:7000", "a:7000"]), "a:7000 listed more than once"),
+    (dict(aggregators=["[::1]:7000", "::1:7000"]), r"\[::1\]:7000, ::1:7000 listed more than once"),
+    (dict(aggregators=["[::1:7000"]), "is not host:port"),
     (dict(block_size=256.7), "block_size must be an integer, got 256.7"),     # not truncated to 256
     (dict(credits=True), "credits must be an integer, got True"),
 ])

@@ -120,9 +120,8 @@ def _integer(value, name: str) -> int:
 def _addresses(value, name: str) -> tuple[str, ...]:
     items = value.split(",") if isinstance(value, str) else list(value)
     addresses = tuple(a.strip() for a in items if a.strip())
-    for address in addresses:
-        transport.parse_address(address)
-    twice = sorted({a for a in addresses if addresses.count(a) > 1})
+    endpoints = [transport.parse_address(a) for a in addresses]     # "[::1]:7000" is "::1:7000"
+    twice = list(dict.fromkeys(a for a, e in zip(addresses, endpoints) if endpoints.count(e) > 1))
     if twice:
         raise ValueError(f"{name}: {', '.join(twice)} listed more than once (one aggregator per address)")
     return addresses
