@@ -133,7 +133,7 @@ def test_contradictory_or_invalid_arguments_are_refused(capsys, argv, says):
     assert status == 2 and err.startswith("sparcoll plan: error: ") and says in err and "Traceback" not in err, err
 
 
-def test_an_unused_parameter_is_left_out_of_the_plan_and_named(models, tmp_path):
+def test_an_unused_parameter_is_left_out_of_the_plan_and_named(models, tmp_path, capsys):
     """A parameter forward never uses gets no gradient: the profile crashed on it ('NoneType' object
     has no attribute 'is_sparse'); the plan leaves it out, and says so. A --trial with --uniform is
     not run, and says so too."""
@@ -149,12 +149,12 @@ def test_an_unused_parameter_is_left_out_of_the_plan_and_named(models, tmp_path)
     names = {t["name"] for t in json.loads(plan_file.read_text())["tensors"]}
     assert names == {"a.weight", "a.bias", "b.weight", "b.bias"}
     assert json.loads(profile.read_text())["model"]["unused"] == ["spare.weight", "spare.bias"]
-    for trial, noted in ((["--trial", "2"], True), ([], False)):    # the stored profile: no job
-        done = subprocess.run(argv + ["--uniform", "ring", *trial], capture_output=True, text=True,
-                              timeout=TIMEOUT, env=env)
-        assert done.returncode == 0 and "uniform ring" in done.stdout, done.stderr[-3000:]
-        assert ("--trial is not run with --uniform or --without" in done.stderr) == noted, done.stderr
-        assert "measured for another model" not in done.stderr and "trial" not in json.loads(plan_file.read_text())
+    for trial, noted in ((["--trial", "2"], True), ([], False)):    # the stored profile: no job, in this process
+        status = command.run(args_of(*argv[4:], "--uniform", "ring", *trial))
+        out = capsys.readouterr()
+        assert status == 0 and "uniform ring" in out.out, out.err[-3000:]
+        assert ("--trial is not run with --uniform or --without" in out.err) == noted, out.err
+        assert "measured for another model" not in out.err and "trial" not in json.loads(plan_file.read_text())
     # the trial's reference, DDP, once failed on such a model (it needs find_unused_parameters)
     done = subprocess.run(argv + ["--trial", "1", "--trial-passes", "1"], capture_output=True, text=True,
                           timeout=TIMEOUT, env=env)

@@ -18,6 +18,7 @@ import sparcoll
 import sparcoll.torch
 from sparcoll.algorithm import entry_block_size
 from ranks import run_ranks
+from sparcoll.plan import command as plan_command
 from sparcoll.plan import decide, fusion
 from sparcoll.plan.command import choices_of, priced_as_stored, trial_others, units_of
 from sparcoll.plan.costs import BLOCKS, Costing, Curve, Grid, Measured, in_sequence
@@ -27,6 +28,7 @@ from sparcoll.plan.options import ALLGATHER, DEDICATED, PS, RING, SFB, SPARSE, J
 from sparcoll.plan.timeline import Cost, Step, simulate
 from sparcoll.torch import hybrid
 from test_parallel import batch, mlp, reference_grads, relative_error, step
+from test_plan_cli import args_of
 
 WORLD = 3
 TIMEOUT = 240
@@ -827,8 +829,19 @@ def test_a_plans_unit_of_large_tensors_compressed_or_on_the_ring_is_one_collecti
         assert rank["ring unit collectives"] == 1 and rank["ring unit"] < 1e-5
 
 
+def plan_here(capsys, argv: list[str]) -> subprocess.CompletedProcess:
+    """`sparcoll plan ARGV` run in this process, as a process of its own would report it: a decision
+    from a stored profile starts no job, and a process would cost a Python and torch start each time."""
+    try:
+        status = plan_command.run(args_of(*argv))
+    except SystemExit as exc:           # the parser's refusals
+        status = exc.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, status, out.out, out.err)
+
+
 @pytest.mark.auto_algorithm
-def test_plan_then_train_the_plan(tmp_path):
+def test_plan_then_train_the_plan(tmp_path, capsys):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tiny = ["--workload", "ncf", "--workers", "2", "--network", "none", "--batch-size", "8",
             "--workload-option", "tiny=true", "--workload-option", "sparse_embeddings=true"]
@@ -870,7 +883,7 @@ def test_plan_then_train_the_plan(tmp_path):
     assert "step_s" in reference, reference.get("failed", reference)      # in full: why it failed
     assert reference["step_s"] > 0 and 0 <= reference["comm_share"] <= 1 and reference["steps"] >= 2
     assert "DDP on gloo (the reference)" in first.stdout
-    first = subprocess.run(command + ["--trial", "0"], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    first = plan_here(capsys, command[4:] + ["--trial", "0"])
     assert first.returncode == 0 and "trial (" not in first.stdout, first.stderr[-3000:]
     assert profile.stat().st_mtime_ns == stamp      # the profile reused
     plan = json.loads(plan_file.read_text())
@@ -898,25 +911,21 @@ def test_plan_then_train_the_plan(tmp_path):
     assert all(t["strategy"] in (RING, PS, SPARSE, SFB) for t in others[f"uniform {lossless}"]["tensors"])
     # each compressor on the dense gradients only, the embeddings' COO ones uncompressed: a row each
     assert set(plan["dense_only"]) == {"fp16", "topk:0.01"} and "dense tensors topk:0.01" in first.stdout
-    done = subprocess.run(command + ["--trial", "0", "--uniform", "topk:0.01", "--dense-only"],
-                          capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    done = plan_here(capsys, command[4:] + ["--trial", "0", "--uniform", "topk:0.01", "--dense-only"])
     assert done.returncode == 0, done.stderr[-3000:]
     split = json.loads(plan_file.read_text())
     assert split["strategy"] == "topk:0.01 for dense gradients" and split["predicted_step_s"] == pytest.approx(
         plan["dense_only"]["topk:0.01"])
     assert all(t["strategy"] in (RING, SPARSE) if t["name"] in coo else t["strategy"] == "topk:0.01"
                for t in split["tensors"]), split["tensors"]
-    alone = subprocess.run(command + ["--trial", "0", "--dense-only"], capture_output=True, text=True,
-                           timeout=TIMEOUT, env=env)
+    alone = plan_here(capsys, command[4:] + ["--trial", "0", "--dense-only"])
     assert alone.returncode == 2 and "--dense-only needs --uniform" in alone.stderr
     for uniform, why in ((["sfb"], "SFB takes the weight of a linear layer that travels alone"),
                          (["powersgd:4"], "not among --compressors")):
-        refused = subprocess.run(command + ["--trial", "0", "--uniform", *uniform], capture_output=True, text=True,
-                                 timeout=TIMEOUT, env=env)
+        refused = plan_here(capsys, command[4:] + ["--trial", "0", "--uniform", *uniform])
         assert refused.returncode == 2 and why in refused.stderr, refused.stderr[-3000:]
     for fused_by in ("greedy", "whole"):    # fp16 for every tensor: the dense ones can share collectives
-        done = subprocess.run(command + ["--trial", "0", "--uniform", "fp16", "--fusion", fused_by],
-                              capture_output=True, text=True, timeout=TIMEOUT, env=env)
+        done = plan_here(capsys, command[4:] + ["--trial", "0", "--uniform", "fp16", "--fusion", fused_by])
         assert done.returncode == 0 and f"({fused_by} fusion)" in done.stdout, done.stderr[-3000:]
         fused = json.loads(plan_file.read_text())
         assert fused["fusion"] == fused_by
@@ -937,7 +946,7 @@ def test_plan_then_train_the_plan(tmp_path):
     assert wrong.returncode == 2 and "made for workers 2" in wrong.stderr
 
 
-def test_plan_a_users_own_model(tmp_path):
+def test_plan_a_users_own_model(tmp_path, capsys):
     """`sparcoll plan --model module:function`: the function returns the model and one worker's input;
     the loss is the output's sum. Its trial trains each candidate on that input, as for a workload."""
     (tmp_path / "users_model.py").write_text(
@@ -972,8 +981,7 @@ def test_plan_a_users_own_model(tmp_path):
     assert f"kept: {tried['kept']}" in done.stdout
     decided = tried["predicted_step_s"]["planned"]
     assert plan["bound_s"] <= decided <= min(plan["uniform"].values()) + 1e-12
-    wrong = subprocess.run(command + ["--model", "users_model"], capture_output=True, text=True,
-                           timeout=TIMEOUT, env=env)
+    wrong = plan_here(capsys, command[4:] + ["--model", "users_model"])
     assert wrong.returncode == 2 and "expected MODULE:FUNCTION" in wrong.stderr
     (tmp_path / "half_model.py").write_text(
         "import torch\nfrom torch import nn\n\n"
