@@ -18,7 +18,6 @@ import sparcoll
 import sparcoll.torch
 from sparcoll.algorithm import entry_block_size
 from ranks import run_ranks
-from sparcoll.plan import command as plan_command
 from sparcoll.plan import decide, fusion
 from sparcoll.plan.command import choices_of, priced_as_stored, trial_others, units_of
 from sparcoll.plan.costs import BLOCKS, Costing, Curve, Grid, Measured, in_sequence
@@ -28,7 +27,7 @@ from sparcoll.plan.options import ALLGATHER, DEDICATED, PS, RING, SFB, SPARSE, J
 from sparcoll.plan.timeline import Cost, Step, simulate
 from sparcoll.torch import hybrid
 from test_parallel import batch, mlp, reference_grads, relative_error, step
-from test_plan_cli import args_of
+from test_plan_cli import plan_here
 
 WORLD = 3
 TIMEOUT = 240
@@ -827,17 +826,6 @@ def test_a_plans_unit_of_large_tensors_compressed_or_on_the_ring_is_one_collecti
     for rank in executed:
         assert rank["fused collectives"] == 1 and rank["fused topk"] < 1e-6
         assert rank["ring unit collectives"] == 1 and rank["ring unit"] < 1e-5
-
-
-def plan_here(capsys, argv: list[str]) -> subprocess.CompletedProcess:
-    """`sparcoll plan ARGV` run in this process, as a process of its own would report it: a decision
-    from a stored profile starts no job, and a process would cost a Python and torch start each time."""
-    try:
-        status = plan_command.run(args_of(*argv))
-    except SystemExit as exc:           # the parser's refusals
-        status = exc.code
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, status, out.out, out.err)
 
 
 @pytest.mark.auto_algorithm

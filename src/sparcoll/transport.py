@@ -66,8 +66,8 @@ def listen(host: str, port: int, backlog: int) -> socket.socket:
     """A listening socket at (host, port) in the family of the address `host` names (an IPv6
     address or a name that resolves only to one needs AF_INET6; socket.create_server assumes
     AF_INET). OSError where the name does not resolve or the address is not this host's."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-    return socket.create_server((host, port), family=family, backlog=backlog)
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    return socket.create_server(address, family=family, backlog=backlog)
 
 
 def _byte_views(buffers: list) -> list:
