@@ -1,9 +1,10 @@
 """Plain helpers several test files need: polling with a deadline, a function on a few threads, a
-dedicated aggregator process, block-sparse test data. (Fixtures are in conftest.py; what ranks in
-processes of their own run is in scenarios.py.)"""
+`sparcoll` command run in the test's process, a dedicated aggregator process, block-sparse test
+data. (Fixtures are in conftest.py; what ranks in processes of their own run is in scenarios.py.)"""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -40,6 +41,40 @@ def on_threads(fn, count: int, timeout: float = 30.0) -> None:
         t.join(timeout)
     assert not any(t.is_alive() for t in threads), f"threads still running after {timeout} s"
     assert not errors, errors
+
+
+def sparcoll_here(capfd, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`sparcoll ARGV` run in this process, reported as a process of its own would be (exit status,
+    stdout, stderr). Its jobs fork from this session's fork server (sparcoll/bench/forked.py), where a
+    process of its own would first import torch twice, itself and its fork server: 4-8 s of a test on
+    2 cores (a test sets the command's environment with monkeypatch). After `timeout` seconds it is
+    interrupted as Ctrl-C would (the launcher stops its children and removes its network), and the
+    test fails."""
+    from sparcoll.cli import main
+
+    expired = []
+
+    def expire(signum, frame):
+        expired.append(True)
+        raise KeyboardInterrupt
+
+    terminate, alarm = signal.getsignal(signal.SIGTERM), signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        status = main([str(arg) for arg in argv])
+    except SystemExit as exc:           # the parser's refusals
+        status = exc.code
+    except KeyboardInterrupt:
+        if not expired:
+            raise
+        status = 130
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, alarm)
+        signal.signal(signal.SIGTERM, terminate)    # main() turns SIGTERM into an interrupt
+    out = capfd.readouterr()
+    assert not expired, f"sparcoll {' '.join(map(str, argv))} did not finish within {timeout:g} s\n{out.err[-3000:]}"
+    return subprocess.CompletedProcess(argv, status, out.out, out.err)
 
 
 def start_aggregator(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:

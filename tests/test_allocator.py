@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from ranks import run_ranks
 from sparcoll import allocator
@@ -41,7 +42,8 @@ def _steps(mode: str) -> dict:
 
 
 def test_a_large_gradient_reuses_the_pages_of_the_last_one():
-    kept, default = _steps("keep"), _steps("default")
+    with ThreadPoolExecutor(2) as pool:
+        kept, default = pool.map(_steps, ("keep", "default"))
     assert kept["kept"], "glibc's mallopt was not found"
     # glibc as it comes: every step faults the whole gradient in again (the measure sees them)
     assert min(default["faults"][-16:]) > PAGES // 2, json.dumps(default)
@@ -78,9 +80,10 @@ def test_a_freed_aligned_block_serves_the_next_one_between_small_allocations():
     reuses one of them. Where the small blocks land varies with the process's hash seed and
     environment, and so does how often the heap grew without the fix: six seeds here, and the three
     setups over many seeds in docs/results/allocator-aligned/spread_probe.txt."""
-    for seed in range(6):
-        fixed = json.loads(_run(ALIGNED, seed=seed).stdout.splitlines()[-1])
-        assert fixed["new_at"] in ([0], [0, 1]) and fixed["growth"] < 250_000_000, fixed
+    with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:     # a process each, as many as cores
+        for done in pool.map(lambda seed: _run(ALIGNED, seed=seed), range(6)):
+            fixed = json.loads(done.stdout.splitlines()[-1])
+            assert fixed["new_at"] in ([0], [0, 1]) and fixed["growth"] < 250_000_000, fixed
     without = _run("import sparcoll; sparcoll.keep_freed_memory()", tunables=False)
     assert "GLIBC_TUNABLES=glibc.malloc.tcache_count=0" in without.stderr, without.stderr
 

@@ -29,6 +29,7 @@ from sparcoll.bench.netem import netem_available
 from sparcoll.bench.patterns import InputSpec, check
 from sparcoll.bench.report import Setup, add_speedups, make_record, table
 from sparcoll.bench.sizes import format_count, parse_count
+from support import sparcoll_here
 
 RUN_TIMEOUT = 120.0
 NETEM_OK, NETEM_WHY = netem_available()
@@ -428,11 +429,10 @@ def test_a_worker_killed_from_outside_is_reported_as_likely_out_of_memory(tmp_pa
     assert failure.value.crashed == ()
 
 
-def _bench(tmp_path, *argv, env=None):
+def _bench(tmp_path, capfd, *argv):
     out = tmp_path / "results.json"
     fig = tmp_path / "results.png"
-    cp = subprocess.run([sys.executable, "-m", "sparcoll.bench", *argv, "--json", str(out), "--plot", str(fig)],
-                        env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    cp = sparcoll_here(capfd, ["bench", *argv, "--json", out, "--plot", fig], RUN_TIMEOUT)
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert fig.read_bytes()[:4] == b"\x89PNG"
     records = json.loads(out.read_text())
@@ -444,8 +444,8 @@ def _bench(tmp_path, *argv, env=None):
     return records, cp
 
 
-def test_end_to_end_loopback_baselines(tmp_path):
-    records, cp = _bench(tmp_path, "--workers", "2", "--numel", "4096", "--network", "none",
+def test_end_to_end_loopback_baselines(tmp_path, capfd):
+    records, cp = _bench(tmp_path, capfd, "--workers", "2", "--numel", "4096", "--network", "none",
                          "--algos", "ring,agsparse,ps", "--repeat", "2", "--warmup", "1")
     assert [(r["algo"], r["input"], r["density"]) for r in records] == \
         [(a, i, d) for d in (0.01, 0.1, 1.0) for a, i in
@@ -454,8 +454,8 @@ def test_end_to_end_loopback_baselines(tmp_path):
     assert "agsparse (coo)" in cp.stdout and "36/36" in cp.stderr  # 3 densities x 4 variants x 3 repetitions
 
 
-def test_end_to_end_loopback_sparcoll_and_sweep(tmp_path):
-    records, _ = _bench(tmp_path, "--workers", "2,3", "--numel", "8K", "--network", "none", "--density", "0.1",
+def test_end_to_end_loopback_sparcoll_and_sweep(tmp_path, capfd):
+    records, _ = _bench(tmp_path, capfd, "--workers", "2,3", "--numel", "8K", "--network", "none", "--density", "0.1",
                         "--algos", "sparcoll,ring", "--repeat", "2", "--warmup", "1", "--overlap", "0.5")
     assert [(r["workers"], r["algo"], r["input"]) for r in records] == [
         (w, algo, kind) for w in (2, 3)
@@ -468,11 +468,11 @@ def test_end_to_end_loopback_sparcoll_and_sweep(tmp_path):
     assert records[1]["bytes_sent_per_worker"] == sparse["bytes_sent_per_worker"]
 
 
-def test_end_to_end_auto_next_to_forced_sparse(tmp_path):
+def test_end_to_end_auto_next_to_forced_sparse(tmp_path, capfd):
     """"sparcoll" is the default choice (dense data takes the faster of gloo's ring and the sparse
     path once the warm-up timed both; sparse data the sparse path, untimed, in a kind too large to
     gather), "sparse" the sparse AllReduce forced; the harness checks both sums."""
-    records, cp = _bench(tmp_path, "--workers", "2", "--numel", "256K", "--network", "none",
+    records, cp = _bench(tmp_path, capfd, "--workers", "2", "--numel", "256K", "--network", "none",
                          "--density", "0.1,1", "--algos", "sparcoll,sparse,ring", "--repeat", "2",
                          "--warmup", "5")
     bytes_sent = {(r["algo"], r["input"], r["density"]): r["bytes_sent_per_worker"] for r in records}
@@ -485,10 +485,10 @@ def test_end_to_end_auto_next_to_forced_sparse(tmp_path):
     assert "sparse (coo)" in cp.stdout
 
 
-def test_end_to_end_narrow_rows_ship_at_their_width(tmp_path):
+def test_end_to_end_narrow_rows_ship_at_their_width(tmp_path, capfd):
     """Inputs whose non-zero units are rows of 32 (embedding rows): sparcoll's default block size
     is 256, yet after the warm-up it ships about the rows' bytes, as from COO."""
-    records, cp = _bench(tmp_path, "--workers", "2", "--numel", "64K", "--row-width", "32",
+    records, cp = _bench(tmp_path, capfd, "--workers", "2", "--numel", "64K", "--row-width", "32",
                          "--network", "none", "--density", "0.02", "--algos", "sparcoll,ring",
                          "--repeat", "2", "--warmup", "1")
     assert "rows of 32" in cp.stdout
@@ -499,18 +499,19 @@ def test_end_to_end_narrow_rows_ship_at_their_width(tmp_path):
             assert r["bytes_sent_per_worker"] < 1.5 * r["lower_bound_bytes"], r
 
 
-def test_end_to_end_loopback_dedicated_aggregators(tmp_path):
-    records, _ = _bench(tmp_path, "--workers", "2", "--numel", "8K", "--network", "none", "--density", "0.1",
+def test_end_to_end_loopback_dedicated_aggregators(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("SPARCOLL_CREDITS", "3")
+    records, _ = _bench(tmp_path, capfd, "--workers", "2", "--numel", "8K", "--network", "none", "--density", "0.1",
                         "--algos", "sparcoll,ring", "--repeat", "2", "--warmup", "1",
-                        "--aggregators", "dedicated", "--num-aggregators", "1", env={"SPARCOLL_CREDITS": "3"})
+                        "--aggregators", "dedicated", "--num-aggregators", "1")
     assert records[0]["aggregators"] == "dedicated" and records[0]["num_aggregators"] == 1
     # the messages in flight the workers ran with, as the environment set them
     assert [(r["algo"], r["credits"]) for r in records] == [("sparcoll", 3), ("sparcoll", 3), ("ring", None)]
 
 
 @pytest.mark.skipif(not NETEM_OK, reason=f"emulated network unavailable: {NETEM_WHY}")
-def test_end_to_end_emulated_network(tmp_path):
-    records, _ = _bench(tmp_path, "--workers", "2", "--numel", "16K", "--network", "100mbit",
+def test_end_to_end_emulated_network(tmp_path, capfd):
+    records, _ = _bench(tmp_path, capfd, "--workers", "2", "--numel", "16K", "--network", "100mbit",
                         "--algos", "sparcoll,ring,agsparse,ps", "--repeat", "2", "--warmup", "1")
     assert len(records) == 3 * 6
     for r in records:

@@ -6,11 +6,10 @@ steps). Two processes on loopback; the same seeds and global batches in every mo
 topk:0.01 on vgg's tiny preset is left out: it ends 10.9% above DDP there (1% of a 48 x 32 matrix is
 16 elements a step; docs/benchmarks.md lists every compressor's final loss)."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from support import sparcoll_here
 
 pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
 
@@ -24,14 +23,12 @@ CASES = {
 
 
 @pytest.mark.parametrize("workload", CASES)
-def test_compressed_training_ends_within_5_percent_of_uncompressed(tmp_path, workload):
+def test_compressed_training_ends_within_5_percent_of_uncompressed(tmp_path, capfd, workload):
     out = tmp_path / "out.json"
     modes = ",".join(["ddp"] + [f"hook:compress={spec}" for spec in CASES[workload]])
-    proc = subprocess.run(
-        [sys.executable, "-m", "sparcoll", "train", "--workload", workload, "--workers", "2",
-         "--network", "none", "--steps", "200", "--batch-size", "8", "--workload-option", "tiny=true",
-         "--compare", modes, "--json", str(out)],
-        capture_output=True, text=True, timeout=TIMEOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = sparcoll_here(capfd, ["train", "--workload", workload, "--workers", "2", "--network", "none",
+                                 "--steps", "200", "--batch-size", "8", "--workload-option", "tiny=true",
+                                 "--compare", modes, "--json", out], TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     ddp, *compressed = report["runs"]

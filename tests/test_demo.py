@@ -1,13 +1,10 @@
 """`sparcoll demo`: it picks the emulated network only where it can be built and says which setting it
 ran in; a small run on loopback prints a verdict per density, the training comparison with DDP's
 communication share, and writes its table, plot and training results."""
-import os
-import subprocess
-import sys
-
 import pytest
 
 from sparcoll import demo
+from support import sparcoll_here
 
 pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
 
@@ -22,13 +19,10 @@ def test_auto_picks_the_emulated_network_only_where_it_can_be_built(monkeypatch)
     assert demo.choose_network("10gbit") == ("10gbit", "as requested")
 
 
-def test_a_small_demo_on_loopback(tmp_path):
+def test_a_small_demo_on_loopback(tmp_path, capfd):
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "sparcoll", "demo", "--network", "none", "--numel", "64K",
-         "--repeat", "1", "--steps", "3", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = sparcoll_here(capfd, ["demo", "--network", "none", "--numel", "64K", "--repeat", "1", "--steps", "3",
+                                 "--out", out], 300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     glance = lines.index("At a glance:")

@@ -9,7 +9,6 @@ import re
 import time
 import warnings
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from sparcoll.torch import hybrid
 from sparcoll.errors import DivergedError
 from pause import Pause
 from ranks import run_ranks
+from support import sparcoll_here
 from sparcoll.bench.netem import netem_available
 
 NETEM_OK, NETEM_WHY = netem_available()
@@ -579,20 +579,14 @@ def test_a_plan_for_another_model_is_refused_naming_what_differs():
 
 
 @pytest.mark.parametrize("workload, batch", [("ncf", "8"), ("vgg", "8")])
-def test_training_with_the_wrapper_follows_ddps_loss_curve(tmp_path, workload, batch):
+def test_training_with_the_wrapper_follows_ddps_loss_curve(tmp_path, capfd, workload, batch):
     """`sparcoll train --compare ddp,poseidon` (hybrid choice: the sparse AllReduce for ncf's
     embeddings once their density is known, the ring's bucket for vgg tiny's small layers): 30 steps,
     the same losses."""
-    import os
-    import subprocess
-    import sys
-
     out = tmp_path / "out.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "sparcoll", "train", "--workload", workload, "--workers", "2",
-         "--network", "none", "--steps", "30", "--batch-size", batch, "--workload-option", "tiny=true",
-         "--compare", "ddp,poseidon", "--json", str(out)],
-        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = sparcoll_here(capfd, ["train", "--workload", workload, "--workers", "2", "--network", "none",
+                                 "--steps", "30", "--batch-size", batch, "--workload-option", "tiny=true",
+                                 "--compare", "ddp,poseidon", "--json", out], 180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     ddp, poseidon = report["runs"]
@@ -679,22 +673,17 @@ def test_a_dead_peer_fails_backward_on_the_others_within_the_timeout(strategy):
 
 
 @pytest.mark.skipif(not NETEM_OK, reason=f"emulated network unavailable: {NETEM_WHY}")
-def test_bytes_on_the_wire_match_the_cost_model(tmp_path):
+def test_bytes_on_the_wire_match_the_cost_model(tmp_path, capfd):
     """Bytes each worker's interface sent per step (3 workers on an emulated 1 Gbit/s network)
     against DataParallel's prediction: the hybrid choice (SFB for every layer at 32 rows), the ring
     and the parameter server, within 2%."""
-    import os
-    import subprocess
-    import sys
-
     out = tmp_path / "out.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "sparcoll", "train", "--workload", "vgg", "--workers", "3",
-         "--network", "1gbit", "--steps", "4", "--warmup", "1", "--batch-size", "32",
-         "--workload-option", "input_dim=2048", "--workload-option", "hidden=1024,1024",
-         "--workload-option", "num_classes=2000",
-         "--compare", "poseidon,poseidon:strategy=ring,poseidon:strategy=ps", "--json", str(out)],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = sparcoll_here(capfd, ["train", "--workload", "vgg", "--workers", "3", "--network", "1gbit",
+                                 "--steps", "4", "--warmup", "1", "--batch-size", "32",
+                                 "--workload-option", "input_dim=2048", "--workload-option", "hidden=1024,1024",
+                                 "--workload-option", "num_classes=2000",
+                                 "--compare", "poseidon,poseidon:strategy=ring,poseidon:strategy=ps",
+                                 "--json", out], 240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = {run["label"]: run for run in json.loads(out.read_text())["runs"]}
     sfb = 2 * (32 * (2048 + 1024 + 1024 + 1024 + 1024 + 2000) * 4 + 3 * 2 * 8)   # 3 layers, 2 peers

@@ -4,12 +4,12 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from sparcoll.plan import command
+from support import sparcoll_here
 
 TIMEOUT = 240
 MODELS = (
@@ -36,15 +36,16 @@ def args_of(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def plan_here(capsys, argv: list[str]) -> subprocess.CompletedProcess:
-    """`sparcoll plan ARGV` run in this process, as a process of its own would report it: a decision
-    from a stored profile starts no job, and a process would cost a Python and torch start each time."""
-    try:
-        status = command.run(args_of(*argv))
-    except SystemExit as exc:           # the parser's refusals
-        status = exc.code
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, status, out.out, out.err)
+@pytest.fixture
+def importable(tmp_path, monkeypatch):
+    """Modules written to tmp_path importable by `sparcoll plan` run in this process and by its
+    workers, and forgotten after the test (a module imported once stays imported in this process)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    yield tmp_path
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
 
 
 def plan(capsys, *argv: str) -> tuple[int, str]:
@@ -144,16 +145,14 @@ def test_contradictory_or_invalid_arguments_are_refused(capsys, argv, says):
     assert status == 2 and err.startswith("sparcoll plan: error: ") and says in err and "Traceback" not in err, err
 
 
-def test_an_unused_parameter_is_left_out_of_the_plan_and_named(models, tmp_path, capsys):
+def test_an_unused_parameter_is_left_out_of_the_plan_and_named(models, importable, tmp_path, capsys):
     """A parameter forward never uses gets no gradient: the profile crashed on it ('NoneType' object
     has no attribute 'is_sparse'); the plan leaves it out, and says so. A --trial with --uniform is
     not run, and says so too."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     plan_file, profile = tmp_path / "plan.json", tmp_path / "p.json"
-    argv = [sys.executable, "-m", "sparcoll", "plan", "--model", f"{models}:unused", "--workers", "2",
-            "--network", "none", "--compressors", "none", "--profile", str(profile), "--json", str(plan_file)]
-    done = subprocess.run(argv + ["--trial", "0"], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    argv = ["plan", "--model", f"{models}:unused", "--workers", "2", "--network", "none", "--compressors", "none",
+            "--profile", profile, "--json", plan_file]
+    done = sparcoll_here(capsys, argv + ["--trial", "0"], TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "left out of the plan, as backward gives them no gradient (unused in forward): spare.weight, " \
            "spare.bias" in done.stderr
@@ -161,13 +160,12 @@ def test_an_unused_parameter_is_left_out_of_the_plan_and_named(models, tmp_path,
     assert names == {"a.weight", "a.bias", "b.weight", "b.bias"}
     assert json.loads(profile.read_text())["model"]["unused"] == ["spare.weight", "spare.bias"]
     for trial, noted in ((["--trial", "2"], True), ([], False)):    # the stored profile: no job, in this process
-        done = plan_here(capsys, argv[4:] + ["--uniform", "ring", *trial])
+        done = sparcoll_here(capsys, argv + ["--uniform", "ring", *trial], TIMEOUT)
         assert done.returncode == 0 and "uniform ring" in done.stdout, done.stderr[-3000:]
         assert ("--trial is not run with --uniform or --without" in done.stderr) == noted, done.stderr
         assert "measured for another model" not in done.stderr and "trial" not in json.loads(plan_file.read_text())
     # the trial's reference, DDP, once failed on such a model (it needs find_unused_parameters)
-    done = subprocess.run(argv + ["--trial", "1", "--trial-passes", "1"], capture_output=True, text=True,
-                          timeout=TIMEOUT, env=env)
+    done = sparcoll_here(capsys, argv + ["--trial", "1", "--trial-passes", "1"], TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"DDP on gloo \(the reference\) +measured +[0-9.]+ ms", done.stdout), done.stdout
     assert "failed" not in done.stdout, done.stdout

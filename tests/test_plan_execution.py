@@ -4,9 +4,6 @@ compressor on the training thread or offloaded gives exactly what it gives on th
 thread; an offloaded compressor's error reaches backward; the planner's units are DataParallel's
 buckets), and `sparcoll plan` then `sparcoll train --comm planned` on loopback."""
 import json
-import os
-import subprocess
-import sys
 import time
 from dataclasses import replace
 
@@ -27,7 +24,8 @@ from sparcoll.plan.options import ALLGATHER, DEDICATED, PS, RING, SFB, SPARSE, J
 from sparcoll.plan.timeline import Cost, Step, simulate
 from sparcoll.torch import hybrid
 from test_parallel import batch, mlp, reference_grads, relative_error, step
-from test_plan_cli import plan_here
+from support import sparcoll_here
+from test_plan_cli import importable  # noqa: F401 (a fixture)
 
 WORLD = 3
 TIMEOUT = 240
@@ -830,14 +828,12 @@ def test_a_plans_unit_of_large_tensors_compressed_or_on_the_ring_is_one_collecti
 
 @pytest.mark.auto_algorithm
 def test_plan_then_train_the_plan(tmp_path, capsys):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tiny = ["--workload", "ncf", "--workers", "2", "--network", "none", "--batch-size", "8",
             "--workload-option", "tiny=true", "--workload-option", "sparse_embeddings=true"]
     profile, plan_file = tmp_path / "profile.json", tmp_path / "plan.json"
-    command = [sys.executable, "-m", "sparcoll", "plan", *tiny, "--profile", str(profile), "--json", str(plan_file),
-               "--compressors", "none,fp16,topk:0.01"]
-    first = subprocess.run(command + ["--trial", "2", "--trial-passes", "1"], capture_output=True, text=True,
-                           timeout=TIMEOUT, env=env)       # two passes: test_plan.py's fake launcher
+    command = ["plan", *tiny, "--profile", profile, "--json", plan_file, "--compressors", "none,fp16,topk:0.01"]
+    # one pass of the trial here; two in test_plan.py's, with a fake launcher
+    first = sparcoll_here(capsys, command + ["--trial", "2", "--trial-passes", "1"], TIMEOUT)
     assert first.returncode == 0, first.stderr[-3000:]
     tried = json.loads(plan_file.read_text())["trial"]
     step_s = tried["step_s"]
@@ -871,7 +867,7 @@ def test_plan_then_train_the_plan(tmp_path, capsys):
     assert "step_s" in reference, reference.get("failed", reference)      # in full: why it failed
     assert reference["step_s"] > 0 and 0 <= reference["comm_share"] <= 1 and reference["steps"] >= 2
     assert "DDP on gloo (the reference)" in first.stdout
-    first = plan_here(capsys, command[4:] + ["--trial", "0"])
+    first = sparcoll_here(capsys, command + ["--trial", "0"], TIMEOUT)
     assert first.returncode == 0 and "trial (" not in first.stdout, first.stderr[-3000:]
     assert profile.stat().st_mtime_ns == stamp      # the profile reused
     plan = json.loads(plan_file.read_text())
@@ -899,21 +895,21 @@ def test_plan_then_train_the_plan(tmp_path, capsys):
     assert all(t["strategy"] in (RING, PS, SPARSE, SFB) for t in others[f"uniform {lossless}"]["tensors"])
     # each compressor on the dense gradients only, the embeddings' COO ones uncompressed: a row each
     assert set(plan["dense_only"]) == {"fp16", "topk:0.01"} and "dense tensors topk:0.01" in first.stdout
-    done = plan_here(capsys, command[4:] + ["--trial", "0", "--uniform", "topk:0.01", "--dense-only"])
+    done = sparcoll_here(capsys, command + ["--trial", "0", "--uniform", "topk:0.01", "--dense-only"], TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     split = json.loads(plan_file.read_text())
     assert split["strategy"] == "topk:0.01 for dense gradients" and split["predicted_step_s"] == pytest.approx(
         plan["dense_only"]["topk:0.01"])
     assert all(t["strategy"] in (RING, SPARSE) if t["name"] in coo else t["strategy"] == "topk:0.01"
                for t in split["tensors"]), split["tensors"]
-    alone = plan_here(capsys, command[4:] + ["--trial", "0", "--dense-only"])
+    alone = sparcoll_here(capsys, command + ["--trial", "0", "--dense-only"], TIMEOUT)
     assert alone.returncode == 2 and "--dense-only needs --uniform" in alone.stderr
     for uniform, why in ((["sfb"], "SFB takes the weight of a linear layer that travels alone"),
                          (["powersgd:4"], "not among --compressors")):
-        refused = plan_here(capsys, command[4:] + ["--trial", "0", "--uniform", *uniform])
+        refused = sparcoll_here(capsys, command + ["--trial", "0", "--uniform", *uniform], TIMEOUT)
         assert refused.returncode == 2 and why in refused.stderr, refused.stderr[-3000:]
     for fused_by in ("greedy", "whole"):    # fp16 for every tensor: the dense ones can share collectives
-        done = plan_here(capsys, command[4:] + ["--trial", "0", "--uniform", "fp16", "--fusion", fused_by])
+        done = sparcoll_here(capsys, command + ["--trial", "0", "--uniform", "fp16", "--fusion", fused_by], TIMEOUT)
         assert done.returncode == 0 and f"({fused_by} fusion)" in done.stdout, done.stderr[-3000:]
         fused = json.loads(plan_file.read_text())
         assert fused["fusion"] == fused_by
@@ -922,19 +918,17 @@ def test_plan_then_train_the_plan(tmp_path, capsys):
             assert fused["units"] == 1 + dense.count(False) <= greedy_units, fused["tensors"]
         greedy_units = fused["units"]
     out = tmp_path / "train.json"
-    trained = subprocess.run([sys.executable, "-m", "sparcoll", "train", *tiny, "--steps", "3", "--compare",
-                              "ddp,planned", "--plan", str(plan_file), "--json", str(out)],
-                             capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    trained = sparcoll_here(capsys, ["train", *tiny, "--steps", "3", "--compare", "ddp,planned", "--plan", plan_file,
+                                     "--json", out], TIMEOUT)
     assert trained.returncode == 0, trained.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
     assert [r["comm"] for r in runs] == ["ddp", "planned"] and len(runs[1]["loss"]) == 3
-    wrong = subprocess.run([sys.executable, "-m", "sparcoll", "train", *tiny[:2], "--workers", "3", "--network",
-                            "none", "--comm", "planned", "--plan", str(plan_file)],
-                           capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    wrong = sparcoll_here(capsys, ["train", *tiny[:2], "--workers", "3", "--network", "none", "--comm", "planned",
+                                   "--plan", plan_file], TIMEOUT)
     assert wrong.returncode == 2 and "made for workers 2" in wrong.stderr
 
 
-def test_plan_a_users_own_model(tmp_path, capsys):
+def test_plan_a_users_own_model(importable, tmp_path, capsys):
     """`sparcoll plan --model module:function`: the function returns the model and one worker's input;
     the loss is the output's sum. Its trial trains each candidate on that input, as for a workload."""
     (tmp_path / "users_model.py").write_text(
@@ -943,13 +937,11 @@ def test_plan_a_users_own_model(tmp_path, capsys):
         "    torch.manual_seed(0)\n"
         "    return nn.Sequential(nn.Linear(16, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4)), "
         "torch.randn(8, 16)\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     plan_file = tmp_path / "plan.json"
-    command = [sys.executable, "-m", "sparcoll", "plan", "--workers", "2", "--network", "none",
-               "--compressors", "none,fp16", "--profile", str(tmp_path / "p.json"), "--json", str(plan_file)]
-    done = subprocess.run(command + ["--model", "users_model:build", "--trial", "1", "--trial-passes", "1"],
-                          capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    command = ["plan", "--workers", "2", "--network", "none", "--compressors", "none,fp16", "--profile",
+               tmp_path / "p.json", "--json", plan_file]
+    done = sparcoll_here(capsys, command + ["--model", "users_model:build", "--trial", "1", "--trial-passes", "1"],
+                         TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     plan = json.loads(plan_file.read_text())
     assert plan["model_spec"] == "users_model:build"
@@ -969,13 +961,13 @@ def test_plan_a_users_own_model(tmp_path, capsys):
     assert f"kept: {tried['kept']}" in done.stdout
     decided = tried["predicted_step_s"]["planned"]
     assert plan["bound_s"] <= decided <= min(plan["uniform"].values()) + 1e-12
-    wrong = plan_here(capsys, command[4:] + ["--model", "users_model"])
+    wrong = sparcoll_here(capsys, command + ["--model", "users_model"], TIMEOUT)
     assert wrong.returncode == 2 and "expected MODULE:FUNCTION" in wrong.stderr
     (tmp_path / "half_model.py").write_text(
         "import torch\nfrom torch import nn\n\n"
         "def build():\n"
         "    return nn.Linear(4, 4).to(torch.bfloat16), torch.randn(2, 4, dtype=torch.bfloat16)\n")
-    half = subprocess.run(command[:-4] + ["--profile", str(tmp_path / "half.json"), "--model", "half_model:build"],
-                          capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    half = sparcoll_here(capsys, command[:-4] + ["--profile", tmp_path / "half.json", "--model", "half_model:build"],
+                         TIMEOUT)
     assert half.returncode != 0 and "parameter weight is torch.bfloat16" in half.stderr, half.stderr[-3000:]
     assert "price float32 gradients" in half.stderr and not (tmp_path / "half.json").exists()

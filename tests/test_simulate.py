@@ -7,8 +7,6 @@ import dataclasses
 import json
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -18,6 +16,7 @@ from sparcoll.bench.patterns import InputSpec
 from sparcoll.simulate import calibrate, command, model
 from sparcoll.simulate.costs import Costs
 from sparcoll.simulate.model import Point, predict
+from support import sparcoll_here
 
 GBIT = 1e9
 NUMEL = 16 << 20
@@ -230,12 +229,11 @@ def test_socket_costs_are_measured():
     assert 1e-7 < latency < 1e-2
 
 
-def test_command_writes_table_json_and_plot(tmp_path):
+def test_command_writes_table_json_and_plot(tmp_path, capfd):
     out, png = tmp_path / "p.json", tmp_path / "p.png"
-    proc = subprocess.run([sys.executable, "-m", "sparcoll", "simulate", "--workers", "2,4", "--network",
-                           "1gbit,100gbit", "--numel", "1M", "--density", "0.01,1", "--aggregators",
-                           "colocated,dedicated", "--json", str(out), "--plot", str(png)],
-                          capture_output=True, text=True, timeout=300)
+    proc = sparcoll_here(capfd, ["simulate", "--workers", "2,4", "--network", "1gbit,100gbit", "--numel", "1M",
+                                 "--density", "0.01,1", "--aggregators", "colocated,dedicated", "--json", out,
+                                 "--plot", png], 300)
     assert proc.returncode == 0, proc.stderr
     records = json.loads(out.read_text())
     # 4 algorithms colocated, sparse dedicated: 5 per (network, density, workers)
@@ -259,9 +257,8 @@ def test_command_passes_credits_and_the_link_burst_to_the_model():
     assert (row["credits"], row["link_burst_bytes"]) == (1, 1 << 20)
 
 
-def test_command_refuses_a_bad_layout():
-    proc = subprocess.run([sys.executable, "-m", "sparcoll", "simulate", "--workers", "2", "--aggregators",
-                           "remote"], capture_output=True, text=True, timeout=120)
+def test_command_refuses_a_bad_layout(capfd):
+    proc = sparcoll_here(capfd, ["simulate", "--workers", "2", "--aggregators", "remote"], 120)
     assert proc.returncode == 2 and "colocated or dedicated" in proc.stderr
 
 

@@ -14,6 +14,7 @@ from sparcoll.cli import main
 from sparcoll.bench.memory import FAULTING_PAGES
 from sparcoll.train.command import _option, load_plan, timed_steps, workload_options
 from sparcoll.train.worker import GradientProbe, block_density, nonzero_elements, synchronization
+from support import sparcoll_here
 
 pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
 
@@ -21,12 +22,10 @@ TIMEOUT = 150
 TINY = ["--workers", "2", "--network", "none", "--batch-size", "8", "--workload-option", "tiny=true"]
 
 
-def train(tmp_path, *argv: str) -> dict:
-    """Run the command in a child process; return its JSON report."""
+def train(tmp_path, capfd, *argv: str) -> dict:
+    """Run the command (in this process: support.sparcoll_here); return its JSON report."""
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, "-m", "sparcoll", "train", *argv, "--json", str(out)],
-                          capture_output=True, text=True, timeout=TIMEOUT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = sparcoll_here(capfd, ["train", *argv, "--json", out], TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -64,15 +63,15 @@ def check_run(run: dict, comm: str, steps: int) -> None:
 # ncf runs in the --compare test; cnn on the sparcoll backend also exercises the per-forward broadcast
 # of BatchNorm buffers.
 @pytest.mark.parametrize("workload, comm", [("deeplight", "agsparse"), ("lstm", "hook"), ("cnn", "sparcoll")])
-def test_each_workload_trains(tmp_path, workload, comm):
-    report = train(tmp_path, "--workload", workload, "--comm", comm, "--steps", "3", *TINY)
+def test_each_workload_trains(tmp_path, workload, comm, capfd):
+    report = train(tmp_path, capfd, "--workload", workload, "--comm", comm, "--steps", "3", *TINY)
     assert report["workload"] == workload
     (run,) = report["runs"]
     check_run(run, comm, 3)
 
 
-def test_compare_runs_sparcoll_and_ddp_to_the_same_losses(tmp_path):
-    report = train(tmp_path, "--workload", "ncf", "--compare", "--steps", "4", *TINY,
+def test_compare_runs_sparcoll_and_ddp_to_the_same_losses(tmp_path, capfd):
+    report = train(tmp_path, capfd, "--workload", "ncf", "--compare", "--steps", "4", *TINY,
                    "--workload-option", "num_users=3000", "--workload-option", "num_items=1000")
     sparcoll_run, ddp_run = report["runs"]
     check_run(sparcoll_run, "sparcoll", 4)
@@ -90,12 +89,12 @@ def test_compare_runs_sparcoll_and_ddp_to_the_same_losses(tmp_path):
     assert abs(versus["final_loss_difference"]) < 1e-5
 
 
-def test_final_loss_is_the_held_out_loss_where_the_workload_has_one(tmp_path):
+def test_final_loss_is_the_held_out_loss_where_the_workload_has_one(tmp_path, capfd):
     """gpt evaluates on its held-out split after the last step: the same parameters (DDP, the
     uncompressed hook) give the same held-out loss, which is none of the training losses."""
     from sparcoll.train.command import final_loss
 
-    report = train(tmp_path, "--workload", "gpt", "--steps", "3", *TINY,
+    report = train(tmp_path, capfd, "--workload", "gpt", "--steps", "3", *TINY,
                    "--compare", "ddp,hook:compress=none,hook:compress=signsgd")
     ddp, plain, signs = report["runs"]
     assert ddp["final_loss_kind"] == "held-out" and math.isfinite(ddp["final_loss"])
@@ -107,10 +106,10 @@ def test_final_loss_is_the_held_out_loss_where_the_workload_has_one(tmp_path):
     assert final_loss([9.0] * 18 + [1.0, 2.0], None)[0] == 1.5     # the last tenth: 2 of 20
 
 
-def test_compare_compressed_hooks_against_ddp(tmp_path):
+def test_compare_compressed_hooks_against_ddp(tmp_path, capfd):
     """--compare with compressors: each run says its spec; without compression ("none") the hook's
     losses equal DDP's, with error-feedback top-k they differ but stay finite."""
-    report = train(tmp_path, "--workload", "ncf", "--steps", "3", *TINY, "--compare",
+    report = train(tmp_path, capfd, "--workload", "ncf", "--steps", "3", *TINY, "--compare",
                    "ddp,hook:compress=none,hook:compress=topk:0.1,ef=on,hook:compress=blocktopk:0.1")
     labels = [r["label"] for r in report["runs"]]
     assert labels == ["ddp", "hook:none", "hook:topk:0.1,ef=on", "hook:blocktopk:0.1"]
@@ -122,14 +121,15 @@ def test_compare_compressed_hooks_against_ddp(tmp_path):
     assert [m["label"] for m in report["compare"]["modes"]] == labels[1:]
 
 
-def test_interleaved_modes_train_as_they_do_apart(tmp_path):
+def test_interleaved_modes_train_as_they_do_apart(tmp_path, capfd):
     """--interleave runs the modes in one job, a step of each in turn: every mode's losses equal its
     run in a job of its own (a lossy one's too, so no step of one mode counts as another's), and each
     mode is compared with the baseline step by step."""
     modes = "ddp,hook:compress=signsgd,poseidon:strategy=ring"
-    apart = train(tmp_path, "--workload", "ncf", "--steps", "4", *TINY, "--compare", modes)
+    apart = train(tmp_path, capfd, "--workload", "ncf", "--steps", "4", *TINY, "--compare", modes)
     (tmp_path / "out.json").unlink()
-    together = train(tmp_path, "--workload", "ncf", "--steps", "4", *TINY, "--compare", modes, "--interleave")
+    together = train(tmp_path, capfd, "--workload", "ncf", "--steps", "4", *TINY, "--compare", modes,
+                     "--interleave")
     assert together["interleaved"] and not apart["interleaved"]
     assert [r["label"] for r in together["runs"]] == ["ddp", "hook:signsgd", "poseidon:ring"]
     for one, other in zip(apart["runs"], together["runs"]):
