@@ -3,6 +3,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import scenarios
 from ranks import run_ranks
@@ -143,6 +144,32 @@ def test_blocking_allreduce_inside_a_done_callback_with_work_queued():
     assert r0["thread"] == "sparcoll-engine", r0
     for outcome in (r0, r1):
         assert (outcome["first"], outcome["second"], outcome.get("inner")) == (2.0, 4.0, 3.0), outcome
+
+
+def test_a_callback_added_while_the_earlier_ones_run_runs_after_them():
+    """sparse.allreduce_coo copies the sum into the caller's tensor in a Work's first done-callback;
+    the torch future the caller waits on completes in one added later, which the caller's thread ran
+    at once when the Work had finished, even while the engine thread was still copying: on 2 ranks
+    all_reduce of a COO tensor once returned the rank's own input."""
+    from sparcoll.engine import Work
+
+    work = Work(torch.zeros(1), 0, time.monotonic() + 30)
+    copying, release, order = threading.Event(), threading.Event(), []
+
+    def copy(done):
+        copying.set()
+        release.wait(10)
+        order.append("copied")
+    work.add_done_callback(copy)
+    finishing = threading.Thread(target=work._finish, args=(None,), daemon=True)
+    finishing.start()
+    assert copying.wait(10) and work.is_completed()
+    work.add_done_callback(lambda done: order.append("completed"))
+    release.set()
+    finishing.join(10)
+    assert order == ["copied", "completed"]
+    work.add_done_callback(lambda done: order.append("at once"))      # all ran: a new one runs here
+    assert order[-1] == "at once"
 
 
 UNREACHABLE_TIMEOUT = 2.0

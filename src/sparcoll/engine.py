@@ -58,6 +58,7 @@ class Work:
         self._event = threading.Event()
         self._error: BaseException | None = None
         self._callbacks: list[Callable[["Work"], None]] = []
+        self._called = False        # every callback added so far has run
         self._lock = threading.Lock()
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
@@ -80,9 +81,13 @@ class Work:
         return self._error
 
     def add_done_callback(self, fn: Callable[["Work"], None]) -> None:
-        """Call fn(work) once done (at once if already done); used to complete torch futures."""
+        """Call fn(work) once done and after every callback added before it; used to complete torch
+        futures. One added while the finishing thread still runs earlier ones is left to that
+        thread: sparse.allreduce_coo's first callback copies the sum into the caller's tensor, and a
+        later one completes the future the caller waits on (run at once, it once let a rank read its
+        own input back as the sum)."""
         with self._lock:
-            if not self._event.is_set():
+            if not self._called:
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -91,12 +96,17 @@ class Work:
         with self._lock:
             self._error = error
             self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            try:
-                fn(self)
-            except Exception:   # a caller's callback must not take the engine thread down
-                log.exception("a done-callback of an allreduce raised")
+        while True:
+            with self._lock:
+                callbacks, self._callbacks = self._callbacks, []
+                self._called = not callbacks
+            if self._called:
+                return
+            for fn in callbacks:
+                try:
+                    fn(self)
+                except Exception:   # a caller's callback must not take the engine thread down
+                    log.exception("a done-callback of an allreduce raised")
 
 
 class CommunicatorState(enum.Enum):
