@@ -116,9 +116,9 @@ def test_sparse_advantage_falls_as_independent_patterns_fill_the_union():
 def test_grouped_simulation_agrees_with_the_exact_one(monkeypatch):
     """Beyond MAX_GROUPS hosts, symmetric hosts are simulated in lockstep groups."""
     cases = [("sparse", 0.01, GBIT), ("sparse", 0.1, 10 * GBIT), ("sparse", 1.0, GBIT), ("ps", 1.0, GBIT)]
-    grouped = [predict(Point(algo, 32, 4 << 20, density, rate), MEASURED) for algo, density, rate in cases]
+    grouped = [predict(Point(algo, 32, 1 << 20, density, rate), MEASURED) for algo, density, rate in cases]
     monkeypatch.setattr(model, "MAX_GROUPS", 32)
-    exact = [predict(Point(algo, 32, 4 << 20, density, rate), MEASURED) for algo, density, rate in cases]
+    exact = [predict(Point(algo, 32, 1 << 20, density, rate), MEASURED) for algo, density, rate in cases]
     for case, g, e in zip(cases, grouped, exact):
         assert g == pytest.approx(e, rel=0.1), case
 
