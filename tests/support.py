@@ -43,13 +43,13 @@ def on_threads(fn, count: int, timeout: float = 30.0) -> None:
     assert not errors, errors
 
 
-def sparcoll_here(capfd, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """`sparcoll ARGV` run in this process, reported as a process of its own would be (exit status,
-    stdout, stderr). Its jobs fork from this session's fork server (sparcoll/bench/forked.py), where a
-    process of its own would first import torch twice, itself and its fork server: 4-8 s of a test on
-    2 cores (a test sets the command's environment with monkeypatch). After `timeout` seconds it is
-    interrupted as Ctrl-C would (the launcher stops its children and removes its network), and the
-    test fails."""
+def sparcoll_here(capture, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`sparcoll ARGV` run in this process, reported as a process of its own would be: its exit
+    status, and stdout and stderr from `capture` (the test's capsys or capfd). Its jobs fork from this
+    session's fork server (sparcoll/bench/forked.py), where a process of its own would first import
+    torch twice, itself and its fork server: 4-8 s of a test on 2 cores (a test sets the command's
+    environment with monkeypatch). After `timeout` seconds it is interrupted as Ctrl-C would (the
+    launcher stops its children and removes its network), and the test fails."""
     from sparcoll.cli import main
 
     expired = []
@@ -72,7 +72,7 @@ def sparcoll_here(capfd, argv: list[str], timeout: float) -> subprocess.Complete
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, alarm)
         signal.signal(signal.SIGTERM, terminate)    # main() turns SIGTERM into an interrupt
-    out = capfd.readouterr()
+    out = capture.readouterr()
     assert not expired, f"sparcoll {' '.join(map(str, argv))} did not finish within {timeout:g} s\n{out.err[-3000:]}"
     return subprocess.CompletedProcess(argv, status, out.out, out.err)
 

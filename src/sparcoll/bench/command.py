@@ -38,7 +38,7 @@ def _comma_list(convert: Callable) -> Callable[[str], list]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `bench` options to `parser` (the project CLI's subcommand, or python -m sparcoll.bench)."""
+    """Add the `bench` options to `parser` (the project CLI's subcommand)."""
     parser.add_argument("--workers", type=_comma_list(int), default=[4],
                         help="number of workers, or a comma list to sweep (e.g. 2,4,8); default 4")
     parser.add_argument("--numel", type=count_argument, default=parse_count("16M"),
