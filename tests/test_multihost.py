@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from sparcoll.bench.netem import EmulatedNetwork, netem_available
+from support import sparcoll_here
 from sparcoll.workloads import get_workload
 
 _AVAILABLE, _REASON = netem_available()
@@ -155,15 +156,16 @@ def test_two_per_host_dedicated_aggregator_survives_a_dead_worker(tmp_path):
     check_against_reference(out, 4, logs)
 
 
-def test_bench_through_torchrun_agents_with_a_dedicated_aggregator(tmp_path):
+def test_bench_through_torchrun_agents_with_a_dedicated_aggregator(tmp_path, capfd, monkeypatch):
     """`sparcoll bench --launcher torchrun`: the bench's workers started by a torchrun agent per host
     (the bench checks every sum itself and fails on a wrong one), next to a dedicated aggregator host."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "sparcoll", "bench", "--launcher", "torchrun", "--workers", "3",
-                           "--network", "1gbit", "--numel", "256K", "--density", "0.01,1", "--algos", "sparcoll,ring",
-                           "--aggregators", "dedicated", "--num-aggregators", "1", "--repeat", "2", "--warmup", "1",
-                           "--timeout", "60", "--json", str(out)],
-                          env=environment(), capture_output=True, text=True, timeout=DEADLINE)
+    for name, value in environment().items():       # what the agents and their workers run in
+        monkeypatch.setenv(name, value)
+    proc = sparcoll_here(capfd, ["bench", "--launcher", "torchrun", "--workers", "3", "--network", "1gbit",
+                                 "--numel", "256K", "--density", "0.01,1", "--algos", "sparcoll,ring",
+                                 "--aggregators", "dedicated", "--num-aggregators", "1", "--repeat", "2",
+                                 "--warmup", "1", "--timeout", "60", "--json", out], DEADLINE)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "launched by torchrun" in proc.stdout
     records = json.loads(out.read_text())
