@@ -163,13 +163,29 @@ def test_a_callback_added_while_the_earlier_ones_run_runs_after_them():
     work.add_done_callback(copy)
     finishing = threading.Thread(target=work._finish, args=(None,), daemon=True)
     finishing.start()
-    assert copying.wait(10) and work.is_completed()
+    assert copying.wait(10)
     work.add_done_callback(lambda done: order.append("completed"))
+    assert not work.is_completed()          # wait() returns once the copy is in, not before
     release.set()
+    assert work.wait(10) is work.tensor and order == ["copied", "completed"]
     finishing.join(10)
-    assert order == ["copied", "completed"]
     work.add_done_callback(lambda done: order.append("at once"))      # all ran: a new one runs here
     assert order[-1] == "at once"
+
+
+def test_a_done_callback_that_raises_fails_the_work_for_the_callbacks_after_it():
+    """A copy of the sum into the caller's tensor that raised was logged and the collective still
+    completed as a success: the caller read its own input as the sum."""
+    from sparcoll import SparcollError
+    from sparcoll.engine import Work
+
+    work, seen = Work(torch.zeros(1), 7, time.monotonic() + 30), []
+    work.add_done_callback(lambda done: 1 / 0)
+    work.add_done_callback(lambda done: seen.append(done.exception()))
+    work._finish(None)
+    assert isinstance(seen[0], SparcollError) and isinstance(seen[0].__cause__, ZeroDivisionError)
+    with pytest.raises(SparcollError, match="allreduce 7: a done-callback raised ZeroDivisionError"):
+        work.wait(1)
 
 
 UNREACHABLE_TIMEOUT = 2.0

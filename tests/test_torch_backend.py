@@ -103,6 +103,9 @@ def collectives(rank: int, world: int) -> dict:
     s = torch.sparse_coo_tensor([[rank, 2]], [1.0, 2.0], (4,))
     dist.all_reduce(s, group=pg)
     out["sparse_sum"] = s.to_dense().tolist()
+    s = torch.sparse_coo_tensor([[rank, 2]], [1.0, 2.0], (4,)).requires_grad_()
+    dist.all_reduce(s, group=pg)                     # as data, as a dense one that requires grad
+    out["sparse_sum_requires_grad"] = s.detach().to_dense().tolist()
     s = torch.sparse_coo_tensor([[rank, 2]], [1.0, 2.0], (4,))
     dist.all_reduce(s, op=dist.ReduceOp.AVG, group=pg)
     out["sparse_avg"] = s.to_dense().tolist()
@@ -258,7 +261,7 @@ def test_collectives_against_expected_values():
     for rank, out in enumerate(outcomes):
         assert out["sum"] and out["avg"] and out["sparse_int64"] and out["sparse_huge"], out
         assert out["max_int"] == [2, 2, 2]
-        assert out["sparse_sum"] == [1.0, 1.0, 4.0, 0.0]
+        assert out["sparse_sum"] == out["sparse_sum_requires_grad"] == [1.0, 1.0, 4.0, 0.0]
         assert out["sparse_avg"] == [0.5, 0.5, 2.0, 0.0]
         assert out["broadcast"] == [1.0, 1.0, 1.0]
         assert out["all_gather"] == [[0.0, 0.0], [1.0, 1.0]]

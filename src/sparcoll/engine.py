@@ -93,20 +93,29 @@ class Work:
         fn(self)
 
     def _finish(self, error: BaseException | None) -> None:
+        """Done: run the callbacks in order (those added meanwhile too), then let wait() return, so
+        that what a callback writes (the COO sum into the caller's tensor) is there when it does. A
+        callback that raises fails the Work for the callbacks after it and for wait(), unless it
+        had failed already."""
         with self._lock:
             self._error = error
-            self._event.set()
         while True:
             with self._lock:
                 callbacks, self._callbacks = self._callbacks, []
-                self._called = not callbacks
-            if self._called:
-                return
+                if not callbacks:
+                    self._called = True
+                    self._event.set()
+                    return
             for fn in callbacks:
                 try:
                     fn(self)
-                except Exception:   # a caller's callback must not take the engine thread down
-                    log.exception("a done-callback of an allreduce raised")
+                except Exception as exc:   # a caller's callback must not take the engine thread down
+                    log.exception("a done-callback of allreduce %d raised", self.id)
+                    with self._lock:
+                        if self._error is None:
+                            self._error = SparcollError(f"allreduce {self.id}: a done-callback raised "
+                                                        f"{type(exc).__name__}: {exc}")
+                            self._error.__cause__ = exc
 
 
 class CommunicatorState(enum.Enum):

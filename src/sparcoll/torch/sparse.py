@@ -25,9 +25,18 @@ def allreduce_coo(tensor: torch.Tensor, op: str, comm: Communicator) -> sparcoll
     if op not in OPS:
         raise ValueError(f"sparse all_reduce supports {', '.join(OPS)}, not {op!r}")
     work = comm.allreduce_coo(tensor, op=op, async_op=True)
-    # Registered first, so it runs before the callbacks that complete the caller's future.
-    work.add_done_callback(lambda done: done.exception() is None and tensor.copy_(done.tensor))
+    # Registered first, so it runs before the callbacks that complete the caller's future; should it
+    # raise, the Work fails (engine.Work._finish) and so does that future.
+    work.add_done_callback(lambda done: done.exception() is None and _copy_into(tensor, done.tensor))
     return work
+
+
+def _copy_into(tensor: torch.Tensor, total: torch.Tensor) -> None:
+    """The sum into the caller's tensor, as data: one that requires grad is reduced in place as a
+    dense one is (an in-place copy into it under autograd raised, and the rank read its own input
+    back as the sum)."""
+    with torch.no_grad():
+        tensor.copy_(total)
 
 
 def _width(coo: torch.Tensor) -> int:
