@@ -58,7 +58,6 @@ class Work:
         self._event = threading.Event()
         self._error: BaseException | None = None
         self._callbacks: list[Callable[["Work"], None]] = []
-        self._called = False        # every callback added so far has run
         self._lock = threading.Lock()
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
@@ -87,7 +86,7 @@ class Work:
         later one completes the future the caller waits on (run at once, it once let a rank read its
         own input back as the sum)."""
         with self._lock:
-            if not self._called:
+            if not self._event.is_set():        # set once every callback added so far has run
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -103,7 +102,6 @@ class Work:
             with self._lock:
                 callbacks, self._callbacks = self._callbacks, []
                 if not callbacks:
-                    self._called = True
                     self._event.set()
                     return
             for fn in callbacks:
