@@ -628,6 +628,27 @@ def test_a_rank_whose_call_differs_from_the_expected_one_is_a_mismatch_on_every_
     assert max(body.elapsed.values()) < 10.0
 
 
+def test_after_a_mismatch_nothing_writes_the_tensor_whose_data_had_started(store):
+    """Ranks 0 and 1 make the expected call and start its data beside its check; rank 2 makes
+    another. When rank 0's MismatchError returns, gloo no longer writes rank 0's tensor: what rank 0
+    writes into it then stays (before, gloo's sum of ranks 0 and 1 with rank 2's zero partner could
+    land after it)."""
+    def body(r, comm):
+        big = torch.ones(BIG)
+        for _ in range(3):
+            comm.allreduce(big.fill_(1))
+        try:
+            comm.allreduce(big if r < 2 else torch.ones(BIG + 256))
+        except MismatchError:
+            if r == 0:
+                big.fill_(5)
+        time.sleep(0.2)     # rank 2's zero partner (a 1 MB ring on loopback) would have ended by now
+        return big
+    results = run_ranks(store, 3, body, timeout=30.0, algorithm="ring")
+    assert not isinstance(results[0], Exception), results[0]
+    assert torch.equal(results[0], torch.full((BIG,), 5.0))
+
+
 def test_a_rank_that_rejects_its_input_releases_peers_waiting_on_the_ring(store):
     """Rank 1 refuses its own call (an integer tensor); rank 0 is already in gloo's ring for that
     collective and hears of it through the aggregators long before the timeout."""

@@ -865,6 +865,41 @@ def test_missing_call_times_out_naming_the_peer_then_poisons():
     assert second[0] == "PoisonedError" and second[2] < 1.0, second
 
 
+@pytest.mark.parametrize("mode", ["colocated", "dedicated"])
+def test_a_rank_that_gave_up_a_collective_owns_its_tensor_again(mode, request):
+    """Rank 0 times out waiting for rank 1, writes its tensor, and only then rank 1 calls. Nothing
+    of the collective rank 0 gave up writes or reads rank 0's tensor after the error: its own
+    aggregator, which sums peers' contributions in place into the memory rank 0 lent it, works on a
+    copy. Before, rank 0's tensor became its new values plus rank 1's, and rank 1 got that as part
+    of its sum, silently."""
+    options = {"aggregators": request.getfixturevalue("dedicated_in_process")} \
+        if mode == "dedicated" else {}
+    numel = 64 * 1024
+    gave_up, done = threading.Event(), threading.Event()
+
+    def target(comm, rank):
+        tensor = torch.full((numel,), float(rank + 1))
+        if rank == 1:
+            try:
+                assert gave_up.wait(20)
+                return _outcome(lambda: comm.allreduce(tensor)), tensor
+            finally:
+                done.set()
+        try:
+            outcome = _outcome(lambda: comm.allreduce(tensor))
+            tensor.fill_(5)
+        finally:
+            gave_up.set()
+        assert done.wait(20)            # rank 0 stays in the job until rank 1's call ended
+        return outcome, tensor
+
+    (first, mine), (late, theirs) = in_threads(2, target, timeout=1.5, algorithm="sparse", **options)
+    assert first[0] == "CollectiveTimeout", first
+    assert torch.equal(mine, torch.full((numel,), 5.0))
+    assert late[0] == "NO ERROR", late      # the others may still complete it, with rank 0's data
+    assert torch.equal(theirs, torch.full((numel,), 3.0))
+
+
 def test_close_during_collective_returns_and_fails_it():
     done = threading.Event()
 

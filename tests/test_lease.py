@@ -130,3 +130,45 @@ def test_sparse_collective_result_replaces_the_tensor():
     assert np.array_equal(coll.blocks.nonzero(0, 4), [0, 2])
     coll.stream_done((0, 0))
     assert coll.tensor.layout == torch.sparse_coo and coll.tensor is not coo
+
+
+def _job_with_local_workers(world: int = 2):
+    """An aggregator's job (aggregator 0 of 1, one stream, blocks of 4) whose workers are queues."""
+    from sparcoll import wire
+    from sparcoll.aggregator import AggregatorJob, LocalWorker
+    job = AggregatorJob(1, 0, wire.JobConfig(world, 1, 1, 2, 4), b"t" * 32)
+    inboxes = [[] for _ in range(world)]
+    for rank in range(world):
+        job.attach(rank, LocalWorker(inboxes[rank].append))
+
+    def contribute(rank, rows, lease):
+        header = wire.Header(wire.Kind.CONTRIBUTE, 0, 1, 7, 0, rows.shape[0], 3, 12, 4, 0, 0, 0)
+        job.contribute(rank, header, np.array([0, 1, 2]), rows, lease, reuse=2)
+    return job, inboxes, contribute
+
+
+def test_a_failed_collective_gives_back_what_the_aggregator_held_of_it():
+    from sparcoll import wire
+    job, inboxes, contribute = _job_with_local_workers()
+    loans = Loans()
+    contribute(0, torch.ones(3, 4), loans.lend())
+    assert not loans.wait(0)                    # rank 0's rows wait for rank 1's
+    job.fail(7, wire.ErrorCode.PEER, "rank 1 left")
+    assert loans.wait(0)
+    late = loans.lend()
+    contribute(1, torch.ones(3, 4), late)       # a late contribution to it: let go at once
+    assert loans.wait(0)
+    assert all(isinstance(inbox[-1], wire.Failure) for inbox in inboxes)
+
+
+def test_a_rank_released_from_a_collective_gets_its_memory_back_and_the_others_still_complete():
+    job, inboxes, contribute = _job_with_local_workers()
+    loans, mine = Loans(), torch.ones(3, 4)
+    contribute(0, mine, loans.lend())
+    job.release(0, 7)
+    assert loans.wait(0)
+    mine.fill_(5)                               # rank 0 writes its tensor after giving up
+    contribute(1, torch.full((3, 4), 2.0), None)
+    result = inboxes[1][-1].result
+    torch.testing.assert_close(result.rows, torch.full((3, 4), 3.0))
+    assert torch.equal(mine, torch.full((3, 4), 5.0))

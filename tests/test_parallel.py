@@ -17,7 +17,9 @@ from torch import nn
 
 import sparcoll
 import sparcoll.torch
+from sparcoll.compress.reducer import Reducer
 from sparcoll.torch import hybrid
+from sparcoll.torch.parallel import DataParallel
 from sparcoll.errors import DivergedError
 from pause import Pause
 from ranks import run_ranks
@@ -1115,6 +1117,49 @@ def failed_backward(rank: int, world: int, raising: tuple, labels: tuple | None 
     finally:
         comm.close()
     return out
+
+
+def failed_synchronization_beside_offloaded_compressions(rank: int, world: int) -> tuple:
+    """Every tensor fp16-compressed on the offload thread, slowly; the step's first synchronization
+    raises. Returns what backward raised, when, and when each compression ended."""
+    comm = sparcoll.init()
+    model = mlp()
+    plan = {"tensors": [{"name": n, "strategy": "fp16", "placement": "offload", "unit": i}
+                        for i, (n, _) in enumerate(model.named_parameters())]}
+    dp = sparcoll.torch.DataParallel(model, comm=comm, timeout=20, strategy=plan)
+    ended, compress = [], Reducer.compress
+
+    def slow(self, tensor, key=None):
+        time.sleep(0.2)
+        try:
+            return compress(self, tensor, key)
+        finally:
+            ended.append(time.monotonic())
+
+    def failing(self, *args):
+        raise ArithmeticError("injected in a synchronization")
+    Reducer.compress, DataParallel._synchronize = slow, failing
+    try:
+        x, y = batch(rank, 6, (12,))
+        nn.functional.mse_loss(dp(x), y).backward()
+        raised = None, time.monotonic()
+    except RuntimeError as exc:
+        raised = str(exc), time.monotonic()
+    finally:
+        dp.close()
+        comm.close()
+    return raised, ended
+
+
+def test_a_failed_step_raises_only_once_its_offloaded_compressions_ended():
+    """The synchronization thread skips a failed step's later tensors; their compressions on the
+    offload thread still wrote the error-feedback memory after backward raised (0.2 s each here).
+    Now backward raises after the last of them."""
+    for rank, ((text, at), ended) in enumerate(run_ranks(failed_synchronization_beside_offloaded_compressions,
+                                                         2, timeout=60)):
+        assert text is not None and "injected in a synchronization" in text, (rank, text)
+        assert len(ended) == len(list(mlp().parameters())), (rank, ended)
+        assert max(ended) <= at, (rank, max(ended) - at)
 
 
 def test_a_step_whose_backward_raised_on_every_rank_is_dropped_and_the_next_steps_are_exact():

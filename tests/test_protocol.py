@@ -211,6 +211,33 @@ def test_aggregator_rejects_bad_messages():
         a.on_contribution(0, 1, 5, desc, np.array([2, 4]), rows)
 
 
+def test_a_released_worker_s_contributions_are_copies_and_the_sum_is_theirs():
+    """Worker 0 lends its rows in place (reuse 2) and gives up the collective: release returns their
+    leases and the stream keeps copies, so worker 0 may overwrite its rows and the sum worker 1
+    completes is still of the rows as sent, in memory that is not worker 0's."""
+    desc = (40, 4, 0, 0)
+    a = make_stream()
+    mine, theirs = torch.ones(2, 4), torch.full((2, 4), 2.0)
+    assert a.on_contribution(0, 0, 9, desc, np.array([1, 2]), mine, "lease 0", reuse=2).result is None
+    assert a.release(0) == ["lease 0"]
+    assert a.release(1) == []
+    mine.fill_(5)                               # the rank owns its tensor again
+    step = a.on_contribution(1, 0, 9, desc, np.array([1, 2]), theirs, "lease 1", reuse=1)
+    assert step.result is not None and step.result.lease in (None, "lease 1")
+    torch.testing.assert_close(step.result.rows, torch.full((2, 4), 3.0))
+    assert torch.equal(mine, torch.full((2, 4), 5.0))
+
+
+def test_a_dropped_stream_gives_back_every_contribution_it_holds():
+    desc = (40, 4, 0, 0)
+    a = make_stream()
+    a.on_contribution(0, 0, 3, desc, np.array([1, 2]), torch.ones(2, 4), "a")
+    step = a.on_contribution(1, 0, 9, desc, np.array([1, 2, 5]), torch.ones(3, 4), "b")
+    assert step.result.progress == 3 and step.released == ["a"]   # block 5 of "b" waits for worker 0
+    assert a.drop() == ["b"]
+    assert a.drop() == []
+
+
 def test_worker_rejects_results_that_break_the_rules():
     ws = WorkerStream(0, 10, np.array([1, 5]), 1, 1)   # one credit: sends [1], p=5
     ws.next_sends()

@@ -62,7 +62,8 @@ class CollectiveShard:
         config = job.config
         geometry = Geometry(block_count(numel, block_size), config.num_aggs, config.streams)
         self.descriptor = descriptor
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()   # AggregatorJob.fail takes it, also from inside contribute
+        self.dropped = False            # failed: contributions that come after are let go
         self.streams = [AggregatorStream(*geometry.range(job.agg_index, s), config.world, descriptor,
                                          dtype, acc, op == wire.Op.AVG, config.message_blocks,
                                          config.credits)
@@ -121,6 +122,9 @@ class AggregatorJob:
             give_back(lease)
             raise ProtocolError(f"rank {rank}: stream {header.stream} of {len(state.streams)}")
         with state.lock:
+            if state.dropped:       # failed while this contribution waited for the lock
+                give_back(lease)
+                return
             stream = state.streams[header.stream]
             try:
                 step = stream.on_contribution(rank, header.seq, header.progress, header.descriptor,
@@ -144,6 +148,19 @@ class AggregatorJob:
                         self._collectives.pop(header.collective, None)
             if step.result is not None:
                 self._broadcast(header, step.result)
+
+    def release(self, rank: int, cid: int) -> None:
+        """Rank `rank`'s worker gave up collective `cid` (colocated: it lent this aggregator its
+        tensor): from now on nothing here reads or sums into the memory of its contributions that
+        are still waiting; they are copied, and the collective may go on for the others."""
+        with self._lock:
+            state = self._collectives.get(cid)
+        if state is None:
+            return
+        with state.lock:
+            released = [lease for stream in state.streams for lease in stream.release(rank)]
+        for lease in released:
+            give_back(lease)
 
     def descriptor_of(self, cid: int) -> tuple | None:
         """The descriptor of collective `cid` if some worker's part of it is in progress here."""
@@ -190,8 +207,14 @@ class AggregatorJob:
             self._failed[collective] = (code, text)
             while len(self._failed) > FAILED_MEMORY:
                 self._failed.popitem(last=False)
-            self._collectives.pop(collective, None)
+            state = self._collectives.pop(collective, None)
             workers = list(self.workers.values())
+        if state is not None:
+            with state.lock:    # a contribution being summed into a worker's memory ends first
+                state.dropped = True
+                released = [lease for stream in state.streams for lease in stream.drop()]
+            for lease in released:
+                give_back(lease)
         log.warning("job %#x collective %d failed: %s", self.job, collective, text)
         for worker in workers:
             worker.send_error(self.job, collective, code, text)

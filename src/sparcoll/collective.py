@@ -58,8 +58,11 @@ class WorkerCollective:
         self.settled = threading.Event()    # left STREAMING
         self.error: BaseException | None = None
         # The tensor lent to the own aggregator (it may read or sum into it, and send peers sums
-        # from it): the collective is DONE only once every lease is back.
+        # from it) and to messages queued from it: the collective is DONE only once every lease is
+        # back. And the tensor lent to the threads that place results in it (only waited for
+        # after a failure: WorkerJob._take_back).
         self.loans = Loans()
+        self.writes = Loans()
 
     def start(self, block_size: int, ranges: list) -> None:
         """QUEUED -> STREAMING with blocks of `block_size` (chosen for this collective): find the

@@ -196,6 +196,24 @@ class AggregatorStream:
             raise ProtocolError(f"worker {worker}: message seq {seq}, expected {self._seq[worker]}")
         return self._take(worker, progress, indices, rows, lease, reuse)
 
+    def release(self, worker: int) -> list[Lease | None]:
+        """Worker `worker` takes back the memory of its contributions still waiting here (it gave
+        up the collective: its caller owns the tensor again). They are copied, so the others may
+        still complete with them, and their leases are returned, for the driver to give back."""
+        released = []
+        for p in self._pending[worker]:
+            released.append(p.lease)
+            p.rows, p.lease, p.reuse = p.rows.clone(), None, 1  # now this stream's, as a receive buffer
+        return released
+
+    def drop(self) -> list[Lease | None]:
+        """The collective is dropped here: every contribution still waiting is let go; their leases
+        are returned, for the driver to give back."""
+        released = [p.lease for queue in self._pending for p in queue]
+        for queue in self._pending:
+            queue.clear()
+        return released
+
     def _check_sender(self, worker: int, descriptor: tuple) -> None:
         if not 0 <= worker < self.workers:
             raise ProtocolError(f"contribution from unknown worker {worker}")

@@ -24,7 +24,9 @@ be took 266 and 3070 us (star.py).
     its data and its check start together, and a check round no longer delays the data. A rank
     whose call differs waits for its check first, so it never joins that data allreduce; the
     check round, which every rank joins, then tells every rank, and those whose data had not
-    started give the others' a zero partner of its size (gloo cannot cancel an allreduce).
+    started give the others' a zero partner of its size (gloo cannot cancel an allreduce); those
+    whose data had started let it end before they raise, so nothing writes the caller's tensor
+    after the error.
 A ring collective waits for gloo (or the star) or for a peer's report of the same collective (a peer
 that refused its input tells the aggregators; see WorkerJob.abort), whichever comes first, at most
 `timeout`.
@@ -196,6 +198,11 @@ class Ring:
                 # at close)
                 self._allreduce_data(torch.zeros(expected[1], dtype=wire.DTYPES[expected[2]][0]),
                                      timeout)
+            if started is not None:
+                # the call's data started beside its check: the differing ranks' zero partners
+                # let it end, and it writes the caller's tensor until then; the caller who gets
+                # the error owns the tensor again
+                self._let_end(started, deadline)
             others = "; ".join(f"rank {r}: {_describe(fields_of[r, _CALL].tolist())}"
                                for r in range(self.world) if not agree[r])
             raise MismatchError(
@@ -327,6 +334,15 @@ class Ring:
                             f"{exc}") from exc
             still_waiting(peer_report, deadline,
                           f"rank {self.rank}: gloo's ring did not finish within the timeout")
+
+    @staticmethod
+    def _let_end(work, deadline: float) -> None:
+        """Wait, until the deadline, for a data allreduce whose call has already failed; its own
+        failure is moot (the caller gets the call's error)."""
+        try:
+            work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except Exception:   # gloo's timeout, or a peer gone meanwhile
+            pass
 
     def _closed_links(self) -> str:
         """Which ranks' star connections are closed, in words (gloo's errors name an address, not

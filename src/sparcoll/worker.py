@@ -23,7 +23,7 @@ from .blocks import as_bytes, block_count, runs
 from .collective import WorkerCollective
 from .errors import (REPORT_GRACE, CollectiveTimeout, MismatchError, PeerError, ProtocolError,
                      SparcollError)
-from .lease import give_back
+from .lease import Lease, give_back
 from .message_size import MessageSizePolicy
 from .protocol import Geometry, WorkerStream
 from .server import AggregatorServer
@@ -35,6 +35,7 @@ RUN_BYTES = 64 << 10    # ... and more than one run per this many bytes of it: e
                         # through the buffer (2 ranks on loopback, 64K floats at 10%, 13 runs of one
                         # block a message: 1.9-2.2 ms a call in place, 1.6-2.0 through the buffer)
 DISCARD_BYTES = 1 << 20  # results of a collective this rank gave up are read through this much
+SETTLE_S = 1.0          # after a failure, how long a collective waits for what still uses its tensor
 FROM_AGGREGATORS = frozenset({wire.Kind.RESULT, wire.Kind.ERROR})
 
 
@@ -125,6 +126,8 @@ class WorkerJob:
         finally:
             with self._lock:
                 self._active = None
+            if coll.error is not None:
+                self._take_back(coll)
         if coll.error is None:
             self.message_size.observe(self.bytes_received() - received, time.monotonic() - start)
         return coll.error
@@ -143,6 +146,27 @@ class WorkerJob:
         if not coll.settled.wait(coll.timeout):
             coll.fail(CollectiveTimeout(self._describe_stall(coll)))
         coll.drain(deadline, self.rank)
+
+    def _take_back(self, coll: WorkerCollective) -> None:
+        """After a failure, before the caller gets the error (and its tensor back): results still
+        being placed land first, the own aggregator lets go of the contributions it still holds
+        (AggregatorJob.release), and messages still queued from the tensor are written or dropped,
+        within SETTLE_S; past that, what still reads the tensor is logged."""
+        deadline = time.monotonic() + SETTLE_S
+        written = coll.writes.wait(SETTLE_S)
+        if self.local_job is not None:
+            self.local_job.release(self.rank, coll.id)
+        sent = coll.loans.wait(max(0.0, deadline - time.monotonic()))
+        if not (written and sent):
+            log.warning("rank %d: allreduce %d failed, and %g s later its tensor was still being %s",
+                        self.rank, coll.id, SETTLE_S, "sent (a stalled peer?)" if written else "written")
+
+    def _writer(self, cid: int) -> tuple[WorkerCollective | None, Lease | None]:
+        """Collective `cid` if this rank still runs it, with a lease on its tensor that the caller
+        gives back once it no longer writes there (after a failure, _take_back waits for it)."""
+        with self._lock:
+            coll = self._current(cid)
+            return (None, None) if coll is None else (coll, coll.writes.lend())
 
     def _describe_stall(self, coll: WorkerCollective) -> str:
         who = ", ".join(f"aggregator {a} at {self.addresses[a]}" for a in coll.waiting_for())
@@ -179,11 +203,12 @@ class WorkerJob:
             nbytes = indices.size * blocks.block_size * blocks.dtype.itemsize
             spans = runs(indices, run_limit(nbytes)) if blocks.direct else None
             if spans is None:
-                payload = [as_bytes(blocks.gather(indices))]
-            else:
+                payload, lease = [as_bytes(blocks.gather(indices))], None
+            else:   # views of the tensor: lent until written
                 payload = [as_bytes(v) for start, stop in spans for v in blocks.views(start, stop)]
+                lease = coll.loans.lend()
             self.connections[agg].send([header, as_bytes(indices.astype(wire.INDEX_DTYPE)),
-                                        *payload], blocks=indices.size)
+                                        *payload], blocks=indices.size, lease=lease)
 
     # ---- results --------------------------------------------------------------------------------
     def _current(self, cid: int) -> WorkerCollective | None:
@@ -197,13 +222,16 @@ class WorkerJob:
         placement = _ResultPlacement(self, agg, conn)
         max_blocks = self.config.world * self.config.credits * self.config.message_blocks
         try:
-            while True:
-                h = conn.recv_header(max_blocks, self.job)
-                message = wire.read_body(h, conn.recv_into, FROM_AGGREGATORS, placement.place)
-                if isinstance(message, wire.Failure):
-                    self.collective_error(message)
-                    continue
-                placement.finish(message)
+            try:
+                while True:
+                    h = conn.recv_header(max_blocks, self.job)
+                    message = wire.read_body(h, conn.recv_into, FROM_AGGREGATORS, placement.place)
+                    if isinstance(message, wire.Failure):
+                        self.collective_error(message)
+                        continue
+                    placement.finish(message)
+            finally:
+                placement.abandon()     # a message left half read: no more of it lands in the tensor
         except (SparcollError, OSError) as exc:
             if not self._closed:
                 self.broken(agg, exc)
@@ -232,7 +260,7 @@ class WorkerJob:
                     give_back(message.lease)    # the aggregator may reuse the result's memory now
 
     def _on_local_result(self, message: wire.LocalResult) -> None:
-        coll = self._current(message.collective)
+        coll, writing = self._writer(message.collective)
         if coll is None:
             return
         result = message.result
@@ -245,6 +273,8 @@ class WorkerJob:
                 coll.stream_done((self.local_index, message.stream))
         except SparcollError as exc:
             coll.fail(exc)
+        finally:
+            give_back(writing)
 
     # ---- failures -------------------------------------------------------------------------------
     def collective_error(self, failure: wire.Failure) -> None:
@@ -365,6 +395,7 @@ class _ResultPlacement:
         self.discard = torch.empty(DISCARD_BYTES, dtype=torch.uint8)
         self._coll: WorkerCollective | None = None
         self._after: Callable[[np.ndarray], None] | None = None
+        self._writing: Lease | None = None      # on the tensor, while its data is read into it
 
     def place(self, h: wire.Header, indices: np.ndarray) -> list[memoryview]:
         nbytes = h.payload_sizes()[1]
@@ -372,8 +403,8 @@ class _ResultPlacement:
         if h.block_size > job.block_size:     # bounds what a dropped collective's results cost
             raise ProtocolError(f"result with block size {h.block_size}, this job uses at most "
                                 f"{job.block_size}")
-        coll = self._coll = job._current(h.collective)
-        self._after = None
+        coll, self._writing = job._writer(h.collective)
+        self._coll, self._after = coll, None
         if coll is None:    # a collective that already failed here: drop its results
             return [as_bytes(self.discard)[:min(DISCARD_BYTES, nbytes - offset)]
                     for offset in range(0, nbytes, DISCARD_BYTES)]
@@ -401,8 +432,16 @@ class _ResultPlacement:
         self._coll = self._after = None
         if coll is None:
             return
-        if after is not None:
-            after(message.indices)
-        self.conn.count(blocks_received=message.header.count)   # before the collective may end
-        if coll.streams[self.agg, message.header.stream].done:
-            coll.stream_done((self.agg, message.header.stream))
+        try:
+            if after is not None:
+                after(message.indices)
+            self.conn.count(blocks_received=message.header.count)   # before the collective may end
+            if coll.streams[self.agg, message.header.stream].done:
+                coll.stream_done((self.agg, message.header.stream))
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Nothing more of this message is written into the tensor."""
+        writing, self._writing = self._writing, None
+        give_back(writing)

@@ -751,6 +751,8 @@ class DataParallel(nn.Module):
         with self._breaking():
             error = self._wait_for_the_step("gradient synchronization")
         self._break_on(error)
+        if error is not None:
+            self._settle_offloaded()
         self._unchecked = []        # a step's gradients are checked in that step's buckets or not at all
         self._restore_unused_everywhere(stand_ins, counts, error)
         if error is None and counts is not None and len(counts) > len(self._order):
@@ -823,10 +825,7 @@ class DataParallel(nn.Module):
             self._dropped.drop(self._step, self._started, self.timeout)
             error = self._wait_for_the_step("the synchronization of a step whose backward raised",
                                             watch=False)
-            payloads = [x for _, _, x in self._bucket] + [x for gathering in self._unit_buckets.values()
-                                                          for _, _, x in gathering[1]]
-            concurrent.futures.wait([x for x in payloads if isinstance(x, concurrent.futures.Future)],
-                                    timeout=self.timeout)     # offloaded compressions: their memory settles
+            self._settle_offloaded()
         finally:
             self._bucket, self._bucket_bytes, self._unit_buckets, self._held = [], 0, {}, []
             self._armed = self._accumulated = False
@@ -845,6 +844,19 @@ class DataParallel(nn.Module):
         if error is not None:
             raise RuntimeError(f"the synchronization of a step whose backward raised failed: {error}"
                                f"{self._hint(error)}") from error
+
+    def _settle_offloaded(self) -> None:
+        """Wait, within the timeout, until the offload thread ran every compression submitted so far:
+        after a failed step none may still write a gradient's error-feedback memory (the step's
+        synchronization skipped those tensors once it failed)."""
+        if self._offload is not None:
+            try:
+                self._offload.submit(lambda: None).result(timeout=self.timeout)   # one thread: in order
+            except RuntimeError:        # closed meanwhile: nothing more runs there
+                pass
+            except concurrent.futures.TimeoutError:
+                warnings.warn(f"an offloaded compression still ran {self.timeout} s after its step failed",
+                              RuntimeWarning, stacklevel=2)
 
     def _hint(self, error: BaseException) -> str:
         """What a MismatchError means here: the parameters its tags stand for, and the likely cause."""
