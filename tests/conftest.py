@@ -20,6 +20,20 @@ def pytest_configure(config):
     os.environ["SPARCOLL_ALGORITHM"] = "sparse"
 
 
+# The files that take longest (their tests' seconds in a whole run, `--durations=0`: 107, 53, 53, 43,
+# 38, 36, 36, 33, 30, 25 of 643), longest first: they start first, so that with two workers
+# (pytest-xdist, --dist loadfile: a file's tests stay on one worker, with its module fixtures) the last
+# file to start is a short one. Only the order changes; the files not named run after these, as usual.
+LONGEST_FIRST = ("test_multihost.py", "test_convergence.py", "test_plan_execution.py", "test_parallel.py",
+                 "test_faults.py", "test_allreduce.py", "test_readme.py", "test_compression_hook.py",
+                 "test_bench.py", "test_algorithm.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))    # stable: the rest keep their order
+
+
 @pytest.fixture(autouse=True)
 def default_algorithm_where_marked(request, monkeypatch):
     if request.node.get_closest_marker("auto_algorithm") is not None:
