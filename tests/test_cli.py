@@ -55,6 +55,28 @@ def test_running_aggregator_loads_no_other_subcommand(tmp_path):
     assert not [m for m in modules if m.startswith(NOT_FOR_AGGREGATOR)]
 
 
+@pytest.mark.parametrize("argv, forks", [(["bench", "--network", "none"], True),
+                                         (["bench", "--launcher", "direct"], True),
+                                         (["bench", "--launcher", "torchrun"], False),
+                                         (["bench", "--launcher=torchrun"], False), (["train", "--help"], False)])
+def test_the_fork_server_starts_only_for_commands_that_fork_their_jobs_here(argv, forks, monkeypatch, capsys):
+    """torchrun's agents start `bench --launcher torchrun`'s workers: a fork server importing torch
+    beside it would be work for nothing."""
+    import signal
+
+    import sparcoll.bench.command as bench
+    import sparcoll.bench.forked as forked
+    started = []
+    monkeypatch.setattr(forked, "fork_context", lambda: started.append(argv))
+    monkeypatch.setattr(bench, "run", lambda args: 0)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)      # main's SIGTERM handler stays out
+    try:
+        assert main(argv) == 0
+    except SystemExit as exit:          # --help
+        assert exit.code == 0
+    assert bool(started) is forks
+
+
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_subcommand_help(name, capsys):
     with pytest.raises(SystemExit) as exit:

@@ -116,6 +116,15 @@ def _chosen(argv: list[str]) -> str | None:
     return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
+def _forks_here(argv: list[str]) -> bool:
+    """Whether the command forks its jobs' processes from this process's fork server: a launching
+    command, not asked for help, and not one whose workers torchrun's agents start
+    (`bench --launcher torchrun`)."""
+    if _chosen(argv) not in LAUNCHING or {"-h", "--help"} & set(argv):
+        return False
+    return "--launcher=torchrun" not in argv and ["--launcher", "torchrun"] not in map(list, zip(argv, argv[1:]))
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The parser for `argv`, with the arguments of the subcommand it names (the others are listed
     by name only)."""
@@ -133,7 +142,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if _chosen(argv) in LAUNCHING and not {"-h", "--help"} & set(argv):
+    if _forks_here(argv):
         # Its fork server (bench/forked.py) imports torch on another core while this process does.
         from .bench.forked import fork_context
         fork_context()
