@@ -871,7 +871,8 @@ def test_a_rank_that_gave_up_a_collective_owns_its_tensor_again(mode, request):
     of the collective rank 0 gave up writes or reads rank 0's tensor after the error: its own
     aggregator, which sums peers' contributions in place into the memory rank 0 lent it, works on a
     copy. Before, rank 0's tensor became its new values plus rank 1's, and rank 1 got that as part
-    of its sum, silently."""
+    of its sum, silently (colocated; with dedicated aggregators rank 0 lends them nothing, and the
+    same held before)."""
     options = {"aggregators": request.getfixturevalue("dedicated_in_process")} \
         if mode == "dedicated" else {}
     numel = 64 * 1024
@@ -898,6 +899,41 @@ def test_a_rank_that_gave_up_a_collective_owns_its_tensor_again(mode, request):
     assert torch.equal(mine, torch.full((numel,), 5.0))
     assert late[0] == "NO ERROR", late      # the others may still complete it, with rank 0's data
     assert torch.equal(theirs, torch.full((numel,), 3.0))
+
+
+def test_a_collective_that_fails_while_a_result_is_being_placed_raises_after_it(monkeypatch):
+    """A receiver thread is placing a result in rank 0's tensor (held there 0.5 s) when rank 0's
+    collective fails (close() fails it): rank 0's Work fails only once that placement ended, so
+    nothing writes the tensor after the caller has the error. Before, the error came at once."""
+    from sparcoll import worker as worker_module
+    placing, finish = threading.Event(), worker_module._ResultPlacement.finish
+    ended = []
+
+    def slow_finish(self, message):
+        if self.job.rank == 0:
+            placing.set()
+            time.sleep(0.5)
+        try:
+            finish(self, message)
+        finally:
+            if self.job.rank == 0:
+                ended.append(time.monotonic())
+    monkeypatch.setattr(worker_module._ResultPlacement, "finish", slow_finish)
+
+    def target(comm, rank):
+        failed_at = []
+        work = comm.allreduce(torch.ones(1 << 16), async_op=True)
+        work.add_done_callback(lambda _: failed_at.append(time.monotonic()))
+        if rank == 0:
+            assert placing.wait(20)
+            comm.close()
+        outcome = _outcome(lambda: work.wait(20))
+        return outcome, failed_at
+
+    results = in_threads(2, target, timeout=10.0, algorithm="sparse")
+    outcome, failed_at = results[0]
+    assert outcome[0] == "SparcollError" and "closed" in outcome[1], outcome
+    assert ended and failed_at and min(ended) <= failed_at[0], (ended, failed_at)
 
 
 def test_close_during_collective_returns_and_fails_it():

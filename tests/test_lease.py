@@ -172,3 +172,32 @@ def test_a_rank_released_from_a_collective_gets_its_memory_back_and_the_others_s
     result = inboxes[1][-1].result
     torch.testing.assert_close(result.rows, torch.full((3, 4), 3.0))
     assert torch.equal(mine, torch.full((3, 4), 5.0))
+
+
+def test_a_contribution_waiting_for_a_collective_that_fails_meanwhile_is_let_go():
+    """A contribution that found the collective in progress, then waited for its lock while the
+    collective failed, is given back, not kept in a dropped shard (its owner would wait for it)."""
+    from sparcoll import wire
+    job, _, contribute = _job_with_local_workers()
+    contribute(0, torch.ones(3, 4), None)           # the collective exists
+    shard = job._collectives[7]
+    lock, arrived = shard.lock, threading.Event()
+
+    class Announced:        # the shard's lock, saying when a thread starts waiting for it
+        def __enter__(self):
+            arrived.set()
+            return lock.__enter__()
+
+        def __exit__(self, *exc):
+            return lock.__exit__(*exc)
+    loans = Loans()
+    with lock:
+        shard.lock = Announced()
+        waiting = threading.Thread(target=contribute, args=(1, torch.ones(3, 4), loans.lend()))
+        waiting.start()
+        assert arrived.wait(10)
+        shard.lock = lock
+        job.fail(7, wire.ErrorCode.PEER, "rank 0 left")    # the same thread: the lock is reentrant
+    waiting.join(10)
+    assert not waiting.is_alive()
+    assert loans.wait(0)

@@ -3,6 +3,8 @@
 REPORT_GRACE = 0.5      # seconds a collective that failed for a lost connection waits for a peer's
                         # report of why: a peer that refused its input announces it, then leaves,
                         # and its closed connection may be seen first
+SETTLE_S = 1.0          # seconds a failed collective waits for what still writes or reads the caller's
+                        # tensor (a result being placed, a message queued from it) before it raises
 
 
 class SparcollError(RuntimeError):

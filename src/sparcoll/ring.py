@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from . import wire
 from .algorithm import GATHER_ELEMENTS, TINY_NUMEL
-from .errors import MismatchError, PeerError, ProtocolError
+from .errors import SETTLE_S, MismatchError, PeerError, ProtocolError
 from .star import POLL, Credentials, Star, report_soon, still_waiting
 
 _FIELDS = 6                 # a call: id, numel, dtype, op, 1 if its data is gathered, and its tag
@@ -337,10 +337,10 @@ class Ring:
 
     @staticmethod
     def _let_end(work, deadline: float) -> None:
-        """Wait, until the deadline, for a data allreduce whose call has already failed; its own
-        failure is moot (the caller gets the call's error)."""
+        """Wait, until the deadline (at least SETTLE_S), for a data allreduce whose call has already
+        failed; its own failure is moot (the caller gets the call's error)."""
         try:
-            work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            work.wait(timedelta(seconds=max(SETTLE_S, deadline - time.monotonic())))
         except Exception:   # gloo's timeout, or a peer gone meanwhile
             pass
 

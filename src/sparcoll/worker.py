@@ -20,8 +20,8 @@ import torch
 from . import transport, wire
 from .aggregator import AggregatorJob
 from .blocks import as_bytes, block_count, runs
-from .collective import WorkerCollective
-from .errors import (REPORT_GRACE, CollectiveTimeout, MismatchError, PeerError, ProtocolError,
+from .collective import CollectiveState, WorkerCollective
+from .errors import (REPORT_GRACE, SETTLE_S, CollectiveTimeout, MismatchError, PeerError, ProtocolError,
                      SparcollError)
 from .lease import Lease, give_back
 from .message_size import MessageSizePolicy
@@ -35,7 +35,6 @@ RUN_BYTES = 64 << 10    # ... and more than one run per this many bytes of it: e
                         # through the buffer (2 ranks on loopback, 64K floats at 10%, 13 runs of one
                         # block a message: 1.9-2.2 ms a call in place, 1.6-2.0 through the buffer)
 DISCARD_BYTES = 1 << 20  # results of a collective this rank gave up are read through this much
-SETTLE_S = 1.0          # after a failure, how long a collective waits for what still uses its tensor
 FROM_AGGREGATORS = frozenset({wire.Kind.RESULT, wire.Kind.ERROR})
 
 
@@ -126,7 +125,7 @@ class WorkerJob:
         finally:
             with self._lock:
                 self._active = None
-            if coll.error is not None:
+            if not coll.state.is_(CollectiveState.DONE):   # failed, or left by an exception
                 self._take_back(coll)
         if coll.error is None:
             self.message_size.observe(self.bytes_received() - received, time.monotonic() - start)
@@ -148,7 +147,8 @@ class WorkerJob:
         coll.drain(deadline, self.rank)
 
     def _take_back(self, coll: WorkerCollective) -> None:
-        """After a failure, before the caller gets the error (and its tensor back): results still
+        """After a failure (or an exception, Ctrl-C in a blocking call), before the caller gets the
+        error and its tensor back: results still
         being placed land first, the own aggregator lets go of the contributions it still holds
         (AggregatorJob.release), and messages still queued from the tensor are written or dropped,
         within SETTLE_S; past that, what still reads the tensor is logged."""
@@ -207,8 +207,12 @@ class WorkerJob:
             else:   # views of the tensor: lent until written
                 payload = [as_bytes(v) for start, stop in spans for v in blocks.views(start, stop)]
                 lease = coll.loans.lend()
-            self.connections[agg].send([header, as_bytes(indices.astype(wire.INDEX_DTYPE)),
-                                        *payload], blocks=indices.size, lease=lease)
+            try:
+                self.connections[agg].send([header, as_bytes(indices.astype(wire.INDEX_DTYPE)),
+                                            *payload], blocks=indices.size, lease=lease)
+            except BaseException:
+                give_back(lease)
+                raise
 
     # ---- results --------------------------------------------------------------------------------
     def _current(self, cid: int) -> WorkerCollective | None:
