@@ -148,10 +148,10 @@ class WorkerJob:
 
     def _take_back(self, coll: WorkerCollective) -> None:
         """After a failure (or an exception, Ctrl-C in a blocking call), before the caller gets the
-        error and its tensor back: results still
-        being placed land first, the own aggregator lets go of the contributions it still holds
-        (AggregatorJob.release), and messages still queued from the tensor are written or dropped,
-        within SETTLE_S; past that, what still reads the tensor is logged."""
+        error and its tensor back: results still being placed land first, the own aggregator lets go
+        of the contributions it still holds (AggregatorJob.release), and messages still queued from
+        the tensor are written or dropped, within SETTLE_S; past that, what still uses the tensor is
+        logged."""
         deadline = time.monotonic() + SETTLE_S
         written = coll.writes.wait(SETTLE_S)
         if self.local_job is not None:
