@@ -275,13 +275,13 @@ def test_parser_defaults():
 def test_timed_repetitions_interleave_and_keep_a_communicators_calls_together():
     """Warm-ups run series by series; then each round runs every series once, in a shuffled order
     that is the same for the same seed, a communicator's variants adjacent and in their order."""
-    from types import SimpleNamespace
+    from sparcoll.bench.algorithms import Algorithm
     from sparcoll.bench.worker import run_point
     log = []
 
     class Fake:
         def __init__(self, name, communicator):
-            self.name, self.algo = name, SimpleNamespace(communicator=communicator)
+            self.name, self.algo = name, Algorithm(name, "dense", None, None, None, communicator=communicator)
 
         def repetition(self, timed):
             log.append((self.name, timed))
@@ -303,6 +303,41 @@ def test_timed_repetitions_interleave_and_keep_a_communicators_calls_together():
     assert all(r[r.index("auto-dense") + 1] == "auto-coo" for r in rounds)
     assert len({tuple(r) for r in rounds}) > 1         # shuffled, not a fixed order
     assert run(3) == first and run(4) != first
+
+
+def test_default_warmups_outlast_sparcolls_choice_settling_after_a_change_of_density():
+    """The bench's points go from sparse to dense on one communicator. By default, sparcoll's
+    automatic series warms up until its chooser has noticed the new density and finished timing both
+    paths, whatever the phase of its periodic look: no trial on the slower path is timed. Played out
+    on the real Chooser; an explicit --warmup holds for every series."""
+    from sparcoll.algorithm import Algorithm as Path, Chooser
+    from sparcoll.bench.algorithms import DEFAULT_WARMUP, REGISTRY
+    auto, forced, ring = REGISTRY[("sparcoll", "dense")], REGISTRY[("sparse", "dense")], REGISTRY[("ring", "dense")]
+    numel = 1 << 18                                 # too large to gather over 2 ranks: two paths
+    kind = (numel, 0, 0)
+    sparse_result, dense_result = torch.zeros(numel), torch.ones(numel)
+    sparse_result[:256] = 1                         # one block of 1024
+    worst = 0
+    for before in range(1, 20):                     # sparse collectives before the change: every phase
+        chooser = Chooser(Path.AUTO, 256, 2)
+        for _ in range(before):
+            chooser.learn(kind, sparse_result, chooser.choose(kind, False), 0.01)
+        paths, chosen = [], []
+        for _ in range(40):                         # the dense point: sparse path 0.09 s, ring 0.05 s
+            path = chooser.choose(kind, False)
+            share = chooser.to_share(kind) if path.on_gloo else None
+            if share is not None:
+                chooser.shared(kind, share)         # one rank: its times are the averages
+            chooser.learn(kind, dense_result, path, 0.09 if path is Path.SPARSE else 0.05)
+            paths.append(path)
+            chosen.append(chooser._kinds[kind].chosen)
+        settled = chosen.index(Path.RING) + 1       # calls until the ring is chosen
+        assert all(p is Path.RING for p in paths[settled:]) and set(chosen[settled:]) == {Path.RING}
+        assert Path.SPARSE in paths                 # it did time the sparse path again
+        worst = max(worst, settled)
+    assert worst == auto.warmup(None)               # exactly enough in the worst phase
+    assert forced.warmup(None) == ring.warmup(None) == DEFAULT_WARMUP < worst
+    assert auto.warmup(3) == forced.warmup(3) == ring.warmup(3) == 3
 
 
 # ---- processes ----------------------------------------------------------------------------------

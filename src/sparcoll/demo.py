@@ -14,8 +14,6 @@ import argparse
 import json
 import os
 
-from .algorithm import TRIALS
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network", default="auto", type=lambda text: text.strip().lower(),
@@ -71,8 +69,6 @@ def run(args: argparse.Namespace) -> int:
     status = bench_command.run(bench.parse_args([
         "--workers", args.workers, "--numel", args.numel, "--density", args.density,
         "--algos", "sparcoll,sparse,ring", "--network", network, "--repeat", args.repeat,
-        "--warmup", str(2 * TRIALS + 1),     # auto's trials of a dense kind: TRIALS on each path,
-                                             # then one that shares the times
         "--json", result_path, "--plot", os.path.join(args.out, "demo.png")]))
     if status != 0:
         return status

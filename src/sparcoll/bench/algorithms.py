@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from sparcoll.algorithm import LOOK_EVERY, TRIALS
 from sparcoll.blocks import nonzero_mask
 from sparcoll.compress.channel import block_rows
 from sparcoll.torch import ps
@@ -63,6 +64,15 @@ class Context:
         return buf
 
 
+DEFAULT_WARMUP = 2
+# sparcoll's automatic choice after a change of density (the bench's next point): up to LOOK_EVERY - 1
+# collectives before it looks at a result's density again, then TRIALS timed on each path (the look's
+# own collective the first) and the one that shares the times. Fewer warm-ups leave its sparse-path
+# trials in the timed repetitions (2 workers on loopback, 16M floats at 100% after 1%, 7 warm-ups: the
+# first 3 of 10 took 87-108 ms, the rest 46-73).
+SETTLING_WARMUP = LOOK_EVERY + 2 * TRIALS
+
+
 @dataclass(frozen=True)
 class Algorithm:
     name: str
@@ -81,6 +91,12 @@ class Algorithm:
     @property
     def label(self) -> str:
         return self.name if self.input == "dense" else f"{self.name} ({self.input})"
+
+    def warmup(self, given: int | None) -> int:
+        """Untimed repetitions at each point: as given, else enough for what the algorithm adapts."""
+        if given is not None:
+            return given
+        return SETTLING_WARMUP if self.communicator == "auto" else DEFAULT_WARMUP
 
 
 REGISTRY: dict[tuple[str, str], Algorithm] = {}

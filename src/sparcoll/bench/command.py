@@ -64,7 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or none: all processes on loopback (default 1gbit)")
     add_link_burst_argument(parser)
     parser.add_argument("--repeat", type=int, default=10, help="timed repetitions per point (default 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help=f"untimed repetitions first, at every point (default {algorithms.DEFAULT_WARMUP}; "
+                             f"{algorithms.SETTLING_WARMUP} for sparcoll's automatic choice, which by then has "
+                             f"seen a new density and timed both its paths)")
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="fraction of each worker's non-zero blocks drawn from a pattern shared by all "
                              "workers (default 0: independent patterns)")
@@ -100,7 +103,7 @@ def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
         raise ValueError("--density values must be in (0, 1]")
     if not 0 <= args.overlap <= 1:
         raise ValueError("--overlap must be in [0, 1]")
-    if args.repeat < 1 or args.warmup < 0 or args.timeout <= 0:
+    if args.repeat < 1 or (args.warmup is not None and args.warmup < 0) or args.timeout <= 0:
         raise ValueError("--repeat must be >= 1, --warmup >= 0, --timeout > 0")
     if args.num_aggregators is not None and args.num_aggregators < 1:
         raise ValueError("--num-aggregators must be >= 1")
@@ -147,7 +150,7 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"sparcoll bench: error: {exc}", file=sys.stderr)
         return 2
-    steps = len(args.workers) * len(args.density) * len(algos) * (args.warmup + args.repeat)
+    steps = len(args.workers) * len(args.density) * sum(a.warmup(args.warmup) + args.repeat for a in algos)
     records = []
 
     def body(advance: Callable[[str], None]) -> None:

@@ -124,7 +124,7 @@ def run_point(series: list[Series], cfg: dict, seed: int) -> None:
     communicator stay together, in their order: it learns the order of its calls
     (sparcoll/ring.py, expected calls), as it would from a training step's."""
     for s in series:
-        for _ in range(cfg["warmup"]):
+        for _ in range(s.algo.warmup(cfg["warmup"])):
             s.repetition(timed=False)
     groups: dict = {}
     for s in series:
