@@ -3,7 +3,7 @@
 # loopback, 16M floats: "before" with 7 warm-ups per point (the sparse path's trials of the new
 # density fell into the timed repetitions), "after" with the bench's default since it warms the
 # automatic series up for LOOK_EVERY + 2 * TRIALS collectives. out.txt: every repetition, in ms.
-#   docs/results/bench-settling/run.sh before|after   (before: on a commit before the change, e.g. ad91900)
+#   docs/results/bench-settling/run.sh before|after   (before: run on a commit before the change; these: c4aec20)
 set -euo pipefail
 out="$(cd "$(dirname "$0")" && pwd)"
 warmup=$([ "${1:?before or after}" = before ] && echo "--warmup 7" || echo "")

@@ -68,8 +68,8 @@ DEFAULT_WARMUP = 2
 # sparcoll's automatic choice after a change of density (the bench's next point): up to LOOK_EVERY - 1
 # collectives before it looks at a result's density again, then TRIALS timed on each path (the look's
 # own collective the first) and the one that shares the times. Fewer warm-ups leave its sparse-path
-# trials in the timed repetitions (2 workers on loopback, 16M floats at 100% after 1%, 7 warm-ups: the
-# first 3 of 10 took 87-108 ms, the rest 46-73).
+# trials in the timed repetitions (2 workers on loopback, 16M floats at 100% after 1%, 7 warm-ups, three
+# runs: the first 3 of 10 took 68-108 ms, 8 of the 9 over 86; the other 7 took 46-73).
 SETTLING_WARMUP = LOOK_EVERY + 2 * TRIALS
 
 
