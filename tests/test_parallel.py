@@ -1162,6 +1162,26 @@ def test_a_failed_step_raises_only_once_its_offloaded_compressions_ended():
         assert max(ended) <= at, (rank, max(ended) - at)
 
 
+@pytest.mark.parametrize("closed", ["before", "during"])
+def test_waiting_for_the_offload_thread_of_a_wrapper_closed_meanwhile_returns(closed):
+    """close() shuts the offload thread down and cancels what waits there: the wait for it after a
+    failed step then returns (before, a close during it raised CancelledError out of backward)."""
+    import concurrent.futures
+    import threading
+    from types import SimpleNamespace
+    busy = threading.Event()
+    offload = concurrent.futures.ThreadPoolExecutor(1)
+    offload.submit(busy.wait, 10)                 # a compression still running
+    if closed == "before":
+        offload.shutdown(wait=False, cancel_futures=True)
+    else:
+        threading.Timer(0.2, offload.shutdown, kwargs={"wait": False, "cancel_futures": True}).start()
+    start = time.monotonic()
+    DataParallel._settle_offloaded(SimpleNamespace(_offload=offload, timeout=5.0))
+    assert time.monotonic() - start < 4.0
+    busy.set()
+
+
 def test_a_step_whose_backward_raised_on_every_rank_is_dropped_and_the_next_steps_are_exact():
     """Before, the wrapper stayed armed after such a step: the next backward did not wait for its
     synchronizations and sent the old step's half-filled buckets with its own gradients, whose

@@ -852,8 +852,8 @@ class DataParallel(nn.Module):
         if self._offload is not None:
             try:
                 self._offload.submit(lambda: None).result(timeout=self.timeout)   # one thread: in order
-            except RuntimeError:        # closed meanwhile: nothing more runs there
-                pass
+            except (RuntimeError, concurrent.futures.CancelledError):
+                pass    # closed before or during the wait: nothing more runs there
             except concurrent.futures.TimeoutError:
                 warnings.warn(f"an offloaded compression still ran {self.timeout} s after its step failed",
                               RuntimeWarning, stacklevel=2)
