@@ -174,11 +174,11 @@ def install_kill(point: str, n: int = 1, own_rank: int | None = None, delay: flo
     elif point == "close":                  # inside Communicator.close(), after the BYE was queued
         original_close = transport.Connection.close
 
-        def close(self):
+        def close(self, *args):
             if hit():
                 time.sleep(0.02)
                 die()
-            return original_close(self)
+            return original_close(self, *args)
         transport.Connection.close = close
     elif point == "ring-data":              # the n-th ring allreduce of the data has just started
         from sparcoll import ring
@@ -1052,6 +1052,45 @@ def test_internal_error_in_the_aggregator_fails_the_job_fast(monkeypatch, dedica
         comm.allreduce(x)
         return torch.equal(x, expected(0, 2, 5000))
     assert in_threads(2, exact, aggregators=dedicated_in_process) == [True, True]
+
+
+def test_a_connection_the_aggregator_cannot_serve_fails_its_job_at_once(monkeypatch):
+    """The thread that sends a worker its results may not start (out of threads, in a flood): the
+    rank's place in its job is freed and its peers' collectives fail at once, naming it, instead of
+    waiting for their deadline, and the job is forgotten; the server goes on serving."""
+    from sparcoll import transport
+    from sparcoll.server import AggregatorServer
+    original = transport.Connection
+
+    def no_thread_for_rank_0(sock, peer, on_failure):
+        if peer.startswith("rank 0 of job"):
+            raise RuntimeError("can't start new thread")
+        return original(sock, peer, on_failure)
+
+    server = AggregatorServer("127.0.0.1", 0, b"")
+    try:
+        monkeypatch.setattr(transport, "Connection", no_thread_for_rank_0)
+        start = time.monotonic()
+        results = in_threads(2, lambda comm, rank: _outcome(lambda: comm.allreduce(torch.ones(4096))),
+                             aggregators=[server.address], timeout=20.0)
+        assert time.monotonic() - start < 10.0, results
+        # rank 1 learns why in its collective, or at init if it connected after the job ended there;
+        # rank 0 that its aggregator closed the connection, or that rank 1 gave up init
+        for rank, result in enumerate(results):
+            kind, text = (type(result).__name__, str(result)) if isinstance(result, BaseException) \
+                else result[:2]
+            assert kind == "PeerError" or rank == 0 and kind == "PoisonedError", (rank, result)
+            assert rank == 0 or "rank 0: the aggregator could not serve its connection" in text, result
+        assert wait_for(lambda: not server.jobs, 10), server.jobs
+        monkeypatch.undo()
+
+        def exact(comm, rank):
+            x = make_input(0, rank, 5000)
+            comm.allreduce(x)
+            return torch.equal(x, expected(0, 2, 5000))
+        assert in_threads(2, exact, aggregators=[server.address]) == [True, True]
+    finally:
+        server.close()
 
 
 # ---- a lost connection and the report of why ----------------------------------------------------

@@ -300,3 +300,19 @@ def test_internal_error_in_a_handshake_costs_that_connection_only(monkeypatch, c
         assert not thread_errors, thread_errors
     finally:
         server.close()
+
+
+def test_a_flood_of_failed_collectives_logs_a_line_per_interval(caplog):
+    """A client holding the secret can fail collectives (an ERROR message each, with up to 64 KiB of
+    its own text) as fast as it sends: each was logged, so a server's log grew with the network's
+    speed. Every one is still sent to the job's workers; the log gets one line per interval."""
+    from sparcoll.aggregator import AggregatorJob, LocalWorker
+    job = AggregatorJob(1, 0, wire.JobConfig(2, 1, 1, 2, 4), b"t" * 32)
+    told = []
+    job.attach(0, LocalWorker(told.append))
+    with caplog.at_level(logging.WARNING, logger="sparcoll.aggregator"):
+        for collective in range(1, 1001):
+            job.fail(collective, wire.ErrorCode.PEER, "x" * 65536)
+    lines = [r for r in caplog.records if "failed: x" in r.getMessage()]
+    assert len(lines) == 1, len(lines)
+    assert len(told) == 1000

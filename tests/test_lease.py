@@ -161,6 +161,25 @@ def test_a_failed_collective_gives_back_what_the_aggregator_held_of_it():
     assert all(isinstance(inbox[-1], wire.Failure) for inbox in inboxes)
 
 
+def test_a_rank_attached_after_its_collective_failed_is_told_why_at_its_first_message():
+    """A dedicated aggregator may attach a rank's connection after the rank's handshake ended: a
+    failure sent meanwhile missed it, and its contribution to the failed collective must bring the
+    error back (once), not be dropped silently while the rank waits for its timeout."""
+    from sparcoll import wire
+    from sparcoll.aggregator import AggregatorJob, LocalWorker
+    job = AggregatorJob(1, 0, wire.JobConfig(2, 1, 1, 2, 4), b"t" * 32)
+    inboxes = [[], []]
+    job.attach(1, LocalWorker(inboxes[1].append))
+    header = wire.Header(wire.Kind.CONTRIBUTE, 0, 1, 7, 0, 3, 3, 12, 4, 0, 0, 0)
+    job.contribute(1, header, np.array([0, 1, 2]), torch.ones(3, 4))
+    job.detach(1, (wire.ErrorCode.PEER, "rank 1 died"))
+    assert inboxes[1] == []                     # detached first: nobody was told
+    job.attach(0, LocalWorker(inboxes[0].append))
+    for _ in range(2):
+        job.contribute(0, header, np.array([0, 1, 2]), torch.ones(3, 4))
+    assert inboxes[0] == [wire.Failure(7, wire.ErrorCode.PEER, "rank 1 died")]
+
+
 def test_a_rank_released_from_a_collective_gets_its_memory_back_and_the_others_still_complete():
     job, inboxes, contribute = _job_with_local_workers()
     loans, mine = Loans(), torch.ones(3, 4)

@@ -5,6 +5,7 @@ reach the peer)."""
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -149,3 +150,31 @@ def test_unexpected_error_in_the_sender_fails_the_connection_and_releases_every_
     finally:
         conn.close()
         b.close()
+
+
+def test_closing_connections_whose_peers_do_not_read_takes_one_timeout_in_all():
+    """Peers alive but not reading (stopped, hung) leave each sender blocked in a write: closing them
+    one after another cost SENDER_JOIN_S each (5 s times the ranks). close_all waits one timeout for
+    all, then shuts the sockets, which ends the blocked writes; every queued message goes back."""
+    pairs = [_pair(64 * 1024) for _ in range(4)]
+    released, failures = [], []
+    conns = [transport.Connection(a, f"peer {i}", failures.append) for i, (a, _) in enumerate(pairs)]
+    try:
+        for conn in conns:
+            for _ in range(3):
+                conn.send([np.zeros(400_000, dtype=np.uint8)], lease=Lease(lambda: released.append(1)))
+        assert wait_for(lambda: all(c._backlog == 3 for c in conns), 10)   # the senders are blocked
+        start = time.monotonic()
+        transport.close_all(conns, timeout=1.0)
+        took = time.monotonic() - start
+        assert 1.0 <= took < 3.0, took          # one timeout, not one per connection (4 s and more)
+        for conn in conns:
+            conn._sender.join(10)
+            assert not conn._sender.is_alive()
+        assert len(released) == 12
+        assert failures == []                   # closing on purpose: nothing reported
+    finally:
+        for conn in conns:
+            conn.close()
+        for _, b in pairs:
+            b.close()

@@ -10,6 +10,7 @@ import hmac
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import numpy as np
@@ -20,6 +21,7 @@ from .blocks import block_count
 from .errors import MismatchError, ProtocolError
 from .lease import Lease, give_back
 from .protocol import AggregatorStream, Geometry, Result
+from .throttled import Throttled
 
 log = logging.getLogger("sparcoll.aggregator")
 
@@ -53,6 +55,15 @@ class LocalWorker:
         self.deliver(wire.Failure(collective, code, text))
 
 
+@dataclass
+class Failed:
+    """A failed collective, remembered to drop its late messages; `told`: the ranks that were sent
+    its error (a rank attached after the failure is told at its first late message instead)."""
+    code: wire.ErrorCode
+    text: str
+    told: set[int] = field(default_factory=set)
+
+
 class CollectiveShard:
     """This aggregator's part of one collective: the AggregatorStream of each of its ranges."""
 
@@ -84,9 +95,11 @@ class AggregatorJob:
         # may be running collectives; the job is kept for them (see the server's _forget_if_empty).
         self.arriving: set[int] = set()
         self._collectives: dict[int, CollectiveShard] = {}
-        self._failed: OrderedDict[int, tuple[wire.ErrorCode, str]] = OrderedDict()
+        self._failed: OrderedDict[int, Failed] = OrderedDict()
         self._broken: tuple[wire.ErrorCode, str] | None = None
         self._lock = threading.Lock()
+        # a worker may fail collectives (an ERROR each, 64 KiB of its text) as fast as it can send
+        self._failures_logged = Throttled(log)
 
     def admit(self, hello: wire.Hello, job_token: bytes) -> None:
         if not hmac.compare_digest(job_token, self.job_token):
@@ -100,6 +113,11 @@ class AggregatorJob:
             raise ProtocolError(f"rank {hello.rank} of job {self.job:#x} is already connected")
         self.arriving.add(hello.rank)
 
+    @property
+    def broken(self) -> tuple[wire.ErrorCode, str] | None:
+        """Why every collective of the job fails from now on (a worker left), if one did."""
+        return self._broken
+
     def attach(self, rank: int, worker: Worker) -> None:
         with self._lock:
             self.workers[rank] = worker
@@ -111,7 +129,7 @@ class AggregatorJob:
         `lease` (on the memory of `rows`) goes back once they are no longer needed; with
         `reuse` > 0 the sums may be accumulated in `rows` (see AggregatorStream.on_contribution)."""
         try:
-            state = self._state(header)
+            state = self._state(rank, header)
         except ProtocolError:
             give_back(lease)
             raise
@@ -168,20 +186,28 @@ class AggregatorJob:
             state = self._collectives.get(cid)
         return None if state is None else state.descriptor
 
-    def _state(self, header: wire.Header) -> CollectiveShard | None:
+    def _state(self, rank: int, header: wire.Header) -> CollectiveShard | None:
+        """The shard of `rank`'s contribution, made by the collective's first one; None if the
+        collective failed (the rank is told why, if it never was)."""
         with self._lock:
-            failure = self._broken or self._failed.get(header.collective)
+            failed = self._failed.get(header.collective)
+            if failed is not None:
+                worker = self.workers.get(rank) if rank not in failed.told else None
+                failed.told.add(rank)
             state = self._collectives.get(header.collective)
-            if failure is None and state is None:
+            if failed is None and state is None and self._broken is None:
                 if len(self._collectives) >= MAX_ACTIVE_COLLECTIVES:
                     raise ProtocolError(f"collective {header.collective} would be the "
                                         f"{len(self._collectives) + 1}th in progress in job "
                                         f"{self.job:#x}; the limit is {MAX_ACTIVE_COLLECTIVES}")
                 state = self._collectives[header.collective] = CollectiveShard(header.descriptor,
                                                                                self)
-        if failure is not None:
-            if header.collective not in self._failed:
-                self.fail(header.collective, *failure)
+        if failed is not None:
+            if worker is not None:      # attached after the failure went out
+                worker.send_error(self.job, header.collective, failed.code, failed.text)
+            return None
+        if self._broken is not None:
+            self.fail(header.collective, *self._broken)
             return None
         return state
 
@@ -204,7 +230,7 @@ class AggregatorJob:
         with self._lock:
             if collective in self._failed:
                 return
-            self._failed[collective] = (code, text)
+            self._failed[collective] = Failed(code, text, set(self.workers))
             while len(self._failed) > FAILED_MEMORY:
                 self._failed.popitem(last=False)
             state = self._collectives.pop(collective, None)
@@ -215,7 +241,7 @@ class AggregatorJob:
                 released = [lease for stream in state.streams for lease in stream.drop()]
             for lease in released:
                 give_back(lease)
-        log.warning("job %#x collective %d failed: %s", self.job, collective, text)
+        self._failures_logged.warn(f"job {self.job:#x} collective {collective} failed: {text}")
         for worker in workers:
             worker.send_error(self.job, collective, code, text)
 

@@ -14,6 +14,7 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from .blocks import as_bytes
 from .errors import PeerError, ProtocolError, SparcollError
 from .lease import Lease
 from .protocol import Result
+from .throttled import Throttled
 
 log = logging.getLogger("sparcoll.aggregator")
 
@@ -32,32 +34,9 @@ HANDSHAKE_TIMEOUT = 10.0      # for the whole handshake, however slowly the clie
 # HANDSHAKE_TIMEOUT; without a cap, anyone who can reach the port could exhaust both.
 MAX_HANDSHAKES = 256
 ACCEPT_BACKOFF = 0.1          # after a failed accept (out of descriptors, say), before the next
-LOG_INTERVAL = 10.0           # at most one line per this many seconds for each flood warning
+ENDED_MEMORY = 1024           # jobs forgotten after a worker left, remembered to refuse their latecomers
 CLOSE_JOIN = 5.0              # close() waits this long, at most, for the server's threads to end
 FROM_WORKERS = frozenset({wire.Kind.CONTRIBUTE, wire.Kind.ERROR, wire.Kind.BYE})
-
-
-class _Throttled:
-    """A warning logged at most once per LOG_INTERVAL, with a count of those held back since: a flood
-    of failed accepts or refused connections must not flood the log as well. `count` counts every
-    occurrence, logged or not."""
-
-    def __init__(self):
-        self.count = 0
-        self._held = 0
-        self._next = 0.0
-        self._lock = threading.Lock()
-
-    def warn(self, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self.count += 1
-            if now < self._next:
-                self._held += 1
-                return
-            held, self._held, self._next = self._held, 0, now + LOG_INTERVAL
-        log.warning("%s%s", message, f" ({held} more like it not logged in the last "
-                                     f"{LOG_INTERVAL:g} s)" if held else "")
 
 
 class BufferPool:
@@ -112,14 +91,15 @@ class AggregatorServer:
         self.jobs: dict[int, AggregatorJob] = {}
         self._lock = threading.Lock()
         self._connections: set[transport.Connection] = set()
+        self._ended: OrderedDict[int, str] = OrderedDict()     # job id -> why it ended
         self._serving: dict[threading.Thread, socket.socket] = {}   # each connection's thread
         self._closed = False
         self.max_handshakes = max_handshakes
         self.handshaking = 0                # connections in their handshake now
         # Flood warnings, rate-limited; each counts its occurrences.
-        self.accept_failures = _Throttled()
-        self.over_cap = _Throttled()        # connections closed at once: too many handshakes
-        self.refused = _Throttled()         # connections that failed their handshake
+        self.accept_failures = Throttled(log)
+        self.over_cap = Throttled(log)        # connections closed at once: too many handshakes
+        self.refused = Throttled(log)         # connections that failed their handshake
         self.sock = transport.listen(host, port, backlog=256)
         self.address = transport.format_address(host, self.sock.getsockname()[1])
         self.stats = transport.TrafficStats()   # of connections already closed
@@ -160,8 +140,14 @@ class AggregatorServer:
                 continue
             thread = threading.Thread(target=self._serve, args=(sock,), name="sparcoll-agg-recv",
                                       daemon=True)
-            with self._lock:
-                self._serving[thread] = sock
+            with self._lock:    # close() sets _closed, then takes its list of threads here
+                closed = self._closed
+                if not closed:
+                    self._serving[thread] = sock
+            if closed:          # accepted as close() began: it would neither wake nor join it
+                self._end_handshake()
+                sock.close()
+                return
             try:
                 thread.start()
             except Exception as exc:
@@ -193,6 +179,9 @@ class AggregatorServer:
         if self.only_job is not None and hello.job != self.only_job:
             raise ProtocolError(f"this aggregator serves job {self.only_job:#x} only")
         with self._lock:
+            if hello.job in self._ended:
+                raise PeerError(f"job {hello.job:#x} already ended on this aggregator: "
+                                f"{self._ended[hello.job]}")
             job = self.jobs.get(hello.job)
             if job is None:     # the first rank to arrive sets the job token
                 job = self.jobs[hello.job] = AggregatorJob(hello.job, hello.agg_index, hello.config,
@@ -242,12 +231,22 @@ class AggregatorServer:
 
     def _attend(self, sock: socket.socket, hello: wire.Hello) -> None:
         """Attach an admitted worker to its job and serve its messages until it leaves."""
-        conn = transport.Connection(sock, f"rank {hello.rank} of job {hello.job:#x}",
-                                    lambda exc: None)
+        with self._lock:
+            job = self.jobs[hello.job]
+        try:
+            conn = transport.Connection(sock, f"rank {hello.rank} of job {hello.job:#x}",
+                                        lambda exc: None)
+        except BaseException as exc:    # its sender thread could not start (out of threads): the
+            # rank's reservation goes, and its peers' collectives fail now, not at their deadline
+            with self._lock:
+                job.arriving.discard(hello.rank)
+            job.detach(hello.rank, (wire.ErrorCode.PEER, f"rank {hello.rank}: the aggregator could "
+                                                         f"not serve its connection ({exc})"))
+            self._forget_if_empty(job.job)
+            raise
         # Admission reserved this rank in its job, which is kept until it is attached: the others
         # may have failed and left meanwhile, and this worker then learns why from the job.
         with self._lock:
-            job = self.jobs[hello.job]
             self._connections.add(conn)
             job.attach(hello.rank, _RemoteWorker(conn))
         try:
@@ -260,10 +259,17 @@ class AggregatorServer:
             self._forget_if_empty(job.job)
 
     def _forget_if_empty(self, job_id: int) -> None:
+        """Drop a job nobody is attached to or arriving for. One a worker left is remembered: a rank
+        that comes after (it connects later than the others) is refused with the reason, instead of
+        starting the job anew and waiting for peers that gave up."""
         with self._lock:
             job = self.jobs.get(job_id)
             if job is not None and not job.workers and not job.arriving and self.only_job is None:
                 self.jobs.pop(job_id, None)
+                if job.broken is not None:
+                    self._ended[job_id] = job.broken[1]
+                    while len(self._ended) > ENDED_MEMORY:
+                        self._ended.popitem(last=False)
 
     def _receive(self, conn: transport.Connection, job: AggregatorJob,
                  rank: int) -> tuple[wire.ErrorCode, str] | None:
@@ -320,10 +326,9 @@ class AggregatorServer:
         except OSError:
             pass
         self.sock.close()
-        for conn in list(self._connections):
-            conn.close()
         with self._lock:
-            serving = dict(self._serving)
+            connections, serving = list(self._connections), dict(self._serving)
+        transport.close_all(connections)
         for sock in serving.values():      # wakes a handshake that is still reading
             try:
                 sock.shutdown(socket.SHUT_RDWR)

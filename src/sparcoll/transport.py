@@ -24,6 +24,7 @@ from .errors import (AuthenticationError, CollectiveTimeout, MismatchError, Peer
                      ProtocolError)
 from .lease import Lease, give_back
 
+SENDER_JOIN_S = 5.0      # close() waits this long for the sender to write what was queued
 RECV_SLICE = 256 * 1024   # recv_into in slices: measured faster than one huge recv_into here
 IOV_MAX = 512
 
@@ -136,7 +137,8 @@ class Connection:
         self._backlog = 0           # messages queued or being written by the sender thread
         self._stopped = False       # the sender is gone: leases go back at once
         self._header = bytearray(wire.HEADER_BYTES)
-        self._closed = False
+        self._closed = False        # no more sends: the sender ends after what is queued
+        self._shut = False          # closed by close(): socket shut
         self._sender = threading.Thread(target=self._send_loop, name=f"sparcoll-send-{peer}",
                                         daemon=True)
         self._sender.start()
@@ -244,18 +246,41 @@ class Connection:
         _recv_exact(self.sock, view, self.peer)
         self.count(bytes_received=len(view))
 
-    def close(self) -> None:
-        """Stop the sender after what is queued, and wake a receiver blocked on this socket."""
-        if self._closed:
-            return
-        self._closed = True
+    def stop_sending(self) -> None:
+        """Let the sender end once what is queued is written; later sends are dropped."""
+        with self._queue_lock:
+            if self._closed:
+                return
+            self._closed = True
         self._queue.put(None)
-        self._sender.join(timeout=5.0)
+
+    def close(self, deadline: float | None = None) -> None:
+        """Stop the sender after what is queued, waiting for it until `deadline` (monotonic; else
+        SENDER_JOIN_S from now): then shut the socket, which ends a send that a peer not reading
+        blocks, and wakes a receiver blocked on this socket."""
+        with self._queue_lock:
+            if self._shut:
+                return
+            self._shut = True
+        self.stop_sending()
+        deadline = time.monotonic() + SENDER_JOIN_S if deadline is None else deadline
+        self._sender.join(timeout=max(0.0, deadline - time.monotonic()))
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
+
+
+def close_all(connections, timeout: float = SENDER_JOIN_S) -> None:
+    """Close `connections` within one `timeout`: every sender is told to stop first, so peers that
+    do not read cost `timeout` in all, not each."""
+    connections = list(connections)
+    for conn in connections:
+        conn.stop_sending()
+    deadline = time.monotonic() + timeout
+    for conn in connections:
+        conn.close(deadline)
 
 
 def _configure(sock: socket.socket) -> None:
@@ -324,8 +349,9 @@ def accept(sock: socket.socket, secret_for: Callable[[wire.Hello], bytes],
            admit: Callable[[wire.Hello, bytes], None], timeout: float) -> wire.Hello:
     """Server side of the handshake. `secret_for(hello)` gives the secret to check the client against;
     `admit(hello, job_token)` runs only once the client proved it holds that secret and may refuse it
-    by raising ProtocolError (the client raises AuthenticationError) or MismatchError (the client's
-    job options disagree: it raises MismatchError); the text is sent back. Nothing the client sends later is read before
+    by raising ProtocolError (the client raises AuthenticationError), MismatchError (the client's
+    job options disagree: it raises MismatchError) or PeerError (its job ended: it raises
+    PeerError); the text is sent back. Nothing the client sends later is read before
     this returns."""
     peer = "client"
     deadline = time.monotonic() + timeout
@@ -355,8 +381,8 @@ def accept(sock: socket.socket, secret_for: Callable[[wire.Hello], bytes],
         return hello
     except socket.timeout:
         raise CollectiveTimeout(f"handshake with {peer} timed out") from None
-    except (ProtocolError, MismatchError) as exc:
-        code = wire.code_of(exc) if isinstance(exc, MismatchError) else wire.ErrorCode.AUTHENTICATION
+    except (ProtocolError, MismatchError, PeerError) as exc:
+        code = wire.ErrorCode.AUTHENTICATION if isinstance(exc, ProtocolError) else wire.code_of(exc)
         try:
             _send_before(sock, wire.encode_verdict(str(exc), code), deadline)
         except OSError:

@@ -36,6 +36,7 @@ RUN_BYTES = 64 << 10    # ... and more than one run per this many bytes of it: e
                         # block a message: 1.9-2.2 ms a call in place, 1.6-2.0 through the buffer)
 DISCARD_BYTES = 1 << 20  # results of a collective this rank gave up are read through this much
 FROM_AGGREGATORS = frozenset({wire.Kind.RESULT, wire.Kind.ERROR})
+THREADS_JOIN_S = 5.0    # close() waits this long, at most, for the receiving threads to end
 
 
 class WorkerJob:
@@ -371,15 +372,16 @@ class WorkerJob:
             f"rank {self.rank} left the job after an error: {poison}")
         for conn in self.connections.values():
             conn.send([wire.bye_message(self.job, reason)])
-            conn.close()
+        transport.close_all(self.connections.values())
         if self.local_job is not None:      # before its connections close
             self.local_job.detach(self.rank, reason)
         if self.server is not None:
             self.server.close()
         self._local_messages.put(None)
+        deadline = time.monotonic() + THREADS_JOIN_S
         for thread in self._threads:
             if thread is not threading.current_thread():
-                thread.join(timeout=5.0)
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def run_limit(nbytes: int) -> int:
