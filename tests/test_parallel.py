@@ -81,6 +81,12 @@ def mlp(bias: bool = True) -> nn.Module:
     return nn.Sequential(nn.Linear(12, 16, bias=bias), nn.ReLU(), nn.Linear(16, 5, bias=bias))
 
 
+def weight_normed() -> nn.Module:
+    """A weight-normalized first layer: its weight is computed from two parameters of its own."""
+    torch.manual_seed(9)
+    return nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(12, 16)), nn.ReLU(), nn.Linear(16, 5))
+
+
 class Twice(nn.Module):
     """A linear layer called twice a step: SFB must sum both calls' factors."""
 
@@ -179,6 +185,13 @@ def scenario(rank: int, world: int) -> dict:
             out[f"strategy {strategy} used"] = sorted({e.strategy for e in dp.trace})
             out[f"strategy {strategy} collectives"] = len({e.start for e in dp.trace})
             dp.close()
+        # a parametrized layer (weight_norm) is not SFB's: its weight is no parameter (before: a
+        # KeyError at construction); asked for SFB, it takes the ring and the last layer SFB
+        dp = sparcoll.torch.DataParallel(weight_normed(), strategy="sfb")
+        out["weight norm"] = relative_error(step(dp, rank, 6, (12,)),
+                                            reference_grads(weight_normed, 6, (12,), world))
+        out["weight norm used"] = sorted({e.strategy for e in dp.trace})
+        dp.close()
         # training with the hybrid choice: parameters identical on every rank after every step
         dp = sparcoll.torch.DataParallel(wide(), comm=comm)
         optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
@@ -342,6 +355,11 @@ def test_sfb_gradients_equal_the_dense_average(outcome):
                 assert value <= 1e-5, (key, value)
             if key.startswith("sfb used"):
                 assert value == ["sfb"], key        # the biases travel with their weights' factors
+
+
+def test_a_parametrized_layer_takes_another_strategy_and_gives_the_average(outcome):
+    for out in outcome:
+        assert out["weight norm"] <= 1e-5 and out["weight norm used"] == ["ring", "sfb"], out
 
 
 def test_sfb_skips_the_local_weight_gradient_and_accumulates_like_ddp(outcome):
@@ -1216,12 +1234,137 @@ def test_a_backward_that_raised_on_one_rank_only_fails_every_rank_within_seconds
                                   "DivergedError: step 1's backward raised on rank 1, but a peer finished that "
                                   "step: the ranks no longer agree; restart the job (from a checkpoint)"], raised
         else:
-            diverged = (f"DivergedError: a peer's backward raised in step 1, which rank {rank} finished: the "
-                        f"ranks no longer agree; restart the job (from a checkpoint)")
+            diverged = (f"DivergedError: a peer dropped step 1 (its backward raised, or its synchronization "
+                        f"failed), which rank {rank} finished: the ranks no longer agree; restart the job (from "
+                        f"a checkpoint)")
+            # or gloo's error as a peer closed, its own step then not dropped alike everywhere
             assert raised[1] == diverged or raised[1].startswith("RuntimeError: gradient synchronization "
-                                                                 "failed: "), (rank, raised)
+                                                                 "failed: ") \
+                or raised[1].startswith("DivergedError: step 1's gradient synchronization failed (") \
+                and "no longer agree" in raised[1], (rank, raised)
             assert raised[1:] == [diverged] or all(isinstance(r, str) and "Error" in r for r in raised[1:]), \
                 (rank, raised)
+
+
+def failed_synchronization(rank: int, world: int, failing: tuple) -> dict:
+    """Four steps of a loop that catches what backward raises and goes on (as one that skips a batch
+    after running out of memory); in step 1 the wrapper's own work fails on the ranks in `failing`
+    (the synchronization thread's first collective raises there). Returns what each step raised,
+    and each completed step's error against the average."""
+    comm = sparcoll.init()
+    dp = sparcoll.torch.DataParallel(mlp(), comm=comm, strategy="ring", timeout=20)
+    working = dp.channel.start_allreduce_mean
+
+    def out_of_memory(t):
+        raise MemoryError("injected: out of memory")
+    raised, errors = [], []
+    try:
+        for s in range(4):
+            dp.zero_grad()
+            dp.channel.start_allreduce_mean = out_of_memory if s == 1 and rank in failing else working
+            try:
+                x, y = batch(rank, 6, (12,), seed=s)
+                nn.functional.mse_loss(dp(x), y).backward()
+            except Exception as exc:        # noqa: BLE001 (what each step raised is the result)
+                raised.append(f"{type(exc).__name__}: {exc}")
+                continue
+            raised.append(None)
+            errors.append(relative_error([p.grad for p in dp.module.parameters()],
+                                         reference_grads(mlp, 6, (12,), world, seed=s)))
+        dp.close()
+    finally:
+        comm.close()
+    return {"raised": raised, "errors": errors}
+
+
+def test_a_synchronization_that_failed_on_one_rank_only_stops_every_rank_within_seconds():
+    """Rank 1's own synchronization fails (out of memory, say) in step 1 and its loop goes on. Before,
+    its next step's collectives paired with the peers' waiting ones of step 1: those completed with
+    rank 1's step-2 gradients, silently, and the ranks stayed a step apart. Now rank 1's backward
+    raises DivergedError (its step could not be dropped alike everywhere) and every later forward
+    too; the peers raise DivergedError in step 1, within seconds."""
+    start = time.monotonic()
+    outcome = run_ranks(failed_synchronization, WORLD, timeout=90, failing=(1,))
+    assert time.monotonic() - start < 40
+    for rank, out in enumerate(outcome):
+        raised = out["raised"]
+        assert raised[0] is None and out["errors"][0] <= 1e-5, (rank, out)
+        assert len(out["errors"]) == 1, (rank, out)         # no later step completes anywhere
+        assert raised[1].startswith("DivergedError: ") and "no longer agree" in raised[1], (rank, raised)
+        if rank == 1:
+            assert "step 1's gradient synchronization failed (MemoryError: injected: out of memory) on rank 1" \
+                in raised[1], raised
+        assert all(r.startswith("DivergedError: DataParallel runs no step after") for r in raised[2:]), (rank, raised)
+
+
+def test_a_synchronization_that_failed_alike_on_every_rank_is_dropped_and_the_next_step_works():
+    outcome = run_ranks(failed_synchronization, WORLD, timeout=90, failing=tuple(range(WORLD)))
+    for rank, out in enumerate(outcome):
+        raised = out["raised"]
+        assert raised[0] is None and raised[2:] == [None, None], (rank, raised)
+        assert raised[1].startswith("RuntimeError: gradient synchronization failed: injected: out of memory"), raised
+        assert len(out["errors"]) == 3 and max(out["errors"]) <= 1e-5, (rank, out)
+
+
+class WithAux(nn.Module):
+    """A body and an auxiliary head whose loss the caller adds on some micro-batches only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.body = nn.Linear(12, 5)
+        self.aux = nn.Linear(12, 1)
+
+    def loss(self, model: nn.Module, rank: int, micro: int, with_aux: bool) -> torch.Tensor:
+        x, y = batch(rank, 4, (12,), seed=micro)
+        x, y = x.to(self.body.weight.dtype), y.to(self.body.weight.dtype)
+        loss = nn.functional.mse_loss(model(x), y)
+        return loss + self.aux(x).pow(2).mean() if with_aux else loss
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def aux_on_the_first_micro_batch(rank: int, world: int) -> dict:
+    """Two micro-batches, the first under no_sync with the auxiliary loss, the second synchronized
+    without it; twice. Returns, per find_unused_parameters, what each round raised or its error
+    against the float64 average of every rank's two micro-batches."""
+    out = {}
+    for unused in (False, True):
+        dp = sparcoll.torch.DataParallel(WithAux(), strategy="ring", find_unused_parameters=unused, timeout=20)
+        out[unused] = []
+        for _ in range(2):
+            dp.zero_grad()
+            try:
+                with dp.no_sync():
+                    dp.module.loss(dp, rank, 0, True).backward()
+                dp.module.loss(dp, rank, 1, False).backward()
+            except Exception as exc:        # noqa: BLE001 (what it raised is the result)
+                out[unused].append(f"{type(exc).__name__}: {exc}")
+                continue
+            reference = WithAux().double()
+            (sum(reference.loss(reference, r, 0, True) + reference.loss(reference, r, 1, False)
+                 for r in range(world)) / world).backward()
+            out[unused].append(relative_error([p.grad for p in dp.module.parameters()],
+                                              [p.grad.float() for p in reference.parameters()]))
+        dp.close()
+    return out
+
+
+def test_a_gradient_accumulated_under_no_sync_only_is_averaged_or_refused():
+    """A parameter with a gradient from the micro-batches under no_sync and none from the
+    synchronized one: before, nothing averaged it and nothing said so (each rank's optimizer applied
+    its own). Now backward raises, naming it and find_unused_parameters (DDP raises too), on every
+    rank alike (the step dropped, the next one raises again); with find_unused_parameters it is
+    averaged with the rest."""
+    for rank, out in enumerate(run_ranks(aux_on_the_first_micro_batch, WORLD, timeout=90)):
+        assert len(out[False]) == 2, (rank, out)
+        for raised in out[False]:
+            assert raised == (f"RuntimeError: gradient synchronization failed: rank {rank}: aux.weight, aux.bias "
+                              f"accumulated a gradient under no_sync but got none in the synchronized step "
+                              f"after it, so nothing averages it; pass find_unused_parameters=True, which "
+                              f"does"), (rank, raised)
+        assert len(out[True]) == 2 and max(out[True]) <= 1e-5, (rank, out)
 
 
 def early_failure(rank: int, world: int) -> list:
@@ -1315,5 +1458,29 @@ def test_the_ranks_drop_a_step_only_if_every_one_raised_after_as_many_collective
             assert out["heard"][1:] == [None, None], out
         else:
             assert "missing" not in out, out
-            assert out["heard"][0].startswith("a peer's backward raised in step 2, which rank 2 finished"), out
+            assert out["heard"][0].startswith("a peer dropped step 2 (its backward raised, or its synchronization "
+                                              "failed), which rank 2 finished"), out
             assert out["heard"][1:] == [None, None], out
+
+
+@pytest.mark.parametrize("text", ["[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                                  "1000ms for recv operation to complete",
+                                  "Application timeout caused pair closure"])
+def test_gloos_own_timeout_is_a_collective_timeout_however_early(text):
+    """gloo's words (torch 2.13) when its group's timeout, shorter than the wrapper's, runs out: a
+    wait of a collective left running, and the group's next collective. Before, an error that came
+    before 0.95 of the wrapper's timeout stayed a RuntimeError, the wrapper was not marked broken,
+    and its next step ran on a group whose collectives no longer paired (no processes here)."""
+    from sparcoll.errors import CollectiveTimeout
+    from sparcoll.torch import parallel
+
+    class TimedOutWork:
+        def wait(self, timeout):
+            raise RuntimeError(text)
+    wrapper = object.__new__(DataParallel)
+    object.__setattr__(wrapper, "timeout", 300.0)
+    with pytest.raises(CollectiveTimeout, match="did not finish within 300"):
+        DataParallel._wait_for(wrapper, TimedOutWork())
+    assert parallel._gloo_timed_out(RuntimeError(text))
+    assert not parallel._gloo_timed_out(RuntimeError("Connection closed by peer [127.0.0.1]:27273"))
+    assert not parallel._gloo_timed_out(MemoryError("timed out"))

@@ -39,9 +39,10 @@ class DroppedSteps:
         self.rank, self.world = rank, world
         self.last = -1                  # the last step this rank dropped
 
-    def drop(self, step: int, started: int, timeout: float) -> None:
-        """This rank drops `step`, having started `started` collectives in it: returns once every
-        rank dropped it after as many; raises DivergedError if one did not (within `timeout`)."""
+    def drop(self, step: int, started: int, timeout: float, failed: str = "backward raised") -> None:
+        """This rank drops `step`, having started `started` collectives in it (`failed`: what failed,
+        in words): returns once every rank dropped it after as many; raises DivergedError if one did
+        not (within `timeout`), or gave up on the job (give_up)."""
         self.last = step
         self.store.set(f"{step}/{self.rank}", str(started))
         self.store.add(f"{step}/any", 1)
@@ -49,16 +50,22 @@ class DroppedSteps:
         deadline = time.monotonic() + timeout
         while not self.store.check(everyone):
             if self.store.check([f"{step}/finished"]):
-                raise DivergedError(f"step {step}'s backward raised on rank {self.rank}, but a peer "
+                raise DivergedError(f"step {step}'s {failed} on rank {self.rank}, but a peer "
                                     f"finished that step: the ranks no longer agree{RESTART}")
             if time.monotonic() > deadline:
-                raise DivergedError(f"step {step}'s backward raised on rank {self.rank}; not every "
+                raise DivergedError(f"step {step}'s {failed} on rank {self.rank}; not every "
                                     f"rank said within {timeout} s that its own did{RESTART}")
             time.sleep(POLL_S)
         counts = [int(self.store.get(key)) for key in everyone]
         if len(set(counts)) > 1:
-            raise DivergedError(f"step {step}'s backward raised on every rank, at different points: "
+            raise DivergedError(f"step {step}'s {failed} on every rank, at different points: "
                                 f"the ranks had started {counts} collectives{RESTART}")
+
+    def give_up(self, step: int) -> None:
+        """This rank runs no step after `step` (it is broken): a peer waiting for its collectives of
+        that step (or the next) learns it within a second, and one dropping the step at once."""
+        self.store.add(f"{step}/any", 1)
+        self.store.set(f"{step}/finished", str(self.rank))
 
     def dropped_by_a_peer(self, step: int) -> str | None:
         """While this rank waits for the collectives of `step`, which its backward went through: the
@@ -66,6 +73,6 @@ class DroppedSteps:
         for s in (step, step - 1):
             if s >= 0 and s != self.last and self.store.check([f"{s}/any"]):
                 self.store.set(f"{s}/finished", str(self.rank))
-                return (f"a peer's backward raised in step {s}, which rank {self.rank} finished: the "
-                        f"ranks no longer agree{RESTART}")
+                return (f"a peer dropped step {s} (its backward raised, or its synchronization failed), "
+                        f"which rank {self.rank} finished: the ranks no longer agree{RESTART}")
         return None

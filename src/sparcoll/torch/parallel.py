@@ -91,7 +91,7 @@ from sparcoll.blocks import BlockTensor, entries_of
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, parse
 from sparcoll.compress.channel import Channel
-from sparcoll.errors import CollectiveTimeout, DivergedError, MismatchError
+from sparcoll.errors import CollectiveTimeout, DivergedError, MismatchError, PeerError, SparcollError
 
 from . import hybrid, sparse
 from .dropped import RESTART, DroppedSteps
@@ -118,6 +118,16 @@ COO_BUCKET_BYTES = 25 << 20     # COO gradients under the sparse AllReduce share
 STRATEGIES = (hybrid.RING, hybrid.PS, hybrid.SPARSE, hybrid.SFB)
 WATCH_EVERY_S = 1.0     # backward waiting longer for its synchronizations looks whether a peer dropped the step
 TIMED_OUT = 0.95        # a gloo wait that failed after this share of the timeout timed out
+AGREE_S = 10.0          # ranks whose step's synchronization failed alike say so within this
+
+
+def _gloo_timed_out(error: BaseException) -> bool:
+    """Whether `error` is gloo's own timeout (its group's, shorter than the wrapper's, or a wait's):
+    "Timed out waiting 1000ms for recv operation to complete", and in the group's next collective
+    "Application timeout caused pair closure" (torch 2.13)."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and not isinstance(error, SparcollError) \
+        and ("timed out" in text or "timeout" in text)
 
 
 def takes_average_in_place(grad: torch.Tensor) -> bool:
@@ -270,6 +280,7 @@ class DataParallel(nn.Module):
         self._armed = False
         self._step = -1             # the synchronized steps' count (the one armed, or the last)
         self._started = 0           # the items this step queued (collectives, most of them)
+        self._ran = 0               # ... and those the synchronization thread ran (not skipped)
         self._dropped = DroppedSteps(group, dist.get_rank(group), self.world) if self.world > 1 else None
         self._broken: BaseException | None = None      # why no later step may run (_breaking)
         self.trace: list[Event] = []
@@ -444,8 +455,7 @@ class DataParallel(nn.Module):
         if self.world == 1:
             return
         if not self._sync:
-            if self.find_unused_parameters:
-                self._accumulated_ids.add(id(p))
+            self._accumulated_ids.add(id(p))
             return
         self._arm()
         if not self.find_unused_parameters:
@@ -483,6 +493,18 @@ class DataParallel(nn.Module):
                       f"raise MismatchError), or sums gradients of one size that are not the same "
                       f"parameter's. Pass find_unused_parameters=True, as DDP needs", RuntimeWarning,
                       stacklevel=1)
+
+    def _left_unsynchronized(self, ids: set[int]) -> RuntimeError | None:
+        """The error for parameters that accumulated a gradient under no_sync and got none in the
+        synchronized step after it (an extra loss on the first micro-batch only): nothing averages
+        that gradient, and each rank's optimizer would apply its own. DDP raises here too."""
+        names = [name for name, p in self.module.named_parameters() if id(p) in ids and p.requires_grad]
+        if not names:
+            return None
+        return RuntimeError(f"rank {dist.get_rank(self.group)}: {', '.join(names[:3])}"
+                            f"{' ...' if len(names) > 3 else ''} accumulated a gradient under no_sync but got "
+                            f"none in the synchronized step after it, so nothing averages it; pass "
+                            f"find_unused_parameters=True, which does")
 
     def _hand_on(self, p: torch.Tensor) -> None:
         """p's gradient to the synchronization thread: alone, in a bucket, or compressed first."""
@@ -654,7 +676,7 @@ class DataParallel(nn.Module):
             return
         self._armed = True
         self._step += 1
-        self._started = 0
+        self._started = self._ran = 0
         self.trace = []
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         self._share_rows()
@@ -735,9 +757,11 @@ class DataParallel(nn.Module):
         """End of backward: wait for every synchronization, then let backward return."""
         self.backward_end = time.perf_counter()
         if self.find_unused_parameters:
-            stand_ins, counts = self._hand_on_the_rest()
+            stand_ins, counts = self._hand_on_the_rest()    # accumulated gradients included
+            unsynchronized = set()
         else:
             stand_ins, counts = [], None
+            unsynchronized, self._accumulated_ids = self._accumulated_ids - self._came, set()
             self._warn_if_some_stopped_coming()
         self._flush()
         self._send_incomplete_units()
@@ -750,6 +774,10 @@ class DataParallel(nn.Module):
             self._queue.put(item)
         with self._breaking():
             error = self._wait_for_the_step("gradient synchronization")
+            if error is None and unsynchronized:
+                error = self._left_unsynchronized(unsynchronized)
+            if error is not None:
+                error = self._agree_on_the_failed_step(error)
         self._break_on(error)
         if error is not None:
             self._settle_offloaded()
@@ -764,6 +792,8 @@ class DataParallel(nn.Module):
                 state.layer.weight.grad = weight
                 if state.bias is not None:
                     state.bias.grad = bias
+        if isinstance(error, DivergedError):
+            raise error
         if error is not None:
             raise RuntimeError(f"gradient synchronization failed: {error}{self._hint(error)}") from error
 
@@ -781,8 +811,38 @@ class DataParallel(nn.Module):
             raise
 
     def _break_on(self, error: BaseException | None) -> None:
-        if isinstance(error, (CollectiveTimeout, DivergedError)):
+        """After a timeout, a divergence or a peer's failure no later step runs, and peers still
+        waiting for this rank's collectives learn it within a second."""
+        if isinstance(error, (CollectiveTimeout, DivergedError, PeerError)):
             self._broken = error
+            if self._dropped is not None:
+                try:
+                    self._dropped.give_up(self._step)
+                except Exception as exc:    # the Store gone too: the peers' deadlines remain
+                    warnings.warn(f"could not tell the peers that DataParallel stopped: {exc}", RuntimeWarning,
+                                  stacklevel=2)
+
+    def _agree_on_the_failed_step(self, error: BaseException) -> BaseException:
+        """The step's synchronization failed here with `error`: the step is dropped if every rank's
+        failed after running as many synchronizations (an error in the wrapper's own code, alike
+        everywhere); else DivergedError on every rank. A rank that failed alone (out of memory, say)
+        would otherwise go on to its next step while its peers still wait in this one, and their
+        collectives would pair one step's with another's: silently, where their sizes agree. gloo's
+        own timeout is a CollectiveTimeout (the group may hold collectives still pending); a
+        MismatchError every rank raises alike, and a PeerError ends the job's steps (_break_on)."""
+        if _gloo_timed_out(error):
+            timeout = CollectiveTimeout(f"a collective timed out ({error})")
+            timeout.__cause__ = error
+            return timeout
+        if self._dropped is None or isinstance(error, (CollectiveTimeout, DivergedError, MismatchError, PeerError)):
+            return error
+        try:
+            self._dropped.drop(self._step, self._ran, min(self.timeout, AGREE_S),
+                               failed=f"gradient synchronization failed ({type(error).__name__}: {error})")
+        except DivergedError as exc:
+            exc.__cause__ = error
+            return exc
+        return error
 
     def _wait_for_the_step(self, what: str, watch: bool = True) -> BaseException | None:
         """Wait for every synchronization of the step (within the timeout) and take its error, if any.
@@ -880,6 +940,7 @@ class DataParallel(nn.Module):
             start, started = time.perf_counter(), None
             try:
                 if self._error is None:        # after a failure, later tensors are moot
+                    self._ran += 1
                     started = self._synchronize(p, chosen, extra)
             except BaseException as exc:       # every error reaches backward, none kills the thread
                 self._error = exc
@@ -921,7 +982,7 @@ class DataParallel(nn.Module):
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as exc:
-            if time.monotonic() - began < TIMED_OUT * self.timeout:
+            if time.monotonic() - began < TIMED_OUT * self.timeout and not _gloo_timed_out(exc):
                 raise
             raise CollectiveTimeout(f"a collective did not finish within {self.timeout} s ({exc})") from exc
 

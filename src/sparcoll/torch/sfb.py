@@ -22,14 +22,16 @@ from sparcoll.compress.channel import Channel
 
 
 def eligible_layers(model: nn.Module) -> list[nn.Linear]:
-    """The model's nn.Linear layers SFB can serve: a trainable weight that no other module owns too
-    (a tied embedding and softmax get gradient from both; the factors cover only the layer's part)."""
+    """The model's nn.Linear layers SFB can serve: a trainable weight of its own, which no other
+    module owns too (a tied embedding and softmax get gradient from both; the factors cover only the
+    layer's part), and which is the parameter itself (a weight computed from others, as
+    weight_norm's or a parametrization's, passes its gradient on to them)."""
     owners: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             owners[id(param)] = owners.get(id(param), 0) + 1
     return [m for m in model.modules()
-            if isinstance(m, nn.Linear) and m.weight.requires_grad and owners[id(m.weight)] == 1]
+            if isinstance(m, nn.Linear) and m.weight.requires_grad and owners.get(id(m.weight)) == 1]
 
 
 class Call:
