@@ -192,6 +192,26 @@ def scenario(rank: int, world: int) -> dict:
                                             reference_grads(weight_normed, 6, (12,), world))
         out["weight norm used"] = sorted({e.strategy for e in dp.trace})
         dp.close()
+        # biases frozen after the wrapper was built: SFB trains neither (before, it summed their
+        # column sums into .grad, which an optimizer applies) and the first layer, whose input needs
+        # no gradient, still gets its weight's (before, none: its output no longer needed one)
+        def frozen_biases(model):
+            for layer in (model[0], model[2]):
+                layer.bias.requires_grad_(False)
+            return model
+        dp = sparcoll.torch.DataParallel(mlp(), strategy="sfb")
+        frozen_biases(dp.module)
+        x, y = batch(rank, 6, (12,))
+        nn.functional.mse_loss(dp(x), y).backward()
+        reference = frozen_biases(mlp().double())
+        (sum(nn.functional.mse_loss(reference(batch(r, 6, (12,))[0].double()), batch(r, 6, (12,))[1].double())
+             for r in range(world)) / world).backward()
+        weights = [dp.module[0].weight.grad, dp.module[2].weight.grad]
+        out["frozen biases"] = None if any(g is None for g in weights) else relative_error(
+            weights, [reference[0].weight.grad.float(), reference[2].weight.grad.float()])
+        out["frozen biases' gradients"] = [dp.module[i].bias.grad for i in (0, 2)]
+        out["frozen biases used"] = sorted({e.strategy for e in dp.trace})
+        dp.close()
         # training with the hybrid choice: parameters identical on every rank after every step
         dp = sparcoll.torch.DataParallel(wide(), comm=comm)
         optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
@@ -360,6 +380,12 @@ def test_sfb_gradients_equal_the_dense_average(outcome):
 def test_a_parametrized_layer_takes_another_strategy_and_gives_the_average(outcome):
     for out in outcome:
         assert out["weight norm"] <= 1e-5 and out["weight norm used"] == ["ring", "sfb"], out
+
+
+def test_biases_frozen_after_the_wrapper_was_built_are_not_trained_by_sfb(outcome):
+    for out in outcome:
+        assert out["frozen biases"] is not None and out["frozen biases"] <= 1e-5, out["frozen biases"]
+        assert out["frozen biases' gradients"] == [None, None] and out["frozen biases used"] == ["sfb"], out
 
 
 def test_sfb_skips_the_local_weight_gradient_and_accumulates_like_ddp(outcome):

@@ -786,12 +786,12 @@ class DataParallel(nn.Module):
         if error is None and counts is not None and len(counts) > len(self._order):
             self._rebuild_order(counts[len(self._order):].tolist())
         for state in self._linear.values():
-            started, weight, bias = state.started, state.weight_sum, state.bias_sum
+            started, weight, bias, bias_sum = state.started, state.weight_sum, state.bias, state.bias_sum
             state.reset()
             if error is None and started:       # SFB's averages replace the local gradients
                 state.layer.weight.grad = weight
-                if state.bias is not None:
-                    state.bias.grad = bias
+                if bias is not None:
+                    bias.grad = bias_sum
         if isinstance(error, DivergedError):
             raise error
         if error is not None:

@@ -48,12 +48,14 @@ class LinearState:
 
     def __init__(self, layer: nn.Linear, name: str):
         self.layer, self.name = layer, name
-        self.bias = layer.bias if layer.bias is not None and layer.bias.requires_grad else None
         self.skipping = False      # the weight's requires_grad is off during the current call
         self.result: torch.Tensor | None = None    # storage for the weight gradient, kept across steps
         self.reset()
 
     def reset(self) -> None:
+        """A new step: the bias takes part if it is trainable now (it may have been frozen since)."""
+        bias = self.layer.bias
+        self.bias = bias if bias is not None and bias.requires_grad else None
         self.strategy: str | None = None
         self.rows = 0
         self.calls: weakref.WeakSet = weakref.WeakSet()
