@@ -314,3 +314,40 @@ def test_find_unused_parameters_with_the_hook_on_ddps_group_matches_plain_ddp():
     for spec in ("none", "fp16", "topk:0.1"):
         for mine, theirs in zip(outcome[0][spec, True], outcome[1][spec, True]):
             assert all(a is None and b is None or np.array_equal(a, b) for a, b in zip(mine, theirs))
+
+
+def bucket_failing_on_rank_1(rank: int, world: int) -> list:
+    """Three steps of a loop that catches what backward raises and goes on; in step 1 rank 1's hook
+    fails (out of memory, say). The hook's group times out after 5 s. Returns what each step did."""
+    import datetime
+    import time
+    group = dist.new_group(timeout=datetime.timedelta(seconds=5))
+    model = DDP(dense_model())
+    state = sparcoll.torch.CompressionState(group, "topk:0.1")
+    model.register_comm_hook(state, sparcoll.torch.compression_hook)
+    working, start, did = state.reduce_bucket, time.monotonic(), []
+
+    def out_of_memory(buffer, params):
+        raise MemoryError("injected: out of memory")
+    for step in range(3):
+        state.reduce_bucket = out_of_memory if rank == 1 and step == 1 else working
+        x, y = batch(model.module, rank, step)
+        try:
+            nn.functional.mse_loss(model(x), y).backward()
+            did.append("ok")
+        except RuntimeError as exc:
+            did.append(str(exc))
+    state.close()
+    return did + [time.monotonic() - start]
+
+
+def test_after_a_bucket_failed_on_one_rank_its_later_buckets_do_not_pair_with_the_others():
+    """Before, rank 1's step-2 buckets paired with rank 0's step-1 ones on the hook's group: rank 0's
+    step 1 completed, silently, with rank 1's next gradients. Now a state whose bucket failed runs no
+    other: rank 1's step 2 fails at once, and rank 0's step 1 fails (rank 1 gone, or the group's
+    timeout) instead of completing."""
+    zero, one = run_ranks(bucket_failing_on_rank_1, 2, timeout=90)
+    assert one[0] == "ok" and "MemoryError: injected: out of memory" in one[1], one
+    assert "compression_hook: a bucket failed before on this rank (injected: out of memory)" in one[2], one
+    assert zero[0] == "ok" and zero[1] != "ok" and zero[2] != "ok", zero
+    assert zero[3] < 30 and one[3] < 30, (zero, one)

@@ -88,6 +88,7 @@ class CompressionState:
         # the same on every rank.
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sparcoll-compress") if overlap else None
         self.closed = False
+        self.failed: BaseException | None = None    # the first bucket that failed: no later one runs
 
     def close(self) -> None:
         """Wait for the bucket in hand, end the thread and destroy the group made for it; the hook
@@ -162,7 +163,8 @@ def compression_hook(state: CompressionState,
                      bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Compress and average `bucket`'s gradients (see CompressionState). With `overlap` (the
     default) the bucket is reduced on the state's thread, on the state's own group, while backward
-    and DDP's own collectives go on. A failure fails the future, and DDP's backward raises it."""
+    and DDP's own collectives go on. A failure fails the future, and DDP's backward raises it; every
+    later bucket of the state then fails at once."""
     if state.closed:
         raise RuntimeError("compression_hook: its CompressionState was closed; make a new one")
     buffer, params = bucket.buffer(), bucket.parameters()
@@ -170,8 +172,16 @@ def compression_hook(state: CompressionState,
 
     def run() -> None:
         try:
+            if state.failed is not None:
+                raise RuntimeError(f"compression_hook: a bucket failed before on this rank ({state.failed}), so "
+                                   f"its collectives no longer pair with the other ranks'; make a new "
+                                   f"CompressionState (on every rank) to go on")
             done.set_result(state.reduce_bucket(buffer, params))
         except Exception as exc:
+            # Where one rank failed alone, its next bucket's collectives would pair with the
+            # others' current ones: silently, where their sizes agree. None runs after a failure;
+            # the others' wait for this rank ends at their group's timeout.
+            state.failed = state.failed or exc
             done.set_exception(exc)
     if state._worker is None:
         run()
