@@ -422,6 +422,21 @@ def test_small_coo_tensors_of_different_tables_on_gloos_paths_are_a_mismatch_on_
     assert_mismatch_on_every_rank(run_ranks(store, 2, body))
 
 
+@pytest.mark.parametrize("other", ["coo (4, 5)", "dense 24"])
+def test_coo_tensors_whose_buffers_have_one_size_are_a_mismatch_not_a_sum(store, other):
+    """A tiny COO tensor goes to the ring in one round as its dense buffer (its values and a mark per
+    row): a (3, 7) table and a (4, 5) one both make 24 elements, and a dense tensor of 24 elements
+    is as long. The check compared only the buffers, and each rank got garbage (values read as
+    marks) without an error; it now carries the COO tensor's own elements too."""
+    def body(rank, comm):
+        if rank == 0:
+            return comm.allreduce_coo(small_coo(0, 0, 3, 7, torch.float32))
+        if other == "dense 24":
+            return comm.allreduce(torch.ones(24))
+        return comm.allreduce_coo(small_coo(1, 0, 4, 5, torch.float32))
+    assert_mismatch_on_every_rank(run_ranks(store, 2, body))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_every_path_sums_like_a_reference(store, dtype):
     world = 3

@@ -239,7 +239,12 @@ def test_bad_arguments_return_2(argv, capsys):
     (["--plot", "{missing}/x.png"], r"--plot .*missing/x.png: directory .*missing does not exist"),
     (["--json", "{tmp}"], "is a directory"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
-    (["--block-size", "0"], "--block-size must be >= 1, got 0"),
+    (["--block-size", "0"], "--block-size must be 1 to 65536, got 0"),
+    (["--block-size", "131072"], "--block-size must be 1 to 65536, got 131072"),
+    (["--timeout", "inf"], "--timeout a positive number of seconds"),
+    (["--timeout", "nan"], "--timeout a positive number of seconds"),
+    (["--workers", "200", "--aggregators", "dedicated", "--network", "1gbit"],
+     "--network 1gbit: 400 emulated hosts \\(workers and dedicated aggregators\\), at most 254"),
     (["--row-width", "0"], "--row-width must be >= 1, got 0"),
     (["--row-width", "-4"], "--row-width must be >= 1, got -4"),
 ])

@@ -66,6 +66,7 @@ def test_usage_names_every_form():
     ("dgc:0.1,momentum=1", r"momentum must be a number in \[0, 1\)"),
     ("dgc:0.1,momentum=inf", r"momentum must be a number in \[0, 1\)"),
     ("dgc:0.1,momentum=fast", "bad momentum 'fast'"),
+    ("dgc:0.1,ef=off,momentum=0.5", "momentum needs error feedback"),   # was parsed, then dropped
     (3, "a compressor spec is a string"),
 ])
 def test_bad_specs_raise_value_errors_naming_the_problem(spec, message):

@@ -31,3 +31,13 @@ def test_a_small_demo_on_loopback(tmp_path, capfd):
     assert any(line.startswith("DDP on gloo spent ") and "% of each step communicating" in line
                for line in lines), done.stdout
     assert {p.name for p in out.iterdir()} == {"demo.json", "demo.png", "demo-train.json"}
+
+
+def test_an_out_that_cannot_be_a_directory_is_refused_in_one_line(tmp_path, capsys):
+    """A file of that name: one line and exit status 2 (before, FileExistsError's traceback)."""
+    from sparcoll.cli import main
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    assert main(["demo", "--out", str(taken), "--network", "none"]) == 2
+    err = capsys.readouterr().err
+    assert f"sparcoll demo: error: --out {taken}: cannot make that directory" in err and "Traceback" not in err

@@ -933,6 +933,67 @@ def test_a_collective_that_fails_while_a_result_is_being_placed_raises_after_it(
     assert ended and failed_at and min(ended) <= failed_at[0], (ended, failed_at)
 
 
+def test_a_blocking_call_behind_a_longer_one_waits_for_that_ones_timeout(monkeypatch):
+    """A blocking call with a short timeout queued behind an async one with a long timeout: its wait
+    was bounded by (calls ahead + 1) times its own timeout (plus GRACE), so a peer late for the long
+    call within that call's timeout made it raise CollectiveTimeout while still queued, after which
+    it ran and wrote the tensor anyway. It now waits for the timeouts of the calls ahead."""
+    from sparcoll import engine
+    monkeypatch.setattr(engine, "GRACE", 0.1)
+
+    def target(comm, rank):
+        if rank == 1:
+            time.sleep(2.0)         # late for the first call, within its timeout (5 s)
+        first = comm.allreduce(torch.ones(5000), async_op=True, timeout=5.0)
+        second = torch.full((3000,), float(rank + 1))
+        comm.allreduce(second, timeout=0.5)     # its old bound: 2 x 0.6 s
+        first.wait()
+        return second.tolist() == [3.0] * 3000
+    assert in_threads(2, target) == [True, True]
+
+
+def test_a_wait_that_gives_up_at_the_deadline_keeps_its_collective_from_running_later(monkeypatch):
+    """A done-callback that holds the engine thread (2 s) past the deadline of the blocking call
+    queued behind it: that call raises CollectiveTimeout, and the communicator is poisoned, so the
+    call never runs afterwards (before, it would sum into the tensor after its error)."""
+    from sparcoll import engine
+    monkeypatch.setattr(engine, "GRACE", 0.1)
+
+    def target(comm, rank):
+        first = comm.allreduce(torch.ones(5000), async_op=True, timeout=1.0)
+        if rank == 0:
+            first.add_done_callback(lambda work: time.sleep(2.0))
+        second = torch.full((3000,), float(rank + 1))
+        outcome = _outcome(lambda: comm.allreduce(second, timeout=0.5))
+        time.sleep(2.5)             # the engine is free again: a late run would have written by now
+        return outcome[0], second.tolist() == [float(rank + 1)] * 3000, comm._engine.poison is not None
+    zero, _ = in_threads(2, target)
+    assert zero == ("CollectiveTimeout", True, True), zero
+
+
+def test_close_fails_the_async_calls_still_queued_without_running_them():
+    """close() while one async call is in flight and another queued behind it: the queued one ran
+    after close (scanning its tensor, sending to the aggregators) and its wait() ended at its
+    timeout with a CollectiveTimeout. Now it fails at once as closed, its tensor untouched."""
+    def target(comm, rank):
+        if rank == 1:
+            time.sleep(1.0)         # never calls: rank 0's first call stays in flight
+            return None
+        first = comm.allreduce(torch.ones(5000), async_op=True)
+        queued = torch.ones(3000)
+        second = comm.allreduce(queued, async_op=True)
+        time.sleep(0.2)
+        start = time.monotonic()
+        comm.close()
+        closed_in = time.monotonic() - start
+        outcome = _outcome(lambda: second.wait())
+        return closed_in, outcome[:2], torch.equal(queued, torch.ones(3000)), type(first.exception()).__name__
+    closed_in, (kind, text), untouched, first = in_threads(2, target, timeout=20.0)[0]
+    assert closed_in < 2.0 and kind == "SparcollError" and "closed" in text and untouched, \
+        (closed_in, kind, text, untouched)
+    assert first == "SparcollError", first
+
+
 def test_close_during_collective_returns_and_fails_it():
     done = threading.Event()
 

@@ -221,3 +221,26 @@ def test_malformed_frames_are_a_protocol_error_not_a_hang(store, frame):
     results = rounds_on_threads(stars, body)
     expected = PeerError if frame == "truncated" else ProtocolError
     assert isinstance(results[0], expected), results[0]
+
+
+def test_two_ranks_rows_larger_than_the_sockets_buffers_cross_without_a_stall(store):
+    """With 2 ranks both write their row before reading the other's: a row larger than what the
+    two sockets' buffers hold (here 1 MiB against buffers of 64 KiB, as on a kernel whose
+    net.core.wmem_max is its default 208 KiB and a row of a gathered float64 call) stalled both
+    ranks until the deadline. The rest of a row is now written while the other's is read."""
+    size = 1 << 20
+    stars = connect_all(store, 2, limit=size)
+    for star in stars.values():
+        for sock in star.links.values():
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+    rows = [np.random.default_rng(r).integers(0, 256, size=size, dtype=np.uint8) for r in range(2)]
+
+    def body(r, star):
+        return [star.round(rows[r], concatenate, time.monotonic() + 5, no_report).copy() for _ in range(3)]
+    start = time.monotonic()
+    results = rounds_on_threads(stars, body)
+    assert time.monotonic() - start < 5
+    for r in range(2):
+        assert not isinstance(results[r], Exception), results[r]
+        assert all(np.array_equal(v, np.concatenate(rows)) for v in results[r])

@@ -232,6 +232,15 @@ def test_modes_parse_and_refuse_what_cannot_run():
 def test_bad_arguments_exit_with_2(capsys):
     assert main(["train", "--steps", "0", "--network", "none"]) == 2
     assert "--steps" in capsys.readouterr().err
+    # before, each worker failed on these and the command printed every log's traceback
+    assert main(["train", "--timeout", "nan", "--network", "none"]) == 2
+    assert "--timeout a positive number of seconds" in capsys.readouterr().err
+    assert main(["train", "--block-size", "131072", "--network", "none"]) == 2
+    assert "--block-size must be at most 65536, got 131072" in capsys.readouterr().err
+    assert main(["train", "--compare", "ddp,hook", "--compress", "topk:0.01", "--network", "none"]) == 2
+    assert "--compress would be ignored: --compare names each mode" in capsys.readouterr().err
+    assert main(["train", "--data", "/nonexistent/sparcoll-data.txt", "--network", "none"]) == 2
+    assert "--data /nonexistent/sparcoll-data.txt: no such file" in capsys.readouterr().err
     assert main(["train", "--compress", "topk:0.01", "--network", "none"]) == 2
     assert "--comm hook" in capsys.readouterr().err
     assert main(["train", "--interleave", "--network", "none"]) == 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,9 +61,14 @@ def run(args: argparse.Namespace) -> int:
     from .bench import command as bench_command
     from .train import command as train_command
 
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:      # a file of that name, a directory it cannot write in
+        print(f"sparcoll demo: error: --out {args.out}: cannot make that directory ({exc.strerror})",
+              file=sys.stderr)
+        return 2
     network, why = choose_network(args.network)
     print(f"sparcoll demo: {why}.", flush=True)
-    os.makedirs(args.out, exist_ok=True)
     bench = argparse.ArgumentParser(prog="sparcoll demo")
     bench_command.add_arguments(bench)
     result_path = os.path.join(args.out, "demo.json")

@@ -51,10 +51,12 @@ class Work:
     """Handle of an asynchronous allreduce. `deadline` (time.monotonic()) bounds wait() without a
     timeout: the collective and every one queued before it must have ended by then."""
 
-    def __init__(self, tensor: torch.Tensor, cid: int, deadline: float):
+    def __init__(self, tensor: torch.Tensor, cid: int, deadline: float,
+                 expired: Callable[[BaseException], None] = lambda error: None):
         self.tensor = tensor
         self.id = cid
         self.deadline = deadline
+        self._expired = expired     # told when wait() gives up at the deadline
         self._event = threading.Event()
         self._error: BaseException | None = None
         self._callbacks: list[Callable[["Work"], None]] = []
@@ -63,12 +65,16 @@ class Work:
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         """Block until done (at most `timeout` seconds, else until the deadline); return the tensor
         or raise the collective's error."""
-        if timeout is None:
+        at_deadline = timeout is None
+        if at_deadline:
             timeout = max(0.0, self.deadline - time.monotonic())
         elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
             raise ValueError(f"wait's timeout must be a finite number of seconds >= 0, got {timeout!r}")
         if not self._event.wait(timeout):
-            raise CollectiveTimeout(f"allreduce {self.id} not finished after {timeout:g} s")
+            error = CollectiveTimeout(f"allreduce {self.id} not finished after {timeout:g} s")
+            if at_deadline:     # not to run later, writing the tensor after this error
+                self._expired(error)
+            raise error
         if self._error is not None:
             raise self._error
         return self.tensor
@@ -98,22 +104,29 @@ class Work:
         had failed already."""
         with self._lock:
             self._error = error
+        interrupted = None
         while True:
             with self._lock:
                 callbacks, self._callbacks = self._callbacks, []
                 if not callbacks:
                     self._event.set()
-                    return
+                    break
             for fn in callbacks:
                 try:
                     fn(self)
-                except Exception as exc:   # a caller's callback must not take the engine thread down
+                except BaseException as exc:    # a caller's callback must not take the engine thread
+                    # down (not even by SystemExit); Ctrl-C on the caller's own thread goes on up
+                    # once the Work is finished
                     log.exception("a done-callback of allreduce %d raised", self.id)
+                    if not isinstance(exc, Exception) and threading.current_thread() is threading.main_thread():
+                        interrupted = interrupted or exc
                     with self._lock:
                         if self._error is None:
                             self._error = SparcollError(f"allreduce {self.id}: a done-callback raised "
                                                         f"{type(exc).__name__}: {exc}")
                             self._error.__cause__ = exc
+        if interrupted is not None:
+            raise interrupted
 
 
 class CommunicatorState(enum.Enum):
@@ -157,6 +170,7 @@ class Engine:
         self._next_id = 1
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._queued = 0                        # requests put and not yet started
+        self._ahead_s = 0.0     # the timeouts (plus GRACE) of the collectives submitted, not yet done
         self._running = threading.Lock()        # held by whichever thread runs a collective
         self._thread = threading.Thread(target=self._loop, name="sparcoll-engine", daemon=True)
         self._thread.start()
@@ -191,11 +205,13 @@ class Engine:
                                 f"communicator") from poison
 
     def new_work(self, coll: WorkerCollective, tensor: torch.Tensor) -> Work:
-        """The caller's handle of `coll`, with a deadline for every collective queued before it and
-        for itself (each ends by its own timeout)."""
+        """The caller's handle of `coll`, with a deadline for every collective submitted before it
+        and for itself (each ends by its own timeout). A wait that gives up at that deadline
+        poisons the communicator: the collective must not run after the caller got its error."""
         with self._lock:
-            ahead = self._queued + (1 if self._running.locked() else 0)
-        return Work(tensor, coll.id, time.monotonic() + (ahead + 1) * (coll.timeout + GRACE))
+            self._ahead_s += coll.timeout + GRACE
+            deadline = time.monotonic() + self._ahead_s
+        return Work(tensor, coll.id, deadline, expired=self.set_poison)
 
     def submit(self, coll: WorkerCollective, work: Work, async_op: bool) -> None:
         """Run `coll` in order: here if the caller blocks and nothing is queued, else queued."""
@@ -216,12 +232,16 @@ class Engine:
             while not work.is_completed():
                 if not self._serve(self._requests.get()):
                     self._requests.put(None)      # closing: the engine loop stops on it
-                    work._finish(SparcollError("the communicator was closed"))
+                    self._complete(coll, work, SparcollError("the communicator was closed"))
 
     def _put(self, request: Run | Abort) -> None:
         with self._lock:
-            self._queued += 1
-        self._requests.put(request)
+            closed = isinstance(request, Run) and self.state.is_(CommunicatorState.CLOSED)
+            if not closed:
+                self._queued += 1
+                self._requests.put(request)     # in the lock: not after close()'s stop request
+        if closed:
+            self._complete(request.coll, request.work, SparcollError("the communicator was closed"))
 
     def _loop(self) -> None:
         while self._serve(self._requests.get()):
@@ -252,10 +272,11 @@ class Engine:
         """Collective `coll` raised `exc` on this rank: it fails, announced to every aggregator."""
         return self.worker.internal_failure(coll, f"allreduce {coll.id}", exc)
 
-    @staticmethod
-    def _complete(coll: WorkerCollective, work: Work, error: BaseException | None) -> None:
+    def _complete(self, coll: WorkerCollective, work: Work, error: BaseException | None) -> None:
         if error is None and coll.sparse:
             work.tensor = coll.tensor      # a COO collective's result is a new tensor
+        with self._lock:
+            self._ahead_s -= coll.timeout + GRACE
         work._finish(error)
 
     def _execute(self, coll: WorkerCollective) -> BaseException | None:
@@ -265,6 +286,8 @@ class Engine:
         error = self.worker.take_early_error(coll.id)
         if error is None and self.poison is not None:
             error = PoisonedError(f"an earlier collective failed ({self.poison})")
+        if error is None and self.state.is_(CommunicatorState.CLOSED):
+            error = SparcollError("the communicator was closed before the collective ran")
         if error is None:
             try:
                 error = self._run(coll)
@@ -302,7 +325,8 @@ class Engine:
                 averages = self.ring.allreduce(coll.id, data, op, coll.timeout, peer_report,
                                                self.chooser.to_share(kind),
                                                gather=algorithm is Algorithm.GATHER,
-                                               lost=self._lost_connection, tag=coll.tag)
+                                               lost=self._lost_connection, tag=coll.tag,
+                                               coo=coll.kind[0] if densifies else 0)
                 if averages is not None:
                     self.chooser.shared(kind, averages)
                 error = None

@@ -45,14 +45,15 @@ from .algorithm import GATHER_ELEMENTS, TINY_NUMEL
 from .errors import SETTLE_S, MismatchError, PeerError, ProtocolError
 from .star import POLL, Credentials, Star, report_soon, still_waiting
 
-_FIELDS = 6                 # a call: id, numel, dtype, op, 1 if its data is gathered, and its tag
+_FIELDS = 7                 # a call: id, numel, dtype, op, 1 if its data is gathered, its tag, and
+                            # the elements of the COO tensor its data was made from (0: none)
 _SHARED = 3                 # numbers averaged over the ranks in the check round
 _CALL = slice(0, _FIELDS)                   # in a rank's fields: this call,
 _NEXT = slice(_FIELDS, 2 * _FIELDS)         # the call it expects next,
 _SHARE = slice(2 * _FIELDS, 2 * _FIELDS + _SHARED)     # and the numbers to average
 _HEAD = _SHARE.stop         # float64 fields in front of the data a call carries
 
-Call = tuple[int, int, int, int, int, int]  # (id, numel, dtype code, op, gathered, tag)
+Call = tuple[int, int, int, int, int, int, int]  # (id, numel, dtype code, op, gathered, tag, COO elements)
 _NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64}   # dtypes read and written
                         # through numpy as they are: a tiny call's numpy calls cost less than torch's
 
@@ -61,10 +62,11 @@ def _describe(call: list[float]) -> str:
     """A call's fields as a rank put them in its check, in words."""
     if not np.isfinite(call).all():
         return f"unreadable fields {call}"
-    cid, numel, dtype, op, gathered, tag = (int(f) for f in call)
+    cid, numel, dtype, op, gathered, tag, coo = (int(f) for f in call)
     dtype_name = wire.DTYPES[dtype][0] if dtype in wire.DTYPES else f"dtype code {dtype}"
     op_name = wire.Op(op).name.lower() if op in wire.Op._value2member_map_ else f"op code {op}"
     return f"allreduce {cid}: {numel} elements of {dtype_name}, op {op_name}" + \
+        (f" (a COO tensor of {coo} elements as one buffer)" if coo else "") + \
         (", gathered" if gathered else "") + wire.tagged(tag)
 
 
@@ -164,11 +166,13 @@ class Ring:
 
     def allreduce(self, cid: int, tensor: torch.Tensor, op: int, timeout: float, peer_report,
                   share: list[float] | None = None, gather: bool = False,
-                  lost=lambda: None, tag: int = 0) -> list[float] | None:
+                  lost=lambda: None, tag: int = 0, coo: int = 0) -> list[float] | None:
         """Sum (or average) `tensor` in place over all ranks; returns the ranks' averages of the
         _SHARED numbers in `share` (None if none given: then every rank must give none).
         `gather`: a larger tensor (at most gather_limit elements) travels with its check and is
         summed by rank 0, not allreduced. `tag`: the caller's, which every rank's call must have too.
+        `coo`: the elements of the COO tensor `tensor` was made from (densified.py), which every
+        rank's must match too: COO tensors of other shapes may make buffers of one size.
         `peer_report()` returns a peer's error for this
         collective, if one arrived; `lost()` the error of a connection this rank lost meanwhile
         (a peer's process died), which ends the check round's waits too: the round cannot end
@@ -177,7 +181,7 @@ class Ring:
         data = tensor.detach()
         numel = data.numel()
         gather = gather and TINY_NUMEL < numel <= self.gather_limit
-        call = (cid, numel, wire.DTYPE_CODES[data.dtype], op, int(gather), tag)
+        call = (cid, numel, wire.DTYPE_CODES[data.dtype], op, int(gather), tag, coo)
         deadline = time.monotonic() + timeout
         expected_next = self._next(call)
         fields = np.array((*call, *(expected_next or (0,) * _FIELDS), *(share or (0.0,) * _SHARED)),

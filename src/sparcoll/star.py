@@ -22,6 +22,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import select
 import socket
 import struct
 import time
@@ -95,9 +96,12 @@ class Star:
         With 2 ranks the two rows cross and each rank decides itself (`decide` must give both the
         same verdict): one step where rank 0's verdict would make two."""
         if self.world == 2:
+            # both write first: what the sockets' buffers do not take at once is written while
+            # the peer's row is read (a 1 MiB row each way stalled both ranks on a kernel whose
+            # socket buffers stop at 208 KiB, net.core.wmem_max's default)
             other = 1 - self.rank
-            self._send(other, row, deadline, peer_report)
-            theirs = self._receive(other, self.row_limit, deadline, peer_report)
+            unsent = self._write(other, self._framed(row), socket.MSG_DONTWAIT, peer_report)
+            theirs = self._receive(other, self.row_limit, deadline, peer_report, unsent)
             return decide([row, theirs] if self.rank == 0 else [theirs, row])
         if self.rank != 0:
             self._send(0, row, deadline, peer_report)
@@ -109,29 +113,49 @@ class Star:
             self._send(r, verdict, deadline, peer_report)
         return verdict
 
+    def _framed(self, frame: np.ndarray) -> list[memoryview]:
+        """`frame` behind its length, as the views to write."""
+        self._length[0] = len(frame)
+        return [memoryview(self._length).cast("B"), memoryview(frame)]
+
+    def _write(self, peer: int, views: list, flags: int, peer_report) -> list:
+        """Write `views` to `peer`; what is left unwritten (no room within a slice, or at once with
+        MSG_DONTWAIT)."""
+        try:
+            return sendmsg_all(self.links[peer], views, flags)
+        except OSError as exc:
+            raise report_soon(peer_report) or PeerError(
+                f"rank {self.rank}: lost the connection to rank {peer} ({exc})") from exc
+
     def _send(self, peer: int, frame: np.ndarray, deadline: float, peer_report) -> None:
         """`frame` behind its length, waiting for room in slices of POLL."""
-        self._length[0] = len(frame)
-        views = [memoryview(self._length).cast("B"), memoryview(frame)]
-        sock = self.links[peer]
-        while views:
-            try:
-                views = sendmsg_all(sock, views)    # what a slice's end left unsent comes back
-            except OSError as exc:
-                raise report_soon(peer_report) or PeerError(
-                    f"rank {self.rank}: lost the connection to rank {peer} ({exc})") from exc
-            if views:       # no room for a slice: the peer is reading a large frame
-                self._still_waiting(peer, deadline, peer_report)
+        views = self._write(peer, self._framed(frame), 0, peer_report)
+        while views:        # no room for a slice: the peer is reading a large frame
+            self._still_waiting(peer, deadline, peer_report)
+            views = self._write(peer, views, 0, peer_report)
 
-    def _receive(self, peer: int, limit: int, deadline: float, peer_report) -> np.ndarray:
+    def _receive(self, peer: int, limit: int, deadline: float, peer_report,
+                 unsent: list = ()) -> np.ndarray:
         """The next frame from `peer`, as a view of its inbox: its length, then exactly that many
-        bytes (with 2 ranks the peer's next frame may follow it at once)."""
+        bytes (with 2 ranks the peer's next frame may follow it at once). `unsent`: the rest of
+        this rank's own frame to `peer`, written as the socket takes it meanwhile (the peer, too,
+        writes before it reads)."""
         inbox = self._inbox[peer]
         view = memoryview(inbox)
         sock, got, size = self.links[peer], 0, _HEADER
-        while got < size:
+        while got < size or unsent:
+            flags = 0
+            if unsent:      # wait for room to write or something to read, whichever comes
+                readable, writable, _ = select.select([sock] if got < size else [], [sock], [], POLL)
+                if writable:
+                    unsent = self._write(peer, unsent, socket.MSG_DONTWAIT, peer_report)
+                if not readable:
+                    if not writable:
+                        self._still_waiting(peer, deadline, peer_report)
+                    continue
+                flags = socket.MSG_DONTWAIT
             try:
-                n = sock.recv_into(view[got:size])
+                n = sock.recv_into(view[got:size], 0, flags)
             except BlockingIOError:     # a slice ended with nothing to read
                 n = None                # (looked at outside: not the context of a report)
             except OSError as exc:

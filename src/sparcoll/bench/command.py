@@ -12,6 +12,7 @@ lower bounds, report.py for the reported quantities.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Callable
@@ -87,8 +88,9 @@ def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
     algos = algorithms.select(list(dict.fromkeys(args.algos)))
     if min(args.workers) < 2:
         raise ValueError("--workers: an allreduce needs 2 workers at least")
-    if args.block_size < 1:
-        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+    from sparcoll.wire import MAX_BLOCK_SIZE
+    if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"--block-size must be 1 to {MAX_BLOCK_SIZE}, got {args.block_size}")
     if args.numel % args.block_size:
         raise ValueError(f"--numel {args.numel} must be a multiple of --block-size {args.block_size}")
     if args.row_width is None:
@@ -103,15 +105,18 @@ def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
         raise ValueError("--density values must be in (0, 1]")
     if not 0 <= args.overlap <= 1:
         raise ValueError("--overlap must be in [0, 1]")
-    if args.repeat < 1 or (args.warmup is not None and args.warmup < 0) or args.timeout <= 0:
-        raise ValueError("--repeat must be >= 1, --warmup >= 0, --timeout > 0")
+    if args.repeat < 1 or (args.warmup is not None and args.warmup < 0) or not 0 < args.timeout < math.inf:
+        raise ValueError("--repeat must be >= 1, --warmup >= 0, --timeout a positive number of seconds")
     if args.num_aggregators is not None and args.num_aggregators < 1:
         raise ValueError("--num-aggregators must be >= 1")
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot")
     if args.network == "none" and args.launcher == "torchrun":
         raise ValueError("--launcher torchrun runs one agent per emulated host: give --network")
-    return algos, check_network(args.network, args.link_burst)
+    most = max(args.workers)
+    dedicated = args.aggregators == "dedicated" and any(a.needs_communicator for a in algos)
+    return algos, check_network(args.network, args.link_burst,
+                                most + ((args.num_aggregators or most) if dedicated else 0))
 
 
 def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int | None,

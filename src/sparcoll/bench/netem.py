@@ -160,10 +160,10 @@ def check_link_burst(burst_bytes: int | None, network: str) -> None:
         raise ValueError(f"--link-burst {burst_bytes}: at least {MIN_BURST_BYTES} bytes (64K)")
 
 
-def check_network(network: str, burst_bytes: int | None) -> int | None:
+def check_network(network: str, burst_bytes: int | None, hosts: int) -> int | None:
     """The emulated links' rate in bit/s for `--network` (None: loopback), or a ValueError naming what
-    stops them: a bad burst or rate, then no netem here (so a mistyped rate is named alike with or
-    without root)."""
+    stops them: a bad burst or rate, more `hosts` than one subnet holds, then no netem here (so a
+    mistyped rate is named alike with or without root)."""
     check_link_burst(burst_bytes, network)
     if network == "none":
         return None
@@ -171,6 +171,9 @@ def check_network(network: str, burst_bytes: int | None) -> int | None:
         rate = parse_rate(network)
     except ValueError as exc:
         raise ValueError(f"--network: {exc}, or none") from None
+    if hosts > MAX_HOSTS:
+        raise ValueError(f"--network {network}: {hosts} emulated hosts (workers and dedicated aggregators), "
+                         f"at most {MAX_HOSTS}")
     ok, reason = netem_available()
     if not ok:
         raise ValueError(reason)

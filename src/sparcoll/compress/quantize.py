@@ -1,7 +1,8 @@
 """Quantizers: every element is sent, with fewer bits.
 
 `none`, `fp16`, `bf16` cast (summable: one allreduce in the cast dtype, each rank's share divided
-before the sum so fp16 does not overflow where the mean would not); `qsgd` and `terngrad` round
+before the sum, so the sum of fp16 shares overflows no sooner than their mean; a rank's own value
+beyond 65504 overflows already when it is cast); `qsgd` and `terngrad` round
 stochastically (unbiased, so error feedback is off by default) against a per-rank scale, so their
 payloads are gathered, not summed.
 """

@@ -6,7 +6,10 @@
 
 `reduce` returns the AVERAGE over ranks of what each rank's compressor kept (DDP's convention), as a
 new tensor of the input's shape and dtype (a COO tensor for compressors that compress COO entries,
-with the input's layout); it never modifies its input. Every rank must reduce the same tensors
+with the input's layout); it never modifies its input. Compressors work in float32: a float64
+gradient comes back rounded to float32's precision, even under `none` (1 + 1e-12 comes back as 1),
+and non-finite values are not guarded (a NaN or infinity kept in error-feedback memory stays there:
+docs/reliability.md, "Known gaps"). Every rank must reduce the same tensors
 (shapes, keys) in the same order: the collectives and the shared seeds (randomk, PowerSGD's Q) rely
 on it. `key` names the tensor's error-feedback and warm-start state.
 

@@ -133,6 +133,8 @@ def parse(spec: str | Spec) -> Spec:
             known = ", ".join(("ef",) + allowed)
             raise ValueError(f"option {key!r} does not apply to {name!r} (it takes: {known}) "
                              f"in spec {spec!r}")
+    if "momentum" in options and not ef:    # dgc's momentum lives in its error-feedback memory
+        raise ValueError(f"momentum needs error feedback: drop ef=off or momentum= in spec {spec!r}")
     return Spec(name, arg, ef, options)
 
 

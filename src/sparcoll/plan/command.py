@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -648,9 +649,9 @@ def argparse_defaults(add_arguments) -> argparse.Namespace:
 def check(args) -> None:
     """A ValueError naming the first problem with the arguments, before any work starts."""
     if args.batch_size is not None and args.batch_size < 1 or args.workers < 2 or args.trial < 0 \
-            or args.trial_passes < 1 or args.timeout <= 0:
+            or args.trial_passes < 1 or not 0 < args.timeout < math.inf:
         raise ValueError("--workers must be >= 2, --batch-size >= 1, --trial >= 0, --trial-passes >= 1 and "
-                         "--timeout > 0")
+                         "--timeout a positive number of seconds")
     if args.dense_only and args.uniform is None:
         raise ValueError("--dense-only needs --uniform COMPRESSOR")
     if args.uniform is not None:    # a uniform strategy the planner without the dimension never takes
@@ -661,7 +662,7 @@ def check(args) -> None:
             raise ValueError(f"--uniform {args.uniform} is not the ring: --without collective rules it out")
     for option, path in (("--profile", args.profile), ("--json", args.json)):
         check_output_path(path, option)
-    check_network(args.network, args.link_burst)
+    check_network(args.network, args.link_burst, args.workers)
 
 
 def run(args) -> int:

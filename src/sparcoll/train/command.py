@@ -28,6 +28,7 @@ import argparse
 import ast
 import json
 import math
+import os
 import statistics
 import sys
 import types
@@ -189,6 +190,11 @@ def parse_mode(text: str) -> tuple[str, str | None]:
 
 def modes_of(args) -> list[tuple[str, str | None]]:
     if args.compare is not None:
+        ignored = [option for option, given in (("--comm", args.comm != "sparcoll"), ("--compress", args.compress),
+                                                ("--strategy", args.strategy)) if given]
+        if ignored:
+            raise ValueError(f"{' and '.join(ignored)} would be ignored: --compare names each mode with its "
+                             f"own settings (e.g. hook:compress=topk:0.01, poseidon:strategy=sfb)")
         return _split_modes(args.compare)
     if args.compress is not None and args.comm != "hook":
         raise ValueError("--compress needs --comm hook (compression runs in the DDP hook)")
@@ -232,15 +238,20 @@ def _validate(args) -> None:
         args.batch_size = BATCH_SIZES.get(args.workload, 256)
     if args.workers < 1 or args.steps < 1 or args.batch_size < 1 or args.block_size < 1:
         raise ValueError("--workers, --steps, --batch-size and --block-size must be >= 1")
+    from sparcoll.wire import MAX_BLOCK_SIZE
+    if args.block_size > MAX_BLOCK_SIZE:
+        raise ValueError(f"--block-size must be at most {MAX_BLOCK_SIZE}, got {args.block_size}")
     if args.warmup is None:     # a one-step run (a smoke test) times its only step
         args.warmup = min(1, args.steps - 1)
-    if args.warmup < 0 or args.timeout <= 0:
-        raise ValueError("--warmup must be >= 0 and --timeout > 0")
+    if args.warmup < 0 or not 0 < args.timeout < math.inf:
+        raise ValueError("--warmup must be >= 0 and --timeout a positive number of seconds")
+    if args.data is not None and not os.path.isfile(args.data):
+        raise ValueError(f"--data {args.data}: no such file")
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup {args.warmup} leaves none of the --steps {args.steps} to time; "
                          f"give more steps or a smaller --warmup")
     check_output_path(args.json, "--json")
-    check_network(args.network, args.link_burst)
+    check_network(args.network, args.link_burst, args.workers)
 
 
 def load_plan(args, modes, options: dict) -> dict | None:
