@@ -165,6 +165,35 @@ def test_ranks_end_with_the_command_when_it_is_killed_outright(tmp_path):
     assert namespaces_of(proc.pid) == []
 
 
+@needs_netem
+def test_sigterm_ends_the_ranks_and_the_network_with_one_line(tmp_path):
+    """SIGTERM (as Ctrl-C) while the ranks run: they and their namespaces go, and the command says so
+    in one line with exit status 130 (before: KeyboardInterrupt's traceback, and death by SIGINT)."""
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(FAIL_ONE.format(directory=str(tmp_path)).replace("rank == 1",
+                                                                                     "rank == -1")))
+    proc = subprocess.Popen([sys.executable, "-m", "sparcoll", "emulate", "--hosts", "2", "--network",
+                             "none", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        files = [tmp_path / f"pid{rank}" for rank in (0, 1)]
+        deadline = time.monotonic() + 60
+        while not all(f.exists() for f in files) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert all(f.exists() for f in files), "the ranks did not start"
+        pids += [int(f.read_text()) for f in files]
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        for p in filter(alive, pids):   # only if the test failed
+            os.kill(p, signal.SIGKILL)
+    assert proc.returncode == 130 and "sparcoll emulate: interrupted" in err and "Traceback" not in err, err
+    assert not any(alive(p) for p in pids) and namespaces_of(proc.pid) == []
+
+
 def test_progress_bars_and_endless_lines_are_passed_on_while_the_rank_runs(capsys):
     """A rank's carriage returns end lines (a progress bar redraws after one) and a line longer than
     LONGEST_LINE is passed on in pieces: neither waits for a newline that may come only at the end."""

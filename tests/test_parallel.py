@@ -611,6 +611,23 @@ def test_ranks_given_other_strategies_or_models_are_told_on_every_rank():
         assert all(float(text.split(" after ")[1].split()[0]) < 10 for text in said), said
 
 
+def plan_for_four_workers(rank: int, world: int) -> str:
+    plan = {"workers": 4, "tensors": [{"name": n, "strategy": "ring", "unit": i}
+                                      for i, (n, _) in enumerate(mlp().named_parameters())]}
+    try:
+        sparcoll.torch.DataParallel(mlp(), strategy=plan).close()
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_plan_for_another_worker_count_is_refused():
+    """A plan prices every choice for its job's workers; DataParallel ran one made for 4 on 2 without
+    a word (only `sparcoll train` compared the counts)."""
+    for said in run_ranks(plan_for_four_workers, 2, timeout=60):
+        assert said.startswith("the plan was made for 4 workers, this job has 2"), said
+
+
 def test_a_plan_for_another_model_is_refused_naming_what_differs():
     """A plan made for another model once left every tensor on "auto" without a word."""
     from sparcoll.torch.parallel import _load, check_names

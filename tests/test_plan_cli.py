@@ -71,6 +71,20 @@ def models(tmp_path):
     sys.modules.pop(name, None)
 
 
+def test_a_stored_profile_with_a_list_valued_workload_option_is_reused(tmp_path, monkeypatch, capsys):
+    """`--workload-option hidden=64,32` is a tuple in the identity and a list in the stored JSON:
+    they never compared equal, and every run measured the profile again (minutes of jobs)."""
+    args = args_of("--workload", "deeplight", "--workload-option", "hidden=64,32", "--workers", "2",
+                   "--network", "none")
+    ident = command.identity(args)
+    assert ident["options"] == {"hidden": (64, 32)}, ident
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({**ident, "model": {}, "fits": {"kept": 1}}))
+    args.profile = str(profile)
+    monkeypatch.setattr(command, "measure", lambda ident, timeout: pytest.fail("measured again"))
+    assert command.load_or_measure(args, ident)["fits"] == {"kept": 1}
+
+
 def test_an_edited_model_under_the_same_spec_is_profiled_again(tmp_path, monkeypatch, capsys):
     """A --model's profile was keyed on MODULE:FUNCTION alone: after the user changed the model, the
     plan listed the old model's tensors."""

@@ -380,6 +380,19 @@ def test_a_linear_layers_bias_shares_its_weights_unit_and_rides_with_sfb():
     assert choices[2].costs[sparse].comm < sum(costing.cost(measured[i], sparse).comm for i in (3, 4))
 
 
+def test_a_bias_that_filled_the_bucket_still_joins_its_weights_unit_only():
+    """Three small weights, then a linear layer's bias whose bytes bring the open bucket to
+    BUCKET_BYTES (closing it), then the layer's weight: the bias was left in the closed bucket and put
+    in its layer's unit too, priced twice and written twice to the plan (DataParallel runs the last
+    entry). It is its layer's only."""
+    square = [Measured(TensorFacts(f"s{i}.weight", 256 * 256), (256, 256)) for i in range(3)]
+    measured = square + [Measured(TensorFacts("fc.bias", 65_536), (65_536,)),
+                         Measured(TensorFacts("fc.weight", 65_536 * 64, linear=True), (65_536, 64), rows=32)]
+    _, units, groups = units_of(Step((0.1, 0.2, 0.3, 0.4, 0.4), 0.5), measured)
+    assert groups == [[0, 1, 2], [3, 4]], groups
+    assert [u.facts.numel for u in units] == [3 * 65_536, 65_536 * 65]
+
+
 def test_units_of_one_compressor_share_a_collective_where_the_timeline_predicts_no_slower():
     """Two compressed tensors ready together pay one collective's fixed cost instead of two: fused,
     priced as one bucket; two uncompressed ones on the ring likewise, as one allreduce of both. Ready

@@ -151,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         # Terminated like interrupted: the launcher's clean-up (children, network, temporary
         # files) runs as it does on Ctrl-C.
         signal.signal(signal.SIGTERM, _interrupt)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:   # outside a launcher's own handling (an import, a report being written)
+        print(f"sparcoll {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _interrupt(signum, frame) -> None:

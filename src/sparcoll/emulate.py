@@ -30,12 +30,15 @@ from .allocator import startup_environment
 from .bench.launch import NETNS_MASTER_PORT, die_with_parent
 from .bench.netem import (MAX_HOSTS, EmulatedNetwork, add_link_burst_argument, check_link_burst,
                           cleanup_stale, netem_available)
+from .bench.netns import NetemError
 
 POLL = 0.1              # seconds between looks at the ranks
 DRAIN = 5.0             # seconds the output of ranks that ended may take to arrive whole
 LINE_END = re.compile(rb"(\r\n|\r|\n)")   # a carriage return ends a line too: a progress bar (tqdm)
                                             # redraws its line after one, and would show only at its end
 LONGEST_LINE = 1 << 16  # bytes of a line held back for its end, at most: the rest is passed on as is
+READ_BYTES = 1 << 16    # read from a rank's pipe at a time
+DRAIN_BYTES = 4 << 20   # read from each pipe at the end, at most: a rank still running may write without end
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,17 +87,24 @@ def run(args: argparse.Namespace) -> int:
                                   burst_bytes=args.link_burst)
     except ValueError as exc:
         return _refuse(str(exc))
-    for name in cleanup_stale():    # of an earlier run that was killed outright
-        print(f"sparcoll emulate: removed namespace {name} left by a process that died", file=sys.stderr)
-    with network as net, Relay() as relay:
-        procs = []
-        for i in range(args.hosts):
-            procs.append(net.popen(i, [sys.executable, args.script, *args.args],
-                                   env=rank_environment(i, args.hosts, net.addresses[0], net.interface),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   preexec_fn=die_with_parent))
-            relay.add(i, procs[-1])
-        return _wait(procs, relay, time.monotonic() + args.timeout)
+    try:
+        for name in cleanup_stale():    # of an earlier run that was killed outright
+            print(f"sparcoll emulate: removed namespace {name} left by a process that died", file=sys.stderr)
+        with network as net, Relay() as relay:
+            procs = []
+            for i in range(args.hosts):
+                procs.append(net.popen(i, [sys.executable, args.script, *args.args],
+                                       env=rank_environment(i, args.hosts, net.addresses[0], net.interface),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       preexec_fn=die_with_parent))
+                relay.add(i, procs[-1])
+            return _wait(procs, relay, time.monotonic() + args.timeout)
+    except NetemError as exc:       # the network could not be built (or removed): what ip said
+        print(f"sparcoll emulate: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:       # Ctrl-C or SIGTERM: the ranks and the network are gone by now
+        print("sparcoll emulate: interrupted", file=sys.stderr)
+        return 130
 
 
 class Relay:
@@ -110,10 +120,12 @@ class Relay:
         return self
 
     def __exit__(self, *exc) -> None:
-        """What is left in the pipes (a failed rank's last words), then no more."""
+        """What is left in the pipes (a failed rank's last words; at most DRAIN_BYTES of each, since
+        a rank still running may write without end), then no more."""
         for key in list(self._selector.get_map().values()):
-            while self._read(key):
-                pass
+            for _ in range(DRAIN_BYTES // READ_BYTES):
+                if not self._read(key):
+                    break
             if key.fd in self._partial:     # not ended by the reads
                 self._end(key)
         self._selector.close()
@@ -136,7 +148,7 @@ class Relay:
     def _read(self, key) -> bool:
         """Pass on the whole lines of what one pipe holds; False once it holds nothing (or ended)."""
         try:
-            chunk = os.read(key.fd, 1 << 16)
+            chunk = os.read(key.fd, READ_BYTES)
         except BlockingIOError:
             return False
         if not chunk:

@@ -96,11 +96,13 @@ class Star:
         With 2 ranks the two rows cross and each rank decides itself (`decide` must give both the
         same verdict): one step where rank 0's verdict would make two."""
         if self.world == 2:
-            # both write first: what the sockets' buffers do not take at once is written while
-            # the peer's row is read (a 1 MiB row each way stalled both ranks on a kernel whose
-            # socket buffers stop at 208 KiB, net.core.wmem_max's default)
+            # both write first: what the sockets' buffers do not take within a slice is written
+            # while the peer's row is read (a 1 MiB row each way stalled both ranks on a kernel
+            # whose socket buffers stop at 208 KiB, net.core.wmem_max's default). Not at once:
+            # select's "writable" waits for a third of the buffer to drain, which made 64K-float
+            # gathered calls slower in batches (async 939-949 us a call -> 1562-1592)
             other = 1 - self.rank
-            unsent = self._write(other, self._framed(row), socket.MSG_DONTWAIT, peer_report)
+            unsent = self._write(other, self._framed(row), 0, peer_report)
             theirs = self._receive(other, self.row_limit, deadline, peer_report, unsent)
             return decide([row, theirs] if self.rank == 0 else [theirs, row])
         if self.rank != 0:

@@ -131,6 +131,14 @@ def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, std
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:                                            # the fork server died already
         os._exit(1)
+    # Output to the log first: a failure below (the namespace removed by a launcher interrupted
+    # meanwhile) goes there, not to the user's terminal after the launcher's "interrupted".
+    logged = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(logged, 2)
+    os.dup2(stdout.fileno() if stdout is not None else logged, 1)
+    os.close(logged)
+    if stdout is not None:
+        stdout.close()
     if netns is not None:
         fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
         if libc.setns(fd, CLONE_NEWNET) != 0:
@@ -141,12 +149,6 @@ def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, std
     os.environ.update(env)
     path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:0] = [cwd, *path]
-    logged = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(logged, 2)
-    os.dup2(stdout.fileno() if stdout is not None else logged, 1)
-    os.close(logged)
-    if stdout is not None:
-        stdout.close()
     faulthandler.enable()       # a crash in native code (gloo, torch) leaves every thread's stack in the log
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -46,6 +46,7 @@ NETNS_AGGREGATOR_PORT = 29600
 NETNS_RDZV_PORT = 29400
 EXIT_GRACE = 30.0   # seconds the workers get to exit after rank 0 said it is done
 LOG_TAIL = 20       # lines of a child's log shown in a failure
+TAIL_BYTES = 1 << 20      # ... read from the end of each log, at most
 LOG_WIDTH = 200     # columns of a progress line off a terminal (rich assumes 80 there)
 
 
@@ -136,8 +137,9 @@ def _tails(children: list[_Child]) -> str:
     parts = []
     for c in children:
         try:
-            with open(c.log, errors="replace") as f:
-                lines = f.read().splitlines()[-LOG_TAIL:]
+            with open(c.log, "rb") as f:     # its end only: a child may have flooded it
+                f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
+                lines = f.read().decode(errors="replace").splitlines()[-LOG_TAIL:]
         except FileNotFoundError:       # a forked child that died before it opened its log
             lines = ["(no output: it ended before it started its log)"]
         code = c.proc.poll()

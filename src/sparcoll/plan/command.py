@@ -231,7 +231,7 @@ def load_or_measure(args, ident: dict) -> dict:
     path = Path(args.profile)
     stored = stored_profile(path)
     if stored is not None and not args.reprofile:
-        if {k: stored.get(k) for k in ident} == ident:
+        if {k: stored.get(k) for k in ident} == json.loads(json.dumps(ident)):  # as stored: tuples are lists
             return stored
         print(f"sparcoll plan: {path} was measured for another model, worker count or network; "
               f"measuring again", file=sys.stderr)
@@ -275,8 +275,10 @@ def units_of(step: Step, measured: list[Measured]) -> tuple[Step, list[Measured]
             bias = _own_bias(measured, i)
             if bias is not None and open_group and open_group[-1] == bias:
                 open_group.pop()
-            elif bias is not None and groups and groups[-1] == [bias]:
-                groups.pop()
+            elif bias is not None and groups and groups[-1][-1] == bias:    # it closed a bucket
+                groups[-1].pop()
+                if not groups[-1]:
+                    groups.pop()
             if open_group:
                 groups.append(open_group)
                 open_group = []

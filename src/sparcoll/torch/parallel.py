@@ -201,6 +201,9 @@ class DataParallel(nn.Module):
         self.channel = Channel(group, comm)
         self._group_channel = Channel(group)     # the group's own collectives, without sparcoll
         loaded = _load(strategy)
+        if loaded.workers is not None and loaded.workers != self.world:
+            raise ValueError(f"the plan was made for {loaded.workers} workers, this job has {self.world}: every "
+                             f"choice in it was priced for that many; plan again for {self.world}")
         check_names(module, loaded)
         self._explicit, self._placement, self._unit = loaded.strategy, loaded.placement, loaded.units
         if self.world > 1:
@@ -1212,6 +1215,7 @@ class Loaded(NamedTuple):
     placement: dict
     units: dict
     numels: dict
+    workers: int | None = None      # a plan's: the job size it was made for
 
 
 def _load(strategy) -> Loaded:
@@ -1227,7 +1231,7 @@ def _load(strategy) -> Loaded:
     if isinstance(strategy, (str, Path)):
         strategy = _read(Path(strategy))
     if isinstance(strategy, Mapping) and isinstance(strategy.get("tensors"), list):     # a plan
-        return _plan(strategy["tensors"])
+        return _plan(strategy["tensors"])._replace(workers=strategy.get("workers"))
     if isinstance(strategy, Mapping):
         return Loaded({str(name): _checked(s, name) for name, s in strategy.items()}, {}, {}, {})
     if not isinstance(strategy, str):
