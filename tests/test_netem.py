@@ -13,6 +13,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -435,6 +436,32 @@ def test_cleanup_stale_removes_namespaces_of_killed_owner():
         assert not os.path.exists(netns.owner_file(PREFIX, runid))
     finally:
         _kill([proc])
+        for n in set(names) & _netns_names():
+            subprocess.run(["ip", "netns", "delete", n], timeout=10)
+
+
+@needs_netem
+def test_cleanup_stale_kills_what_outlived_the_owner_in_its_namespaces():
+    """A process in a session of its own (as torchrun's workers) has no parent-death signal: it
+    outlived a launcher killed outright. Removing its namespace left it running; it is killed
+    first now."""
+    proc, names = _start_holder()
+    orphan = None
+    try:
+        orphan = subprocess.Popen(["ip", "netns", "exec", names[-1], "setsid", "sleep", "600"],
+                                  stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + CHILD_TIMEOUT
+        while not netns.run(["ip", "netns", "pids", names[-1]]).split() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        inside = [int(p) for p in netns.run(["ip", "netns", "pids", names[-1]]).split()]
+        assert inside, "the orphan did not start"
+        proc.kill()
+        proc.wait(timeout=CHILD_TIMEOUT)
+        assert set(names) <= set(cleanup_stale(PREFIX))
+        orphan.wait(timeout=CHILD_TIMEOUT)      # reaped: it was killed, not left to sleep
+        assert orphan.returncode == -signal.SIGKILL
+    finally:
+        _kill([proc] + ([orphan] if orphan is not None else []))
         for n in set(names) & _netns_names():
             subprocess.run(["ip", "netns", "delete", n], timeout=10)
 

@@ -150,6 +150,8 @@ def test_a_file_in_a_missing_directory_is_refused_before_the_work(tmp_path, caps
     (["--network", "fast"], "--network: invalid rate 'fast'"),
     (["--without", "compression", "--uniform", "fp16"], "--uniform fp16 compresses: --without compression"),
     (["--without", "collective", "--uniform", "sparse"], "--uniform sparse is not the ring"),
+    # before the profile (before: refused by the plan's making, after minutes of profiling)
+    (["--uniform", "topk:0.01"], "no uniform strategy 'topk:0.01': not among --compressors (none, fp16"),
 ])
 def test_contradictory_or_invalid_arguments_are_refused(capsys, argv, says):
     """Refused before anything runs (--network fast: before netem's check for root, which would say

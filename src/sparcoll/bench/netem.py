@@ -420,18 +420,7 @@ class EmulatedNetwork:
 
     def kill_host(self, i: int) -> list[int]:
         """SIGKILL every process in host ``i``'s namespace, as when a machine fails; the pids signalled."""
-        try:
-            pids = [int(pid) for pid in netns.run(["ip", "netns", "pids", self.namespaces[i]]).split()]
-        except (NetemError, ValueError):
-            return []
-        killed = []
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except OSError:
-                pass
-        return killed
+        return netns.kill_inside(self.namespaces[i])
 
     # ------------------------------------------------------------------ running things
 

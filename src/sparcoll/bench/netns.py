@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 
@@ -109,6 +110,22 @@ def delete_netns(name: str) -> bool:
     return not netns_exists(name)
 
 
+def kill_inside(name: str) -> list[int]:
+    """SIGKILL every process in namespace ``name``; the pids signalled. Never raises."""
+    try:
+        pids = [int(pid) for pid in run(["ip", "netns", "pids", name]).split()]
+    except (NetemError, ValueError):
+        return []
+    killed = []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except OSError:
+            pass
+    return killed
+
+
 def _proc_stat(pid: int) -> tuple[str, int] | None:
     """(state, start time in clock ticks since boot) of a process, None if /proc has no entry."""
     try:
@@ -194,6 +211,7 @@ def cleanup_stale(prefix: str = "sparcoll") -> list[str]:
         if alive_cache[runid]:
             continue
         dead_runs.add(runid)
+        kill_inside(name)   # what outlived its launcher there: torchrun's workers, in sessions of their own
         if delete_netns(name):
             deleted.append(name)
     # Owner records of dead runs that have no namespace left.

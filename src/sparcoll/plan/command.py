@@ -656,6 +656,10 @@ def check(args) -> None:
                          "--timeout a positive number of seconds")
     if args.dense_only and args.uniform is None:
         raise ValueError("--dense-only needs --uniform COMPRESSOR")
+    if args.uniform is not None and args.uniform not in UNIFORM_COLLECTIVES \
+            and args.uniform not in args.compressors:   # known before the profile's minutes
+        raise ValueError(f"no {'dense-only' if args.dense_only else 'uniform'} strategy {args.uniform!r}: "
+                         f"not among --compressors ({', '.join(args.compressors)})")
     if args.uniform is not None:    # a uniform strategy the planner without the dimension never takes
         compresses = args.uniform not in UNIFORM_COLLECTIVES
         if "compression" in args.without and compresses:
