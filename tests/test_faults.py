@@ -821,6 +821,32 @@ def test_peer_that_gave_up_init_is_named_with_its_reason(store):
     assert outcome[2] < 5.0, outcome
 
 
+def test_a_peer_that_gives_up_while_the_ring_is_set_up_is_named_at_once(monkeypatch):
+    """The ring's star is set up after the aggregators' connections: rank 0 waits there for every
+    rank to connect. Rank 1 gives up at that point (here its star connection fails): rank 0 used to
+    wait the rest of init's timeout (20 s here) and report ranks that never connected; it now
+    raises rank 1's own reason, as the other waits of init do."""
+    from sparcoll import star as star_module
+    original = star_module.Star.connect.__func__
+
+    def failing_for_rank_1(cls, store, rank, *args, **kwargs):
+        if rank == 1:
+            raise sparcoll.errors.PeerError("injected: rank 0's star is out of reach")
+        return original(cls, store, rank, *args, **kwargs)
+    monkeypatch.setattr(star_module.Star, "connect", classmethod(failing_for_rank_1))
+    store = dist.HashStore()
+    outcomes = [None, None]
+
+    def rank(r):
+        outcomes[r] = _outcome(lambda: Communicator(dist.PrefixStore("s/", store), r, 2, timeout=20.0,
+                                                    algorithm="auto").close())
+    on_threads(rank, 2, timeout=60)
+    assert outcomes[1][0] == "PeerError", outcomes
+    kind, text, seconds = outcomes[0]
+    assert kind == "PeerError" and "rank 1 gave up init" in text and "star is out of reach" in text, outcomes
+    assert seconds < 5.0, outcomes
+
+
 def test_ranks_that_disagree_on_their_aggregators_fail_init_at_once(store):
     """One rank with dedicated aggregators, its peer colocated (an environment variable set on one
     host only): MismatchError on the first, its reason at once on the other, not both waiting out

@@ -104,7 +104,7 @@ class Rendezvous:
         it at most the rest of init's timeout)."""
         try:
             return Ring(dist.PrefixStore("ring", self.store), self.rank, self.world,
-                        self.remaining(), host, credentials)
+                        self.remaining(), host, credentials, abandon=self._first_failure)
         except SparcollError:
             raise
         except Exception as exc:   # gloo raises a plain RuntimeError when a peer never shows up

@@ -133,13 +133,15 @@ class Ring:
     tensors, both its own (never shared with the caller's collectives, so their order is ours)."""
 
     def __init__(self, store, rank: int, world: int, timeout: float, host: str,
-                 credentials: Credentials):
+                 credentials: Credentials, abandon=lambda: None):
+        """`abandon()`: the error of a peer that gave up init meanwhile, if one did (the star's
+        waits look for it)."""
         self.rank, self.world = rank, world
         self.gather_limit = GATHER_ELEMENTS // world    # elements of the largest gathered call
         payload = 8 * max(TINY_NUMEL, self.gather_limit)
         self.star = Star.connect(dist.PrefixStore("star", store), rank, world, host, credentials,
                                  timeout, row_limit=_HEAD * 8 + payload,
-                                 verdict_limit=world * _HEAD * 8 + payload)
+                                 verdict_limit=world * _HEAD * 8 + payload, abandon=abandon)
         try:
             self.data_group = self._group(dist.PrefixStore("data", store), timeout, host)
         except BaseException:

@@ -69,23 +69,32 @@ class Star:
 
     @classmethod
     def connect(cls, store, rank: int, world: int, host: str, credentials: Credentials,
-                timeout: float, row_limit: int, verdict_limit: int) -> "Star":
+                timeout: float, row_limit: int, verdict_limit: int,
+                abandon: Callable[[], BaseException | None] = lambda: None) -> "Star":
         """Rank 0 listens at `host` and publishes its address in `store`; every other rank
-        connects and authenticates. CollectiveTimeout if not done within `timeout`."""
+        connects and authenticates. CollectiveTimeout if not done within `timeout`; `abandon()`'s
+        error (a peer that gave up init meanwhile) as soon as it has one, looked at every POLL."""
         deadline = time.monotonic() + timeout
         if rank == 0:
-            links = _accept_ranks(store, world, host, credentials, deadline)
+            links = _accept_ranks(store, world, host, credentials, deadline, abandon)
         else:
-            try:
-                store.wait(["star"], timedelta(seconds=timeout))
-            except Exception as exc:    # torch raises a plain RuntimeError on a timeout
-                raise CollectiveTimeout(f"rank {rank}: rank 0 did not publish its address "
-                                        f"within {timeout:g} s ({exc})") from None
+            while True:
+                try:
+                    store.wait(["star"], timedelta(seconds=max(0.01, min(POLL, deadline - time.monotonic()))))
+                    break
+                except Exception as exc:    # torch raises a plain RuntimeError on a timeout
+                    failure = abandon()
+                    if failure is not None:
+                        raise failure from None
+                    if time.monotonic() >= deadline:
+                        raise CollectiveTimeout(f"rank {rank}: rank 0 did not publish its address "
+                                                f"within {timeout:g} s ({exc})") from None
             hello = wire.Hello(credentials.job, rank, 0, credentials.config,
                                os.urandom(wire.NONCE_BYTES))
             links = {0: transport.connect(store.get("star").decode(), hello, credentials.secret,
                                           max(0.01, deadline - time.monotonic()),
-                                          wire.job_token(credentials.secret), peer="rank 0 at")}
+                                          wire.job_token(credentials.secret), abandon=abandon,
+                                          peer="rank 0 at")}
         return cls(rank, world, links, row_limit, verdict_limit)
 
     def round(self, row: np.ndarray, decide: Callable[[list[np.ndarray]], np.ndarray],
@@ -217,7 +226,7 @@ def _wait_in_slices(sock: socket.socket) -> None:
 
 
 def _accept_ranks(store, world: int, host: str, credentials: Credentials,
-                  deadline: float) -> dict[int, socket.socket]:
+                  deadline: float, abandon) -> dict[int, socket.socket]:
     """Rank 0: listen, publish the address, and take one authenticated connection from every
     other rank. A connection that fails the handshake (a stranger, another job) is dropped and
     the wait goes on."""
@@ -246,6 +255,11 @@ def _accept_ranks(store, world: int, host: str, credentials: Credentials,
             try:
                 sock, _ = listener.accept()
             except socket.timeout:
+                failure = abandon()     # a rank that gave up init never connects
+                if failure is not None:
+                    for sock in links.values():
+                        sock.close()
+                    raise failure from None
                 continue
             try:
                 hello = transport.accept(sock, lambda _: credentials.secret, admit,
