@@ -437,6 +437,19 @@ def test_coo_tensors_whose_buffers_have_one_size_are_a_mismatch_not_a_sum(store,
     assert_mismatch_on_every_rank(run_ranks(store, 2, body))
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "sparse"])
+def test_a_float16_average_whose_sum_overflows_is_the_average_on_every_path(store, algorithm):
+    """40000 on each of 2 ranks: the sum (80000) is beyond float16's 65504, the average is not.
+    gloo's ring summed float16 in float16 and divided after: infinity, where the sparse path (which
+    sums in float32) gave 40000. The ring now sums the ranks' shares."""
+    def body(rank, comm):
+        t = torch.full((4096,), 40000.0, dtype=torch.float16)
+        comm.allreduce(t, op="avg")
+        return t.unique().tolist(), comm.stats.ring_collectives
+    for rank, (values, ring_calls) in run_ranks(store, 2, body, algorithm=algorithm).items():
+        assert values == [40000.0] and (ring_calls == 1) == (algorithm == "ring"), (rank, values, ring_calls)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_every_path_sums_like_a_reference(store, dtype):
     world = 3

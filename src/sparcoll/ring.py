@@ -190,9 +190,12 @@ class Ring:
                           dtype=np.float64)     # ids start at 1: zeros are no call expected
         expected, self._expected = self._expected, None
         contiguous = data if data.is_contiguous() else data.contiguous()
+        # gloo sums float16 in float16: an average's shares, divided first, do not overflow where the
+        # average would not (the sparse and gathered paths sum in float32)
+        shares = op == wire.Op.AVG and data.dtype == torch.float16 and not _carried(call)
         started = None
         if call == expected and not _carried(call):
-            started = self._allreduce_data(contiguous, timeout)     # beside its check
+            started = self._allreduce_data(contiguous, timeout, shares)     # beside its check
         heads, total = self._round(contiguous, call, fields, deadline,
                                    lambda: peer_report() or lost())
         if not _same(heads, _CALL, fields):
@@ -219,12 +222,12 @@ class Ring:
         if total is None:
             if started is None:     # its size was not known to agree: it waited for its check
                 self.checked_first += 1
-                started = self._allreduce_data(contiguous, timeout)
+                started = self._allreduce_data(contiguous, timeout, shares)
             self._wait(started, deadline, peer_report)
             total = contiguous
         elif gather:
             self.gathered += 1
-        if op == wire.Op.AVG:
+        if op == wire.Op.AVG and not shares:
             total /= self.world
         into = _numpy(data) if isinstance(total, np.ndarray) else None  # a carried call's sum
         if into is not None:
@@ -302,8 +305,11 @@ class Ring:
             total.add_(torch.from_numpy(row[_HEAD * 8:]).view(carrier))
         return self._verdict_np[:end]
 
-    def _allreduce_data(self, tensor: torch.Tensor, timeout: float):
-        """Start a larger call's allreduce, in place, on the data group: gloo's work."""
+    def _allreduce_data(self, tensor: torch.Tensor, timeout: float, shares: bool = False):
+        """Start a larger call's allreduce, in place, on the data group: gloo's work. `shares`: of
+        the tensor divided by the world first (an average's)."""
+        if shares:
+            tensor.div_(self.world)
         return self.data_group.allreduce([tensor], _timed(dist.AllreduceOptions(), timeout))
 
     def _next(self, call: Call) -> Call | None:
