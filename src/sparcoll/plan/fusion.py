@@ -124,10 +124,18 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
             if joins is not None:
                 return (k, members, joined) if joins(out_groups[j], groups[i]) else None
             f = predicted(out_costs[:j] + out_costs[j + 1:] + [joined.costs[o]],
-                          out_ready[:j] + out_ready[j + 1:] + [ready[k]], k)
+                          out_ready[:j] + passed(j) + [ready[k]], k)
             if f <= apart and (best_f is None or f < best_f):
                 best, best_f = (k, members, joined), f
         return best
+
+    def passed(j: int) -> list[float]:
+        """The ready times of the units after unit j, once j's members join a unit after them: j's
+        compression on the training thread still runs in its members' gradient hooks, where they
+        are ready, and delays everything backward computes after them (the timeline charges a
+        unit's compression where the unit is)."""
+        compress = out_costs[j].compress if out_costs[j].compress > 0 and not out_costs[j].offload else 0.0
+        return [r + compress for r in out_ready[j + 1:]]
 
     out_groups, out_tensors, out_chosen, out_ready, out_costs = [], [], [], [], []
     i = 0
@@ -136,6 +144,7 @@ def fuse(step: Step, measured: list[Measured], groups: list[list[int]], tensors:
         through = None if j is None else joined_through(i, j)
         if through is not None:         # the joined unit goes after those ready before its last member
             k, members, joined = through
+            out_ready[j + 1:] = passed(j)
             for out in (out_groups, out_tensors, out_chosen, out_ready, out_costs):
                 del out[j]
             out_groups.append(members)
