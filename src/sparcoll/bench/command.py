@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None,
                         help=f"untimed repetitions first, at every point (default {algorithms.DEFAULT_WARMUP}; "
                              f"{algorithms.SETTLING_WARMUP} for sparcoll's automatic choice, which by then has "
-                             f"seen a new density and timed both its paths)")
+                             f"seen a new density and timed both its paths; a tensor small enough to gather, at "
+                             f"most {1 << 18} elements over all workers, keeps the path chosen at the first point)")
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="fraction of each worker's non-zero blocks drawn from a pattern shared by all "
                              "workers (default 0: independent patterns)")
