@@ -91,6 +91,34 @@ def alive(pid: int) -> bool:
     return True
 
 
+def sleeping_ranks(tmp_path, pids: list, stderr) -> subprocess.Popen:
+    """`sparcoll emulate` of 2 ranks that sleep 600 s, once both have started (their pids put in
+    `pids`, for stop_all)."""
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(FAIL_ONE.format(directory=str(tmp_path)).replace("rank == 1",
+                                                                                     "rank == -1")))
+    proc = subprocess.Popen([sys.executable, "-m", "sparcoll", "emulate", "--hosts", "2", "--network",
+                             "none", str(path)], stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    files = [tmp_path / f"pid{rank}" for rank in (0, 1)]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() for f in files) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    pids += [int(f.read_text()) for f in files if f.exists()]
+    if len(pids) < 2:
+        stop_all(proc, pids)
+        pytest.fail("the ranks did not start")
+    return proc
+
+
+def stop_all(proc, pids: list) -> None:
+    """The command and its ranks ended, whatever the test left running."""
+    if proc and proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)
+    for p in filter(alive, pids):   # only if the test failed
+        os.kill(p, signal.SIGKILL)
+
+
 @needs_netem
 def test_every_rank_runs_on_its_own_host_and_reduces_across_them(tmp_path):
     result, pid, _ = emulate(tmp_path, REDUCE, "--hosts", "3", "--network", "1gbit")
@@ -132,19 +160,9 @@ def test_the_timeout_stops_every_rank(tmp_path):
 def test_ranks_end_with_the_command_when_it_is_killed_outright(tmp_path):
     """SIGKILL leaves the command no clean-up: the kernel ends its ranks (they would sleep 600 s),
     and the next run removes the namespaces it left."""
-    path = tmp_path / "script.py"
-    path.write_text(textwrap.dedent(FAIL_ONE.format(directory=str(tmp_path)).replace("rank == 1",
-                                                                                     "rank == -1")))
-    proc = subprocess.Popen([sys.executable, "-m", "sparcoll", "emulate", "--hosts", "2", "--network",
-                             "none", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    pids = []
+    proc, pids = [], []
     try:
-        files = [tmp_path / f"pid{rank}" for rank in (0, 1)]
-        deadline = time.monotonic() + 60
-        while not all(f.exists() for f in files) and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        assert all(f.exists() for f in files), "the ranks did not start"
-        pids += [int(f.read_text()) for f in files]
+        proc = sleeping_ranks(tmp_path, pids, subprocess.DEVNULL)
         left = namespaces_of(proc.pid)
         assert len(left) >= 2, left
         proc.kill()
@@ -154,11 +172,7 @@ def test_ranks_end_with_the_command_when_it_is_killed_outright(tmp_path):
             time.sleep(0.05)
         assert not any(alive(p) for p in pids)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        for p in filter(alive, pids):   # only if the test failed
-            os.kill(p, signal.SIGKILL)
+        stop_all(proc, pids)
     again, _, _ = emulate(tmp_path, "print('next run')", "--hosts", "1", "--network", "none")
     assert again.returncode == 0 and "[rank 0] next run" in again.stdout, again.stderr[-3000:]
     assert all(f"removed namespace {name}" in again.stderr for name in left), again.stderr[-3000:]
@@ -169,27 +183,13 @@ def test_ranks_end_with_the_command_when_it_is_killed_outright(tmp_path):
 def test_sigterm_ends_the_ranks_and_the_network_with_one_line(tmp_path):
     """SIGTERM (as Ctrl-C) while the ranks run: they and their namespaces go, and the command says so
     in one line with exit status 130 (before: KeyboardInterrupt's traceback, and death by SIGINT)."""
-    path = tmp_path / "script.py"
-    path.write_text(textwrap.dedent(FAIL_ONE.format(directory=str(tmp_path)).replace("rank == 1",
-                                                                                     "rank == -1")))
-    proc = subprocess.Popen([sys.executable, "-m", "sparcoll", "emulate", "--hosts", "2", "--network",
-                             "none", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    pids = []
+    proc, pids = [], []
     try:
-        files = [tmp_path / f"pid{rank}" for rank in (0, 1)]
-        deadline = time.monotonic() + 60
-        while not all(f.exists() for f in files) and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        assert all(f.exists() for f in files), "the ranks did not start"
-        pids += [int(f.read_text()) for f in files]
+        proc = sleeping_ranks(tmp_path, pids, subprocess.PIPE)
         proc.terminate()
         _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        for p in filter(alive, pids):   # only if the test failed
-            os.kill(p, signal.SIGKILL)
+        stop_all(proc, pids)
     assert proc.returncode == 130 and "sparcoll emulate: interrupted" in err and "Traceback" not in err, err
     assert not any(alive(p) for p in pids) and namespaces_of(proc.pid) == []
 
