@@ -879,9 +879,17 @@ def test_plan_then_train_the_plan(tmp_path, capsys):
     assert tried["step_s"][tried["kept"]] <= fastest * (1 + tried["margin"])
     lossless = set(tried["lossless"])
     assert ("without compression" in lossless) == ("without compression" in tried["step_s"])
-    level = tried["step_s"]["planned"] <= fastest * (1 + tried["margin"])
-    # the plan is kept when it is level with the fastest, unless a level candidate is lossless and it is not
-    assert tried["kept"] == "planned" or not level or (tried["kept"] in lossless and "planned" not in lossless)
+    # trial.choose's rule: of the candidates measured level with the fastest (the lossless ones, if any),
+    # the plan where the model puts every other of them more than the margin behind it; else the fastest
+    # measured of those the model sees level (so not always the plan: a fresh clone's run kept uniform
+    # sparse, measured faster, which the model predicted level with the plan)
+    margin, predicted = tried["margin"], tried["predicted_step_s"]
+    near = [name for name, s in tried["step_s"].items() if s <= fastest * (1 + margin)]
+    pool = [name for name in near if name in lossless] or near
+    assert tried["kept"] in pool, tried
+    if "planned" in pool and all(predicted["planned"] * (1 + margin) < predicted[name]
+                                 for name in pool if name != "planned"):
+        assert tried["kept"] == "planned", tried
     reference = tried["ddp"]            # what the user has without sparcoll, trained the same way
     assert "step_s" in reference, reference.get("failed", reference)      # in full: why it failed
     assert reference["step_s"] > 0 and 0 <= reference["comm_share"] <= 1 and reference["steps"] >= 2
