@@ -417,6 +417,22 @@ dist.destroy_process_group()
     assert all(2 * burn <= c < 2 * burn + 0.1 for c in result["cpu_s"]), result["cpu_s"]
 
 
+def test_a_loopback_job_runs_when_the_port_it_would_have_probed_is_taken(monkeypatch):
+    """The job's Store was on a port the launcher probed free and let go: another job (a test file
+    running beside this one) could take it first, and worker 0 failed with EADDRINUSE. Rank 0 now
+    hosts the Store on a port the kernel picks. Here every probed port is one already taken."""
+    from sparcoll.bench import launch
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(launch, "free_ports", lambda count: [taken.getsockname()[1]] * count)
+        cfg = dict(numel=4096, block_size=256, row_width=256, densities=[0.5], overlap=0.0, seed=0,
+                   algos=[["ring", "dense"]], warmup=0, repeat=1, timeout=30)
+        events = []
+        run_job(Job(2, "none", 0, cfg, timeout=30), events.append)
+    assert any(e.get("event") == "result" for e in events), events
+
+
 def test_failing_worker_fails_the_job_quickly():
     cfg = dict(numel=4096, block_size=256, row_width=256, densities=[0.5], overlap=0.0, seed=0,
                algos=[["nonexistent", "dense"]],

@@ -196,9 +196,11 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
         total = job.workers + job.dedicated_aggregators
         if job.launcher == "torchrun" and job.network == "none":
             raise BenchError("the torchrun launcher runs one agent per emulated host: it needs --network")
+        port_file = None
         if job.network == "none":
             hosts = ["127.0.0.1"] * total
-            master_port, *agg_ports = free_ports(1 + job.dedicated_aggregators)
+            agg_ports = free_ports(job.dedicated_aggregators)
+            master_port, port_file = 0, os.path.join(tmp, "master-port")    # rank 0 picks it (worker.py)
             interface, counted_interface = "lo", None  # loopback counters mix every process's traffic
             net = None
         else:
@@ -222,7 +224,8 @@ def run_job(job: Job, on_event: Callable[[dict], None]) -> None:
 
         env = {**startup_environment(os.environ), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": interface,
                "SPARCOLL_SECRET": secrets.token_hex(16), "MASTER_ADDR": hosts[0],
-               "MASTER_PORT": str(master_port), "WORLD_SIZE": str(job.workers)}
+               "MASTER_PORT": str(master_port), "WORLD_SIZE": str(job.workers),
+               "SPARCOLL_MASTER_PORT_FILE": port_file}
 
         def start(name: str, host: int, command: list[str], extra_env: dict, pipe_stdout: bool = False):
             """Start `python -m ...` (`command`, "-m" and on) on `host`."""

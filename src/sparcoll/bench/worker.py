@@ -167,14 +167,40 @@ def run_worker(argv: list[str] | None, body, backend=lambda cfg: "gloo") -> int:
     with open(argv[0]) as f:
         cfg = json.load(f)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(backend(cfg), init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
+    port_file = os.environ.get("SPARCOLL_MASTER_PORT_FILE")
+    if port_file:
+        dist.init_process_group(backend(cfg), store=_hosted_store(rank, world, port_file, cfg["timeout"]),
+                                rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
+    else:
+        dist.init_process_group(backend(cfg), init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                                rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
     try:
         with reporting(rank):
             body(cfg, rank, world)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _hosted_store(rank: int, world: int, port_file: str, timeout: float) -> dist.TCPStore:
+    """The job's Store on loopback: rank 0 hosts it on a port the kernel picks and writes the port to
+    `port_file`, where the others read it. A port the launcher found free could be taken by another
+    job before rank 0 bound it (EADDRINUSE, once when two test files ran at once)."""
+    host, wait = os.environ["MASTER_ADDR"], timedelta(seconds=timeout)
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False, timeout=wait)
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.rename(port_file + ".tmp", port_file)    # whole when it appears
+        return store
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(port_file):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 did not host the job's store within {timeout:g} s")
+        time.sleep(0.01)
+    with open(port_file) as f:
+        port = int(f.read())
+    return dist.TCPStore(host, port, world, is_master=False, timeout=wait)
 
 
 def exit_process(status: int) -> NoReturn:
