@@ -354,12 +354,10 @@ def _env():
 def test_wrong_result_fails_the_series():
     """A broken algorithm makes the worker raise WrongResult (one gloo rank, in a child process)."""
     script = r"""
-import os, socket, sys, torch.distributed as dist
+import torch.distributed as dist
 from datetime import timedelta
 from sparcoll.bench import algorithms, worker
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                        timeout=timedelta(seconds=30))
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
 algorithms.register(algorithms.Algorithm("broken", "dense", algorithms.dense_payload,
                                          lambda ctx, t: t.mul_(1.001), algorithms.dense_result))
 cfg = dict(numel=4096, block_size=256, row_width=256, densities=[0.5], overlap=0.0, seed=0, algos=[["broken", "dense"]],
@@ -379,6 +377,7 @@ def test_cpu_seconds_are_the_ranks_cpu_in_the_timed_call():
     none): each repetition's cpu_s is their sum, not the wall time."""
     script = r"""
 import os, time, torch.distributed as dist
+from datetime import timedelta
 from sparcoll.bench import algorithms, worker
 BURN = float(os.environ["BURN"])
 def burn(ctx, t):
@@ -387,7 +386,8 @@ def burn(ctx, t):
         pass
     time.sleep(BURN)
     dist.all_reduce(t)
-dist.init_process_group("gloo")
+store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, False, timeout=timedelta(seconds=30))
+dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]), world_size=2)
 algorithms.register(algorithms.Algorithm("burn", "dense", algorithms.dense_payload, burn,
                                          algorithms.dense_result))
 cfg = dict(numel=4096, block_size=256, row_width=256, densities=[0.5], overlap=0.0, seed=0, algos=[["burn", "dense"]],
@@ -396,9 +396,9 @@ worker.bench(cfg, dist.get_rank(), 2)
 dist.destroy_process_group()
 """
     burn = 0.1
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # the Store here, on a port the kernel picks (a port probed free could be taken meanwhile)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    port = store.port
     ranks = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                               env={**_env(), "BURN": str(burn), "RANK": str(r), "WORLD_SIZE": "2",
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
