@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Callable
 
+from sparcoll.algorithm import GATHER_ELEMENTS
 from sparcoll.bench import algorithms
 from sparcoll.bench.launch import Job, run_job, run_jobs
 from sparcoll.bench.netem import add_link_burst_argument, check_network
@@ -69,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"untimed repetitions first, at every point (default {algorithms.DEFAULT_WARMUP}; "
                              f"{algorithms.SETTLING_WARMUP} for sparcoll's automatic choice, which by then has "
                              f"seen a new density and timed both its paths; a tensor small enough to gather, at "
-                             f"most {1 << 18} elements over all workers, keeps the path chosen at the first point)")
+                             f"most {GATHER_ELEMENTS} elements over all workers, keeps the path chosen at the first point)")
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="fraction of each worker's non-zero blocks drawn from a pattern shared by all "
                              "workers (default 0: independent patterns)")

@@ -168,12 +168,10 @@ def run_worker(argv: list[str] | None, body, backend=lambda cfg: "gloo") -> int:
         cfg = json.load(f)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     port_file = os.environ.get("SPARCOLL_MASTER_PORT_FILE")
-    if port_file:
-        dist.init_process_group(backend(cfg), store=_hosted_store(rank, world, port_file, cfg["timeout"]),
-                                rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
-    else:
-        dist.init_process_group(backend(cfg), init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-                                rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
+    meeting = {"store": _hosted_store(rank, world, port_file, cfg["timeout"])} if port_file else \
+        {"init_method": f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"}
+    dist.init_process_group(backend(cfg), rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]),
+                            **meeting)
     try:
         with reporting(rank):
             body(cfg, rank, world)
