@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import selectors
 import signal
 import socket
 import subprocess
@@ -607,10 +608,13 @@ def test_terminated_bench_cleans_up_like_an_interrupted_one(tmp_path):
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT   # until the workers run (progress shows)
-        seen = ""
-        while "2 workers" not in seen and time.monotonic() < deadline:
-            seen += proc.stderr.read(1)
-        assert "2 workers" in seen, seen
+        seen, ready = b"", selectors.DefaultSelector()
+        ready.register(proc.stderr, selectors.EVENT_READ)
+        while b"2 workers" not in seen and proc.poll() is None and time.monotonic() < deadline:
+            if ready.select(0.5):
+                seen += os.read(proc.stderr.fileno(), 4096)
+        ready.close()
+        assert b"2 workers" in seen, (proc.poll(), seen)
         assert list(tmp_path.glob("sparcoll-bench-*")), "the run's directory should exist by now"
         started = _descendants(proc.pid)        # the workers, forked from a fork server
         assert len(started) >= 3, started

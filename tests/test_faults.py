@@ -40,6 +40,7 @@ SLACK = 4.0                # scheduling slack on 2 shared cores, on top of the d
 CLOSE_LIMIT = 8.0          # close() must return within this
 OPTIONS = dict(message_blocks=8, credits=2, timeout=TIMEOUT)   # many messages per collective
 EPISODE_LIMIT = 45.0       # hard bound of one episode; processes are killed after it
+KILL_POINT_NOT_REACHED = 86  # exit status of a victim that ran to its end
 PARALLEL = 4               # episodes at a time (most of an episode is waiting)
 SURVIVOR_ERRORS = {"PeerError", "CollectiveTimeout", "PoisonedError", "ProtocolError",
                    "AuthenticationError"}
@@ -276,8 +277,7 @@ def run_worker(rank: int, world: int, store, spec: dict) -> dict:
         t = time.monotonic()
         comm.close()
         res["close_s"] = time.monotonic() - t
-    if victim:
-        die()       # a victim whose kill point was never reached must not pass for one that was
+    res["kill point not reached"] = victim     # a victim that gets here must not pass for one killed
     return res
 
 
@@ -299,6 +299,8 @@ def _worker_child(rank, world, port, conn, spec):
         result = dict(rank=rank, error="HARNESS", msg=traceback.format_exc())
     conn.send(result)
     conn.close()
+    if result.get("kill point not reached"):
+        os._exit(KILL_POINT_NOT_REACHED)
 
 
 def _aggregator_child(conn, spec):
@@ -762,12 +764,16 @@ def test_a_mismatch_reaches_the_peer_as_one_when_the_rank_that_saw_it_leaves_fir
     seen PeerError "rank 0 left the job", the BYE saying nothing)."""
     send_error = server_module._RemoteWorker.send_error
     contribute = aggregator_module.AggregatorJob.contribute
-    delayed: list[threading.Timer] = []
+    released, held = threading.Event(), []
+
+    def held_to_rank_1(self, *args):      # until both ranks raised: only the BYE can tell rank 1
+        released.wait(30)
+        send_error(self, *args)
 
     def slow_to_rank_1(self, *args):
         if self.conn.peer.startswith("rank 1 "):
-            delayed.append(threading.Timer(0.6, send_error, (self, *args)))
-            delayed[-1].start()
+            held.append(threading.Thread(target=held_to_rank_1, args=(self, *args), daemon=True))
+            held[-1].start()
         else:
             send_error(self, *args)
 
@@ -780,12 +786,15 @@ def test_a_mismatch_reaches_the_peer_as_one_when_the_rank_that_saw_it_leaves_fir
 
     def target(comm, rank):
         return _outcome(lambda: comm.allreduce(torch.ones(4000 if rank else 4096)))
-    outcomes = in_threads(2, target)
-    for timer in delayed:
-        timer.join(5.0)
+    try:
+        outcomes = in_threads(2, target)
+    finally:
+        released.set()
+        for thread in held:
+            thread.join(5.0)
     for rank, outcome in enumerate(outcomes):
         assert outcome[0] == "MismatchError", (rank, outcome)
-        assert outcome[2] < 0.6, (rank, outcome)     # rank 1's came through the BYE
+        assert outcome[2] < TIMEOUT, (rank, outcome)
 
 
 def test_mismatched_init_options_refused_on_every_rank(store):
