@@ -24,6 +24,32 @@ def wait_for(predicate, limit: float = 5.0) -> bool:
     return predicate()
 
 
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` now (also those that started sessions of their own)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and every process below it, and collect `proc`."""
+    for pid in descendants(proc.pid) | {proc.pid}:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=10)
+
+
 def on_threads(fn, count: int, timeout: float = 30.0) -> None:
     """fn(i) for i in range(count), each on its own thread (in-process ranks); every thread is joined
     with a deadline and any exception is raised here."""

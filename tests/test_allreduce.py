@@ -45,12 +45,13 @@ def test_dedicated_aggregator_serves_two_jobs_at_once(dedicated_processes):
         except BaseException as exc:   # reported below, in the test's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=job, args=(n, w)) for n, w in (("a", 2), ("b", 3))]
+    threads = [threading.Thread(target=job, args=(n, w), daemon=True) for n, w in (("a", 2), ("b", 3))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=TIMEOUT + 30)
     assert not errors, errors
+    assert not any(t.is_alive() for t in threads) and set(results) == {"a", "b"}, sorted(results)
     for outcomes in results.values():
         check_outcome(outcomes, cases)
 

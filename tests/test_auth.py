@@ -26,7 +26,7 @@ from sparcoll import cli, server as server_module, transport, wire
 from sparcoll.communicator import Communicator
 from sparcoll.errors import AuthenticationError, CollectiveTimeout, MismatchError
 from sparcoll.secret import shared_secret
-from support import on_threads, start_aggregator, stop, wait_for
+from support import on_threads, sparcoll_here, start_aggregator, stop, wait_for
 
 CFG = wire.JobConfig(world=2, num_aggs=2, streams=1, credits=4, message_blocks=2048)
 
@@ -299,11 +299,11 @@ def test_secret_holder_cannot_join_a_free_rank_of_another_job():
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.10", "10.1.2.3", "example.org", ""])
 def test_cli_refuses_non_loopback_without_a_secret(host, capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("SPARCOLL_SECRET", raising=False)
-    assert cli.main(["aggregator", "--host", host, "--port", "0"]) == 2
-    assert "refusing to listen" in capsys.readouterr().err
+    refused = sparcoll_here(capsys, ["aggregator", "--host", host, "--port", "0"], 30)   # not served
+    assert refused.returncode == 2 and "refusing to listen" in refused.stderr, refused.stderr
     empty = tmp_path / "empty"
     empty.write_bytes(b"  \n")                       # a secret file holding only whitespace
-    assert cli.main(["aggregator", "--host", host, "--secret-file", str(empty)]) == 2
+    assert sparcoll_here(capsys, ["aggregator", "--host", host, "--secret-file", empty], 30).returncode == 2
 
 
 def test_cli_refuses_through_the_real_entry_point():

@@ -30,7 +30,7 @@ from sparcoll.bench.netem import netem_available
 from sparcoll.bench.patterns import InputSpec, check
 from sparcoll.bench.report import Setup, add_speedups, make_record, table
 from sparcoll.bench.sizes import format_count, parse_count
-from support import sparcoll_here
+from support import descendants, sparcoll_here
 
 RUN_TIMEOUT = 120.0
 NETEM_OK, NETEM_WHY = netem_available()
@@ -616,7 +616,7 @@ def test_terminated_bench_cleans_up_like_an_interrupted_one(tmp_path):
         ready.close()
         assert b"2 workers" in seen, (proc.poll(), seen)
         assert list(tmp_path.glob("sparcoll-bench-*")), "the run's directory should exist by now"
-        started = _descendants(proc.pid)        # the workers, forked from a fork server
+        started = descendants(proc.pid)        # the workers, forked from a fork server
         assert len(started) >= 3, started
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
@@ -632,22 +632,6 @@ def test_terminated_bench_cleans_up_like_an_interrupted_one(tmp_path):
     while (alive := [p for p in started if _running(p)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive, [_cmdline(str(p)) for p in alive]
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every process below `pid` now."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
 
 
 def _running(pid: int) -> bool:

@@ -248,25 +248,24 @@ WORKER_TIMEOUT = 3.0
 
 def _worker_against(respond, numel=4096):
     fake = FakeAggregator(respond)
-    os.environ["SPARCOLL_SECRET"] = SECRET.decode()
     try:
-        comm = Communicator(dist.HashStore(), 0, 1, aggregators=[fake.address],
-                            timeout=WORKER_TIMEOUT)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("SPARCOLL_SECRET", SECRET.decode())
+            comm = Communicator(dist.HashStore(), 0, 1, aggregators=[fake.address], timeout=WORKER_TIMEOUT)
+        t = time.monotonic()
+        try:
+            comm.allreduce(torch.ones(numel))
+            outcome = "NO ERROR"
+        except SparcollError as exc:
+            outcome = type(exc).__name__ + ": " + str(exc)
+        except Exception as exc:
+            outcome = "UNEXPECTED " + type(exc).__name__ + ": " + str(exc)
+        elapsed = time.monotonic() - t
+        t = time.monotonic()
+        comm.close()
+        return outcome, elapsed, time.monotonic() - t
     finally:
-        os.environ.pop("SPARCOLL_SECRET", None)
-    t = time.monotonic()
-    try:
-        comm.allreduce(torch.ones(numel))
-        outcome = "NO ERROR"
-    except SparcollError as exc:
-        outcome = type(exc).__name__ + ": " + str(exc)
-    except Exception as exc:
-        outcome = "UNEXPECTED " + type(exc).__name__ + ": " + str(exc)
-    elapsed = time.monotonic() - t
-    t = time.monotonic()
-    comm.close()
-    fake.close()
-    return outcome, elapsed, time.monotonic() - t
+        fake.close()
 
 
 @pytest.mark.parametrize("name", list(BAD_RESULTS))
@@ -350,23 +349,24 @@ def live():
         watch.max_take = max(watch.max_take, nbytes)
         return original_take(self, nbytes)
 
-    threading.excepthook = hook
-    server_module.BufferPool.take = take
     handler = _Handler(watch)
     log = logging.getLogger("sparcoll.aggregator")
-    log.addHandler(handler)
-    server = server_module.AggregatorServer("127.0.0.1", 0, SECRET)
-    honest = Honest(server.address)
-    honest.start()
-    rss_before = rss_mb()
-    try:
-        yield server, honest, watch
-    finally:
-        honest.stop()
-        server.close()
-        log.removeHandler(handler)
-        server_module.BufferPool.take = original_take
-        threading.excepthook = original_hook
+    with pytest.MonkeyPatch.context() as patch:     # every hook is undone however the module ends
+        patch.setattr(threading, "excepthook", hook)
+        patch.setattr(server_module.BufferPool, "take", take)
+        log.addHandler(handler)
+        server = server_module.AggregatorServer("127.0.0.1", 0, SECRET)
+        honest = Honest(server.address)
+        try:
+            honest.start()
+            rss_before = rss_mb()
+            yield server, honest, watch
+        finally:
+            try:
+                honest.stop()
+            finally:
+                server.close()
+                log.removeHandler(handler)
     # checks of the whole session, after every fuzz test of this module ran
     print(f"\nhonest job: {honest.done} exact collectives during the attacks; largest receive "
           f"buffer requested: {watch.max_take} bytes; {len(watch.records)} warnings logged")
@@ -389,7 +389,11 @@ class Honest:
         self.threads = []
 
     def start(self):
-        os.environ["SPARCOLL_SECRET"] = SECRET.decode()
+        with pytest.MonkeyPatch.context() as patch:     # until both ranks are connected
+            patch.setenv("SPARCOLL_SECRET", SECRET.decode())
+            self._start()
+
+    def _start(self):
         store = dist.HashStore()
         stopping = [False]
 
@@ -424,7 +428,6 @@ class Honest:
         deadline = time.monotonic() + 20
         while self.job is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        os.environ.pop("SPARCOLL_SECRET", None)
 
     def stop(self):
         self.stop_event.set()

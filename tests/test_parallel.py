@@ -243,8 +243,8 @@ def scenario(rank: int, world: int) -> dict:
         out["sfb after no_sync"] = sorted({e.strategy for e in dp.trace})
         dp.close()
         # wait-free: with a slow collective (20 ms) and a slow backward below the third layer
-        # (300 ms), the upper layers' weights (1 MB each: too big for a bucket) are synchronized
-        # before backward has finished
+        # (300 ms), the upper layers' weights (1 MB each: too big for a bucket) start their
+        # synchronization before backward has finished (when it ends depends on the peers too)
         deep = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), Pause(0.3), nn.Linear(512, 512),
                              nn.Linear(512, 512))
         dp = sparcoll.torch.DataParallel(deep, strategy="ring")
@@ -257,8 +257,8 @@ def scenario(rank: int, world: int) -> dict:
         dp(torch.randn(32, 512)).pow(2).mean().backward()
         out["events"] = [e.name for e in dp.trace]
         weights = [e for e in dp.trace if e.name.endswith("weight")]
-        out["upper layers done before backward end"] = all(e.end < dp.backward_end for e in weights if e.name[0] in "34")
-        out["lower layers after"] = all(e.start > dp.backward_end - 0.3 for e in weights if e.name[0] in "01")
+        out["upper layers started before backward end"] = all(
+            e.start < dp.backward_end for e in weights if e.name[0] in "34")
         dp.close()
         # an error on the synchronization thread (any exception), or on the thread that waits for the
         # collectives it left running, reaches backward, and the wrapper keeps working afterwards
@@ -347,17 +347,18 @@ def scenario(rank: int, world: int) -> dict:
         # without wait-free backpropagation every synchronization, the rows' allreduce included, is
         # held until backward has finished computing: the same averages, SFB from the second step
         dp = sparcoll.torch.DataParallel(wide(), comm=comm, wait_free=False)
-        out["held"], out["held used"] = [], []
+        out["held"], out["held used"], out["held before backward end"] = [], [], []
         for s in range(3):
             out["held"].append(relative_error(step(dp, rank, 6, (300,), seed=s),
                                               reference_grads(wide, 6, (300,), world, seed=s)))
             out["held used"].append(sorted({e.strategy for e in dp.trace if e.name == "0.weight"}))
-            out["held before backward end"] = any(e.start < dp.backward_end for e in dp.trace)
+            out["held before backward end"].append(any(e.start < dp.backward_end for e in dp.trace))
         dp.close()
-        with pytest.raises(ValueError, match="needs a sparcoll Communicator"):
-            dp = sparcoll.torch.DataParallel(mlp(), strategy="sparse")
-            step(dp, rank, 2, (12,))
-        out["sparse needs comm"] = True
+        try:
+            sparcoll.torch.DataParallel(mlp(), strategy="sparse").close()
+            out["sparse without comm"] = "accepted"
+        except ValueError as exc:
+            out["sparse without comm"] = str(exc)
     finally:
         comm.close()
     return out
@@ -432,7 +433,7 @@ def test_no_sync_accumulates_and_takes_the_ring_for_sfb_layers(outcome):
 def test_communication_overlaps_backward(outcome):
     for out in outcome:
         assert sorted(out["events"]) == sorted(f"{i}.{k}" for i in (0, 1, 3, 4) for k in ("weight", "bias"))
-        assert out["upper layers done before backward end"] and out["lower layers after"]
+        assert out["upper layers started before backward end"]
 
 
 def test_a_thread_error_reaches_backward_and_the_wrapper_recovers(outcome):
@@ -486,7 +487,7 @@ def test_without_wait_free_everything_waits_for_backward_and_stays_exact(outcome
     for out in outcome:
         assert max(out["held"]) <= 1e-5
         assert out["held used"][0] in (["ring"], ["sparse"]) and out["held used"][1:] == [["sfb"], ["sfb"]]
-        assert not out["held before backward end"]
+        assert out["held before backward end"] == [False] * 3
 
 
 def test_a_tied_weight_never_takes_sfb(outcome):
@@ -495,7 +496,8 @@ def test_a_tied_weight_never_takes_sfb(outcome):
 
 
 def test_sparse_strategy_without_communicator_is_refused(outcome):
-    assert all(out["sparse needs comm"] for out in outcome)
+    for out in outcome:
+        assert "needs a sparcoll Communicator" in out["sparse without comm"], out["sparse without comm"]
 
 
 def test_hybrid_choice_flips_at_poseidons_crossover():
@@ -1237,10 +1239,12 @@ def test_waiting_for_the_offload_thread_of_a_wrapper_closed_meanwhile_returns(cl
         offload.shutdown(wait=False, cancel_futures=True)
     else:
         threading.Timer(0.2, offload.shutdown, kwargs={"wait": False, "cancel_futures": True}).start()
-    start = time.monotonic()
-    DataParallel._settle_offloaded(SimpleNamespace(_offload=offload, timeout=5.0))
-    assert time.monotonic() - start < 4.0
-    busy.set()
+    try:
+        start = time.monotonic()
+        DataParallel._settle_offloaded(SimpleNamespace(_offload=offload, timeout=5.0))
+        assert time.monotonic() - start < 4.0
+    finally:
+        busy.set()
 
 
 def test_a_step_whose_backward_raised_on_every_rank_is_dropped_and_the_next_steps_are_exact():

