@@ -17,7 +17,7 @@ import sparcoll.torch
 from ranks import run_ranks
 
 WORLD = int(os.environ.get("SPARCOLL_HOOK_TEST_WORLD", "4"))
-STEPS = 25
+STEPS = 18          # enough for every loss to fall below 0.8 of its start (signsgd, the slowest: 0.54)
 SPECS = ["none", "fp16", "bf16", "topk:0.1", "randomk:0.25", "threshold:0.01", "dgc:0.1", "qsgd:64",
          "terngrad", "signsgd", "efsignsgd", "onebit", "powersgd:2", "blocktopk:0.25"]
 

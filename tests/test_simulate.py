@@ -123,6 +123,24 @@ def test_grouped_simulation_agrees_with_the_exact_one(monkeypatch):
         assert g == pytest.approx(e, rel=0.1), case
 
 
+def test_a_worker_count_no_grouping_fits_is_simulated_host_by_host_or_refused(monkeypatch):
+    """17 and 34 workers have no divisor from MIN_GROUPS to MAX_GROUPS: simulated as 1 and 2 groups,
+    they were priced 28% and 14% above the exact simulation; now they are simulated host by host up
+    to MOST_EXACT, and a larger such count, or more hosts sharing cores, is refused."""
+    counts = (17, 34)
+    as_given = [predict(Point(algo, n, 1 << 20, 0.1, 10 * GBIT), MEASURED) for n in counts for algo in ("sparse", "ps")]
+    monkeypatch.setattr(model, "MAX_GROUPS", 64)
+    exact = [predict(Point(algo, n, 1 << 20, 0.1, 10 * GBIT), MEASURED) for n in counts for algo in ("sparse", "ps")]
+    assert as_given == pytest.approx(exact, rel=0.02)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="none divides 67; try 64 or 72"):
+        Point("sparse", 67, 1 << 20, 0.1, GBIT)
+    with pytest.raises(ValueError, match="65 hosts sharing 2 cores"):
+        Point("sparse", 65, 1 << 20, 0.1, GBIT, cores=2)
+    with pytest.raises(ValueError, match="none divides 67"):
+        Point("sparse", 128, 1 << 20, 0.1, GBIT, aggregators="dedicated", num_aggregators=67)
+
+
 def test_shared_cores_slow_a_cpu_bound_point_down():
     point = Point("sparse", 8, NUMEL, 1.0, None)
     own = predict(point, MEASURED)
@@ -156,6 +174,19 @@ def test_bad_points_are_refused_by_name():
         Point("sparse", 4, NUMEL, 1.0, GBIT, aggregators="remote")
     with pytest.raises(ValueError, match="overlap"):
         Point("sparse", 4, NUMEL, 0.1, GBIT, overlap=1.5)
+    for block_size in (0, (1 << 16) + 1):
+        with pytest.raises(ValueError, match=r"block size \d+ outside \[1, 65536\]"):
+            Point("sparse", 4, NUMEL, 0.1, GBIT, block_size=block_size)
+
+
+def test_large_blocks_travel_in_messages_as_sparcoll_sizes_them():
+    """sparcoll's default most blocks per message shrinks for large blocks (a message's limit); the
+    model takes the same default, not 2048 blocks of any size."""
+    from sparcoll.options import default_message_blocks
+    for block_size in (256, 8192, 1 << 16):
+        point = Point("sparse", 4, 1 << 24, 0.01, None, block_size=block_size)
+        assert model.message_blocks(point, MEASURED) == default_message_blocks(block_size)
+    assert default_message_blocks(1 << 16) < 2048
 
 
 def test_costs_round_trip_and_missing_fields(tmp_path):
@@ -166,6 +197,19 @@ def test_costs_round_trip_and_missing_fields(tmp_path):
     del data["message_s"]
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="message_s"):
+        Costs.load(path)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("goodput", 0, r"goodput 0 outside \(0, 1\]"), ("goodput", 1.5, "goodput 1.5 outside"),
+    ("latency_s", -1e-3, "latency_s must be finite and at least 0"),
+    ("message_s", float("nan"), "message_s must be finite"), ("add_s_per_byte", float("inf"), "add_s_per_byte must be finite")])
+def test_costs_that_no_link_or_cpu_could_have_are_refused(tmp_path, name, value, message):
+    """Before, goodput 0 ended in a ZeroDivisionError, a negative latency in simpy's error, NaN in a
+    table of nan with exit status 0."""
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({**dataclasses.asdict(MEASURED), name: value}))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: {message}"):
         Costs.load(path)
 
 
@@ -223,6 +267,23 @@ def test_fit_inverts_an_increasing_function():
     assert calibrate.fit(7.0, lambda x: 3 * x + 1, high=10) == pytest.approx(2.0, abs=1e-9)
 
 
+def test_a_fit_that_reaches_the_end_of_its_range_says_so():
+    point, logged = Point("sparse", 2, NUMEL, 1.0, None), []
+    far = calibrate.fit_cost(MEASURED, "message_s", point, 1e6, high=1e-3, log=logged.append)
+    assert far.message_s == pytest.approx(1e-3, rel=1e-3) and len(logged) == 1 and "message_s" in logged[0]
+    near = calibrate.fit_cost(MEASURED, "message_s", point, predict(point, MEASURED), high=1e-3, log=logged.append)
+    assert near.message_s == pytest.approx(MEASURED.message_s, rel=1e-3) and len(logged) == 1
+
+
+def test_a_calibration_whose_bench_failed_ends_in_one_line(capfd, monkeypatch, tmp_path):
+    def failing(*args, **kwargs):
+        raise RuntimeError("sparcoll bench of ring did not finish within 600 s")
+    monkeypatch.setattr(calibrate, "calibrate_median", failing)
+    proc = sparcoll_here(capfd, ["simulate", "--calibrate", tmp_path / "costs.json"], 60)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "sparcoll simulate: calibration failed: sparcoll bench of ring did not finish within 600 s"], proc.stderr
+
+
 def test_socket_costs_are_measured():
     per_byte, latency = calibrate.socket_costs()
     assert 1e-12 < per_byte < 1e-8      # 0.1 to 1000 GB/s of CPU through loopback
@@ -262,11 +323,43 @@ def test_command_refuses_a_bad_layout(capfd):
     assert proc.returncode == 2 and "colocated or dedicated" in proc.stderr
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", ","], "--workers: empty list"),
+    (["--aggregators", "dedicated", "--algos", "ring"], "no point to simulate"),
+    (["--workers", "17,67"], "none divides 67")])
+def test_command_refuses_lists_that_name_no_point_it_can_price(capfd, argv, message):
+    """Before: an empty table (or a matplotlib traceback with --plot) and exit status 0."""
+    proc = sparcoll_here(capfd, ["simulate", "--network", "1gbit", "--density", "0.1", *argv], 120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_command_takes_lists_written_with_spaces(capfd):
+    proc = sparcoll_here(capfd, ["simulate", "--workers", "2, 4", "--network", "1gbit", "--density", "0.1",
+                                 "--algos", "ring, sparse", "--aggregators", "colocated, dedicated"], 120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split()[1:4] for line in proc.stdout.splitlines() if line.startswith("   1gbit")]
+    assert sorted(rows) == sorted([["ring", "-", "2"], ["ring", "-", "4"], ["sparse", "colocated", "2"],
+                                   ["sparse", "colocated", "4"], ["sparse", "dedicated", "2"],
+                                   ["sparse", "dedicated", "4"]]), proc.stdout
+
+
 def test_auto_takes_the_ring_on_dense_data_unless_sparse_is_clearly_faster():
     point = Point("sparcoll", 4, NUMEL, 1.0, GBIT)
     ring = predict(dataclasses.replace(point, algo="ring"), MEASURED)
     sparse = predict(dataclasses.replace(point, algo="sparse"), MEASURED)
-    assert predict(point, MEASURED) == (sparse if sparse <= 0.9 * ring else ring)
+    assert predict(point, MEASURED) == (sparse if sparse < 0.9 * ring else ring)
     low = Point("sparcoll", 4, NUMEL, 0.01, GBIT)
     assert predict(low, MEASURED) == predict(dataclasses.replace(low, algo="sparse"), MEASURED)
     assert math.isfinite(predict(low, MEASURED))
+
+
+def test_auto_takes_the_ring_path_for_tiny_tensors_and_times_small_ones_at_any_density():
+    """As sparcoll.algorithm chooses: at most 1024 elements on the ring path whatever the density;
+    at most 256K elements over the ranks, the sparse path at 1% only where it is clearly faster."""
+    for numel in (256, 1024):
+        tiny = Point("sparcoll", 4, numel, 0.01, 10 * GBIT)
+        assert predict(tiny, MEASURED) == predict(dataclasses.replace(tiny, algo="ring"), MEASURED)
+    small = Point("sparcoll", 4, 1 << 16, 0.01, 10 * GBIT)
+    ring = predict(dataclasses.replace(small, algo="ring"), MEASURED)
+    sparse = predict(dataclasses.replace(small, algo="sparse"), MEASURED)
+    assert predict(small, MEASURED) == (sparse if sparse < 0.9 * ring else ring)

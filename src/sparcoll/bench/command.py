@@ -23,25 +23,13 @@ from sparcoll.bench.launch import Job, run_job, run_jobs
 from sparcoll.bench.netem import add_link_burst_argument, check_network
 from sparcoll.bench.patterns import InputSpec
 from sparcoll.bench.report import Setup, add_speedups, make_record, table, title, write_json
-from sparcoll.bench.sizes import count_argument, parse_count
+from sparcoll.bench.sizes import comma_list, count_argument, parse_count
 from sparcoll.outputs import check_output_path
-
-
-def _comma_list(convert: Callable) -> Callable[[str], list]:
-    def parse(text: str) -> list:
-        try:
-            items = [convert(item.strip()) for item in text.split(",") if item.strip()]
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"invalid list {text!r}: {exc}") from None
-        if not items:
-            raise argparse.ArgumentTypeError("empty list")
-        return items
-    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `bench` options to `parser` (the project CLI's subcommand)."""
-    parser.add_argument("--workers", type=_comma_list(int), default=[4],
+    parser.add_argument("--workers", type=comma_list(int), default=[4],
                         help="number of workers, or a comma list to sweep (e.g. 2,4,8); default 4")
     parser.add_argument("--numel", type=count_argument, default=parse_count("16M"),
                         help="elements of the float32 tensor: 16M, 1M, 65536 ... (default 16M)")
@@ -50,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--row-width", type=int, default=None,
                         help="elements per non-zero unit of the inputs, e.g. 32 for embedding rows of 32 "
                              "(default: the block size); densities are then shares of rows")
-    parser.add_argument("--density", type=_comma_list(float), default=[0.01, 0.1, 1.0],
+    parser.add_argument("--density", type=comma_list(float), default=[0.01, 0.1, 1.0],
                         help="block densities in (0, 1], comma separated (default 0.01,0.1,1)")
-    parser.add_argument("--algos", type=_comma_list(str),
+    parser.add_argument("--algos", type=comma_list(str),
                         default=["sparcoll", "sparse", "ring", "agsparse", "ps"],
                         help="algorithms, comma separated (sparcoll: as users get it; sparse: sparcoll "
                              "forced onto its sparse AllReduce), from: " + ", ".join(

@@ -1,8 +1,10 @@
-"""Element counts as people write them: 16M, 1M, 64K, 65536 (binary multiples, as tensor sizes are)."""
+"""Element counts as people write them: 16M, 1M, 64K, 65536 (binary multiples, as tensor sizes are), and
+the comma lists the commands sweep over (2,4,8)."""
 from __future__ import annotations
 
 import argparse
 import re
+from typing import Callable
 
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _COUNT_RE = re.compile(r"^\s*(\d+)\s*([KMG]?)\s*$", re.IGNORECASE)
@@ -30,3 +32,16 @@ def format_count(n: int) -> str:
         if n % _SUFFIXES[suffix] == 0:
             return f"{n // _SUFFIXES[suffix]}{suffix}"
     return str(n)
+
+
+def comma_list(convert: Callable) -> Callable[[str], list]:
+    """An argparse type: a comma list of `convert`'s values (items stripped; an empty list refused)."""
+    def parse(text: str) -> list:
+        try:
+            items = [convert(item.strip()) for item in text.split(",") if item.strip()]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"invalid list {text!r}: {exc}") from None
+        if not items:
+            raise argparse.ArgumentTypeError("empty list")
+        return items
+    return parse

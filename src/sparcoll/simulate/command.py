@@ -10,7 +10,7 @@ import sys
 
 from ..bench import bounds
 from ..bench.netem import parse_rate
-from ..bench.sizes import count_argument, format_count, parse_count
+from ..bench.sizes import comma_list, count_argument, format_count, parse_count
 from ..options import DEFAULT_CREDITS
 from ..outputs import check_output_path
 from .costs import DEFAULT_PATH, Costs
@@ -20,35 +20,26 @@ DEFAULT_WORKERS = [2, 4, 8, 16, 32, 64, 128, 256]
 CALIBRATION_ROUNDS = 3
 
 
-def _comma_list(kind):
-    def parse(text: str) -> list:
-        try:
-            return [kind(item) for item in text.split(",") if item.strip()]
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return parse
-
-
 def _rate(text: str) -> float | None:
     return None if text.strip().lower() in ("none", "loopback") else float(parse_rate(text.strip().lower()))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=_comma_list(int), default=DEFAULT_WORKERS,
+    parser.add_argument("--workers", type=comma_list(int), default=DEFAULT_WORKERS,
                         help="worker counts, comma separated (default 2,4,...,256)")
-    parser.add_argument("--network", type=_comma_list(str), default=["1gbit", "10gbit", "100gbit"],
+    parser.add_argument("--network", type=comma_list(str), default=["1gbit", "10gbit", "100gbit"],
                         help="link rates, comma separated (none: loopback, unshaped); default 1gbit,10gbit,100gbit")
     parser.add_argument("--numel", type=count_argument, default=parse_count("16M"),
                         help="float32 elements (default 16M)")
-    parser.add_argument("--density", type=_comma_list(float), default=[0.01, 0.1, 1.0],
+    parser.add_argument("--density", type=comma_list(float), default=[0.01, 0.1, 1.0],
                         help="block densities of every worker, independent patterns (default 0.01,0.1,1)")
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="share of each worker's blocks common to all workers, as sparcoll bench's "
                              "(default 0: independent patterns)")
-    parser.add_argument("--algos", type=_comma_list(str), default=["sparse", "ring", "ps", "agsparse"],
+    parser.add_argument("--algos", type=comma_list(str), default=["sparse", "ring", "ps", "agsparse"],
                         help="from: " + ", ".join(ALGOS) + " (sparcoll: as users get it, its chooser settled; "
                              "sparse: its sparse AllReduce forced)")
-    parser.add_argument("--aggregators", type=_comma_list(str), default=["colocated"],
+    parser.add_argument("--aggregators", type=comma_list(str), default=["colocated"],
                         help="sparcoll's aggregators: colocated, dedicated or both (comma separated)")
     parser.add_argument("--num-aggregators", type=int, default=None,
                         help="dedicated aggregators (default: as many as workers)")
@@ -81,6 +72,8 @@ def points(args: argparse.Namespace) -> list[Point]:
                          num_aggregators=args.num_aggregators if layout == "dedicated" else None,
                          overlap=args.overlap, cores=args.cores, block_size=args.block_size,
                          credits=args.credits, burst_bytes=args.link_burst))
+    if not out:
+        raise ValueError("no point to simulate: dedicated aggregators serve only the algorithms sparse and sparcoll")
     return out
 
 
@@ -95,7 +88,7 @@ def network_name(rate_bps: float | None) -> str:
 
 def record(point: Point, seconds: float) -> dict:
     """One JSON row, with the bench's field names where they apply."""
-    nbytes = point.numel * 4
+    nbytes = point.nbytes
     num_aggregators = point.shards if point.algo in bounds.SPARCOLL_ALGOS else None
     bound = bounds.link_bytes(point.algo, workers=point.workers, nbytes=nbytes, density=point.density,
                               union_density=point.union, nblocks=point.nblocks,
@@ -175,8 +168,12 @@ def run(args: argparse.Namespace) -> int:
             current = Costs.load(args.costs)
         except (OSError, ValueError):
             current = None
-        costs = calibrate_median(CALIBRATION_ROUNDS, default_goodput=current.goodput if current else 0.96,
-                                 cores=os.cpu_count() or 1, log=lambda line: print(line, file=sys.stderr))
+        try:
+            costs = calibrate_median(CALIBRATION_ROUNDS, default_goodput=current.goodput if current else 0.96,
+                                     cores=os.cpu_count() or 1, log=lambda line: print(line, file=sys.stderr))
+        except RuntimeError as exc:       # a bench run that failed or did not finish
+            print(f"sparcoll simulate: calibration failed: {exc}", file=sys.stderr)
+            return 1
         costs.save(args.calibrate)
         print(f"wrote {args.calibrate}")
         return 0

@@ -8,6 +8,7 @@ a worker besides its messages; `gloo_step_s` the CPU of one step of gloo's C++ c
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -49,6 +50,11 @@ class Costs:
                      if isinstance(data[name], bool) or not isinstance(data[name], (int, float)))
         if bad:
             raise ValueError(f"{path}: {', '.join(bad)} must be numbers; expected {expected}")
+        negative = sorted(name for name in names - {"note"} if not 0 <= data[name] < math.inf)
+        if negative:
+            raise ValueError(f"{path}: {', '.join(negative)} must be finite and at least 0")
+        if not 0 < data["goodput"] <= 1:
+            raise ValueError(f"{path}: goodput {data['goodput']} outside (0, 1]: payload bytes per byte of link rate")
         return cls(**{k: v for k, v in data.items() if k in names})
 
     def save(self, path: str | Path) -> None:

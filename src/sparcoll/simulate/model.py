@@ -26,20 +26,21 @@ from typing import Callable, Iterator
 
 import simpy
 
+from ..algorithm import CANDIDATE_DENSITY, GATHER_ELEMENTS, SPARSE_MARGIN, TINY_NUMEL
+from ..bench.bounds import GLOO_INDEX_BYTES
 from ..message_size import ADAPT_MIN_BYTES, MessageSizePolicy
-from ..options import DEFAULT_CREDITS, DEFAULT_MESSAGE_BLOCKS
-from ..wire import HEADER_BYTES, INDEX_BYTES
+from ..options import DEFAULT_CREDITS, default_message_blocks
+from ..wire import HEADER_BYTES, INDEX_BYTES, MAX_BLOCK_SIZE
 from .costs import Costs
 
 ALGOS = ("sparse", "sparcoll", "ring", "ps", "agsparse")
 ITEMSIZE = 4                 # float32
-GLOO_INDEX_BYTES = 8         # gloo's sparse allreduce sends int64 row indices
 PIECE_BYTES = 64 << 10      # the kernel hands veth and tbf packets of up to 64 KiB (GSO)
 MAX_GROUPS = 16
+MIN_GROUPS = 8               # fewer lockstep groups misprice (64 workers as 4 groups: ps +21%; 8: +9%)
+MOST_EXACT = 64              # hosts simulated one by one where no grouping fits, or sharing cores (5 s a point)
 MOST_WORKERS = 16384         # workers a point may have (a bound on the model's time and memory)
 HOST_CORES = 4               # cores of a host of its own (cores=None)
-CANDIDATE_DENSITY = 0.4      # the chooser keeps the sparse path below this union density
-CHOOSER_MARGIN = 0.9         # ...and above it only when the sparse path is 10% faster
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Point:
     overlap: float = 0.0
     cores: int | None = None                 # all hosts share this many cores; None: each its own
     block_size: int = 256
-    message_blocks: int = DEFAULT_MESSAGE_BLOCKS   # sparcoll's most blocks per message
+    message_blocks: int | None = None        # sparcoll's most blocks per message; None: its default
     credits: int = DEFAULT_CREDITS           # sparcoll's messages in flight per stream
     burst_bytes: float | None = None         # a token bucket per link (the emulated network's tbf)
 
@@ -68,7 +69,9 @@ class Point:
         if not 2 <= self.workers <= MOST_WORKERS:
             raise ValueError(f"workers {self.workers}: an allreduce needs at least 2, and the model simulates at "
                              f"most {MOST_WORKERS} (its events grow faster than the workers: 16384 took 10 s a point)")
-        if self.numel < self.block_size or self.block_size < 1:
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block size {self.block_size} outside [1, {MAX_BLOCK_SIZE}]")
+        if self.numel < self.block_size:
             raise ValueError(f"numel {self.numel} must be at least one block of {self.block_size}")
         if not 0 < self.density <= 1:
             raise ValueError(f"density {self.density} outside (0, 1]")
@@ -84,6 +87,9 @@ class Point:
             raise ValueError(f"credits {self.credits} must be at least 1")
         if self.num_aggregators is not None and self.num_aggregators < 1:
             raise ValueError(f"num_aggregators {self.num_aggregators} must be at least 1")
+        groups(self.workers, self.cores)                  # refuses a count it cannot simulate well
+        if self.dedicated:
+            groups(self.shards, self.cores)
 
     @property
     def nbytes(self) -> int:
@@ -212,13 +218,21 @@ class Cluster:
 
 
 def groups(n: int, cores: int | None) -> tuple[int, int]:
-    """(groups, hosts per group): symmetric hosts simulated as at most MAX_GROUPS groups that act in
-    lockstep, so that 256 workers cost what 16 do. Hosts sharing cores are all simulated (their
-    contention for the cores is the point)."""
-    if cores is not None or n <= MAX_GROUPS:
+    """(groups, hosts per group): symmetric hosts simulated as MIN_GROUPS to MAX_GROUPS groups that act
+    in lockstep, so that 256 workers cost what 16 do. Hosts sharing cores are all simulated (their
+    contention for the cores is the point), and so are up to MOST_EXACT hosts that no such count of
+    groups divides (17, 34); more of either is refused: their time grows with the square."""
+    fitting = [g for g in range(MIN_GROUPS, MAX_GROUPS + 1) if n % g == 0]
+    if n <= MAX_GROUPS or (n <= MOST_EXACT and (cores is not None or not fitting)):
         return n, 1
-    count = max(g for g in range(1, MAX_GROUPS + 1) if n % g == 0)
-    return count, n // count
+    if cores is not None:
+        raise ValueError(f"{n} hosts sharing {cores} cores: the model simulates each such host, at most "
+                         f"{MOST_EXACT} (their events grow with the square of their number)")
+    if not fitting:
+        raise ValueError(f"{n} hosts: the model simulates more than {MOST_EXACT} hosts as {MIN_GROUPS} to "
+                         f"{MAX_GROUPS} equal groups, and none divides {n}; try {n - n % MIN_GROUPS} or "
+                         f"{n + MIN_GROUPS - n % MIN_GROUPS}")
+    return max(fitting), n // max(fitting)
 
 
 # ---- gloo's collectives: symmetric lockstep steps --------------------------------------------------
@@ -312,7 +326,7 @@ def predict_ps(point: Point, costs: Costs) -> float:
 def message_blocks(point: Point, costs: Costs) -> int:
     """Blocks per message as a rank of sparcoll sets them once it has measured the link
     (sparcoll.message_size), from the bytes a collective reads."""
-    policy = MessageSizePolicy(point.message_blocks)
+    policy = MessageSizePolicy(point.message_blocks or default_message_blocks(point.block_size))
     n, d, u = point.workers, point.density, point.union
     read = u * point.nbytes if point.dedicated else (n - 1) / n * (d + u) * point.nbytes
     if point.rate_bps is not None and read >= ADAPT_MIN_BYTES:
@@ -401,13 +415,18 @@ def predict_sparse(point: Point, costs: Costs) -> float:
 
 
 def predict_auto(point: Point, costs: Costs) -> float:
-    """sparcoll as users get it, once its chooser has settled (sparcoll.algorithm): the sparse path
-    while the union is sparse, else the ring unless the sparse path is 10% faster."""
+    """sparcoll as users get it, once its chooser has settled (sparcoll.algorithm): a tiny tensor on
+    the ring path (its data travels in the check round: priced as the ring); the sparse path while
+    the union is sparse, unless the tensor is small enough to gather, whose paths are timed at any
+    density; else the ring unless the sparse path is SPARSE_MARGIN faster. The gather path, through
+    rank 0, is not modelled: priced as the ring."""
+    if point.numel <= TINY_NUMEL:
+        return predict_ring(point, costs)
     sparse = predict_sparse(point, costs)
-    if point.union < CANDIDATE_DENSITY:
+    if point.union < CANDIDATE_DENSITY and point.numel * point.workers > GATHER_ELEMENTS:
         return sparse
     ring = predict_ring(point, costs)
-    return sparse if sparse <= CHOOSER_MARGIN * ring else ring
+    return sparse if sparse < SPARSE_MARGIN * ring else ring
 
 
 PREDICTORS: dict[str, Callable[[Point, Costs], float]] = {
