@@ -41,10 +41,10 @@ def check_header_invariants(h: wire.Header, max_blocks: int, job: int) -> None:
     assert h.job == job
     assert h.kind in wire.Kind
     if h.kind in (wire.Kind.CONTRIBUTE, wire.Kind.RESULT):
-        assert h.dtype in wire.DTYPES and h.op in (0, 1)
+        assert h.dtype in wire.DTYPES and h.op in (0, 1, wire.COO_OP, wire.COO_OP | 1)
         assert 1 <= h.block_size <= wire.MAX_BLOCK_SIZE
         assert h.count <= max_blocks
-        assert h.progress <= -(-h.numel // h.block_size)
+        assert h.progress <= -(-h.numel // h.block_size) <= wire.MAX_BLOCKS
         if h.kind is wire.Kind.CONTRIBUTE:
             assert sum(h.payload_sizes()) <= wire.MAX_MESSAGE_BYTES + max_blocks * wire.INDEX_BYTES
     elif h.kind is wire.Kind.ERROR:

@@ -189,6 +189,47 @@ def test_coo_tensors_of_no_elements_come_back_empty_and_the_communicator_goes_on
         close(comms)
 
 
+@pytest.mark.parametrize("algorithm", ["sparse", "auto"])
+def test_a_dense_tensor_and_a_coo_tensor_of_one_shape_are_a_mismatch_not_a_sum(store, algorithm):
+    """Rank 0 reduces a dense (8, 512) tensor, rank 1 a COO one of that shape: their blocks had one
+    descriptor on the sparse path, so they were summed, and the COO rank's rows came back spliced from
+    the dense rank's blocks (row 3 holding halves of rows 3 and 4). Now both ranks are told."""
+    comms = pair(store, f"dense-coo-{algorithm}/", algorithm=algorithm)
+    try:
+        dense = torch.zeros(8, 512)
+        dense.view(-1)[7 * 256:9 * 256] = 1.0            # blocks 7 and 8: row 3's second half, row 4's first
+        coo = torch.sparse_coo_tensor(torch.tensor([[6]]), torch.ones(1, 512), (8, 512), check_invariants=True)
+        out = on_both(comms, lambda r, c: c.allreduce(dense) if r == 0 else c.allreduce_coo(coo))
+        for r in range(2):
+            error, seconds = out[r]
+            assert isinstance(error, sparcoll.MismatchError) and seconds < PROMPT, (r, error, seconds)
+        assert "COO" in str(out[0][0]) + str(out[1][0]), (out[0][0], out[1][0])
+    finally:
+        close(comms)
+
+
+def test_a_coo_tensor_and_a_dense_one_of_as_many_elements_are_timed_as_kinds_of_their_own(store):
+    """The chooser learns a kind's density and path times; a small COO table, gathered as one buffer of
+    its elements and a mark per row (65,000 here), and a dense tensor of as many elements had shared
+    them, mixing two workloads' trials."""
+    from sparcoll import wire
+    comms = pair(store, "coo-kinds/", algorithm="auto")
+    try:
+        rows = torch.tensor([[3, 900]])
+        for _ in range(2):
+            out = on_both(comms, lambda r, c: c.allreduce_coo(
+                torch.sparse_coo_tensor(rows, torch.ones(2, 64), (1000, 64), check_invariants=True)))
+            assert all(torch.equal(out[r][0].to_dense()[[3, 900]], torch.full((2, 64), 2.0)) for r in range(2))
+            dense = {r: torch.ones(65_000) for r in range(2)}
+            on_both(comms, lambda r, c: c.allreduce(dense[r]))
+            assert all(torch.equal(dense[r], torch.full((65_000,), 2.0)) for r in range(2))
+        for comm in comms.values():
+            kinds = set(comm._engine.chooser._kinds)
+            assert (65_000, 0, wire.Op.SUM) in kinds and (65_000, 0, wire.COO_OP) in kinds, kinds
+    finally:
+        close(comms)
+
+
 def test_a_bad_wait_timeout_or_async_op_is_refused(store):
     comms = pair(store, "wait/")
     try:

@@ -99,3 +99,21 @@ def test_lossy_duplicating_reordering_transport_gives_the_exact_sum(
     assert counted == Counter((w, int(b)) for w in range(workers) for b in nonzero[w])
     union = set().union(*(set(n.tolist()) for n in nonzero))
     assert written == Counter((w, b) for w in range(workers) for b in union)
+
+
+def test_a_stale_ack_resends_only_what_its_worker_still_lacks():
+    """A duplicate of an old message carries an old ack: the aggregator sends that worker again only
+    the results after the newest ack it has from it (before: every kept result, at each duplicate)."""
+    import numpy as np
+    descriptor = (4 * 3, 3, 0, 0)
+    agg = LossyAggregatorStream(0, 4, 2, descriptor, torch.float32, torch.float32, False, 1, 4)
+    results = []
+    for block in range(2):       # two rounds of one block from each worker: two results
+        for w in range(2):
+            step = agg.on_contribution(w, block, block + 1, descriptor, np.array([block], dtype=np.int32),
+                                       torch.ones(1, 3), ack=0)
+            results += [step.result] if step.result is not None else []
+    assert [r.seq for r in results] == [0, 1]
+    assert agg.on_ack(0, 2).resend == []           # worker 0 has both; worker 1 none: both are kept
+    assert agg.on_ack(0, 0).resend == []           # a stale duplicate of worker 0's first message
+    assert [r.seq for r in agg.on_ack(1, 0).resend] == [0, 1]

@@ -121,7 +121,7 @@ class Algorithm(enum.Enum):
         return self in (Algorithm.RING, Algorithm.GATHER)
 
 
-Kind = tuple[int, int, int]     # (numel, dtype code, op code)
+Kind = tuple[int, int, int]     # (numel, dtype code, op code; the op with wire.COO_OP for a COO tensor)
 
 
 @dataclass
@@ -150,7 +150,7 @@ class Chooser:
     _samples: dict[Kind, torch.Tensor] = field(default_factory=dict)
 
     def choose(self, kind: Kind, coo: bool) -> Algorithm:
-        """SPARSE or RING for the next collective of `kind`."""
+        """SPARSE, RING or GATHER for the next collective of `kind`."""
         if coo or self.mode is Algorithm.SPARSE:
             return Algorithm.SPARSE
         if self.mode is Algorithm.RING or kind[0] <= TINY_NUMEL:

@@ -350,11 +350,6 @@ class CompactBlocks:
 
     gather = rows_of
 
-    def views(self, start: int, stop: int) -> list[torch.Tensor]:
-        """The present blocks [start, stop): consecutive in `data` since both are sorted."""
-        slot = int(self._slots(np.array([start]))[0])
-        return [self.data[slot:slot + stop - start]]
-
     def scatter(self, indices: np.ndarray, rows: torch.Tensor) -> None:
         """Collect a result whose rows stay the sender's (copied)."""
         self._results.append((indices.copy(), rows.clone()))

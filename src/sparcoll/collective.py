@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from . import wire
 from .blocks import BlockTensor, CompactBlocks, SparseBlocks, StagedBlocks
 from .errors import CollectiveTimeout
 from .lease import Loans
@@ -71,7 +72,7 @@ class WorkerCollective:
         for every range's stream."""
         numel, dtype, op = self.kind
         with self.lock:
-            self.descriptor = (numel, block_size, dtype, op, self.tag)
+            self.descriptor = (numel, block_size, dtype, op | (wire.COO_OP if self.sparse else 0), self.tag)
             self.state.move(CollectiveState.STREAMING)
         # Read and written through a view outside autograd (as gloo does): same memory, so the
         # result still lands in the caller's tensor, also when it requires grad.

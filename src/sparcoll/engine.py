@@ -309,7 +309,10 @@ class Engine:
         small COO tensor may densify (densified.py): its kind is then its dense buffer's, and on
         gloo's paths the buffer is what is summed."""
         kind, op = coll.kind, coll.kind[2]
-        dense_kind = (densified.buffer_numel(coll.tensor), kind[1], op) if coll.sparse else None
+        dense_kind = None
+        if coll.sparse:     # its own kinds: a COO tensor's trials and densities are not a dense tensor's
+            kind = (kind[0], kind[1], op | wire.COO_OP)
+            dense_kind = (densified.buffer_numel(coll.tensor), kind[1], op | wire.COO_OP)
         densifies = dense_kind is not None and self.ring is not None and \
             self.chooser.timed_at_any_density(dense_kind)
         if densifies:

@@ -52,7 +52,7 @@ class LossyAggregatorStream(AggregatorStream):
         self._acked[worker] = max(self._acked[worker], ack)
         while self._kept and self._kept[0].seq < min(self._acked):
             self._kept.popleft()
-        return Step(accepted=False, resend=[r for r in self._kept if r.seq >= ack])
+        return Step(accepted=False, resend=[r for r in self._kept if r.seq >= self._acked[worker]])
 
     def on_contribution(self, worker: int, seq: int, progress: int, descriptor: tuple,
                         indices: np.ndarray, rows: torch.Tensor, lease: Lease | None = None,

@@ -25,7 +25,7 @@ import torch
 
 from .errors import MismatchError, ProtocolError
 from .lease import Lease
-from .wire import DTYPES, Op
+from .wire import DTYPES, op_name
 
 
 @dataclass(frozen=True)
@@ -346,7 +346,7 @@ def _describe_mismatch(worker: int, got: tuple, expected: tuple) -> str:
         if name == "dtype":
             return str(DTYPES[value][0]) if value in DTYPES else f"code {value}"
         if name == "op":
-            return Op(value).name.lower() if value in Op._value2member_map_ else f"code {value}"
+            return op_name(value)
         return str(value)
     names = ("numel", "block_size", "dtype", "op", "tag")
     diffs = ", ".join(f"{n} {show(n, g)} where another rank has {n} {show(n, e)}"

@@ -64,8 +64,7 @@ def _describe(call: list[float]) -> str:
         return f"unreadable fields {call}"
     cid, numel, dtype, op, gathered, tag, coo = (int(f) for f in call)
     dtype_name = wire.DTYPES[dtype][0] if dtype in wire.DTYPES else f"dtype code {dtype}"
-    op_name = wire.Op(op).name.lower() if op in wire.Op._value2member_map_ else f"op code {op}"
-    return f"allreduce {cid}: {numel} elements of {dtype_name}, op {op_name}" + \
+    return f"allreduce {cid}: {numel} elements of {dtype_name}, op {wire.op_name(op)}" + \
         (f" (a COO tensor of {coo} elements as one buffer)" if coo else "") + \
         (", gathered" if gathered else "") + wire.tagged(tag)
 

@@ -57,6 +57,16 @@ class Op(enum.IntEnum):
 
 
 OPS = {"sum": Op.SUM, "avg": Op.AVG}   # the reduction ops sparcoll offers, by their API names
+COO_OP = 0x80   # set in a data message's op byte when the tensor is a sparse COO one: a dense tensor's
+                # blocks and a COO tensor's of one shape must not be summed together
+
+
+def op_name(code: int) -> str:
+    """An op byte (a data message's, or a ring check's) in words."""
+    base = code & ~COO_OP
+    if base not in Op._value2member_map_:
+        return f"code {code}"
+    return Op(base).name.lower() + (" of a COO tensor" if code & COO_OP else "")
 
 
 class ErrorCode(enum.IntEnum):
@@ -164,7 +174,7 @@ def decode_header(buf, max_blocks: int, expected_job: int) -> Header:
     if kind in (Kind.CONTRIBUTE, Kind.RESULT):
         if dtype not in DTYPES:
             raise ProtocolError(f"unknown dtype code {dtype}")
-        if op not in Op._value2member_map_:
+        if op & ~COO_OP not in Op._value2member_map_:
             raise ProtocolError(f"unknown op code {op}")
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ProtocolError(f"block size {block_size} out of range")
@@ -174,6 +184,9 @@ def decode_header(buf, max_blocks: int, expected_job: int) -> Header:
             raise ProtocolError(f"message of {count} blocks of {block_size} elements exceeds "
                                 f"{MAX_MESSAGE_BYTES} bytes")
         nblocks = block_count(numel, block_size)
+        if nblocks > MAX_BLOCKS:
+            raise ProtocolError(f"a tensor of {numel} elements in blocks of {block_size} has {nblocks} blocks, "
+                                f"more than block indices number ({MAX_BLOCKS})")
         if progress > nblocks:
             raise ProtocolError(f"progress {progress} beyond the {nblocks} blocks of the tensor")
     elif kind in TEXT_KINDS and count > MAX_ERROR_BYTES:

@@ -358,7 +358,7 @@ class WorkerJob:
         return MismatchError(
             f"rank {self.rank}: ranks called allreduce {cid} with different tensors or ops: this "
             f"rank's call went to gloo's ring, a peer's ({numel} elements of "
-            f"{wire.DTYPES[dtype][0]}, op {wire.Op(op).name.lower()}{wire.tagged(tag)}) to the "
+            f"{wire.DTYPES[dtype][0]}, op {wire.op_name(op)}{wire.tagged(tag)}) to the "
             f"sparse AllReduce")
 
     def close(self, poison: BaseException | None) -> None:
