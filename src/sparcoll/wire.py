@@ -34,7 +34,7 @@ from .errors import (AuthenticationError, MismatchError, PeerError, ProtocolErro
                      SparcollError)
 
 MAGIC = b"SPCL"
-VERSION = 1
+VERSION = 2                 # 2: the op byte of a data message carries COO_OP
 INDEX_DTYPE = np.int32
 INDEX_BYTES = 4
 MAX_BLOCKS = int(np.iinfo(INDEX_DTYPE).max) + 1    # a tensor's blocks, indexed from 0 by INDEX_DTYPE
