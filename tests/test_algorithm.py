@@ -891,7 +891,7 @@ def test_a_rank_that_leaves_a_gathered_call_all_expect_is_a_mismatch_on_every_ra
     results = run_rings(store, world, body, timeout=30.0)
     assert time.monotonic() - start < 10.0
     assert_mismatch_on_every_rank(results)
-    assert f"rank 1: allreduce 3: " in str(results[0])
+    assert "rank 1: allreduce 3: " in str(results[0])
 
 
 @pytest.mark.parametrize("case", ["tiny", "allreduce", "numel"])

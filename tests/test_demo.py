@@ -1,6 +1,8 @@
 """`sparcoll demo`: it picks the emulated network only where it can be built and says which setting it
 ran in; a small run on loopback prints a verdict per density, the training comparison with DDP's
 communication share, and writes its table, plot and training results."""
+import json
+
 import pytest
 
 from sparcoll import demo
@@ -41,3 +43,21 @@ def test_an_out_that_cannot_be_a_directory_is_refused_in_one_line(tmp_path, caps
     assert main(["demo", "--out", str(taken), "--network", "none"]) == 2
     err = capsys.readouterr().err
     assert f"sparcoll demo: error: --out {taken}: cannot make that directory" in err and "Traceback" not in err
+
+
+def test_a_list_of_workers_is_refused_before_anything_runs(capsys):
+    """The demo runs one setting: `--workers 2,4` had run the whole bench, paired the 2-worker speedups
+    with the 4-worker ones, then failed in the training part under train's usage text."""
+    from sparcoll.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--workers", "2,4", "--network", "none"])
+    assert exit_.value.code == 2
+    assert "--workers: invalid number '2,4': one whole number" in capsys.readouterr().err
+
+
+def test_the_verdicts_show_a_small_density_as_it_is(tmp_path):
+    records = [{"input": "dense", "algo": algo, "density": 0.004, "speedup_vs_ring": speedup}
+               for algo, speedup in (("sparcoll", 20.0), ("sparse", 21.0))]
+    (tmp_path / "demo.json").write_text(json.dumps(records))
+    assert demo.verdicts(str(tmp_path / "demo.json")) == [
+        "  block density  0.4%: sparcoll 20.00x as fast as gloo's ring all_reduce (its sparse AllReduce alone: 21.00x)"]

@@ -27,7 +27,13 @@ MODELS = (
     "def tupled():\n    return Pair(), torch.randn(4, 8)\n\n"
     "def keyed():\n    return nn.Linear(8, 2), {'x': torch.randn(4, 8)}\n\n"
     "def double():\n    return nn.Linear(8, 2).double(), torch.randn(4, 8, dtype=torch.float64)\n\n"
-    "def broken():\n    return nn.Linear(8, 2), torch.randn(4, 3)\n")
+    "def broken():\n    return nn.Linear(8, 2), torch.randn(4, 3)\n\n"
+    "class Argmax(nn.Module):\n"
+    "    def __init__(self):\n        super().__init__()\n        self.a = nn.Linear(8, 2)\n"
+    "    def forward(self, x):\n        return self.a(x).argmax(1).float()\n\n"
+    "def argmaxed():\n    return Argmax(), torch.randn(4, 8)\n\n"
+    "def parameterless():\n    return nn.ReLU(), torch.randn(4, 8)\n\n"
+    "def refusing():\n    raise ValueError('bad size')\n")
 
 
 def args_of(*argv: str) -> argparse.Namespace:
@@ -115,13 +121,24 @@ def test_an_edited_model_under_the_same_spec_is_profiled_again(tmp_path, monkeyp
               "got dict"),
     ("double", "parameter weight is torch.float64"),
     ("broken", "failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
-    ("missing", "has no function missing")])
+    ("missing", "has no function missing"),
+    ("argmaxed", "the loss does not depend on any parameter to train"),
+    ("parameterless", "the model has no parameter to train"),
+    ("refusing", "failed: ValueError: bad size")])
 def test_a_model_the_workers_cannot_train_is_refused_before_any_starts(models, tmp_path, capsys, function, says):
     status, err = plan(capsys, "--model", f"{models}:{function}", "--profile", str(tmp_path / "p.json"))
     assert status == 2 and f"sparcoll plan: error: --model '{models}:{function}'" in err and says in err, err
     assert "Traceback" not in err and not (tmp_path / "p.json").exists()
     status, err = plan(capsys, "--model", "no_such_module_here:build")
     assert status == 2 and "cannot import no_such_module_here" in err, err
+
+
+def test_a_model_module_whose_own_import_fails_is_not_said_to_be_missing(importable, capsys):
+    """The module is there; a package it imports is not: the error says so, not to fix PYTHONPATH."""
+    (importable / "needs_a_package.py").write_text("import no_such_package_anywhere\n")
+    status, err = plan(capsys, "--model", "needs_a_package:build")
+    assert status == 2 and "importing needs_a_package failed: No module named 'no_such_package_anywhere'" in err
+    assert "PYTHONPATH" not in err, err
 
 
 @pytest.mark.parametrize("text", ["", '{"version": 37, "model": {', "[1, 2]", '{"workers": 2, "tensors": []}'])

@@ -344,6 +344,12 @@ def test_vgg_reads_npz_features(tmp_path):
     np.savez(tmp_path / "neg.npz", features=np.zeros((3, 4)), labels=np.array([0, -1, 2]))
     with pytest.raises(ValueError, match="non-negative"):
         get_workload("vgg", data=tmp_path / "neg.npz", tiny=True)
+    np.save(tmp_path / "one.npy", np.zeros((3, 4)))          # before: a TypeError about a context manager
+    with pytest.raises(ValueError, match="one.npy: holds one array .*; expected an .npz archive"):
+        get_workload("vgg", data=tmp_path / "one.npy", tiny=True)
+    (tmp_path / "text.csv").write_text("features,labels\n1,2\n")   # before: numpy's words, no path
+    with pytest.raises(ValueError, match="text.csv: not an .npz archive"):
+        get_workload("vgg", data=tmp_path / "text.csv", tiny=True)
 
 
 def test_gpt_tokenizer_round_trip():

@@ -15,19 +15,35 @@ import json
 import os
 import sys
 
+from .bench.sizes import comma_list, count_argument
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network", default="auto", type=lambda text: text.strip().lower(),
                         help="auto: an emulated 1gbit network where root and tc allow it, else loopback "
                              "(default); or a link rate such as 1gbit, or none (loopback)")
-    parser.add_argument("--workers", default="4", help="worker processes (default 4)")
-    parser.add_argument("--numel", default="4M", help="float32 elements per tensor (default 4M)")
-    parser.add_argument("--density", default="0.01,0.1,1", help="block densities (default 0.01,0.1,1)")
-    parser.add_argument("--repeat", default="5", help="timed repetitions per point (default 5)")
+    parser.add_argument("--workers", default=4, type=_at_least(2), help="worker processes (default 4)")
+    parser.add_argument("--numel", default="4M", type=count_argument, help="float32 elements per tensor (default 4M)")
+    parser.add_argument("--density", default="0.01,0.1,1", type=comma_list(float),
+                        help="block densities (default 0.01,0.1,1)")
+    parser.add_argument("--repeat", default=5, type=_at_least(1), help="timed repetitions per point (default 5)")
     parser.add_argument("--steps", type=int, default=30,
                         help="ncf training steps per run; 0 skips training (default 30)")
     parser.add_argument("--out", default="out", help="folder for demo.json, demo.png and "
                                                      "demo-train.json (default out)")
+
+
+def _at_least(least: int):
+    """An argparse type: one whole number of at least `least` (the demo runs one setting, not a sweep)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number {text!r}: one whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value}: at least {least}")
+        return value
+    return parse
 
 
 def choose_network(requested: str) -> tuple[str, str]:
@@ -52,7 +68,7 @@ def verdicts(path: str) -> list[str]:
     with open(path) as f:
         records = [r for r in json.load(f) if r["input"] == "dense"]
     forced = {r["density"]: r["speedup_vs_ring"] for r in records if r["algo"] == "sparse"}
-    return [f"  block density {r['density']:>5.0%}: sparcoll {r['speedup_vs_ring']:.2f}x as fast as "
+    return [f"  block density {r['density'] * 100:>4g}%: sparcoll {r['speedup_vs_ring']:.2f}x as fast as "
             f"gloo's ring all_reduce (its sparse AllReduce alone: {forced[r['density']]:.2f}x)"
             for r in records if r["algo"] == "sparcoll"]
 
@@ -73,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
     bench_command.add_arguments(bench)
     result_path = os.path.join(args.out, "demo.json")
     status = bench_command.run(bench.parse_args([
-        "--workers", args.workers, "--numel", args.numel, "--density", args.density,
-        "--algos", "sparcoll,sparse,ring", "--network", network, "--repeat", args.repeat,
+        "--workers", str(args.workers), "--numel", str(args.numel), "--density", ",".join(map(str, args.density)),
+        "--algos", "sparcoll,sparse,ring", "--network", network, "--repeat", str(args.repeat),
         "--json", result_path, "--plot", os.path.join(args.out, "demo.png")]))
     if status != 0:
         return status
@@ -87,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     train_command.add_arguments(train)
     train_path = os.path.join(args.out, "demo-train.json")
     status = train_command.run(train.parse_args([
-        "--workload", "ncf", "--compare", "--steps", str(args.steps), "--workers", args.workers,
+        "--workload", "ncf", "--compare", "--steps", str(args.steps), "--workers", str(args.workers),
         "--network", network, "--json", train_path]))
     if status == 0:
         print(communication_share(train_path), flush=True)

@@ -195,7 +195,7 @@ class Trainer:
         self.backward_start = 0.0
 
     def step(self, step: int) -> None:
-        cfg, model, probe, interface = self.cfg, self.model, self.probe, self.cfg.get("interface")
+        model, probe, interface = self.model, self.probe, self.cfg.get("interface")
         batch = next(self.batches)
         self.optimizer.zero_grad()
         probed = step % PROBE_EVERY == 0

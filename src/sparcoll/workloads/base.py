@@ -77,6 +77,25 @@ class Workload:
         )
 
 
+class NextTokenWorkload(Workload):
+    """A language model on token windows: the loss is each next token's cross-entropy, and its
+    embedding's gradient is row-sparse unless the softmax is tied to it."""
+
+    def __init__(self, model: nn.Module, config):
+        super().__init__(model, config, () if config.tie_weights else ("embedding.weight",))
+
+    @staticmethod
+    def refuse_sparse_tied(config) -> None:
+        if config.tie_weights and config.sparse_embeddings:
+            raise ValueError("a tied softmax makes the embedding gradient dense: sparse_embeddings needs "
+                             "tie_weights=False")
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        (tokens,) = batch
+        logits = model(tokens[:, :-1])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
 @contextlib.contextmanager
 def seeded(seed: int):
     """Make model construction deterministic without disturbing the caller's

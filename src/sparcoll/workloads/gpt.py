@@ -49,7 +49,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .base import Batch, Workload, make_config, seeded
+from .base import Batch, NextTokenWorkload, make_config, seeded
 
 PIECE = re.compile(r" ?\S+|\s+(?!\S)|\s+")  # a word with its leading space, or a whitespace run (GPT-2's rule)
 
@@ -172,14 +172,11 @@ class GPT(nn.Module):
         return self.decoder(self.ln(self.blocks(x)))
 
 
-class GPTWorkload(Workload):
+class GPTWorkload(NextTokenWorkload):
     name = "gpt"
 
     def __init__(self, data: str | Path | None, seed: int, cfg: Config):
-        if cfg.tie_weights and cfg.sparse_embeddings:
-            raise ValueError(
-                "a tied softmax makes the embedding gradient dense: sparse_embeddings needs tie_weights=False"
-            )
+        self.refuse_sparse_tied(cfg)
         if cfg.width % cfg.num_heads:
             raise ValueError(f"width {cfg.width} is not a multiple of num_heads {cfg.num_heads}")
         if not 0 < cfg.eval_fraction < 1:
@@ -200,7 +197,7 @@ class GPTWorkload(Workload):
         cfg = dataclasses.replace(cfg, vocab_size=len(self.tokenizer))
         with seeded(seed):
             model = GPT(cfg)
-        super().__init__(model, cfg, () if cfg.tie_weights else ("embedding.weight",))
+        super().__init__(model, cfg)
 
     def sample(self, rng: np.random.Generator, n: int) -> Batch:
         window = self.config.seq_len + 1
@@ -220,11 +217,6 @@ class GPTWorkload(Workload):
         """Mean next-token loss of ``model`` (default: this workload's) on the held-out windows."""
         with torch.no_grad():
             return self.loss(self.model if model is None else model, self.eval_batch(max_windows)).item()
-
-    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        (tokens,) = batch
-        logits = model(tokens[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
 def make(data: str | Path | None = None, seed: int = 0, tiny: bool = False, **overrides) -> GPTWorkload:

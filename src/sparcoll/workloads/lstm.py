@@ -34,9 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from .base import Batch, Workload, make_config, seeded
+from .base import Batch, NextTokenWorkload, make_config, seeded
 from .data import zipf
 
 UNK = "<unk>"
@@ -93,14 +92,11 @@ class LanguageModel(nn.Module):
         return self.decoder(self.lstm(self.embedding(tokens))[0])
 
 
-class LSTMWorkload(Workload):
+class LSTMWorkload(NextTokenWorkload):
     name = "lstm"
 
     def __init__(self, data: str | Path | None, seed: int, cfg: Config):
-        if cfg.tie_weights and cfg.sparse_embeddings:
-            raise ValueError(
-                "a tied softmax makes the embedding gradient dense: sparse_embeddings needs tie_weights=False"
-            )
+        self.refuse_sparse_tied(cfg)
         if cfg.tie_weights and cfg.embed_dim != cfg.hidden_dim:
             raise ValueError(f"tie_weights needs embed_dim == hidden_dim, got {cfg.embed_dim} and {cfg.hidden_dim}")
         if data is None:
@@ -114,7 +110,7 @@ class LSTMWorkload(Workload):
             cfg = dataclasses.replace(cfg, vocab_size=len(vocab))
         with seeded(seed):
             model = LanguageModel(cfg)
-        super().__init__(model, cfg, () if cfg.tie_weights else ("embedding.weight",))
+        super().__init__(model, cfg)
 
     def sample(self, rng: np.random.Generator, n: int) -> Batch:
         cfg = self.config
@@ -127,11 +123,6 @@ class LSTMWorkload(Workload):
             for t in range(1, cfg.bptt + 1):  # a chain: vectorized over rows, sequential in time
                 tokens[:, t] = np.where(follow[:, t], self.successor[tokens[:, t - 1]], tokens[:, t])
         return (torch.from_numpy(tokens),)
-
-    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        (tokens,) = batch
-        logits = model(tokens[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
 def make(data: str | Path | None = None, seed: int = 0, tiny: bool = False, **overrides) -> LSTMWorkload:

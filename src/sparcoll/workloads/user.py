@@ -69,6 +69,8 @@ def build(spec: str) -> tuple[nn.Module, object]:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
+        if exc.name is not None and not (module_name + ".").startswith(exc.name + "."):
+            raise ValueError(f"--model {spec!r}: importing {module_name} failed: {exc}") from None   # its import
         raise ValueError(f"--model {spec!r}: cannot import {module_name} ({exc}); the module must be importable "
                          f"from the current directory or PYTHONPATH") from None
     function = getattr(module, function_name, None)
@@ -101,23 +103,29 @@ def checked_here(spec: str) -> UserModel:
     """The model built in `sparcoll plan`'s own process as each worker builds it, before any starts: a
     model the workers would refuse (build, loss) is refused once, with its reason, not in a traceback
     of every worker. The module is imported as the workers' `python -m` imports it, from the current
-    directory too. One forward, without gradients, checks what the model returns. An error of the
-    user's code is a ValueError naming it."""
+    directory too. One forward checks what the model returns, and that its loss depends on a parameter
+    to train (not so for an output detached or of argmax, or a model without parameters: every
+    worker's backward would fail). An error of the user's code, of any type, is a ValueError naming
+    the spec."""
     here = os.getcwd()
     added = here not in sys.path and "" not in sys.path
     if added:
         sys.path.insert(0, here)
     try:
         workload = UserModel(spec)
-        with torch.no_grad():
-            workload.loss(workload.model, workload.batch)
-    except ValueError:
-        raise
+        loss = workload.loss(workload.model, workload.batch)
     except Exception as exc:
+        if isinstance(exc, ValueError) and str(exc).startswith(f"--model {spec!r}"):
+            raise
         raise ValueError(f"--model {spec!r} failed: {type(exc).__name__}: {exc}") from None
     finally:
         if added:
             sys.path.remove(here)
+    if not any(p.requires_grad for p in workload.model.parameters()):
+        raise ValueError(f"--model {spec!r}: the model has no parameter to train (requires_grad): nothing to plan")
+    if not loss.requires_grad:
+        raise ValueError(f"--model {spec!r}: the loss does not depend on any parameter to train (an output "
+                         f"detached, or of argmax?): backward would have no gradient to synchronize")
     return workload
 
 

@@ -69,7 +69,14 @@ TINY = dict(input_dim=48, hidden=(32, 32), num_classes=10, signal_rank=8)
 
 def read_features(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """Load ``features [N, D]`` and ``labels [N]`` from an ``.npz`` file."""
-    with np.load(path) as f:
+    expected = "expected an .npz archive with arrays features [N, D] and labels [N]"
+    try:
+        loaded = np.load(path)
+    except ValueError as exc:        # text, or a pickle, which is not loaded
+        raise ValueError(f"{path}: not an .npz archive ({exc}); {expected}") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path}: holds one array ({type(loaded).__name__}), not an archive; {expected}")
+    with loaded as f:
         missing = {"features", "labels"} - set(f.files)
         if missing:
             raise ValueError(f"{path}: missing array(s) {', '.join(sorted(missing))}")
