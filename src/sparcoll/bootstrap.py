@@ -18,14 +18,13 @@ import os
 import secrets
 import socket
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from . import errors, transport, wire
 from .errors import CollectiveTimeout, PeerError, SparcollError
 from .ring import Ring
-from .star import Credentials
+from .star import Credentials, wait_in_store
 
 
 def local_host() -> str:
@@ -147,17 +146,7 @@ class Rendezvous:
         return next((f for f in map(self._failure_of, range(self.world)) if f is not None), None)
 
     def _wait(self, keys: list[str]) -> None:
-        """Wait for `keys` until the deadline, in slices of FAILURE_POLL seconds between which a peer
-        that gave up init ends the wait with its reason (a rank refused by its aggregator, with
-        another secret: its peers waited out the whole timeout for its keys)."""
-        while True:
-            try:
-                self.store.wait(keys, timedelta(seconds=min(FAILURE_POLL, self.remaining())))
-                return
-            except Exception as exc:   # torch raises a plain RuntimeError/DistStoreError on timeout
-                failure = self._first_failure()
-                if failure is not None:
-                    raise failure from None
-                if time.monotonic() >= self.deadline:
-                    raise CollectiveTimeout(f"rank {self.rank}: peers did not publish {keys} in the "
-                                            f"store within {self.timeout:g} s ({exc})") from None
+        """Wait for `keys` until the deadline; a peer that gave up init (a rank refused by its
+        aggregator, with another secret) ends the wait with its reason."""
+        wait_in_store(self.store, keys, self.deadline, FAILURE_POLL, self._first_failure, lambda exc: (
+            f"rank {self.rank}: peers did not publish {keys} in the store within {self.timeout:g} s ({exc})"))

@@ -78,17 +78,8 @@ class Star:
         if rank == 0:
             links = _accept_ranks(store, world, host, credentials, deadline, abandon)
         else:
-            while True:
-                try:
-                    store.wait(["star"], timedelta(seconds=max(0.01, min(POLL, deadline - time.monotonic()))))
-                    break
-                except Exception as exc:    # torch raises a plain RuntimeError on a timeout
-                    failure = abandon()
-                    if failure is not None:
-                        raise failure from None
-                    if time.monotonic() >= deadline:
-                        raise CollectiveTimeout(f"rank {rank}: rank 0 did not publish its address "
-                                                f"within {timeout:g} s ({exc})") from None
+            wait_in_store(store, ["star"], deadline, POLL, abandon, lambda exc: (
+                f"rank {rank}: rank 0 did not publish its address within {timeout:g} s ({exc})"))
             hello = wire.Hello(credentials.job, rank, 0, credentials.config,
                                os.urandom(wire.NONCE_BYTES))
             links = {0: transport.connect(store.get("star").decode(), hello, credentials.secret,
@@ -214,6 +205,23 @@ class Star:
             except OSError:
                 pass
         self.links = {}
+
+
+def wait_in_store(store, keys: list[str], deadline: float, poll: float,
+                  abandon: Callable[[], BaseException | None], timed_out: Callable[[Exception], str]) -> None:
+    """Wait for `keys` in `store` until `deadline`, in slices of `poll` seconds between which
+    `abandon()`'s error (a peer that gave up meanwhile: its peers would wait out the whole timeout
+    for its keys) ends the wait; CollectiveTimeout(timed_out(the store's error)) at the deadline."""
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=max(0.01, min(poll, deadline - time.monotonic()))))
+            return
+        except Exception as exc:    # torch raises a plain RuntimeError (DistStoreError) on a timeout
+            failure = abandon()
+            if failure is not None:
+                raise failure from None
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeout(timed_out(exc)) from None
 
 
 def _wait_in_slices(sock: socket.socket) -> None:
