@@ -203,7 +203,8 @@ def test_costs_round_trip_and_missing_fields(tmp_path):
 @pytest.mark.parametrize("name, value, message", [
     ("goodput", 0, r"goodput 0 outside \(0, 1\]"), ("goodput", 1.5, "goodput 1.5 outside"),
     ("latency_s", -1e-3, "latency_s must be finite and at least 0"),
-    ("message_s", float("nan"), "message_s must be finite"), ("add_s_per_byte", float("inf"), "add_s_per_byte must be finite")])
+    ("message_s", float("nan"), "message_s must be finite"),
+    ("add_s_per_byte", float("inf"), "add_s_per_byte must be finite")])
 def test_costs_that_no_link_or_cpu_could_have_are_refused(tmp_path, name, value, message):
     """Before, goodput 0 ended in a ZeroDivisionError, a negative latency in simpy's error, NaN in a
     table of nan with exit status 0."""
