@@ -325,3 +325,106 @@ def test_ddp_buckets_on_the_ring_stop_waiting_for_their_checks_and_sum_exactly()
         assert out["largest_relative_error"] < 1e-5, out
         assert out["ring"] >= 12, out
         assert 1 <= out["checked_first"] <= out["ring"] // 2, out
+
+
+def waits_inside_callbacks(rank: int, world: int) -> dict:
+    """What torch's own users of the group do: a future's callback that waits for another all_reduce
+    (torch's PowerSGD hook), functional collectives and the coalescing manager (called on the
+    group's backend from C++), the deprecated work.result()."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    import sparcoll.torch
+    pg = sparcoll_group(timeout=20)
+    out = {}
+    try:
+        before = sparcoll.torch.stats(pg).collectives
+        first = dist.all_reduce(torch.ones(100), group=pg, async_op=True).get_future()
+        chained = first.then(lambda f: dist.all_reduce(torch.full((50,), float(rank + 1)), group=pg,
+                                                       async_op=True).get_future().wait()[0])
+        out["chained"] = chained.wait().tolist()[:3]
+        out["on sparcoll"] = sparcoll.torch.stats(pg).collectives - before
+        work = dist.all_reduce(torch.full((4,), 2.0), group=pg, async_op=True)
+        work.wait()
+        out["result"] = work.result()[0].tolist()
+        out["gathered"] = funcol.all_gather_tensor(torch.full((2,), float(rank)), 0, pg).tolist()
+        out["scattered"] = funcol.reduce_scatter_tensor(torch.arange(4.0), "sum", 0, pg).tolist()
+        torch.manual_seed(0)
+        model = DDP(nn_model(), process_group=pg)
+        state = powersgd.PowerSGDState(process_group=pg, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        model.register_comm_hook(state, powersgd.powerSGD_hook)
+        for step in range(4):
+            model(torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 10 + step))).sum().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(grads) for _ in range(world)]
+        dist.all_gather(gathered, grads, group=pg)
+        out["powersgd steps agree"] = all(torch.equal(g, grads) for g in gathered) and bool(grads.isfinite().all())
+    finally:
+        dist.destroy_process_group(pg)
+    return out
+
+
+def nn_model():
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def test_collectives_torch_issues_from_callbacks_and_from_cpp_run_on_the_group():
+    """Before: the callback's all_reduce waited for the thread that ran the callback (torch's PowerSGD
+    hook hung DDP's backward for good), and the functional collectives raised "No backend type
+    associated with device type cpu"."""
+    for rank, out in enumerate(run_ranks(waits_inside_callbacks, WORLD, timeout=TIMEOUT)):
+        assert out["chained"] == [3.0, 3.0, 3.0] and out["on sparcoll"] == 2, out
+        assert out["result"] == [4.0] * 4 and out["gathered"] == [0.0, 0.0, 1.0, 1.0], out
+        assert out["scattered"] == [2.0 * (2 * rank), 2.0 * (2 * rank + 1)], out
+        assert out["powersgd steps agree"], out
+
+
+def barrier_after_a_failure_on_one_rank(rank: int, world: int) -> dict:
+    """Rank 0's communicator fails before the barrier (an input it refuses); rank 1's only learns of it
+    in the barrier: the gloo part of the group must stay in step for both."""
+    pg = sparcoll_group(timeout=20)
+    out = {}
+    try:
+        if rank == 0:
+            try:
+                dist.all_reduce(torch.ones(1).expand(8), group=pg)
+            except Exception as exc:        # refused on this rank: the communicator is failed
+                out["refused"] = type(exc).__name__
+        try:
+            dist.barrier(group=pg)
+            out["barrier"] = "passed"
+        except Exception as exc:
+            out["barrier"] = type(exc).__name__
+        value = torch.full((1,), float(rank + 7))
+        dist.broadcast(value, src=1, group=pg)
+        out["broadcast"] = value.item()
+    finally:
+        dist.destroy_process_group(pg)
+    return out
+
+
+def test_a_barrier_after_a_failure_keeps_the_groups_gloo_part_in_step():
+    """Before: the failed rank skipped the barrier's gloo part, and the group's next broadcast timed
+    out on one rank and lost its connection on the other."""
+    outs = run_ranks(barrier_after_a_failure_on_one_rank, WORLD, timeout=TIMEOUT)
+    assert outs[0]["refused"] == "ValueError" and outs[0]["barrier"] == "PoisonedError", outs
+    assert outs[1]["barrier"] != "passed", outs        # told of its peer's failure
+    assert [out["broadcast"] for out in outs] == [8.0, 8.0], outs
+
+
+def test_a_wait_that_reaches_the_deadline_gives_the_collective_up():
+    """As sparcoll's own wait: a work waited for without a timeout that reaches its deadline poisons
+    the communicator, so the collective never runs after that error (before, it could still write
+    the caller's tensor a moment later). An explicit timeout is gloo's rule: the work goes on."""
+    from sparcoll.engine import Work
+    from sparcoll.errors import CollectiveTimeout
+    from sparcoll.torch.backend import SparcollWork
+    from sparcoll.torch.futures import Completion
+    given_up = []
+    late = Work(torch.ones(1), 7, time.monotonic() + 0.2, expired=given_up.append)
+    with pytest.raises(CollectiveTimeout):
+        SparcollWork(Completion([late.tensor], [late])).wait()
+    assert len(given_up) == 1 and isinstance(given_up[0], CollectiveTimeout)
+    patient = Work(torch.ones(1), 8, time.monotonic() + 60, expired=given_up.append)
+    with pytest.raises(CollectiveTimeout):
+        SparcollWork(Completion([patient.tensor], [patient])).wait(timedelta(seconds=0.1))
+    assert len(given_up) == 1

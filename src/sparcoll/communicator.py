@@ -214,6 +214,12 @@ class Communicator:
                 total.add(conn.stats)
         return total
 
+    def on_callback_thread(self) -> bool:
+        """Whether the caller is the thread that runs this communicator's Work done-callbacks (and the
+        torch futures they complete): there a collective must run at once, since no other thread
+        would serve it while that one waits for it."""
+        return self._engine is not None and self._engine.on_its_thread()
+
     @property
     def aggregator_stats(self) -> transport.TrafficStats:
         """Traffic of this process's colocated aggregator (zero with dedicated aggregators)."""

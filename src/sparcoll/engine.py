@@ -82,6 +82,12 @@ class Work:
     def is_completed(self) -> bool:
         return self._event.is_set()
 
+    def give_up(self, error: BaseException) -> None:
+        """A caller gave up waiting at the deadline with `error`: the collective must not run (and
+        write the tensor) after that, so the communicator is poisoned, as wait() at its deadline does."""
+        if not self.is_completed():
+            self._expired(error)
+
     def exception(self) -> BaseException | None:
         return self._error
 
@@ -213,6 +219,9 @@ class Engine:
             deadline = time.monotonic() + self._ahead_s
         return Work(tensor, coll.id, deadline, expired=self.set_poison)
 
+    def on_its_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def submit(self, coll: WorkerCollective, work: Work, async_op: bool) -> None:
         """Run `coll` in order: here if the caller blocks and nothing is queued, else queued."""
         if not async_op and self._running.acquire(blocking=False):
@@ -226,7 +235,7 @@ class Engine:
         if work.is_completed():
             return
         self._put(Run(coll, work))
-        if not async_op and threading.current_thread() is self._thread:
+        if not async_op and self.on_its_thread():
             # Called from a done-callback on the engine thread: nobody else would serve the
             # queue, so this thread serves it (in order) up to and including this collective.
             while not work.is_completed():

@@ -5,7 +5,10 @@ sparcoll, so `DistributedDataParallel` uses sparcoll unchanged.
     dist.init_process_group("sparcoll")       # or dist.new_group(backend="sparcoll")
 
 Every other collective, and what sparcoll cannot reduce (other ops, dtypes or devices, several tensors
-at once), is delegated to an inner gloo group built on the same store, so nothing is unimplemented.
+at once), is delegated to an inner gloo group built on the same store, so nothing is unimplemented;
+that group is also the group's registered CPU backend, which torch's C++ calls directly (functional
+collectives, DTensor, the coalescing manager). "sparcoll" must be the whole backend string: torch
+keeps a Python process group as it is, so "cuda:nccl,cpu:sparcoll" would drop nccl.
 One exception is torch's: `dist.monitored_barrier` refuses every backend not named "gloo" before it
 reaches the group; `sparcoll.torch.monitored_barrier` runs the inner gloo group's instead.
 Sparse COO all_reduce of those dtypes runs on sparcoll too (`sparse.allreduce_coo`: block-sparse, never
@@ -73,12 +76,16 @@ class SparcollWork(dist.Work):
         barrier whose sparcoll part failed raises at once, while its gloo part waits for peers that
         may never come."""
         seconds = _seconds(timeout)
-        if seconds is None and self._completion.deadline is not None:
+        at_deadline = seconds is None and self._completion.deadline is not None
+        if at_deadline:
             seconds = max(0.0, self._completion.deadline - time.monotonic())
         end = None if seconds is None else time.monotonic() + seconds
         while self._completion.error is None and not self._completion.done.wait(WAIT_SLICE_S):
             if end is not None and time.monotonic() >= end:
-                raise CollectiveTimeout(f"collective not finished after {seconds:g} s")
+                error = CollectiveTimeout(f"collective not finished after {seconds:g} s")
+                if at_deadline:     # as sparcoll's own wait: the collective must not run after this error
+                    self._completion.give_up(error)
+                raise error
         if self._completion.error is not None:
             raise self._completion.error
         return True
@@ -94,6 +101,10 @@ class SparcollWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         return self._completion.future
+
+    def result(self) -> list[torch.Tensor]:
+        """The tensors the collective wrote (once complete)."""
+        return self._completion.value
 
 
 def _delegate(gloo_name: str):
@@ -113,6 +124,10 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world, timeout)
         self.comm = Communicator(dist.PrefixStore("sparcoll", store), rank, world,
                                  timeout=timeout.total_seconds())
+        # Collectives that torch's C++ calls on the group's backend for a device, not through these
+        # methods (functional collectives, DTensor, the coalescing manager), go to the gloo group.
+        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.gloo)
 
     def getBackendName(self) -> str:
         return NAME
@@ -143,22 +158,34 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
         op = opts.reduceOp.op
         if not self._accelerated(tensors, op):
             return self.gloo.allreduce(tensors, opts)
-        tensor = tensors[0]
-        if tensor.layout == torch.sparse_coo:
-            return SparcollWork(Completion.start(tensors, lambda: [sparse.allreduce_coo(
-                tensor, OPS[op], self.comm)]))
-        return SparcollWork(Completion.start(tensors, lambda: [self.comm.allreduce(
-            tensor, op=OPS[op], async_op=True, timeout=_seconds(opts.timeout))]))
+        return SparcollWork(Completion.start(tensors, lambda: self._issue(tensors[0], OPS[op], _seconds(opts.timeout))))
+
+    def _issue(self, tensor: torch.Tensor, op: str, timeout: float | None, tag: int = 0) -> list:
+        """Start a sparcoll allreduce (a COO one via sparse.allreduce_coo): the Work to wait for, or
+        none where it ran at once, as it must when issued from a future's callback (torch's PowerSGD
+        hook waits for an all_reduce there): that thread is the one that would serve it."""
+        coo = tensor.layout == torch.sparse_coo
+        if self.comm.on_callback_thread():
+            if coo:
+                sparse.copy_into(tensor, self.comm.allreduce_coo(tensor, op=op))
+            else:
+                self.comm.allreduce(tensor, op=op, timeout=timeout, tag=tag)
+            return []
+        if coo:
+            return [sparse.allreduce_coo(tensor, op, self.comm)]
+        return [self.comm.allreduce(tensor, op=op, async_op=True, timeout=timeout, tag=tag)]
 
     def barrier(self, opts) -> dist.Work:
         """Done when every rank has issued all earlier collectives of both parts: a one-element
         sparcoll allreduce queues behind this rank's earlier sparcoll work, gloo's barrier behind
         gloo's. The allreduce's tag of its own makes a peer's all_reduce of one element, which
-        all_reduce never tags, fail with MismatchError instead of pairing with it."""
-        return SparcollWork(Completion.start([], lambda: [
-            self.comm.allreduce(torch.ones(1), async_op=True, timeout=_seconds(opts.timeout),
-                                tag=BARRIER_TAG),
-            self.gloo.barrier(opts)]))
+        all_reduce never tags, fail with MismatchError instead of pairing with it. The gloo part is
+        issued first, whatever the sparcoll part does: a rank whose communicator is already failed
+        still keeps the gloo group in step with its peers."""
+        def issue() -> list:
+            gloo_part = self.gloo.barrier(opts)
+            return self._issue(torch.ones(1), "sum", _seconds(opts.timeout), BARRIER_TAG) + [gloo_part]
+        return SparcollWork(Completion.start([], issue))
 
     def shutdown(self) -> None:
         self.comm.close()

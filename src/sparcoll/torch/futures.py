@@ -44,8 +44,8 @@ class Completion:
         self.error = error
         # When waiting without a timeout must give up: the latest deadline of the sparcoll Works
         # among the sources (torch's own works have their group's timeout), None if there are none.
-        self.deadline = max((s.deadline for s in sources if isinstance(s, sparcoll.Work)),
-                            default=None)
+        self._works = [s for s in sources if isinstance(s, sparcoll.Work)]
+        self.deadline = max((w.deadline for w in self._works), default=None)
         self.done = threading.Event()
         self._inner = torch.futures.Future()
         self.future = self._inner.then(self._unwrap)
@@ -65,6 +65,11 @@ class Completion:
         except Exception as exc:
             return cls(value, error=exc)
         return cls(value, sources)
+
+    def give_up(self, error: BaseException) -> None:
+        """Its waiter gave up at the deadline: no sparcoll collective of it may run after that."""
+        for work in self._works:
+            work.give_up(error)
 
     def _source_done(self, error: BaseException | None) -> None:
         with self._lock:

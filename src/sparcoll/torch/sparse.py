@@ -27,11 +27,11 @@ def allreduce_coo(tensor: torch.Tensor, op: str, comm: Communicator) -> sparcoll
     work = comm.allreduce_coo(tensor, op=op, async_op=True)
     # Registered first, so it runs before the callbacks that complete the caller's future; should it
     # raise, the Work fails (engine.Work._finish) and so does that future.
-    work.add_done_callback(lambda done: done.exception() is None and _copy_into(tensor, done.tensor))
+    work.add_done_callback(lambda done: done.exception() is None and copy_into(tensor, done.tensor))
     return work
 
 
-def _copy_into(tensor: torch.Tensor, total: torch.Tensor) -> None:
+def copy_into(tensor: torch.Tensor, total: torch.Tensor) -> None:
     """The sum into the caller's tensor, as data: one that requires grad is reduced in place as a
     dense one is (an in-place copy into it under autograd raised, and the rank read its own input
     back as the sum)."""
