@@ -56,14 +56,13 @@ choices here too.
 from __future__ import annotations
 
 import enum
-import math
 import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .blocks import nonzero_mask
+from .blocks import entry_width, nonzero_mask
 
 TINY_NUMEL = 1024       # at most this many elements: one ring round (ring.py), no trials
 CANDIDATE_DENSITY = 0.4  # a result at least this dense (at its block size) has its kind try the ring
@@ -178,8 +177,7 @@ class Chooser:
     def block_size(self, kind: Kind, tensor: torch.Tensor) -> int:
         """Elements per block for the next sparse-path collective of `kind` on `tensor`."""
         if tensor.layout == torch.sparse_coo:
-            return entry_block_size(math.prod(tensor.shape[tensor.sparse_dim():]),
-                                    self.largest_block)
+            return entry_block_size(entry_width(tensor), self.largest_block)
         state = self._kinds.get(kind)
         return self.largest_block if state is None else state.block
 

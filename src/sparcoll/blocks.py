@@ -287,6 +287,18 @@ def entries_of(coo: torch.Tensor) -> int:
     return math.prod(coo.shape[:coo.sparse_dim()])
 
 
+def entry_width(coo: torch.Tensor) -> int:
+    """Elements per entry of a COO tensor (an embedding gradient's row width)."""
+    return math.prod(coo.shape[coo.sparse_dim():])
+
+
+def entries_share_blocks(width: int, block_size: int) -> bool:
+    """Whether entries of `width` elements and blocks of `block_size` do not tile: then a block of a
+    sum holds entries no rank stored, and a result lists only the entries that hold something (on
+    the sparse path and on gloo's, alike)."""
+    return width % block_size != 0
+
+
 def linear_entries(coo: torch.Tensor) -> torch.Tensor:
     """Row-major index of each stored entry of a coalesced COO tensor among all entries of the dense
     tensor it stands for (an entry: one index of its sparse dims)."""
@@ -410,7 +422,8 @@ class SparseBlocks(CompactBlocks):
     def __init__(self, coo: torch.Tensor, block_size: int):
         coo = coo.coalesce()
         self.shape, self.sparse_dim = coo.shape, coo.sparse_dim()
-        self.width = width = int(np.prod(coo.shape[self.sparse_dim:], dtype=np.int64))
+        self.width = width = entry_width(coo)
+        self.entries = entries_of(coo)              # of the dense tensor it stands for
         numel = int(np.prod(coo.shape, dtype=np.int64))
         entries = linear_entries(coo).numpy()       # ascending: coalesced entries are sorted
         values = coo.values().reshape(-1, width)
@@ -432,7 +445,7 @@ class SparseBlocks(CompactBlocks):
     def finish(self) -> torch.Tensor:
         indices, rows = self.results()
         indices, b, width = indices.numpy(), self.block_size, self.width
-        if width % b == 0:                 # every touched entry came back whole
+        if not entries_share_blocks(width, b):                 # every touched entry came back whole
             per = width // b
             entries, values = indices[::per] // per, rows.reshape(-1, width)
         else:                              # several entries share a block
@@ -443,6 +456,5 @@ class SparseBlocks(CompactBlocks):
             else:
                 entries, values = _retile(indices, rows, width)
             entries, values = holding(entries, values)
-        total = int(np.prod(self.shape[:self.sparse_dim], dtype=np.int64))
-        kept = int(np.searchsorted(entries, total))    # sorted: drop the last block's padding
+        kept = int(np.searchsorted(entries, self.entries))    # sorted: drop the last block's padding
         return coo_of(entries[:kept], values[:kept], self.shape, self.sparse_dim)

@@ -7,7 +7,6 @@ state). Here: validating a call's input, and the handles the caller sees (Work, 
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -16,7 +15,7 @@ import torch
 from . import transport, wire
 from .aggregator import LocalWorker
 from .algorithm import MIN_BLOCK, Algorithm, Chooser, entry_block_size
-from .blocks import may_overlap
+from .blocks import entry_width, may_overlap
 from .bootstrap import Rendezvous, local_host
 from .collective import WorkerCollective
 from .engine import Engine, Work
@@ -194,7 +193,7 @@ class Communicator:
         an error."""
         if tensor.numel() == 0:         # no block at all (and a COO tensor's entries may be 0 wide)
             return None
-        smallest = entry_block_size(math.prod(tensor.shape[tensor.sparse_dim():]), self.block_size) \
+        smallest = entry_block_size(entry_width(tensor), self.block_size) \
             if tensor.layout == torch.sparse_coo else min(MIN_BLOCK, self.block_size)
         blocks = -(-tensor.numel() // smallest)
         if blocks <= wire.MAX_BLOCKS:

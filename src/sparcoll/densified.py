@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .blocks import coo_of, entries_of, holding, linear_entries
+from .blocks import coo_of, entries_of, entries_share_blocks, entry_width, holding, linear_entries
 
 
 def buffer_numel(coo: torch.Tensor) -> int:
@@ -26,8 +26,7 @@ def buffer_numel(coo: torch.Tensor) -> int:
 def to_buffer(coo: torch.Tensor) -> torch.Tensor:
     """`coo` as a dense buffer of buffer_numel elements in its dtype: the values of its entries in
     row-major order (zero where it stores nothing), then 1 for each entry it stores."""
-    entries = entries_of(coo)
-    width = coo.numel() // entries if entries else 0
+    entries, width = entries_of(coo), entry_width(coo)
     coo = coo.coalesce()
     buffer = torch.zeros(coo.numel() + entries, dtype=coo.dtype)
     stored = linear_entries(coo)
@@ -41,12 +40,11 @@ def from_buffer(total: torch.Tensor, like: torch.Tensor, block_size: int) -> tor
     entries some rank stored (their marks' sum is non-zero), without those whose sum is exactly zero
     where entries share the sparse path's blocks of `block_size` elements (see the module's
     docstring)."""
-    entries, numel = entries_of(like), like.numel()
-    width = numel // entries if entries else 0
+    entries, numel, width = entries_of(like), like.numel(), entry_width(like)
     marks = total[numel:]
     listed = np.flatnonzero(marks.ne(0).numpy())
     values = total[:numel].view(entries, width)[torch.from_numpy(listed)]
-    if width % block_size != 0:            # entries and blocks do not tile: they share blocks
+    if entries_share_blocks(width, block_size):
         listed, values = holding(listed, values)
     return coo_of(listed, values, like.shape, like.sparse_dim())
 

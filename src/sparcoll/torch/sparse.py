@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import sparcoll
-from sparcoll.blocks import entries_of
+from sparcoll.blocks import entries_of, entry_width
 from sparcoll.communicator import Communicator
 from sparcoll.wire import OPS
 
@@ -37,11 +37,6 @@ def copy_into(tensor: torch.Tensor, total: torch.Tensor) -> None:
     back as the sum)."""
     with torch.no_grad():
         tensor.copy_(total)
-
-
-def _width(coo: torch.Tensor) -> int:
-    """Elements per entry (an index of the sparse dims): an embedding gradient's row width."""
-    return math.prod(coo.shape[coo.sparse_dim():])
 
 
 def sparse_weights(module: nn.Module) -> set[int]:
@@ -137,10 +132,10 @@ def concatenate(coos: list[torch.Tensor]) -> torch.Tensor:
     elements wide (the greatest common divisor of their entries' widths), the tensors' rows one after
     the other: its row block-sparsity is theirs, so one sparse AllReduce of it carries what one of each
     would. `split` takes the result apart."""
-    g = math.gcd(*(_width(c) for c in coos))
+    g = math.gcd(*(entry_width(c) for c in coos))
     indices, values, offset = [], [], 0
     for c in coos:
-        per = _width(c) // g
+        per = entry_width(c) // g
         linear = np.ravel_multi_index(c.indices().numpy(), c.shape[:c.sparse_dim()]) if c._nnz() else \
             np.zeros(0, dtype=np.int64)
         indices.append((linear[:, None] * per + np.arange(per)).reshape(-1) + offset)
@@ -167,11 +162,11 @@ def split(total: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
     total = total.coalesce()
     g = total.shape[1]
     rows, values = total.indices()[0].numpy(), total.values()
-    bounds = np.cumsum([0] + [entries_of(c) * (_width(c) // g) for c in likes])
+    bounds = np.cumsum([0] + [entries_of(c) * (entry_width(c) // g) for c in likes])
     cuts = np.searchsorted(rows, bounds)
     out = []
     for c, start, lo, hi in zip(likes, bounds, cuts, cuts[1:]):
-        per = _width(c) // g
+        per = entry_width(c) // g
         # a block of the result may hold a piece of an entry no rank sent (zeros): entries are
         # assembled from the pieces that came back, the missing ones zero
         pieces = rows[lo:hi] - start
