@@ -649,3 +649,17 @@ def _cmdline(pid: str) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_progress_off_a_terminal_is_a_line_every_few_seconds_not_a_line_a_step(capfd, monkeypatch):
+    """A training job names each step anew ("ddp: step 3"): off a terminal that was a line per step
+    (346 of a tiny plan's 369 lines of log). Now the first, then at most one each LOG_EVERY_S, and the last."""
+    from sparcoll.bench import launch
+    clock = [1000.0]
+    monkeypatch.setattr(launch.time, "monotonic", lambda: clock[0])
+    with launch._progress_bar(100) as advance:
+        for step in range(100):
+            advance(f"ddp: step {step}")
+            clock[0] += 0.5                 # 50 s in all: a line every 10 steps
+    lines = [line for line in capfd.readouterr().err.splitlines() if "step" in line]
+    assert len(lines) == 11 and lines[0].endswith("ddp: step 0") and lines[-1].endswith("ddp: step 99"), lines

@@ -130,6 +130,10 @@ def test_a_bad_per_call_timeout_is_a_value_error_and_the_peer_hears_of_it(store,
             torch.ones(100), timeout=timeout if r == 1 else None))
         assert isinstance(out[1][0], ValueError) and "timeout" in str(out[1][0])
         assert isinstance(out[0][0], sparcoll.SparcollError) and out[0][1] < PROMPT
+        # the refusal says what it costs: the communicator takes no more collectives
+        assert "create a new one with sparcoll.init()" in " ".join(getattr(out[1][0], "__notes__", []))
+        with pytest.raises(sparcoll.PoisonedError):
+            comms[1].allreduce(torch.ones(100))
     finally:
         close(comms)
 

@@ -364,3 +364,12 @@ def test_auto_takes_the_ring_path_for_tiny_tensors_and_times_small_ones_at_any_d
     ring = predict(dataclasses.replace(small, algo="ring"), MEASURED)
     sparse = predict(dataclasses.replace(small, algo="sparse"), MEASURED)
     assert predict(small, MEASURED) == (sparse if sparse < 0.9 * ring else ring)
+
+
+def test_a_mistyped_network_is_refused_by_the_parser_offering_none_too(capsys):
+    from sparcoll.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "--network", "1gbit,10gbt"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--network: invalid list '1gbit,10gbt': invalid rate '10gbt'" in err, err
+    assert "or none (unshaped)" in err and "usage:" in err, err

@@ -147,6 +147,8 @@ class Communicator:
             kind = self._describe(tensor, layout, op)
         except (TypeError, ValueError) as exc:
             self._engine.reject(cid, exc)
+            exc.add_note("sparcoll: its peers were told, and this communicator takes no more collectives "
+                         "(each would raise PoisonedError); create a new one with sparcoll.init()")
             raise
         self._engine.check_poison(cid)
         result = tensor

@@ -11,13 +11,15 @@ across the `ip netns exec` exec). A job fails as soon as a child exits with an e
 error, or no event arrives for `timeout` seconds; the failure names the culprit and shows its log's tail.
 
 `run_jobs` runs a command's jobs under a progress bar (rich) on stderr: redrawn in place on a terminal;
-elsewhere (CI logs, pipes) one line per new kind of step and one at the end, so logs stay short.
+elsewhere (CI logs, pipes) a line for a new kind of step at most every LOG_EVERY_S seconds, and one at
+the end, so logs stay short.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import json
+import math
 import os
 import secrets
 import select
@@ -48,6 +50,7 @@ EXIT_GRACE = 30.0   # seconds the workers get to exit after rank 0 said it is do
 LOG_TAIL = 20       # lines of a child's log shown in a failure
 TAIL_BYTES = 1 << 20      # ... read from the end of each log, at most
 LOG_WIDTH = 200     # columns of a progress line off a terminal (rich assumes 80 there)
+LOG_EVERY_S = 5.0   # off a terminal, a progress line at most this often (a step each: a line per step)
 
 
 #: Signals that end a process which crashed in native code (its log then holds faulthandler's stacks).
@@ -311,8 +314,8 @@ def _await_workers(workers: list[_Child]) -> None:
 def _progress_bar(steps: int):
     """A progress bar of `steps` steps on stderr; yields advance(what), which counts one finished step
     of `what`. It redraws only when a step finishes (no refresh thread: the processes being timed
-    share the machine's cores). Off a terminal nothing is redrawn: a line is printed per new `what`
-    and at the end. advance(what, more) also adds `more` steps to the total (a job that learns how
+    share the machine's cores). Off a terminal nothing is redrawn: a line is printed for a new `what`
+    at most every LOG_EVERY_S seconds (the first at once), and at the end. advance(what, more) also adds `more` steps to the total (a job that learns how
     much work it has only once started)."""
     console = Console(stderr=True, emoji=False)   # "poseidon:ring: step 3" is no emoji code
     if not console.is_terminal:
@@ -325,11 +328,14 @@ def _progress_bar(steps: int):
                   disable=not console.is_terminal) as bar:
         task = bar.add_task("", total=steps)
         (state,) = bar.tasks
+        printed = [-math.inf]      # when the last line was, off a terminal
 
         def advance(what: str, more: int = 0) -> None:
             new = what != state.description
             bar.update(task, total=state.total + more, advance=1, description=what, refresh=True)
-            if not console.is_terminal and (new or state.finished):
+            due = new and time.monotonic() - printed[0] >= LOG_EVERY_S
+            if not console.is_terminal and (due or state.finished):
+                printed[0] = time.monotonic()
                 console.print(bar.get_renderable())
         yield advance
 

@@ -21,13 +21,26 @@ CALIBRATION_ROUNDS = 3
 
 
 def _rate(text: str) -> float | None:
-    return None if text.strip().lower() in ("none", "loopback") else float(parse_rate(text.strip().lower()))
+    """A link rate in bit/s, or None for none (loopback: unshaped); a ValueError that offers none too."""
+    text = text.strip().lower()
+    if text in ("none", "loopback"):
+        return None
+    try:
+        return float(parse_rate(text))
+    except ValueError as exc:
+        raise ValueError(f"{exc}; or none (unshaped)") from None
+
+
+def _network(text: str) -> str:
+    """A --network item as given, once _rate reads it."""
+    _rate(text)
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=comma_list(int), default=DEFAULT_WORKERS,
                         help="worker counts, comma separated (default 2,4,...,256)")
-    parser.add_argument("--network", type=comma_list(str), default=["1gbit", "10gbit", "100gbit"],
+    parser.add_argument("--network", type=comma_list(_network), default=["1gbit", "10gbit", "100gbit"],
                         help="link rates, comma separated (none: loopback, unshaped); default 1gbit,10gbit,100gbit")
     parser.add_argument("--numel", type=count_argument, default=parse_count("16M"),
                         help="float32 elements (default 16M)")
