@@ -428,3 +428,33 @@ def test_a_wait_that_reaches_the_deadline_gives_the_collective_up():
     with pytest.raises(CollectiveTimeout):
         SparcollWork(Completion([patient.tensor], [patient])).wait(timedelta(seconds=0.1))
     assert len(given_up) == 1
+
+
+def one_rank_int64_the_other_float32(rank: int, world: int) -> dict:
+    """Rank 0 all_reduces float32 (sparcoll's), rank 1 int64 of the same size (gloo's), then both agree
+    on an int64 all_reduce (both gloo's, beside sparcoll's small round) after a fresh group."""
+    out = {}
+    pg = sparcoll_group(timeout=30)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1000) if rank == 0 else torch.ones(1000, dtype=torch.int64), group=pg)
+        out["error"] = None
+    except Exception as exc:
+        out["error"] = type(exc).__name__
+    out["elapsed"] = time.monotonic() - start
+    dist.destroy_process_group(pg)
+    pg = sparcoll_group(timeout=30)
+    counts = torch.full((3,), rank + 1, dtype=torch.int64)
+    dist.all_reduce(counts, group=pg)
+    mixed = torch.full((2,), float(rank + 1))
+    dist.all_reduce(mixed, op=dist.ReduceOp.MAX, group=pg)
+    out["agreed"] = counts.tolist() + mixed.tolist()
+    dist.destroy_process_group(pg)
+    return out
+
+
+def test_a_call_that_goes_to_gloo_against_one_that_goes_to_sparcoll_is_a_mismatch_at_once():
+    """Before, each rank waited in its own library for the group's timeout (30 minutes by default)."""
+    for out in run_ranks(one_rank_int64_the_other_float32, WORLD, timeout=TIMEOUT):
+        assert out["error"] == "MismatchError" and out["elapsed"] < 10, out
+        assert out["agreed"] == [3, 3, 3, 2.0, 2.0], out

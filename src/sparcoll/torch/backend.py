@@ -41,6 +41,7 @@ NAME = "sparcoll"
 # The torch reduce ops sparcoll runs, to sparcoll's op names: torch names them alike (SUM: "sum").
 OPS = {getattr(dist.ReduceOp.RedOpType, name.upper()): name for name in SPARCOLL_OPS}
 BARRIER_TAG = MAX_TAG           # the barrier's sparcoll allreduce; the group's all_reduce uses tag 0
+DELEGATED_TAG = MAX_TAG - 1     # the sparcoll allreduce beside an all_reduce that goes to gloo
 WAIT_SLICE_S = 0.05             # how often a waiting SparcollWork looks whether a part failed
 
 # Our method -> the gloo method it forwards to (gloo names some tensor-in/tensor-out forms differently).
@@ -157,7 +158,7 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
         gloo."""
         op = opts.reduceOp.op
         if not self._accelerated(tensors, op):
-            return self.gloo.allreduce(tensors, opts)
+            return self._delegated_allreduce(tensors, opts)
         return SparcollWork(Completion.start(tensors, lambda: self._issue(tensors[0], OPS[op], _seconds(opts.timeout))))
 
     def _issue(self, tensor: torch.Tensor, op: str, timeout: float | None, tag: int = 0) -> list:
@@ -174,6 +175,16 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
         if coo:
             return [sparse.allreduce_coo(tensor, op, self.comm)]
         return [self.comm.allreduce(tensor, op=op, async_op=True, timeout=timeout, tag=tag)]
+
+    def _delegated_allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+        """gloo's all_reduce, beside a one-element sparcoll allreduce of a tag of its own: a peer whose
+        call went to sparcoll (a float tensor where this rank's is int64, say) then gets MismatchError
+        at once on both ranks, where each would wait in its own library for the group's timeout (30
+        minutes by default). Ranks that all delegate pay one small sparcoll round beside gloo's."""
+        def issue() -> list:
+            gloo_part = self.gloo.allreduce(tensors, opts)
+            return self._issue(torch.zeros(1), "sum", _seconds(opts.timeout), DELEGATED_TAG) + [gloo_part]
+        return SparcollWork(Completion.start(tensors, issue))
 
     def barrier(self, opts) -> dist.Work:
         """Done when every rank has issued all earlier collectives of both parts: a one-element
