@@ -316,3 +316,16 @@ def test_a_flood_of_failed_collectives_logs_a_line_per_interval(caplog):
     lines = [r for r in caplog.records if "failed: x" in r.getMessage()]
     assert len(lines) == 1, len(lines)
     assert len(told) == 1000
+
+
+def test_a_colocated_aggregator_leaves_a_failure_to_the_exception_its_own_rank_raises(caplog):
+    """A colocated aggregator's process raises the failure to its caller: its log line came on top of
+    the exception on the user's terminal. It is logged at INFO there, at WARNING by a dedicated one."""
+    from sparcoll.aggregator import AggregatorJob, LocalWorker
+    with caplog.at_level(logging.INFO, logger="sparcoll.aggregator"):
+        for colocated in (True, False):
+            job = AggregatorJob(1, 0, wire.JobConfig(2, 1, 1, 2, 4), b"t" * 32, colocated=colocated)
+            job.attach(0, LocalWorker(lambda message: None))
+            job.fail(1, wire.ErrorCode.PEER, f"colocated {colocated}")
+    levels = {r.getMessage().rsplit(": ", 1)[1]: r.levelno for r in caplog.records if "colocated" in r.getMessage()}
+    assert levels == {"colocated True": logging.INFO, "colocated False": logging.WARNING}, levels

@@ -85,7 +85,8 @@ class CollectiveShard:
 class AggregatorJob:
     """One job's state on one aggregator: its workers and the collectives in progress."""
 
-    def __init__(self, job: int, agg_index: int, config: wire.JobConfig, job_token: bytes):
+    def __init__(self, job: int, agg_index: int, config: wire.JobConfig, job_token: bytes,
+                 colocated: bool = False):
         self.job = job
         self.agg_index = agg_index
         self.config = config
@@ -98,8 +99,9 @@ class AggregatorJob:
         self._failed: OrderedDict[int, Failed] = OrderedDict()
         self._broken: tuple[wire.ErrorCode, str] | None = None
         self._lock = threading.Lock()
-        # a worker may fail collectives (an ERROR each, 64 KiB of its text) as fast as it can send
-        self._failures_logged = Throttled(log)
+        # a worker may fail collectives (an ERROR each, 64 KiB of its text) as fast as it can send;
+        # colocated, its own process raises the failure: the log says it at INFO only
+        self._failures_logged = Throttled(log, logging.INFO if colocated else logging.WARNING)
 
     def admit(self, hello: wire.Hello, job_token: bytes) -> None:
         if not hmac.compare_digest(job_token, self.job_token):

@@ -109,8 +109,9 @@ class AggregatorServer:
 
     def add_job(self, job: int, agg_index: int, config: wire.JobConfig,
                 job_token: bytes) -> AggregatorJob:
+        """The job of this process's own ranks (a colocated aggregator's)."""
         with self._lock:
-            state = self.jobs[job] = AggregatorJob(job, agg_index, config, job_token)
+            state = self.jobs[job] = AggregatorJob(job, agg_index, config, job_token, colocated=True)
         return state
 
     def traffic(self) -> transport.TrafficStats:
