@@ -450,3 +450,22 @@ def test_a_rank_is_taken_from_its_admission_so_a_second_connection_is_refused(mo
         if first is not None:
             first.close()
         server.close()
+
+
+def test_both_ends_of_a_connection_probe_a_silent_peer_with_tcp_keepalive():
+    """A worker whose host lost power sends no FIN: a dedicated aggregator's receive for it had no
+    deadline, and its thread and job stayed for good. Both ends now keep TCP alive, and a peer that
+    answers no probe ends the connection after about two minutes (60 s idle, 6 probes 10 s apart)."""
+    server = server_module.AggregatorServer("127.0.0.1", 0, b"k" * 16)
+    sock = None
+    try:
+        sock = transport.connect(server.address, hello_for(41, rank=0), b"k" * 16, 5.0, wire.job_token(b"k" * 16))
+        assert wait_for(lambda: len(server._serving) == 1)
+        for end in (sock, *server._serving.values()):
+            assert end.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert [end.getsockopt(socket.IPPROTO_TCP, opt) for opt in
+                    (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)] == [60, 10, 6]
+    finally:
+        if sock is not None:
+            sock.close()
+        server.close()

@@ -266,7 +266,7 @@ class Engine:
             if isinstance(request, Abort):
                 try:
                     self.worker.abort(request.cid, request.text)
-                except Exception:       # the peers then learn it from this rank's poison
+                except BaseException:   # any: the peers then learn it from this rank's poison
                     log.exception("rank %d could not announce its abort of allreduce %d",
                                   self.rank, request.cid)
                 return True

@@ -127,36 +127,40 @@ class AggregatorServer:
         a thread that cannot start) would leave a server that looks alive and never accepts again."""
         while not self._closed:
             try:
-                sock, peer = self.sock.accept()
-            except Exception as exc:
+                if not self._accept_one():
+                    return
+            except BaseException as exc:    # any: this thread must go on accepting
                 if self._closed:
                     return
                 self._back_off(f"accepting a connection failed ({exc})")
-                continue
-            if not self._start_handshake():
-                # Counted before the close: whoever sees the connection closed sees it counted.
-                self.over_cap.warn(f"closed a connection from {peer[0]}:{peer[1]} at once: "
-                                   f"{self.max_handshakes} handshakes are in progress, the limit")
-                sock.close()
-                continue
-            thread = threading.Thread(target=self._serve, args=(sock,), name="sparcoll-agg-recv",
-                                      daemon=True)
-            with self._lock:    # close() sets _closed, then takes its list of threads here
-                closed = self._closed
-                if not closed:
-                    self._serving[thread] = sock
-            if closed:          # accepted as close() began: it would neither wake nor join it
-                self._end_handshake()
-                sock.close()
-                return
-            try:
-                thread.start()
-            except Exception as exc:
-                with self._lock:
-                    self._serving.pop(thread, None)
-                self._end_handshake()
-                sock.close()
-                self._back_off(f"starting a thread for a connection failed ({exc})")
+
+    def _accept_one(self) -> bool:
+        """Accept a connection and start its thread; False once the server is closing."""
+        sock, peer = self.sock.accept()
+        if not self._start_handshake():
+            # Counted before the close: whoever sees the connection closed sees it counted.
+            self.over_cap.warn(f"closed a connection from {peer[0]}:{peer[1]} at once: "
+                               f"{self.max_handshakes} handshakes are in progress, the limit")
+            sock.close()
+            return True
+        thread = threading.Thread(target=self._serve, args=(sock,), name="sparcoll-agg-recv", daemon=True)
+        with self._lock:    # close() sets _closed, then takes its list of threads here
+            closed = self._closed
+            if not closed:
+                self._serving[thread] = sock
+        if closed:          # accepted as close() began: it would neither wake nor join it
+            self._end_handshake()
+            sock.close()
+            return False
+        try:
+            thread.start()
+        except BaseException as exc:
+            with self._lock:
+                self._serving.pop(thread, None)
+            self._end_handshake()
+            sock.close()
+            self._back_off(f"starting a thread for a connection failed ({exc})")
+        return True
 
     def _start_handshake(self) -> bool:
         """Take a handshake slot, if one is free."""
@@ -201,7 +205,7 @@ class AggregatorServer:
                 return
             try:
                 self._attend(sock, hello)
-            except Exception:
+            except BaseException:       # any: the connection closes, the server goes on
                 log.exception("closed rank %d of job %#x after an internal error", hello.rank,
                               hello.job)
                 sock.close()
@@ -221,7 +225,7 @@ class AggregatorServer:
             return transport.accept(sock, lambda hello: self.secret, admit, HANDSHAKE_TIMEOUT)
         except (SparcollError, OSError) as exc:
             self.refused.warn(f"refused a connection: {exc}")
-        except Exception:
+        except BaseException:
             log.exception("refused a connection after an internal error in its handshake")
         sock.close()
         if admitted:    # admitted, then lost before the verdict: don't keep an empty job
@@ -310,7 +314,7 @@ class AggregatorServer:
             if self._closed:
                 return wire.ErrorCode.PEER, "the aggregator is shutting down"
             return wire.ErrorCode.PEER, f"rank {rank} disconnected ({exc})"
-        except Exception as exc:    # a bug costs this connection, never the thread's clean-up
+        except BaseException as exc:    # any bug costs this connection, never the thread's clean-up
             log.exception("closing %s after an internal error", conn.peer)
             return wire.ErrorCode.PEER, (f"rank {rank}: internal error in the aggregator "
                                          f"({type(exc).__name__}: {exc})")

@@ -186,7 +186,7 @@ class Connection:
                     with self._queue_lock:
                         self._backlog -= 1
                     give_back(lease)
-        except Exception as exc:
+        except BaseException as exc:    # any (a lease's callback may raise anything): peers must hear of it
             self._fail(exc)
         finally:
             self._stop()
@@ -283,10 +283,21 @@ def close_all(connections, timeout: float = SENDER_JOIN_S) -> None:
         conn.close(deadline)
 
 
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 60, 10, 6
+
+
 def _configure(sock: socket.socket) -> None:
+    """No Nagle delay, large buffers, and TCP keepalive: a peer whose host lost power or fell behind a
+    partition sends no FIN, and a receive of a long-lived dedicated aggregator waits without a
+    deadline (its job's state held); keepalive ends such a connection after about two minutes."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                       ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+        if hasattr(socket, opt):        # Linux; elsewhere the system's keepalive times
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 
 def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,

@@ -783,13 +783,15 @@ def under_load(run, prepare, train_step, alone_step: float, alone: float,
     thread = threading.Thread(target=loop, name="sparcoll-profile-load", daemon=True)
     thread.start()
     steps, start = 0, time.perf_counter()
-    while not done.is_set() or not steps:
+    while (not done.is_set() or not steps) and time.perf_counter() - start < timeout:
         train_step()
         steps += 1
     elapsed = time.perf_counter() - start
-    thread.join(timeout)
+    thread.join(max(0.0, timeout - elapsed))
     if failure:
         raise failure[0]
+    if not done.is_set():
+        raise sparcoll.CollectiveTimeout(f"collectives under load did not finish within {timeout:g} s")
     overlap = min(span[1], start + elapsed) - max(span[0], start)
     measured = torch.tensor([[statistics.median(times), slowed(overlap, elapsed, steps * alone_step)],
                              [max(0.0, cpu[0]), 0.0]], dtype=torch.float64)

@@ -177,7 +177,7 @@ def compression_hook(state: CompressionState,
                                    f"its collectives no longer pair with the other ranks'; make a new "
                                    f"CompressionState (on every rank) to go on")
             done.set_result(state.reduce_bucket(buffer, params))
-        except Exception as exc:
+        except BaseException as exc:    # any: DDP's backward waits on `done` without a deadline
             # Where one rank failed alone, its next bucket's collectives would pair with the
             # others' current ones: silently, where their sizes agree. None runs after a failure;
             # the others' wait for this rank ends at their group's timeout.
