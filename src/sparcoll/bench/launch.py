@@ -315,8 +315,8 @@ def _progress_bar(steps: int):
     """A progress bar of `steps` steps on stderr; yields advance(what), which counts one finished step
     of `what`. It redraws only when a step finishes (no refresh thread: the processes being timed
     share the machine's cores). Off a terminal nothing is redrawn: a line is printed for a new `what`
-    at most every LOG_EVERY_S seconds (the first at once), and at the end. advance(what, more) also adds `more` steps to the total (a job that learns how
-    much work it has only once started)."""
+    at most every LOG_EVERY_S seconds (the first at once), and at the end. advance(what, more) also
+    adds `more` steps to the total (a job that learns how much work it has only once started)."""
     console = Console(stderr=True, emoji=False)   # "poseidon:ring: step 3" is no emoji code
     if not console.is_terminal:
         console.width = LOG_WIDTH   # a log line is not cut to a screen's width
