@@ -56,6 +56,11 @@ def test_bad_environment_values_name_the_variable(monkeypatch):
     options = Options.resolve()
     assert options.credits == 3 and options.aggregators == ("a:1", "b:2")
     assert Options.resolve(credits=5).credits == 5        # an argument beats the environment
+    for variable, value in (("SPARCOLL_CREDITS", "0"), ("SPARCOLL_STREAMS", "65"), ("SPARCOLL_MESSAGE_BLOCKS", "0")):
+        monkeypatch.setenv(variable, value)
+        with pytest.raises(ValueError, match=rf"^\${variable}={value} outside \[1, "):   # before: unnamed
+            Options.resolve()
+        monkeypatch.delenv(variable)
 
 
 def test_the_same_values_from_a_peer_are_protocol_errors():
