@@ -76,7 +76,7 @@ class CollectiveShard:
         self.lock = threading.RLock()   # AggregatorJob.fail takes it, also from inside contribute
         self.dropped = False            # failed: contributions that come after are let go
         self.streams = [AggregatorStream(*geometry.range(job.agg_index, s), config.world, descriptor,
-                                         dtype, acc, op & ~wire.COO_OP == wire.Op.AVG, config.message_blocks,
+                                         dtype, acc, wire.base_op(op) == wire.Op.AVG, config.message_blocks,
                                          config.credits)
                         for s in range(config.streams)]
         self.finished = 0

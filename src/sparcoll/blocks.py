@@ -445,7 +445,7 @@ class SparseBlocks(CompactBlocks):
     def finish(self) -> torch.Tensor:
         indices, rows = self.results()
         indices, b, width = indices.numpy(), self.block_size, self.width
-        if not entries_share_blocks(width, b):                 # every touched entry came back whole
+        if not entries_share_blocks(width, b):      # every touched entry came back whole
             per = width // b
             entries, values = indices[::per] // per, rows.reshape(-1, width)
         else:                              # several entries share a block

@@ -43,10 +43,10 @@ class Options:
         options = cls(
             block_size=block_size,
             aggregators=_given_or_env("aggregators", aggregators, _addresses, None),
-            streams=_given_or_env("streams", streams, _within_limit, DEFAULT_STREAMS),
-            message_blocks=_given_or_env("message_blocks", message_blocks, _within_limit,
+            streams=_given_or_env("streams", streams, _up_to("streams"), DEFAULT_STREAMS),
+            message_blocks=_given_or_env("message_blocks", message_blocks, _up_to("message_blocks"),
                                          default_message_blocks(block_size)),
-            credits=_given_or_env("credits", credits, _within_limit, DEFAULT_CREDITS),
+            credits=_given_or_env("credits", credits, _up_to("credits"), DEFAULT_CREDITS),
             timeout=timeout, host=host,
             algorithm=_given_or_env("algorithm", algorithm, Algorithm.parse, Algorithm.AUTO))
         if options.aggregators:
@@ -117,14 +117,17 @@ def _integer(value, name: str) -> int:
     raise ValueError(f"{name} must be an integer, got {value!r}")
 
 
-def _within_limit(value, name: str) -> int:
-    """An integer from 1 to the job's limit for that option (wire.JobConfig.LIMITS), named as the
-    caller gave it: `credits`, or `$SPARCOLL_CREDITS` when it came from the environment."""
-    number = _integer(value, name)
-    limit = wire.JobConfig.LIMITS[name.removeprefix("$SPARCOLL_").lower()]
-    if not 1 <= number <= limit:
-        raise ValueError(f"{name}={number} outside [1, {limit}]")
-    return number
+def _up_to(option: str) -> Callable:
+    """A parser of an integer from 1 to the job's limit for `option` (wire.JobConfig.LIMITS), whose
+    error names it as the caller gave it: `credits`, or `$SPARCOLL_CREDITS` from the environment."""
+    limit = wire.JobConfig.LIMITS[option]
+
+    def parse(value, name: str) -> int:
+        number = _integer(value, name)
+        if not 1 <= number <= limit:
+            raise ValueError(f"{name}={number} outside [1, {limit}]")
+        return number
+    return parse
 
 
 def _addresses(value, name: str) -> tuple[str, ...]:

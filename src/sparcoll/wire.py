@@ -61,9 +61,14 @@ COO_OP = 0x80   # set in a data message's op byte when the tensor is a sparse CO
                 # blocks and a COO tensor's of one shape must not be summed together
 
 
+def base_op(code: int) -> int:
+    """An op byte without its COO_OP flag: the reduction itself."""
+    return code & ~COO_OP
+
+
 def op_name(code: int) -> str:
     """An op byte (a data message's, or a ring check's) in words."""
-    base = code & ~COO_OP
+    base = base_op(code)
     if base not in Op._value2member_map_:
         return f"code {code}"
     return Op(base).name.lower() + (" of a COO tensor" if code & COO_OP else "")
@@ -174,7 +179,7 @@ def decode_header(buf, max_blocks: int, expected_job: int) -> Header:
     if kind in (Kind.CONTRIBUTE, Kind.RESULT):
         if dtype not in DTYPES:
             raise ProtocolError(f"unknown dtype code {dtype}")
-        if op & ~COO_OP not in Op._value2member_map_:
+        if base_op(op) not in Op._value2member_map_:
             raise ProtocolError(f"unknown op code {op}")
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ProtocolError(f"block size {block_size} out of range")

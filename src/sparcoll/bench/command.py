@@ -25,6 +25,7 @@ from sparcoll.bench.patterns import InputSpec
 from sparcoll.bench.report import Setup, add_speedups, make_record, table, title, write_json
 from sparcoll.bench.sizes import comma_list, count_argument, parse_count
 from sparcoll.outputs import check_output_path
+from sparcoll.wire import MAX_BLOCK_SIZE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +79,6 @@ def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
     algos = algorithms.select(list(dict.fromkeys(args.algos)))
     if min(args.workers) < 2:
         raise ValueError("--workers: an allreduce needs 2 workers at least")
-    from sparcoll.wire import MAX_BLOCK_SIZE
     if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"--block-size must be 1 to {MAX_BLOCK_SIZE}, got {args.block_size}")
     if args.numel % args.block_size:

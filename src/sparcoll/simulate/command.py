@@ -31,16 +31,10 @@ def _rate(text: str) -> float | None:
         raise ValueError(f"{exc}; or none (unshaped)") from None
 
 
-def _network(text: str) -> str:
-    """A --network item as given, once _rate reads it."""
-    _rate(text)
-    return text
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=comma_list(int), default=DEFAULT_WORKERS,
                         help="worker counts, comma separated (default 2,4,...,256)")
-    parser.add_argument("--network", type=comma_list(_network), default=["1gbit", "10gbit", "100gbit"],
+    parser.add_argument("--network", type=comma_list(_rate), default=[1e9, 1e10, 1e11],
                         help="link rates, comma separated (none: loopback, unshaped); default 1gbit,10gbit,100gbit")
     parser.add_argument("--numel", type=count_argument, default=parse_count("16M"),
                         help="float32 elements (default 16M)")
@@ -77,11 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def points(args: argparse.Namespace) -> list[Point]:
     """Every point the arguments name, checked (a bad one raises ValueError naming it)."""
     out = []
-    for network, layout, density, workers, algo in itertools.product(
+    for rate, layout, density, workers, algo in itertools.product(
             args.network, args.aggregators, args.density, args.workers, args.algos):
         if layout == "dedicated" and algo not in ("sparse", "sparcoll"):
             continue          # only sparcoll has aggregators of its own
-        out.append(Point(algo, workers, args.numel, density, _rate(network), aggregators=layout,
+        out.append(Point(algo, workers, args.numel, density, rate, aggregators=layout,
                          num_aggregators=args.num_aggregators if layout == "dedicated" else None,
                          overlap=args.overlap, cores=args.cores, block_size=args.block_size,
                          credits=args.credits, burst_bytes=args.link_burst))
