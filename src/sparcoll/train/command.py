@@ -41,6 +41,7 @@ from sparcoll.bench.memory import FAULTING_PAGES, took_fresh_memory
 from sparcoll.bench.netem import add_link_burst_argument, check_network
 from sparcoll.outputs import check_output_path
 from sparcoll.train.worker import MODES, plain_ddp_on_sparse_gradients
+from sparcoll.wire import MAX_BLOCK_SIZE
 from sparcoll.workloads import WORKLOADS
 
 COMPARED = ("sparcoll", "ddp")
@@ -238,7 +239,6 @@ def _validate(args) -> None:
         args.batch_size = BATCH_SIZES.get(args.workload, 256)
     if args.workers < 1 or args.steps < 1 or args.batch_size < 1 or args.block_size < 1:
         raise ValueError("--workers, --steps, --batch-size and --block-size must be >= 1")
-    from sparcoll.wire import MAX_BLOCK_SIZE
     if args.block_size > MAX_BLOCK_SIZE:
         raise ValueError(f"--block-size must be at most {MAX_BLOCK_SIZE}, got {args.block_size}")
     if args.warmup is None:     # a one-step run (a smoke test) times its only step
