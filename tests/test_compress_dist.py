@@ -95,10 +95,10 @@ def reference(spec):
     for rank, reducer in enumerate(locals_):
         reducer.compressor.seed_rank(rank)
     results = []
-    if spec == "signsgd":
+    if spec == "signsgd":       # no state: each step the majority vote of the ranks' payloads
         c = locals_[0].compressor
-        parts = [c.compress(grad(spec, r, 0)).parts for r in range(WORLD)]
-        return [c.combine(parts, 960).view(24, 40)]
+        return [c.combine([c.compress(grad(spec, r, step)).parts for r in range(WORLD)], 960).view(24, 40)
+                for step in range(STEPS)]
     if spec.startswith("powersgd"):
         mean_reducer, residuals = sc.Reducer(spec + ",ef=off"), [0.0] * WORLD
         for step in range(STEPS):
@@ -124,6 +124,7 @@ def outcome():
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_rank_gets_the_reference_average(outcome, spec):
     expected = reference(spec)
+    assert len(expected) == STEPS
     tolerance = {"fp16": 2e-3, "bf16": 1e-2}.get(spec, 1e-5)   # ranks' shares summed in fp16/bf16
     for rank_out in outcome:
         got = rank_out[spec]
@@ -184,3 +185,28 @@ def test_blocktopk_goes_through_the_sparse_allreduce(outcome):
         assert torch.equal(result, expected / WORLD)
         assert blocks_sent <= 4             # only its kept blocks, those of other ranks' shards
     assert sum(out["wire"][1] for out in outcome) > 0
+
+
+DIFFERING = [("randomk:0.1,seed=1", "randomk:0.1,seed=2"), ("qsgd:127", "qsgd:128"), ("signsgd", "efsignsgd"),
+             ("none", "topk:0.1")]
+
+
+def differing_settings(rank: int, world: int) -> list:
+    """Each pair's first spec on rank 0, its second on rank 1: what each rank's reduce raised."""
+    raised = []
+    for pair in DIFFERING:
+        try:
+            sc.Reducer(pair[rank]).reduce(grad("none", rank, 0), key="w")
+            raised.append(None)
+        except sparcoll.MismatchError as exc:
+            raised.append(str(exc))
+    return raised
+
+
+def test_ranks_that_compress_with_different_settings_get_a_mismatch_error():
+    """A randomk seed that differed gave each rank its own average, silently (the models drift
+    apart); qsgd's levels that differed killed both processes inside gloo (int8 against int16)."""
+    for raised in run_ranks(differing_settings, 2, timeout=60):
+        for (mine, theirs), message in zip(DIFFERING, raised):
+            assert message is not None and "different settings" in message, (mine, message)
+            assert str(sc.parse(mine)) in message and str(sc.parse(theirs)) in message

@@ -25,8 +25,9 @@ collective.
 
 Sparse COO input (e.g. nn.Embedding(sparse=True) gradients) is compressed entry by entry without
 densifying by none, fp16, bf16, topk, threshold and blocktopk, and stays COO; the others densify it
-first. Its kept entries go by sparcoll's sparse AllReduce for blocktopk, and for none/fp16/bf16 when a
-communicator is given (fp16/bf16 values stay cast on the wire); otherwise they are gathered.
+first. Its kept entries go by sparcoll's sparse AllReduce when a communicator is given, for blocktopk
+and none/fp16/bf16 (fp16/bf16 values stay cast on the wire), and by the group's own sparse all_reduce
+for blocktopk without one (gloo's gathers); otherwise they are gathered.
 """
 from __future__ import annotations
 

@@ -32,10 +32,9 @@ class Payload:
 
 @dataclass
 class Entries:
-    """What a rank sent, as (indices, values) of a flat tensor: lets error feedback subtract k
-    elements instead of building a dense tensor of them. Indices are distinct."""
+    """The positions of a flat tensor whose values a rank sent exactly as they are (repeats allowed):
+    error feedback zeroes k elements of its residual instead of subtracting a dense tensor."""
     idx: torch.Tensor
-    vals: torch.Tensor
 
 
 def parts_bytes(parts) -> int:

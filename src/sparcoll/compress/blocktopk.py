@@ -82,13 +82,13 @@ class BlockTopK(Compressor):
 
     def sent(self, payload: Payload, numel: int) -> Entries:
         """The kept elements, for error feedback (the last block's padding left out)."""
-        indices, rows = payload.parts
+        indices = payload.parts[0]
         bs = self.block_size
         positions = (indices.unsqueeze(1) * bs + _offsets(bs)).view(-1)
         count = positions.numel()
         if numel % bs and count and int(indices[-1]) == numel // bs:     # the padded last block is kept
             count -= bs - numel % bs        # its padding is the end of the ascending positions
-        return Entries(positions[:count], rows.reshape(-1)[:count])
+        return Entries(positions[:count])
 
     def sent_bytes(self, payload: Payload) -> int:
         """The kept blocks and their indices, as sparcoll sends them."""

@@ -122,6 +122,12 @@ class Channel:
         dist.all_gather(gathered, data, group=self.group)
         return [_split(buf, n, parts) for buf, n in zip(gathered, every)]
 
+    def allgather_object(self, obj) -> list:
+        """Every rank's picklable `obj`, in rank order."""
+        every = [None] * self.world
+        dist.all_gather_object(every, obj, group=self.group)
+        return every
+
 
 def _concatenated(tensors: list) -> tuple[torch.Tensor, list]:
     """One flat copy of `tensors` end to end, and each one's view of its part."""

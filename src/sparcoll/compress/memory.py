@@ -64,8 +64,10 @@ class Residual(NoMemory):
         if compensated.is_sparse:
             self.residuals[key] = _sparse_sum(compensated, -sent)
         elif isinstance(sent, Entries):
+            # the sent entries are the compensated values themselves: their residual is 0 (zeroed,
+            # not subtracted: an infinity sent would leave inf - inf = NaN behind for good)
             residual = compensated if owned else compensated.clone()
-            self.residuals[key] = residual.index_add_(0, sent.idx, sent.vals, alpha=-1)
+            self.residuals[key] = residual.index_fill_(0, sent.idx, 0.0)
         else:
             self.residuals[key] = compensated.sub_(sent) if owned else compensated - sent
 

@@ -4,7 +4,8 @@ is two allreduces (P, then Q, each for all tensors at once), never an allgather;
 communication scheme of its own, so the compressor drives the two allreduces itself (`reduce_many`).
 
 Q starts from a generator seeded by the spec's seed and a counter of Qs created, identical on every
-rank; after each step every rank holds the same averaged Q, the next step's start. A tensor of
+rank; after each step every rank holds the same averaged Q, the next step's start (unless it is 0:
+the start is kept). A tensor of
 shape (d0, d1, ...) is the matrix d0 x (d1 * ...); a 1-D one of n elements is padded to the nearest
 square ceil(n / c) x c, c = ceil(sqrt(n)).
 """
@@ -62,7 +63,10 @@ class PowerSGD(Compressor):
         ps = allreduce_mean_many([torch.mm(q.t(), m.t()).t().contiguous() for m, q in zip(mats, starts)])
         ps = [torch.linalg.qr(p).Q for p in ps]
         qs = allreduce_mean_many([torch.mm(p.t(), m).t().contiguous() for m, p in zip(mats, ps)])
-        self.q.update(zip(keys, qs))
+        # A zero gradient (a parameter unused this step) gives Q = 0, and a warm start from 0 would
+        # lose most of the next gradient: such a tensor keeps its start. Every rank holds the same
+        # averaged Q, so every rank decides alike.
+        self.q.update((key, q if q.any() else start) for key, q, start in zip(keys, qs, starts))
         targets = into if into is not None else [None] * len(xs)
         return [_product(p, q, m, x.numel(), target)
                 for p, q, m, x, target in zip(ps, qs, mats, xs, targets)]

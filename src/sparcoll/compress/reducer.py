@@ -11,7 +11,10 @@ gradient comes back rounded to float32's precision, even under `none` (1 + 1e-12
 and non-finite values are not guarded (a NaN or infinity kept in error-feedback memory stays there:
 docs/reliability.md, "Known gaps"). Every rank must reduce the same tensors
 (shapes, keys) in the same order: the collectives and the shared seeds (randomk, PowerSGD's Q) rely
-on it. `key` names the tensor's error-feedback and warm-start state.
+on it. `key` names the tensor's error-feedback and warm-start state; a compressor that keeps state
+needs one. Before its first collective a Reducer checks that every rank has the same spec and block
+size (one small allgather): a seed or a level that differed would give each rank its own average, or
+end the process inside gloo.
 
 `sent_bytes` counts the payload bytes this rank contributed (parts, or kept blocks and their indices
 for the sparse AllReduce; not the collective's own traffic: a ring allreduce moves about twice its
@@ -23,6 +26,7 @@ import torch
 
 from . import coo
 from .base import Payload, block_bytes, index_dtype, parts_bytes
+from ..errors import MismatchError
 from .channel import Channel
 from .memory import make_memory
 from .registry import make
@@ -38,6 +42,7 @@ class Reducer:
         self.compressor.block_size = comm.block_size if comm is not None else 256
         self.compressor.seed_rank(self.channel.rank)
         self.sent_bytes = 0
+        self._agreed = self.channel.world == 1
 
     def payload_bytes(self, tensor: torch.Tensor) -> int:
         """What this rank sends for dense `tensor` (an upper bound where the size depends on the
@@ -61,11 +66,12 @@ class Reducer:
         if other is not None:
             raise TypeError(f"a Reducer takes dense or sparse COO tensors, got {other}: convert it with .to_dense() "
                             f"or .to_sparse_coo()")
-        stateful = self.memory.active or self.compressor.scheme == "powersgd"    # keys name their state
+        stateful = self._stateful()
         if len(keys) != len(tensors) or (stateful and len(set(keys)) < len(keys)):
             raise ValueError(f"reduce_many takes one key per tensor{', each its own' if stateful else ''} (a key "
                              f"names its tensor's error-feedback or warm-start state), got {len(keys)} keys, "
                              f"{len(set(keys))} distinct, for {len(tensors)} tensors")
+        self._need_keys(keys)
         if exact and not self.compressor.carries_exact:
             raise ValueError(f"{self.spec} cannot carry uncompressed tensors in its collective")
         if into is not None and any(t.is_sparse for t in tensors):
@@ -73,6 +79,7 @@ class Reducer:
         if into is not None and [t.numel() for t in into] != [t.numel() for t in [*tensors, *exact]]:
             raise ValueError(f"`into` holds tensors of {[t.numel() for t in into]} elements for inputs of "
                              f"{[t.numel() for t in [*tensors, *exact]]}")
+        self.agree()
         c, results, dense = self.compressor, [None] * len(tensors), []
         for i, (tensor, key) in enumerate(zip(tensors, keys)):
             if tensor.is_sparse and c.entries:
@@ -116,6 +123,7 @@ class Reducer:
         if not self.splits or tensor.is_sparse:
             raise ValueError(f"{self.spec} cannot compress apart from its collective"
                              if tensor.is_dense else "compress takes dense tensors")
+        self._need_keys([key])
         return self._compress(self.memory.compensate(_flat_float(tensor), key), key)
 
     def communicate(self, payloads: list, likes: list, into: list | None = None, tag: int = 0) -> list:
@@ -123,8 +131,31 @@ class Reducer:
         for variable-size gathers), each shaped and typed as its tensor in `likes`. `into`: flat
         float32 tensors the averages are decompressed into (as `reduce_many`'s); `tag` as
         `reduce_many`'s."""
+        self.agree()
         outs = self._communicate(payloads, into, tag)
         return [out.view(like.shape).to(like.dtype) for out, like in zip(outs, likes)]
+
+    def _stateful(self) -> bool:
+        return self.memory.active or self.compressor.scheme == "powersgd"
+
+    def _need_keys(self, keys: list) -> None:
+        """Keys name the state a compressor keeps per tensor: without one, every tensor would share it
+        (one tensor's residual added into the next)."""
+        if self._stateful() and any(key is None for key in keys):
+            raise ValueError(f"{self.spec} keeps state per tensor (error feedback or PowerSGD's warm start): "
+                             f"give each tensor its own key=, e.g. the parameter's name")
+
+    def agree(self) -> None:
+        """Once, before this reducer's first collective: every rank's spec and block size alike, or
+        MismatchError naming them on every rank (reduce_many and communicate call it; a caller that
+        uses the channel directly calls it first)."""
+        if self._agreed:
+            return
+        every = self.channel.allgather_object(f"{self.spec} in blocks of {self.compressor.block_size}")
+        self._agreed = True
+        if len(set(every)) > 1:
+            raise MismatchError("ranks compress with different settings: "
+                                + ", ".join(f"rank {rank} {mine}" for rank, mine in enumerate(every)))
 
     def _compress(self, comp: torch.Tensor, key) -> Payload:
         payload = self.compressor.compress(comp)

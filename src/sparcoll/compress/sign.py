@@ -1,7 +1,9 @@
 """Sign compressors: one bit per element (bit-packed) and two reconstruction values per rank.
 
   signsgd    x' = mean|x| * sign(x); ranks combine by majority vote: sign(sum of signs) times the
-             ranks' mean scale (so a step keeps the gradient's magnitude); no error feedback
+             ranks' mean scale (so a step keeps the gradient's magnitude); no error feedback.
+             One bit has no room for 0: sign(0) is +1 here, so an element whose gradient is 0 on
+             every rank still moves by the scale (efsignsgd's feedback takes the step back later)
   efsignsgd  the same x', error feedback on, ranks' x' averaged (EF-SignSGD, Karimireddy et al.)
   onebit     1-bit SGD (Seide et al.): x' = mean of x's non-negative entries where x >= 0, mean of
              its negative entries where x < 0; error feedback on, averaged

@@ -44,8 +44,7 @@ class Sparsifier(Compressor):
         return zeroed(numel, out).index_put_((idx.long(),), vals)
 
     def sent(self, payload: Payload, numel: int) -> Entries:
-        idx, vals = payload.parts
-        return Entries(idx.long(), vals)
+        return Entries(payload.parts[0].long())
 
     def combine(self, gathered: list[tuple], numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         idx = torch.cat([parts[0].long() for parts in gathered])
@@ -145,6 +144,11 @@ class RandomK(Compressor):
     def decompress(self, parts: tuple, ctx, out: torch.Tensor | None = None) -> torch.Tensor:
         idx, numel = ctx
         return zeroed(numel, out).index_put_((idx,), parts[0])
+
+    def sent(self, payload: Payload, numel: int) -> Entries:
+        """The drawn positions: error feedback runs only unscaled, where the values sent are the
+        tensor's own."""
+        return Entries(payload.ctx[0])
 
     def payload_bytes(self, numel: int, shape=None) -> int:
         return 4 * _count(self.spec.arg, numel)

@@ -4,7 +4,8 @@
     ddp.register_comm_hook(state, sparcoll.torch.compression_hook)
 
 Each bucket is cut back into its parameters' gradients, and each gets its parameter's spec: the
-state's spec, except 1-D parameters (biases, norms), which go uncompressed unless compress_1d=True,
+state's spec, except 1-D parameters (biases, norms), which go uncompressed unless compress_1d=True
+(in float32 when they share a bucket with compressed ones: a float64 bias comes back rounded then),
 and whatever `per_param` says (a {parameter: spec} mapping, or a function of the parameter returning
 a spec or None for the default). A bucket's gradients under one spec share one collective (two for
 PowerSGD and variable-size gathers: Reducer.reduce_many), each with its own error feedback and warm
@@ -138,6 +139,7 @@ class CompressionState:
         for reducer, members in groups.items():
             if reducer.spec == _NONE and len(members) == len(params):
                 # the whole bucket uncompressed: in place, bit for bit what DDP computes
+                reducer.agree()
                 reducer.channel.allreduce_mean(buffer)
                 reducer.sent_bytes += buffer.numel() * buffer.element_size()
                 continue
