@@ -258,6 +258,7 @@ def test_payload_bytes_are_known_before_sending(spec):
     compressor = sc.make(spec)
     if spec.startswith("powersgd"):
         assert compressor.payload_bytes(3000, (60, 50)) == 4 * 2 * (60 + 50)
+        assert compressor.payload_bytes(64, (64, 1)) == compressor.payload_bytes(9, (3, 3)) // 9 * 64 == 4 * 64
         return
     payload = compressor.compress(x)
     sent = sum(p.numel() * p.element_size() for p in payload.parts)
@@ -603,3 +604,18 @@ def test_powersgd_keeps_its_warm_start_through_a_zero_gradient():
     assert torch.allclose(reducer.reduce(low, key="w"), low, atol=1e-4)
     assert not reducer.reduce(torch.zeros(40, 30), key="w").any()
     assert torch.allclose(reducer.reduce(low, key="w"), low, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(64, 1), (1, 512), (3, 3), (4, 4), (7,)])
+def test_powersgd_sends_a_tensor_its_factors_would_not_shrink_as_it_is(shape):
+    """Thin and small matrices: rank-2 factors of (64, 1) hold 130 floats for 64, and were still sent
+    (an approximation, bigger than the tensor). They are averaged as they are, exact, with nothing
+    left to feed back, beside the others in one collective."""
+    x, big = data(*shape, seed=7), data(40, 30, seed=8)
+    reducer = sc.Reducer("powersgd:2")
+    for step in range(2):
+        thin, approx = reducer.reduce_many([x, big], ["x", "big"])
+        assert torch.equal(thin, x)
+        assert not reducer.memory.residual("x").any()
+    assert reducer.compressor.payload_bytes(x.numel(), shape) == 4 * x.numel()
+    assert not torch.equal(approx, big) and reducer.memory.residual("big").any()

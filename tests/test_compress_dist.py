@@ -76,6 +76,8 @@ def everything(rank: int, world: int) -> dict:
             before = comm.stats.blocks_sent
             result = sc.Reducer(spec, comm=comm).reduce(embedding_grad(rank), key="e")
             out["coo " + spec] = (result.is_sparse, result.to_dense(), comm.stats.blocks_sent > before)
+        thin = [grad("powersgd", rank, 0)[:, :1], grad("powersgd", rank, 0)[:2, :2]]
+        out["thin"] = [sc.Reducer("powersgd:2", comm=comm).reduce(t, key="t") for t in thin]
         nothing = sc.Reducer("threshold:100", comm=comm)       # no rank has anything to send
         out["all empty"] = [nothing.reduce(grad("none", rank, step), key="w") for step in range(2)]
         big = wire_input(rank)
@@ -151,6 +153,15 @@ def test_averages_written_into_the_callers_tensors_are_those_returned_new(outcom
         assert returned_into
         for into, many in zip(got, out["many " + spec]):
             assert torch.equal(into, many.reshape(-1))
+
+
+def test_powersgd_averages_a_tensor_it_cannot_shrink_exactly(outcome):
+    """(24, 1) and (2, 2): rank-2 factors would hold more floats than the tensor."""
+    expected = [sum(grad("powersgd", r, 0)[:, :1] for r in range(WORLD)) / WORLD,
+                sum(grad("powersgd", r, 0)[:2, :2] for r in range(WORLD)) / WORLD]
+    for out in outcome:
+        for got, want in zip(out["thin"], expected):
+            assert torch.allclose(got, want, atol=1e-6)
 
 
 def test_powersgd_q_is_identical_on_every_rank(outcome):

@@ -94,7 +94,9 @@ class Reducer:
             outs = c.reduce_many(comps, shapes, [keys[i] for i in dense],
                                  self.channel.allreduce_mean_many, into)
             for comp, out, shape, i in zip(comps, outs, shapes, dense):
-                self.memory.update(comp, out, keys[i])
+                # a tensor sent whole has no error to feed back; else the residual is what the
+                # averaged approximation missed of this rank's own (as torch's PowerSGD hook keeps it)
+                self.memory.update(comp, comp if c.sends_whole(comp.numel(), shape) else out, keys[i])
                 self.sent_bytes += c.payload_bytes(comp.numel(), shape)
         else:
             payloads = [self._compress(comp, keys[i]) for comp, i in zip(comps, dense)]
