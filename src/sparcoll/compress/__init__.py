@@ -17,7 +17,7 @@ collective.
 |---|---|---|
 | none, fp16, bf16 | allreduce of the (cast) tensor | off |
 | randomk | allreduce of k values (indices from a seed shared by all ranks) | on |
-| powersgd | two allreduces (P, Q); Q warm-started, identical on every rank | on |
+| powersgd | two allreduces (P, Q); Q warm-started, identical on every rank; a tensor its factors would not shrink (n x 1, 3 x 3) averaged as it is | on |
 | blocktopk | sparcoll's sparse AllReduce of the kept blocks | on |
 | topk, threshold, dgc | allgather of (int32 indices, values), variable size | on (dgc: momentum correction) |
 | qsgd, terngrad | allgather of quantized values + scale | off (unbiased) |
