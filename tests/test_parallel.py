@@ -1304,7 +1304,7 @@ def failed_synchronization(rank: int, world: int, failing: tuple) -> dict:
 
     def out_of_memory(t):
         raise MemoryError("injected: out of memory")
-    raised, errors = [], []
+    raised, errors, cleared = [], [], []
     try:
         for s in range(4):
             dp.zero_grad()
@@ -1314,6 +1314,7 @@ def failed_synchronization(rank: int, world: int, failing: tuple) -> dict:
                 nn.functional.mse_loss(dp(x), y).backward()
             except Exception as exc:        # noqa: BLE001 (what each step raised is the result)
                 raised.append(f"{type(exc).__name__}: {exc}")
+                cleared.append(all(p.grad is None for p in dp.module.parameters()))
                 continue
             raised.append(None)
             errors.append(relative_error([p.grad for p in dp.module.parameters()],
@@ -1321,7 +1322,7 @@ def failed_synchronization(rank: int, world: int, failing: tuple) -> dict:
         dp.close()
     finally:
         comm.close()
-    return {"raised": raised, "errors": errors}
+    return {"raised": raised, "errors": errors, "cleared": cleared}
 
 
 def test_a_synchronization_that_failed_on_one_rank_only_stops_every_rank_within_seconds():
@@ -1350,6 +1351,7 @@ def test_a_synchronization_that_failed_alike_on_every_rank_is_dropped_and_the_ne
         raised = out["raised"]
         assert raised[0] is None and raised[2:] == [None, None], (rank, raised)
         assert raised[1].startswith("RuntimeError: gradient synchronization failed: injected: out of memory"), raised
+        assert out["cleared"] == [True], out    # no rank's own gradient left for an optimizer to apply
         assert len(out["errors"]) == 3 and max(out["errors"]) <= 1e-5, (rank, out)
 
 
@@ -1531,3 +1533,124 @@ def test_gloos_own_timeout_is_a_collective_timeout_however_early(text):
     assert parallel._gloo_timed_out(RuntimeError(text))
     assert not parallel._gloo_timed_out(RuntimeError("Connection closed by peer [127.0.0.1]:27273"))
     assert not parallel._gloo_timed_out(MemoryError("timed out"))
+
+
+class Scaled(nn.Linear):
+    """An nn.Linear whose output is not x W^T + b (an equalized learning rate): SFB's factors are not
+    its gradient's."""
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight / self.in_features ** 0.5, self.bias)
+
+
+class ByKeyword(nn.Module):
+    """A linear layer called with its input as a keyword, then a Scaled one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(12)
+        self.a, self.b = nn.Linear(12, 16), Scaled(16, 5)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(input=x)))
+
+
+class TwoHeads(nn.Module):
+    """A second head `b` that only some micro-batches use."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(13)
+        self.a, self.b = nn.Linear(12, 5), nn.Linear(12, 5)
+
+    def forward(self, x, use_b: bool):
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def second_head_used(rank: int, micro: int) -> bool:
+    return micro == 0 or rank == 0
+
+
+def review_cases(rank: int, world: int) -> dict:
+    """What a review of DataParallel found wrong, each case against a float64 reference."""
+    out = {}
+    # an nn.Linear subclass with its own forward, and a layer called as self.a(input=x), under SFB
+    dp = sparcoll.torch.DataParallel(ByKeyword(), strategy="sfb")
+    out["kwargs and subclass"] = relative_error(step(dp, rank, 6, (12,)), reference_grads(ByKeyword, 6, (12,), world))
+    # SFB's layer input changed in place after the call: autograd's error, not a silent gradient
+    x, y = batch(rank, 6, (12,), seed=1)
+    x = x.clone()
+    loss = nn.functional.mse_loss(dp(x), y)
+    x.zero_()
+    try:
+        loss.backward()
+        out["in place"] = None
+    except RuntimeError as exc:
+        out["in place"] = str(exc)
+    dp.close()
+    # find_unused_parameters, two synchronized backwards without zero_grad: head b used by every rank
+    # in the first, by rank 0 only in the second
+    dp = sparcoll.torch.DataParallel(TwoHeads(), find_unused_parameters=True)
+    for micro in range(2):
+        x, y = batch(rank, 4, (12,), seed=micro)
+        nn.functional.mse_loss(dp(x, second_head_used(rank, micro)), y).backward()
+    out["accumulated"] = [p.grad.clone() for p in dp.module.parameters()]
+    dp.close()
+    # BatchNorm's statistics: two training steps, then an evaluation on every rank
+    dp = sparcoll.torch.DataParallel(normed())
+    optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
+    for s in range(2):
+        x, y = batch(rank, 6, (12,), seed=s)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(dp(x), y).backward()
+        optimizer.step()
+    dp.eval()
+    with torch.no_grad():
+        out["evaluation"] = dp(batch(0, 6, (12,), seed=9)[0])
+    dp.close()
+    return out
+
+
+def two_heads_reference(world: int) -> list:
+    model = TwoHeads().double()
+    total = 0
+    for micro in range(2):
+        for r in range(world):
+            x, y = batch(r, 4, (12,), seed=micro)
+            total = total + nn.functional.mse_loss(model(x.double(), second_head_used(r, micro)), y.double()) / world
+    total.backward()
+    return [p.grad.float() for p in model.parameters()]
+
+
+def test_what_a_review_of_dataparallel_found():
+    """Before: the keyword call raised IndexError, the Scaled layer's SFB gradient was 16x off, the
+    in-place change gave a gradient of zeros silently, the second backward's unused head averaged
+    (held + new) / world instead of held + new / world (0.51 off), and the evaluation after training
+    ran each rank's own BatchNorm statistics (DDP broadcasts rank 0's first, in any mode)."""
+    outcome = run_ranks(review_cases, WORLD, timeout=120)
+    want = two_heads_reference(WORLD)
+    for out in outcome:
+        assert out["kwargs and subclass"] <= 1e-5, out
+        assert "modified by an inplace operation" in out["in place"] and "the input of a" in out["in place"], out
+        assert relative_error(out["accumulated"], want) <= 1e-5
+        assert torch.equal(out["evaluation"], outcome[0]["evaluation"])
+
+
+def sparse_lookups_alone(rank: int, world: int) -> str:
+    """A world of one: the dense-declared embedding under the sparse strategy keeps its dense
+    gradient (no lookups: nothing to send), so an optimizer that takes no COO gradient works."""
+    comm = sparcoll.init()
+    try:
+        torch.manual_seed(2)
+        model = nn.Sequential(nn.Embedding(50, 4), nn.Flatten(), nn.Linear(12, 1))
+        dp = sparcoll.torch.DataParallel(model, comm=comm, strategy={"0.weight": "sparse"})
+        dp(torch.tensor([[1, 2, 3]])).sum().backward()
+        torch.optim.Adam(dp.parameters()).step()
+        dp.close()
+        return str(model[0].weight.grad.layout)
+    finally:
+        comm.close()
+
+
+def test_a_world_of_one_keeps_an_embeddings_dense_gradient():
+    assert run_ranks(sparse_lookups_alone, 1, timeout=60) == ["torch.strided"]

@@ -121,6 +121,11 @@ TIMED_OUT = 0.95        # a gloo wait that failed after this share of the timeou
 AGREE_S = 10.0          # ranks whose step's synchronization failed alike say so within this
 
 
+def _linear_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """nn.Linear's input, passed by position or as `input=`."""
+    return args[0] if args else kwargs["input"]
+
+
 def _gloo_timed_out(error: BaseException) -> bool:
     """Whether `error` is gloo's own timeout (its group's, shorter than the wrapper's, or a wait's):
     "Timed out waiting 1000ms for recv operation to complete", and in the group's next collective
@@ -172,8 +177,10 @@ class DataParallel(nn.Module):
     synchronization thread before its collective. timeout: seconds backward waits for the last
     synchronization. wait_free=False holds every synchronization until backward has finished (as
     without Poseidon's overlap; for comparison). broadcast_buffers: as DDP's, rank 0's buffers (a
-    BatchNorm's running statistics) replace every rank's at the start of each forward that will be
-    synchronized, in one broadcast per dtype. find_unused_parameters: as DDP's, for models whose
+    BatchNorm's running statistics) replace every rank's, in one broadcast per dtype, at the start of
+    the first forward and of each forward after one that will be synchronized, whatever its own mode:
+    an evaluation after training sees rank 0's statistics on every rank (so evaluate on every rank, or
+    through `.module` on one, as under DDP). find_unused_parameters: as DDP's, for models whose
     data decides which parameters a step uses (a branch one rank takes and another does not): a
     parameter without a gradient on a rank contributes zeros there, and one no rank used keeps its
     gradient as it was; SFB is not used (its factors need every rank's call of the layer). A backward
@@ -191,6 +198,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.comm, self.group, self.timeout, self.wait_free = comm, group, timeout, wait_free
         self.broadcast_buffers = broadcast_buffers
+        self._buffers_due = True          # the first forward, and each after a synchronized one
         self.find_unused_parameters = find_unused_parameters
         self._held: list = []
         self._bucket: list = []           # (parameter, event, payload) of small gradients, in ready order
@@ -252,7 +260,7 @@ class DataParallel(nn.Module):
         self._came_last: set[int] = set()
         self._warned_missing = False
         self._coo = sparse.sparse_weights(module)
-        self._lookups = sparse.Lookups(module, lambda w: comm is not None and w.requires_grad
+        self._lookups = sparse.Lookups(module, lambda w: self.world > 1 and comm is not None and w.requires_grad
                                        and self._requested(w) == hybrid.SPARSE)
         self._handles += self._lookups.handles
         self._linear: dict[int, LinearState] = {}    # weight id -> its layer's step
@@ -263,9 +271,10 @@ class DataParallel(nn.Module):
             if not self._may_take_sfb(layer):
                 continue
             state = LinearState(layer, self._names.get(id(layer.weight), "?"))
-            self._handles.append(layer.register_forward_pre_hook(functools.partial(self._before_linear, state)))
+            self._handles.append(layer.register_forward_pre_hook(functools.partial(self._before_linear, state),
+                                                                 with_kwargs=True))
             self._handles.append(layer.register_forward_hook(functools.partial(self._after_linear, state),
-                                                             always_call=True))
+                                                             with_kwargs=True, always_call=True))
             self._linear[id(layer.weight)] = state
         self._density: dict[int, float] = {}
         # the tensors whose block density the hybrid choice reads (_learn_density): chosen by it, with
@@ -306,8 +315,9 @@ class DataParallel(nn.Module):
         if self._armed and torch._C._current_graph_task_id() == -1:    # not a recomputation in backward
             with self._breaking():
                 self._drop_failed_step()
-        if self.broadcast_buffers and self._sync and self.world > 1 and torch.is_grad_enabled():
+        if self.broadcast_buffers and self._buffers_due and self.world > 1:
             self._broadcast_buffers()
+        self._buffers_due = self._sync and torch.is_grad_enabled()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -400,13 +410,13 @@ class DataParallel(nn.Module):
         return chosen
 
     # ---- a linear layer's call ----------------------------------------------------------------------
-    def _before_linear(self, state: LinearState, layer: nn.Linear, args) -> None:
+    def _before_linear(self, state: LinearState, layer: nn.Linear, args, kwargs) -> None:
         """Choose the layer's strategy at its first call of a step, from the rows the ranks fed it
         last step (the same on every rank); under SFB, keep autograd from computing the local weight
         gradient that SFB replaces."""
         if not (self._sync and self.world > 1 and torch.is_grad_enabled() and layer.weight.requires_grad):
             return
-        x = args[0]
+        x = _linear_input(args, kwargs)
         if state.strategy is None or not (state.calls or self._armed):
             # a new step (calls of a forward that never got a backward have vanished with its graph)
             state.reset()
@@ -420,13 +430,13 @@ class DataParallel(nn.Module):
         else:
             state.local_grad = True                # nothing else makes the output differentiable
 
-    def _after_linear(self, state: LinearState, layer: nn.Linear, args, output) -> None:
+    def _after_linear(self, state: LinearState, layer: nn.Linear, args, kwargs, output) -> None:
         if state.skipping:
             layer.weight.requires_grad_(True)
             state.skipping = False
         if state.strategy is None or not (self._sync and torch.is_grad_enabled() and output.requires_grad):
             return
-        call = Call(args[0].detach() if state.strategy == hybrid.SFB else None)
+        call = Call(_linear_input(args, kwargs).detach() if state.strategy == hybrid.SFB else None)
         state.calls.add(call)
         output.grad_fn.metadata["sparcoll call"] = call      # alive as long as the graph
         if state.strategy == hybrid.SFB:
@@ -441,6 +451,11 @@ class DataParallel(nn.Module):
                 f"same graph; give it another strategy")
             return
         state.calls.discard(call)
+        if call.inputs._version != call.version:
+            self._error = self._error or RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: the input of {state.name}, whose gradient SFB builds from it at backward")
+            return
         self._came.add(id(state.layer.weight))      # its weight's gradient comes as these factors
         if not state.started:
             state.start()
@@ -702,8 +717,9 @@ class DataParallel(nn.Module):
 
     def _hand_on_the_rest(self) -> tuple[list, torch.Tensor]:
         """find_unused_parameters, at the end of backward: the parameters not handed on yet, in the
-        order, each without a gradient of this step (or accumulated under no_sync) with zeros
-        in its place; then the allreduce that counts the ranks that used each parameter (until the
+        order, each without a gradient of this step (or accumulated under no_sync) with a copy of
+        the gradient it holds in its place (a second backward without zero_grad: DDP's rule), else
+        zeros; then the allreduce that counts the ranks that used each parameter (until the
         order is rebuilt, followed by where in rank 0's arrivals each parameter came, 1 for the
         first, 0 for none: the other ranks add zeros). Returns the stand-ins, (position in the
         order, parameter, its gradient before), and that allreduce's tensor (final once every
@@ -715,8 +731,12 @@ class DataParallel(nn.Module):
             p = self._order[i]
             if not used[i]:
                 stand_ins.append((i, p, p.grad))
-                p.grad = sparse.zeros_like(p) if id(p) in self._coo or id(p) in self._lookups \
-                    else torch.zeros_like(p)
+                if p.grad is not None:      # the same layout as a rank that used it gets: held + new
+                    p.grad = p.grad.clone()
+                elif id(p) in self._coo or id(p) in self._lookups:
+                    p.grad = sparse.zeros_like(p)
+                else:
+                    p.grad = torch.zeros_like(p)
             self._hand_on(p)
         self._flush()
         self._send_incomplete_units()
@@ -786,6 +806,9 @@ class DataParallel(nn.Module):
             self._settle_offloaded()
         self._unchecked = []        # a step's gradients are checked in that step's buckets or not at all
         self._restore_unused_everywhere(stand_ins, counts, error)
+        if error is not None:       # dropped, as a step whose backward raised: no rank's own gradient
+            for p in self._params:  # may reach an optimizer as if it were the average
+                p.grad = None
         if error is None and counts is not None and len(counts) > len(self._order):
             self._rebuild_order(counts[len(self._order):].tolist())
         for state in self._linear.values():

@@ -25,21 +25,26 @@ def eligible_layers(model: nn.Module) -> list[nn.Linear]:
     """The model's nn.Linear layers SFB can serve: a trainable weight of its own, which no other
     module owns too (a tied embedding and softmax get gradient from both; the factors cover only the
     layer's part), and which is the parameter itself (a weight computed from others, as
-    weight_norm's or a parametrization's, passes its gradient on to them)."""
+    weight_norm's or a parametrization's, passes its gradient on to them). A subclass that computes
+    its output another way than x W^T + b (a scaled weight, a LoRA adapter) has other factors."""
     owners: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             owners[id(param)] = owners.get(id(param), 0) + 1
     return [m for m in model.modules()
-            if isinstance(m, nn.Linear) and m.weight.requires_grad and owners.get(id(m.weight)) == 1]
+            if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and m.weight.requires_grad
+            and owners.get(id(m.weight)) == 1]
 
 
 class Call:
     """One call of the layer in a step: its input (v), until its output's gradient (u) arrives. Only
-    the autograd graph holds it, so it vanishes with a graph that never gets a backward."""
+    the autograd graph holds it, so it vanishes with a graph that never gets a backward. `version`:
+    the input's version counter at the call, as autograd keeps it for a tensor it saved (SFB reads
+    the input itself at backward, which an in-place change since would falsify)."""
 
     def __init__(self, inputs: torch.Tensor | None):
         self.inputs = inputs
+        self.version = None if inputs is None else inputs._version
 
 
 class LinearState:
