@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The planner's figures of docs/benchmarks.md, 4 workers at 1 Gbit/s (emulated; root needed), per
+# The planner's figures of docs/benchmarks-log.md, 4 workers at 1 Gbit/s (emulated; root needed), per
 # workload (default: deeplight ncf gpt vgg):
 #   W-profile.json, W-plan.{json,txt}   `sparcoll plan`: the profile, the plan and its predictions
 #   W-u-NAME.json                       the uniform strategies the plan predicts best (three), the ring and
@@ -74,7 +74,7 @@ print(min(d, key=d.get) if d else '')" "$out/$w-plan.json")
   interleave=() n=${steps[$workload]}
   [ -n "${INTERLEAVE:-}" ] && interleave=(--interleave) n=$((2 * n))
   for round in $(seq 1 "$rounds"); do
-    # every other round in reversed order: the machine's speed drifts over minutes (benchmarks.md,
+    # every other round in reversed order: the machine's speed drifts over minutes (benchmarks-log.md,
     # section 7), and a fixed order would hand the same modes the same part of every round
     order=$modes; [ $((round % 2)) -eq 0 ] && order=$reversed
     timeout 3600 ./dev sparcoll train --workload "$workload" "${options[@]}" --workers 4 --network 1gbit --steps "$n" \

@@ -4,7 +4,7 @@ compression hook end within 5% (relative) of uncompressed DDP's final loss, as `
 steps). Two processes on loopback; the same seeds and global batches in every mode.
 
 topk:0.01 on vgg's tiny preset is left out: it ends 10.9% above DDP there (1% of a 48 x 32 matrix is
-16 elements a step; docs/benchmarks.md lists every compressor's final loss)."""
+16 elements a step; docs/benchmarks-log.md lists every compressor's final loss)."""
 import json
 
 import pytest

@@ -5,7 +5,7 @@ unmaps it when freed. A gradient that large is allocated anew by every backward 
 dense gradient, a wide layer's), and each of its pages then faults and is zeroed by the kernel
 before torch writes it again. deeplight's 68 MB embedding gradient: one process's backward took
 34-41 ms that way, 12-14 ms with the memory kept (measured on this project's machine); 4 workers on
-2 cores, a step of its plan went from 161-168 ms to 128-135 (docs/benchmarks.md, section 4).
+2 cores, a step of its plan went from 161-168 ms to 128-135 (docs/benchmarks-log.md, section 4).
 Tuned CPU training avoids this with another allocator (jemalloc, tcmalloc); this keeps glibc and
 tells it to serve every block from its heap (no mmap) and to keep the heap's free top (no trim), so
 a freed gradient's pages serve the next one.

@@ -18,7 +18,7 @@ from .secret import shared_secret
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_STREAMS = 1
 DEFAULT_MESSAGE_BLOCKS = 2048
-DEFAULT_CREDITS = 2     # messages in flight per stream; more only queue up in the links (docs/benchmarks.md)
+DEFAULT_CREDITS = 2     # messages in flight per stream; more only queue up in the links (docs/benchmarks-log.md)
 DEFAULT_TIMEOUT = 60.0
 
 

@@ -328,7 +328,7 @@ class Ring:
         wait in slices of POLL seconds, between which this rank looks for a peer's report. No
         polling first: a thread that polls takes a core from gloo's threads on 2 busy cores (2
         ranks on loopback, 8 to 4K floats, 6 runs each: the median call 403-592 us without it,
-        462-1022 us with 2 ms of polling; docs/benchmarks.md)."""
+        462-1022 us with 2 ms of polling; docs/benchmarks-log.md)."""
         while True:
             try:
                 work.wait(timedelta(seconds=max(0.001, min(POLL, deadline - time.monotonic()))))

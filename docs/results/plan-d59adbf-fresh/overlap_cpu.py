@@ -1,6 +1,6 @@
 """Each stored round's modes re-priced by their profile: the CPU bound as sparcoll prices it ("now"), and with
 each collective's CPU at its rate beside training only for the share of its time that overlaps backward, at its
-rate alone after ("new"); against each run's measured step (docs/benchmarks.md, section 7, "gpt and vgg on fresh
+rate alone after ("new"); against each run's measured step (docs/benchmarks-log.md, section 7, "gpt and vgg on fresh
 profiles again"). A one-off; not the project's model.
 From the project root: .venv/bin/python docs/results/plan-d59adbf-fresh/overlap_cpu.py docs/results/plan-4a5aea8-fresh \
   docs/results/plan-4a5aea8-interleaved docs/results/plan-lookup-cpu docs/results/plan-lookup-spared \

@@ -1,6 +1,6 @@
 """The machine's speed at a moment: the CPU time of a fixed piece of work. On this project's 2-core
 virtual machine the same work took 1.25-1.29x longer at its 90th percentile than at its 10th, second
-to second, on an otherwise idle machine (benchmarks/machine_speed.py, docs/benchmarks.md): a step
+to second, on an otherwise idle machine (benchmarks/machine_speed.py, docs/benchmarks-log.md): a step
 bounded by the workers' CPU moves with it, so a measured step is read beside the speed it ran at.
 
 The work is matrix products (compute) and an elementwise sum over a few MB (memory), timed by the

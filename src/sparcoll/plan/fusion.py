@@ -12,7 +12,7 @@ on the ring one allreduce; under the sparse AllReduce concatenated, up to 1 MB),
 member, which trades wait-free backpropagation's early start for fewer collectives. A unit joins
 the latest unit of its option even past units of other options: deeplight's dense_embedding, ready
 between its two COO embeddings, joined the MLP's blocktopk collective that way, and its step went from
-0.92-0.94x DDP's to 0.97x (docs/benchmarks.md). sparcoll.torch.DataParallel sends a plan's unit of
+0.92-0.94x DDP's to 0.97x (docs/benchmarks-log.md). sparcoll.torch.DataParallel sends a plan's unit of
 several tensors as one bucket, whatever their sizes, as soon as all of them are ready.
 """
 from __future__ import annotations

@@ -22,7 +22,7 @@ COLLECTIVES = (RING, SPARSE, DEDICATED, ALLGATHER, PS, SFB)
 ALL_COMPRESSORS = ("none", "fp16", "bf16", "randomk:0.01", "topk:0.01", "dgc:0.01", "qsgd:16", "terngrad",
                    "efsignsgd", "onebit", "powersgd:4", "blocktopk:0.01")
 # The planner chooses by speed, so its default candidates are the compressors that kept the loss within
-# 5% of DDP's on both of the convergence runs of docs/benchmarks.md (gpt and vgg, tiny, 200 steps): the
+# 5% of DDP's on both of the convergence runs of docs/benchmarks-log.md (gpt and vgg, tiny, 200 steps): the
 # others fell 11-71% behind on vgg (terngrad, top-k, DGC, random-k; random-k 25% on gpt too), and
 # speed alone picked random-k for gpt (+4.6% held-out loss after 20 steps) and terngrad for deeplight.
 HURT_CONVERGENCE = ("randomk:0.01", "topk:0.01", "dgc:0.01", "terngrad")
