@@ -286,6 +286,11 @@ class DataParallel(nn.Module):
         self._sync = True
         self._accumulated = False
         self._rows: dict[int, float] = {}     # weight id -> the ranks' mean rows last step (ROWS)
+        # what this step learns for the hybrid choice (rows, densities), kept only if the step succeeds:
+        # after a failed step, which of its collectives finished differs by rank, and ranks that
+        # learned different facts would choose different collectives in the next step
+        self._learned_rows: dict[int, float] = {}
+        self._learned_density: dict[int, float] = {}
         self._pending = 0
         self._idle = threading.Condition()
         self._error: BaseException | None = None
@@ -805,6 +810,7 @@ class DataParallel(nn.Module):
         if error is not None:
             self._settle_offloaded()
         self._unchecked = []        # a step's gradients are checked in that step's buckets or not at all
+        self._keep_what_the_step_learned(error is None)
         self._restore_unused_everywhere(stand_ins, counts, error)
         if error is not None:       # dropped, as a step whose backward raised: no rank's own gradient
             for p in self._params:  # may reach an optimizer as if it were the average
@@ -913,6 +919,7 @@ class DataParallel(nn.Module):
                                             watch=False)
             self._settle_offloaded()
         finally:
+            self._keep_what_the_step_learned(False)
             self._bucket, self._bucket_bytes, self._unit_buckets, self._held = [], 0, {}, []
             self._armed = self._accumulated = False
             self._unchecked = []
@@ -1018,7 +1025,7 @@ class DataParallel(nn.Module):
         if chosen == ROWS:
             rows, weights = extra
             work = dist.all_reduce(rows, group=self.group, async_op=True)
-            return self._later(work, lambda: self._rows.update(zip(weights, (rows / self.world).tolist())))
+            return self._later(work, lambda: self._learned_rows.update(zip(weights, (rows / self.world).tolist())))
         if chosen == hybrid.SFB:
             state, u, v = extra
             self._unchecked.append(self._tags[id(p)])
@@ -1150,7 +1157,15 @@ class DataParallel(nn.Module):
         scans of its 16 small tensors gpt tiny's step went from 5.1-5.9 to 4.0-5.3 ms on loopback)."""
         if id(p) in self._density_decides:
             blocks = BlockTensor(averaged, self._block_size())
-            self._density[id(p)] = blocks.nonzero().size / max(1, blocks.nblocks)
+            self._learned_density[id(p)] = blocks.nonzero().size / max(1, blocks.nblocks)
+
+    def _keep_what_the_step_learned(self, succeeded: bool) -> None:
+        """At a step's end, once none of its collectives runs: its rows and densities become what the
+        next step chooses by, if it succeeded on every rank; else the last good step's stay."""
+        if succeeded:
+            self._rows.update(self._learned_rows)
+            self._density.update(self._learned_density)
+        self._learned_rows, self._learned_density = {}, {}
 
     def _note_rows(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """`grad` (coalesced COO), having noted the share of p's rows it touches: this worker's
