@@ -25,11 +25,6 @@ def pack(*planes: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.packbits(interleaved))
 
 
-def unpack(packed: torch.Tensor, count: int) -> torch.Tensor:
-    """The first `count` bits of `packed` (one plane) as a bool tensor."""
-    return torch.from_numpy(np.unpackbits(packed.numpy(), count=count).view(np.bool_))
-
-
 def decode(packed: torch.Tensor, count: int, levels: torch.Tensor,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """float32 values of the first `count` elements packed by `pack`: element i is levels[code i];
