@@ -1,7 +1,9 @@
 """`sparcoll plan`'s arguments and its user's model: what it refuses before any work starts, with a
 clear error, what it reuses and what it measures again."""
 import argparse
+import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -9,6 +11,8 @@ import sys
 import pytest
 
 from sparcoll.plan import command
+from sparcoll.train import command as train_command
+from sparcoll.workloads import user
 from support import sparcoll_here
 
 TIMEOUT = 240
@@ -77,6 +81,20 @@ def models(tmp_path):
     sys.modules.pop(name, None)
 
 
+TENSOR = {"numel": 4096, "shape": [64, 64], "linear": False, "rows": 0, "coo": False, "density": 1.0, "union": 1.0}
+CURVE = [[1.0, 1e6], [1e-4, 1e-2]]      # 0.1 ms for a byte (or an element), 10 ms for a million
+
+
+def measured(ident: dict, **model) -> dict:
+    """A stored profile of `ident` (command.identity), made by hand: two tensors of 4096 elements,
+    every collective and fp16 on CURVE; `model` replaces its measurements'."""
+    return {**ident, "model": {"order": ["b", "a"], "ready": [0.001, 0.002], "backward_end": 0.003,
+                               "optimizer": 0.001, "forward": 0.004, "cores_per_worker": 1.0,
+                               "tensors": {"a": TENSOR, "b": TENSOR}, **model},
+            "fits": {"collectives": dict.fromkeys(["ring", "ps", "allgather", "sparse"], CURVE),
+                     "compress": {"fp16": CURVE}, "decompress": {"fp16": CURVE}}}
+
+
 def test_a_stored_profile_with_a_list_valued_workload_option_is_reused(tmp_path, monkeypatch, capsys):
     """`--workload-option hidden=64,32` is a tuple in the identity and a list in the stored JSON:
     they never compared equal, and every run measured the profile again (minutes of jobs)."""
@@ -85,10 +103,10 @@ def test_a_stored_profile_with_a_list_valued_workload_option_is_reused(tmp_path,
     ident = command.identity(args)
     assert ident["options"] == {"hidden": (64, 32)}, ident
     profile = tmp_path / "p.json"
-    profile.write_text(json.dumps({**ident, "model": {}, "fits": {"kept": 1}}))
+    profile.write_text(json.dumps({**measured(ident), "kept": 1}))
     args.profile = str(profile)
     monkeypatch.setattr(command, "measure", lambda ident, timeout: pytest.fail("measured again"))
-    assert command.load_or_measure(args, ident)["fits"] == {"kept": 1}
+    assert command.load_or_measure(args, ident)["kept"] == 1
 
 
 def test_an_edited_model_under_the_same_spec_is_profiled_again(tmp_path, monkeypatch, capsys):
@@ -101,16 +119,17 @@ def test_an_edited_model_under_the_same_spec_is_profiled_again(tmp_path, monkeyp
     sys.modules.pop("edited_model")     # each run of sparcoll plan is a new process
     assert command.identity(args) == before
     profile = tmp_path / "p.json"
-    profile.write_text(json.dumps({**before, "model": {}, "fits": {}}))
+    profile.write_text(json.dumps(measured(before)))
     args.profile = str(profile)
-    assert command.load_or_measure(args, before)["fits"] == {}
+    assert command.load_or_measure(args, before)["fingerprint"] == before["fingerprint"]
     (tmp_path / "edited_model.py").write_text(source.format(32))
     sys.modules.pop("edited_model")
     after = command.identity(args)
     assert after != before and after["fingerprint"] != before["fingerprint"]
     monkeypatch.setattr(command, "measure", lambda ident, timeout: {**ident, "model": {}, "fits": {"new": 1}})
     assert command.load_or_measure(args, after)["fits"] == {"new": 1}
-    assert "measured for another model" in capsys.readouterr().err
+    assert f"measured for fingerprint \"{before['fingerprint']}\" (this run: \"{after['fingerprint']}\")" \
+        in capsys.readouterr().err
     assert json.loads(profile.read_text())["fingerprint"] == after["fingerprint"]
     sys.modules.pop("edited_model")
 
@@ -197,9 +216,122 @@ def test_an_unused_parameter_is_left_out_of_the_plan_and_named(models, importabl
         done = sparcoll_here(capsys, argv + ["--uniform", "ring", *trial], TIMEOUT)
         assert done.returncode == 0 and "uniform ring" in done.stdout, done.stderr[-3000:]
         assert ("--trial is not run with --uniform or --without" in done.stderr) == noted, done.stderr
-        assert "measured for another model" not in done.stderr and "trial" not in json.loads(plan_file.read_text())
+        assert "measuring again" not in done.stderr and "trial" not in json.loads(plan_file.read_text())
     # the trial's reference, DDP, once failed on such a model (it needs find_unused_parameters)
     done = sparcoll_here(capsys, argv + ["--trial", "1", "--trial-passes", "1"], TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"DDP on gloo \(the reference\) +measured +[0-9.]+ ms", done.stdout), done.stdout
     assert "failed" not in done.stdout, done.stdout
+
+
+def test_a_stored_profile_is_reused_whatever_the_order_of_compressors_and_else_says_what_differs(
+        tmp_path, monkeypatch, capsys):
+    """--compressors fp16,topk:0.01 and topk:0.01,fp16 measure the same: the second measured again; and
+    a profile of another worker count and network said "another model, worker count or network"."""
+    args = args_of("--workers", "2", "--network", "none", "--compressors", "topk:0.01,fp16",
+                   "--profile", str(tmp_path / "p.json"))
+    ident = command.identity(args)
+    assert ident == command.identity(args_of("--workers", "2", "--network", "none", "--compressors", "fp16,topk:0.01"))
+    stored = measured(ident)
+    (tmp_path / "p.json").write_text(json.dumps({**stored, "compressors": ["none", "topk:0.01", "fp16"]}))
+    monkeypatch.setattr(command, "measure", lambda ident, timeout: pytest.fail("measured again"))
+    assert command.load_or_measure(args, ident)["compressors"] == ["none", "topk:0.01", "fp16"]
+    (tmp_path / "p.json").write_text(json.dumps({**stored, "workers": 4, "network": "1gbit"}))
+    monkeypatch.setattr(command, "measure", lambda ident, timeout: measured(ident))
+    command.load_or_measure(args, ident)
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'p.json'} was measured for workers 4 (this run: 2), network \"1gbit\" (this run: " \
+           f"\"none\"); measuring again" in err, err
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda p: p["model"].update(ready=[math.nan, 0.002]), "model.ready[0] is nan, not a finite number >= 0"),
+    (lambda p: p["model"].pop("order"), "model.order is missing"),
+    (lambda p: p["model"].update(backward_end="0.003"), 'model.backward_end is "0.003", not a number'),
+    (lambda p: p.update(fits={}), "fits.collectives is missing"),
+    (lambda p: p["model"]["ready"].pop(), "model.ready has 1 times for 2 tensors"),
+    (lambda p: p["model"]["tensors"].update(a={**TENSOR, "numel": -5}), "model.tensors.a.numel is -5"),
+    (lambda p: p["model"].update(order=["b", "b"]), "model.order lists 2 tensors and model.tensors 2, not each once"),
+    (lambda p: p["fits"]["collectives"].update(ring=[[1.0, 2.0], [1e-4]]), "fits.collectives.ring is not a curve"),
+])
+def test_a_damaged_stored_profile_is_refused_naming_what_is_wrong(tmp_path, monkeypatch, capsys, damage, says):
+    """A stored profile of the right identity edited by hand or damaged: before, NaN ready times made a
+    plan of NaN with exit status 0, the others a traceback (KeyError, TypeError, IndexError, math domain
+    error). Neither measured again nor overwritten; --reprofile measures it again."""
+    argv = ["--workload", "ncf", "--compressors", "fp16", "--trial", "0", "--profile", str(tmp_path / "p.json"),
+            "--json", str(tmp_path / "plan.json")]
+    ident = command.identity(args_of("--workers", "2", "--network", "none", *argv))
+    (tmp_path / "p.json").write_text(json.dumps(measured(ident)))
+    monkeypatch.setattr(command, "measure", lambda ident, timeout: pytest.fail("measured again"))
+    status, err = plan(capsys, *argv)
+    assert status == 0 and json.loads((tmp_path / "plan.json").read_text())["predicted_step_s"] > 0, err
+    profile = measured(ident)
+    damage(profile)
+    text = json.dumps(profile)
+    (tmp_path / "p.json").write_text(text)
+    status, err = plan(capsys, *argv)
+    assert status == 2 and f"sparcoll plan: error: {tmp_path / 'p.json'} is not a valid sparcoll profile: {says}" \
+        in err and err.rstrip().endswith("; run with --reprofile") and "Traceback" not in err, err
+    assert (tmp_path / "p.json").read_text() == text
+    monkeypatch.setattr(command, "measure", lambda ident, timeout: measured(ident))
+    assert plan(capsys, *argv, "--reprofile")[0] == 0
+    assert json.loads((tmp_path / "p.json").read_text()) == measured(ident)
+
+
+def test_uniform_none_is_refused_before_the_profile_naming_the_uncompressed_uniform_strategies(
+        monkeypatch, capsys):
+    """--uniform none passed the checks and was refused only after the profile's minutes, as "no
+    tensor of this model can take it": the uncompressed uniform strategies go by their collective."""
+    monkeypatch.setattr(command, "measure", lambda ident, timeout: pytest.fail("profiled"))
+    status, err = plan(capsys, "--workload", "ncf", "--uniform", "none")
+    assert status == 2 and "sparcoll plan: error: --uniform none: every tensor uncompressed is --uniform ring " \
+                           "(or another collective: ps, sparse, sfb)" in err, err
+
+
+EMBEDDINGS = ("import torch\nfrom torch import nn\n\n"
+              "def build(sparse):\n"
+              "    torch.manual_seed(0)\n"
+              "    model = nn.Sequential(nn.Embedding(100, 8, sparse=sparse), nn.Linear(8, 1))\n"
+              "    return model, torch.randint(0, 100, (4,))\n"
+              "\ndef dense():\n    return build(False)\n\ndef sparse():\n    return build(True)\n")
+
+
+def test_a_models_fingerprint_tells_sparse_embedding_gradients_from_dense(importable):
+    """nn.Embedding(sparse=True) and (sparse=False) have the same names, shapes and dtypes: a profile of
+    the dense model was reused for the sparse one, whose embedding travels as COO rows. A dense
+    model's fingerprint stays as it was (its stored profile still matches): the hash of each
+    parameter's name, shape, dtype and requires_grad and the input's shapes and dtypes."""
+    (importable / "embedded.py").write_text(EMBEDDINGS)
+    dense, sparse = (user.checked_here(f"embedded:{f}") for f in ("dense", "sparse"))
+    assert user.fingerprint(dense) != user.fingerprint(sparse)
+    described = [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in dense.model.named_parameters()]
+    described.append([[list(x.shape), str(x.dtype)] for x in dense.batch])
+    assert user.fingerprint(dense) == hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
+
+
+def test_a_plan_records_the_network_burst_and_block_size_it_was_priced_at_and_train_refuses_others(tmp_path):
+    """`sparcoll train --comm planned` compared only the workload, workers and batch size: a plan
+    priced on another network, link burst or block size ran without a word. A plan of an older
+    sparcoll, without those fields, still runs."""
+    ident = command.identity(args_of("--workload", "ncf", "--workers", "2", "--network", "1gbit",
+                                     "--link-burst", "128K"))
+    made = command.make_plan(measured(ident, block_size=512), ["none"])
+    assert (made["network"], made["link_burst"], made["block_size"]) == ("1gbit", 131072, 512)
+    parser = argparse.ArgumentParser()
+    train_command.add_arguments(parser)
+    path = tmp_path / "plan.json"
+
+    def load(plan: dict, *argv: str) -> dict:
+        path.write_text(json.dumps(plan))
+        args = parser.parse_args(["--comm", "planned", "--plan", str(path), "--workers", "2", "--batch-size", "256",
+                                  *argv])
+        return train_command.load_plan(args, [("planned", None)], train_command.workload_options("ncf", []))
+
+    assert load(made, "--network", "1gbit", "--link-burst", "128K", "--block-size", "512") is not None
+    for argv, says in ((["--network", "none", "--block-size", "512"], "made for network 1gbit, this run has none"),
+                       (["--block-size", "512"], "made for link_burst 131072, this run has the default"),
+                       (["--link-burst", "128K"], "made for block_size 512, this run has 256")):
+        with pytest.raises(ValueError, match=f"^{re.escape(f'{path} was {says}')}$"):
+            load(made, *argv)
+    old = {k: v for k, v in made.items() if k not in ("network", "link_burst", "block_size")}
+    assert load(old, "--network", "none")["tensors"] == made["tensors"]

@@ -6,14 +6,16 @@
 
 The profile (profiler.py: the model's backward timeline under load, compressors' and collectives' times,
 measured by a job of --workers processes on the --network, emulated or loopback) is written to
---profile and reused by later runs that ask for the same model, workers and network (--reprofile
-measures again). The decision (decide.plan) then prints a per-tensor table and the predicted step time
-F against every uniform strategy and a free-communication bound, and writes the plan as JSON
-(`decision_ms`, `predicted_step_s`: forward, backward, synchronization and optimizer, as `sparcoll train`
-measures a step; `cpu_bound_s`, the least the workers' CPU allows, and `idle_s`, how long the cores
-stand idle in the step while every worker waits; `uniform`, `dense_only` (dense_only_of), `bound_s`,
-`tensors`: one entry per tensor in backward order, with the strategy sparcoll.torch.DataParallel
-executes and its unit's predicted times from backward's start).
+--profile and reused by later runs that ask for the same model, workers, network, link burst and
+compressors (--reprofile measures again; a stored profile the plan cannot read is refused, naming
+why). The decision (decide.plan) then prints a per-tensor table and the predicted step time F against
+every uniform strategy and a free-communication bound, and writes the plan as JSON (what it holds
+for, which `sparcoll train --comm planned` checks: `workers`, `network`, `link_burst`, `block_size`,
+the workload's or --model's; `decision_ms`, `predicted_step_s`: forward, backward, synchronization and
+optimizer, as `sparcoll train` measures a step; `cpu_bound_s`, the least the workers' CPU allows, and
+`idle_s`, how long the cores stand idle in the step while every worker waits; `uniform`, `dense_only`
+(dense_only_of), `bound_s`, `tensors`: one entry per tensor in backward order, with the strategy
+sparcoll.torch.DataParallel executes and its unit's predicted times from backward's start).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from sparcoll.torch.parallel import BUCKET_BYTES, SMALL_BYTES
 from .costs import ITEMSIZE, Costing, Measured, in_sequence
 from .options import ALL_COMPRESSORS, COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, options
 from .profiler import averaged_windows, events_after_model, fit
+from .stored import differing, invalid, stored_profile
 from .timeline import Cost, Step, simulate
 
 # A stored profile of another version is measured anew. What each version changed (10 was also the
@@ -177,7 +180,7 @@ def identity(args) -> dict:
         "workload": args.workload, "options": workload_options(args.workload, args.workload_option),
         "batch_size": args.batch_size or BATCH_SIZES.get(args.workload, 256), "seed": args.seed}
     return {"version": PROFILE_VERSION, "workers": args.workers, "network": args.network,
-            "link_burst": args.link_burst, "compressors": args.compressors, **model}
+            "link_burst": args.link_burst, "compressors": sorted(args.compressors), **model}
 
 
 def measure(ident: dict, timeout: float) -> dict:
@@ -206,37 +209,21 @@ def measure(ident: dict, timeout: float) -> dict:
     return {**ident, "model": averaged_windows(model, windows), "points": points, "fits": fit(points)}
 
 
-PROFILE_KEYS = ("version", "model", "fits")     # what tells a stored profile from another file
-
-
-def stored_profile(path: Path) -> dict | None:
-    """The profile stored at `path`, None if there is no file; a ValueError naming it if the file is
-    not a sparcoll profile (a plan, say), which is then never overwritten."""
-    if not path.exists():
-        return None
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--profile {path}: not a sparcoll profile (unreadable as JSON: {exc}); remove it or "
-                         f"give another path") from None
-    if not (isinstance(stored, dict) and all(k in stored for k in PROFILE_KEYS)):
-        raise ValueError(f"--profile {path}: not a sparcoll profile (a JSON object with {', '.join(PROFILE_KEYS)}); "
-                         f"remove it or give another path")
-    return stored
-
-
 def load_or_measure(args, ident: dict) -> dict:
     """The stored profile at --profile if it was measured for `ident` (identity), else a new one
-    written there."""
+    written there; a ValueError if the stored one of that identity is not a valid profile."""
     path = Path(args.profile)
     stored = stored_profile(path)
     if stored is not None and not args.reprofile:
-        if {k: stored.get(k) for k in ident} == json.loads(json.dumps(ident)):  # as stored: tuples are lists
+        differ = differing(stored, ident)
+        if not differ:
+            problem = invalid(stored)
+            if problem:
+                raise ValueError(f"{path} is not a valid sparcoll profile: {problem}; run with --reprofile")
             return stored
-        print(f"sparcoll plan: {path} was measured for another model, worker count or network; "
-              f"measuring again", file=sys.stderr)
+        print(f"sparcoll plan: {path} was measured for {', '.join(differ)}; measuring again", file=sys.stderr)
     profile = measure(ident, args.timeout)
-    path.write_text(json.dumps(profile, indent=1))
+    path.write_text(json.dumps(profile, indent=1, allow_nan=False))
     return profile
 
 
@@ -507,8 +494,11 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
                             "unit_compress_s": c.compress, "unit_comm_s": c.comm,
                             "unit_decompress_s": c.decompress, "unit_comm_start_s": s, "unit_comm_end_s": e})
     forward = profile["model"]["forward"]
+    # what the plan holds for, which sparcoll train checks: a profile measured before block_size was has none
     return {"workers": profile["workers"], "network": profile["network"],
-            **{k: profile[k] for k in ("workload", "options", "batch_size", "model_spec") if k in profile},
+            **{k: profile[k] for k in ("link_burst", "workload", "options", "batch_size", "model_spec")
+               if k in profile},
+            **({"block_size": profile["model"]["block_size"]} if "block_size" in profile["model"] else {}),
             "strategy": (f"{fixed} {DENSE_ONLY}" if dense_only else f"uniform {fixed}") if fixed
             else "planned",
             "without": sorted(dimensions), "fusion": fused_by,
@@ -611,6 +601,7 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
              if "model_spec" in profile else {k: profile[k] for k in ("workload", "options", "batch_size", "seed")})
     config = {**{k: defaults[k] for k in ("lr", "block_size", "data")}, "timeout": args.timeout,
               "link_burst": args.link_burst, **model}
+    config["block_size"] = plan.get("block_size", config["block_size"])     # as the profile priced it
     steps_each = {name: trial.steps_of(p, args.trial) for name, p in plans.items()}
     ddp_steps = max(steps_each.values())
     parameters = sum(t["numel"] for t in profile["model"]["tensors"].values())
@@ -656,6 +647,9 @@ def check(args) -> None:
                          "--timeout a positive number of seconds")
     if args.dense_only and args.uniform is None:
         raise ValueError("--dense-only needs --uniform COMPRESSOR")
+    if args.uniform == "none":      # uniforms_of names the uncompressed strategies by their collective
+        raise ValueError(f"--uniform none: every tensor uncompressed is --uniform {RING} (or another "
+                         f"collective: {', '.join(UNIFORM_COLLECTIVES[1:])})")
     if args.uniform is not None and args.uniform not in UNIFORM_COLLECTIVES \
             and args.uniform not in args.compressors:   # known before the profile's minutes
         raise ValueError(f"no {'dense-only' if args.dense_only else 'uniform'} strategy {args.uniform!r}: "
@@ -701,5 +695,5 @@ def run(args) -> int:
             return status
     print(table(plan))
     if args.json:
-        Path(args.json).write_text(json.dumps(plan, indent=1))
+        Path(args.json).write_text(json.dumps(plan, indent=1, allow_nan=False))
     return 0

@@ -867,7 +867,8 @@ def run_profile(cfg: dict, rank: int, world: int, comm) -> None:
     say = emit if rank == 0 else (lambda event: None)
     model, loss_of = model_and_loss(cfg, rank, world)
     measured, gradients, coo_gradients = profile_model(cfg, model, loss_of, world, comm)
-    say({"event": "model", **measured, "cpu": step_cpu(model, loss_of), "cores_per_worker": cores_per_worker(world)})
+    say({"event": "model", **measured, "cpu": step_cpu(model, loss_of), "cores_per_worker": cores_per_worker(world),
+         "block_size": block_size})     # the sparse AllReduce's, which its curves are measured at
     sizes = Sizes.of(measured)
     specs = timed_compressors(cfg)
     priced_in_backward = in_backward(specs)

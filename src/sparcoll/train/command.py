@@ -90,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "strategy")
     parser.add_argument("--plan", metavar="FILE",
                         help="with --comm planned (or planned among --compare): the plan `sparcoll "
-                             "plan` wrote for this workload and worker count")
+                             "plan` wrote for this workload, its options, worker count, batch size, network, "
+                             "--link-burst and --block-size (refused if made for others)")
     parser.add_argument("--compare", nargs="?", const=",".join(COMPARED), default=None, metavar="MODES",
                         help="run several modes, comma separated, each a --comm value optionally with "
                              ":compress=SPEC (hook) or :strategy=S (poseidon) (default when given alone: "
@@ -256,7 +257,8 @@ def _validate(args) -> None:
 
 def load_plan(args, modes, options: dict) -> dict | None:
     """The plan of the planned mode (None if no mode is planned): for this workload, its `options`
-    (workload_options), worker count and batch size, else a ValueError saying what differs."""
+    (workload_options), worker count, batch size, network, link burst and block size, else a
+    ValueError saying what differs."""
     if not any(comm == "planned" for comm, _ in modes):
         if args.plan:
             raise ValueError("--plan needs --comm planned or planned among --compare")
@@ -273,9 +275,12 @@ def load_plan(args, modes, options: dict) -> dict | None:
     if "model_spec" in plan:
         raise ValueError(f"{args.plan} was made for the model {plan['model_spec']} (sparcoll plan --model), "
                          f"this run trains the workload {args.workload}")
-    for key, want in (("workload", args.workload), ("workers", args.workers), ("batch_size", args.batch_size)):
-        if key in plan and plan[key] != want:
-            raise ValueError(f"{args.plan} was made for {key} {plan[key]}, this run has {want}")
+    # and what its costs were measured at: the network and its links' burst (None: netem's default), the
+    # sparse AllReduce's block size (a plan of an older sparcoll may lack them: not checked)
+    for key in ("workload", "workers", "batch_size", "network", "link_burst", "block_size"):
+        if key in plan and plan[key] != getattr(args, key):
+            raise ValueError(f"{args.plan} was made for {key} {_shown(plan[key])}, this run has "
+                             f"{_shown(getattr(args, key))}")
     options = json.loads(json.dumps(options))       # as the plan's JSON holds them (tuples as lists)
     if "options" in plan and plan["options"] != options:
         def listed(given: dict) -> str:
@@ -283,6 +288,11 @@ def load_plan(args, modes, options: dict) -> dict | None:
         raise ValueError(f"{args.plan} was made with the workload options {listed(plan['options'])}, this run "
                          f"has {listed(options)} (--workload-option)")
     return plan
+
+
+def _shown(value) -> str:
+    """A plan's or a run's setting as --link-burst's None reads."""
+    return "the default" if value is None else str(value)
 
 
 #: How many times a job of plain DDP on sparse gradients is run again after a crash in native code.

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sparcoll.torch.sparse import sparse_weights
+
 from .base import Batch, Workload
 
 
@@ -130,9 +132,13 @@ def checked_here(spec: str) -> UserModel:
 
 
 def fingerprint(workload: UserModel) -> str:
-    """What a profile of the model holds for (no forward): its parameters' names, shapes, dtypes and
-    requires_grad and its example input's shapes and dtypes, hashed. A model edited under the same
-    MODULE:FUNCTION is another model."""
-    described = [[name, list(p.shape), str(p.dtype), p.requires_grad] for name, p in workload.model.named_parameters()]
+    """What a profile of the model holds for (no forward): its parameters' names, shapes, dtypes,
+    requires_grad and whether their gradients are sparse COO (an embedding's sparse=True: another
+    collective's costs), and its example input's shapes and dtypes, hashed. A model edited under the
+    same MODULE:FUNCTION is another model. A model without sparse gradients keeps the fingerprint it
+    had before they counted, and so its stored profile."""
+    sparse = sparse_weights(workload.model)
+    described = [[name, list(p.shape), str(p.dtype), p.requires_grad, *(["sparse"] if id(p) in sparse else [])]
+                 for name, p in workload.model.named_parameters()]
     described.append([[list(x.shape), str(x.dtype)] for x in workload.batch])
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
