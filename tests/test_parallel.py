@@ -1691,3 +1691,25 @@ def test_a_failed_step_leaves_the_hybrid_choice_the_facts_of_the_last_good_one()
         assert out["raised"][0] is None and out["raised"][2] is None and "injected" in out["raised"][1], out
         assert out["rows"] == [6.0, 6.0, 6.0], out
         assert out["error"] <= 1e-5, out
+
+
+def outside_gradient_warnings(rank: int, world: int) -> list:
+    """Under SFB: a plain step, then one whose loss adds a penalty on the first layer's weight."""
+    dp = sparcoll.torch.DataParallel(mlp(), strategy="sfb")
+    said = []
+    for penalized in (False, True):
+        x, y = batch(rank, 6, (12,), seed=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = nn.functional.mse_loss(dp(x), y)
+            (loss + 1e-2 * dp.module[0].weight.pow(2).sum() if penalized else loss).backward()
+        said.append([str(w.message) for w in caught if "outside its layer's call" in str(w.message)])
+    dp.close()
+    return said
+
+
+def test_a_gradient_sfb_cannot_carry_is_said_not_lost_silently():
+    """A penalty on an SFB layer's weight written in the loss: its gradient is not in the factors, and
+    the factors' average replaces the weight's gradient (docs/reliability.md, "Known gaps")."""
+    for plain, penalized in run_ranks(outside_gradient_warnings, WORLD, timeout=60):
+        assert plain == [] and len(penalized) == 1 and "0.weight" in penalized[0], (plain, penalized)

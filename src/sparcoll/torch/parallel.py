@@ -259,6 +259,7 @@ class DataParallel(nn.Module):
         self._came: set[int] = set()
         self._came_last: set[int] = set()
         self._warned_missing = False
+        self._warned_outside: set[int] = set()      # SFB weights warned of a gradient from elsewhere
         self._coo = sparse.sparse_weights(module)
         self._lookups = sparse.Lookups(module, lambda w: self.world > 1 and comm is not None and w.requires_grad
                                        and self._requested(w) == hybrid.SPARSE)
@@ -517,6 +518,20 @@ class DataParallel(nn.Module):
                       f"parameter's. Pass find_unused_parameters=True, as DDP needs", RuntimeWarning,
                       stacklevel=1)
 
+    def _warn_outside_sfb(self, state: LinearState) -> None:
+        """Once per layer: under SFB autograd computes no gradient for the weight in the layer's call,
+        so one that reached it came from elsewhere (a penalty on the weight in the loss, the weight
+        used outside the layer), and the factors, whose average replaces the gradient, do not carry
+        it. Said rather than lost silently (docs/reliability.md, "Known gaps")."""
+        if id(state.layer.weight) in self._warned_outside:
+            return
+        self._warned_outside.add(id(state.layer.weight))
+        warnings.warn(f"rank {dist.get_rank(self.group)}: {state.name} got gradient from outside its layer's call "
+                      f"(a penalty on the weight in the loss, a use of the weight elsewhere), which "
+                      f"sufficient-factor broadcasting does not carry: that part is lost. Give the layer "
+                      f"strategy 'ring', or put the penalty in the optimizer's weight_decay", RuntimeWarning,
+                      stacklevel=1)
+
     def _left_unsynchronized(self, ids: set[int]) -> RuntimeError | None:
         """The error for parameters that accumulated a gradient under no_sync and got none in the
         synchronized step after it (an extra loss on the first micro-batch only): nothing averages
@@ -534,6 +549,8 @@ class DataParallel(nn.Module):
         weight = self._weight_of.get(id(p), p)
         state = self._linear.get(id(weight))
         if state is not None and state.strategy == hybrid.SFB:
+            if p is weight and not state.local_grad:
+                self._warn_outside_sfb(state)
             return                          # its layer's factors carry it
         chosen = state.strategy if state is not None and p is weight else None
         if chosen is None:
