@@ -465,6 +465,8 @@ def test_both_ends_of_a_connection_probe_a_silent_peer_with_tcp_keepalive():
             assert end.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             assert [end.getsockopt(socket.IPPROTO_TCP, opt) for opt in
                     (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)] == [60, 10, 6]
+            # no probe goes while data waits for an ack (results to a vanished or stalled peer)
+            assert end.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 120_000
     finally:
         if sock is not None:
             sock.close()

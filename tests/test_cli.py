@@ -118,6 +118,17 @@ def test_aggregator_bad_options_give_one_line_and_exit_code_2(args, problem, bus
     assert len(cp.stderr.strip().splitlines()) == 1 and "Traceback" not in cp.stderr, cp.stderr
 
 
+def test_an_aggregator_address_that_cannot_be_encoded_gives_one_line(tmp_path):
+    """A host name with a label over 63 characters: the IDNA codec's UnicodeError was a traceback."""
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    env = {k: v for k, v in _env().items() if k != "SPARCOLL_SECRET"}
+    cp = subprocess.run([sys.executable, "-m", "sparcoll", "aggregator", "--host", "a" * 64 + ".example",
+                         "--secret-file", str(secret)], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert cp.returncode == 2 and cp.stderr.startswith("sparcoll aggregator: cannot listen on aaaa"), cp.stderr
+    assert len(cp.stderr.strip().splitlines()) == 1 and "Traceback" not in cp.stderr, cp.stderr
+
+
 def test_help_and_a_bad_aggregator_option_need_no_torch():
     """`import sparcoll` imports torch only where it is used: the command's help and an option it
     refuses come at once (an import of torch is 1.5 s on our machine)."""

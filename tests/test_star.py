@@ -244,3 +244,62 @@ def test_two_ranks_rows_larger_than_the_sockets_buffers_cross_without_a_stall(st
     for r in range(2):
         assert not isinstance(results[r], Exception), results[r]
         assert all(np.array_equal(v, np.concatenate(rows)) for v in results[r])
+
+
+def test_a_peer_trickling_its_frame_a_byte_at_a_time_ends_the_wait_at_the_deadline():
+    """Rank 0's end (played here) sends its verdict one byte per 20 ms: every slice of the wait got a
+    byte, so the deadline was looked at only after a slice with nothing (a review measured 4.2 s past
+    a deadline of 1 s for 208 bytes; a frame of 1 MiB at a byte per 49 ms took about 14 hours)."""
+    mine, theirs = socket.socketpair()
+    star = Star(1, 3, {0: mine}, row_limit=64, verdict_limit=4096)
+    done = threading.Event()
+
+    def trickle():
+        theirs.recv(4096)                          # rank 1's row
+        frame = np.int64(200).tobytes() + bytes(200)
+        for i in range(len(frame)):
+            if done.is_set():
+                return
+            theirs.send(frame[i:i + 1])
+            time.sleep(0.02)
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(CollectiveTimeout, match="did not take part"):
+            star.round(np.zeros(8, dtype=np.uint8), None, start + 1.0, lambda: None)
+        assert time.monotonic() - start < 1.5
+    finally:
+        done.set()
+        thread.join(5)
+        mine.close()
+        theirs.close()
+
+
+def test_idle_connections_at_rank_0_do_not_hold_the_ranks_out(store):
+    """Three sockets that connect to rank 0's star and send nothing, before rank 1 does: rank 0 gave
+    each its 10 s handshake in turn, and with a start-up deadline of 25 s the job failed to start
+    (a review). Handshakes now run side by side: the ranks connect at once."""
+    world = 2
+    idle = []
+
+    def rank(r):
+        if r == 1:
+            deadline = time.monotonic() + 10
+            while not store.check(["star"]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            host, port = transport.parse_address(store.get("star").decode())
+            idle.extend(socket.create_connection((host, port), timeout=5) for _ in range(3))
+            time.sleep(0.2)         # rank 0 has accepted them
+        stars[r] = Star.connect(store, r, world, "127.0.0.1", credentials(world), 25.0, LIMIT, LIMIT * world)
+    stars = {}
+    start = time.monotonic()
+    try:
+        on_threads(rank, world, timeout=40)
+        assert time.monotonic() - start < 5, time.monotonic() - start
+        results = rounds_on_threads(stars, lambda r, s: s.round(np.full(2, r, np.uint8), concatenate,
+                                                                time.monotonic() + 10, no_report))
+        assert all(np.array_equal(v, [0, 0, 1, 1]) for v in results.values()), results
+    finally:
+        for sock in idle:
+            sock.close()

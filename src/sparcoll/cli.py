@@ -54,7 +54,7 @@ def run_aggregator(args: argparse.Namespace) -> int:
     try:
         server = AggregatorServer(args.host, args.port, secret,
                                   max_handshakes=args.max_handshakes or MAX_HANDSHAKES)
-    except OSError as exc:
+    except (OSError, UnicodeError, ValueError) as exc:     # an address that cannot be encoded, too
         return refuse(f"cannot listen on {args.host}:{args.port}: {exc}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -22,9 +22,11 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import queue
 import select
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +41,7 @@ from .errors import REPORT_GRACE, CollectiveTimeout, PeerError, ProtocolError, S
 POLL = 0.05         # seconds between looks for a peer's report while waiting for a frame
 HANDSHAKE = 10.0    # seconds rank 0 gives one connection to authenticate: a stranger that
                     # stalls cannot hold up init to its deadline
+EXTRA_HANDSHAKES = 16   # handshakes at once at rank 0 beyond one per rank (strangers' among them)
 _HEADER = 8         # a frame: its length in bytes (int64), then that many bytes
 
 log = logging.getLogger("sparcoll.star")
@@ -120,21 +123,21 @@ class Star:
         self._length[0] = len(frame)
         return [memoryview(self._length).cast("B"), memoryview(frame)]
 
-    def _write(self, peer: int, views: list, flags: int, peer_report) -> list:
-        """Write `views` to `peer`; what is left unwritten (no room within a slice, or at once with
-        MSG_DONTWAIT)."""
+    def _write(self, peer: int, views: list, flags: int, peer_report, deadline: float | None = None) -> list:
+        """Write `views` to `peer`; what is left unwritten (no room within a slice, at once with
+        MSG_DONTWAIT, or once the deadline passed)."""
         try:
-            return sendmsg_all(self.links[peer], views, flags)
+            return sendmsg_all(self.links[peer], views, flags, deadline)
         except OSError as exc:
             raise report_soon(peer_report) or PeerError(
                 f"rank {self.rank}: lost the connection to rank {peer} ({exc})") from exc
 
     def _send(self, peer: int, frame: np.ndarray, deadline: float, peer_report) -> None:
         """`frame` behind its length, waiting for room in slices of POLL."""
-        views = self._write(peer, self._framed(frame), 0, peer_report)
-        while views:        # no room for a slice: the peer is reading a large frame
+        views = self._write(peer, self._framed(frame), 0, peer_report, deadline)
+        while views:        # no room for a slice (the peer is reading a large frame), or late
             self._still_waiting(peer, deadline, peer_report)
-            views = self._write(peer, views, 0, peer_report)
+            views = self._write(peer, views, 0, peer_report, deadline)
 
     def _receive(self, peer: int, limit: int, deadline: float, peer_report,
                  unsent: list = ()) -> np.ndarray:
@@ -146,6 +149,8 @@ class Star:
         view = memoryview(inbox)
         sock, got, size = self.links[peer], 0, _HEADER
         while got < size or unsent:
+            if time.monotonic() >= deadline:    # a peer trickling bytes never leaves a slice empty
+                self._still_waiting(peer, deadline, peer_report)
             flags = 0
             if unsent:      # wait for room to write or something to read, whichever comes
                 readable, writable, _ = select.select([sock] if got < size else [], [sock], [], POLL)
@@ -237,9 +242,44 @@ def _accept_ranks(store, world: int, host: str, credentials: Credentials,
                   deadline: float, abandon) -> dict[int, socket.socket]:
     """Rank 0: listen, publish the address, and take one authenticated connection from every
     other rank. A connection that fails the handshake (a stranger, another job) is dropped and
-    the wait goes on."""
+    the wait goes on. Handshakes run side by side, each on a thread of its own for at most
+    HANDSHAKE seconds (at most world + EXTRA_HANDSHAKES at once; more are closed at once): one at a
+    time, three idle sockets of an outsider held the ranks out for 30 s and the job failed to start."""
     token = wire.job_token(credentials.secret)
     links: dict[int, socket.socket] = {}
+    outcomes: queue.SimpleQueue = queue.SimpleQueue()
+    gate = threading.Lock()
+    taking = [True]         # outcomes are taken; once not, a handshake that ends closes its socket
+    running = 0
+
+    def handshake(sock: socket.socket, seconds: float) -> None:
+        try:
+            outcome = (sock, transport.accept(sock, lambda _: credentials.secret, admit, seconds), None)
+        except BaseException as exc:     # every outcome reaches the loop below, or the socket closes
+            outcome = (sock, None, exc)
+        with gate:
+            if taking[0]:
+                outcomes.put(outcome)
+                return
+        sock.close()
+
+    def take_outcomes() -> None:
+        nonlocal running
+        while True:
+            try:
+                sock, hello, exc = outcomes.get_nowait()
+            except queue.Empty:
+                return
+            running -= 1
+            if exc is None and hello.rank in links:
+                exc = ProtocolError(f"rank {hello.rank} joined twice")
+            if exc is not None:
+                if not isinstance(exc, (SparcollError, OSError)):
+                    log.error("a handshake at rank 0's star failed with an internal error", exc_info=exc)
+                log.warning("rank 0 refused a connection to its star: %s", exc)
+                sock.close()
+            else:
+                links[hello.rank] = sock
 
     def admit(hello: wire.Hello, job_token: bytes) -> None:
         if hello.job != credentials.job or not hmac.compare_digest(job_token, token):
@@ -249,35 +289,45 @@ def _accept_ranks(store, world: int, host: str, credentials: Credentials,
             raise ProtocolError(f"rank {hello.rank} of job {hello.job:#x} cannot join "
                                 f"(already joined, or its options differ)")
 
-    with transport.listen(host, 0, backlog=world) as listener:
-        store.set("star", transport.format_address(host, listener.getsockname()[1]))
-        while len(links) < world - 1:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                for sock in links.values():
+    try:
+        with transport.listen(host, 0, backlog=world) as listener:
+            store.set("star", transport.format_address(host, listener.getsockname()[1]))
+            while True:
+                take_outcomes()
+                if len(links) == world - 1:
+                    return links
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(1, world)) - set(links))
+                    raise CollectiveTimeout(f"rank 0: ranks {missing} did not connect to it within "
+                                            f"the timeout")
+                listener.settimeout(min(left, POLL))
+                try:
+                    sock, _ = listener.accept()
+                except socket.timeout:
+                    failure = abandon()     # a rank that gave up init never connects
+                    if failure is not None:
+                        raise failure from None
+                    continue
+                if running >= world + EXTRA_HANDSHAKES:
+                    log.warning("rank 0 closed a connection to its star: %d handshakes already run", running)
                     sock.close()
-                missing = sorted(set(range(1, world)) - set(links))
-                raise CollectiveTimeout(f"rank 0: ranks {missing} did not connect to it within "
-                                        f"the timeout")
-            listener.settimeout(min(left, POLL))
+                    continue
+                running += 1
+                threading.Thread(target=handshake, args=(sock, min(left, HANDSHAKE)), daemon=True,
+                                 name="sparcoll-star-handshake").start()
+    except BaseException:
+        for sock in links.values():
+            sock.close()
+        raise
+    finally:
+        with gate:                  # handshakes still running close their own sockets from now on
+            taking[0] = False
+        while True:                 # those that ended meanwhile: strangers, or a rank twice
             try:
-                sock, _ = listener.accept()
-            except socket.timeout:
-                failure = abandon()     # a rank that gave up init never connects
-                if failure is not None:
-                    for sock in links.values():
-                        sock.close()
-                    raise failure from None
-                continue
-            try:
-                hello = transport.accept(sock, lambda _: credentials.secret, admit,
-                                         min(left, HANDSHAKE))
-            except (SparcollError, OSError) as exc:
-                log.warning("rank 0 refused a connection to its star: %s", exc)
-                sock.close()
-                continue
-            links[hello.rank] = sock
-    return links
+                outcomes.get_nowait()[0].close()
+            except queue.Empty:
+                break
 
 
 def still_waiting(peer_report, deadline: float, late: str) -> None:

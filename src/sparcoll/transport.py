@@ -77,10 +77,14 @@ def _byte_views(buffers: list) -> list:
     return [v for v in views if len(v)]
 
 
-def sendmsg_all(sock: socket.socket, views: list, flags: int = 0) -> list:
+def sendmsg_all(sock: socket.socket, views: list, flags: int = 0, deadline: float | None = None) -> list:
     """Write `views` in order; returns what is left unwritten, which is nothing unless the socket's
-    buffer filled up with `flags` holding MSG_DONTWAIT, or for longer than its SO_SNDTIMEO."""
+    buffer filled up with `flags` holding MSG_DONTWAIT, or for longer than its SO_SNDTIMEO, or the
+    `deadline` (monotonic) passed: a peer that reads a byte at a time keeps every write making
+    progress, and would otherwise hold the loop for as long as the frame takes."""
     while views:
+        if deadline is not None and time.monotonic() >= deadline:
+            return views
         try:
             sent = sock.sendmsg(views[:IOV_MAX], (), flags)
         except BlockingIOError:
@@ -284,12 +288,16 @@ def close_all(connections, timeout: float = SENDER_JOIN_S) -> None:
 
 
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 60, 10, 6
+USER_TIMEOUT_MS = (KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES) * 1000
 
 
 def _configure(sock: socket.socket) -> None:
     """No Nagle delay, large buffers, and TCP keepalive: a peer whose host lost power or fell behind a
     partition sends no FIN, and a receive of a long-lived dedicated aggregator waits without a
-    deadline (its job's state held); keepalive ends such a connection after about two minutes."""
+    deadline (its job's state held); keepalive ends such a connection after about two minutes. The
+    kernel sends no keepalive probe while data is unacknowledged or queued (results to a vanished
+    worker, or to one that stopped reading): TCP_USER_TIMEOUT ends those after as long, where
+    retransmissions alone took about 15 minutes and a zero window held the connection for good."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
@@ -298,6 +306,8 @@ def _configure(sock: socket.socket) -> None:
                        ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
         if hasattr(socket, opt):        # Linux; elsewhere the system's keepalive times
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
 
 
 def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
