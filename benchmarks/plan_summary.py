@@ -16,6 +16,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from summaries import loss_difference, span
+
 from sparcoll.plan.trial import signature
 from sparcoll.train.command import compare_paired, timed_steps
 
@@ -86,11 +88,6 @@ def same_as_plan(out: Path, workload: str, label: str) -> bool:
     return mode.exists() and signature(json.loads(mode.read_text())) == signature(json.loads(plan.read_text()))
 
 
-def span(values: list[float], fmt: str = "{:.1f}") -> str:
-    lo, hi = min(values), max(values)
-    return fmt.format(lo) if len(values) == 1 or fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
-
-
 def summarize(out: Path, workload: str) -> str:
     rounds = [json.loads(f.read_text()) for f in sorted(out.glob(f"{workload}-r*.json"))]
     if not rounds:
@@ -109,7 +106,7 @@ def summarize(out: Path, workload: str) -> str:
         steps = [1e3 * run["step_s"] for run in runs]
         speed = [d["step_s"] / run["step_s"] for d, run in zip(ddp, runs)]
         sent = [run["bytes_sent_per_step"] / 1e6 for run in runs if run["bytes_sent_per_step"] is not None]
-        diff = max(max(abs(a - b) for a, b in zip(run["loss"], d["loss"])) for d, run in zip(ddp, runs))
+        diff = max(loss_difference(run["loss"], d["loss"]) for d, run in zip(ddp, runs))
         p = pred.get(mode)
         ratio = span([1e3 * p / s for s in steps], "{:.2f}") if p else "-"
         scaled = [at_run_speed(files.get(mode), run, rounds[0]["warmup"]) for run in runs]
@@ -126,7 +123,7 @@ def summarize(out: Path, workload: str) -> str:
         vs_best.append((best["step_s"] / planned["step_s"], name_of(best["label"], workload)
                         + (", the plan's own strategy" if same_as_plan(out, workload, best["label"]) else "")))
     share = [d["comm_s"] / d["step_s"] for d in ddp]
-    lines += ["", f"plan vs the best uniform strategy measured in the same round: "
+    lines += ["", "plan vs the best uniform strategy measured in the same round: "
                   + ", ".join(f"{x:.2f}x ({name})" for x, name in vs_best)
                   + (f" (median {statistics.median(x for x, _ in vs_best):.2f}x)" if len(vs_best) > 2 else "")
               + f"; DDP's communication share of its step: {span([100 * s for s in share], '{:.0f}')}%"]

@@ -11,12 +11,9 @@ import json
 import sys
 from pathlib import Path
 
+from summaries import loss_difference, span
+
 WORKLOADS = ("deeplight", "ncf", "lstm", "cnn")
-
-
-def span(values: list[float], form: str = "{:.1f}") -> str:
-    low, high = form.format(min(values)), form.format(max(values))
-    return low if low == high else f"{low}-{high}"
 
 
 def main(argv: list[str]) -> int:
@@ -40,7 +37,7 @@ def main(argv: list[str]) -> int:
             return f"{ms(mode, 'step_s')} ({ms(mode, 'compute_s')} + {ms(mode, 'comm_s')})"
         speedup = span([d["step_s"] / s["step_s"] for s, d in zip(ours, ddp)], "{:.2f}")
         share = span([100 * d["comm_s"] / d["step_s"] for d in ddp], "{:.0f}")
-        loss = max(max(abs(a - b) for a, b in zip(s["loss"], d["loss"])) for s, d in zip(ours, ddp))
+        loss = max(loss_difference(s["loss"], d["loss"]) for s, d in zip(ours, ddp))
         density = f"{ours[0]['density_local']:.1%} / {ours[0]['density_union']:.1%}"
         print(f"| {workload} | {density} | {step(ours)} | {step(ddp)} | {share}% | **{speedup}x** | {loss:.1e} |")
     return 0

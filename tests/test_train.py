@@ -366,6 +366,41 @@ def test_the_gradient_probe_leaves_frozen_parameters_out():
     assert probe.local_density() == probe.reduced_density() == 1.0     # the bias's one element, not 1 of 5
 
 
+def test_the_gradient_probe_leaves_out_a_gradient_that_came_without_a_local_one():
+    """An SFB weight: autograd never computes its local gradient (the factors' average is set as its
+    gradient), so its hook never fires; it read as all zeros, a density of 0.4% for a head of 99%.
+    An unused parameter, which got no gradient at all, still counts as zeros."""
+    used, sfb, unused = (torch.nn.Parameter(torch.ones(4)) for _ in range(3))
+    probe = GradientProbe([used, sfb, unused], 4)
+    probe.reset(marking=True)
+    used.sum().backward()
+    sfb.grad = torch.ones(4)            # as DataParallel sets an SFB layer's weight after backward
+    assert probe.local_density() == probe.reduced_density() == 0.5     # used's block, unused's none
+
+
+def test_a_diverged_run_is_not_reported_level_with_the_baseline():
+    """max() skips NaN: a run whose loss became NaN after step 1 had a largest loss difference of
+    0.1 (the steps before it), and its JSON report was not JSON (NaN)."""
+    from sparcoll.train.command import compare, _finite
+    base = {"comm": "ddp", "label": "ddp", "step_s": 1.0, "loss": [0.69, 0.60, 0.50], "final_loss": 0.5}
+    diverged = {"comm": "hook", "label": "hook", "step_s": 0.5, "loss": [0.69, 0.70, math.nan],
+                "final_loss": math.nan}
+    mode = compare([diverged, base])["modes"][0]
+    assert mode["max_loss_difference"] == math.inf
+    assert json.loads(json.dumps(_finite({"loss": diverged["loss"]}), allow_nan=False)) == {"loss": [0.69, 0.7, None]}
+
+
+def test_sparse_embeddings_on_a_tied_softmax_are_refused_before_any_worker(capsys):
+    """gpt ties its softmax to its embedding by default: each worker of the agsparse mode raised in a
+    traceback, and the modes that had run were lost."""
+    assert main(["train", "--workload", "gpt", "--workload-option", "tiny=true", "--compare", "ddp,agsparse",
+                 "--network", "none"]) == 2
+    assert "add --workload-option tie_weights=false" in capsys.readouterr().err
+    assert main(["train", "--workload", "gpt", "--workload-option", "sparse_embeddings=true", "--network",
+                 "none"]) == 2
+    assert "tie_weights=false" in capsys.readouterr().err
+
+
 def test_density_counts_blocks_with_a_nonzero_element():
     dense = torch.zeros(10)
     dense[7] = -2.0

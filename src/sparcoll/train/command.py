@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import math
 import os
@@ -42,6 +43,7 @@ from sparcoll.bench.netem import add_link_burst_argument, check_network
 from sparcoll.outputs import check_output_path
 from sparcoll.train.worker import MODES, plain_ddp_on_sparse_gradients
 from sparcoll.wire import MAX_BLOCK_SIZE
+from sparcoll import workloads
 from sparcoll.workloads import WORKLOADS
 
 COMPARED = ("sparcoll", "ddp")
@@ -255,6 +257,20 @@ def _validate(args) -> None:
     check_network(args.network, args.link_burst, args.workers)
 
 
+def check_sparse_embeddings(workload: str, modes, options: dict) -> None:
+    """A mode with sparse embeddings (agsparse, or sparse_embeddings=true) on a model whose softmax is
+    tied to its embedding (gpt's default): refused here, where every worker refused it in a traceback
+    and the runs of the modes before it were lost."""
+    config = getattr(getattr(workloads, workload, None), "Config", None)
+    fields = {f.name: f.default for f in dataclasses.fields(config)} if config is not None else {}
+    tied = options.get("tie_weights", fields.get("tie_weights", False))
+    sparse = [label(mode) for mode in modes if mode[0] == "agsparse" or options.get("sparse_embeddings")]
+    if tied and sparse:
+        raise ValueError(f"{', '.join(sparse)} needs sparse embeddings, which {workload}'s tied softmax makes "
+                         f"dense: add --workload-option tie_weights=false (for every mode, so that their "
+                         f"models compare)")
+
+
 def load_plan(args, modes, options: dict) -> dict | None:
     """The plan of the planned mode (None if no mode is planned): for this workload, its `options`
     (workload_options), worker count, batch size, network, link burst and block size, else a
@@ -288,6 +304,17 @@ def load_plan(args, modes, options: dict) -> dict | None:
         raise ValueError(f"{args.plan} was made with the workload options {listed(plan['options'])}, this run "
                          f"has {listed(options)} (--workload-option)")
     return plan
+
+
+def _finite(value):
+    """`value` (nested) with every float that is not finite as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _shown(value) -> str:
@@ -382,10 +409,17 @@ def compare(runs: list[dict], paired: bool = False, warmup: int = 0) -> dict:
     base = next((r for r in runs if r["comm"] == "ddp"), runs[-1])
     return {"baseline": base["label"], "modes": [
         {"label": r["label"], "speedup": base["step_s"] / r["step_s"],
-         "max_loss_difference": max(abs(a - b) for a, b in zip(r["loss"], base["loss"])),
+         "max_loss_difference": max_loss_difference(r["loss"], base["loss"]),
          "final_loss_difference": (r["final_loss"] - base["final_loss"]) / abs(base["final_loss"]),
          **(compare_paired(base, r, warmup) if paired else {})}
         for r in runs if r is not base]}
+
+
+def max_loss_difference(losses: list, base: list) -> float:
+    """The largest |loss - base's| over the steps; infinite where one is not finite and the other is
+    (a run that diverged: max() skips NaN, and reported the steps before it)."""
+    return max((abs(a - b) if math.isfinite(a - b) else (0.0 if a == b else math.inf)
+                for a, b in zip(losses, base)), default=0.0)
 
 
 def compare_paired(base: dict, run: dict, warmup: int) -> dict:
@@ -490,6 +524,7 @@ def run(args) -> int:
         modes = modes_of(args)
         check_interleave(args, modes)
         options = workload_options(args.workload, args.workload_option)
+        check_sparse_embeddings(args.workload, modes, options)
         plan = load_plan(args, modes, options)
     except ValueError as exc:
         print(f"sparcoll train: error: {exc}", file=sys.stderr)
@@ -551,6 +586,6 @@ def run(args) -> int:
                 print(f"  over the {p['steps']} of them in which neither took fresh memory: {p['ratio']:.3f}x "
                       f"({p['low']:.3f}-{p['high']:.3f}x)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        with open(args.json, "w") as f:       # strict JSON: a NaN (a diverged loss) as null
+            json.dump(_finite(result), f, indent=1, allow_nan=False)
     return 0
