@@ -121,6 +121,15 @@ def step(wrapped: nn.Module, rank: int, rows: int, shape_in: tuple, seed: int = 
     return [p.grad.clone() for p in wrapped.module.parameters()]
 
 
+def what_raised(run) -> str | None:
+    """The RuntimeError run() raised, as text; None if it returned."""
+    try:
+        run()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def relative_error(got: list, want: list) -> float:
     return max(((g - w).norm() / w.norm()).item() for g, w in zip(got, want))
 
@@ -166,11 +175,7 @@ def scenario(rank: int, world: int) -> dict:
         del kept
         loss = nn.functional.mse_loss(dp(x), y)
         loss.backward(retain_graph=True)
-        try:
-            loss.backward()
-            out["SFB second backward"] = None
-        except RuntimeError as exc:
-            out["SFB second backward"] = str(exc)
+        out["SFB second backward"] = what_raised(loss.backward)
         dp.close()
         dp = sparcoll.torch.DataParallel(Twice(), strategy="sfb")
         out["SFB layer called twice"] = relative_error(step(dp, rank, 5, (12,)),
@@ -1582,11 +1587,7 @@ def review_cases(rank: int, world: int) -> dict:
     x = x.clone()
     loss = nn.functional.mse_loss(dp(x), y)
     x.zero_()
-    try:
-        loss.backward()
-        out["in place"] = None
-    except RuntimeError as exc:
-        out["in place"] = str(exc)
+    out["in place"] = what_raised(loss.backward)
     dp.close()
     # find_unused_parameters, two synchronized backwards without zero_grad: head b used by every rank
     # in the first, by rank 0 only in the second
