@@ -671,6 +671,16 @@ def normed() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
 
 
+def sgd_steps(model: nn.Module, rank: int, steps: int) -> None:
+    """`steps` SGD steps of the MSE on this rank's batches of `normed`'s shape (seeds 0, 1, ...)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(steps):
+        x, y = batch(rank, 6, (12,), seed=s)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+
 def buffers_against_ddp(rank: int, world: int) -> dict:
     """Three SGD steps of `normed` under DDP (on gloo) and under DataParallel with and without
     broadcast_buffers, on the same batches: each one's largest difference from DDP in buffers and
@@ -680,12 +690,7 @@ def buffers_against_ddp(rank: int, world: int) -> dict:
                        ("broadcast", sparcoll.torch.DataParallel),
                        ("not broadcast", lambda m: sparcoll.torch.DataParallel(m, broadcast_buffers=False))):
         model = wrap(normed())
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for s in range(3):
-            x, y = batch(rank, 6, (12,), seed=s)
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
+        sgd_steps(model, rank, 3)
         trained[name] = [t.detach().double() for t in [*model.module.buffers(), *model.module.parameters()]]
         if name != "ddp":
             model.close()
@@ -1599,12 +1604,7 @@ def review_cases(rank: int, world: int) -> dict:
     dp.close()
     # BatchNorm's statistics: two training steps, then an evaluation on every rank
     dp = sparcoll.torch.DataParallel(normed())
-    optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
-    for s in range(2):
-        x, y = batch(rank, 6, (12,), seed=s)
-        optimizer.zero_grad()
-        nn.functional.mse_loss(dp(x), y).backward()
-        optimizer.step()
+    sgd_steps(dp, rank, 2)
     dp.eval()
     with torch.no_grad():
         out["evaluation"] = dp(batch(0, 6, (12,), seed=9)[0])
