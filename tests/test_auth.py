@@ -471,3 +471,50 @@ def test_both_ends_of_a_connection_probe_a_silent_peer_with_tcp_keepalive():
         if sock is not None:
             sock.close()
         server.close()
+
+
+class NewerHello(wire.Hello):
+    """A HELLO of the next protocol version, as a client upgraded before its aggregator sends it."""
+
+    def encode(self) -> bytes:
+        raw = bytearray(super().encode())
+        raw[len(wire.MAGIC)] = wire.VERSION + 1
+        return bytes(raw)
+
+
+def test_a_hello_the_aggregator_cannot_read_is_refused_with_its_reason_on_the_client():
+    """The aggregator answers a HELLO it cannot read (another version, limits out of range) with its
+    verdict where the client reads the challenge: the client said "closed the connection", the
+    reason only in the aggregator's log (a review)."""
+    server = server_module.AggregatorServer("127.0.0.1", 0, b"k" * 16)
+    try:
+        newer = NewerHello(41, 1, 0, CFG, os.urandom(wire.NONCE_BYTES))
+        assert f"refused the connection: unsupported protocol version {wire.VERSION + 1} (this is {wire.VERSION})" \
+            in refused(server.address, newer, b"k" * 16)
+        wide = hello_for(42, config=wire.JobConfig(world=2, num_aggs=2, streams=65, credits=4, message_blocks=2048))
+        assert "refused the connection: hello with streams=65 outside [1, 64]" in refused(server.address, wide,
+                                                                                           b"k" * 16)
+    finally:
+        server.close()
+
+
+def test_a_refusal_longer_than_a_challenge_is_read_whole_and_a_wrong_secret_still_says_so():
+    """A reason longer than the challenge the client reads in its place used to fail the challenge's
+    MAC: "wrong secret?". A server that sends it (played here), then one with another secret."""
+    reason = "x" * 200
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        def refuse():
+            sock, _ = listener.accept()
+            with sock:
+                sock.recv(wire.HELLO_BYTES)
+                sock.sendall(wire.encode_verdict(reason))
+        thread = threading.Thread(target=refuse, daemon=True)
+        thread.start()
+        address = transport.format_address("127.0.0.1", listener.getsockname()[1])
+        assert f"refused the connection: {reason}" in refused(address, hello_for(43), b"k" * 16)
+        thread.join(10)
+    server = server_module.AggregatorServer("127.0.0.1", 0, b"k" * 16)
+    try:
+        assert "wrong secret" in refused(server.address, hello_for(44), b"w" * 16)
+    finally:
+        server.close()

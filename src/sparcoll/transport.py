@@ -112,6 +112,43 @@ def _recv_exact(sock: socket.socket, view: memoryview, peer: str,
         got += n
 
 
+def _recv_until_closed(sock: socket.socket, view: memoryview, deadline: float) -> int:
+    """_recv_exact that stops where the peer closes: how many bytes came."""
+    got = 0
+    while got < len(view):
+        sock.settimeout(_left(deadline))
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _longer_refusal(sock: socket.socket, head: bytes, deadline: float) -> bytes:
+    """A refusal of the HELLO whose reason is longer than the challenge it was read as: the rest of
+    the reason its header announces, if it comes within a second and the connection then closes
+    (an authentic challenge that failed its MAC reads as such a header once in thousands: the server
+    then sends nothing more)."""
+    announced = wire.refusal_bytes(head)
+    if announced is None or announced <= len(head):
+        return head
+    rest = bytearray(announced - len(head))
+    try:
+        if _recv_until_closed(sock, memoryview(rest), min(deadline, time.monotonic() + 1.0)) < len(rest):
+            return head
+    except (socket.timeout, OSError):
+        return head
+    return head + bytes(rest)
+
+
+def _raise_refusal(data: bytes, peer: str) -> None:
+    """If `data` is a whole refusal verdict, the error it names, with its reason."""
+    refusal = wire.decode_refusal(data)
+    if refusal is not None:
+        code, reason = refusal
+        raise wire.Failure(0, code, f"{peer} refused the connection: {reason}").exception()
+
+
 def _send_before(sock: socket.socket, data: bytes, deadline: float) -> None:
     """sendall, in what is left of a handshake's `deadline`."""
     sock.settimeout(_left(deadline))
@@ -337,9 +374,13 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
         _configure(sock)
         _send_before(sock, hello.encode(), handshake_deadline)
         buf = bytearray(wire.CHALLENGE_BYTES)
-        _recv_exact(sock, memoryview(buf), peer, handshake_deadline)
+        got = _recv_until_closed(sock, memoryview(buf), handshake_deadline)
+        if got < len(buf):              # closed early: a refusal of the HELLO, or nothing
+            _raise_refusal(bytes(buf[:got]), peer)
+            raise PeerError(f"{peer} closed the connection")
         server_nonce, server_mac = wire.decode_challenge(buf)
         if not hmac.compare_digest(server_mac, wire.mac(secret, b"server", hello, server_nonce)):
+            _raise_refusal(_longer_refusal(sock, bytes(buf), handshake_deadline), peer)
             raise AuthenticationError(f"{peer} failed authentication (wrong secret?)")
         _send_before(sock, wire.encode_proof(wire.mac(secret, b"client", hello, server_nonce),
                                              job_token), handshake_deadline)

@@ -406,8 +406,30 @@ def decode_proof(buf) -> tuple[bytes, bytes]:
 
 def encode_verdict(reason: str = "", code: ErrorCode = ErrorCode.AUTHENTICATION) -> bytes:
     """Welcome (no reason), or a refusal: `code` says which error the client raises."""
-    raw = reason.encode("utf-8", "replace")[:1024]
+    raw = reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]
     return _VERDICT.pack(MAGIC, VERSION, code, len(raw)) + raw
+
+
+MAX_REASON_BYTES = 1024
+
+
+def refusal_bytes(head: bytes) -> int | None:
+    """The length of the refusal verdict `head` begins (from a server of any version), None if it
+    begins none: a server that cannot read a HELLO (another version, limits out of range) answers
+    with one where the client expects the challenge."""
+    if len(head) < VERDICT_BYTES:
+        return None
+    magic, _version, code, length = _VERDICT.unpack_from(head)
+    if magic != MAGIC or code not in ErrorCode._value2member_map_ or not 0 < length <= MAX_REASON_BYTES:
+        return None
+    return VERDICT_BYTES + length
+
+
+def decode_refusal(data: bytes) -> tuple[ErrorCode, str] | None:
+    """(the error code, the reason) of a whole refusal verdict, else None."""
+    if refusal_bytes(data) != len(data):
+        return None
+    return ErrorCode(data[VERDICT_BYTES - 3]), data[VERDICT_BYTES:].decode("utf-8", "replace")
 
 
 def decode_verdict(buf) -> tuple[ErrorCode, int]:
