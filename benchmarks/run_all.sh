@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every figure in docs/benchmarks.md, in one go (about 12 minutes on the project's 2-core machine;
+# The commands of docs/benchmarks.md's sections 1-3, in one go (about 12 minutes on the project's 2-core machine;
 # root needed for the emulated network). Results land in docs/results/. Run on an otherwise idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,7 @@
 """PowerSGD (Vogels et al. 2019): a rank-r approximation P Q^T of the gradient as a matrix, from one
 step of power iteration warm-started with the previous step's Q. Both factors are summable, so it
-is two allreduces (P, then Q, each for all tensors at once), never an allgather; it is a
+is two allreduces (P, then Q, each for all tensors at once; one where every tensor goes whole),
+never an allgather; it is a
 communication scheme of its own, so the compressor drives the two allreduces itself (`reduce_many`).
 
 Q starts from a generator seeded by the spec's seed and a counter of Qs created, identical on every

@@ -359,7 +359,7 @@ def dense_only_of(tensors: list[decide.Choices], coo: list[bool], compressors,
     embeddings' rows travel as they are, its MLP compressed), where that differs from the uniform
     strategy. A candidate of the trial beside the uniform strategies: the decision prices each
     collective apart, and on deeplight with sparse embeddings its mix of six collectives ran 22-25%
-    slower than predicted where this split ran within 3% in two trials (docs/benchmarks.md, section 7)."""
+    slower than predicted where this split ran within 3% in two trials (docs/benchmarks-log.md, section 7)."""
     out = {}
     for compressor in compressors:
         strategy = uniform(tensors, compressor, None, coo) if compressor != "none" else None

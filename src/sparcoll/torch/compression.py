@@ -3,15 +3,16 @@
     state = sparcoll.torch.CompressionState(sparcoll.init(), "powersgd:4")   # or a gloo group
     ddp.register_comm_hook(state, sparcoll.torch.compression_hook)
 
-Each bucket is cut back into its parameters' gradients, and each gets its parameter's spec: the
-state's spec, except 1-D parameters (biases, norms), which go uncompressed unless compress_1d=True
-(in float32 when they share a bucket with compressed ones: a float64 bias comes back rounded then),
-and whatever `per_param` says (a {parameter: spec} mapping, or a function of the parameter returning
-a spec or None for the default). A bucket's gradients under one spec share one collective (two for
-PowerSGD and variable-size gathers: Reducer.reduce_many), each with its own error feedback and warm
-start (keyed by the parameter, so DDP's rebuilt buckets after the first step keep them). Any bucket
-layout works: every rank runs the same collectives in the same order, on one thread and a process
-group of its own per state, while backward goes on (overlap=False: in the hook, before it returns).
+Each bucket is cut back into its parameters' gradients, and each gets its parameter's spec: the state's
+spec, except 1-D parameters (biases, norms), which go uncompressed unless compress_1d=True (in float32
+when they share a bucket with compressed ones: a float64 bias comes back rounded then), and whatever
+`per_param` says (a {parameter: spec} mapping, or a function of the parameter returning a spec or None
+for the default). A bucket's gradients under one spec share one collective (two for PowerSGD, one where
+all of them go whole, and for variable-size gathers: Reducer.reduce_many), each with its own error
+feedback and warm start (keyed by the parameter, so DDP's rebuilt buckets after the first step keep
+them). Any bucket layout works: every rank runs the same collectives in the same order, on one thread
+and a process group of its own per state, while backward goes on (overlap=False: in the hook, before it
+returns).
 
 Gradients are averaged, as DDP's. Under `no_sync` DDP calls no hook and gradients accumulate; the
 next synchronized step compresses the accumulated gradients, so accumulation works unchanged.

@@ -23,8 +23,10 @@ the ranks' mean of the rows each layer was fed the step before (so a layer's fir
 SFB), which a small allreduce at the start of each step's synchronization tells every rank, left
 running while the step's other collectives start (SFB gathers each rank's own rows). A linear layer
 whose weight another module owns too (a tied softmax) never takes SFB: its factors would miss the
-other module's part of the gradient. (A weight used outside its module, as in `F.linear(x,
-layer.weight)` elsewhere, cannot be detected: give such a layer an explicit strategy.) Every rank must
+other module's part of the gradient. (A weight that gets gradient outside its layer's call, as in
+`F.linear(x, layer.weight)` elsewhere or a penalty in the loss, keeps that part under every strategy
+but SFB; under SFB the part is lost and the wrapper warns, once per layer: give such a layer strategy
+"ring", or put the penalty in the optimizer's weight_decay.) Every rank must
 produce a gradient for the same parameters each step, as under DDP without find_unused_parameters:
 where a rank skips a branch the others take, their buckets differ in size, and gloo aborts the
 process whose collective disagrees (docs/reliability.md, "Known gaps"; sparcoll's own collectives,
@@ -36,7 +38,8 @@ whose data decides which parameters a step uses, find_unused_parameters=True doe
 each rank hands its gradients on in one order (the parameters' reverse order, backward's usual one,
 in the first step; from the second on, the order rank 0's gradients came in the first, as DDP
 rebuilds its buckets: gradients that come in that order go while backward runs), a parameter it did
-not use as zeros at the end of backward, so every rank forms the same buckets; one small allreduce a
+not use at the end of backward, with the gradient it holds (a second backward without zero_grad), else
+zeros, so every rank forms the same buckets; one small allreduce a
 step counts the ranks that used each parameter (and tells every rank rank 0's order, in the first
 step), and one no rank used keeps its gradient as it was (None, as under DDP).
 
@@ -182,7 +185,8 @@ class DataParallel(nn.Module):
     an evaluation after training sees rank 0's statistics on every rank (so evaluate on every rank, or
     through `.module` on one, as under DDP). find_unused_parameters: as DDP's, for models whose
     data decides which parameters a step uses (a branch one rank takes and another does not): a
-    parameter without a gradient on a rank contributes zeros there, and one no rank used keeps its
+    parameter without a gradient of this step on a rank contributes the gradient it holds there
+    (zeros if none), and one no rank used keeps its
     gradient as it was; SFB is not used (its factors need every rank's call of the layer). A backward
     that raised on every rank at the same point (caught by the caller) is dropped at the next
     forward, its gradients cleared; where the ranks' backward did not all raise alike, every rank
