@@ -815,6 +815,27 @@ def test_mismatched_init_options_refused_on_every_rank(store):
         assert outcome[2] < TIMEOUT
 
 
+def test_a_rank_whose_options_are_refused_tells_its_peers_at_once(store):
+    """Rank 1 gives block_size=0: it raised at once, and rank 0 waited for its aggregator until the
+    timeout (the backend's group's is 30 minutes), then could not say which rank or why."""
+    store = dist.PrefixStore("refused/", store)
+    results = {}
+
+    def run(rank):
+        results[rank] = _outcome(lambda: Communicator(store, rank, 2, timeout=20.0,
+                                                      **({"block_size": 0} if rank else {})).close(),
+                                 expected=(sparcoll.SparcollError, ValueError))
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results[1][0] == "ValueError" and "block_size 0" in results[1][1], results
+    assert results[0][0] == "PeerError" and "rank 1 gave up init" in results[0][1] \
+        and "block_size 0" in results[0][1], results
+    assert results[0][2] < 5.0, results
+
+
 def test_peer_that_gave_up_init_is_named_with_its_reason(store):
     """A rank that fails init closes its aggregator; a peer that finds it gone reports that rank's
     reason (announced in the Store) at once, not a refused connection after the whole timeout."""

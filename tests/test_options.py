@@ -2,9 +2,11 @@
 (no Store key, no socket, no thread); the same values arriving from a peer are a ProtocolError. And
 the message-size policy, driven with measured rates instead of sockets."""
 import os
+import re
 import threading
 
 import pytest
+import torch.distributed as dist
 
 from sparcoll import wire
 from sparcoll.communicator import Communicator
@@ -13,10 +15,17 @@ from sparcoll.message_size import ADAPT_MIN_BYTES, MessageSizePolicy
 from sparcoll.options import Options
 
 
-class UntouchableStore:
-    """Fails the test if anything reads or writes it."""
-    def __getattr__(self, name):
-        raise AssertionError(f"the Store was used ({name}) although an option was bad")
+def refused_and_announced(options: dict) -> str:
+    """A Communicator refused for `options`: its error's text, once checked that it started no
+    thread and told the Store why, where its peers look (they waited for its aggregator until the
+    timeout, and could not say which rank or why)."""
+    store, threads = dist.HashStore(), threading.active_count()
+    with pytest.raises(ValueError) as info:
+        Communicator(store, 0, 2, **options)
+    assert threading.active_count() == threads
+    assert store.check(["1/init-failed/0"])
+    assert store.get("1/init-failed/0").decode() == f"ValueError\n{info.value}"
+    return str(info.value)
 
 
 @pytest.mark.parametrize("options, named", [
@@ -40,11 +49,8 @@ class UntouchableStore:
     (dict(block_size=256.7), "block_size must be an integer, got 256.7"),     # not truncated to 256
     (dict(credits=True), "credits must be an integer, got True"),
 ])
-def test_bad_options_are_value_errors_before_anything_is_built(options, named):
-    threads = threading.active_count()
-    with pytest.raises(ValueError, match=named):
-        Communicator(UntouchableStore(), 0, 2, **options)
-    assert threading.active_count() == threads
+def test_bad_options_are_value_errors_before_anything_is_built_and_told_to_the_peers(options, named):
+    assert re.search(named, refused_and_announced(options))
 
 
 def test_bad_environment_values_name_the_variable(monkeypatch):
@@ -90,8 +96,8 @@ def test_message_size_policy_follows_the_observed_rate():
 @pytest.mark.parametrize("raw", ["   \n", "short-secret"])
 def test_workers_refuse_a_blank_or_short_secret_for_dedicated_aggregators(monkeypatch, raw):
     monkeypatch.setenv("SPARCOLL_SECRET", raw)
-    with pytest.raises(ValueError, match=r"\$SPARCOLL_SECRET holds .*at least 16 bytes"):
-        Communicator(UntouchableStore(), 0, 2, aggregators=["127.0.0.1:7000"])
+    assert re.search(r"\$SPARCOLL_SECRET holds .*at least 16 bytes",
+                     refused_and_announced(dict(aggregators=["127.0.0.1:7000"])))
     monkeypatch.setenv("SPARCOLL_SECRET", f"  {'k' * 32}\n")
     options = Options.resolve(aggregators=["127.0.0.1:7000"])
     assert options.secret == b"k" * 32 and "kkkk" not in repr(options)
@@ -103,3 +109,22 @@ def test_a_host_this_rank_cannot_listen_on_is_named(host):
     import torch.distributed as dist
     with pytest.raises(ValueError, match=f"host '{host}' \\(host= or \\$SPARCOLL_HOST\\): this rank cannot listen"):
         Communicator(dist.HashStore(), 0, 1, host=host, timeout=5.0)
+
+
+def test_a_second_close_returns_once_the_first_has_finished():
+    """close() from two threads (an exit hook beside the script's own): the second returned at once
+    while the first still tore the threads down (a review)."""
+    import time
+    comm = Communicator(dist.HashStore(), 0, 1, timeout=10.0)
+    tear_down = comm._worker.close
+
+    def slowly(*args):
+        time.sleep(0.5)
+        tear_down(*args)
+    comm._worker.close = slowly
+    first = threading.Thread(target=comm.close)
+    first.start()
+    time.sleep(0.1)
+    comm.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("sparcoll")]
+    first.join(10)

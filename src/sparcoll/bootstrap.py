@@ -148,5 +148,6 @@ class Rendezvous:
     def _wait(self, keys: list[str]) -> None:
         """Wait for `keys` until the deadline; a peer that gave up init (a rank refused by its
         aggregator, with another secret) ends the wait with its reason."""
-        wait_in_store(self.store, keys, self.deadline, FAILURE_POLL, self._first_failure, lambda exc: (
-            f"rank {self.rank}: peers did not publish {keys} in the store within {self.timeout:g} s ({exc})"))
+        wait_in_store(self.store, keys, self.deadline, FAILURE_POLL, self._first_failure, lambda missing: (
+            f"rank {self.rank}: {', '.join(missing)} not in the store within {self.timeout:g} s: the ranks "
+            f"they are of did not come this far in init (never called it, or stuck before it)"))

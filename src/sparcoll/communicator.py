@@ -8,6 +8,7 @@ state). Here: validating a call's input, and the handles the caller sees (Work, 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +21,15 @@ from .bootstrap import Rendezvous, local_host
 from .collective import WorkerCollective
 from .engine import Engine, Work
 from .errors import SparcollError
-from .options import Options, check_tag, check_timeout
+from .options import DEFAULT_TIMEOUT, Options, check_tag, check_timeout
 from .server import AggregatorServer
 from .star import Credentials
 from .worker import WorkerJob
 
 __all__ = ["Communicator", "Stats", "Work"]
+
+
+CLOSE_WAIT_S = 30.0     # a second close() waits this long at most for the first to finish
 
 
 @dataclass
@@ -49,15 +53,19 @@ class Communicator:
 
     def __init__(self, store, rank: int, world: int, **options):
         self.rank, self.world = rank, world
-        self.options = Options.resolve(**options)
-        self.block_size = self.options.block_size
-        self.timeout = float(self.options.timeout)
-        self.aggregators = list(self.options.aggregators) if self.options.aggregators else None
-        self.config = self.options.job_config(world)
+        self._closed = threading.Event()      # the first close() has finished
         self._worker: WorkerJob | None = None
         self._engine: Engine | None = None
-        rendezvous = Rendezvous(store, rank, world, self.timeout)
+        # Joined before the options are read, so that a rank whose options are refused says so to its
+        # peers at once: they waited for its aggregator until the timeout (the backend's group's: 30
+        # minutes by default), and then could not say which rank or why.
+        rendezvous = Rendezvous(store, rank, world, _usable_timeout(options.get("timeout", DEFAULT_TIMEOUT)))
         try:
+            self.options = Options.resolve(**options)
+            self.block_size = self.options.block_size
+            self.timeout = float(self.options.timeout)
+            self.aggregators = list(self.options.aggregators) if self.options.aggregators else None
+            self.config = self.options.job_config(world)
             self._bootstrap(rendezvous)
         except BaseException as exc:
             rendezvous.announce_failure(exc)
@@ -228,14 +236,30 @@ class Communicator:
         return server.traffic() if server else transport.TrafficStats()
 
     def close(self) -> None:
-        """Leave the job and stop every thread; always returns."""
+        """Leave the job and stop every thread; always returns. A second call (another thread, an
+        exit hook) returns once the first has finished, within CLOSE_WAIT_S: it returned at once,
+        while the first still tore the threads and sockets down."""
         if self._engine is not None and not self._engine.close():
+            self._closed.wait(CLOSE_WAIT_S)
             return
-        if self._worker is not None:
-            self._worker.close(self._engine.poison if self._engine else None)
+        try:
+            if self._worker is not None:
+                self._worker.close(self._engine.poison if self._engine else None)
+        finally:
+            self._closed.set()
 
     def __enter__(self) -> "Communicator":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _usable_timeout(timeout) -> float:
+    """`timeout` where it is one, else the default: init still bounds its waits, and a timeout that
+    is not one is the error this rank announces."""
+    try:
+        check_timeout(timeout)
+    except ValueError:
+        return DEFAULT_TIMEOUT
+    return float(timeout)

@@ -29,7 +29,6 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Callable
 
 import numpy as np
@@ -81,8 +80,8 @@ class Star:
         if rank == 0:
             links = _accept_ranks(store, world, host, credentials, deadline, abandon)
         else:
-            wait_in_store(store, ["star"], deadline, POLL, abandon, lambda exc: (
-                f"rank {rank}: rank 0 did not publish its address within {timeout:g} s ({exc})"))
+            wait_in_store(store, ["star"], deadline, POLL, abandon, lambda missing: (
+                f"rank {rank}: rank 0 did not publish its address within {timeout:g} s"))
             hello = wire.Hello(credentials.job, rank, 0, credentials.config,
                                os.urandom(wire.NONCE_BYTES))
             links = {0: transport.connect(store.get("star").decode(), hello, credentials.secret,
@@ -213,20 +212,23 @@ class Star:
 
 
 def wait_in_store(store, keys: list[str], deadline: float, poll: float,
-                  abandon: Callable[[], BaseException | None], timed_out: Callable[[Exception], str]) -> None:
-    """Wait for `keys` in `store` until `deadline`, in slices of `poll` seconds between which
-    `abandon()`'s error (a peer that gave up meanwhile: its peers would wait out the whole timeout
-    for its keys) ends the wait; CollectiveTimeout(timed_out(the store's error)) at the deadline."""
-    while True:
-        try:
-            store.wait(keys, timedelta(seconds=max(0.01, min(poll, deadline - time.monotonic()))))
-            return
-        except Exception as exc:    # torch raises a plain RuntimeError (DistStoreError) on a timeout
-            failure = abandon()
-            if failure is not None:
-                raise failure from None
-            if time.monotonic() >= deadline:
-                raise CollectiveTimeout(timed_out(exc)) from None
+                  abandon: Callable[[], BaseException | None], timed_out: Callable[[list[str]], str]) -> None:
+    """Wait for `keys` in `store` until `deadline`, looking every `poll` seconds at most (sooner at
+    first: a peer is usually there within milliseconds) whether they are there and whether
+    `abandon()` has an error (a peer that gave up meanwhile: its peers would wait out the whole timeout
+    for its keys) that ends the wait; CollectiveTimeout(timed_out(the keys still missing)) at the
+    deadline. Looked at, not waited for: every store.wait that timed out printed two warnings of
+    torch's, hundreds in a minute's wait for a peer that never came."""
+    pause = 0.001
+    while not store.check(keys):
+        failure = abandon()
+        if failure is not None:
+            raise failure
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CollectiveTimeout(timed_out([key for key in keys if not store.check([key])]))
+        time.sleep(min(pause, poll, left))
+        pause *= 2
 
 
 def _wait_in_slices(sock: socket.socket) -> None:
