@@ -150,7 +150,7 @@ def test_large_blocks_get_a_fitting_message_size(store, block_size):
     finally:
         close(comms)
     with pytest.raises(ValueError, match="at most 1024 blocks per message fit"):
-        Communicator(None, 0, 2, block_size=8192, message_blocks=2048)
+        Communicator(dist.HashStore(), 0, 2, block_size=8192, message_blocks=2048)
 
 
 def test_a_communicator_recreated_on_the_same_prefix_does_not_read_stale_keys(store):
