@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -97,9 +98,13 @@ class Communicator:
             addresses = self.aggregators
             secret = self.options.secret
         self._worker = WorkerJob(self.rank, self.job, self.config, self.block_size, addresses,
-                                 self._poisoned, server, local_job)
+                                 _weakly(self._poisoned), server, local_job)
         chooser = Chooser(self.options.algorithm, self.block_size, self.world)
         self._engine = Engine(self.rank, self._worker, chooser, ring=None)
+        # One dropped without close() is closed when it is collected: its threads held it (through
+        # the poison callback, now weak) and kept it, its sockets and its port until the process
+        # exited. Not at interpreter exit, where a process leaves as it did.
+        weakref.finalize(self, _shut, self._engine, self._worker, self._closed).atexit = False
         if local_job is not None:
             local_job.attach(self.rank, LocalWorker(self._worker.local_inbox()))
         for index, address in enumerate(addresses):
@@ -239,14 +244,7 @@ class Communicator:
         """Leave the job and stop every thread; always returns. A second call (another thread, an
         exit hook) returns once the first has finished, within CLOSE_WAIT_S: it returned at once,
         while the first still tore the threads and sockets down."""
-        if self._engine is not None and not self._engine.close():
-            self._closed.wait(CLOSE_WAIT_S)
-            return
-        try:
-            if self._worker is not None:
-                self._worker.close(self._engine.poison if self._engine else None)
-        finally:
-            self._closed.set()
+        _shut(self._engine, self._worker, self._closed)
 
     def __enter__(self) -> "Communicator":
         return self
@@ -263,3 +261,27 @@ def _usable_timeout(timeout) -> float:
     except ValueError:
         return DEFAULT_TIMEOUT
     return float(timeout)
+
+
+def _shut(engine: Engine | None, worker: WorkerJob | None, closed: threading.Event) -> None:
+    """Leave the job and stop every thread (close(), or the finalizer of a Communicator dropped
+    without it); a second call returns once the first has finished."""
+    if engine is not None and not engine.close():
+        closed.wait(CLOSE_WAIT_S)
+        return
+    try:
+        if worker is not None:
+            worker.close(engine.poison if engine else None)
+    finally:
+        closed.set()
+
+
+def _weakly(method):
+    """`method`, called through a weak reference to its object (nothing if that is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return call
