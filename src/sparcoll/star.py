@@ -251,7 +251,7 @@ def _accept_ranks(store, world: int, host: str, credentials: Credentials,
     links: dict[int, socket.socket] = {}
     outcomes: queue.SimpleQueue = queue.SimpleQueue()
     gate = threading.Lock()
-    taking = [True]         # outcomes are taken; once not, a handshake that ends closes its socket
+    taking = True           # outcomes are taken; once not, a handshake that ends closes its socket
     running = 0
 
     def handshake(sock: socket.socket, seconds: float) -> None:
@@ -260,7 +260,7 @@ def _accept_ranks(store, world: int, host: str, credentials: Credentials,
         except BaseException as exc:     # every outcome reaches the loop below, or the socket closes
             outcome = (sock, None, exc)
         with gate:
-            if taking[0]:
+            if taking:
                 outcomes.put(outcome)
                 return
         sock.close()
@@ -324,7 +324,7 @@ def _accept_ranks(store, world: int, host: str, credentials: Credentials,
         raise
     finally:
         with gate:                  # handshakes still running close their own sockets from now on
-            taking[0] = False
+            taking = False
         while True:                 # those that ended meanwhile: strangers, or a rank twice
             try:
                 outcomes.get_nowait()[0].close()

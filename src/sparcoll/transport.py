@@ -102,22 +102,18 @@ def _recv_exact(sock: socket.socket, view: memoryview, peer: str,
                 deadline: float | None = None) -> None:
     """Fill `view` from `sock`. With a `deadline` (a handshake), every recv waits only for what is
     left of it: a peer trickling a byte at a time cannot stretch the whole read past it."""
+    if _recv_until_closed(sock, view, deadline) < len(view):
+        raise PeerError(f"{peer} closed the connection")
+
+
+def _recv_until_closed(sock: socket.socket, view: memoryview, deadline: float | None = None) -> int:
+    """Fill `view` from `sock` (within `deadline`, as _recv_exact), or stop where the peer closes: how
+    many bytes came."""
     got, size = 0, len(view)
     while got < size:
         if deadline is not None:
             sock.settimeout(_left(deadline))
         n = sock.recv_into(view[got:got + RECV_SLICE])
-        if n == 0:
-            raise PeerError(f"{peer} closed the connection")
-        got += n
-
-
-def _recv_until_closed(sock: socket.socket, view: memoryview, deadline: float) -> int:
-    """_recv_exact that stops where the peer closes: how many bytes came."""
-    got = 0
-    while got < len(view):
-        sock.settimeout(_left(deadline))
-        n = sock.recv_into(view[got:])
         if n == 0:
             break
         got += n

@@ -429,7 +429,8 @@ def decode_refusal(data: bytes) -> tuple[ErrorCode, str] | None:
     """(the error code, the reason) of a whole refusal verdict, else None."""
     if refusal_bytes(data) != len(data):
         return None
-    return ErrorCode(data[VERDICT_BYTES - 3]), data[VERDICT_BYTES:].decode("utf-8", "replace")
+    code = _VERDICT.unpack_from(data)[2]
+    return ErrorCode(code), data[VERDICT_BYTES:].decode("utf-8", "replace")
 
 
 def decode_verdict(buf) -> tuple[ErrorCode, int]:
