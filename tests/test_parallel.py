@@ -1075,6 +1075,43 @@ def test_find_unused_parameters_gives_the_average_of_what_each_rank_used():
         assert out["upside down overlap"][1:] == [True, True], out
 
 
+class SlowReducer(Reducer):
+    """A Reducer that takes 0.3 s to make, as a loaded machine can take a while."""
+
+    def __init__(self, *args, **kwargs):
+        time.sleep(0.3)
+        super().__init__(*args, **kwargs)
+
+
+def compressed_with_a_slow_reducer_on_rank_0(rank: int, world: int) -> float:
+    """fp16 with find_unused_parameters: the embedding's COO gradient (first in backward's order) is
+    reduced on the synchronization thread while the training thread hands the dense bucket on, and
+    each asks for the fp16 Reducer. Rank 0's Reducer is slow to make."""
+    if rank == 0:
+        sparcoll.torch.parallel.Reducer = SlowReducer
+    dp = sparcoll.torch.DataParallel(Branchy(), strategy="fp16", find_unused_parameters=True, timeout=10)
+    try:
+        errors = []
+        for step in range(2):
+            for p in dp.parameters():
+                p.grad = None
+            branchy_loss(dp, rank, step).backward()
+            for name, want in branchy_reference([step], world).items():
+                got = dict(dp.module.named_parameters())[name].grad
+                errors.append(((got.to_dense() - want).norm() / want.norm()).item())
+        return max(errors)
+    finally:
+        dp.close()
+
+
+def test_the_training_and_synchronization_threads_share_one_reducer_per_compressor():
+    """Both threads used to make a Reducer when neither found one: a rank where they raced had two, each
+    agreeing on its settings in a collective of its own at its first use, one collective more than its
+    peers ran, and every rank waited for the timeout (a suite run's hang of the test above)."""
+    for error in run_ranks(compressed_with_a_slow_reducer_on_rank_0, WORLD, timeout=90):
+        assert error <= 2e-3
+
+
 class Raising(torch.autograd.Function):
     """The identity, whose backward raises while `armed`: a backward that fails half way, after the
     layers above it have handed their gradients on and before those below have any."""

@@ -286,7 +286,8 @@ class DataParallel(nn.Module):
         # a communicator, and sent through the sparse AllReduce at some density
         self._density_decides = {id(p) for p in self._params if comm is not None
                                  and self._requested(p) == AUTO and self._may_beat_ring(hybrid.SPARSE, p)}
-        self._reducers: dict[str, Reducer] = {}
+        self._reducers: dict[tuple[str, str], Reducer] = {}
+        self._reducers_lock = threading.Lock()     # _reducer is called on the training and synchronization threads
         self._scratch: dict[int, list] = {}
         self._sync = True
         self._accumulated = False
@@ -1210,9 +1211,15 @@ class DataParallel(nn.Module):
         return None
 
     def _reducer(self, spec: str, placement: str = CHANNEL) -> Reducer:
-        if (spec, placement) not in self._reducers:
-            self._reducers[spec, placement] = Reducer(spec, self.group, self.comm)
-        return self._reducers[spec, placement]
+        """The one Reducer of a compressor in a placement, whichever thread asks first (the training thread
+        for a bucket, the synchronization thread for a COO gradient): each Reducer agrees on its settings
+        in a collective of its own at its first use, so a second one made by a race on one rank only
+        would add a collective there that its peers never run, and every rank would wait for the
+        timeout."""
+        with self._reducers_lock:
+            if (spec, placement) not in self._reducers:
+                self._reducers[spec, placement] = Reducer(spec, self.group, self.comm)
+            return self._reducers[spec, placement]
 
     def _check_alike_on_every_rank(self) -> None:
         """MismatchError on every rank if the ranks were given other models (parameters' names,
