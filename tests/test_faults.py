@@ -13,6 +13,7 @@ Mismatch and poisoning tests at the end run in-process (Communicators in threads
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing.connection as mp_connection
 import os
 import re
@@ -1050,7 +1051,11 @@ def test_close_fails_the_async_calls_still_queued_without_running_them():
     assert first == "SparcollError", first
 
 
-def test_close_during_collective_returns_and_fails_it():
+@pytest.mark.parametrize("algorithm", ["sparse", "ring"])
+def test_close_during_collective_returns_and_fails_it(algorithm):
+    """close() while a collective waits for a peer that never calls: on the sparse path and on
+    gloo's ring (where it used to wait 5 s for the engine thread and return with that thread still
+    in the collective, whose wait() then ended with a lost connection)."""
     done = threading.Event()
 
     def target(comm, rank):
@@ -1058,22 +1063,28 @@ def test_close_during_collective_returns_and_fails_it():
             done.wait(20)
             return None
         try:
+            checking = threading.Event()
+            if algorithm == "ring":         # rank 0's round of the ring's check begins
+                star = comm._engine.ring.star
+                star.round = functools.partial(lambda begin, *args: checking.set() or begin(*args), star.round)
             work = comm.allreduce(torch.ones(1000), async_op=True)
-            # In flight: its contribution to rank 1's aggregator has gone out (it cannot finish,
-            # rank 1 never calls).
-            in_flight = wait_for(lambda: comm.stats.messages_sent > 0, 10)
+            # In flight: its contribution to rank 1's aggregator has gone out, or its check round
+            # on the ring has begun (it cannot finish, rank 1 never calls).
+            in_flight = wait_for(lambda: comm.stats.messages_sent > 0 if algorithm == "sparse"
+                                 else checking.is_set(), 10)
             t = time.monotonic()
             comm.close()
             closed_in = time.monotonic() - t
             return in_flight, _outcome(lambda: work.wait(5)), closed_in, _outcome(
-                lambda: comm.allreduce(torch.ones(10)))
+                lambda: comm.allreduce(torch.ones(10))), comm._engine._thread.is_alive()
         finally:
             done.set()
 
-    (in_flight, during, closed_in, after), _ = in_threads(2, target, timeout=30.0)
+    (in_flight, during, closed_in, after, engine_alive), _ = in_threads(2, target, timeout=30.0,
+                                                                        algorithm=algorithm)
     assert in_flight, "rank 0 never sent its contribution"
     assert during[0] == "SparcollError" and "closed" in during[1], during
-    assert closed_in < CLOSE_LIMIT
+    assert closed_in < 2.0 and not engine_alive, (closed_in, engine_alive)
     assert after[0] == "SparcollError" and "closed" in after[1], after
 
 

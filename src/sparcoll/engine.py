@@ -330,8 +330,9 @@ class Engine:
         block_size = self.chooser.block_size(kind, coll.tensor)
         start = time.monotonic()
         if algorithm.on_gloo:
-            def peer_report():
-                return self.worker.take_early_error(coll.id) or self.worker.sparse_peer(coll.id)
+            def peer_report():      # looked at between slices of gloo's and the star's waits
+                return self.worker.take_early_error(coll.id) or self.worker.sparse_peer(coll.id) or \
+                    self._closed_during()
             data = densified.to_buffer(coll.tensor) if densifies else coll.tensor
             try:
                 averages = self.ring.allreduce(coll.id, data, op, coll.timeout, peer_report,
@@ -354,6 +355,13 @@ class Engine:
         elif error is None:
             self.chooser.learn(kind, coll.tensor, algorithm, time.monotonic() - start)
         return error
+
+    def _closed_during(self) -> SparcollError | None:
+        """close() fails a collective in progress on gloo's ring at once, as the sparse path's (there the
+        worker fails it): it used to wait for its peers until close() gave up on the engine thread."""
+        if self.state.is_(CommunicatorState.CLOSED):
+            return SparcollError("the communicator was closed during the collective")
+        return None
 
     def _lost_connection(self) -> BaseException | None:
         """The error of a connection this rank lost during a collective in progress (nothing else
