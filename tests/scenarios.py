@@ -461,6 +461,9 @@ DDP_CASES = {   # name: (model factory, input factory, DDP options)
     "sparse-embedding": (lambda: Embedded(sparse=True), id_inputs, {}),
     "many-buckets": (mlp, dense_inputs, {"bucket_cap_mb": 0.002}),
     "unused-parameters": (WithUnused, dense_inputs, {"find_unused_parameters": True}),
+    "bucket-views": (mlp, dense_inputs, {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.002}),
+    "static-graph": (lambda: Embedded(sparse=False), id_inputs, {"static_graph": True}),
+    "static-graph-unused": (WithUnused, dense_inputs, {"static_graph": True}),
 }
 
 
