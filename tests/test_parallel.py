@@ -747,6 +747,35 @@ def test_a_dead_peer_fails_backward_on_the_others_within_the_timeout(strategy):
         assert out["seconds"] <= 35
 
 
+def peer_stalls(rank: int, world: int, strategy: str) -> tuple | None:
+    """One step together, then the last rank stalls (6 s) before its backward: the others' backward
+    times out (2 s), and their synchronization thread waits in a gloo collective of its own (SFB's
+    factor gather, the parameter server's transfers), on a group whose timeout is a minute."""
+    import threading
+
+    dp = sparcoll.torch.DataParallel(mlp(), strategy=strategy, timeout=2)
+    step(dp, rank, 4, (12,))
+    if rank == world - 1:
+        time.sleep(6)
+        dp.close()
+        return None
+    error = what_raised(lambda: step(dp, rank, 4, (12,), seed=1))
+    start = time.monotonic()
+    dp.close()
+    closed_in = time.monotonic() - start
+    return error, closed_in, [t.name for t in threading.enumerate() if t.name.startswith("sparcoll-dataparallel")]
+
+
+@pytest.mark.parametrize("strategy", ["sfb", "ps"])
+def test_the_synchronization_thread_gives_up_its_collective_at_the_wrappers_timeout(strategy):
+    """It used to wait for the group's timeout (30 minutes by default): close() left it there after 5 s
+    (here until the stalled rank left, 4 s after close() began)."""
+    for out in run_ranks(peer_stalls, WORLD, timeout=90, strategy=strategy)[:-1]:
+        error, closed_in, alive = out
+        assert error is not None and "did not finish within 2 s" in error, out
+        assert closed_in < 3 and not alive, out
+
+
 @pytest.mark.skipif(not NETEM_OK, reason=f"emulated network unavailable: {NETEM_WHY}")
 def test_bytes_on_the_wire_match_the_cost_model(tmp_path, capfd):
     """Bytes each worker's interface sent per step (3 workers on an emulated 1 Gbit/s network)

@@ -6,13 +6,20 @@ Every result is an AVERAGE over ranks, like DDP's gradients.
 """
 from __future__ import annotations
 
+import pickle
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
+from ..errors import CollectiveTimeout
+
 
 class Channel:
-    def __init__(self, group=None, comm=None):
-        self.group, self.comm = group, comm
+    def __init__(self, group=None, comm=None, timeout: float | None = None):
+        """`timeout`: seconds each gloo collective may take (None: the group's own timeout, 30 minutes
+        by default), a CollectiveTimeout after it. The communicator's collectives keep its own."""
+        self.group, self.comm, self.timeout = group, comm, timeout
         if dist.is_available() and dist.is_initialized():
             self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         elif comm is not None:
@@ -22,7 +29,7 @@ class Channel:
 
     def allreduce_mean(self, t: torch.Tensor) -> torch.Tensor:
         """Average a dense tensor in place (each share divided first, as DDP does); returns it."""
-        _wait(self.start_allreduce_mean(t))
+        self._wait(self.start_allreduce_mean(t))
         return t
 
     def start_allreduce_mean(self, t: torch.Tensor):
@@ -37,7 +44,7 @@ class Channel:
     def allreduce_mean_many(self, tensors: list) -> list:
         """Average tensors of one dtype in one allreduce (in place for a single tensor)."""
         outs, work = self.start_allreduce_mean_many(tensors)
-        _wait(work)
+        self._wait(work)
         return outs
 
     def start_allreduce_mean_many(self, tensors: list) -> tuple[list, object]:
@@ -88,7 +95,7 @@ class Channel:
         if self.comm is not None:
             return self.comm.allreduce_coo(t, op="avg", tag=tag)
         total, work = self.start_sparse_mean(t)
-        _wait(work)
+        self._wait(work)
         return total.coalesce()
 
     def start_sparse_mean(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
@@ -108,7 +115,7 @@ class Channel:
         lengths = torch.tensor([p.numel() for p in parts], dtype=torch.long)
         if variable:
             every = [torch.empty_like(lengths) for _ in range(self.world)]
-            dist.all_gather(every, lengths, group=self.group)
+            self._wait(dist.all_gather(every, lengths, group=self.group, async_op=True))
         else:
             every = [lengths] * self.world
         sizes = torch.tensor([p.element_size() for p in parts], dtype=torch.long)
@@ -119,25 +126,38 @@ class Channel:
             torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts],
                       out=data[:nbytes[self.rank]])
         gathered = [torch.empty_like(data) for _ in range(self.world)]
-        dist.all_gather(gathered, data, group=self.group)
+        self._wait(dist.all_gather(gathered, data, group=self.group, async_op=True))
         return [_split(buf, n, parts) for buf, n in zip(gathered, every)]
 
     def allgather_object(self, obj) -> list:
-        """Every rank's picklable `obj`, in rank order."""
-        every = [None] * self.world
-        dist.all_gather_object(every, obj, group=self.group)
-        return every
+        """Every rank's picklable `obj`, in rank order (torch's all_gather_object takes no timeout)."""
+        mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        return [pickle.loads(bytes(theirs.numpy())) for (theirs,) in self.allgather((mine,), variable=True)]
+
+    def _wait(self, work) -> None:
+        wait_within(work, self.timeout, f"rank {self.rank}")
+
+
+def wait_within(work, timeout: float | None, who: str) -> None:
+    """Wait for a collective started on a gloo group (nothing for None), at most `timeout` seconds (None:
+    the group's own timeout): CollectiveTimeout after it, gloo's error if the collective failed."""
+    if work is None:
+        return
+    if timeout is None:
+        work.wait()
+        return
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        if not work.is_completed() or "timed out" in str(exc).lower():
+            raise CollectiveTimeout(f"a collective of {who} did not finish within {timeout:g} s ({exc})") from exc
+        raise
 
 
 def _concatenated(tensors: list) -> tuple[torch.Tensor, list]:
     """One flat copy of `tensors` end to end, and each one's view of its part."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
     return flat, [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
-
-
-def _wait(work) -> None:
-    if work is not None:
-        work.wait()
 
 
 def block_rows(indices: torch.Tensor, rows: torch.Tensor, nblocks: int) -> torch.Tensor:

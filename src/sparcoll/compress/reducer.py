@@ -34,11 +34,11 @@ from .spec import parse
 
 
 class Reducer:
-    def __init__(self, spec, group=None, comm=None):
+    def __init__(self, spec, group=None, comm=None, timeout: float | None = None):
         self.spec = parse(spec)
         self.compressor = make(self.spec)
         self.memory = make_memory(self.spec)
-        self.channel = Channel(group, comm)
+        self.channel = Channel(group, comm, timeout)
         self.compressor.block_size = comm.block_size if comm is not None else 256
         self.compressor.seed_rank(self.channel.rank)
         self.sent_bytes = 0

@@ -210,8 +210,9 @@ class DataParallel(nn.Module):
         self._bucket_kind: tuple = ()     # the bucket's (strategy, placement): one collective for all
         self._unit_buckets: dict = {}     # a plan's unit -> [kind, members gathered (as in _bucket), count]
         self.world = dist.get_world_size(group)
-        self.channel = Channel(group, comm)
-        self._group_channel = Channel(group)     # the group's own collectives, without sparcoll
+        # the gloo collectives the synchronization thread waits for give up at the wrapper's timeout
+        self.channel = Channel(group, comm, timeout)
+        self._group_channel = Channel(group, timeout=timeout)     # the group's own collectives, without sparcoll
         loaded = _load(strategy)
         if loaded.workers is not None and loaded.workers != self.world:
             raise ValueError(f"the plan was made for {loaded.workers} workers, this job has {self.world}: every "
@@ -1114,7 +1115,7 @@ class DataParallel(nn.Module):
             if id(p) not in self._scratch:
                 shard = -(-flat.numel() // self.world)
                 self._scratch[id(p)] = [torch.empty(shard, dtype=flat.dtype) for _ in range(self.world - 1)]
-            ps_allreduce(flat, self.group, self._scratch[id(p)]).div_(self.world)
+            ps_allreduce(flat, self.group, self._scratch[id(p)], self.timeout).div_(self.world)
         elif chosen == hybrid.SPARSE:
             self.comm.allreduce(flat, op="avg", tag=self._tags[id(p)])
         finish()
@@ -1218,7 +1219,7 @@ class DataParallel(nn.Module):
         timeout."""
         with self._reducers_lock:
             if (spec, placement) not in self._reducers:
-                self._reducers[spec, placement] = Reducer(spec, self.group, self.comm)
+                self._reducers[spec, placement] = Reducer(spec, self.group, self.comm, self.timeout)
             return self._reducers[spec, placement]
 
     def _check_alike_on_every_rank(self) -> None:

@@ -12,12 +12,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from sparcoll.compress.channel import wait_within
+
 PUSH, PULL = 1, 2
 
 
-def ps_allreduce(tensor: torch.Tensor, group=None, scratch: list | None = None) -> torch.Tensor:
+def ps_allreduce(tensor: torch.Tensor, group=None, scratch: list | None = None,
+                 timeout: float | None = None) -> torch.Tensor:
     """Sum the flat contiguous `tensor` over the group's ranks in place; returns it. `scratch`: a list
-    of world - 1 tensors of at least one shard each, reused across calls (else allocated)."""
+    of world - 1 tensors of at least one shard each, reused across calls (else allocated). `timeout`:
+    seconds each transfer may take (None: the group's own timeout)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world == 1:
         return tensor
@@ -32,9 +36,9 @@ def ps_allreduce(tensor: torch.Tensor, group=None, scratch: list | None = None) 
     arrivals = [dist.irecv(buf, peer(r), group=group, tag=PUSH) for buf, r in zip(incoming, others)]
     pulls = [dist.irecv(shards[r], peer(r), group=group, tag=PULL) for r in others]
     for buf, arrival in zip(incoming, arrivals):
-        arrival.wait()
+        wait_within(arrival, timeout, f"rank {rank}'s parameter server")
         mine.add_(buf)
     replies = [dist.isend(mine, peer(r), group=group, tag=PULL) for r in others]
     for work in pushes + pulls + replies:
-        work.wait()
+        wait_within(work, timeout, f"rank {rank}'s parameter server")
     return tensor
