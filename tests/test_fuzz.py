@@ -649,6 +649,30 @@ def test_client_of_one_job_cannot_take_a_rank_of_the_honest_job(live):
         handshake(server.address, honest.job, rank=1, config=wire.JobConfig(2, 1, 1, 4, 64))
 
 
+def test_a_message_whose_body_stalls_after_its_header_is_cut_off(live, monkeypatch):
+    """A header, half its body, then nothing, the connection left open (a stopped worker, or a client
+    holding the secret): the aggregator held the receive buffer and the job for good. Now it drops the
+    connection at BODY_DEADLINE (1 s here) and forgets the job."""
+    server, honest, watch = live
+    monkeypatch.setattr(server_module, "BODY_DEADLINE", 1.0)
+    job = int.from_bytes(os.urandom(8), "little")
+    sock = handshake(server.address, job)
+    message = contribution(job, range(16), 16)
+    sock.sendall(message[:len(message) // 2])
+    start, closed = time.monotonic(), False
+    try:
+        sock.settimeout(10.0)
+        closed = sock.recv(1) == b""
+    except ConnectionResetError:
+        closed = True
+    except socket.timeout:          # still open after 10 s
+        pass
+    finally:
+        sock.close()
+    assert closed and time.monotonic() - start < 5, time.monotonic() - start
+    assert wait_for(lambda: job not in server.jobs), "the job of the stalled connection was kept"
+
+
 def test_leaks_and_memory_after_the_attacks(live):
     server, honest, watch = live
     assert wait_for(lambda: only_honest_left(server, honest), 10), (set(server.jobs),

@@ -36,6 +36,10 @@ MAX_HANDSHAKES = 256
 ACCEPT_BACKOFF = 0.1          # after a failed accept (out of descriptors, say), before the next
 ENDED_MEMORY = 1024           # jobs forgotten after a worker left, remembered to refuse their latecomers
 CLOSE_JOIN = 5.0              # close() waits this long, at most, for the server's threads to end
+# A message's body must follow its header within this: a worker sends both at once, and one that
+# stalls in between (stopped, or a client holding the secret) held its receive buffer, up to 64 MiB,
+# and its job for good. A 64 MiB body needs about 9 Mbit/s to make it.
+BODY_DEADLINE = 60.0
 FROM_WORKERS = frozenset({wire.Kind.CONTRIBUTE, wire.Kind.ERROR, wire.Kind.BYE})
 
 
@@ -291,7 +295,8 @@ class AggregatorServer:
         try:
             while True:
                 h = conn.recv_header(job.config.message_blocks, job.job)
-                message = wire.read_body(h, conn.recv_into, FROM_WORKERS, place)
+                body = functools.partial(conn.recv_into, deadline=time.monotonic() + BODY_DEADLINE)
+                message = wire.read_body(h, body, FROM_WORKERS, place)
                 if isinstance(message, wire.Blocks):
                     buf = landed.pop()
                     rows = buf[:h.payload_sizes()[1]].view(h.torch_dtype).view(h.count, h.block_size)

@@ -13,6 +13,7 @@ import hmac
 import logging
 import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -118,6 +119,23 @@ def _recv_until_closed(sock: socket.socket, view: memoryview, deadline: float | 
             break
         got += n
     return got
+
+
+def _recv_within(sock: socket.socket, view: memoryview, peer: str, deadline: float) -> None:
+    """Fill `view` from `sock` by `deadline`, waiting for each slice with poll: the socket's own timeout
+    would bound its sender thread's writes too (poll, not select: an aggregator's descriptors may
+    number in the thousands)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    got, size = 0, len(view)
+    while got < size:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            raise PeerError(f"{peer} sent {got} of a message's {size} bytes, and no more in time")
+        n = sock.recv_into(view[got:got + RECV_SLICE])
+        if n == 0:
+            raise PeerError(f"{peer} closed the connection")
+        got += n
 
 
 def _longer_refusal(sock: socket.socket, head: bytes, deadline: float) -> bytes:
@@ -279,8 +297,12 @@ class Connection:
         self.count(bytes_received=wire.HEADER_BYTES, messages_received=1)
         return wire.decode_header(self._header, max_blocks, job)
 
-    def recv_into(self, view: memoryview) -> None:
-        _recv_exact(self.sock, view, self.peer)
+    def recv_into(self, view: memoryview, deadline: float | None = None) -> None:
+        """Fill `view`; with a `deadline` (monotonic), PeerError if it is not filled by then."""
+        if deadline is None:
+            _recv_exact(self.sock, view, self.peer)
+        else:
+            _recv_within(self.sock, view, self.peer, deadline)
         self.count(bytes_received=len(view))
 
     def stop_sending(self) -> None:
