@@ -400,8 +400,12 @@ def check_survivors(point: str, spec: dict, out: dict) -> list[str]:
     problems = []
     world = spec.get("world", 2)
     victims = spec.get("victims", ())
+    died = [v for v in victims if out["exitcodes"].get(v) == -signal.SIGKILL]
+    # Of two victims, the second may hear of the first's death before it reaches its own kill point
+    # (a loaded machine: once in a suite run): it is then a survivor, and judged as one.
+    outlived = [v for v in victims if v not in died] if died and len(victims) > 1 else []
     for v in victims:
-        if out["exitcodes"].get(v) != -signal.SIGKILL:
+        if v not in died and v not in outlived:
             problems.append(f"victim rank {v} exit code {out['exitcodes'].get(v)}: kill point "
                             f"not reached; its report: {out['workers'].get(v)}")
     if spec.get("aggregator_victim") is not None:
@@ -409,7 +413,7 @@ def check_survivors(point: str, spec: dict, out: dict) -> list[str]:
         if code != -signal.SIGKILL:
             problems.append(f"aggregator exit code {code}: kill point not reached")
     peers = []
-    for v in victims:
+    for v in died or victims:
         peers += [f"rank {v}", f"aggregator {v}", f"aggregator/{v}"]
         if v in out.get("addresses", {}):
             peers.append(out["addresses"][v])
@@ -417,7 +421,7 @@ def check_survivors(point: str, spec: dict, out: dict) -> list[str]:
         a = spec["aggregator_victim"]
         peers += [f"aggregator {a}", out["aggs"][a]]
     for rank in range(world):
-        if rank in victims:
+        if rank in victims and rank not in outlived:
             continue
         res = out["workers"].get(rank)
         if not isinstance(res, dict):
