@@ -747,6 +747,43 @@ def test_a_dead_peer_fails_backward_on_the_others_within_the_timeout(strategy):
         assert out["seconds"] <= 35
 
 
+def two_wrappers_in_one_backward(rank: int, world: int) -> dict:
+    """A loss through two wrapped models (a GAN's generator loss runs through the discriminator):
+    on one group their synchronization threads issued collectives in an order that differed by rank,
+    and the gradients came out silently wrong (relative errors about 1 in a review). Now that backward
+    raises; with a group each, the gradients are the average."""
+    torch.manual_seed(5)
+    a, b = nn.Linear(64, 64), nn.Linear(64, 64)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    shared = [DataParallel(a, strategy="ring", timeout=20), DataParallel(b, strategy="ring", timeout=20)]
+    out["one group"] = what_raised(lambda: shared[1](torch.tanh(shared[0](x))).pow(2).mean().backward())
+    for dp in shared:
+        dp.close()
+    apart = [DataParallel(m, strategy="ring", timeout=20, group=dist.new_group()) for m in (a, b)]
+    for step in range(2):
+        for p in [*a.parameters(), *b.parameters()]:
+            p.grad = None
+        apart[1](torch.tanh(apart[0](x))).pow(2).mean().backward()
+        reference = [nn.Linear(64, 64).double() for _ in range(2)]
+        for mine, ref in zip((a, b), reference):
+            ref.load_state_dict(mine.state_dict())
+        for r in range(world):
+            xr = torch.randn(8, 64, generator=torch.Generator().manual_seed(r)).double()
+            (reference[1](torch.tanh(reference[0](xr))).pow(2).mean() / world).backward()
+        out[f"apart {step}"] = max(((p.grad - q.grad.float()).norm() / q.grad.norm()).item()
+                                   for m, ref in zip((a, b), reference) for p, q in zip(m.parameters(), ref.parameters()))
+    for dp in apart:
+        dp.close()
+    return out
+
+
+def test_two_wrappers_on_one_group_in_one_backward_raise_and_a_group_each_gives_the_average():
+    for out in run_ranks(two_wrappers_in_one_backward, WORLD, timeout=90):
+        assert out["one group"] is not None and "two DataParallel wrappers on one process group" in out["one group"], out
+        assert out["apart 0"] <= 1e-5 and out["apart 1"] <= 1e-5, out
+
+
 def peer_stalls(rank: int, world: int, strategy: str) -> tuple | None:
     """One step together, then the last rank stalls (6 s) before its backward: the others' backward
     times out (2 s), and their synchronization thread waits in a gloo collective of its own (SFB's

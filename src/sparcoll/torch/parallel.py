@@ -122,6 +122,12 @@ STRATEGIES = (hybrid.RING, hybrid.PS, hybrid.SPARSE, hybrid.SFB)
 WATCH_EVERY_S = 1.0     # backward waiting longer for its synchronizations looks whether a peer dropped the step
 TIMED_OUT = 0.95        # a gloo wait that failed after this share of the timeout timed out
 AGREE_S = 10.0          # ranks whose step's synchronization failed alike say so within this
+# The wrapper synchronizing on each process group and communicator in the backward under way, by
+# (kind, id): two at once would issue their collectives from two threads, in an order that differs
+# by rank, and gloo would pair one's with the other's (silently wrong sums where sizes agree: a review
+# trained a GAN-like pair of wrappers on the default group).
+_SYNCHRONIZING: dict[tuple[str, int], "DataParallel"] = {}
+_SYNCHRONIZING_LOCK = threading.Lock()
 
 
 def _linear_input(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -192,7 +198,8 @@ class DataParallel(nn.Module):
     forward, its gradients cleared; where the ranks' backward did not all raise alike, every rank
     raises sparcoll.errors.DivergedError instead (sparcoll.torch.dropped). After a DivergedError or a
     step whose synchronizations timed out, every later forward raises DivergedError. Build wrappers
-    in the same order on every rank."""
+    in the same order on every rank; a loss through two wrapped models (a GAN's) needs a group (and
+    a communicator) for each, or backward raises."""
 
     def __init__(self, module: nn.Module, comm: Communicator | None = None, group=None,
                  strategy: Union[str, Mapping, Path] = AUTO, timeout: float = 300.0,
@@ -369,6 +376,7 @@ class DataParallel(nn.Module):
         caller's)."""
         for handle in self._handles:
             handle.remove()
+        self._release_channels()
         self._queue.put(None)
         self._thread.join(timeout=5)
         self._running.put(None)         # after the last collective the thread could have started
@@ -720,12 +728,36 @@ class DataParallel(nn.Module):
         """At the first gradient of a backward: make its end wait for the synchronizations."""
         if self._armed:
             return
+        self._claim_channels()
         self._armed = True
         self._step += 1
         self._started = self._ran = 0
         self.trace = []
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         self._share_rows()
+
+    def _claim_channels(self) -> None:
+        """This wrapper synchronizes on its group (and communicator) in this backward: RuntimeError, on
+        every rank alike, if another wrapper does already (a loss through two wrapped models)."""
+        keys = [("process group", id(self.group if self.group is not None else dist.group.WORLD))]
+        keys += [("communicator", id(self.comm))] if self.comm is not None else []
+        with _SYNCHRONIZING_LOCK:
+            for key in keys:
+                other = _SYNCHRONIZING.get(key)
+                if other is not None and other is not self:
+                    raise RuntimeError(
+                        f"two DataParallel wrappers on one {key[0]} synchronize in one backward (of "
+                        f"{type(other.module).__name__} and of {type(self.module).__name__}): their collectives "
+                        f"would pair across ranks in different orders. Wrap the models in one DataParallel, or "
+                        f"give each its own group (group=dist.new_group(), on every rank in the same order) and "
+                        f"its own communicator")
+            for key in keys:
+                _SYNCHRONIZING[key] = self
+
+    def _release_channels(self) -> None:
+        with _SYNCHRONIZING_LOCK:
+            for key in [key for key, holder in _SYNCHRONIZING.items() if holder is self]:
+                del _SYNCHRONIZING[key]
 
     def _share_rows(self) -> None:
         """Queue, first in the step, the allreduce of the rows this rank fed each linear layer whose
@@ -819,6 +851,7 @@ class DataParallel(nn.Module):
         if not self.find_unused_parameters:     # (with it every rank reduces the same by construction)
             self._put((None, CHECK, None, []))
         self._armed = False
+        self._release_channels()
         self._accumulated = False
         held, self._held = self._held, []
         for item in held:
@@ -945,6 +978,7 @@ class DataParallel(nn.Module):
             self._keep_what_the_step_learned(False)
             self._bucket, self._bucket_bytes, self._unit_buckets, self._held = [], 0, {}, []
             self._armed = self._accumulated = False
+            self._release_channels()
             self._unchecked = []
             self._came = set()
             self._handed, self._got, self._accumulated_ids = 0, set(), set()
