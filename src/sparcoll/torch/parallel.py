@@ -899,9 +899,11 @@ class DataParallel(nn.Module):
             raise
 
     def _break_on(self, error: BaseException | None) -> None:
-        """After a timeout, a divergence or a peer's failure no later step runs, and peers still
-        waiting for this rank's collectives learn it within a second."""
-        if isinstance(error, (CollectiveTimeout, DivergedError, PeerError)):
+        """After a timeout, a divergence, a mismatch or a peer's failure no later step runs, and peers
+        still waiting for this rank's collectives learn it within a second. (A mismatch: where a bucket's
+        check failed, how many of the step's later collectives each rank had started depends on its
+        threads' timing, so the next step's would pair with them.)"""
+        if isinstance(error, (CollectiveTimeout, DivergedError, MismatchError, PeerError)):
             self._broken = error
             if self._dropped is not None:
                 try:
