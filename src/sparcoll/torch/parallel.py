@@ -1034,8 +1034,8 @@ class DataParallel(nn.Module):
                 if self._error is None:        # after a failure, later tensors are moot
                     self._ran += 1
                     started = self._synchronize(p, chosen, extra)
-            except BaseException as exc:       # every error reaches backward, none kills the thread
-                self._error = exc
+            except BaseException as exc:       # every error reaches backward, none kills the thread; the
+                self._error = self._error or exc   # first is the step's (the completion thread's may come first)
             end = time.perf_counter()
             for event in events:
                 event.start, event.end = start, end
