@@ -747,6 +747,76 @@ def test_a_dead_peer_fails_backward_on_the_others_within_the_timeout(strategy):
         assert out["seconds"] <= 35
 
 
+def failures_alike_with_threads_at_other_speeds(rank: int, world: int) -> dict:
+    """Two failures alike on every rank in step 1, each step's outcome. "completion": the first large
+    ring allreduce fails as its result is put in place (on the completion thread), rank 0's
+    completion thread getting there 1 s late and rank 1's synchronization thread taking 0.3 s an
+    item. "synchronization": the third large allreduce fails to start (on the synchronization
+    thread), rank 1's completion thread 1.5 s late to an earlier one, so rank 0 drops the step first."""
+    out = {}
+    for case in ("completion", "synchronization"):
+        torch.manual_seed(3)
+        dp = DataParallel(nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                                        nn.Linear(512, 512)), strategy="ring", timeout=20, group=dist.new_group())
+        put_back, synchronize, wait_for, start = dp._put_back, dp._synchronize, dp._wait_for, \
+            dp.channel.start_allreduce_mean
+        state = {"step": 0, "failed": False, "starts": 0, "slowed": False}
+
+        def failing_put_back(p, grad, flat):
+            if state["step"] == 1 and grad.numel() == 512 * 512 and not state["failed"]:
+                state["failed"] = True
+                if rank == 0:
+                    time.sleep(1.0)
+                raise MemoryError("injected, alike on every rank")
+            return put_back(p, grad, flat)
+
+        def slow_synchronize(p, chosen, extra):
+            if state["step"] == 1 and rank == 1:
+                time.sleep(0.3)
+            return synchronize(p, chosen, extra)
+
+        def slow_wait_for(work):
+            if state["step"] == 1 and rank == 1 and not state["slowed"]:
+                state["slowed"] = True
+                time.sleep(1.5)
+            return wait_for(work)
+
+        def failing_start(t):
+            if state["step"] == 1:
+                state["starts"] += 1
+                if state["starts"] == 3:
+                    raise MemoryError("injected, alike on every rank")
+            return start(t)
+
+        if case == "completion":
+            dp._put_back, dp._synchronize = failing_put_back, slow_synchronize
+        else:
+            dp._wait_for, dp.channel.start_allreduce_mean = slow_wait_for, failing_start
+        out[case] = []
+        try:
+            for step in range(3):
+                state["step"] = step
+                dp.zero_grad()
+                x = torch.randn(8, 512, generator=torch.Generator().manual_seed(10 * step + rank))
+                out[case].append(what_raised(lambda: dp(x).pow(2).mean().backward()))
+        finally:
+            dp.close()
+    return out
+
+
+def test_a_failure_alike_on_every_rank_is_dropped_whatever_the_speed_of_each_ranks_threads():
+    """Both ended the job with DivergedError on every rank (a review). The synchronization thread
+    skipped the rest of the step from the moment the completion thread's error landed, so the ranks
+    ran different numbers of collectives and could not agree; and a rank still waiting for its own
+    failed step took a peer's drop of it for a divergence. Now only errors that end the job skip the
+    rest, from their place in the queue, and a rank whose own step failed drops it with its peers:
+    the step is dropped and the next one runs."""
+    for out in run_ranks(failures_alike_with_threads_at_other_speeds, 2, timeout=120):
+        for case, steps in out.items():
+            assert steps[0] is None and steps[2] is None, (case, steps)
+            assert steps[1] is not None and "injected, alike on every rank" in steps[1], (case, steps)
+
+
 def two_wrappers_in_one_backward(rank: int, world: int) -> dict:
     """A loss through two wrapped models (a GAN's generator loss runs through the discriminator):
     on one group their synchronization threads issued collectives in an order that differed by rank,

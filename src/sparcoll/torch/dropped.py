@@ -76,3 +76,12 @@ class DroppedSteps:
                 return (f"a peer dropped step {s} (its backward raised, or its synchronization failed), "
                         f"which rank {self.rank} finished: the ranks no longer agree{RESTART}")
         return None
+
+    def finished_by_a_peer(self, step: int) -> str | None:
+        """While this rank waits for the rest of `step`, whose synchronization failed here too (so it
+        will drop the step, not finish it): the error if a peer finished that step or gave up on the
+        job, when no agreement to drop it can come; else None."""
+        if self.store.check([f"{step}/finished"]):
+            return (f"step {step}'s synchronization failed on rank {self.rank}, but a peer finished it or "
+                    f"stopped: the ranks no longer agree{RESTART}")
+        return None

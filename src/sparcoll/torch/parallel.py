@@ -109,6 +109,7 @@ CHECK = "check"         # the step's last check of what gloo reduced after its l
 COMPRESSED = "compressed"   # gradients of one compressor, their payloads in one collective
 COO_UNIT = "coo unit"       # a plan's unit of sparse COO gradients: one sparse AllReduce of them all
 SPARSE_BUCKET = "sparse bucket"     # dense gradients under the sparse AllReduce, concatenated: one of it
+FAILED = "failed"           # an error of the training thread, in queue order: the items after it are skipped
 CHANNEL, THREAD, OFFLOAD = "channel", "thread", "offload"     # where a compressor runs
 SMALL_BYTES = 256 << 10     # a gradient this small joins the bucket (without a plan, any smaller than
                             # BUCKET_BYTES on the ring) ...
@@ -133,6 +134,12 @@ _SYNCHRONIZING_LOCK = threading.Lock()
 def _linear_input(args: tuple, kwargs: dict) -> torch.Tensor:
     """nn.Linear's input, passed by position or as `input=`."""
     return args[0] if args else kwargs["input"]
+
+
+def _ends_the_job(error: BaseException) -> bool:
+    """An error after which no step runs (DataParallel._break_on), so the ranks need not agree on how
+    much of the step each ran."""
+    return isinstance(error, (CollectiveTimeout, DivergedError, MismatchError, PeerError)) or _gloo_timed_out(error)
 
 
 def _gloo_timed_out(error: BaseException) -> bool:
@@ -307,7 +314,12 @@ class DataParallel(nn.Module):
         self._learned_density: dict[int, float] = {}
         self._pending = 0
         self._idle = threading.Condition()
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None     # the step's first error, from any thread
+        # what makes the synchronization thread skip the rest of the step: set at a position in its
+        # queue (its own errors, the training thread's as FAILED items, alike on every rank that failed
+        # alike), not at the moment another thread's error lands, so every such rank runs as many items
+        # and the ranks can agree to drop the step (a review: the skipped count differed by timing)
+        self._skipping: BaseException | None = None
         self._armed = False
         self._step = -1             # the synchronized steps' count (the one armed, or the last)
         self._started = 0           # the items this step queued (collectives, most of them)
@@ -466,15 +478,15 @@ class DataParallel(nn.Module):
         """The gradient of one call's output has arrived: queue the call's SFB."""
         self._arm()
         if call not in state.calls:      # the step this call belonged to is over
-            self._error = self._error or RuntimeError(
+            self._fail_in_order(RuntimeError(
                 f"SFB cannot rebuild {state.name}'s gradient from a second backward through the "
-                f"same graph; give it another strategy")
+                f"same graph; give it another strategy"))
             return
         state.calls.discard(call)
         if call.inputs._version != call.version:
-            self._error = self._error or RuntimeError(
+            self._fail_in_order(RuntimeError(
                 f"one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: the input of {state.name}, whose gradient SFB builds from it at backward")
+                f"operation: the input of {state.name}, whose gradient SFB builds from it at backward"))
             return
         self._came.add(id(state.layer.weight))      # its weight's gradient comes as these factors
         if not state.started:
@@ -600,7 +612,7 @@ class DataParallel(nn.Module):
         try:
             payload = self._compress_apart(p, *kind) if compressed else None
         except BaseException as exc:          # reaches backward at its end, as the thread's errors
-            self._error = self._error or exc
+            self._fail_in_order(exc)
             return
         if bucketed:
             self._add_to_bucket(p, kind, payload)
@@ -637,6 +649,12 @@ class DataParallel(nn.Module):
                 self._offload = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparcoll-offload")
             return self._offload.submit(reducer.compress, p.grad, id(p))
         return reducer.compress(p.grad, id(p))
+
+    def _fail_in_order(self, error: BaseException) -> None:
+        """An error of the training thread: it reaches the synchronization thread after what was queued
+        before it, and that thread skips what comes after (see _skipping)."""
+        self._flush()                   # the open bucket was ready before it
+        self._put((None, FAILED, error, []))
 
     def _enqueue(self, p: torch.Tensor, chosen: str, extra) -> None:
         self._flush()                   # the bucket goes first: it was ready first
@@ -903,7 +921,7 @@ class DataParallel(nn.Module):
         still waiting for this rank's collectives learn it within a second. (A mismatch: where a bucket's
         check failed, how many of the step's later collectives each rank had started depends on its
         threads' timing, so the next step's would pair with them.)"""
-        if isinstance(error, (CollectiveTimeout, DivergedError, MismatchError, PeerError)):
+        if error is not None and _ends_the_job(error):
             self._broken = error
             if self._dropped is not None:
                 try:
@@ -924,7 +942,7 @@ class DataParallel(nn.Module):
             timeout = CollectiveTimeout(f"a collective timed out ({error})")
             timeout.__cause__ = error
             return timeout
-        if self._dropped is None or isinstance(error, (CollectiveTimeout, DivergedError, MismatchError, PeerError)):
+        if self._dropped is None or _ends_the_job(error):
             return error
         try:
             self._dropped.drop(self._step, self._ran, min(self.timeout, AGREE_S),
@@ -936,9 +954,10 @@ class DataParallel(nn.Module):
 
     def _wait_for_the_step(self, what: str, watch: bool = True) -> BaseException | None:
         """Wait for every synchronization of the step (within the timeout) and take its error, if any.
-        After an error the thread skips the rest of the step at once: waiting for all of it means
-        that nothing of this step runs after the error is cleared. `watch`: every second of waiting,
-        look whether a peer dropped this step (its backward raised, this rank's did not)."""
+        After an error the synchronization thread skips the rest of the step (from the error's place
+        in its queue, _skipping): waiting for all of it means that nothing of this step runs after the
+        error is cleared. `watch`: every second of waiting, look whether a peer dropped this step
+        (its backward raised, or its synchronization failed, this rank's did not)."""
         now = time.monotonic()
         deadline, look = now + self.timeout, now + WATCH_EVERY_S
         while True:
@@ -947,12 +966,15 @@ class DataParallel(nn.Module):
                     self._idle.wait(min(deadline, look) - now)
                     now = time.monotonic()
                 if not self._pending:
-                    error, self._error = self._error, None
+                    error, self._error, self._skipping = self._error, None, None
                     return error
             if now >= deadline:
                 raise CollectiveTimeout(f"{what} did not finish within {self.timeout} s")
             look = now + WATCH_EVERY_S
-            diverged = self._dropped.dropped_by_a_peer(self._step) if watch and self._dropped else None
+            diverged = None
+            if watch and self._dropped:     # (a rank whose own step failed too drops it once its items ran:
+                diverged = self._dropped.dropped_by_a_peer(self._step) if self._error is None else \
+                    self._dropped.finished_by_a_peer(self._step)    # a peer's drop is no divergence then)
             if diverged is not None:
                 raise DivergedError(diverged)
 
@@ -1031,11 +1053,12 @@ class DataParallel(nn.Module):
             p, chosen, extra, events = item
             start, started = time.perf_counter(), None
             try:
-                if self._error is None:        # after a failure, later tensors are moot
+                if self._skipping is None:     # after a failure, later tensors are moot
                     self._ran += 1
                     started = self._synchronize(p, chosen, extra)
             except BaseException as exc:       # every error reaches backward, none kills the thread; the
                 self._error = self._error or exc   # first is the step's (the completion thread's may come first)
+                self._skipping = self._skipping or exc
             end = time.perf_counter()
             for event in events:
                 event.start, event.end = start, end
@@ -1060,6 +1083,8 @@ class DataParallel(nn.Module):
                     started.finish()
             except BaseException as exc:       # every error reaches backward, none kills the thread
                 self._error = self._error or exc
+                if _ends_the_job(exc):      # else the rest of the step still runs, as on every rank
+                    self._skipping = self._skipping or exc
             end = time.perf_counter()
             for event in started.events:
                 event.end = end
@@ -1079,6 +1104,8 @@ class DataParallel(nn.Module):
             raise CollectiveTimeout(f"a collective did not finish within {self.timeout} s ({exc})") from exc
 
     def _synchronize(self, p: torch.Tensor, chosen: str, extra) -> tuple | None:
+        if chosen == FAILED:
+            raise extra
         if chosen == USED:             # in place: _finish reads it once every synchronization is done
             return self._later(dist.all_reduce(extra, group=self.group, async_op=True), lambda: None)
         if chosen == ROWS:
