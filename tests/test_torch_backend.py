@@ -7,6 +7,7 @@ import os
 import time
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -51,6 +52,51 @@ def ddp_on_default_sparcoll_group(rank: int, world: int) -> dict:
     out = torch.full((2,), float(rank))
     dist.all_reduce(out)
     return {**errors, "sum": out.tolist()}
+
+
+class Branching(torch.nn.Module):
+    """A layer used at even steps only: DDP needs find_unused_parameters."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.a, self.b, self.c = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1), torch.nn.Linear(8, 8)
+
+    def forward(self, x, use_c: bool):
+        h = torch.relu(self.a(x))
+        return self.b(self.c(h) if use_c else h)
+
+
+def join_with_uneven_inputs(rank: int, world: int) -> dict:
+    """DDP's Join with find_unused_parameters, rank 0 running out of batches first, on a "sparcoll" group
+    and on a gloo one: the final parameters of each; and the forms of ProcessGroup.allreduce and
+    barrier that torch's own code calls (DDP's join hook calls `allreduce(tensor)`)."""
+    from torch.distributed.algorithms.join import Join
+
+    out = {}
+    for backend in ("sparcoll", "gloo"):
+        pg = sparcoll_group() if backend == "sparcoll" else dist.new_group(backend="gloo")
+        ddp = DDP(Branching(), process_group=pg, find_unused_parameters=True)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        with Join([ddp]):
+            for step in range(2 if rank == 0 else 4):
+                g = torch.Generator().manual_seed(10 * step + rank)
+                x, y = torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
+                optimizer.zero_grad()
+                ((ddp(x, step % 2 == 0) - y) ** 2).mean().backward()
+                optimizer.step()
+        out[backend] = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).numpy()
+        if backend == "sparcoll":
+            one = torch.full((3,), float(rank + 1))
+            pg.allreduce(one).wait()
+            listed = [torch.full((3,), float(rank + 1))]
+            pg.allreduce(listed).wait()
+            largest = torch.full((3,), float(rank + 1))
+            pg.allreduce(largest, dist.ReduceOp.MAX).wait()
+            pg.barrier().wait()
+            out["forms"] = [one.tolist(), listed[0].tolist(), largest.tolist()]
+        dist.destroy_process_group(pg)
+    return out
 
 
 def half_precision_on_sparcoll_group(rank: int, world: int, dtype_name: str) -> dict:
@@ -301,6 +347,17 @@ def test_failed_allreduce_in_ddp_backward_raises_runtime_error():
 
 def test_ddp_on_new_group_matches_full_batch_reference():
     assert_all_match(run_ranks(ddp_on_sparcoll_group, WORLD, timeout=TIMEOUT))
+
+
+def test_ddp_join_with_uneven_inputs_and_unused_parameters_trains_as_on_gloo():
+    """It raised TypeError (allreduce() missing 'opts') on the rank that ran out of batches first: DDP's
+    join hook calls the group's allreduce with a tensor alone (a review)."""
+    outcomes = run_ranks(join_with_uneven_inputs, WORLD, timeout=TIMEOUT)
+    for out in outcomes:
+        np.testing.assert_allclose(out["sparcoll"], out["gloo"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(out["sparcoll"], outcomes[0]["sparcoll"])
+        total, largest = float(sum(range(1, WORLD + 1))), float(WORLD)
+        assert out["forms"] == [[total] * 3, [total] * 3, [largest] * 3], out["forms"]
 
 
 def test_ddp_on_default_group_matches_full_batch_reference():

@@ -116,6 +116,18 @@ def _delegate(gloo_name: str):
     return method
 
 
+def _allreduce_arguments(tensors, opts) -> tuple[list[torch.Tensor], dist.AllreduceOptions]:
+    """A list of tensors and AllreduceOptions from any of the forms torch's ProcessGroup.allreduce
+    takes: options, a ReduceOp or nothing, for a list of tensors or one tensor."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if isinstance(opts, dist.AllreduceOptions):
+        return tensors, opts
+    options = dist.AllreduceOptions()
+    if opts is not None:
+        options.reduceOp = opts
+    return tensors, options
+
+
 class ProcessGroupSparcoll(dist.ProcessGroup):
     """A process group whose dense SUM/AVG all_reduce is a sparcoll allreduce."""
 
@@ -153,9 +165,11 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
                 and tensors[0].device.type == "cpu" and tensors[0].dtype in DTYPE_CODES
                 and self.comm.too_many_blocks(tensors[0]) is None)
 
-    def allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+    def allreduce(self, tensors: list[torch.Tensor] | torch.Tensor, opts=None) -> dist.Work:
         """Dense float SUM/AVG on sparcoll, a sparse COO one via sparse.allreduce_coo, the rest on
-        gloo."""
+        gloo. As torch's groups, it takes (tensors, options), (tensors, op) or (tensor, op), the last
+        optional: DDP's join hook calls `allreduce(tensor)` (under find_unused_parameters)."""
+        tensors, opts = _allreduce_arguments(tensors, opts)
         op = opts.reduceOp.op
         if not self._accelerated(tensors, op):
             return self._delegated_allreduce(tensors, opts)
@@ -186,13 +200,15 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
             return self._issue(torch.zeros(1), "sum", _seconds(opts.timeout), DELEGATED_TAG) + [gloo_part]
         return SparcollWork(Completion.start(tensors, issue))
 
-    def barrier(self, opts) -> dist.Work:
+    def barrier(self, opts=None) -> dist.Work:
         """Done when every rank has issued all earlier collectives of both parts: a one-element
         sparcoll allreduce queues behind this rank's earlier sparcoll work, gloo's barrier behind
         gloo's. The allreduce's tag of its own makes a peer's all_reduce of one element, which
         all_reduce never tags, fail with MismatchError instead of pairing with it. The gloo part is
         issued first, whatever the sparcoll part does: a rank whose communicator is already failed
         still keeps the gloo group in step with its peers."""
+        opts = dist.BarrierOptions() if opts is None else opts
+
         def issue() -> list:
             gloo_part = self.gloo.barrier(opts)
             return self._issue(torch.ones(1), "sum", _seconds(opts.timeout), BARRIER_TAG) + [gloo_part]
