@@ -178,3 +178,26 @@ def test_closing_connections_whose_peers_do_not_read_takes_one_timeout_in_all():
             conn.close()
         for _, b in pairs:
             b.close()
+
+
+@pytest.mark.parametrize("closed", ["before", "during"])
+def test_a_read_against_a_deadline_on_a_connection_closed_here_is_a_peer_error(closed):
+    """The aggregator reads a message's body against a deadline (server.BODY_DEADLINE); where its own
+    side closes the socket (the server's close, a destroyed group) the read must end as a lost
+    connection, which the server handles quietly, never as another error it logs as internal (a
+    review saw ValueError "file descriptor cannot be a negative integer" in destroy_process_group),
+    and before the deadline."""
+    a, b = _pair(64 * 1024)
+    conn = transport.Connection(a, "test peer", lambda exc: None)
+    try:
+        if closed == "before":
+            a.close()
+        else:
+            threading.Timer(0.2, lambda: a.shutdown(socket.SHUT_RDWR)).start()
+        start = time.monotonic()
+        with pytest.raises(PeerError):
+            conn.recv_into(memoryview(bytearray(1024)), deadline=time.monotonic() + 10)
+        assert time.monotonic() - start < 5
+    finally:
+        conn.close()
+        b.close()

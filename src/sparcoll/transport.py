@@ -126,7 +126,10 @@ def _recv_within(sock: socket.socket, view: memoryview, peer: str, deadline: flo
     would bound its sender thread's writes too (poll, not select: an aggregator's descriptors may
     number in the thousands)."""
     poller = select.poll()
-    poller.register(sock, select.POLLIN)
+    try:
+        poller.register(sock, select.POLLIN)
+    except ValueError:      # closed meanwhile (the server closing, a group destroyed): as recv_into's OSError
+        raise PeerError(f"{peer}'s connection was closed") from None
     got, size = 0, len(view)
     while got < size:
         left = deadline - time.monotonic()
