@@ -94,7 +94,11 @@ def join_with_uneven_inputs(rank: int, world: int) -> dict:
             largest = torch.full((3,), float(rank + 1))
             pg.allreduce(largest, dist.ReduceOp.MAX).wait()
             pg.barrier().wait()
-            out["forms"] = [one.tolist(), listed[0].tolist(), largest.tolist()]
+            shared = torch.full((1,), float(rank + 1)).expand(3)    # one element's memory, as gloo takes it
+            pg.allreduce(shared).wait()
+            after = torch.full((3,), float(rank + 1))               # and the group goes on
+            pg.allreduce(after).wait()
+            out["forms"] = [one.tolist(), listed[0].tolist(), largest.tolist(), shared.tolist(), after.tolist()]
         dist.destroy_process_group(pg)
     return out
 
@@ -334,9 +338,12 @@ def test_mismatched_all_reduce_raises_in_every_caller():
 
 
 def test_barrier_never_pairs_with_an_all_reduce():
-    for out in run_ranks(barrier_against_all_reduce, WORLD, timeout=TIMEOUT):
+    outcomes = run_ranks(barrier_against_all_reduce, WORLD, timeout=TIMEOUT)
+    for out in outcomes:
         assert (out["error"] or "").startswith("MismatchError") and "tag 65535" in out["error"], out
         assert out["elapsed"] < 10, out
+    # the barrier's call in words, wherever the message names it (not only as tag 65535)
+    assert any("check of a barrier" in out["error"] for out in outcomes), outcomes
 
 
 def test_failed_allreduce_in_ddp_backward_raises_runtime_error():
@@ -351,13 +358,14 @@ def test_ddp_on_new_group_matches_full_batch_reference():
 
 def test_ddp_join_with_uneven_inputs_and_unused_parameters_trains_as_on_gloo():
     """It raised TypeError (allreduce() missing 'opts') on the rank that ran out of batches first: DDP's
-    join hook calls the group's allreduce with a tensor alone (a review)."""
+    join hook calls the group's allreduce with a tensor alone (a review). An expand()ed tensor, which
+    the Communicator refuses (and the refusal poisoned the group), goes to gloo, as on a gloo group."""
     outcomes = run_ranks(join_with_uneven_inputs, WORLD, timeout=TIMEOUT)
     for out in outcomes:
         np.testing.assert_allclose(out["sparcoll"], out["gloo"], rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(out["sparcoll"], outcomes[0]["sparcoll"])
         total, largest = float(sum(range(1, WORLD + 1))), float(WORLD)
-        assert out["forms"] == [[total] * 3, [total] * 3, [largest] * 3], out["forms"]
+        assert out["forms"] == [[total] * 3, [total] * 3, [largest] * 3, [total] * 3, [total] * 3], out["forms"]
 
 
 def test_ddp_on_default_group_matches_full_batch_reference():
@@ -442,8 +450,8 @@ def barrier_after_a_failure_on_one_rank(rank: int, world: int) -> dict:
     out = {}
     try:
         if rank == 0:
-            try:
-                dist.all_reduce(torch.ones(1).expand(8), group=pg)
+            try:        # (the group's all_reduce hands such a tensor to gloo)
+                pg.comm.allreduce(torch.ones(1).expand(8))
             except Exception as exc:        # refused on this rank: the communicator is failed
                 out["refused"] = type(exc).__name__
         try:
@@ -497,7 +505,7 @@ def one_rank_int64_the_other_float32(rank: int, world: int) -> dict:
         dist.all_reduce(torch.ones(1000) if rank == 0 else torch.ones(1000, dtype=torch.int64), group=pg)
         out["error"] = None
     except Exception as exc:
-        out["error"] = type(exc).__name__
+        out["error"], out["text"] = type(exc).__name__, str(exc)
     out["elapsed"] = time.monotonic() - start
     dist.destroy_process_group(pg)
     pg = sparcoll_group(timeout=30)
@@ -514,4 +522,5 @@ def test_a_call_that_goes_to_gloo_against_one_that_goes_to_sparcoll_is_a_mismatc
     """Before, each rank waited in its own library for the group's timeout (30 minutes by default)."""
     for out in run_ranks(one_rank_int64_the_other_float32, WORLD, timeout=TIMEOUT):
         assert out["error"] == "MismatchError" and out["elapsed"] < 10, out
+        assert "check beside an all_reduce it hands to gloo" in out["text"], out     # not only tag 65534
         assert out["agreed"] == [3, 3, 3, 2.0, 2.0], out

@@ -150,8 +150,19 @@ class Header:
         return 0, 0
 
 
+# The tags the "sparcoll" torch backend gives the one-element allreduce it runs beside a barrier and
+# beside an all_reduce it hands to gloo, so that a peer's call that went elsewhere fails at once.
+BARRIER_TAG = MAX_TAG
+DELEGATED_TAG = MAX_TAG - 1
+_TAG_WORDS = {BARRIER_TAG: "the \"sparcoll\" backend's check of a barrier",
+              DELEGATED_TAG: "the \"sparcoll\" backend's check beside an all_reduce it hands to gloo (an op "
+                             "or dtype sparcoll does not reduce)"}
+
+
 def tagged(tag: int) -> str:
     """A collective's tag in the words of an error message (nothing for the default, 0)."""
+    if tag in _TAG_WORDS:
+        return f", tag {tag}: {_TAG_WORDS[tag]}"
     return f", tag {tag}" if tag else ""
 
 

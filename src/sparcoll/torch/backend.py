@@ -30,9 +30,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from sparcoll.blocks import may_overlap
 from sparcoll.communicator import Communicator
 from sparcoll.errors import CollectiveTimeout
-from sparcoll.wire import DTYPE_CODES, MAX_TAG, OPS as SPARCOLL_OPS
+from sparcoll.wire import BARRIER_TAG, DELEGATED_TAG, DTYPE_CODES, OPS as SPARCOLL_OPS
 
 from . import sparse
 from .futures import Completion
@@ -40,8 +41,6 @@ from .futures import Completion
 NAME = "sparcoll"
 # The torch reduce ops sparcoll runs, to sparcoll's op names: torch names them alike (SUM: "sum").
 OPS = {getattr(dist.ReduceOp.RedOpType, name.upper()): name for name in SPARCOLL_OPS}
-BARRIER_TAG = MAX_TAG           # the barrier's sparcoll allreduce; the group's all_reduce uses tag 0
-DELEGATED_TAG = MAX_TAG - 1     # the sparcoll allreduce beside an all_reduce that goes to gloo
 WAIT_SLICE_S = 0.05             # how often a waiting SparcollWork looks whether a part failed
 
 # Our method -> the gloo method it forwards to (gloo names some tensor-in/tensor-out forms differently).
@@ -160,10 +159,12 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
 
     def _accelerated(self, tensors: list[torch.Tensor], op) -> bool:
         """One CPU tensor, dense or sparse COO, of a dtype and under an op that sparcoll reduces, and of
-        no more blocks than its indices number (a COO tensor of 2^40 rows goes to gloo)."""
-        return (len(tensors) == 1 and op in OPS and tensors[0].layout in (torch.strided, torch.sparse_coo)
-                and tensors[0].device.type == "cpu" and tensors[0].dtype in DTYPE_CODES
-                and self.comm.too_many_blocks(tensors[0]) is None)
+        no more blocks than its indices number (a COO tensor of 2^40 rows goes to gloo); not a dense
+        one whose elements share memory (expand()), which the Communicator refuses and gloo reduces."""
+        t = tensors[0] if len(tensors) == 1 else None
+        return (t is not None and op in OPS and t.layout in (torch.strided, torch.sparse_coo)
+                and t.device.type == "cpu" and t.dtype in DTYPE_CODES and self.comm.too_many_blocks(t) is None
+                and not (t.layout == torch.strided and may_overlap(t)))
 
     def allreduce(self, tensors: list[torch.Tensor] | torch.Tensor, opts=None) -> dist.Work:
         """Dense float SUM/AVG on sparcoll, a sparse COO one via sparse.allreduce_coo, the rest on
