@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 import traceback
 from datetime import timedelta
 
@@ -75,8 +76,12 @@ def run_ranks(target, world: int, timeout: float = 60.0, env: dict | None = None
             raise AssertionError("\n".join(errors))
         return [got[r] for r in sorted(got)]
     finally:
+        # Every result is in (or the run failed): the processes get one grace period together, not
+        # each its own; where a rank died, the others' destroy_process_group may wait on gloo's pair
+        # with it, and their results are in, so they get less.
+        ends = time.monotonic() + (3 if dying else 10)
         for p in (p for p in procs if p.pid is not None):
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, ends - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)

@@ -742,9 +742,11 @@ def peer_dies(rank: int, world: int, strategy: str) -> dict:
 
 @pytest.mark.parametrize("strategy", ["sfb", "ring"])
 def test_a_dead_peer_fails_backward_on_the_others_within_the_timeout(strategy):
+    """gloo's word of the broken connection ends the job at once: the survivors used to wait AGREE_S
+    (10 s) for the dead rank to agree to drop the step (11-17 s a test)."""
     for out in run_ranks(peer_dies, WORLD, timeout=90, dying=1, strategy=strategy):
         assert out["error"] is not None and "gradient synchronization" in out["error"], out
-        assert out["seconds"] <= 35
+        assert out["seconds"] < 8, out
 
 
 def failures_alike_with_threads_at_other_speeds(rank: int, world: int) -> dict:

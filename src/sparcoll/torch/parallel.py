@@ -139,7 +139,17 @@ def _linear_input(args: tuple, kwargs: dict) -> torch.Tensor:
 def _ends_the_job(error: BaseException) -> bool:
     """An error after which no step runs (DataParallel._break_on), so the ranks need not agree on how
     much of the step each ran."""
-    return isinstance(error, (CollectiveTimeout, DivergedError, MismatchError, PeerError)) or _gloo_timed_out(error)
+    return isinstance(error, (CollectiveTimeout, DivergedError, MismatchError, PeerError)) or _gloo_timed_out(error) \
+        or _gloo_lost_a_peer(error)
+
+
+def _gloo_lost_a_peer(error: BaseException) -> bool:
+    """Whether `error` is gloo's word that a peer's connection broke (its process died or left; torch
+    2.13: "Connection reset by peer", "Connection closed by peer"): the peer cannot agree to drop the
+    step, and waiting AGREE_S for it made a dead peer's failure take 11-17 s to reach backward."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and not isinstance(error, SparcollError) \
+        and ("Connection reset by peer" in text or "Connection closed by peer" in text)
 
 
 def _gloo_timed_out(error: BaseException) -> bool:
@@ -942,6 +952,10 @@ class DataParallel(nn.Module):
             timeout = CollectiveTimeout(f"a collective timed out ({error})")
             timeout.__cause__ = error
             return timeout
+        if _gloo_lost_a_peer(error):
+            lost = PeerError(f"a peer's connection broke ({error})")
+            lost.__cause__ = error
+            return lost
         if self._dropped is None or _ends_the_job(error):
             return error
         try:
