@@ -107,12 +107,16 @@ def _recv_exact(sock: socket.socket, view: memoryview, peer: str,
         raise PeerError(f"{peer} closed the connection")
 
 
-def _recv_until_closed(sock: socket.socket, view: memoryview, deadline: float | None = None) -> int:
+def _recv_until_closed(sock: socket.socket, view: memoryview, deadline: float | None = None,
+                       ready: Callable[[int], None] | None = None) -> int:
     """Fill `view` from `sock` (within `deadline`, as _recv_exact), or stop where the peer closes: how
-    many bytes came."""
+    many bytes came. `ready(got)`, where given, waits for the next bytes instead of the socket's
+    timeout (and raises when they do not come in time)."""
     got, size = 0, len(view)
     while got < size:
-        if deadline is not None:
+        if ready is not None:
+            ready(got)
+        elif deadline is not None:
             sock.settimeout(_left(deadline))
         n = sock.recv_into(view[got:got + RECV_SLICE])
         if n == 0:
@@ -130,15 +134,13 @@ def _recv_within(sock: socket.socket, view: memoryview, peer: str, deadline: flo
         poller.register(sock, select.POLLIN)
     except ValueError:      # closed meanwhile (the server closing, a group destroyed): as recv_into's OSError
         raise PeerError(f"{peer}'s connection was closed") from None
-    got, size = 0, len(view)
-    while got < size:
+
+    def ready(got: int) -> None:
         left = deadline - time.monotonic()
         if left <= 0 or not poller.poll(left * 1000):
-            raise PeerError(f"{peer} sent {got} of a message's {size} bytes, and no more in time")
-        n = sock.recv_into(view[got:got + RECV_SLICE])
-        if n == 0:
-            raise PeerError(f"{peer} closed the connection")
-        got += n
+            raise PeerError(f"{peer} sent {got} of a message's {len(view)} bytes, and no more in time")
+    if _recv_until_closed(sock, view, ready=ready) < len(view):
+        raise PeerError(f"{peer} closed the connection")
 
 
 def _longer_refusal(sock: socket.socket, head: bytes, deadline: float) -> bytes:
