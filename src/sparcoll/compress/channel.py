@@ -7,12 +7,13 @@ Every result is an AVERAGE over ranks, like DDP's gradients.
 from __future__ import annotations
 
 import pickle
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveTimeout
+from ..errors import CollectiveTimeout, SparcollError
 
 
 class Channel:
@@ -135,23 +136,37 @@ class Channel:
         return [pickle.loads(bytes(theirs.numpy())) for (theirs,) in self.allgather((mine,), variable=True)]
 
     def _wait(self, work) -> None:
-        wait_within(work, self.timeout, f"rank {self.rank}")
+        wait_within(work, self.timeout)
 
 
-def wait_within(work, timeout: float | None, who: str) -> None:
+TIMED_OUT = 0.95        # a gloo wait that failed after this share of its timeout timed out
+
+
+def wait_within(work, timeout: float | None) -> None:
     """Wait for a collective started on a gloo group (nothing for None), at most `timeout` seconds (None:
-    the group's own timeout): CollectiveTimeout after it, gloo's error if the collective failed."""
+    the group's own timeout). gloo's own timeout (its group's, or this wait's) is a CollectiveTimeout;
+    any other failure of the collective is gloo's error."""
     if work is None:
         return
     if timeout is None:
         work.wait()
         return
+    began = time.monotonic()
     try:
         work.wait(timedelta(seconds=timeout))
     except RuntimeError as exc:
-        if not work.is_completed() or "timed out" in str(exc).lower():
-            raise CollectiveTimeout(f"a collective of {who} did not finish within {timeout:g} s ({exc})") from exc
-        raise
+        if time.monotonic() - began < TIMED_OUT * timeout and not gloo_timed_out(exc):
+            raise
+        raise CollectiveTimeout(f"a collective did not finish within {timeout:g} s ({exc})") from exc
+
+
+def gloo_timed_out(error: BaseException) -> bool:
+    """Whether `error` is gloo's own timeout (its group's, shorter than the caller's, or a wait's):
+    "Timed out waiting 1000ms for recv operation to complete", and in the group's next collective
+    "Application timeout caused pair closure" (torch 2.13)."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and not isinstance(error, SparcollError) \
+        and ("timed out" in text or "timeout" in text)
 
 
 def _concatenated(tensors: list) -> tuple[torch.Tensor, list]:

@@ -71,7 +71,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import datetime
 import functools
 import json
 import queue
@@ -93,7 +92,7 @@ from sparcoll.algorithm import entry_block_size
 from sparcoll.blocks import BlockTensor, entries_of
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, parse
-from sparcoll.compress.channel import Channel
+from sparcoll.compress.channel import Channel, gloo_timed_out, wait_within
 from sparcoll.errors import CollectiveTimeout, DivergedError, MismatchError, PeerError, SparcollError
 
 from . import hybrid, sparse
@@ -121,7 +120,6 @@ COO_BUCKET_BYTES = 25 << 20     # COO gradients under the sparse AllReduce share
                                 # every rank, where their rows are not
 STRATEGIES = (hybrid.RING, hybrid.PS, hybrid.SPARSE, hybrid.SFB)
 WATCH_EVERY_S = 1.0     # backward waiting longer for its synchronizations looks whether a peer dropped the step
-TIMED_OUT = 0.95        # a gloo wait that failed after this share of the timeout timed out
 AGREE_S = 10.0          # ranks whose step's synchronization failed alike say so within this
 # The wrapper synchronizing on each process group and communicator in the backward under way, by
 # (kind, id): two at once would issue their collectives from two threads, in an order that differs
@@ -139,7 +137,7 @@ def _linear_input(args: tuple, kwargs: dict) -> torch.Tensor:
 def _ends_the_job(error: BaseException) -> bool:
     """An error after which no step runs (DataParallel._break_on), so the ranks need not agree on how
     much of the step each ran."""
-    return isinstance(error, (CollectiveTimeout, DivergedError, MismatchError, PeerError)) or _gloo_timed_out(error) \
+    return isinstance(error, (CollectiveTimeout, DivergedError, MismatchError, PeerError)) or gloo_timed_out(error) \
         or _gloo_lost_a_peer(error)
 
 
@@ -150,15 +148,6 @@ def _gloo_lost_a_peer(error: BaseException) -> bool:
     text = str(error)
     return isinstance(error, RuntimeError) and not isinstance(error, SparcollError) \
         and ("Connection reset by peer" in text or "Connection closed by peer" in text)
-
-
-def _gloo_timed_out(error: BaseException) -> bool:
-    """Whether `error` is gloo's own timeout (its group's, shorter than the wrapper's, or a wait's):
-    "Timed out waiting 1000ms for recv operation to complete", and in the group's next collective
-    "Application timeout caused pair closure" (torch 2.13)."""
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and not isinstance(error, SparcollError) \
-        and ("timed out" in text or "timeout" in text)
 
 
 def takes_average_in_place(grad: torch.Tensor) -> bool:
@@ -948,7 +937,7 @@ class DataParallel(nn.Module):
         collectives would pair one step's with another's: silently, where their sizes agree. gloo's
         own timeout is a CollectiveTimeout (the group may hold collectives still pending); a
         MismatchError every rank raises alike, and a PeerError ends the job's steps (_break_on)."""
-        if _gloo_timed_out(error):
+        if gloo_timed_out(error):
             timeout = CollectiveTimeout(f"a collective timed out ({error})")
             timeout.__cause__ = error
             return timeout
@@ -1109,13 +1098,7 @@ class DataParallel(nn.Module):
     def _wait_for(self, work) -> None:
         """gloo's wait for a collective left running, within the timeout; gloo's own timeout error
         (a RuntimeError, "Operation timed out!") as CollectiveTimeout, which _breaking keeps."""
-        began = time.monotonic()
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as exc:
-            if time.monotonic() - began < TIMED_OUT * self.timeout and not _gloo_timed_out(exc):
-                raise
-            raise CollectiveTimeout(f"a collective did not finish within {self.timeout} s ({exc})") from exc
+        wait_within(work, self.timeout)
 
     def _synchronize(self, p: torch.Tensor, chosen: str, extra) -> tuple | None:
         if chosen == FAILED:

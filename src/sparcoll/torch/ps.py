@@ -36,9 +36,9 @@ def ps_allreduce(tensor: torch.Tensor, group=None, scratch: list | None = None,
     arrivals = [dist.irecv(buf, peer(r), group=group, tag=PUSH) for buf, r in zip(incoming, others)]
     pulls = [dist.irecv(shards[r], peer(r), group=group, tag=PULL) for r in others]
     for buf, arrival in zip(incoming, arrivals):
-        wait_within(arrival, timeout, f"rank {rank}'s parameter server")
+        wait_within(arrival, timeout)
         mine.add_(buf)
     replies = [dist.isend(mine, peer(r), group=group, tag=PULL) for r in others]
     for work in pushes + pulls + replies:
-        wait_within(work, timeout, f"rank {rank}'s parameter server")
+        wait_within(work, timeout)
     return tensor
