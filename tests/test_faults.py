@@ -1186,6 +1186,39 @@ def test_internal_error_in_the_aggregator_fails_the_job_fast(monkeypatch, dedica
     assert in_threads(2, exact, aggregators=dedicated_in_process) == [True, True]
 
 
+def test_a_connection_lost_between_the_poison_check_and_the_collective_fails_it_at_once(monkeypatch):
+    """The aggregator drops rank 0's connection 0.3 s after its handshake; rank 0's collective has
+    passed the engine's look for the poison by then and becomes active 0.6 s later. broken() found no
+    active collective to fail and the collective waited for its deadline (20 s: the failure of the
+    test below once in a suite run, and once before); it now fails at once with the lost connection."""
+    from sparcoll import transport, worker
+    from sparcoll.server import AggregatorServer
+    original_connection, original_run = transport.Connection, worker.WorkerJob.run
+
+    def late_refusal_of_rank_0(sock, peer, on_failure):
+        if peer.startswith("rank 0 of job"):
+            time.sleep(0.3)
+            raise RuntimeError("can't start new thread")
+        return original_connection(sock, peer, on_failure)
+
+    def run_late_on_rank_0(self, coll, block_size):
+        if self.rank == 0:
+            time.sleep(0.6)
+        return original_run(self, coll, block_size)
+
+    server = AggregatorServer("127.0.0.1", 0, b"")
+    try:
+        monkeypatch.setattr(transport, "Connection", late_refusal_of_rank_0)
+        monkeypatch.setattr(worker.WorkerJob, "run", run_late_on_rank_0)
+        results = in_threads(2, lambda comm, rank: _outcome(lambda: comm.allreduce(torch.ones(4096))),
+                             aggregators=[server.address], timeout=20.0)
+        kind, text, seconds = results[0]
+        assert kind == "PeerError" and seconds < 5.0, results
+    finally:
+        monkeypatch.undo()
+        server.close()
+
+
 def test_a_connection_the_aggregator_cannot_serve_fails_its_job_at_once(monkeypatch):
     """The thread that sends a worker its results may not start (out of threads, in a flood): the
     rank's place in its job is freed and its peers' collectives fail at once, naming it, instead of

@@ -63,6 +63,7 @@ class WorkerJob:
         self._early_errors: dict[int, BaseException] = {}  # reported before this rank started it
         self._early_reported = threading.Condition(self._lock)     # one was added
         self._report_due = 0.0      # until when a lost connection's report of why may still come
+        self._lost: BaseException | None = None     # the first connection to an aggregator that broke
         self._closed = False
 
     def local_inbox(self) -> Callable[[wire.LocalResult | wire.Failure], None]:
@@ -118,7 +119,9 @@ class WorkerJob:
         with self._lock:
             self._active = coll
             self._last_started = coll.id
-            early = self._early_errors.pop(coll.id, None)   # arrived since the engine took it
+            # arrived since the engine took it; or a connection broke after the engine looked for
+            # the poison and before this collective was active, where broken() could not fail it
+            early = self._early_errors.pop(coll.id, None) or self._lost
         if early is not None:
             coll.fail(early)
         try:
@@ -303,8 +306,9 @@ class WorkerJob:
             f"connection to aggregator {agg} at {self.addresses[agg]} failed: {exc}")
         with self._lock:        # before the poison: a call that sees it waits for the report
             self._report_due = time.monotonic() + REPORT_GRACE
+            self._lost = self._lost or error
+            coll = self._active     # (one that becomes active after this sees _lost in run)
         self._on_poison(error)
-        coll = self._active
         if coll is not None and agg in coll.waiting_for():
             coll.settled.wait(REPORT_GRACE)
             coll.fail(error)
