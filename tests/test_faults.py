@@ -1267,7 +1267,7 @@ def _waiting_job():
     job = object.__new__(WorkerJob)     # no connections: only broken() and collective_error()
     job.rank, job.addresses, job._on_poison = 1, ["127.0.0.1:1", "127.0.0.1:2"], lambda exc: None
     job._lock, job._last_started, job._early_errors = threading.Lock(), 7, {}
-    job._early_reported, job._report_due = threading.Condition(job._lock), 0.0
+    job._early_reported, job._report_due, job._lost = threading.Condition(job._lock), 0.0, None
     coll = WorkerCollective(7, torch.zeros(512), (512, 0, 0), timeout=10.0)
     coll.start(256, [(0, 0, None, None), (1, 0, None, None)])
     job._active = coll
