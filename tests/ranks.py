@@ -6,12 +6,16 @@ and the launcher of the jobs that tests run in this process fork from it too). A
 runs in the environment its parent had when it was created, as a spawned process would (the server's
 own environment, fixed when it started, is seen only by code that runs at import). The parent hosts the
 store on port 0, so no port is ever guessed. Every child has a deadline, is killed if it overruns, and
-reports its result or its traceback through a queue.
+reports its result or its traceback through a queue; a rank that overruns is asked for every
+thread's stack (faulthandler, on SIGUSR1) before it is killed, and the stacks go into the failure.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
+import signal
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -33,8 +37,10 @@ def _in_environment(environ: dict, target, *args):
     target(*args)
 
 
-def _child(target, rank, world, port, results, kwargs):
+def _child(target, rank, world, port, results, kwargs, stacks_path):
     os.environ["OMP_NUM_THREADS"] = "1"
+    stacks = open(stacks_path, "w")     # open while the rank runs: faulthandler writes to its descriptor
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     import torch
     torch.set_num_threads(1)
     try:
@@ -57,8 +63,11 @@ def run_ranks(target, world: int, timeout: float = 60.0, env: dict | None = None
     store = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     results = fork_context().Queue()
-    procs = [fork_process(_child, target, r, world, store.port, results, kwargs, env=env) for r in range(world)]
-    got, errors = {}, []
+    stacks_dir = tempfile.TemporaryDirectory(prefix="sparcoll-ranks-")
+    stacks = [os.path.join(stacks_dir.name, f"rank{r}") for r in range(world)]
+    procs = [fork_process(_child, target, r, world, store.port, results, kwargs, stacks[r], env=env)
+             for r in range(world)]
+    got, errors = {}, {}
     try:
         for p in procs:
             p.start()
@@ -66,14 +75,16 @@ def run_ranks(target, world: int, timeout: float = 60.0, env: dict | None = None
             try:
                 rank, status, value = results.get(timeout=timeout)
             except queue.Empty:
-                raise AssertionError(f"ranks {sorted(set(range(world)) - set(got))} did not "
-                                     f"finish within {timeout} s") from None
+                missing = sorted(set(range(world)) - set(got) - set(errors))
+                raise AssertionError(f"ranks {missing} did not finish within {timeout} s\n"
+                                     + "\n".join(_whereabouts(procs[r], stacks[r], r) for r in missing)
+                                     + "".join(f"\nrank {r}:\n{e}" for r, e in errors.items())) from None
             if status == "ok":
                 got[rank] = value
             else:
-                errors.append(f"rank {rank}:\n{value}")
+                errors[rank] = value
         if errors:
-            raise AssertionError("\n".join(errors))
+            raise AssertionError("\n".join(f"rank {r}:\n{e}" for r, e in sorted(errors.items())))
         return [got[r] for r in sorted(got)]
     finally:
         # Every result is in (or the run failed): the processes get one grace period together, not
@@ -86,3 +97,21 @@ def run_ranks(target, world: int, timeout: float = 60.0, env: dict | None = None
                 p.kill()
                 p.join(timeout=5)
         del store
+        stacks_dir.cleanup()
+
+
+def _whereabouts(proc, stacks_path: str, rank: int) -> str:
+    """What an overdue rank is doing: every thread's stack if it is alive (asked for with SIGUSR1,
+    waited for up to 3 s), its exit code if not."""
+    if proc.exitcode is not None:
+        return f"rank {rank} exited with code {proc.exitcode} without a result"
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return f"rank {rank} exited without a result"
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and not os.path.getsize(stacks_path):
+        time.sleep(0.05)
+    time.sleep(0.2)                     # the last threads' lines
+    with open(stacks_path) as f:
+        return f"rank {rank} is alive; its threads:\n{f.read() or '(no answer to SIGUSR1)'}"

@@ -67,10 +67,20 @@ class Branching(torch.nn.Module):
         return self.b(self.c(h) if use_c else h)
 
 
+# DDP models kept until their rank's process exits (it ends with os._exit, which runs no destructor).
+KEPT_UNTIL_EXIT = []
+
+
 def join_with_uneven_inputs(rank: int, world: int) -> dict:
     """DDP's Join with find_unused_parameters, rank 0 running out of batches first, on a "sparcoll" group
     and on a gloo one: the final parameters of each; and the forms of ProcessGroup.allreduce and
-    barrier that torch's own code calls (DDP's join hook calls `allreduce(tensor)`)."""
+    barrier that torch's own code calls (DDP's join hook calls `allreduce(tensor)`).
+
+    Each DDP model outlives the function: under Join, DDP starts all_reduces it never waits for, and
+    torch 2.13 can deadlock freeing a gloo group whose worker thread still holds one (the Reducer's
+    destructor joins that thread with the GIL held; the thread needs the GIL to free the work). In
+    this test that hung 2 of 35 runs beside two busy loops (py-spy: ~ProcessGroupGloo in
+    std::thread::join, the worker in ~AsyncWork waiting for the GIL), in the plain gloo group."""
     from torch.distributed.algorithms.join import Join
 
     out = {}
@@ -86,6 +96,7 @@ def join_with_uneven_inputs(rank: int, world: int) -> dict:
                 ((ddp(x, step % 2 == 0) - y) ** 2).mean().backward()
                 optimizer.step()
         out[backend] = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).numpy()
+        KEPT_UNTIL_EXIT.append(ddp)
         if backend == "sparcoll":
             one = torch.full((3,), float(rank + 1))
             pg.allreduce(one).wait()
@@ -354,6 +365,18 @@ def test_failed_allreduce_in_ddp_backward_raises_runtime_error():
 
 def test_ddp_on_new_group_matches_full_batch_reference():
     assert_all_match(run_ranks(ddp_on_sparcoll_group, WORLD, timeout=TIMEOUT))
+
+
+def test_ddp_join_with_uneven_inputs_and_unused_parameters_trains_as_on_gloo():
+    """It raised TypeError (allreduce() missing 'opts') on the rank that ran out of batches first: DDP's
+    join hook calls the group's allreduce with a tensor alone (a review). An expand()ed tensor, which
+    the Communicator refuses (and the refusal poisoned the group), goes to gloo, as on a gloo group."""
+    outcomes = run_ranks(join_with_uneven_inputs, WORLD, timeout=TIMEOUT)
+    for out in outcomes:
+        np.testing.assert_allclose(out["sparcoll"], out["gloo"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(out["sparcoll"], outcomes[0]["sparcoll"])
+        total, largest = float(sum(range(1, WORLD + 1))), float(WORLD)
+        assert out["forms"] == [[total] * 3, [total] * 3, [largest] * 3, [total] * 3, [total] * 3], out["forms"]
 
 
 def test_ddp_on_default_group_matches_full_batch_reference():
