@@ -529,6 +529,36 @@ def one_rank_int64_the_other_float32(rank: int, world: int) -> dict:
     return out
 
 
+def ops_that_both_go_to_gloo_but_differ(rank: int, world: int) -> dict:
+    """Rank 0 all_reduces int64 with MIN, rank 1 with MAX: both calls go to gloo, which mixes them
+    silently; then the same group sums int64 (both gloo's) and float32 (sparcoll's)."""
+    out = {}
+    pg = sparcoll_group(timeout=30)
+    start = time.monotonic()
+    try:
+        op = dist.ReduceOp.MIN if rank == 0 else dist.ReduceOp.MAX
+        dist.all_reduce(torch.full((3,), rank + 1), op=op, group=pg)
+        out["error"] = None
+    except Exception as exc:
+        out["error"], out["text"] = type(exc).__name__, str(exc)
+    out["elapsed"] = time.monotonic() - start
+    counts, values = torch.full((3,), rank + 1), torch.full((4,), float(rank + 1))
+    dist.all_reduce(counts, group=pg)
+    dist.all_reduce(values, group=pg)
+    out["after"] = counts.tolist() + values.tolist()
+    dist.destroy_process_group(pg)
+    return out
+
+
+def test_ranks_whose_calls_both_go_to_gloo_but_differ_in_op_get_a_mismatch():
+    """Before, rank 0 got the MIN of the two and rank 1 the MAX, with no error (as on a gloo group)."""
+    outcomes = run_ranks(ops_that_both_go_to_gloo_but_differ, WORLD, timeout=TIMEOUT)
+    for rank, out in enumerate(outcomes):
+        assert out["error"] == "MismatchError" and out["elapsed"] < 10, out
+        assert "different arguments" in out["text"] and ("MIN" if rank == 0 else "MAX") in out["text"], out
+        assert out["after"] == [3, 3, 3, 3.0, 3.0, 3.0, 3.0], out
+
+
 def test_a_call_that_goes_to_gloo_against_one_that_goes_to_sparcoll_is_a_mismatch_at_once():
     """Before, each rank waited in its own library for the group's timeout (30 minutes by default)."""
     for out in run_ranks(one_rank_int64_the_other_float32, WORLD, timeout=TIMEOUT):

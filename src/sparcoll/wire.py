@@ -150,8 +150,8 @@ class Header:
         return 0, 0
 
 
-# The tags the "sparcoll" torch backend gives the one-element allreduce it runs beside a barrier and
-# beside an all_reduce it hands to gloo, so that a peer's call that went elsewhere fails at once.
+# The tags the "sparcoll" torch backend gives the small allreduce it runs beside a barrier and beside
+# an all_reduce it hands to gloo, so that a peer's call that went elsewhere fails at once.
 BARRIER_TAG = MAX_TAG
 DELEGATED_TAG = MAX_TAG - 1
 _TAG_WORDS = {BARRIER_TAG: "the \"sparcoll\" backend's check of a barrier",

@@ -25,6 +25,7 @@ communicator is poisoned: later sparcoll collectives of the group fail too (recr
 from __future__ import annotations
 
 import time
+import zlib
 from datetime import timedelta
 
 import torch
@@ -32,11 +33,11 @@ import torch.distributed as dist
 
 from sparcoll.blocks import may_overlap
 from sparcoll.communicator import Communicator
-from sparcoll.errors import CollectiveTimeout
+from sparcoll.errors import CollectiveTimeout, MismatchError
 from sparcoll.wire import BARRIER_TAG, DELEGATED_TAG, DTYPE_CODES, OPS as SPARCOLL_OPS
 
 from . import sparse
-from .futures import Completion
+from .futures import Completion, when_done
 
 NAME = "sparcoll"
 # The torch reduce ops sparcoll runs, to sparcoll's op names: torch names them alike (SUM: "sum").
@@ -192,13 +193,33 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
         return [self.comm.allreduce(tensor, op=op, async_op=True, timeout=timeout, tag=tag)]
 
     def _delegated_allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
-        """gloo's all_reduce, beside a one-element sparcoll allreduce of a tag of its own: a peer whose
-        call went to sparcoll (a float tensor where this rank's is int64, say) then gets MismatchError
-        at once on both ranks, where each would wait in its own library for the group's timeout (30
-        minutes by default). Ranks that all delegate pay one small sparcoll round beside gloo's."""
+        """gloo's all_reduce, beside a small sparcoll allreduce of a tag of its own: a peer whose call
+        went to sparcoll (a float tensor where this rank's is int64, say) then gets MismatchError at
+        once on both ranks, where each would wait in its own library for the group's timeout (30
+        minutes by default). The small allreduce sums each rank's fingerprint of the call (op, dtype,
+        size), so ranks that all delegate but disagree (MIN against MAX, which gloo mixes silently)
+        get MismatchError too. They pay one small sparcoll round beside gloo's."""
+        op = opts.reduceOp.op
+
         def issue() -> list:
             gloo_part = self.gloo.allreduce(tensors, opts)
-            return self._issue(torch.zeros(1), "sum", _seconds(opts.timeout), DELEGATED_TAG) + [gloo_part]
+            h, world = _call_number(op, tensors), self.size()
+            sums = torch.tensor([h, h * h], dtype=torch.float64)
+            checking = self._issue(sums, "sum", _seconds(opts.timeout), DELEGATED_TAG)
+            verdict = torch.futures.Future()
+
+            def judge(error: BaseException | None) -> None:
+                if error is None and sums.tolist() != [world * h, world * h * h]:
+                    error = _mismatched_call(op, tensors)
+                if error is None:
+                    verdict.set_result(None)
+                else:
+                    verdict.set_exception(error)
+            if checking:
+                when_done(checking[0], judge)
+            else:
+                judge(None)
+            return checking + [verdict, gloo_part]
         return SparcollWork(Completion.start(tensors, issue))
 
     def barrier(self, opts=None) -> dist.Work:
@@ -224,6 +245,20 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
 
 for _name, _target in DELEGATED.items():
     setattr(ProcessGroupSparcoll, _name, _delegate(_target))
+
+
+def _call_number(op, tensors: list[torch.Tensor]) -> float:
+    """A number h in [1, 2^20] that names a call's op, dtypes, layouts and sizes. Summed over the
+    ranks, h and h^2 add up to world * h and world * h^2 exactly (float64, up to 8,192 ranks) only
+    if every rank's h is this one."""
+    described = repr((str(op), [(str(t.dtype), str(t.layout), t.numel()) for t in tensors]))
+    return float(zlib.crc32(described.encode()) % (1 << 20) + 1)
+
+
+def _mismatched_call(op, tensors: list[torch.Tensor]) -> MismatchError:
+    sizes = ", ".join(f"{t.numel()} elements of {t.dtype}" for t in tensors)
+    return MismatchError(f"ranks called all_reduce with different arguments (op, dtype or size) on a "
+                         f"sparcoll group; this rank's: {str(op).split('.')[-1]} of {sizes}")
 
 
 def monitored_barrier(group=None, timeout: timedelta | None = None,
