@@ -529,33 +529,41 @@ def one_rank_int64_the_other_float32(rank: int, world: int) -> dict:
     return out
 
 
-def ops_that_both_go_to_gloo_but_differ(rank: int, world: int) -> dict:
+def calls_that_both_go_to_gloo_but_differ(rank: int, world: int) -> dict:
     """Rank 0 all_reduces int64 with MIN, rank 1 with MAX: both calls go to gloo, which mixes them
-    silently; then the same group sums int64 (both gloo's) and float32 (sparcoll's)."""
+    silently; then the same group sums int64 (both gloo's) and float32 (sparcoll's); last, the ranks
+    all_reduce int64 of 3 and 4 elements with MAX (after which gloo's pair may be closed)."""
+    def outcome(call) -> tuple:
+        start = time.monotonic()
+        try:
+            call()
+            return None, "", time.monotonic() - start
+        except Exception as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - start
+
     out = {}
     pg = sparcoll_group(timeout=30)
-    start = time.monotonic()
-    try:
-        op = dist.ReduceOp.MIN if rank == 0 else dist.ReduceOp.MAX
-        dist.all_reduce(torch.full((3,), rank + 1), op=op, group=pg)
-        out["error"] = None
-    except Exception as exc:
-        out["error"], out["text"] = type(exc).__name__, str(exc)
-    out["elapsed"] = time.monotonic() - start
+    op = dist.ReduceOp.MIN if rank == 0 else dist.ReduceOp.MAX
+    out["ops"] = outcome(lambda: dist.all_reduce(torch.full((3,), rank + 1), op=op, group=pg))
     counts, values = torch.full((3,), rank + 1), torch.full((4,), float(rank + 1))
     dist.all_reduce(counts, group=pg)
     dist.all_reduce(values, group=pg)
     out["after"] = counts.tolist() + values.tolist()
+    out["sizes"] = outcome(lambda: dist.all_reduce(torch.ones(3 + rank, dtype=torch.int64),
+                                                   op=dist.ReduceOp.MAX, group=pg))
     dist.destroy_process_group(pg)
     return out
 
 
-def test_ranks_whose_calls_both_go_to_gloo_but_differ_in_op_get_a_mismatch():
-    """Before, rank 0 got the MIN of the two and rank 1 the MAX, with no error (as on a gloo group)."""
-    outcomes = run_ranks(ops_that_both_go_to_gloo_but_differ, WORLD, timeout=TIMEOUT)
+def test_ranks_whose_calls_both_go_to_gloo_but_differ_get_a_mismatch():
+    """Before, rank 0 got the MIN of the two and rank 1 the MAX, with no error (as on a gloo group);
+    with sizes 3 and 4, rank 0 got no error and rank 1 gloo's "Connection closed by peer"."""
+    outcomes = run_ranks(calls_that_both_go_to_gloo_but_differ, WORLD, timeout=TIMEOUT)
     for rank, out in enumerate(outcomes):
-        assert out["error"] == "MismatchError" and out["elapsed"] < 10, out
-        assert "different arguments" in out["text"] and ("MIN" if rank == 0 else "MAX") in out["text"], out
+        for case, named in (("ops", "MIN" if rank == 0 else "MAX"), ("sizes", f"{3 + rank} elements")):
+            error, text, elapsed = out[case]
+            assert error == "MismatchError" and elapsed < 10, (case, out)
+            assert "different arguments" in text and named in text, (case, out)
         assert out["after"] == [3, 3, 3, 3.0, 3.0, 3.0, 3.0], out
 
 
