@@ -110,8 +110,13 @@ def _whereabouts(proc, stacks_path: str, rank: int) -> str:
     except ProcessLookupError:
         return f"rank {rank} exited without a result"
     deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and not os.path.getsize(stacks_path):
+    while time.monotonic() < deadline and not _written(stacks_path):
         time.sleep(0.05)
     time.sleep(0.2)                     # the last threads' lines
-    with open(stacks_path) as f:
-        return f"rank {rank} is alive; its threads:\n{f.read() or '(no answer to SIGUSR1)'}"
+    stacks = open(stacks_path).read() if _written(stacks_path) else ""
+    return f"rank {rank} is alive; its threads:\n{stacks or '(no answer to SIGUSR1)'}"
+
+
+def _written(path: str) -> bool:
+    """Whether the file exists (a rank creates it as it starts) and holds something."""
+    return os.path.exists(path) and os.path.getsize(path) > 0
