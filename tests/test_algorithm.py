@@ -4,8 +4,10 @@ errors instead of gloo's process abort when ranks disagree."""
 from __future__ import annotations
 
 import functools
+import math
 import time
 import types
+import warnings
 
 import pytest
 import torch
@@ -448,6 +450,23 @@ def test_a_float16_average_whose_sum_overflows_is_the_average_on_every_path(stor
         return t.unique().tolist(), comm.stats.ring_collectives
     for rank, (values, ring_calls) in run_ranks(store, 2, body, algorithm=algorithm).items():
         assert values == [40000.0] and (ring_calls == 1) == (algorithm == "ring"), (rank, values, ring_calls)
+
+
+def test_a_tiny_sum_beyond_its_dtype_or_of_opposite_infinities_is_as_glooss_without_a_warning(store):
+    """gloo's ring gives infinity and NaN, silently. The tiny call's round sums in float64, and
+    casting a sum beyond float32 back raised numpy's "overflow encountered in cast" RuntimeWarning in
+    the caller's program (an error here, as under `-W error`); so would adding opposite infinities
+    (an fp16 loss scaler's overflow step has them)."""
+    def body(rank, comm):
+        t = torch.tensor([3e38, math.inf if rank == 0 else -math.inf, 1.0])   # float32's largest: 3.4e38
+        comm.allreduce(t)
+        return t.tolist(), comm.stats.ring_collectives
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        outcomes = run_ranks(store, 2, body, algorithm="ring")
+    for rank, (values, ring_calls) in outcomes.items():
+        assert values[0] == math.inf and math.isnan(values[1]) and values[2] == 2.0, (rank, values)
+        assert ring_calls == 1, (rank, ring_calls)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

@@ -230,7 +230,8 @@ class Ring:
             total /= self.world
         into = _numpy(data) if isinstance(total, np.ndarray) else None  # a carried call's sum
         if into is not None:
-            np.copyto(into, total.reshape(into.shape), casting="unsafe")
+            with np.errstate(over="ignore"):    # a sum beyond the dtype: infinity, as gloo's, unannounced
+                np.copyto(into, total.reshape(into.shape), casting="unsafe")
         elif total is not data:
             data.copy_(torch.as_tensor(total).view(data.shape))
         self.collectives += 1
@@ -295,8 +296,9 @@ class Ring:
         if carrier is torch.float64:    # a tiny call: numpy's calls cost less than torch's
             total = self._verdict_np[heads:end].view(np.float64)
             np.copyto(total, rows[0][_HEAD * 8:].view(np.float64))
-            for row in rows[1:]:
-                total += row[_HEAD * 8:].view(np.float64)
+            with np.errstate(over="ignore", invalid="ignore"):  # infinity and NaN as gloo's, unannounced
+                for row in rows[1:]:
+                    total += row[_HEAD * 8:].view(np.float64)
             return self._verdict_np[:end]
         total = self._verdict[heads:end].view(total_dtype)
         total.copy_(torch.from_numpy(rows[0][_HEAD * 8:]).view(carrier))
