@@ -71,6 +71,23 @@ class Branching(torch.nn.Module):
 KEPT_UNTIL_EXIT = []
 
 
+def train_under_join(rank: int, pg) -> DDP:
+    """A DDP model with an unused branch every other step, trained under Join on `pg`: rank 0 runs out
+    of batches after 2 steps, the others after 4."""
+    from torch.distributed.algorithms.join import Join
+
+    ddp = DDP(Branching(), process_group=pg, find_unused_parameters=True)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with Join([ddp]):
+        for step in range(2 if rank == 0 else 4):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            x, y = torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
+            optimizer.zero_grad()
+            ((ddp(x, step % 2 == 0) - y) ** 2).mean().backward()
+            optimizer.step()
+    return ddp
+
+
 def join_with_uneven_inputs(rank: int, world: int) -> dict:
     """DDP's Join with find_unused_parameters, rank 0 running out of batches first, on a "sparcoll" group
     and on a gloo one: the final parameters of each; and the forms of ProcessGroup.allreduce and
@@ -81,20 +98,10 @@ def join_with_uneven_inputs(rank: int, world: int) -> dict:
     destructor joins that thread with the GIL held; the thread needs the GIL to free the work). In
     this test that hung 2 of 35 runs beside two busy loops (py-spy: ~ProcessGroupGloo in
     std::thread::join, the worker in ~AsyncWork waiting for the GIL), in the plain gloo group."""
-    from torch.distributed.algorithms.join import Join
-
     out = {}
     for backend in ("sparcoll", "gloo"):
         pg = sparcoll_group() if backend == "sparcoll" else dist.new_group(backend="gloo")
-        ddp = DDP(Branching(), process_group=pg, find_unused_parameters=True)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        with Join([ddp]):
-            for step in range(2 if rank == 0 else 4):
-                g = torch.Generator().manual_seed(10 * step + rank)
-                x, y = torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
-                optimizer.zero_grad()
-                ((ddp(x, step % 2 == 0) - y) ** 2).mean().backward()
-                optimizer.step()
+        ddp = train_under_join(rank, pg)
         out[backend] = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).numpy()
         KEPT_UNTIL_EXIT.append(ddp)
         if backend == "sparcoll":
