@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -63,10 +64,24 @@ def on_threads(fn, count: int, timeout: float = 30.0) -> None:
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout} s"
+    join_all(threads, timeout)
     assert not errors, errors
+
+
+def join_all(threads: list[threading.Thread], timeout: float) -> None:
+    """Join `threads` within one `timeout`; AssertionError with every thread's stack if any is left."""
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in threads if t.is_alive()]
+    assert not stuck, f"threads {stuck} still running after {timeout} s\n{every_threads_stack()}"
+
+
+def every_threads_stack() -> str:
+    """Every thread's current Python stack in this process (the library's threads too), by name."""
+    frames = sys._current_frames()
+    return "\n".join(f"--- {t.name}:\n" + "".join(traceback.format_stack(frames[t.ident]))
+                     for t in threading.enumerate() if t.ident in frames)
 
 
 def sparcoll_here(capture, argv: list[str], timeout: float) -> subprocess.CompletedProcess:

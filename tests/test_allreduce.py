@@ -8,6 +8,7 @@ import torch
 import scenarios
 from ranks import run_ranks
 from scenarios import check_outcome
+from support import join_all
 
 TIMEOUT = 240
 
@@ -48,10 +49,9 @@ def test_dedicated_aggregator_serves_two_jobs_at_once(dedicated_processes):
     threads = [threading.Thread(target=job, args=(n, w), daemon=True) for n, w in (("a", 2), ("b", 3))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout=TIMEOUT + 30)
+    join_all(threads, TIMEOUT + 30)
     assert not errors, errors
-    assert not any(t.is_alive() for t in threads) and set(results) == {"a", "b"}, sorted(results)
+    assert set(results) == {"a", "b"}, sorted(results)
     for outcomes in results.values():
         check_outcome(outcomes, cases)
 

@@ -33,7 +33,7 @@ import sparcoll
 from sparcoll import aggregator as aggregator_module, server as server_module, wire
 from sparcoll.communicator import Communicator
 from ranks import fork_context, fork_process
-from support import error_chain, on_threads, wait_for
+from support import error_chain, join_all, on_threads, wait_for
 
 NUMEL = 1 << 19            # 2048 blocks of 256 floats
 TIMEOUT = 5.0              # init(timeout=...) of every worker
@@ -636,9 +636,7 @@ def in_threads(world: int, target, join_timeout: float = 30.0, **options) -> lis
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(join_timeout)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    join_all(threads, join_timeout)
     assert all(s < CLOSE_LIMIT for s in close_seconds if s is not None), close_seconds
     return results
 
