@@ -14,6 +14,8 @@ import traceback
 import numpy as np
 import torch
 
+from sparcoll.errors import SparcollError
+
 
 def wait_for(predicate, limit: float = 5.0) -> bool:
     """Poll `predicate` until it holds or `limit` seconds pass; its last value."""
@@ -66,6 +68,19 @@ def on_threads(fn, count: int, timeout: float = 30.0) -> None:
         t.start()
     join_all(threads, timeout)
     assert not errors, errors
+
+
+def outcome_of(fn, expected=(SparcollError,)) -> tuple[str, str, float]:
+    """(the exception's type name, its text, seconds) for an error of the `expected` types;
+    ("UNEXPECTED <name>", ...) for another exception, ("NO ERROR", "", seconds) for none."""
+    t = time.monotonic()
+    try:
+        fn()
+    except expected as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t
+    except Exception as exc:
+        return f"UNEXPECTED {type(exc).__name__}", str(exc), time.monotonic() - t
+    return "NO ERROR", "", time.monotonic() - t
 
 
 def join_all(threads: list[threading.Thread], timeout: float) -> None:

@@ -33,7 +33,7 @@ import sparcoll
 from sparcoll import aggregator as aggregator_module, server as server_module, wire
 from sparcoll.communicator import Communicator
 from ranks import fork_context, fork_process
-from support import error_chain, join_all, on_threads, wait_for
+from support import error_chain, join_all, on_threads, outcome_of, wait_for
 
 NUMEL = 1 << 19            # 2048 blocks of 256 floats
 TIMEOUT = 5.0              # init(timeout=...) of every worker
@@ -641,19 +641,6 @@ def in_threads(world: int, target, join_timeout: float = 30.0, **options) -> lis
     return results
 
 
-def _outcome(fn, expected=(sparcoll.SparcollError,)):
-    """(the exception's type name, its text, seconds) for an error of the `expected` types;
-    ("UNEXPECTED <name>", ...) for another exception, ("NO ERROR", "", seconds) for none."""
-    t = time.monotonic()
-    try:
-        fn()
-    except expected as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - t
-    except Exception as exc:
-        return f"UNEXPECTED {type(exc).__name__}", str(exc), time.monotonic() - t
-    return "NO ERROR", "", time.monotonic() - t
-
-
 @pytest.mark.parametrize("mode", ["colocated", "dedicated"])
 def test_calls_in_different_order_raise_on_every_rank_then_poison(mode, request):
     """Rank 0 reduces A (1000 elements) then B (5000); rank 1 B then A: the first collective is a
@@ -664,9 +651,9 @@ def test_calls_in_different_order_raise_on_every_rank_then_poison(mode, request)
 
     def target(comm, rank):
         sizes = [1000, 5000] if rank == 0 else [5000, 1000]
-        first = _outcome(lambda: comm.allreduce(torch.ones(sizes[0])))
-        second = _outcome(lambda: comm.allreduce(torch.ones(sizes[1])))
-        third = _outcome(lambda: comm.allreduce(torch.ones(10), async_op=True).wait(10))
+        first = outcome_of(lambda: comm.allreduce(torch.ones(sizes[0])))
+        second = outcome_of(lambda: comm.allreduce(torch.ones(sizes[1])))
+        third = outcome_of(lambda: comm.allreduce(torch.ones(10), async_op=True).wait(10))
         return first, second, third
 
     for rank, (first, second, third) in enumerate(in_threads(2, target, **options)):
@@ -680,7 +667,7 @@ def test_async_calls_in_different_order_raise_on_every_rank():
     def target(comm, rank):
         sizes = [1000, 3000] if rank == 0 else [3000, 1000]
         works = [comm.allreduce(torch.ones(n), async_op=True) for n in sizes]
-        return [_outcome(lambda w=w: w.wait(10)) for w in works]
+        return [outcome_of(lambda w=w: w.wait(10)) for w in works]
 
     for rank, (first, second) in enumerate(in_threads(2, target)):
         assert first[0] == "MismatchError", (rank, first)
@@ -709,7 +696,7 @@ def test_same_size_tensors_swapped_are_told_apart_by_their_tags(path, numel, req
                 sums.append(bool((x == 2 * value).all()))
         swapped = torch.full((numel,), 2.0 if rank else 1.0)
         before = swapped.clone()
-        return sums, _outcome(lambda: comm.allreduce(swapped, tag=2 if rank else 1)), \
+        return sums, outcome_of(lambda: comm.allreduce(swapped, tag=2 if rank else 1)), \
             bool(torch.equal(swapped, before))
 
     for rank, (sums, outcome, untouched) in enumerate(in_threads(2, target, **options)):
@@ -722,7 +709,7 @@ def test_same_size_tensors_swapped_are_told_apart_by_their_tags(path, numel, req
 
 def test_a_tag_a_header_cannot_hold_is_refused_as_such():
     def target(comm, rank):
-        return [_outcome(lambda t=t: comm.allreduce(torch.ones(8), tag=t), (ValueError,))
+        return [outcome_of(lambda t=t: comm.allreduce(torch.ones(8), tag=t), (ValueError,))
                 for t in (-1, wire.MAX_TAG + 1, 1.5, True)]
 
     for rank, outcomes in enumerate(in_threads(2, target)):
@@ -737,7 +724,7 @@ def test_mismatched_descriptor_raises_on_every_rank(what):
         if what == "numel_same_blocks":   # 4000 and 4096 elements: both 16 blocks of 256
             x = torch.ones(4000 if rank else 4096)
         op = "avg" if (what == "op" and rank) else "sum"
-        return _outcome(lambda: comm.allreduce(x, op=op))
+        return outcome_of(lambda: comm.allreduce(x, op=op))
 
     if what == "block_size":
         store = dist.HashStore()
@@ -788,7 +775,7 @@ def test_a_mismatch_reaches_the_peer_as_one_when_the_rank_that_saw_it_leaves_fir
     monkeypatch.setattr(aggregator_module.AggregatorJob, "contribute", slow_from_rank_1_to_its_own)
 
     def target(comm, rank):
-        return _outcome(lambda: comm.allreduce(torch.ones(4000 if rank else 4096)))
+        return outcome_of(lambda: comm.allreduce(torch.ones(4000 if rank else 4096)))
     try:
         outcomes = in_threads(2, target)
     finally:
@@ -805,7 +792,7 @@ def test_mismatched_init_options_refused_on_every_rank(store):
     results = [None, None]
 
     def run(rank):
-        results[rank] = _outcome(lambda: Communicator(
+        results[rank] = outcome_of(lambda: Communicator(
             dist.PrefixStore("o/", store), rank, 2, timeout=5.0,
             message_blocks=64 if rank == 0 else 128).close())
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
@@ -825,7 +812,7 @@ def test_a_rank_whose_options_are_refused_tells_its_peers_at_once(store):
     results = {}
 
     def run(rank):
-        results[rank] = _outcome(lambda: Communicator(store, rank, 2, timeout=20.0,
+        results[rank] = outcome_of(lambda: Communicator(store, rank, 2, timeout=20.0,
                                                       **({"block_size": 0} if rank else {})).close(),
                                  expected=(sparcoll.SparcollError, ValueError))
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
@@ -848,7 +835,7 @@ def test_peer_that_gave_up_init_is_named_with_its_reason(store):
         gone = f"127.0.0.1:{probe.getsockname()[1]}"
     store.set("1/aggregator/1", gone)        # keys of the first communicator on this prefix
     store.set("1/init-failed/1", "MismatchError\nhandshake refused: message_blocks differ")
-    outcome = _outcome(lambda: Communicator(store, 0, 2, timeout=20.0).close())
+    outcome = outcome_of(lambda: Communicator(store, 0, 2, timeout=20.0).close())
     assert outcome[0] == "MismatchError", outcome
     assert "rank 1 gave up init" in outcome[1] and "message_blocks" in outcome[1], outcome
     assert outcome[2] < 5.0, outcome
@@ -871,7 +858,7 @@ def test_a_peer_that_gives_up_while_the_ring_is_set_up_is_named_at_once(monkeypa
     outcomes = [None, None]
 
     def rank(r):
-        outcomes[r] = _outcome(lambda: Communicator(dist.PrefixStore("s/", store), r, 2, timeout=20.0,
+        outcomes[r] = outcome_of(lambda: Communicator(dist.PrefixStore("s/", store), r, 2, timeout=20.0,
                                                     algorithm="auto").close())
     on_threads(rank, 2, timeout=60)
     assert outcomes[1][0] == "PeerError", outcomes
@@ -889,7 +876,7 @@ def test_ranks_that_disagree_on_their_aggregators_fail_init_at_once(store):
 
     def run(rank):
         options = dict(aggregators=[server.address]) if rank == 1 else {}
-        results[rank] = _outcome(lambda: Communicator(dist.PrefixStore("layout/", store), rank, 2,
+        results[rank] = outcome_of(lambda: Communicator(dist.PrefixStore("layout/", store), rank, 2,
                                                       timeout=20.0, **options).close())
     try:
         on_threads(run, 2, timeout=40)
@@ -908,8 +895,8 @@ def test_missing_call_times_out_naming_the_peer_then_poisons():
             done.wait(20)
             return None
         try:
-            first = _outcome(lambda: comm.allreduce(torch.ones(1000)))
-            second = _outcome(lambda: comm.allreduce(torch.ones(1000)))
+            first = outcome_of(lambda: comm.allreduce(torch.ones(1000)))
+            second = outcome_of(lambda: comm.allreduce(torch.ones(1000)))
         finally:
             done.set()
         return first, second
@@ -942,11 +929,11 @@ def test_a_rank_that_gave_up_a_collective_owns_its_tensor_again(mode, request):
         if rank == 1:
             try:
                 assert gave_up.wait(20)
-                return _outcome(lambda: comm.allreduce(tensor)), tensor
+                return outcome_of(lambda: comm.allreduce(tensor)), tensor
             finally:
                 done.set()
         try:
-            outcome = _outcome(lambda: comm.allreduce(tensor))
+            outcome = outcome_of(lambda: comm.allreduce(tensor))
             tensor.fill_(5)
         finally:
             gave_up.set()
@@ -983,7 +970,7 @@ def test_a_collective_that_fails_while_a_result_is_being_placed_raises_after_it(
         if rank == 0:
             assert placing.wait(20)
             comm.close()
-        outcome = _outcome(lambda: work.wait(20))
+        outcome = outcome_of(lambda: work.wait(20))
         return outcome, failed_at
 
     results = in_threads(2, target, timeout=10.0, algorithm="sparse")
@@ -1023,7 +1010,7 @@ def test_a_wait_that_gives_up_at_the_deadline_keeps_its_collective_from_running_
         if rank == 0:
             first.add_done_callback(lambda work: time.sleep(2.0))
         second = torch.full((3000,), float(rank + 1))
-        outcome = _outcome(lambda: comm.allreduce(second, timeout=0.5))
+        outcome = outcome_of(lambda: comm.allreduce(second, timeout=0.5))
         time.sleep(2.5)             # the engine is free again: a late run would have written by now
         return outcome[0], second.tolist() == [float(rank + 1)] * 3000, comm._engine.poison is not None
     zero, _ = in_threads(2, target)
@@ -1045,7 +1032,7 @@ def test_close_fails_the_async_calls_still_queued_without_running_them():
         start = time.monotonic()
         comm.close()
         closed_in = time.monotonic() - start
-        outcome = _outcome(lambda: second.wait())
+        outcome = outcome_of(lambda: second.wait())
         return closed_in, outcome[:2], torch.equal(queued, torch.ones(3000)), type(first.exception()).__name__
     closed_in, (kind, text), untouched, first = in_threads(2, target, timeout=20.0)[0]
     assert closed_in < 2.0 and kind == "SparcollError" and "closed" in text and untouched, \
@@ -1077,7 +1064,7 @@ def test_close_during_collective_returns_and_fails_it(algorithm):
             t = time.monotonic()
             comm.close()
             closed_in = time.monotonic() - t
-            return in_flight, _outcome(lambda: work.wait(5)), closed_in, _outcome(
+            return in_flight, outcome_of(lambda: work.wait(5)), closed_in, outcome_of(
                 lambda: comm.allreduce(torch.ones(10))), comm._engine._thread.is_alive()
         finally:
             done.set()
@@ -1095,8 +1082,8 @@ def test_recreated_communicator_works_after_poisoning(store):
 
     def run(rank):
         with Communicator(dist.PrefixStore("p1/", store), rank, 2, timeout=5.0) as comm:
-            bad = _outcome(lambda: comm.allreduce(torch.ones(1000 + rank)))
-            poisoned = _outcome(lambda: comm.allreduce(torch.ones(1000)))
+            bad = outcome_of(lambda: comm.allreduce(torch.ones(1000 + rank)))
+            poisoned = outcome_of(lambda: comm.allreduce(torch.ones(1000)))
         with Communicator(dist.PrefixStore("p2/", store), rank, 2, timeout=5.0) as comm:
             x = make_input(0, rank, 5000)
             comm.allreduce(x)
@@ -1121,7 +1108,7 @@ def test_peer_rejects_input_and_leaves_before_this_rank_starts(store):
         try:
             with Communicator(dist.PrefixStore("e/", store), rank, 2, timeout=5.0) as comm:
                 if rank == 1:
-                    results[1] = _outcome(lambda: comm.allreduce(torch.empty(1000, device="meta")),
+                    results[1] = outcome_of(lambda: comm.allreduce(torch.empty(1000, device="meta")),
                                           expected=(ValueError,))
                     return
                 assert left.wait(20), "rank 1 never left"
@@ -1130,7 +1117,7 @@ def test_peer_rejects_input_and_leaves_before_this_rank_starts(store):
                 assert wait_for(lambda: comm._worker.early_error_soon(1)
                                 and comm._engine.poison is not None, 10), \
                     "rank 1's report or its connection's end never arrived"
-                results[0] = _outcome(lambda: comm.allreduce(torch.ones(1000)))
+                results[0] = outcome_of(lambda: comm.allreduce(torch.ones(1000)))
         finally:
             if rank == 1:
                 left.set()
@@ -1168,7 +1155,7 @@ def test_internal_error_in_the_aggregator_fails_the_job_fast(monkeypatch, dedica
                 time.sleep(0.2)     # rank 1's connection ends meanwhile
             return attend(self, sock, hello)
         monkeypatch.setattr(server_module.AggregatorServer, "_attend", late)
-    results = in_threads(2, lambda comm, rank: _outcome(lambda: comm.allreduce(torch.ones(4096))),
+    results = in_threads(2, lambda comm, rank: outcome_of(lambda: comm.allreduce(torch.ones(4096))),
                          aggregators=dedicated_in_process, timeout=10.0)
     for rank, (kind, text, seconds) in enumerate(results):
         # rank 0 learns which peer failed; rank 1 sees the aggregator close its connection
@@ -1208,7 +1195,7 @@ def test_a_connection_lost_between_the_poison_check_and_the_collective_fails_it_
     try:
         monkeypatch.setattr(transport, "Connection", late_refusal_of_rank_0)
         monkeypatch.setattr(worker.WorkerJob, "run", run_late_on_rank_0)
-        results = in_threads(2, lambda comm, rank: _outcome(lambda: comm.allreduce(torch.ones(4096))),
+        results = in_threads(2, lambda comm, rank: outcome_of(lambda: comm.allreduce(torch.ones(4096))),
                              aggregators=[server.address], timeout=20.0)
         kind, text, seconds = results[0]
         assert kind == "PeerError" and seconds < 5.0, results
@@ -1234,7 +1221,7 @@ def test_a_connection_the_aggregator_cannot_serve_fails_its_job_at_once(monkeypa
     try:
         monkeypatch.setattr(transport, "Connection", no_thread_for_rank_0)
         start = time.monotonic()
-        results = in_threads(2, lambda comm, rank: _outcome(lambda: comm.allreduce(torch.ones(4096))),
+        results = in_threads(2, lambda comm, rank: outcome_of(lambda: comm.allreduce(torch.ones(4096))),
                              aggregators=[server.address], timeout=20.0)
         assert time.monotonic() - start < 10.0, results
         # rank 1 learns why in its collective, or at init if it connected after the job ended there;

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ranks import run_ranks
 from scenarios import (all_cases_vs_reference, assert_all_match, assert_half_precision_mean,
                        half_precision_vs_float64, mlp)
+from support import outcome_of
 
 pytestmark = pytest.mark.auto_algorithm   # as users get it (conftest.py)
 
@@ -540,23 +541,15 @@ def calls_that_both_go_to_gloo_but_differ(rank: int, world: int) -> dict:
     """Rank 0 all_reduces int64 with MIN, rank 1 with MAX: both calls go to gloo, which mixes them
     silently; then the same group sums int64 (both gloo's) and float32 (sparcoll's); last, the ranks
     all_reduce int64 of 3 and 4 elements with MAX (after which gloo's pair may be closed)."""
-    def outcome(call) -> tuple:
-        start = time.monotonic()
-        try:
-            call()
-            return None, "", time.monotonic() - start
-        except Exception as exc:
-            return type(exc).__name__, str(exc), time.monotonic() - start
-
     out = {}
     pg = sparcoll_group(timeout=30)
     op = dist.ReduceOp.MIN if rank == 0 else dist.ReduceOp.MAX
-    out["ops"] = outcome(lambda: dist.all_reduce(torch.full((3,), rank + 1), op=op, group=pg))
+    out["ops"] = outcome_of(lambda: dist.all_reduce(torch.full((3,), rank + 1), op=op, group=pg))
     counts, values = torch.full((3,), rank + 1), torch.full((4,), float(rank + 1))
     dist.all_reduce(counts, group=pg)
     dist.all_reduce(values, group=pg)
     out["after"] = counts.tolist() + values.tolist()
-    out["sizes"] = outcome(lambda: dist.all_reduce(torch.ones(3 + rank, dtype=torch.int64),
+    out["sizes"] = outcome_of(lambda: dist.all_reduce(torch.ones(3 + rank, dtype=torch.int64),
                                                    op=dist.ReduceOp.MAX, group=pg))
     dist.destroy_process_group(pg)
     return out
