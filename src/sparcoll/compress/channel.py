@@ -169,6 +169,14 @@ def gloo_timed_out(error: BaseException) -> bool:
         and ("timed out" in text or "timeout" in text)
 
 
+def gloo_lost_a_peer(error: BaseException) -> bool:
+    """Whether `error` is gloo's word that a peer's connection broke (its process died or left; torch
+    2.13: "Connection reset by peer", "Connection closed by peer")."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and not isinstance(error, SparcollError) \
+        and ("Connection reset by peer" in text or "Connection closed by peer" in text)
+
+
 def _concatenated(tensors: list) -> tuple[torch.Tensor, list]:
     """One flat copy of `tensors` end to end, and each one's view of its part."""
     flat = torch.cat([t.reshape(-1) for t in tensors])

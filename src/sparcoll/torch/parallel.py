@@ -92,8 +92,8 @@ from sparcoll.algorithm import entry_block_size
 from sparcoll.blocks import BlockTensor, entries_of
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, parse
-from sparcoll.compress.channel import Channel, gloo_timed_out, wait_within
-from sparcoll.errors import CollectiveTimeout, DivergedError, MismatchError, PeerError, SparcollError
+from sparcoll.compress.channel import Channel, gloo_lost_a_peer, gloo_timed_out, wait_within
+from sparcoll.errors import CollectiveTimeout, DivergedError, MismatchError, PeerError
 
 from . import hybrid, sparse
 from .dropped import RESTART, DroppedSteps
@@ -136,18 +136,10 @@ def _linear_input(args: tuple, kwargs: dict) -> torch.Tensor:
 
 def _ends_the_job(error: BaseException) -> bool:
     """An error after which no step runs (DataParallel._break_on), so the ranks need not agree on how
-    much of the step each ran."""
+    much of the step each ran. (A peer whose connection broke cannot agree to drop the step: waiting
+    AGREE_S for it made a dead peer's failure take 11-17 s to reach backward.)"""
     return isinstance(error, (CollectiveTimeout, DivergedError, MismatchError, PeerError)) or gloo_timed_out(error) \
-        or _gloo_lost_a_peer(error)
-
-
-def _gloo_lost_a_peer(error: BaseException) -> bool:
-    """Whether `error` is gloo's word that a peer's connection broke (its process died or left; torch
-    2.13: "Connection reset by peer", "Connection closed by peer"): the peer cannot agree to drop the
-    step, and waiting AGREE_S for it made a dead peer's failure take 11-17 s to reach backward."""
-    text = str(error)
-    return isinstance(error, RuntimeError) and not isinstance(error, SparcollError) \
-        and ("Connection reset by peer" in text or "Connection closed by peer" in text)
+        or gloo_lost_a_peer(error)
 
 
 def takes_average_in_place(grad: torch.Tensor) -> bool:
@@ -941,7 +933,7 @@ class DataParallel(nn.Module):
             timeout = CollectiveTimeout(f"a collective timed out ({error})")
             timeout.__cause__ = error
             return timeout
-        if _gloo_lost_a_peer(error):
+        if gloo_lost_a_peer(error):
             lost = PeerError(f"a peer's connection broke ({error})")
             lost.__cause__ = error
             return lost
