@@ -20,13 +20,15 @@ def pytest_configure(config):
     os.environ["SPARCOLL_ALGORITHM"] = "sparse"
 
 
-# The files that take longest (their tests' seconds in a whole run, `--durations=0`: 107, 53, 53, 43,
-# 38, 36, 36, 33, 30, 25 of 643), longest first: they start first, so that with two workers
-# (pytest-xdist, --dist loadfile: a file's tests stay on one worker, with its module fixtures) the last
-# file to start is a short one. Only the order changes; the files not named run after these, as usual.
-LONGEST_FIRST = ("test_multihost.py", "test_convergence.py", "test_plan_execution.py", "test_parallel.py",
-                 "test_faults.py", "test_allreduce.py", "test_readme.py", "test_compression_hook.py",
-                 "test_bench.py", "test_algorithm.py")
+# The files that take the most CPU (their tests' CPU seconds, the machine's, in a run with -n 0: 157, 97,
+# 67, 56, 52, 49, 40, 39, 35, 35, 35 of 824; the suite keeps both cores busy, so these are its time),
+# most first: they start first, so that the last file to start is a short one (pytest-xdist, --dist
+# loadfile: a file's tests stay on one worker, with its module fixtures; --no-loadscope-reorder, or
+# xdist orders the files by their number of tests instead and the longest started last, adding about
+# 40 s to a run). Only the order changes; the files not named run after these, as usual.
+LONGEST_FIRST = ("test_multihost.py", "test_convergence.py", "test_parallel.py", "test_plan_execution.py",
+                 "test_allreduce.py", "test_faults.py", "test_compression_hook.py", "test_readme.py",
+                 "test_bench.py", "test_allocator.py", "test_simulate.py")
 
 
 def pytest_collection_modifyitems(config, items):
