@@ -50,13 +50,12 @@ def reference(world: int, steps: int = STEPS) -> tuple[list[float], dict[str, to
 
 def agent(net: EmulatedNetwork, host: int, nnodes: int, nproc: int, out: Path, *extra: str) -> list[str]:
     """The torchrun command of `host`: --local-addr on every host and is_host on the endpoint's, without
-    which agents in namespaces advertise an address nobody can reach (docs/cluster.md). Heartbeats
-    every second, a host silent for 5 s is dead (torch's default: 15 s, which a restart after a lost
-    host waits out)."""
+    which agents in namespaces advertise an address nobody can reach (docs/cluster.md)."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
             str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{net.addresses[0]}:{RDZV_PORT}",
             "--local-addr", net.addresses[host], "--monitor-interval", "0.5", *extra]
-    argv += ["--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=5" + (",is_host=true" if host == 0 else "")]
+    if host == 0:
+        argv += ["--rdzv-conf", "is_host=true"]
     return argv + [str(SCRIPT), "--tiny", "--steps", str(STEPS), "--batch", str(BATCH), "--lr", str(LR),
                    "--timeout", "30", "--out", str(out)]
 
