@@ -1514,6 +1514,14 @@ def failed_synchronization(rank: int, world: int, failing: tuple) -> dict:
             raised.append(None)
             errors.append(relative_error([p.grad for p in dp.module.parameters()],
                                          reference_grads(mlp, 6, (12,), world, seed=s)))
+        # Each rank lives on until every loop is over, as in a job whose loops go on: a peer waiting
+        # for its step looks once a second whether the step was dropped (sparcoll/torch/dropped.py),
+        # and a rank that closed its connections before that shows as a broken one instead.
+        store = dist.distributed_c10d._get_default_store()
+        store.add("loops over", 1)
+        deadline = time.monotonic() + 30
+        while store.add("loops over", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.02)
         dp.close()
     finally:
         comm.close()
