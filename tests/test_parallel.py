@@ -23,7 +23,7 @@ from sparcoll.torch.parallel import DataParallel
 from sparcoll.errors import DivergedError
 from pause import Pause
 from ranks import run_ranks
-from support import sparcoll_here
+from support import sparcoll_here, wait_for
 from sparcoll.bench.netem import netem_available
 
 NETEM_OK, NETEM_WHY = netem_available()
@@ -1519,9 +1519,7 @@ def failed_synchronization(rank: int, world: int, failing: tuple) -> dict:
         # and a rank that closed its connections before that shows as a broken one instead.
         store = dist.distributed_c10d._get_default_store()
         store.add("loops over", 1)
-        deadline = time.monotonic() + 30
-        while store.add("loops over", 0) < world and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: store.add("loops over", 0) >= world, 30)
         dp.close()
     finally:
         comm.close()
