@@ -813,8 +813,8 @@ def test_a_rank_whose_options_are_refused_tells_its_peers_at_once(store):
 
     def run(rank):
         results[rank] = outcome_of(lambda: Communicator(store, rank, 2, timeout=20.0,
-                                                      **({"block_size": 0} if rank else {})).close(),
-                                 expected=(sparcoll.SparcollError, ValueError))
+                                                        **({"block_size": 0} if rank else {})).close(),
+                                   expected=(sparcoll.SparcollError, ValueError))
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
     for t in threads:
         t.start()
@@ -859,7 +859,7 @@ def test_a_peer_that_gives_up_while_the_ring_is_set_up_is_named_at_once(monkeypa
 
     def rank(r):
         outcomes[r] = outcome_of(lambda: Communicator(dist.PrefixStore("s/", store), r, 2, timeout=20.0,
-                                                    algorithm="auto").close())
+                                                      algorithm="auto").close())
     on_threads(rank, 2, timeout=60)
     assert outcomes[1][0] == "PeerError", outcomes
     kind, text, seconds = outcomes[0]
@@ -877,7 +877,7 @@ def test_ranks_that_disagree_on_their_aggregators_fail_init_at_once(store):
     def run(rank):
         options = dict(aggregators=[server.address]) if rank == 1 else {}
         results[rank] = outcome_of(lambda: Communicator(dist.PrefixStore("layout/", store), rank, 2,
-                                                      timeout=20.0, **options).close())
+                                                        timeout=20.0, **options).close())
     try:
         on_threads(run, 2, timeout=40)
     finally:
@@ -1109,7 +1109,7 @@ def test_peer_rejects_input_and_leaves_before_this_rank_starts(store):
             with Communicator(dist.PrefixStore("e/", store), rank, 2, timeout=5.0) as comm:
                 if rank == 1:
                     results[1] = outcome_of(lambda: comm.allreduce(torch.empty(1000, device="meta")),
-                                          expected=(ValueError,))
+                                            expected=(ValueError,))
                     return
                 assert left.wait(20), "rank 1 never left"
                 # Nothing public shows that rank 1's ERROR for collective 1 and its connection's

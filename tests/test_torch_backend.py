@@ -550,7 +550,7 @@ def calls_that_both_go_to_gloo_but_differ(rank: int, world: int) -> dict:
     dist.all_reduce(values, group=pg)
     out["after"] = counts.tolist() + values.tolist()
     out["sizes"] = outcome_of(lambda: dist.all_reduce(torch.ones(3 + rank, dtype=torch.int64),
-                                                   op=dist.ReduceOp.MAX, group=pg))
+                                                      op=dist.ReduceOp.MAX, group=pg))
     dist.destroy_process_group(pg)
     return out
 
