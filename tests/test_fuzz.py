@@ -673,6 +673,49 @@ def test_a_message_whose_body_stalls_after_its_header_is_cut_off(live, monkeypat
     assert wait_for(lambda: job not in server.jobs), "the job of the stalled connection was kept"
 
 
+def test_a_client_that_never_reads_its_results_holds_bounded_memory_and_is_dropped(live, monkeypatch):
+    """A job of one rank whose client sends contributions and never reads the results: each completes
+    at once, and the aggregator queued its results without bound (3.5 GB in 8.5 s in a review). Now it
+    reads the client's next message only while at most SEND_BACKLOG_BYTES (1 MiB here) wait unsent,
+    and drops the client once they have waited SLOW_READER_DEADLINE (2 s here)."""
+    server, honest, watch = live
+    monkeypatch.setattr(server_module, "SEND_BACKLOG_BYTES", 1 << 20)
+    monkeypatch.setattr(server_module, "SLOW_READER_DEADLINE", 2.0)
+    blocks, desc = 256, (256 * 256, 256, 0, 0)     # every result 256 KiB
+    job = int.from_bytes(os.urandom(8), "little")
+    before = len(watch.records)
+    sock = handshake(server.address, job, config=wire.JobConfig(1, 1, 1, 2, blocks))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    body = np.arange(blocks, dtype=np.int32).tobytes() + np.ones(blocks * 256, np.float32).tobytes()
+    sent = [0]
+
+    def attack():
+        try:
+            for c in range(1, 20_000):
+                sock.sendall(header(job, collective=c, count=blocks, progress=blocks, desc=desc) + body)
+                sent[0] = c
+        except OSError:             # the send timed out (the aggregator stopped reading) or was cut
+            pass
+    attacker = threading.Thread(target=attack, daemon=True)
+    attacker.start()
+    try:
+        assert wait_for(lambda: any(f"{job:#x}" in c.peer for c in list(server._connections)), 10)
+        conn = next(c for c in list(server._connections) if f"{job:#x}" in c.peer)
+        most, deadline = 0, time.monotonic() + 15
+        while job in server.jobs and time.monotonic() < deadline:
+            most = max(most, conn.unsent)
+            time.sleep(0.005)
+        assert job not in server.jobs, f"still served after 15 s, {conn.unsent} bytes unsent"
+        assert sent[0] >= 4, sent[0]            # it did fill the queue
+        assert most <= (1 << 20) + 2 * blocks * 256 * 4 + 4096, most
+        assert any("rank 0 did not read its results" in r for r in watch.records[before:]), \
+            watch.records[before:][-5:]
+    finally:
+        sock.close()
+        attacker.join(10)
+    assert not attacker.is_alive()
+
+
 def test_leaks_and_memory_after_the_attacks(live):
     server, honest, watch = live
     assert wait_for(lambda: only_honest_left(server, honest), 10), (set(server.jobs),

@@ -40,6 +40,14 @@ CLOSE_JOIN = 5.0              # close() waits this long, at most, for the server
 # stalls in between (stopped, or a client holding the secret) held its receive buffer, up to 64 MiB,
 # and its job for good. A 64 MiB body needs about 9 Mbit/s to make it.
 BODY_DEADLINE = 60.0
+# Results queue on a worker's connection while it reads them more slowly than they come. The
+# aggregator reads the worker's next message only once at most SEND_BACKLOG_BYTES of them wait: its
+# results come of its contributions, so one that never reads holds that much (plus what its
+# contributions already read yield), where it queued 3.5 GB in 8.5 s. Waiting costs an honest job
+# nothing: 64 MiB keep any link busy (5 ms at 100 Gbit/s). A worker whose results stay above it for
+# SLOW_READER_DEADLINE is dropped, and its job with it (64 MiB in that time: about 9 Mbit/s).
+SEND_BACKLOG_BYTES = 64 << 20
+SLOW_READER_DEADLINE = 60.0
 FROM_WORKERS = frozenset({wire.Kind.CONTRIBUTE, wire.Kind.ERROR, wire.Kind.BYE})
 
 
@@ -294,6 +302,12 @@ class AggregatorServer:
 
         try:
             while True:
+                if conn.unsent > SEND_BACKLOG_BYTES and \
+                        not conn.wait_unsent(SEND_BACKLOG_BYTES, SLOW_READER_DEADLINE):
+                    why = (f"rank {rank} did not read its results: {conn.unsent >> 20} MiB of them "
+                           f"waited to be sent for over {SLOW_READER_DEADLINE:.0f} s")
+                    log.warning("closing %s: %s", conn.peer, why)
+                    return wire.ErrorCode.PEER, why
                 h = conn.recv_header(job.config.message_blocks, job.job)
                 body = functools.partial(conn.recv_into, deadline=time.monotonic() + BODY_DEADLINE)
                 message = wire.read_body(h, body, FROM_WORKERS, place)

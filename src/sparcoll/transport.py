@@ -195,6 +195,8 @@ class Connection:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._queue_lock = threading.Lock()
         self._backlog = 0           # messages queued or being written by the sender thread
+        self._unsent = 0            # their bytes not yet written
+        self._written = threading.Condition(self._queue_lock)   # _unsent fell, or sending stopped
         self._stopped = False       # the sender is gone: leases go back at once
         self._header = bytearray(wire.HEADER_BYTES)
         self._closed = False        # no more sends: the sender ends after what is queued
@@ -219,8 +221,10 @@ class Connection:
                     except Exception:
                         pass    # the sender thread meets the error again and reports it
                 if views:
+                    nbytes = sum(len(v) for v in views)
                     self._backlog += 1
-                    self._queue.put((views, lease))
+                    self._unsent += nbytes
+                    self._queue.put((views, lease, nbytes))
                     return
         give_back(lease)
 
@@ -239,12 +243,14 @@ class Connection:
                 item = self._queue.get()
                 if item is None:
                     return
-                views, lease = item
+                views, lease, nbytes = item
                 try:
                     sendmsg_all(self.sock, views)
                 finally:
                     with self._queue_lock:
                         self._backlog -= 1
+                        self._unsent -= nbytes
+                        self._written.notify_all()
                     give_back(lease)
         except BaseException as exc:    # any (a lease's callback may raise anything): peers must hear of it
             self._fail(exc)
@@ -273,6 +279,7 @@ class Connection:
         """No more sends: release what is still queued."""
         with self._queue_lock:
             self._stopped = True
+            self._written.notify_all()
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -283,6 +290,17 @@ class Connection:
                     give_back(item[1])
                 except Exception:     # an owner's callback: the other leases must still go back
                     log.exception("giving back a lease of %s failed", self.peer)
+
+    @property
+    def unsent(self) -> int:
+        """Bytes queued for the sender thread and not yet written."""
+        return self._unsent
+
+    def wait_unsent(self, limit: int, timeout: float) -> bool:
+        """Wait until at most `limit` bytes are queued unsent, or sending stopped (they never will
+        be); False if more still are after `timeout` seconds."""
+        with self._written:
+            return self._written.wait_for(lambda: self._unsent <= limit or self._stopped, timeout)
 
     def count(self, **deltas: int) -> None:
         """Add to the traffic counters (one lock, so a snapshot is never half-updated)."""
