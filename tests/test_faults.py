@@ -666,8 +666,11 @@ def test_calls_in_different_order_raise_on_every_rank_then_poison(mode, request)
 def test_async_calls_in_different_order_raise_on_every_rank():
     def target(comm, rank):
         sizes = [1000, 3000] if rank == 0 else [3000, 1000]
-        works = [comm.allreduce(torch.ones(n), async_op=True) for n in sizes]
-        return [outcome_of(lambda w=w: w.wait(10)) for w in works]
+        first = comm.allreduce(torch.ones(sizes[0]), async_op=True)
+        # Where the first has failed by then (this thread descheduled between the calls), the
+        # second call is refused at once; else its Work raises. PoisonedError either way.
+        second = outcome_of(lambda: comm.allreduce(torch.ones(sizes[1]), async_op=True).wait(10))
+        return outcome_of(lambda: first.wait(10)), second
 
     for rank, (first, second) in enumerate(in_threads(2, target)):
         assert first[0] == "MismatchError", (rank, first)

@@ -279,6 +279,7 @@ class Connection:
         """No more sends: release what is still queued."""
         with self._queue_lock:
             self._stopped = True
+            self._unsent = 0        # what is still queued is dropped below
             self._written.notify_all()
         while True:
             try:
