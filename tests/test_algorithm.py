@@ -764,21 +764,21 @@ def test_forced_sparse_never_builds_a_ring(store):
 
 
 def peer_dies_during_ring(rank: int, world: int) -> dict:
-    """Rank 1 leaves (os._exit) after one tiny allreduce; rank 0's next one, on gloo's ring, must
-    fail with a SparcollError well before its 30 s timeout."""
+    """Rank 1 leaves (os._exit) after one allreduce; rank 0's next one, on gloo's ring (forced: the
+    default takes a kind's first collectives to the sparse path), must fail with a SparcollError
+    well before its 30 s timeout."""
     import os
-    import threading
 
     import sparcoll
 
-    comm = sparcoll.init(timeout=30)
-    comm.allreduce(torch.ones(8))
+    comm = sparcoll.init(timeout=30, algorithm="ring")
+    comm.allreduce(torch.ones(1 << 20))     # beyond the tiny and gathered sizes: gloo's ring itself
     if rank == 1:
-        threading.Timer(0.5, lambda: os._exit(0)).start()
-        return {"victim": True}
+        time.sleep(0.5)                     # rank 0's next call has started
+        os._exit(0)
     start = time.monotonic()
     try:
-        comm.allreduce(torch.ones(8))
+        comm.allreduce(torch.ones(1 << 20))
         return {"error": None}
     except SparcollError as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
@@ -789,7 +789,7 @@ def peer_dies_during_ring(rank: int, world: int) -> dict:
 def test_a_peer_that_dies_during_a_ring_collective_fails_it_at_once():
     from ranks import run_ranks as run_processes
 
-    survivor, _ = run_processes(peer_dies_during_ring, 2, timeout=90)
+    survivor, = run_processes(peer_dies_during_ring, 2, timeout=90, dying=1)
     assert survivor["error"] is not None, survivor
     assert survivor["seconds"] < 15, survivor
 

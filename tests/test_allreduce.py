@@ -204,10 +204,10 @@ def _unreachable(rank, world, address):
 
 def test_unreachable_dedicated_aggregator_fails_within_timeout():
     import socket
-    with socket.socket() as s:     # a port that was free a moment ago and has no listener now
-        s.bind(("127.0.0.1", 0))
+    with socket.socket() as s:     # bound, never listening: connections are refused, and no other
+        s.bind(("127.0.0.1", 0))   # socket (the rank's own, another test's) can take the port meanwhile
         address = "127.0.0.1:%d" % s.getsockname()[1]
-    (text, elapsed), = run_ranks(_unreachable, 1, timeout=60, address=address)
+        (text, elapsed), = run_ranks(_unreachable, 1, timeout=60, address=address)
     # Its own 2 s deadline, not the 60 s default: a bound loose enough for a loaded machine.
     assert address in text and elapsed < 10 * UNREACHABLE_TIMEOUT, (text, elapsed)
 

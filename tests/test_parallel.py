@@ -29,6 +29,10 @@ from sparcoll.bench.netem import netem_available
 NETEM_OK, NETEM_WHY = netem_available()
 
 WORLD = 3
+# Backward's slow lower part, and a collective's slow wait, in the overlap checks: what must happen
+# meanwhile (the upper layers' allreduces start, or end on every rank; the next collective starts)
+# takes thread hand-offs. 0.3 s was within reach of a thread descheduled on a busy machine.
+SLOW_LOWER_PART_S = 1.0
 
 
 def batch(rank: int, rows: int, shape_in: tuple, seed: int = 0):
@@ -247,11 +251,11 @@ def scenario(rank: int, world: int) -> dict:
         step(dp, rank, 4, (12,))
         out["sfb after no_sync"] = sorted({e.strategy for e in dp.trace})
         dp.close()
-        # wait-free: with a slow collective (20 ms) and a slow backward below the third layer
-        # (300 ms), the upper layers' weights (1 MB each: too big for a bucket) start their
-        # synchronization before backward has finished (when it ends depends on the peers too)
-        deep = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), Pause(0.3), nn.Linear(512, 512),
-                             nn.Linear(512, 512))
+        # wait-free: with a slow collective (20 ms) and a slow backward below the third layer, the
+        # upper layers' weights (1 MB each: too big for a bucket) start their synchronization
+        # before backward has finished (when it ends depends on the peers too)
+        deep = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), Pause(SLOW_LOWER_PART_S),
+                             nn.Linear(512, 512), nn.Linear(512, 512))
         dp = sparcoll.torch.DataParallel(deep, strategy="ring")
         fast = dp.channel.start_allreduce_mean
 
@@ -301,7 +305,7 @@ def scenario(rank: int, world: int) -> dict:
                 self.work = work
 
             def wait(self, timeout):
-                time.sleep(0.3)
+                time.sleep(SLOW_LOWER_PART_S)
                 return self.work.wait(timeout)
         dp.channel.start_allreduce_mean = lambda t: SlowWork(start(t))
         out["left running"] = relative_error(step(dp, rank, 6, (12,)), reference_grads(big, 6, (12,), world))
@@ -938,7 +942,7 @@ class UpsideDown(nn.Module):
     def __init__(self):
         super().__init__()
         self.top = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
-        self.bottom = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), Pause(0.3))
+        self.bottom = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), Pause(SLOW_LOWER_PART_S))
 
     def forward(self, x):
         return self.top(self.bottom(x))
@@ -995,14 +999,14 @@ def unused_parameters(rank: int, world: int) -> dict:
             out[f"{label} stale kept"] = stale_kept
             dp.close()
         # gradients ready in the fixed order (backward's usual one) still go while backward runs:
-        # the upper layers' 1 MB weights before backward's slow lower part (300 ms) has finished
-        deep = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), Pause(0.3), nn.Linear(512, 512),
-                             nn.Linear(512, 512))
+        # the upper layers' 1 MB weights before backward's slow lower part has finished
+        deep = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), Pause(SLOW_LOWER_PART_S),
+                             nn.Linear(512, 512), nn.Linear(512, 512))
         dp = sparcoll.torch.DataParallel(deep, strategy="ring", find_unused_parameters=True)
         dp(torch.randn(32, 512)).pow(2).mean().backward()
         weights = [e for e in dp.trace if e.name.endswith("weight")]
         out["overlap"] = all(e.end < dp.backward_end for e in weights if e.name[0] in "34") and \
-            all(e.start > dp.backward_end - 0.3 for e in weights if e.name[0] in "01")
+            all(e.start > dp.backward_end - SLOW_LOWER_PART_S for e in weights if e.name[0] in "01")
         dp.close()
         # a model built in another order than backward's: from the second step its gradients go in
         # the order rank 0's came in the first, so its top layers' go during the slow lower part
@@ -1013,7 +1017,8 @@ def unused_parameters(rank: int, world: int) -> dict:
             weights = [e for e in dp.trace if e.name.endswith("weight")]
             out["upside down overlap"].append(
                 all(e.end < dp.backward_end for e in weights if e.name.startswith("top")) and
-                all(e.start > dp.backward_end - 0.3 for e in weights if e.name.startswith("bottom")))
+                all(e.start > dp.backward_end - SLOW_LOWER_PART_S for e in weights
+                    if e.name.startswith("bottom")))
         dp.close()
         try:
             sparcoll.torch.DataParallel(Branchy(), strategy="sfb", find_unused_parameters=True)

@@ -137,8 +137,8 @@ def test_another_jobs_rank_is_refused_and_rank_0_times_out_without_its_own(store
     def rank(r):
         job = 11 if r == 0 else 12
         try:
-            Star.connect(store, r, world, "127.0.0.1", credentials(world, job=job), 1.5,
-                         LIMIT, LIMIT * world)
+            Star.connect(store, r, world, "127.0.0.1", credentials(world, job=job), 4.0,
+                         LIMIT, LIMIT * world)      # rank 1's refusal must come within it
         except SparcollError as exc:
             errors[r] = exc
     on_threads(rank, world, timeout=30)
