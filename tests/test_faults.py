@@ -1198,11 +1198,11 @@ def test_a_connection_lost_between_the_poison_check_and_the_collective_fails_it_
     original_connection, original_run = transport.Connection, worker.WorkerJob.run
     passed = threading.Event()      # rank 0's collective passed the look for the poison
 
-    def late_refusal_of_rank_0(sock, peer, on_failure):
+    def late_refusal_of_rank_0(sock, peer, on_failure, *backlog):
         if peer.startswith("rank 0 of job"):
             passed.wait(20)
             raise RuntimeError("can't start new thread")
-        return original_connection(sock, peer, on_failure)
+        return original_connection(sock, peer, on_failure, *backlog)
 
     def run_late_on_rank_0(self, coll, block_size):
         if self.rank == 0:
@@ -1231,10 +1231,10 @@ def test_a_connection_the_aggregator_cannot_serve_fails_its_job_at_once(monkeypa
     from sparcoll.server import AggregatorServer
     original = transport.Connection
 
-    def no_thread_for_rank_0(sock, peer, on_failure):
+    def no_thread_for_rank_0(sock, peer, on_failure, *backlog):
         if peer.startswith("rank 0 of job"):
             raise RuntimeError("can't start new thread")
-        return original(sock, peer, on_failure)
+        return original(sock, peer, on_failure, *backlog)
 
     server = AggregatorServer("127.0.0.1", 0, b"")
     try:

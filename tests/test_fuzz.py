@@ -174,7 +174,8 @@ def test_handshake_round_trips_and_bad_magic_or_version():
 # ---- a worker facing a malformed aggregator ------------------------------------------------------
 class FakeAggregator:
     """Authenticates a worker with the real handshake, reads its contributions, then answers with
-    whatever `respond(hello, header)` returns (bytes), or closes when it returns None."""
+    whatever `respond(hello, header)` returns (bytes, or a list of bytes and pauses in seconds), or
+    closes when it returns None."""
 
     def __init__(self, respond):
         self.respond = respond
@@ -197,8 +198,11 @@ class FakeAggregator:
             payload = bytearray(sum(h.payload_sizes()))
             transport._recv_exact(conn, memoryview(payload), "worker")
             reply = self.respond(hello, h)
-            if reply is not None:
-                conn.sendall(reply)
+            for part in reply if isinstance(reply, list) else [reply]:   # bytes, or a pause (s)
+                if isinstance(part, float):
+                    time.sleep(part)
+                elif part is not None:
+                    conn.sendall(part)
             time.sleep(0.5)
         except (OSError, SparcollError):
             pass
@@ -282,6 +286,36 @@ def test_worker_rejects_malformed_results(name):
     # Every reply leaves within the worker's deadline, not the 60 s default; the bound is loose
     # enough for a loaded machine.
     assert elapsed < 10 * WORKER_TIMEOUT and close_s < 8.0, (elapsed, close_s)
+
+
+def test_a_results_data_that_stalls_half_way_never_lands_after_the_call_returned():
+    """The aggregator sends a result's header and half its data, stalls past the collective's
+    deadline (a stopped process, a frozen host), then sends the rest: the worker's receiver, blocked
+    in that data, wrote it into the tensor after the call had raised and handed the tensor back. Now
+    the failed collective cuts that connection once SETTLE_S has passed with the data unfinished."""
+    from sparcoll.errors import SETTLE_S
+
+    def respond(hello, h):
+        message = _result(h, hello.job, indices=range(16), progress=16,
+                           data=np.full(16 * 256, 5.0, np.float32).tobytes())
+        half = len(message) - 8 * 256 * 4
+        return [message[:half], WORKER_TIMEOUT + 2 * SETTLE_S + 1.0, message[half:]]
+
+    fake = FakeAggregator(respond)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("SPARCOLL_SECRET", SECRET.decode())
+            comm = Communicator(dist.HashStore(), 0, 1, aggregators=[fake.address], timeout=WORKER_TIMEOUT)
+        tensor = torch.ones(4096)
+        with pytest.raises(SparcollError):
+            comm.allreduce(tensor)
+        returned = tensor.clone()
+        fake.thread.join(3 * WORKER_TIMEOUT)        # it sent the rest (or found the connection cut)
+        time.sleep(0.5)
+        assert torch.equal(tensor, returned), "the rest of the result landed after the call returned"
+        comm.close()
+    finally:
+        fake.close()
 
 
 def test_worker_reads_results_of_a_collective_it_does_not_run_through_its_small_discard_buffer(monkeypatch):
@@ -673,11 +707,27 @@ def test_a_message_whose_body_stalls_after_its_header_is_cut_off(live, monkeypat
     assert wait_for(lambda: job not in server.jobs), "the job of the stalled connection was kept"
 
 
+def _connection_of(server, job, rank):
+    peer = f"rank {rank} of job {job:#x}"
+    assert wait_for(lambda: any(c.peer == peer for c in list(server._connections)), 10)
+    return next(c for c in list(server._connections) if c.peer == peer)
+
+
+def _watch_unsent(server, job, conn, seconds) -> int:
+    """The most bytes `conn` had queued unsent while `job` was served (at most `seconds`)."""
+    most, deadline = 0, time.monotonic() + seconds
+    while job in server.jobs and time.monotonic() < deadline:
+        most = max(most, conn.unsent)
+        time.sleep(0.005)
+    assert job not in server.jobs, f"still served after {seconds} s, {conn.unsent} bytes unsent"
+    return most
+
+
 def test_a_client_that_never_reads_its_results_holds_bounded_memory_and_is_dropped(live, monkeypatch):
     """A job of one rank whose client sends contributions and never reads the results: each completes
     at once, and the aggregator queued its results without bound (3.5 GB in 8.5 s in a review). Now it
-    reads the client's next message only while at most SEND_BACKLOG_BYTES (1 MiB here) wait unsent,
-    and drops the client once they have waited SLOW_READER_DEADLINE (2 s here)."""
+    reads the job's next message only while at most SEND_BACKLOG_BYTES (1 MiB here) wait unsent on
+    each of its connections, and fails the job once they have waited SLOW_READER_DEADLINE (2 s)."""
     server, honest, watch = live
     monkeypatch.setattr(server_module, "SEND_BACKLOG_BYTES", 1 << 20)
     monkeypatch.setattr(server_module, "SLOW_READER_DEADLINE", 2.0)
@@ -699,21 +749,62 @@ def test_a_client_that_never_reads_its_results_holds_bounded_memory_and_is_dropp
     attacker = threading.Thread(target=attack, daemon=True)
     attacker.start()
     try:
-        assert wait_for(lambda: any(f"{job:#x}" in c.peer for c in list(server._connections)), 10)
-        conn = next(c for c in list(server._connections) if f"{job:#x}" in c.peer)
-        most, deadline = 0, time.monotonic() + 15
-        while job in server.jobs and time.monotonic() < deadline:
-            most = max(most, conn.unsent)
-            time.sleep(0.005)
-        assert job not in server.jobs, f"still served after 15 s, {conn.unsent} bytes unsent"
+        most = _watch_unsent(server, job, _connection_of(server, job, 0), 15)
         assert sent[0] >= 4, sent[0]            # it did fill the queue
         assert most <= (1 << 20) + 2 * blocks * 256 * 4 + 4096, most
-        assert any("rank 0 did not read its results" in r for r in watch.records[before:]), \
+        assert any("did not read them: rank 0 of job" in r for r in watch.records[before:]), \
             watch.records[before:][-5:]
     finally:
         sock.close()
         attacker.join(10)
     assert not attacker.is_alive()
+
+
+def test_a_rank_that_stops_reading_is_not_sent_its_peers_results_without_bound(live, monkeypatch):
+    """Rank 1 says in one empty message that it has nothing for the whole tensor, then reads nothing
+    and sends nothing more; rank 0 streams contributions and reads its results. Each of rank 0's is
+    final at once and goes to rank 1 too: its queue grew without bound, since only a rank's own next
+    message waited for its own queue (a review). Now rank 0's waits for rank 1's queue too."""
+    server, honest, watch = live
+    monkeypatch.setattr(server_module, "SEND_BACKLOG_BYTES", 1 << 20)
+    monkeypatch.setattr(server_module, "SLOW_READER_DEADLINE", 2.0)
+    blocks, total = 256, 1 << 16
+    desc = (total * 256, 256, 0, 0)
+    config = wire.JobConfig(2, 1, 1, 2, blocks)
+    job = int.from_bytes(os.urandom(8), "little")
+    before = len(watch.records)
+    reader, silent = handshake(server.address, job, 0, config), handshake(server.address, job, 1, config)
+    silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    silent.sendall(contribution(job, [], total, desc=desc))
+    data = np.ones(blocks * 256, np.float32).tobytes()
+    sent = [0]
+
+    def stream():
+        head = bytearray(wire.HEADER_BYTES)
+        try:
+            for k in range(total // blocks):
+                indices = np.arange(k * blocks, (k + 1) * blocks, dtype=np.int32).tobytes()
+                reader.sendall(header(job, seq=k, count=blocks, progress=(k + 1) * blocks, desc=desc)
+                               + indices + data)
+                sent[0] = k + 1
+                transport._recv_exact(reader, memoryview(head), "aggregator")
+                h = wire.decode_header(head, blocks, job)
+                transport._recv_exact(reader, memoryview(bytearray(sum(h.payload_sizes()))), "aggregator")
+        except (OSError, SparcollError):    # its result did not come (the aggregator stopped reading)
+            pass
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    try:
+        most = _watch_unsent(server, job, _connection_of(server, job, 1), 15)
+        assert sent[0] >= 4, sent[0]            # it did fill rank 1's queue
+        assert most <= (1 << 20) + 2 * blocks * 256 * 4 + 4096, most
+        assert any("did not read them: rank 1 of job" in r for r in watch.records[before:]), \
+            watch.records[before:][-5:]
+    finally:
+        reader.close()
+        silent.close()
+        streamer.join(10)
+    assert not streamer.is_alive()
 
 
 def test_leaks_and_memory_after_the_attacks(live):

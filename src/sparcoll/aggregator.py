@@ -86,8 +86,9 @@ class AggregatorJob:
     """One job's state on one aggregator: its workers and the collectives in progress."""
 
     def __init__(self, job: int, agg_index: int, config: wire.JobConfig, job_token: bytes,
-                 colocated: bool = False):
+                 colocated: bool = False, backlog=None):
         self.job = job
+        self.backlog = backlog      # the server's transport.Backlog of the job's connections
         self.agg_index = agg_index
         self.config = config
         self.job_token = job_token   # of its first rank: every later rank must show the same

@@ -41,11 +41,12 @@ CLOSE_JOIN = 5.0              # close() waits this long, at most, for the server
 # and its job for good. A 64 MiB body needs about 9 Mbit/s to make it.
 BODY_DEADLINE = 60.0
 # Results queue on a worker's connection while it reads them more slowly than they come. The
-# aggregator reads the worker's next message only once at most SEND_BACKLOG_BYTES of them wait: its
-# results come of its contributions, so one that never reads holds that much (plus what its
-# contributions already read yield), where it queued 3.5 GB in 8.5 s. Waiting costs an honest job
-# nothing: 64 MiB keep any link busy (5 ms at 100 Gbit/s). A worker whose results stay above it for
-# SLOW_READER_DEADLINE is dropped, and its job with it (64 MiB in that time: about 9 Mbit/s).
+# aggregator reads a job's next message, from any of its workers, only while no connection of the
+# job has more than SEND_BACKLOG_BYTES waiting: results come of the job's contributions (every
+# rank's, so a rank that stops reading after its last message is held to it too), and one that never
+# read them had 3.5 GB queued in 8.5 s. Waiting costs an honest job nothing: 64 MiB keep any link busy
+# (5 ms at 100 Gbit/s), and a worker's receiver never waits on an aggregator. A job whose queue stays
+# above it for SLOW_READER_DEADLINE fails (64 MiB in that time: about 9 Mbit/s).
 SEND_BACKLOG_BYTES = 64 << 20
 SLOW_READER_DEADLINE = 60.0
 FROM_WORKERS = frozenset({wire.Kind.CONTRIBUTE, wire.Kind.ERROR, wire.Kind.BYE})
@@ -123,7 +124,8 @@ class AggregatorServer:
                 job_token: bytes) -> AggregatorJob:
         """The job of this process's own ranks (a colocated aggregator's)."""
         with self._lock:
-            state = self.jobs[job] = AggregatorJob(job, agg_index, config, job_token, colocated=True)
+            state = self.jobs[job] = AggregatorJob(job, agg_index, config, job_token, colocated=True,
+                                                   backlog=transport.Backlog(SEND_BACKLOG_BYTES))
         return state
 
     def traffic(self) -> transport.TrafficStats:
@@ -201,8 +203,9 @@ class AggregatorServer:
                                 f"{self._ended[hello.job]}")
             job = self.jobs.get(hello.job)
             if job is None:     # the first rank to arrive sets the job token
-                job = self.jobs[hello.job] = AggregatorJob(hello.job, hello.agg_index, hello.config,
-                                                           job_token)
+                job = self.jobs[hello.job] = AggregatorJob(
+                    hello.job, hello.agg_index, hello.config, job_token,
+                    backlog=transport.Backlog(SEND_BACKLOG_BYTES))
             job.admit(hello, job_token)
 
     def _serve(self, sock: socket.socket) -> None:
@@ -252,7 +255,7 @@ class AggregatorServer:
             job = self.jobs[hello.job]
         try:
             conn = transport.Connection(sock, f"rank {hello.rank} of job {hello.job:#x}",
-                                        lambda exc: None)
+                                        lambda exc: None, job.backlog)
         except BaseException as exc:    # its sender thread could not start (out of threads): the
             # rank's reservation goes, and its peers' collectives fail now, not at their deadline
             with self._lock:
@@ -302,12 +305,16 @@ class AggregatorServer:
 
         try:
             while True:
-                if conn.unsent > SEND_BACKLOG_BYTES and \
-                        not conn.wait_unsent(SEND_BACKLOG_BYTES, SLOW_READER_DEADLINE):
-                    why = (f"rank {rank} did not read its results: {conn.unsent >> 20} MiB of them "
-                           f"waited to be sent for over {SLOW_READER_DEADLINE:.0f} s")
-                    log.warning("closing %s: %s", conn.peer, why)
-                    return wire.ErrorCode.PEER, why
+                if job.backlog.over:
+                    slow = job.backlog.wait(SLOW_READER_DEADLINE)
+                    if slow:
+                        why = (f"results waited to be sent for over {SLOW_READER_DEADLINE:.0f} s "
+                               f"to workers that did not read them: "
+                               + ", ".join(f"{c.peer} ({c.unsent >> 20} MiB)" for c in slow))
+                        log.warning("closing %s: %s", conn.peer, why)
+                        for c in slow:      # they go too, and what waits for them
+                            c.cut()
+                        return wire.ErrorCode.PEER, why
                 h = conn.recv_header(job.config.message_blocks, job.job)
                 body = functools.partial(conn.recv_into, deadline=time.monotonic() + BODY_DEADLINE)
                 message = wire.read_body(h, body, FROM_WORKERS, place)

@@ -182,13 +182,46 @@ def _left(deadline: float) -> float:
     return left
 
 
+class Backlog:
+    """Connections whose queued unsent bytes exceed `limit`, counted together: an aggregator's
+    connections of one job, since a result queued for one rank comes of every rank's contributions.
+    Each connection marks itself as it crosses the limit; a reader waits until none is over."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._over: dict[str, "Connection"] = {}    # by peer
+        self._cond = threading.Condition()
+
+    @property
+    def over(self) -> bool:
+        return bool(self._over)
+
+    def mark(self, conn: "Connection", over: bool) -> None:
+        with self._cond:
+            if over:
+                self._over[conn.peer] = conn
+            else:
+                self._over.pop(conn.peer, None)
+                self._cond.notify_all()
+
+    def wait(self, timeout: float) -> list["Connection"]:
+        """Wait until no connection is over the limit; those still over it after `timeout` seconds
+        (none: the wait ended in time)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._over, timeout)
+            return [conn for _, conn in sorted(self._over.items())]
+
+
 class Connection:
     """One authenticated TCP connection. `send` writes what the socket takes at once and queues the
     rest for a sender thread; `recv_*` block."""
 
-    def __init__(self, sock: socket.socket, peer: str, on_failure: Callable[[Exception], None]):
+    def __init__(self, sock: socket.socket, peer: str, on_failure: Callable[[Exception], None],
+                 backlog: Backlog | None = None):
         self.sock = sock
         self.peer = peer
+        self._backlog_gate = backlog  # told when the unsent bytes cross its limit, either way
+        self._over = False
         self._stats = TrafficStats()
         self._stats_lock = threading.Lock()
         self._on_failure = on_failure
@@ -196,7 +229,6 @@ class Connection:
         self._queue_lock = threading.Lock()
         self._backlog = 0           # messages queued or being written by the sender thread
         self._unsent = 0            # their bytes not yet written
-        self._written = threading.Condition(self._queue_lock)   # _unsent fell, or sending stopped
         self._stopped = False       # the sender is gone: leases go back at once
         self._header = bytearray(wire.HEADER_BYTES)
         self._closed = False        # no more sends: the sender ends after what is queued
@@ -224,6 +256,7 @@ class Connection:
                     nbytes = sum(len(v) for v in views)
                     self._backlog += 1
                     self._unsent += nbytes
+                    self._check_over()
                     self._queue.put((views, lease, nbytes))
                     return
         give_back(lease)
@@ -250,7 +283,7 @@ class Connection:
                     with self._queue_lock:
                         self._backlog -= 1
                         self._unsent -= nbytes
-                        self._written.notify_all()
+                        self._check_over()
                     give_back(lease)
         except BaseException as exc:    # any (a lease's callback may raise anything): peers must hear of it
             self._fail(exc)
@@ -280,7 +313,7 @@ class Connection:
         with self._queue_lock:
             self._stopped = True
             self._unsent = 0        # what is still queued is dropped below
-            self._written.notify_all()
+            self._check_over()
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -292,16 +325,17 @@ class Connection:
                 except Exception:     # an owner's callback: the other leases must still go back
                     log.exception("giving back a lease of %s failed", self.peer)
 
+    def _check_over(self) -> None:
+        """Tell the backlog if the unsent bytes crossed its limit (called under the queue's lock)."""
+        gate = self._backlog_gate
+        if gate is not None and self._over != (self._unsent > gate.limit):
+            self._over = not self._over
+            gate.mark(self, self._over)
+
     @property
     def unsent(self) -> int:
         """Bytes queued for the sender thread and not yet written."""
         return self._unsent
-
-    def wait_unsent(self, limit: int, timeout: float) -> bool:
-        """Wait until at most `limit` bytes are queued unsent, or sending stopped (they never will
-        be); False if more still are after `timeout` seconds."""
-        with self._written:
-            return self._written.wait_for(lambda: self._unsent <= limit or self._stopped, timeout)
 
     def count(self, **deltas: int) -> None:
         """Add to the traffic counters (one lock, so a snapshot is never half-updated)."""
@@ -328,6 +362,14 @@ class Connection:
         else:
             _recv_within(self.sock, view, self.peer, deadline)
         self.count(bytes_received=len(view))
+
+    def cut(self) -> None:
+        """Shut the socket down, from any thread: a write or a read blocked on it ends at once (the
+        owner's close() still closes it)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def stop_sending(self) -> None:
         """Let the sender end once what is queued is written; later sends are dropped."""

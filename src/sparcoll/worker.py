@@ -155,9 +155,17 @@ class WorkerJob:
         error and its tensor back: results still being placed land first, the own aggregator lets go
         of the contributions it still holds (AggregatorJob.release), and messages still queued from
         the tensor are written or dropped, within SETTLE_S; past that, what still uses the tensor is
-        logged."""
+        logged. A result's data still being received after SETTLE_S (its aggregator stalled half-way
+        through a message) would land in the tensor once the caller has it back, whenever the
+        aggregator resumes: its connection is cut (the communicator is poisoned by the failure)."""
         deadline = time.monotonic() + SETTLE_S
         written = coll.writes.wait(SETTLE_S)
+        if not written:
+            for agg in coll.waiting_for():
+                conn = self.connections.get(agg)    # (none to the own aggregator)
+                if conn is not None:
+                    conn.cut()
+            written = coll.writes.wait(SETTLE_S)
         if self.local_job is not None:
             self.local_job.release(self.rank, coll.id)
         sent = coll.loans.wait(max(0.0, deadline - time.monotonic()))
