@@ -326,9 +326,12 @@ class Connection:
                     log.exception("giving back a lease of %s failed", self.peer)
 
     def _check_over(self) -> None:
-        """Tell the backlog if the unsent bytes crossed its limit (called under the queue's lock)."""
+        """Tell the backlog when the unsent bytes rise above its limit, and when they are down to
+        half of it: readers resume with room for a batch of messages, not one at a time (called
+        under the queue's lock)."""
         gate = self._backlog_gate
-        if gate is not None and self._over != (self._unsent > gate.limit):
+        if gate is not None and (self._unsent <= gate.limit // 2 if self._over else
+                                 self._unsent > gate.limit):
             self._over = not self._over
             gate.mark(self, self._over)
 
