@@ -807,6 +807,21 @@ def test_a_rank_that_stops_reading_is_not_sent_its_peers_results_without_bound(l
     assert not streamer.is_alive()
 
 
+def test_an_ended_jobs_reason_is_kept_only_as_long_as_a_refusal_carries(live):
+    """A job's first rank leaves with a 64 KiB reason: the server remembers the last 1,024 ended
+    jobs' reasons for their latecomers, and kept each whole (64 MiB at most, for good) although a
+    refusal carries only MAX_REASON_BYTES of it."""
+    server, honest, watch = live
+    job = int.from_bytes(os.urandom(8), "little")
+    sock = handshake(server.address, job)
+    _, closed = send_and_drain(sock, wire.bye_message(job, (wire.ErrorCode.PEER, "x" * (1 << 16))))
+    assert closed
+    assert wait_for(lambda: job not in server.jobs)
+    assert job in server._ended and len(server._ended[job]) <= wire.MAX_REASON_BYTES, len(server._ended.get(job, ""))
+    with pytest.raises(SparcollError, match="xxx"):
+        handshake(server.address, job, rank=1)
+
+
 def test_leaks_and_memory_after_the_attacks(live):
     server, honest, watch = live
     assert wait_for(lambda: only_honest_left(server, honest), 10), (set(server.jobs),

@@ -287,7 +287,8 @@ class AggregatorServer:
             if job is not None and not job.workers and not job.arriving and self.only_job is None:
                 self.jobs.pop(job_id, None)
                 if job.broken is not None:
-                    self._ended[job_id] = job.broken[1]
+                    # as much as a refusal carries: a worker's reason may be 64 KiB, kept for good
+                    self._ended[job_id] = job.broken[1][:wire.MAX_REASON_BYTES]
                     while len(self._ended) > ENDED_MEMORY:
                         self._ended.popitem(last=False)
 
