@@ -220,7 +220,7 @@ class Connection:
                  backlog: Backlog | None = None):
         self.sock = sock
         self.peer = peer
-        self._backlog_gate = backlog  # told when the unsent bytes cross its limit, either way
+        self._job_backlog = backlog  # told when the unsent bytes cross its limit, either way
         self._over = False
         self._stats = TrafficStats()
         self._stats_lock = threading.Lock()
@@ -303,10 +303,7 @@ class Connection:
             self._on_failure(PeerError(f"sending to {self.peer} failed: {cause}"))
         except Exception:
             log.exception("reporting the failed connection to %s failed", self.peer)
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        self.cut()
 
     def _stop(self) -> None:
         """No more sends: release what is still queued."""
@@ -329,7 +326,7 @@ class Connection:
         """Tell the backlog when the unsent bytes rise above its limit, and when they are down to
         half of it: readers resume with room for a batch of messages, not one at a time (called
         under the queue's lock)."""
-        gate = self._backlog_gate
+        gate = self._job_backlog
         if gate is not None and (self._unsent <= gate.limit // 2 if self._over else
                                  self._unsent > gate.limit):
             self._over = not self._over
@@ -393,10 +390,7 @@ class Connection:
         self.stop_sending()
         deadline = time.monotonic() + SENDER_JOIN_S if deadline is None else deadline
         self._sender.join(timeout=max(0.0, deadline - time.monotonic()))
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        self.cut()
         self.sock.close()
 
 
