@@ -250,12 +250,17 @@ BAD_RESULTS = {
 WORKER_TIMEOUT = 3.0
 
 
+def _rank_of_one(fake) -> Communicator:
+    """A job of one rank whose aggregator is `fake`."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPARCOLL_SECRET", SECRET.decode())
+        return Communicator(dist.HashStore(), 0, 1, aggregators=[fake.address], timeout=WORKER_TIMEOUT)
+
+
 def _worker_against(respond, numel=4096):
     fake = FakeAggregator(respond)
     try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("SPARCOLL_SECRET", SECRET.decode())
-            comm = Communicator(dist.HashStore(), 0, 1, aggregators=[fake.address], timeout=WORKER_TIMEOUT)
+        comm = _rank_of_one(fake)
         t = time.monotonic()
         try:
             comm.allreduce(torch.ones(numel))
@@ -303,9 +308,7 @@ def test_a_results_data_that_stalls_half_way_never_lands_after_the_call_returned
 
     fake = FakeAggregator(respond)
     try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("SPARCOLL_SECRET", SECRET.decode())
-            comm = Communicator(dist.HashStore(), 0, 1, aggregators=[fake.address], timeout=WORKER_TIMEOUT)
+        comm = _rank_of_one(fake)
         tensor = torch.ones(4096)
         with pytest.raises(SparcollError):
             comm.allreduce(tensor)

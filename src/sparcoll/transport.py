@@ -220,15 +220,15 @@ class Connection:
                  backlog: Backlog | None = None):
         self.sock = sock
         self.peer = peer
-        self._job_backlog = backlog  # told when the unsent bytes cross its limit, either way
+        self._backlog = backlog      # told when the unsent bytes cross its limit, either way
         self._over = False
         self._stats = TrafficStats()
         self._stats_lock = threading.Lock()
         self._on_failure = on_failure
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._queue_lock = threading.Lock()
-        self._backlog = 0           # messages queued or being written by the sender thread
-        self._unsent = 0            # their bytes not yet written
+        self._unsent = 0            # bytes queued or being written by the sender thread (never an
+                                    # empty message: _byte_views drops empty buffers)
         self._stopped = False       # the sender is gone: leases go back at once
         self._header = bytearray(wire.HEADER_BYTES)
         self._closed = False        # no more sends: the sender ends after what is queued
@@ -247,14 +247,13 @@ class Connection:
                 views = []
             else:
                 views = self._counted_views(buffers, blocks)
-                if self._backlog == 0 and not self._closed:
+                if self._unsent == 0 and not self._closed:
                     try:   # under the lock, so nothing queued meanwhile can overtake the rest
                         views = sendmsg_all(self.sock, views, socket.MSG_DONTWAIT)
                     except Exception:
                         pass    # the sender thread meets the error again and reports it
                 if views:
                     nbytes = sum(len(v) for v in views)
-                    self._backlog += 1
                     self._unsent += nbytes
                     self._check_over()
                     self._queue.put((views, lease, nbytes))
@@ -281,7 +280,6 @@ class Connection:
                     sendmsg_all(self.sock, views)
                 finally:
                     with self._queue_lock:
-                        self._backlog -= 1
                         self._unsent -= nbytes
                         self._check_over()
                     give_back(lease)
@@ -326,7 +324,7 @@ class Connection:
         """Tell the backlog when the unsent bytes rise above its limit, and when they are down to
         half of it: readers resume with room for a batch of messages, not one at a time (called
         under the queue's lock)."""
-        gate = self._job_backlog
+        gate = self._backlog
         if gate is not None and (self._unsent <= gate.limit // 2 if self._over else
                                  self._unsent > gate.limit):
             self._over = not self._over
