@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import multiprocessing.connection as mp_connection
 import os
+import random
 import re
 import signal
 import socket
@@ -723,6 +724,31 @@ def test_a_tag_a_header_cannot_hold_is_refused_as_such():
             assert outcome[0] == "ValueError" and "tag must be" in outcome[1], (rank, outcome)
 
 
+def test_a_rank_whose_message_was_malformed_hears_why_its_aggregator_closed(dedicated_in_process):
+    """A rank's connection carries a malformed message (here a RESULT, which only aggregators
+    send): the aggregator closes it and its peers' collectives fail with the reason. The rank
+    itself hears it too, in an ERROR for the connection sent before the close; on the code before
+    it saw only "aggregator 0 ... closed the connection"."""
+    ready = threading.Barrier(2, timeout=TIMEOUT)
+
+    def target(comm, rank):
+        x = torch.ones(4096)
+        comm.allreduce(x)
+        exact = bool((x == 2).all())
+        ready.wait()
+        if rank == 1:
+            garbage = wire.data_header(wire.Kind.RESULT, stream=0, job=comm.job, collective=99, seq=0,
+                                       count=0, progress=0, descriptor=(4096, 256, 0, 0, 0))
+            comm._worker.connections[0].send([garbage])
+        return exact, outcome_of(lambda: comm.allreduce(torch.ones(4096)))
+
+    for rank, (exact, outcome) in enumerate(in_threads(2, target, aggregators=dedicated_in_process)):
+        assert exact, rank
+        assert outcome[0] in ("PeerError", "PoisonedError"), (rank, outcome)
+        assert "rank 1 sent a malformed message (unexpected RESULT message)" in outcome[1], (rank, outcome)
+        assert outcome[2] < TIMEOUT, (rank, outcome)
+
+
 @pytest.mark.parametrize("what", ["op", "dtype", "block_size", "numel_same_blocks"])
 def test_mismatched_descriptor_raises_on_every_rank(what):
     def target(comm, rank):
@@ -1270,12 +1296,31 @@ def _waiting_job():
     from sparcoll.worker import WorkerJob
     job = object.__new__(WorkerJob)     # no connections: only broken() and collective_error()
     job.rank, job.addresses, job._on_poison = 1, ["127.0.0.1:1", "127.0.0.1:2"], lambda exc: None
-    job._lock, job._last_started, job._early_errors = threading.Lock(), 7, {}
+    job._lock, job._finished_through, job._early_errors = threading.Lock(), 6, {}
     job._early_reported, job._report_due, job._lost = threading.Condition(job._lock), 0.0, None
     coll = WorkerCollective(7, torch.zeros(512), (512, 0, 0), timeout=10.0)
     coll.start(256, [(0, 0, None, None), (1, 0, None, None)])
     job._active = coll
     return job, coll
+
+
+def test_reports_of_collectives_not_yet_run_are_kept_bounded_the_lowest_ids_first():
+    """A peer holding the secret can make its aggregator relay an ERROR for any number of future
+    collective ids (on the code before, every one was kept until this rank ran it: 5,000 here).
+    At most EARLY_ERRORS are kept, the lowest ids, which come next; a collective this rank ran to
+    its end, on any path (gloo's ring too), drops the reports of it and of every one before it."""
+    from sparcoll import wire, worker
+    job, _ = _waiting_job()
+    ids = list(range(8, 5008))
+    random.Random(0).shuffle(ids)
+    for cid in ids:
+        job.collective_error(wire.Failure(cid, wire.ErrorCode.GENERIC, f"rank 0: refused {cid}"))
+    assert sorted(job._early_errors) == list(range(8, 8 + worker.EARLY_ERRORS))
+    assert "refused 8" in str(job.take_early_error(8))
+    job.finished(20)
+    assert sorted(job._early_errors) == list(range(21, 8 + worker.EARLY_ERRORS))
+    job.collective_error(wire.Failure(15, wire.ErrorCode.GENERIC, "rank 0: too late"))
+    assert 15 not in job._early_errors
 
 
 def test_a_lost_aggregator_gives_way_to_the_peers_report_that_follows(monkeypatch):

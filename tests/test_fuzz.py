@@ -586,13 +586,27 @@ def test_malformed_message_closes_only_that_connection(name, live):
     job = int.from_bytes(os.urandom(8), "little")
     before = len(watch.records)
     sock = handshake(server.address, job, config=config)
-    _, closed = send_and_drain(sock, make(job))
+    got, closed = send_and_drain(sock, make(job))
     assert closed, f"{name}: the server kept the connection open"
     assert wait_for(lambda: job not in server.jobs), f"{name}: job state leaked"
     if reason is not None:
         assert wait_for(lambda: any(reason in r for r in watch.records[before:])), \
             (name, reason, watch.records[before:][-5:])
+        assert _why_closed(got, job) is not None and reason in _why_closed(got, job), (name, got[-300:])
     assert watch.max_take <= wire.MAX_MESSAGE_BYTES
+
+
+def _why_closed(got: bytes, job: int) -> str | None:
+    """The text of the ERROR for the connection itself (collective CONNECTION) among the messages
+    a server sent before it closed, if there is one."""
+    at = 0
+    while at + wire.HEADER_BYTES <= len(got):
+        h = wire.decode_header(got[at:at + wire.HEADER_BYTES], 64, job)
+        at += wire.HEADER_BYTES + sum(h.payload_sizes())
+        if h.kind is wire.Kind.ERROR and h.collective == wire.CONNECTION:
+            assert h.op == wire.ErrorCode.PROTOCOL and at == len(got), (h, at, len(got))
+            return got[at - h.count:at].decode()
+    return None
 
 
 def test_descriptor_mismatch_fails_the_collective_on_both_clients(live):

@@ -306,6 +306,7 @@ class Engine:
                 self.set_poison(SparcollError(f"allreduce {coll.id} was interrupted ({exc!r})"))
                 self.worker.abort(coll.id, f"allreduce {coll.id} was interrupted")
                 raise
+        self.worker.finished(coll.id)
         if error is not None:
             coll.fail(error)
             self.set_poison(error)

@@ -336,15 +336,26 @@ class AggregatorServer:
                     return None
         except ProtocolError as exc:
             log.warning("closing %s: %s", conn.peer, exc)
-            return wire.ErrorCode.PEER, f"rank {rank} sent a malformed message ({exc})"
+            return self._closing(conn, job, f"rank {rank} sent a malformed message ({exc})")
         except (PeerError, OSError) as exc:
             if self._closed:
                 return wire.ErrorCode.PEER, "the aggregator is shutting down"
             return wire.ErrorCode.PEER, f"rank {rank} disconnected ({exc})"
         except BaseException as exc:    # any bug costs this connection, never the thread's clean-up
             log.exception("closing %s after an internal error", conn.peer)
-            return wire.ErrorCode.PEER, (f"rank {rank}: internal error in the aggregator "
-                                         f"({type(exc).__name__}: {exc})")
+            return self._closing(conn, job, f"rank {rank}: internal error in the aggregator "
+                                            f"({type(exc).__name__}: {exc})")
+
+    @staticmethod
+    def _closing(conn: transport.Connection, job: AggregatorJob,
+                 why: str) -> tuple[wire.ErrorCode, str]:
+        """Tell the worker why its connection closes (its peers hear it from the job), before the
+        close that follows, which flushes it; returns the reason for the job."""
+        try:
+            conn.send(wire.error_message(job.job, wire.CONNECTION, why, wire.ErrorCode.PROTOCOL))
+        except Exception:   # the job must still hear why (the caller detaches the rank with it)
+            log.exception("could not tell %s why its connection closes", conn.peer)
+        return wire.ErrorCode.PEER, why
 
     def close(self) -> None:
         """Stop accepting, end every connection, and wait (at most CLOSE_JOIN) for the threads: one

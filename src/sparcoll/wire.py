@@ -7,7 +7,9 @@ collective (the tag is the caller's: which tensor of that size it is, Communicat
 
     CONTRIBUTE  worker -> aggregator   count int32 block indices, then count blocks of data
     RESULT      aggregator -> worker   same layout; `progress` is c, "every block below c is final"
-    ERROR       either way             count bytes of UTF-8 text; fails the named collective
+    ERROR       either way             count bytes of UTF-8 text; fails the named collective, or
+                                       with collective CONNECTION (aggregator -> worker) says why
+                                       the aggregator closes this connection next
     BYE         worker -> aggregator   the worker leaves the job: on purpose (count 0), or after an
                                        error, count bytes of UTF-8 text saying which (the peers'
                                        collectives then fail with it: the root cause, not "left")
@@ -42,6 +44,7 @@ MAX_BLOCK_SIZE = 1 << 16
 MAX_ERROR_BYTES = 1 << 16
 MAX_MESSAGE_BYTES = 64 << 20    # largest contribution an aggregator will allocate for
 MAX_TAG = (1 << 16) - 1         # a collective's tag is a header's last 16 bits
+CONNECTION = 0                  # an ERROR's collective id that names the connection (ids start at 1)
 
 
 class Kind(enum.IntEnum):

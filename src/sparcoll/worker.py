@@ -34,6 +34,8 @@ RUN_BYTES = 64 << 10    # ... and more than one run per this many bytes of it: e
                         # a system call and their Python (tens of us), as much as copying this much
                         # through the buffer (2 ranks on loopback, 64K floats at 10%, 13 runs of one
                         # block a message: 1.9-2.2 ms a call in place, 1.6-2.0 through the buffer)
+EARLY_ERRORS = 64       # peers' reports kept for collectives this rank has not run yet: the lowest ids,
+                        # those that come next (a peer holding the secret could name any number)
 DISCARD_BYTES = 1 << 20  # results of a collective this rank gave up are read through this much
 FROM_AGGREGATORS = frozenset({wire.Kind.RESULT, wire.Kind.ERROR})
 THREADS_JOIN_S = 5.0    # close() waits this long, at most, for the receiving threads to end
@@ -59,8 +61,8 @@ class WorkerJob:
         self._local_messages: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._active: WorkerCollective | None = None
-        self._last_started = 0
-        self._early_errors: dict[int, BaseException] = {}  # reported before this rank started it
+        self._finished_through = 0     # the last collective this rank ran to its end, on any path
+        self._early_errors: dict[int, BaseException] = {}  # reported before this rank ran it
         self._early_reported = threading.Condition(self._lock)     # one was added
         self._report_due = 0.0      # until when a lost connection's report of why may still come
         self._lost: BaseException | None = None     # the first connection to an aggregator that broke
@@ -118,7 +120,6 @@ class WorkerJob:
         coll.start(block_size, ranges)
         with self._lock:
             self._active = coll
-            self._last_started = coll.id
             # arrived since the engine took it; or a connection broke after the engine looked for
             # the poison and before this collective was active, where broken() could not fail it
             early = self._early_errors.pop(coll.id, None) or self._lost
@@ -243,6 +244,8 @@ class WorkerJob:
                     h = conn.recv_header(max_blocks, self.job)
                     message = wire.read_body(h, conn.recv_into, FROM_AGGREGATORS, placement.place)
                     if isinstance(message, wire.Failure):
+                        if message.collective == wire.CONNECTION:   # why the aggregator closes it
+                            raise message.exception()
                         self.collective_error(message)
                         continue
                     placement.finish(message)
@@ -298,12 +301,31 @@ class WorkerJob:
         error = failure.exception()
         with self._lock:
             coll = self._current(failure.collective)
-            if coll is None and failure.collective > self._last_started:
-                # A peer failed a collective this rank has queued but not started yet.
-                self._early_errors[failure.collective] = error
-                self._early_reported.notify_all()
+            if coll is None and failure.collective > self._finished_through:
+                # A peer failed a collective this rank has queued but not started yet (or runs on
+                # gloo's ring, whose waits look here).
+                self._keep_early(failure.collective, error)
         if coll is not None:
             coll.fail(error)
+
+    def _keep_early(self, cid: int, error: BaseException) -> None:
+        """Keep a peer's report of collective `cid` until this rank runs it; at most EARLY_ERRORS,
+        the lowest ids (the first of them poisons the communicator anyway). Holds the lock."""
+        if cid not in self._early_errors and len(self._early_errors) >= EARLY_ERRORS:
+            highest = max(self._early_errors)
+            if cid > highest:
+                return
+            del self._early_errors[highest]
+        self._early_errors[cid] = error
+        self._early_reported.notify_all()
+
+    def finished(self, cid: int) -> None:
+        """This rank ran collective `cid` to its end (on any path): reports of it and of every
+        earlier one can no longer be used."""
+        with self._lock:
+            self._finished_through = max(self._finished_through, cid)
+            for stale in [c for c in self._early_errors if c <= cid]:
+                del self._early_errors[stale]
 
     def broken(self, agg: int, exc: BaseException) -> None:
         """A connection to an aggregator failed: every later collective fails, and so does the
