@@ -106,6 +106,7 @@ def busy_port():
     (["--port", "99999"], "--port 99999 is not a TCP port"),
     (["--port", "-1"], "--port -1 is not a TCP port"),
     (["--max-handshakes", "0"], "--max-handshakes 0 must be at least 1"),
+    (["--max-connections", "-2"], "--max-connections -2 must be at least 1"),
     (["--port", "BUSY"], "cannot listen on 127.0.0.1:"),
 ])
 def test_aggregator_bad_options_give_one_line_and_exit_code_2(args, problem, busy_port):

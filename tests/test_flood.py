@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from sparcoll import server as server_module, transport, wire
 from sparcoll.communicator import Communicator
-from sparcoll.errors import CollectiveTimeout
+from sparcoll.errors import CollectiveTimeout, PeerError, SparcollError
 from support import block_sparse, on_threads, start_aggregator, stop, wait_for
 
 SECRET = secrets.token_hex(16)
@@ -329,3 +329,78 @@ def test_a_colocated_aggregator_leaves_a_failure_to_the_exception_its_own_rank_r
             job.fail(1, wire.ErrorCode.PEER, f"colocated {colocated}")
     levels = {r.getMessage().rsplit(": ", 1)[1]: r.levelno for r in caplog.records if "colocated" in r.getMessage()}
     assert levels == {"colocated True": logging.INFO, "colocated False": logging.WARNING}, levels
+
+
+def _authenticated(address: str, job: int, rank: int, world: int = 4096) -> socket.socket:
+    """An admitted connection of rank `rank` of a job of `world`, left idle."""
+    config = wire.JobConfig(world=world, num_aggs=1, streams=1, credits=2, message_blocks=64)
+    hello = wire.Hello(job, rank, 0, config, os.urandom(wire.NONCE_BYTES))
+    return transport.connect(address, hello, SECRET.encode(), 10.0)
+
+
+def test_connections_over_the_cap_are_refused_with_the_reason_until_some_close(store, monkeypatch):
+    """At most `max_connections` admitted at once: the next is refused at its handshake, saying
+    so; once one closes, a connection is admitted again, and an honest job reduces exactly."""
+    monkeypatch.setenv("SPARCOLL_SECRET", SECRET)
+    server = server_module.AggregatorServer("127.0.0.1", 0, SECRET.encode(), max_connections=3)
+    held = []
+    try:
+        held = [_authenticated(server.address, 7, rank) for rank in range(3)]
+        with pytest.raises(PeerError, match=r"serves 3 connections, its limit \(max_connections\)"):
+            _authenticated(server.address, 8, 0)
+        assert 8 not in server.jobs
+        held.pop().close()
+        assert wait_for(lambda: server.admitted == 2, 10), server.admitted
+        held.append(_authenticated(server.address, 8, 0))
+        for sock in held:
+            sock.close()
+        assert wait_for(lambda: server.admitted == 0 and not server.jobs, 10), (server.admitted, server.jobs)
+        honest_job(server.address, store, "after-connections/")
+    finally:
+        for sock in held:
+            sock.close()
+        server.close()
+
+
+def test_idle_authenticated_connections_cannot_take_the_descriptors_honest_handshakes_need(store,
+                                                                                           monkeypatch):
+    """A holder of the secret opens idle admitted connections, as many as it can, against an
+    aggregator of 160 descriptors. Before, they took every descriptor (accept() then failed
+    with EMFILE) and an honest rank's handshake failed without a reason until they closed. Now the
+    descriptor limit less the handshakes' and SPARE_DESCRIPTORS caps them: the aggregator keeps
+    descriptors free, and an honest rank is refused at once, saying why; after the attack an
+    honest job reduces exactly."""
+    monkeypatch.setenv("SPARCOLL_SECRET", SECRET)
+    limit, handshakes = 160, 16
+    proc, address = start_aggregator("--max-handshakes", str(handshakes))
+    held = []
+    try:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (limit, hard))
+        refusal = None
+        deadline = time.monotonic() + 60
+        while refusal is None and len(held) < limit and time.monotonic() < deadline:
+            try:
+                held.append(_authenticated(address, 9, len(held)))
+            except SparcollError as exc:
+                refusal = exc
+        cap = limit - handshakes - server_module.SPARE_DESCRIPTORS
+        assert len(held) == cap, (len(held), refusal)
+        assert isinstance(refusal, PeerError) and "its limit (the descriptor limit 160" in str(refusal), refusal
+        assert open_descriptors(proc.pid) < limit - handshakes
+        started = time.monotonic()
+        with pytest.raises(SparcollError, match="its limit"):
+            with Communicator(dist.PrefixStore("during/", store), 0, 1, aggregators=[address],
+                              timeout=JOB_TIMEOUT):
+                pass
+        assert time.monotonic() - started < JOB_TIMEOUT
+        for sock in held:
+            sock.close()
+        held = []
+        assert wait_for(lambda: open_descriptors(proc.pid) < 2 * server_module.SPARE_DESCRIPTORS, 10)
+        honest_job(address, store, "after-idle/")
+        assert proc.poll() is None
+    finally:
+        for sock in held:
+            sock.close()
+        stop(proc)

@@ -32,8 +32,9 @@ def run_aggregator(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         return refuse(f"--port {args.port} is not a TCP port (0-65535; 0 picks a free one)")
-    if args.max_handshakes is not None and args.max_handshakes < 1:
-        return refuse(f"--max-handshakes {args.max_handshakes} must be at least 1")
+    for name in ("max_handshakes", "max_connections"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            return refuse(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
     try:
         secret = shared_secret(args.secret_file)
     except ValueError as exc:
@@ -53,13 +54,18 @@ def run_aggregator(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     try:
         server = AggregatorServer(args.host, args.port, secret,
-                                  max_handshakes=args.max_handshakes or MAX_HANDSHAKES)
+                                  max_handshakes=args.max_handshakes or MAX_HANDSHAKES,
+                                  max_connections=args.max_connections)
     except (OSError, UnicodeError, ValueError) as exc:     # an address that cannot be encoded, too
         return refuse(f"cannot listen on {args.host}:{args.port}: {exc}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"sparcoll aggregator listening on {server.address}", flush=True)
+    limit = server.connection_limit()
+    if limit is not None:
+        logging.getLogger("sparcoll.aggregator").info("serving at most %d worker connections at once "
+                                                      "(%s)", *limit)
     stop.wait()
     server.close()
     return 0
@@ -73,6 +79,10 @@ def add_aggregator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-handshakes", type=int, metavar="N",
                         help="connections allowed to be handshaking at once; more are closed at "
                              "once (default 256)")
+    parser.add_argument("--max-connections", type=int, metavar="N",
+                        help="worker connections served at once; more are refused at their "
+                             "handshake, with the reason (default: the descriptor limit, ulimit -n, "
+                             "less the handshakes' and 64, at least half of it)")
 
 
 #: A subcommand's loader: returns its add_arguments(parser) and run(args), importing what they need.

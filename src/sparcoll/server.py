@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import resource
 import socket
 import threading
 import time
@@ -33,6 +34,9 @@ HANDSHAKE_TIMEOUT = 10.0      # for the whole handshake, however slowly the clie
 # Connections still in their handshake at once. Each holds a thread and a descriptor for at most
 # HANDSHAKE_TIMEOUT; without a cap, anyone who can reach the port could exhaust both.
 MAX_HANDSHAKES = 256
+# Descriptors a dedicated aggregator keeps beside its handshakes' (the listening socket, its logs,
+# what the process opens itself); admitted connections may take the rest of its descriptor limit.
+SPARE_DESCRIPTORS = 64
 ACCEPT_BACKOFF = 0.1          # after a failed accept (out of descriptors, say), before the next
 ENDED_MEMORY = 1024           # jobs forgotten after a worker left, remembered to refuse their latecomers
 CLOSE_JOIN = 5.0              # close() waits this long, at most, for the server's threads to end
@@ -93,12 +97,15 @@ class AggregatorServer:
 
     `secret` authenticates clients; `only_job`, when set, restricts the server to that one job
     (a colocated aggregator); at most `max_handshakes` connections may be in their handshake at
-    once, any more are closed at once."""
+    once, any more are closed at once; at most `max_connections` may be admitted at once (None:
+    see connection_limit), any more are refused at their handshake with the reason."""
 
     def __init__(self, host: str, port: int, secret: bytes, only_job: int | None = None,
-                 max_handshakes: int = MAX_HANDSHAKES):
+                 max_handshakes: int = MAX_HANDSHAKES, max_connections: int | None = None):
         if max_handshakes < 1:
             raise ValueError(f"max_handshakes={max_handshakes}: must be at least 1")
+        if max_connections is not None and max_connections < 1:
+            raise ValueError(f"max_connections={max_connections}: must be at least 1")
         self.secret = secret
         self.only_job = only_job
         self.jobs: dict[int, AggregatorJob] = {}
@@ -109,6 +116,8 @@ class AggregatorServer:
         self._closed = False
         self.max_handshakes = max_handshakes
         self.handshaking = 0                # connections in their handshake now
+        self.max_connections = max_connections
+        self.admitted = 0                   # connections admitted to a job, until they close
         # Flood warnings, rate-limited; each counts its occurrences.
         self.accept_failures = Throttled(log)
         self.over_cap = Throttled(log)        # connections closed at once: too many handshakes
@@ -194,10 +203,35 @@ class AggregatorServer:
         self.accept_failures.warn(f"{problem}; retrying every {ACCEPT_BACKOFF:g} s")
         time.sleep(ACCEPT_BACKOFF)
 
+    def connection_limit(self) -> tuple[int, str] | None:
+        """How many connections may be admitted at once, and why that many; None: no limit here (a
+        colocated aggregator's job bounds its own). Unless given, what the process's descriptor
+        limit leaves beside the handshakes' and SPARE_DESCRIPTORS, and at least half of it (a limit
+        below those): a holder of the secret who opened idle connections until the descriptors ran
+        out made every honest handshake fail (accept() cannot even take it), where a refusal now
+        says why."""
+        if self.max_connections is not None:
+            return self.max_connections, "max_connections"
+        if self.only_job is not None:
+            return None
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return None
+        left = soft - self.max_handshakes - SPARE_DESCRIPTORS
+        if left >= soft // 2:
+            return left, (f"the descriptor limit {soft} less {self.max_handshakes} for handshakes "
+                          f"and {SPARE_DESCRIPTORS} spare")
+        return max(1, soft // 2), f"half the descriptor limit {soft}"
+
+
     def _admit(self, hello: wire.Hello, job_token: bytes) -> None:
         if self.only_job is not None and hello.job != self.only_job:
             raise ProtocolError(f"this aggregator serves job {self.only_job:#x} only")
+        limit = self.connection_limit()
         with self._lock:
+            if limit is not None and self.admitted >= limit[0]:
+                raise PeerError(f"this aggregator serves {self.admitted} connections, its limit "
+                                f"({limit[1]}); try again once some close")
             if hello.job in self._ended:
                 raise PeerError(f"job {hello.job:#x} already ended on this aggregator: "
                                 f"{self._ended[hello.job]}")
@@ -207,6 +241,7 @@ class AggregatorServer:
                     hello.job, hello.agg_index, hello.config, job_token,
                     backlog=transport.Backlog(SEND_BACKLOG_BYTES))
             job.admit(hello, job_token)
+            self.admitted += 1
 
     def _serve(self, sock: socket.socket) -> None:
         """One connection's thread: the handshake (holding a handshake slot), then the worker's
@@ -224,6 +259,8 @@ class AggregatorServer:
                 log.exception("closed rank %d of job %#x after an internal error", hello.rank,
                               hello.job)
                 sock.close()
+            finally:
+                self._release_admission()
         finally:
             with self._lock:
                 self._serving.pop(threading.current_thread(), None)
@@ -246,8 +283,13 @@ class AggregatorServer:
         if admitted:    # admitted, then lost before the verdict: don't keep an empty job
             with self._lock:
                 self.jobs[admitted[0].job].arriving.discard(admitted[0].rank)
+            self._release_admission()
             self._forget_if_empty(admitted[0].job)
         return None
+
+    def _release_admission(self) -> None:
+        with self._lock:
+            self.admitted -= 1
 
     def _attend(self, sock: socket.socket, hello: wire.Hello) -> None:
         """Attach an admitted worker to its job and serve its messages until it leaves."""
