@@ -238,7 +238,8 @@ def test_dedicated_aggregator_refuses_workers_without_its_secret(caplog):
 
 
 def test_client_of_job_a_cannot_touch_job_b_through_its_own_connection(store):
-    """A client admitted to job A that writes messages naming job B is cut off by the header check."""
+    """A client admitted to job A that writes messages naming job B is cut off by the header check,
+    told why."""
     server = server_module.AggregatorServer("127.0.0.1", 0, SHARED.encode())
     try:
         comms = [None, None]
@@ -257,8 +258,14 @@ def test_client_of_job_a_cannot_touch_job_b_through_its_own_connection(store):
                                   count=0, progress=1, descriptor=(1000, 256, 0, 0))
         sock.sendall(header)
         sock.settimeout(5)
-        assert sock.recv(1) == b""                 # dropped
+        got = b""
+        while chunk := sock.recv(4096):             # dropped, after it was told why
+            got += chunk
         sock.close()
+        told = wire.decode_header(got[:wire.HEADER_BYTES], 64, job_a)
+        assert told.kind is wire.Kind.ERROR and told.collective == wire.CONNECTION, told
+        assert got[wire.HEADER_BYTES:].decode().startswith("rank 0 sent a malformed message"), got
+        assert f"on a connection of job {job_a:#x}" in got[wire.HEADER_BYTES:].decode(), got
         assert wait_for(lambda: job_a not in server.jobs)
         xs = [torch.full((1000,), float(r + 1)) for r in range(2)]
         on_threads(lambda r: comms[r].allreduce(xs[r]), 2)
