@@ -37,13 +37,31 @@ class NoMemory:
 
 
 class Residual(NoMemory):
-    """Residual error feedback: next step's input is the gradient plus what was not sent."""
+    """Residual error feedback: next step's input is the gradient plus what was not sent.
+
+    A tensor that is all zeros on this rank (a parameter this step did not use) sends nothing of
+    its residual: it keeps it for a step with a gradient. DDP(find_unused_parameters=True) drops
+    the average of a parameter no rank used, so what its residual sent was lost; keeping it holds
+    sum(applied) + residual == sum(grads) whatever the caller does with that average."""
     active = True
 
     def __init__(self):
         self.residuals: dict = {}
+        self._idle: set = set()     # keys compensated without their residual: no update follows
 
     def compensate(self, x: torch.Tensor, key) -> torch.Tensor:
+        if not (x._nnz() if x.is_sparse else x.any()):
+            self._idle.add(key)
+            return x
+        self._idle.discard(key)
+        return self._compensate(x, key)
+
+    def update(self, compensated: torch.Tensor, sent, key) -> None:
+        """`sent`: a tensor like `compensated`, or Entries of a flat dense one."""
+        if key not in self._idle:
+            self._update(compensated, sent, key)
+
+    def _compensate(self, x: torch.Tensor, key) -> torch.Tensor:
         r = self.residuals.get(key)
         if r is None and x.is_sparse:
             return x
@@ -58,8 +76,7 @@ class Residual(NoMemory):
         r = r.to_dense() if r.is_sparse else r
         return r.add_(x.to_dense() if x.is_sparse else x)
 
-    def update(self, compensated: torch.Tensor, sent, key) -> None:
-        """`sent`: a tensor like `compensated`, or Entries of a flat dense one."""
+    def _update(self, compensated: torch.Tensor, sent, key) -> None:
         owned = compensated is self.residuals.get(key)     # else the caller's tensor: not in place
         if compensated.is_sparse:
             self.residuals[key] = _sparse_sum(compensated, -sent)
@@ -85,15 +102,15 @@ class Momentum(Residual):
         self.momentum = momentum
         self.velocity: dict = {}
 
-    def compensate(self, x: torch.Tensor, key) -> torch.Tensor:
+    def _compensate(self, x: torch.Tensor, key) -> torch.Tensor:
         x = x.to_dense() if x.is_sparse else x
         u = self.velocity.get(key)
         u = x.clone() if u is None else u.mul_(self.momentum).add_(x)
         self.velocity[key] = u
-        return super().compensate(u, key)
+        return super()._compensate(u, key)
 
-    def update(self, compensated: torch.Tensor, sent, key) -> None:
-        super().update(compensated, sent, key)
+    def _update(self, compensated: torch.Tensor, sent, key) -> None:
+        super()._update(compensated, sent, key)
         if isinstance(sent, Entries):
             self.velocity[key].index_fill_(0, sent.idx, 0.0)
         else:
