@@ -48,6 +48,9 @@ class FakeBucket:
         self.params = params
         self.flat = torch.cat([p.grad.reshape(-1) for p in params])
 
+    def index(self):
+        return 0
+
     def buffer(self):
         return self.flat
 
@@ -376,6 +379,36 @@ def test_error_feedback_loses_nothing_of_a_parameter_no_rank_used_in_a_step():
         for spec in EF_SPECS:
             for name in ("body.weight", "extra.weight"):
                 assert out[spec, name] < 1e-4, (spec, name, out[spec, name])
+
+
+def differing_hook_settings(rank: int, world: int) -> dict:
+    """What each rank's first step raised with hook settings that differ by rank, its spec alike."""
+    out = {}
+    for name, options in (("compress_1d", dict(compress_1d=rank == 0)),
+                          ("per_param", dict(per_param=lambda p: "fp16" if rank and p.dim() > 1 else None)),
+                          ("whole_bucket", dict(whole_bucket=rank == 1))):
+        wrapped = DDP(dense_model())
+        state = sparcoll.torch.CompressionState(None, "topk:0.1", **options)
+        wrapped.register_comm_hook(state, sparcoll.torch.compression_hook)
+        x, y = batch(wrapped.module, rank, 0)
+        try:
+            nn.functional.mse_loss(wrapped(x), y).backward()
+            out[name] = None
+        except RuntimeError as exc:
+            out[name] = str(exc)
+        state.close()
+    return out
+
+
+def test_ranks_whose_hook_settings_differ_get_a_mismatch_error_naming_the_parameters():
+    """compress_1d, per_param or whole_bucket differing by rank, the spec alike (which the reducers
+    check): the ranks' collectives differed in size and gloo aborted a process. Now every rank
+    raises a MismatchError naming the parameters whose specs differ."""
+    for out in run_ranks(differing_hook_settings, 2, timeout=60):
+        assert "MismatchError: ranks compress bucket 0 differently" in out["compress_1d"], out
+        assert "of shape (64,): rank 0 topk:0.1, rank 1 none" in out["compress_1d"], out
+        assert "rank 0 topk:0.1, rank 1 fp16" in out["per_param"], out
+        assert "rank 0 whole_bucket=False, rank 1 whole_bucket=True" in out["whole_bucket"], out
 
 
 def bucket_failing_on_rank_1(rank: int, world: int) -> list:

@@ -43,6 +43,7 @@ class Reducer:
         self.compressor.seed_rank(self.channel.rank)
         self.sent_bytes = 0
         self._agreed = self.channel.world == 1
+        self._mismatch: str | None = None   # what agree() found: every later call raises it too
 
     def payload_bytes(self, tensor: torch.Tensor) -> int:
         """What this rank sends for dense `tensor` (an upper bound where the size depends on the
@@ -150,14 +151,18 @@ class Reducer:
     def agree(self) -> None:
         """Once, before this reducer's first collective: every rank's spec and block size alike, or
         MismatchError naming them on every rank (reduce_many and communicate call it; a caller that
-        uses the channel directly calls it first)."""
+        uses the channel directly calls it first). A reducer that found them different raises that
+        again at every later call: a caller that caught the first would otherwise run with them."""
+        if self._mismatch is not None:
+            raise MismatchError(self._mismatch)
         if self._agreed:
             return
         every = self.channel.allgather_object(f"{self.spec} in blocks of {self.compressor.block_size}")
         self._agreed = True
         if len(set(every)) > 1:
-            raise MismatchError("ranks compress with different settings: "
-                                + ", ".join(f"rank {rank} {mine}" for rank, mine in enumerate(every)))
+            self._mismatch = "ranks compress with different settings: " + ", ".join(
+                f"rank {rank} {mine}" for rank, mine in enumerate(every))
+            raise MismatchError(self._mismatch)
 
     def _compress(self, comp: torch.Tensor, key) -> Payload:
         payload = self.compressor.compress(comp)

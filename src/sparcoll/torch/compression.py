@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, Spec, parse
+from sparcoll.errors import MismatchError
 
 from .backend import _backend_of
 
@@ -85,6 +86,7 @@ class CompressionState:
         else:
             self._overrides, self._rule = {}, per_param
         self._reducers: dict = {}
+        self._layouts: dict = {}    # bucket index -> its parameters' shapes and specs, as every rank has them
         self.whole_bucket = whole_bucket
         # One thread, so buckets are reduced one after another in the order DDP hands them over,
         # the same on every rank.
@@ -121,6 +123,21 @@ class CompressionState:
     def sent_bytes(self) -> int:
         """Payload bytes this rank contributed so far (see sparcoll.compress.Reducer.sent_bytes)."""
         return sum(r.sent_bytes for r in self._reducers.values())
+
+    def agree_layout(self, index: int, params: list) -> None:
+        """Once per layout of bucket `index` (DDP's first step, and its rebuilt buckets after): every
+        rank gives the bucket's parameters the same specs, or MismatchError names where they differ,
+        on every rank. Ranks whose compress_1d, per_param or whole_bucket differ ran collectives of
+        different sizes, which gloo answers by aborting a process. DDP lays buckets out alike on
+        every rank, so the ranks check the same buckets at the same steps."""
+        layout = (self.whole_bucket, [(tuple(p.shape), str(self.spec_for(p))) for p in params])
+        channel = self.reducer(_NONE).channel
+        if self._layouts.get(index) == layout or channel.world == 1:
+            return
+        every = channel.allgather_object(layout)
+        if any(theirs != layout for theirs in every):
+            raise MismatchError(f"ranks compress bucket {index} differently: " + _differences(every))
+        self._layouts[index] = layout
 
     def reduce_bucket(self, buffer: torch.Tensor, params: list) -> torch.Tensor:
         """Average a bucket's gradients (`buffer`, holding `params`' gradients one after another)
@@ -162,6 +179,18 @@ class CompressionState:
         return buffer
 
 
+def _differences(layouts: list) -> str:
+    """Where the ranks' layouts of one bucket (CompressionState.agree_layout) differ, in words."""
+    wholes = {whole for whole, _ in layouts}
+    if len(wholes) > 1:
+        return ", ".join(f"rank {r} whole_bucket={whole}" for r, (whole, _) in enumerate(layouts))
+    lines = [f"parameter {i} of shape {entries[0][0]}: " +
+             ", ".join(f"rank {r} {spec}" for r, (_, spec) in enumerate(entries))
+             for i, entries in enumerate(zip(*(params for _, params in layouts)))
+             if len({entry for entry in entries}) > 1]
+    return "; ".join(lines[:3]) + (f"; and {len(lines) - 3} more" if len(lines) > 3 else "")
+
+
 def compression_hook(state: CompressionState,
                      bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Compress and average `bucket`'s gradients (see CompressionState). With `overlap` (the
@@ -179,6 +208,7 @@ def compression_hook(state: CompressionState,
                 raise RuntimeError(f"compression_hook: a bucket failed before on this rank ({state.failed}), so "
                                    f"its collectives no longer pair with the other ranks'; make a new "
                                    f"CompressionState (on every rank) to go on")
+            state.agree_layout(bucket.index(), params)
             done.set_result(state.reduce_bucket(buffer, params))
         except BaseException as exc:    # any: DDP's backward waits on `done` without a deadline
             # Where one rank failed alone, its next bucket's collectives would pair with the
