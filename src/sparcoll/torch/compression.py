@@ -171,12 +171,23 @@ class CompressionState:
             else:
                 # the averages land in the bucket itself (float32 buckets: a view is a target)
                 into = [view for _, view in members + extra] if buffer.dtype == torch.float32 else None
-                results = reducer.reduce_many([view.view(param.shape) for param, view in members],
+                results = reducer.reduce_many([view.view(_laid_out(param)) for param, view in members],
                                               [param for param, _ in members], exact, into)
             for (_, view), result in zip(members + extra, results):
                 if result.data_ptr() != view.data_ptr():
                     view.copy_(result.reshape(-1))
         return buffer
+
+
+def _laid_out(param: torch.Tensor) -> tuple:
+    """The shape of `param`'s gradient as DDP lays it out in a bucket, in the parameter's memory
+    order: its dimensions by stride, largest first. A matrix compressor (PowerSGD) then sees the
+    gradient or a permutation of its dimensions, of the same rank; a transposed weight's viewed in
+    its own shape was its elements reshaped (a rank-1 gradient came back 64% off at rank 1)."""
+    if param.is_contiguous():
+        return tuple(param.shape)
+    order = sorted(range(param.dim()), key=lambda d: -param.stride(d))
+    return tuple(param.shape[d] for d in order)
 
 
 def _differences(layouts: list) -> str:
