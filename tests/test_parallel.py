@@ -553,6 +553,81 @@ def test_sfb_or_sparse_may_beat_the_ring_exactly_where_some_rows_or_density_choo
     assert hybrid.may_beat_ring("sparse", layer, workers, shared) == ("sparse" in chosen)
 
 
+class Looped(nn.Module):
+    """A wide linear layer in a loop whose length the caller gives (a sequence's, decided by data)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(6)
+        self.inner, self.head = nn.Linear(512, 512), nn.Linear(512, 5)
+
+    def forward(self, x, times: int):
+        for _ in range(times):
+            x = torch.tanh(self.inner(x))
+        return self.head(x)
+
+
+def looped_reference(rows: int, times: list, seed: int) -> list:
+    model, total = Looped().double(), 0
+    for r, n in enumerate(times):
+        x, y = batch(r, rows, (512,), seed)
+        total = total + nn.functional.mse_loss(model(x.double(), n), y.double())
+    (total / len(times)).backward()
+    return [p.grad.float() for p in model.parameters()]
+
+
+def sfb_calls_and_passes(rank: int, world: int) -> dict:
+    out = {}
+    # the hybrid choice: a layer some rank called more than once never takes SFB (from step 2 on it
+    # did, and ranks whose loops then differed paired one call's factors with another's); one
+    # called once a step still does
+    for name, times in (("repeated", lambda step: [2, 2] if step < 2 else [2, 3]),
+                        ("once", lambda step: [1, 1])):
+        dp = DataParallel(Looped(), timeout=20)
+        errors, used = [], set()
+        for i in range(4):
+            for p in dp.parameters():
+                p.grad = None
+            x, y = batch(rank, 2, (512,), seed=i)
+            nn.functional.mse_loss(dp(x, times(i)[rank]), y).backward()
+            errors.append(relative_error([p.grad for p in dp.module.parameters()],
+                                         looped_reference(2, times(i)[:world], seed=i)))
+            used |= {e.strategy for e in dp.trace}
+        out[name] = max(errors), sorted(used)
+        dp.close()
+    # torch.autograd.grad of the input (an adversarial example) before the loss's backward: the SFB
+    # layers' gradients are the adversarial loss's alone, as DDP's
+    dp = DataParallel(mlp(), strategy="sfb", timeout=20)
+    x, y = batch(rank, 6, (12,))
+    x.requires_grad_()
+    gx, = torch.autograd.grad(nn.functional.mse_loss(dp(x), y), x)
+    nn.functional.mse_loss(dp((x + 0.1 * gx).detach()), y).backward()
+    reference = mlp().double()
+    for r in range(world):
+        xr, yr = batch(r, 6, (12,))
+        xr = xr.double().requires_grad_()
+        gr, = torch.autograd.grad(nn.functional.mse_loss(reference(xr), yr.double()), xr)
+        (nn.functional.mse_loss(reference((xr + 0.1 * gr).detach()), yr.double()) / world).backward()
+    out["input gradient first"] = relative_error([p.grad for p in dp.module.parameters()],
+                                                 [p.grad.float() for p in reference.parameters()])
+    out["input gradient first used"] = sorted({e.strategy for e in dp.trace})
+    dp.close()
+    return out
+
+
+def test_the_hybrid_choice_keeps_sfb_from_repeated_layers_and_sfb_acts_only_in_a_backward():
+    """From a review: (1) under the hybrid choice a layer in a loop took SFB from step 2, and when
+    the ranks' loops then differed in length one rank's gradient came back 42% off, silently, and
+    its peer hung; (2) torch.autograd.grad of the input ran SFB too, and the real backward added its
+    gradient to it (FGSM training 0.88 off DDP)."""
+    for out in run_ranks(sfb_calls_and_passes, 2, timeout=120):
+        error, used = out["repeated"]
+        assert error < 1e-4 and "sfb" not in used, out["repeated"]
+        error, used = out["once"]
+        assert error < 1e-4 and "sfb" in used, out["once"]
+        assert out["input gradient first"] < 1e-4 and out["input gradient first used"] == ["sfb"], out
+
+
 def test_strategy_file_and_bad_strategies(tmp_path):
     from sparcoll.torch.parallel import _load
 

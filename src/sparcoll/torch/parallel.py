@@ -303,6 +303,11 @@ class DataParallel(nn.Module):
         # learned different facts would choose different collectives in the next step
         self._learned_rows: dict[int, float] = {}
         self._learned_density: dict[int, float] = {}
+        # linear weights some rank's step called their layer more than once (ROWS): never SFB by the
+        # hybrid choice, which would need every rank to call them as often in every step (sfb.py)
+        self._repeated: set[int] = set()
+        self._learned_repeated: set[int] = set()
+        self._pass: tuple[int, bool] = (-1, False)  # (graph task, whether it accumulates gradients)
         self._pending = 0
         self._idle = threading.Condition()
         self._error: BaseException | None = None     # the step's first error, from any thread
@@ -417,7 +422,7 @@ class DataParallel(nn.Module):
 
     def _model_of(self, p: torch.Tensor) -> hybrid.Tensor:
         state = self._linear.get(id(p))
-        linear = tuple(p.shape) if state is not None else None
+        linear = tuple(p.shape) if state is not None and id(p) not in self._repeated else None
         bias = state is not None and state.bias is not None
         return hybrid.Tensor(p.numel(), linear, bias, self._density.get(id(p), 1.0))
 
@@ -466,7 +471,10 @@ class DataParallel(nn.Module):
             output.register_hook(functools.partial(self._factors_ready, state, call))
 
     def _factors_ready(self, state: LinearState, call: Call, grad: torch.Tensor) -> None:
-        """The gradient of one call's output has arrived: queue the call's SFB."""
+        """The gradient of one call's output has arrived: queue the call's SFB, in a pass that
+        accumulates gradients (a backward), not in one that only computes some."""
+        if not self._accumulating(state):
+            return
         self._arm()
         if call not in state.calls:      # the step this call belonged to is over
             self._fail_in_order(RuntimeError(
@@ -487,6 +495,25 @@ class DataParallel(nn.Module):
         v = call.inputs.reshape(-1, layer.in_features).to(dtype).contiguous()
         call.inputs = None
         self._enqueue(state.layer.weight, hybrid.SFB, (state, u, v))
+
+    def _accumulating(self, state: LinearState) -> bool:
+        """Whether the backward pass under way accumulates into the model's gradients: not
+        torch.autograd.grad (an adversarial example's gradient, a penalty's), where SFB's output hook
+        fires too and the averaged factors were written into the weight's gradient, which the real
+        backward then added to (a review: FGSM training's SFB layers got the clean loss's gradient
+        on top of the adversarial one's). Asked of the layer's own trainable leaves, else of the
+        model's other parameters the pass may reach; once per pass. With none to ask, it does."""
+        task = torch._C._current_graph_task_id()
+        if self._pass[0] == task:
+            return self._pass[1]
+        skipped = {id(s.layer.weight) for s in self._linear.values()
+                   if s.strategy == hybrid.SFB and not s.local_grad}
+        own = [q for q in (state.bias, state.layer.weight if state.local_grad else None) if q is not None]
+        leaves = own or [q for q in self._params if q.requires_grad and id(q) not in skipped]
+        accumulating = not leaves or any(
+            torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(q).node) for q in leaves)
+        self._pass = (task, accumulating)
+        return accumulating
 
     # ---- backward --------------------------------------------------------------------------------
     def _ready(self, p: torch.Tensor) -> None:
@@ -780,7 +807,9 @@ class DataParallel(nn.Module):
         auto = [s for s in self._linear.values() if self._requested(s.layer.weight) == AUTO]
         if not auto:
             return
-        rows = torch.tensor([s.rows for s in auto], dtype=torch.float64)
+        # then whether this rank called each more than once (SFB needs the same count everywhere)
+        rows = torch.tensor([s.rows for s in auto] + [float(len(s.calls) > 1) for s in auto],
+                            dtype=torch.float64)
         weights = [id(s.layer.weight) for s in auto]
         self._put((None, ROWS, (rows, weights), [Event("(rows of linear layers)", ROWS, time.perf_counter())]))
 
@@ -1100,7 +1129,11 @@ class DataParallel(nn.Module):
         if chosen == ROWS:
             rows, weights = extra
             work = dist.all_reduce(rows, group=self.group, async_op=True)
-            return self._later(work, lambda: self._learned_rows.update(zip(weights, (rows / self.world).tolist())))
+
+            def learn() -> None:
+                self._learned_rows.update(zip(weights, (rows[:len(weights)] / self.world).tolist()))
+                self._learned_repeated.update(w for w, n in zip(weights, rows[len(weights):].tolist()) if n)
+            return self._later(work, learn)
         if chosen == hybrid.SFB:
             state, u, v = extra
             self._unchecked.append(self._tags[id(p)])
@@ -1240,7 +1273,8 @@ class DataParallel(nn.Module):
         if succeeded:
             self._rows.update(self._learned_rows)
             self._density.update(self._learned_density)
-        self._learned_rows, self._learned_density = {}, {}
+            self._repeated |= self._learned_repeated
+        self._learned_rows, self._learned_density, self._learned_repeated = {}, {}, set()
 
     def _note_rows(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """`grad` (coalesced COO), having noted the share of p's rows it touches: this worker's

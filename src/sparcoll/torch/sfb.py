@@ -9,7 +9,8 @@ The local weight gradient is never needed, so autograd does not compute it: the 
 weight's requires_grad off for the layer's call (when the output still needs a gradient through
 the input or the bias) and starts SFB from the output's gradient hook. Each call of the layer is
 rebuilt on its own and summed into the gradient, so a call whose graph never reaches backward (an
-evaluation forward outside torch.no_grad) leaves nothing behind.
+evaluation forward outside torch.no_grad) leaves nothing behind; every rank must call the layer as
+often in a step (docs/reliability.md, "Known gaps").
 """
 from __future__ import annotations
 
