@@ -578,6 +578,13 @@ def looped_reference(rows: int, times: list, seed: int) -> list:
 
 def sfb_calls_and_passes(rank: int, world: int) -> dict:
     out = {}
+    # a loop of another length on each rank, SFB asked for: a MismatchError on every rank, at once
+    dp = DataParallel(Looped(), strategy="sfb", timeout=20)
+    x, y = batch(rank, 2, (512,))
+    started = time.monotonic()
+    out["counts differ"] = what_raised(lambda: nn.functional.mse_loss(dp(x, 2 + rank), y).backward())
+    out["counts differ s"] = time.monotonic() - started
+    dp.close()
     # the hybrid choice: a layer some rank called more than once never takes SFB (from step 2 on it
     # did, and ranks whose loops then differed paired one call's factors with another's); one
     # called once a step still does
@@ -615,17 +622,41 @@ def sfb_calls_and_passes(rank: int, world: int) -> dict:
     return out
 
 
-def test_the_hybrid_choice_keeps_sfb_from_repeated_layers_and_sfb_acts_only_in_a_backward():
-    """From a review: (1) under the hybrid choice a layer in a loop took SFB from step 2, and when
-    the ranks' loops then differed in length one rank's gradient came back 42% off, silently, and
-    its peer hung; (2) torch.autograd.grad of the input ran SFB too, and the real backward added its
-    gradient to it (FGSM training 0.88 off DDP)."""
+def test_sfb_needs_as_many_calls_on_every_rank_and_acts_only_in_a_backward():
+    """From a review: (1) a layer called a different number of times on each rank under SFB paired
+    one call's gathers with another's (one rank's gradients 0.196 off, its peer a meaningless
+    error), and under the hybrid choice a layer in a loop took SFB from step 2 (when the ranks'
+    loops then differed in length one rank's gradients came back 42% off, silently, its peer hung);
+    (2) torch.autograd.grad of the input ran SFB too, and the real backward added its gradient to
+    it (FGSM training 0.88 off DDP)."""
     for out in run_ranks(sfb_calls_and_passes, 2, timeout=120):
+        said = out["counts differ"]
+        assert said is not None and "a different number of times in one step" in said, out
+        assert "call 3 of inner.weight" in said and "the end of its step, after 3 calls" in said, said
+        assert "find_unused_parameters" not in said, said
+        assert out["counts differ s"] < 20, out
         error, used = out["repeated"]
         assert error < 1e-4 and "sfb" not in used, out["repeated"]
         error, used = out["once"]
         assert error < 1e-4 and "sfb" in used, out["once"]
         assert out["input gradient first"] < 1e-4 and out["input gradient first used"] == ["sfb"], out
+
+
+def sfb_on_part_of_the_job(rank: int, world: int):
+    """SFB on a group of ranks 0 and 1 of a job of 3 (rank 2 takes no part): the wrapper makes its
+    SFB group by torch's local synchronization, with those ranks only."""
+    group = dist.new_group([0, 1])
+    if rank == 2:
+        return None
+    dp = DataParallel(mlp(), group=group, strategy="sfb", timeout=20)
+    error = relative_error(step(dp, rank, 4, (12,)), reference_grads(mlp, 4, (12,), 2))
+    dp.close()
+    return error
+
+
+def test_sfb_on_a_group_that_is_part_of_the_job_gives_the_average():
+    errors = run_ranks(sfb_on_part_of_the_job, 3, timeout=90)
+    assert errors[2] is None and max(errors[:2]) < 1e-5, errors
 
 
 def test_strategy_file_and_bad_strategies(tmp_path):

@@ -13,7 +13,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveTimeout, SparcollError
+from ..errors import CollectiveTimeout, MismatchError, SparcollError
+
+
+class LabelMismatch(MismatchError):
+    """Ranks paired gathers of different labels (Channel.allgather); `labels`: every rank's."""
+
+    def __init__(self, labels: list):
+        super().__init__("ranks paired different gathers: " + ", ".join(
+            f"rank {rank} {label}" for rank, label in enumerate(labels)))
+        self.labels = labels
 
 
 class Channel:
@@ -107,20 +116,29 @@ class Channel:
         t = t / self.world
         return t, dist.all_reduce(t, group=self.group, async_op=True)
 
-    def allgather(self, parts: tuple, variable: bool) -> list[tuple]:
+    def allgather(self, parts: tuple, variable: bool, label: tuple = ()) -> list[tuple]:
         """Every rank's `parts` (1-D tensors, the same dtypes on every rank), in rank order. With
         `variable`, ranks may send different lengths, including 0: the lengths are gathered first and
-        each rank's bytes are padded to the longest (so a rank with nothing still takes part)."""
+        each rank's bytes are padded to the longest (so a rank with nothing still takes part).
+        `label`: integers naming this gather, which every rank's must equal (where ranks could pair
+        different gathers), sent with the lengths: if they differ no data moves, and every rank
+        raises LabelMismatch alike."""
         if self.world == 1:
             return [tuple(parts)]
-        lengths = torch.tensor([p.numel() for p in parts], dtype=torch.long)
-        if variable:
+        lengths = torch.tensor([*label, *(p.numel() for p in parts)], dtype=torch.long)
+        if variable or label:
             every = [torch.empty_like(lengths) for _ in range(self.world)]
             self._wait(dist.all_gather(every, lengths, group=self.group, async_op=True))
+            labels = [tuple(e[:len(label)].tolist()) for e in every]
+            if len(set(labels)) > 1:
+                raise LabelMismatch(labels)
+            every = [e[len(label):] for e in every]
         else:
             every = [lengths] * self.world
         sizes = torch.tensor([p.element_size() for p in parts], dtype=torch.long)
         nbytes = [int((n * sizes).sum()) for n in every]
+        if max(nbytes) == 0:
+            return [tuple(p[:0] for p in parts)] * self.world
         data = torch.empty(max(nbytes), dtype=torch.uint8)
         data[nbytes[self.rank]:] = 0
         if parts:

@@ -80,6 +80,7 @@ import time
 import warnings
 import zlib
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple, Union
 
@@ -92,13 +93,13 @@ from sparcoll.algorithm import entry_block_size
 from sparcoll.blocks import BlockTensor, entries_of
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, parse
-from sparcoll.compress.channel import Channel, gloo_lost_a_peer, gloo_timed_out, wait_within
+from sparcoll.compress.channel import Channel, LabelMismatch, gloo_lost_a_peer, gloo_timed_out, wait_within
 from sparcoll.errors import CollectiveTimeout, DivergedError, MismatchError, PeerError
 
 from . import hybrid, sparse
 from .dropped import RESTART, DroppedSteps
 from .ps import ps_allreduce
-from .sfb import Call, LinearState, eligible_layers, gather_factors
+from .sfb import END, Call, LinearState, eligible_layers, end_of_step, gather_factors
 
 AUTO = "auto"
 ROWS = "rows"           # the per-step allreduce of the rows the ranks fed their linear layers
@@ -108,6 +109,8 @@ CHECK = "check"         # the step's last check of what gloo reduced after its l
 COMPRESSED = "compressed"   # gradients of one compressor, their payloads in one collective
 COO_UNIT = "coo unit"       # a plan's unit of sparse COO gradients: one sparse AllReduce of them all
 SPARSE_BUCKET = "sparse bucket"     # dense gradients under the sparse AllReduce, concatenated: one of it
+SFB_END = "sfb end"         # the step's last gather on SFB's channel (sfb.end_of_step)
+EACH_CALL = "sufficient-factor broadcasting gathers each call on its own"    # in _calls_differ's error
 FAILED = "failed"           # an error of the training thread, in queue order: the items after it are skipped
 CHANNEL, THREAD, OFFLOAD = "channel", "thread", "offload"     # where a compressor runs
 SMALL_BYTES = 256 << 10     # a gradient this small joins the bucket (without a plan, any smaller than
@@ -287,6 +290,15 @@ class DataParallel(nn.Module):
             self._handles.append(layer.register_forward_hook(functools.partial(self._after_linear, state),
                                                              with_kwargs=True, always_call=True))
             self._linear[id(layer.weight)] = state
+        # SFB's gathers on a group of their own, each labelled with its call (sfb.gather_factors): ranks
+        # that called a layer a different number of times meet another label there, never another kind
+        # of collective, and raise instead of pairing one call's factors with another's. Made by every
+        # rank of the job, as dist.new_group wants, unless the wrapper's group is a part of it (torch's
+        # local synchronization then: wrappers made again and again on the whole job's ranks that way
+        # failed to connect, "Connection refused", 22 times in this project's tests)
+        self._sfb_channel = None if not self._linear or self.world == 1 else Channel(dist.new_group(
+            dist.get_process_group_ranks(group or dist.group.WORLD), timeout=timedelta(seconds=timeout),
+            backend="gloo", use_local_synchronization=self.world < dist.get_world_size()), timeout=timeout)
         self._density: dict[int, float] = {}
         # the tensors whose block density the hybrid choice reads (_learn_density): chosen by it, with
         # a communicator, and sent through the sparse AllReduce at some density
@@ -389,6 +401,9 @@ class DataParallel(nn.Module):
         self._thread.join(timeout=5)
         self._running.put(None)         # after the last collective the thread could have started
         self._completer.join(timeout=5)
+        if self._sfb_channel is not None and dist.is_initialized():
+            dist.destroy_process_group(self._sfb_channel.group)
+            self._sfb_channel = None
         if self._offload is not None:
             self._offload.shutdown(wait=False, cancel_futures=True)
 
@@ -494,7 +509,8 @@ class DataParallel(nn.Module):
         u = grad.detach().reshape(-1, layer.out_features).to(dtype).contiguous()
         v = call.inputs.reshape(-1, layer.in_features).to(dtype).contiguous()
         call.inputs = None
-        self._enqueue(state.layer.weight, hybrid.SFB, (state, u, v))
+        state.gathers += 1
+        self._enqueue(state.layer.weight, hybrid.SFB, (state, u, v, (self._tags[id(layer.weight)], state.gathers)))
 
     def _accumulating(self, state: LinearState) -> bool:
         """Whether the backward pass under way accumulates into the model's gradients: not
@@ -888,6 +904,8 @@ class DataParallel(nn.Module):
         self._send_incomplete_units()
         if not self.find_unused_parameters:     # (with it every rank reduces the same by construction)
             self._put((None, CHECK, None, []))
+        if self._sfb_channel is not None and any(s.strategy == hybrid.SFB for s in self._linear.values()):
+            self._put((None, SFB_END, sum(s.gathers for s in self._linear.values()), []))
         self._armed = False
         self._release_channels()
         self._accumulated = False
@@ -1063,7 +1081,7 @@ class DataParallel(nn.Module):
         names = {tag: self._names.get(pid, "?") for pid, tag in self._tags.items()}
         tags = sorted({int(t) for t in re.findall(r"\btag (\d+)", str(error))})  # wire.tagged's words
         which = "; ".join(f"tag {t} is {names[t]!r}" for t in tags if t in names)
-        cause = "" if self.find_unused_parameters else (
+        cause = "" if self.find_unused_parameters or EACH_CALL in str(error) else (
             ". If some ranks' steps leave out parameters the others use (a branch the data decides), "
             "pass find_unused_parameters=True")
         return (f" ({which})" if which else "") + cause
@@ -1134,11 +1152,16 @@ class DataParallel(nn.Module):
                 self._learned_rows.update(zip(weights, (rows[:len(weights)] / self.world).tolist()))
                 self._learned_repeated.update(w for w, n in zip(weights, rows[len(weights):].tolist()) if n)
             return self._later(work, learn)
-        if chosen == hybrid.SFB:
-            state, u, v = extra
-            self._unchecked.append(self._tags[id(p)])
-            state.add(*gather_factors(u, v, self.channel))
-            return
+        if chosen in (hybrid.SFB, SFB_END):
+            try:
+                if chosen == SFB_END:
+                    end_of_step(self._sfb_channel, extra)
+                    return None
+                state, u, v, label = extra
+                state.add(*gather_factors(u, v, self._sfb_channel, label))
+                return None
+            except LabelMismatch as exc:
+                raise self._calls_differ(exc.labels) from exc
         if chosen == CHECK:
             return self._check_alone()
         if chosen == BUCKET:
@@ -1222,6 +1245,17 @@ class DataParallel(nn.Module):
             if not torch.equal(check, sent):
                 raise self._mixed("after the step's last bucket")
         return self._later(self.channel.start_allreduce_mean(check), finish)
+
+    def _calls_differ(self, labels: list) -> MismatchError:
+        """The error of SFB's gathers whose labels differ by rank (sfb.gather_factors): each rank's
+        call of which layer, or the end of its step's gathers."""
+        names = {self._tags[weight]: state.name for weight, state in self._linear.items()}
+        said = "; ".join(f"rank {rank}: " + (f"the end of its step, after {k} calls of its SFB layers" if tag == END else
+                                             f"call {k} of {names.get(tag, f'tag {tag}')}")
+                         for rank, (tag, k) in enumerate(labels))
+        return MismatchError(f"ranks called their linear layers a different number of times in one step, at "
+                             f"this gather {said}: {EACH_CALL}; "
+                             f"give such a layer another strategy (\"ring\")")
 
     def _mixed(self, where: str) -> MismatchError:
         """The error of a check whose elements came back changed (_bucket_check), `where` saying which

@@ -10,7 +10,8 @@ weight's requires_grad off for the layer's call (when the output still needs a g
 the input or the bias) and starts SFB from the output's gradient hook. Each call of the layer is
 rebuilt on its own and summed into the gradient, so a call whose graph never reaches backward (an
 evaluation forward outside torch.no_grad) leaves nothing behind; every rank must call the layer as
-often in a step (docs/reliability.md, "Known gaps").
+often in a step (each gather is labelled with its call, and end_of_step closes the step's gathers:
+MismatchError on every rank otherwise).
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ class LinearState:
         self.strategy: str | None = None
         self.rows = 0
         self.calls: weakref.WeakSet = weakref.WeakSet()
+        self.gathers = 0                   # the calls whose factors were queued this step
         self.local_grad = False            # some call left requires_grad on: autograd adds to .grad
         self.started = False               # the first factors of the step have been queued
         self.base: tuple = (None, None)    # the gradients the step's averages add to
@@ -102,10 +104,25 @@ class LinearState:
                 self.bias_sum.add_(big_u.sum(0))
 
 
-def gather_factors(u: torch.Tensor, v: torch.Tensor, channel: Channel) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's factors stacked, (U / P, V): one variable-size allgather of (u, v)."""
+def gather_factors(u: torch.Tensor, v: torch.Tensor, channel: Channel,
+                   label: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's factors stacked, (U / P, V): one variable-size allgather of (u, v), labelled (the
+    layer's tag, which of its calls in the step this is) on a channel of SFB's own, so that ranks
+    that called a layer a different number of times raise LabelMismatch instead of pairing one
+    call's factors with another's (end_of_step)."""
     m, n = u.shape[1], v.shape[1]
-    gathered = channel.allgather((u.reshape(-1), v.reshape(-1)), variable=True)
+    gathered = channel.allgather((u.reshape(-1), v.reshape(-1)), variable=True, label=label)
     big_u = torch.cat([parts[0].view(-1, m) for parts in gathered]).div_(channel.world)
     big_v = torch.cat([parts[1].view(-1, n) for parts in gathered])
     return big_u, big_v
+
+
+END = 0     # the label's tag of end_of_step (a layer's tag is at least 1)
+
+
+def end_of_step(channel: Channel, gathers: int) -> None:
+    """After a step's last gather_factors, the same size exchange labelled (END, the step's gathers):
+    a rank with more calls of some layer than a peer meets this instead of a gather, and both raise
+    LabelMismatch; so do ranks whose counts per layer differ, at their first gather that does."""
+    empty = torch.empty(0)
+    channel.allgather((empty, empty), variable=True, label=(END, gathers))
