@@ -1250,8 +1250,8 @@ class DataParallel(nn.Module):
         """The error of SFB's gathers whose labels differ by rank (sfb.gather_factors): each rank's
         call of which layer, or the end of its step's gathers."""
         names = {self._tags[weight]: state.name for weight, state in self._linear.items()}
-        said = "; ".join(f"rank {rank}: " + (f"the end of its step, after {k} calls of its SFB layers" if tag == END else
-                                             f"call {k} of {names.get(tag, f'tag {tag}')}")
+        said = "; ".join(f"rank {rank}: " + (f"the end of its step, after {k} calls of its SFB layers"
+                                             if tag == END else f"call {k} of {names.get(tag, f'tag {tag}')}")
                          for rank, (tag, k) in enumerate(labels))
         return MismatchError(f"ranks called their linear layers a different number of times in one step, at "
                              f"this gather {said}: {EACH_CALL}; "
