@@ -39,6 +39,10 @@ def test_specs_parse_and_print_back():
     assert sc.parse("dgc:0.01,momentum=0").options == {"momentum": 0.0}
     assert sc.parse("topk:0.01:ef=off") == sc.parse("topk:0.01,ef=off")        # fits in CSV lists
     assert sc.parse("signsgd:ef=on") == sc.parse("signsgd,ef=on")
+    # an option spelled out at its default is the same spec, printed alike (ranks compare them so)
+    for short, spelled in (("randomk:0.1", "randomk:0.1,seed=0"), ("dgc:0.1", "dgc:0.1,momentum=0.9"),
+                           ("powersgd:2", "powersgd:2,seed=0"), ("topk:0.1", "topk:0.10,ef=on")):
+        assert sc.parse(short) == sc.parse(spelled) and str(sc.parse(spelled)) == short, spelled
     for spec in SPECS + ["topk:0.5,ef=off", "qsgd:4,ef=on", "powersgd:4,seed=3"]:
         assert sc.parse(str(sc.parse(spec))) == sc.parse(spec)
         assert type(sc.make(spec)).__name__ in repr(sc.make(spec))

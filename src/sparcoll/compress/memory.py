@@ -11,6 +11,7 @@ import math
 import torch
 
 from .base import Entries
+from .spec import OPTION_DEFAULTS
 
 
 def _sparse_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -121,5 +122,5 @@ def make_memory(spec) -> NoMemory:
     if not spec.ef:
         return NoMemory()
     if spec.name == "dgc":
-        return Momentum(spec.options.get("momentum", 0.9))
+        return Momentum(spec.options.get("momentum", OPTION_DEFAULTS["momentum"]))
     return Residual()

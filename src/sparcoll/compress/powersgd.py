@@ -19,6 +19,7 @@ import math
 import torch
 
 from .base import Compressor
+from .spec import OPTION_DEFAULTS
 
 
 def matrix_shape(shape: tuple, numel: int) -> tuple[int, int]:
@@ -37,7 +38,7 @@ class PowerSGD(Compressor):
     def __init__(self, spec):
         super().__init__(spec)
         self.rank = spec.arg
-        self.seed = spec.options.get("seed", 0)
+        self.seed = spec.options.get("seed", OPTION_DEFAULTS["seed"])
         self.created = 0
         self.q: dict = {}
 

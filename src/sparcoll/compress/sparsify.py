@@ -16,6 +16,7 @@ import math
 import torch
 
 from .base import Compressor, Entries, Payload, index_dtype, zeroed
+from .spec import OPTION_DEFAULTS
 
 
 def _count(ratio: float, numel: int) -> int:
@@ -127,7 +128,7 @@ class RandomK(Compressor):
 
     def __init__(self, spec):
         super().__init__(spec)
-        self.seed = spec.options.get("seed", 0)
+        self.seed = spec.options.get("seed", OPTION_DEFAULTS["seed"])
         self.calls = 0
 
     def compress(self, x: torch.Tensor) -> Payload:

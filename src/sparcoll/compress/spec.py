@@ -68,11 +68,15 @@ def _momentum(text: str) -> float:
 
 
 _OPTIONS = {"seed": _int_in(0, (1 << 63) - 1), "momentum": _momentum}
+OPTION_DEFAULTS = {"seed": 0, "momentum": 0.9}
 
 
 @dataclass(frozen=True)
 class Spec:
-    """A parsed spec: `arg` is None for compressors without one; `ef` is resolved (default applied)."""
+    """A parsed spec: `arg` is None for compressors without one; `ef` is resolved (default applied);
+    `options` holds those not at their default (OPTION_DEFAULTS), so that specs which mean the same
+    are equal and print alike (ranks compare them as printed: "randomk:0.1" on one rank and
+    "randomk:0.1,seed=0" on another were refused as different settings)."""
     name: str
     arg: float | int | None
     ef: bool
@@ -135,7 +139,7 @@ def parse(spec: str | Spec) -> Spec:
                              f"in spec {spec!r}")
     if "momentum" in options and not ef:    # dgc's momentum lives in its error-feedback memory
         raise ValueError(f"momentum needs error feedback: drop ef=off or momentum= in spec {spec!r}")
-    return Spec(name, arg, ef, options)
+    return Spec(name, arg, ef, {k: v for k, v in options.items() if v != OPTION_DEFAULTS[k]})
 
 
 _EXAMPLES = {"topk": "0.01", "randomk": "0.01", "threshold": "0.001", "dgc": "0.001",
