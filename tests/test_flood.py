@@ -315,7 +315,10 @@ def test_a_flood_of_failed_collectives_logs_a_line_per_interval(caplog):
             job.fail(collective, wire.ErrorCode.PEER, "x" * 65536)
     lines = [r for r in caplog.records if "failed: x" in r.getMessage()]
     assert len(lines) == 1, len(lines)
-    assert len(told) == 1000
+    assert len(told) == 1000 and all(len(message.text) == 65536 for message in told)
+    # what the job remembers for latecomers is as long as a refusal carries: it kept all 64 KiB of
+    # each of the last 64 (4 MiB a job)
+    assert sum(len(failed.text) for failed in job._failed.values()) <= 64 * wire.MAX_REASON_BYTES
 
 
 def test_a_colocated_aggregator_leaves_a_failure_to_the_exception_its_own_rank_raises(caplog):

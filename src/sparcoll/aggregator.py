@@ -233,7 +233,8 @@ class AggregatorJob:
         with self._lock:
             if collective in self._failed:
                 return
-            self._failed[collective] = Failed(code, text, set(self.workers))
+            # kept as long as a refusal carries (a reason may be 64 KiB, and 64 are kept a job)
+            self._failed[collective] = Failed(code, text[:wire.MAX_REASON_BYTES], set(self.workers))
             while len(self._failed) > FAILED_MEMORY:
                 self._failed.popitem(last=False)
             state = self._collectives.pop(collective, None)
