@@ -745,6 +745,32 @@ def test_a_plan_for_another_worker_count_is_refused():
         assert said.startswith("the plan was made for 4 workers, this job has 2"), said
 
 
+def a_stale_plan_on_rank_1(rank: int, world: int) -> tuple:
+    """Rank 1 alone was given a plan made for 4 workers (a stale file on one host): what each rank's
+    DataParallel raised, and how long it took."""
+    plan = {"tensors": [{"name": n, "strategy": "ring", "unit": i}
+                        for i, (n, _) in enumerate(mlp().named_parameters())]}
+    if rank == 1:
+        plan["workers"] = 4
+    started = time.monotonic()
+    try:
+        sparcoll.torch.DataParallel(mlp(), strategy=plan, timeout=20).close()
+        said = "accepted"
+    except Exception as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    return said, time.monotonic() - started
+
+
+def test_a_plan_only_one_rank_refuses_is_named_on_every_rank_at_once():
+    """From a review: a plan one rank refused alone (another worker count, or a model it does not
+    fit) left its peers waiting in the check of alike models for the whole timeout (a bare
+    CollectiveTimeout) or with gloo's "Connection closed by peer" if it exited."""
+    for rank, (said, seconds) in enumerate(run_ranks(a_stale_plan_on_rank_1, 2, timeout=60)):
+        assert "the plan was made for 4 workers, this job has 2" in said, (rank, said)
+        assert said.startswith("ValueError" if rank == 1 else "MismatchError: a rank refused"), (rank, said)
+        assert seconds < 10, (rank, seconds)
+
+
 def test_a_plan_for_another_model_is_refused_naming_what_differs():
     """A plan made for another model once left every tensor on "auto" without a word."""
     from sparcoll.torch.parallel import _load, check_names

@@ -221,11 +221,16 @@ class DataParallel(nn.Module):
         # the gloo collectives the synchronization thread waits for give up at the wrapper's timeout
         self.channel = Channel(group, comm, timeout)
         self._group_channel = Channel(group, timeout=timeout)     # the group's own collectives, without sparcoll
-        loaded = _load(strategy)
-        if loaded.workers is not None and loaded.workers != self.world:
-            raise ValueError(f"the plan was made for {loaded.workers} workers, this job has {self.world}: every "
-                             f"choice in it was priced for that many; plan again for {self.world}")
-        check_names(module, loaded)
+        try:
+            loaded = _load(strategy)
+            if loaded.workers is not None and loaded.workers != self.world:
+                raise ValueError(f"the plan was made for {loaded.workers} workers, this job has {self.world}: "
+                                 f"every choice in it was priced for that many; plan again for {self.world}")
+            check_names(module, loaded)
+        except (ValueError, TypeError) as exc:
+            if self.world > 1:      # the peers, waiting in the check below, hear why (a stale file on one host)
+                self._check_alike_on_every_rank(refused=exc)
+            raise
         self._explicit, self._placement, self._unit = loaded.strategy, loaded.placement, loaded.units
         if self.world > 1:
             self._check_alike_on_every_rank()
@@ -1342,19 +1347,28 @@ class DataParallel(nn.Module):
                 self._reducers[spec, placement] = Reducer(spec, self.group, self.comm, self.timeout)
             return self._reducers[spec, placement]
 
-    def _check_alike_on_every_rank(self) -> None:
+    def _check_alike_on_every_rank(self, refused: BaseException | None = None) -> None:
         """MismatchError on every rank if the ranks were given other models (parameters' names,
         shapes, dtypes) or other strategies, before anything else crosses the group: rank 0's
         parameters broadcast into tensors of other sizes made gloo abort the process, and one rank's
-        fp16 against another's ring in a step did too. One all_gather of two checksums, within the
-        timeout."""
+        fp16 against another's ring in a step did too. `refused`: why this rank refused its strategy
+        (a plan for another worker count or model: a stale file on one host), which the others raise
+        naming it (they waited for the whole timeout, or got gloo's "Connection closed by peer"); this
+        rank then raises its own. One gather of two checksums and a reason, within the timeout."""
         model = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in self.module.named_parameters()]
-        table = sorted(self._explicit.items()) if isinstance(self._explicit, dict) else self._explicit
-        strategy = (table, sorted(self._placement.items()), sorted(self._unit.items()), self.find_unused_parameters,
-                    self.comm is not None)
-        mine = torch.tensor([zlib.crc32(repr(model).encode()), zlib.crc32(repr(strategy).encode())])
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        self._wait_for(dist.all_gather(every, mine, group=self.group, async_op=True))
+        strategy = None if refused is not None else (
+            sorted(self._explicit.items()) if isinstance(self._explicit, dict) else self._explicit,
+            sorted(self._placement.items()), sorted(self._unit.items()), self.find_unused_parameters,
+            self.comm is not None)
+        reason = None if refused is None else f"{type(refused).__name__}: {refused}"
+        every = self._group_channel.allgather_object(
+            (zlib.crc32(repr(model).encode()), zlib.crc32(repr(strategy).encode()), reason))
+        refusals = [f"rank {rank}: {theirs[2]}" for rank, theirs in enumerate(every) if theirs[2] is not None]
+        if refusals:
+            if refused is None:
+                raise MismatchError("a rank refused the strategy it was given for DataParallel (" +
+                                    "; ".join(refusals) + "): every rank needs the same, fitting this model")
+            return
         for i, what in enumerate(("model (its parameters' names, shapes or dtypes)",
                                   "strategy (or find_unused_parameters, or a communicator)")):
             others = [rank for rank, theirs in enumerate(every) if theirs[i] != every[0][i]]
