@@ -69,6 +69,31 @@ def test_tensors_that_require_grad_are_reduced_in_place_like_gloo(store):
         close(comms)
 
 
+@pytest.mark.parametrize("algorithm", ["sparse", "ring", "auto"])
+def test_inference_tensors_are_reduced_in_place_on_every_path(store, algorithm):
+    """A metric made under torch.inference_mode (a validation loop), reduced there or after: on the
+    sparse path the result's in-place writes, on threads outside inference mode, raised "Inplace
+    update to inference tensor outside InferenceMode" and poisoned the communicator (a review);
+    gloo reduces it. Sizes of the tiny check round, the gathered path and the data allreduce."""
+    comms = pair(store, f"inference-{algorithm}/", algorithm=algorithm)
+    try:
+        for inside in (True, False):
+            for numel in (100, 3000, 200_000):
+                with torch.inference_mode():
+                    xs = {r: torch.arange(numel, dtype=torch.float32) * (r + 1) for r in range(2)}
+                want = (xs[0] + xs[1]) / 2
+
+                def call(r, c):
+                    with torch.inference_mode(inside):
+                        return c.allreduce(xs[r], op="avg")
+                out = on_both(comms, call)
+                for r in range(2):
+                    assert out[r][0] is xs[r], (inside, numel, r, out[r])
+                    assert torch.equal(xs[r], want), (inside, numel, r)
+    finally:
+        close(comms)
+
+
 @pytest.mark.parametrize("make", [
     lambda: torch.ones(1).expand(1000),
     lambda: torch.ones(10, 1).expand(10, 100),

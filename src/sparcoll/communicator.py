@@ -7,6 +7,7 @@ state). Here: validating a call's input, and the handles the caller sees (Work, 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -172,10 +173,13 @@ class Communicator:
                                              torch.zeros((0, *tensor.shape[tensor.sparse_dim():]), dtype=tensor.dtype),
                                              tensor.shape, is_coalesced=True, check_invariants=True)
             tensor = torch.empty(0, dtype=tensor.dtype)
-        coll = WorkerCollective(cid, tensor, kind, self.timeout if timeout is None else timeout, tag)
+        coll = WorkerCollective(cid, _writable(tensor), kind, self.timeout if timeout is None else timeout, tag)
         work = self._engine.new_work(coll, result)
-        self._engine.submit(coll, work, async_op)
-        return work if async_op else work.wait()
+        # Outside inference mode: the views a blocking call makes on its own thread would be
+        # inference tensors, which the threads that write results may not update.
+        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+            self._engine.submit(coll, work, async_op)
+            return work if async_op else work.wait()
 
     def _describe(self, tensor, layout, op) -> tuple[int, int, int]:
         """The call's kind, (numel, dtype code, op code), once its input is checked."""
@@ -285,3 +289,16 @@ def _weakly(method):
         if bound is not None:
             bound(*args)
     return call
+
+
+def _writable(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or for a dense inference tensor (made under torch.inference_mode) a plain tensor on
+    the same memory: the result is written in place by threads outside inference mode, where an
+    inference tensor refuses in-place updates (the sparse path failed with "Inplace update to
+    inference tensor outside InferenceMode" and poisoned the communicator: a validation loop's metric
+    reduced under inference_mode, a review)."""
+    if tensor.layout != torch.strided or not tensor.is_inference():
+        return tensor
+    with torch.inference_mode(False):   # (made inside it, the alias would be an inference tensor too)
+        alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
