@@ -618,6 +618,17 @@ def sfb_calls_and_passes(rank: int, world: int) -> dict:
     out["input gradient first"] = relative_error([p.grad for p in dp.module.parameters()],
                                                  [p.grad.float() for p in reference.parameters()])
     out["input gradient first used"] = sorted({e.strategy for e in dp.trace})
+    # torch.autograd.grad of a parameter (autograd refuses to say whether a node it was asked for
+    # runs: the hook raised), and a penalty on the input's gradient through an SFB layer (create_graph:
+    # the weights' part of it cannot come from factors; refused, as before the check of passes)
+    x, y = batch(rank, 6, (12,))
+    got, = torch.autograd.grad(nn.functional.mse_loss(dp(x), y), dp.module[2].bias)
+    alone = mlp()
+    want, = torch.autograd.grad(nn.functional.mse_loss(alone(x), y), alone[2].bias)
+    out["gradient of a parameter"] = relative_error([got], [want])
+    x.requires_grad_()
+    gx, = torch.autograd.grad(nn.functional.mse_loss(dp(x), y), x, create_graph=True)
+    out["penalty"] = what_raised(lambda: (nn.functional.mse_loss(dp(x), y) + gx.pow(2).sum()).backward())
     dp.close()
     return out
 
@@ -640,6 +651,8 @@ def test_sfb_needs_as_many_calls_on_every_rank_and_acts_only_in_a_backward():
         error, used = out["once"]
         assert error < 1e-4 and "sfb" in used, out["once"]
         assert out["input gradient first"] < 1e-4 and out["input gradient first used"] == ["sfb"], out
+        assert out["gradient of a parameter"] < 1e-5, out
+        assert "SFB cannot rebuild" in (out["penalty"] or "") and ".weight's gradient" in out["penalty"], out
 
 
 def sfb_on_part_of_the_job(rank: int, world: int):

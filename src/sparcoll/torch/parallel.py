@@ -492,8 +492,11 @@ class DataParallel(nn.Module):
 
     def _factors_ready(self, state: LinearState, call: Call, grad: torch.Tensor) -> None:
         """The gradient of one call's output has arrived: queue the call's SFB, in a pass that
-        accumulates gradients (a backward), not in one that only computes some."""
+        accumulates gradients (a backward), not in one that only computes some; there the call is
+        forgotten, so that a backward through its graph after that (a penalty on the gradient, with
+        create_graph) is refused below, where it lost the penalty's part of the weight's gradient."""
         if not self._accumulating(state):
+            state.calls.discard(call)
             return
         self._arm()
         if call not in state.calls:      # the step this call belonged to is over
@@ -531,8 +534,11 @@ class DataParallel(nn.Module):
                    if s.strategy == hybrid.SFB and not s.local_grad}
         own = [q for q in (state.bias, state.layer.weight if state.local_grad else None) if q is not None]
         leaves = own or [q for q in self._params if q.requires_grad and id(q) not in skipped]
-        accumulating = not leaves or any(
-            torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(q).node) for q in leaves)
+        try:
+            accumulating = not leaves or any(
+                torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(q).node) for q in leaves)
+        except RuntimeError:    # "A leaf node was passed ... running autograd.grad()": one the call asked for
+            accumulating = False
         self._pass = (task, accumulating)
         return accumulating
 
