@@ -440,6 +440,17 @@ def powersgd_of_a_rank_1_gradient(rank: int, world: int) -> dict:
     return out
 
 
+def test_a_gradient_is_viewed_as_ddp_lays_it_out():
+    """In the parameter's memory order where that memory is dense (DDP's bucket view follows its
+    strides), else in its own shape (DDP then lays it out contiguous)."""
+    from sparcoll.torch.compression import _laid_out
+    assert _laid_out(torch.zeros(4, 16)) == (4, 16)
+    assert _laid_out(torch.zeros(16, 4).t()) == (16, 4)
+    assert _laid_out(torch.zeros(8, 3, 5, 5).to(memory_format=torch.channels_last)) == (8, 5, 5, 3)
+    assert _laid_out(torch.zeros(4, 32)[:, ::2]) == (4, 16)         # gaps: not dense
+    assert _laid_out(torch.zeros(16, 1, 4).transpose(0, 2)) == (16, 1, 4)
+
+
 def test_powersgd_recovers_a_rank_1_gradient_of_a_transposed_parameter():
     """DDP lays a gradient out in its bucket in the parameter's memory order: the hook viewed a
     transposed weight's in the weight's own shape, its elements reshaped, and PowerSGD of rank 1

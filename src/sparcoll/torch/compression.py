@@ -180,13 +180,20 @@ class CompressionState:
 
 
 def _laid_out(param: torch.Tensor) -> tuple:
-    """The shape of `param`'s gradient as DDP lays it out in a bucket, in the parameter's memory
-    order: its dimensions by stride, largest first. A matrix compressor (PowerSGD) then sees the
-    gradient or a permutation of its dimensions, of the same rank; a transposed weight's viewed in
-    its own shape was its elements reshaped (a rank-1 gradient came back 64% off at rank 1)."""
+    """The shape of `param`'s gradient as DDP lays it out in a bucket: in the parameter's memory
+    order (its dimensions by stride, largest first) where that memory is dense, else its own shape
+    (DDP's layout then). A matrix compressor (PowerSGD) sees the gradient or a permutation of its
+    dimensions, of the same rank; a transposed weight's viewed in its own shape was its elements
+    reshaped (a rank-1 gradient came back 64% off at rank 1)."""
     if param.is_contiguous():
         return tuple(param.shape)
-    order = sorted(range(param.dim()), key=lambda d: -param.stride(d))
+    # (a dimension of size 1, whose stride says nothing, after the others of its stride)
+    order = sorted(range(param.dim()), key=lambda d: (-param.stride(d), param.shape[d] == 1))
+    expected = 1
+    for d in reversed(order):
+        if param.shape[d] != 1 and param.stride(d) != expected:
+            return tuple(param.shape)      # overlapping or with gaps: DDP lays it out contiguous
+        expected *= param.shape[d]
     return tuple(param.shape[d] for d in order)
 
 
