@@ -223,7 +223,6 @@ class AggregatorServer:
                           f"and {SPARE_DESCRIPTORS} spare")
         return max(1, soft // 2), f"half the descriptor limit {soft}"
 
-
     def _admit(self, hello: wire.Hello, job_token: bytes) -> None:
         if self.only_job is not None and hello.job != self.only_job:
             raise ProtocolError(f"this aggregator serves job {self.only_job:#x} only")

@@ -110,7 +110,6 @@ COMPRESSED = "compressed"   # gradients of one compressor, their payloads in one
 COO_UNIT = "coo unit"       # a plan's unit of sparse COO gradients: one sparse AllReduce of them all
 SPARSE_BUCKET = "sparse bucket"     # dense gradients under the sparse AllReduce, concatenated: one of it
 SFB_END = "sfb end"         # the step's last gather on SFB's channel (sfb.end_of_step)
-EACH_CALL = "sufficient-factor broadcasting gathers each call on its own"    # in _calls_differ's error
 FAILED = "failed"           # an error of the training thread, in queue order: the items after it are skipped
 CHANNEL, THREAD, OFFLOAD = "channel", "thread", "offload"     # where a compressor runs
 SMALL_BYTES = 256 << 10     # a gradient this small joins the bucket (without a plan, any smaller than
@@ -1092,7 +1091,8 @@ class DataParallel(nn.Module):
         names = {tag: self._names.get(pid, "?") for pid, tag in self._tags.items()}
         tags = sorted({int(t) for t in re.findall(r"\btag (\d+)", str(error))})  # wire.tagged's words
         which = "; ".join(f"tag {t} is {names[t]!r}" for t in tags if t in names)
-        cause = "" if self.find_unused_parameters or EACH_CALL in str(error) else (
+        # (not for SFB's calls that differ: _calls_differ says what to do)
+        cause = "" if self.find_unused_parameters or isinstance(error.__cause__, LabelMismatch) else (
             ". If some ranks' steps leave out parameters the others use (a branch the data decides), "
             "pass find_unused_parameters=True")
         return (f" ({which})" if which else "") + cause
@@ -1265,7 +1265,7 @@ class DataParallel(nn.Module):
                                              if tag == END else f"call {k} of {names.get(tag, f'tag {tag}')}")
                          for rank, (tag, k) in enumerate(labels))
         return MismatchError(f"ranks called their linear layers a different number of times in one step, at "
-                             f"this gather {said}: {EACH_CALL}; "
+                             f"this gather {said}: sufficient-factor broadcasting gathers each call on its own; "
                              f"give such a layer another strategy (\"ring\")")
 
     def _mixed(self, where: str) -> MismatchError:
