@@ -93,10 +93,13 @@ class Rendezvous:
         except (PeerError, CollectiveTimeout) as exc:
             raise (abandon() if abandon else None) or exc
 
-    def ready(self) -> None:
-        """No rank leaves init (and so can close its aggregator) before every rank is connected."""
-        self.store.set(f"ready/{self.rank}", b"1")
-        self._wait([f"ready/{r}" for r in range(self.world)])
+    def ready(self, stage: str = "connected") -> None:
+        """No rank goes past `stage` of init before every rank got there: none leaves init (and so
+        can close its aggregator, or abort its gloo group) while a peer still connects to it. gloo's
+        group is up on one rank while its peer still finishes connecting; closed then, the peer's
+        fails with gloo's "Connection closed by peer"."""
+        self.store.set(f"ready/{stage}/{self.rank}", b"1")
+        self._wait([f"ready/{stage}/{r}" for r in range(self.world)])
 
     def ring(self, host: str, credentials: Credentials) -> Ring:
         """The communicator's ring (gloo's group and the star), reached at `host` (peers wait for

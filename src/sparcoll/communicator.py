@@ -120,6 +120,7 @@ class Communicator:
             # After ready(): every rank is alive and connected, so every rank builds it too.
             self._engine.ring = rendezvous.ring(self.options.host or local_host(),
                                                 Credentials(self.job, self.config, job_secret))
+            rendezvous.ready("ring")
 
     def _poisoned(self, error: BaseException) -> None:
         self._engine.set_poison(error)
