@@ -26,6 +26,7 @@ from .errors import SparcollError
 from .options import DEFAULT_TIMEOUT, Options, check_tag, check_timeout
 from .server import AggregatorServer
 from .star import Credentials
+from .weak import weak_method
 from .worker import WorkerJob
 
 __all__ = ["Communicator", "Stats", "Work"]
@@ -99,7 +100,7 @@ class Communicator:
             addresses = self.aggregators
             secret = self.options.secret
         self._worker = WorkerJob(self.rank, self.job, self.config, self.block_size, addresses,
-                                 _weakly(self._poisoned), server, local_job)
+                                 weak_method(self._poisoned), server, local_job)
         chooser = Chooser(self.options.algorithm, self.block_size, self.world)
         self._engine = Engine(self.rank, self._worker, chooser, ring=None)
         # One dropped without close() is closed when it is collected: its threads held it (through
@@ -279,17 +280,6 @@ def _shut(engine: Engine | None, worker: WorkerJob | None, closed: threading.Eve
             worker.close(engine.poison if engine else None)
     finally:
         closed.set()
-
-
-def _weakly(method):
-    """`method`, called through a weak reference to its object (nothing if that is gone)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args):
-        bound = ref()
-        if bound is not None:
-            bound(*args)
-    return call
 
 
 def _writable(tensor: torch.Tensor) -> torch.Tensor:

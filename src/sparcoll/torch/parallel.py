@@ -78,6 +78,7 @@ import re
 import threading
 import time
 import warnings
+import weakref
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -95,6 +96,7 @@ from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, parse
 from sparcoll.compress.channel import Channel, LabelMismatch, gloo_lost_a_peer, gloo_timed_out, wait_within
 from sparcoll.errors import CollectiveTimeout, DivergedError, MismatchError, PeerError
+from sparcoll.weak import weak_method
 
 from . import hybrid, sparse
 from .dropped import RESTART, DroppedSteps
@@ -127,8 +129,51 @@ AGREE_S = 10.0          # ranks whose step's synchronization failed alike say so
 # (kind, id): two at once would issue their collectives from two threads, in an order that differs
 # by rank, and gloo would pair one's with the other's (silently wrong sums where sizes agree: a review
 # trained a GAN-like pair of wrappers on the default group).
-_SYNCHRONIZING: dict[tuple[str, int], "DataParallel"] = {}
+_SYNCHRONIZING: weakref.WeakValueDictionary[tuple[str, int], "DataParallel"] = weakref.WeakValueDictionary()
 _SYNCHRONIZING_LOCK = threading.Lock()
+
+
+class Resources:
+    """What a DataParallel holds outside itself: hooks on the user's module, its two threads and their
+    queues, SFB's gloo group, the offload thread. Released by close(), or when a wrapper dropped
+    without it is collected; a second release does nothing more."""
+
+    def __init__(self, items: queue.SimpleQueue, running: queue.SimpleQueue):
+        self.handles: list = []
+        self.items, self.running = items, running
+        self.threads: list[threading.Thread] = []
+        self.group = None
+        self.offload: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def release(self, join_s: float = 0.0) -> None:
+        """`join_s`: how long to wait for each thread (none from the finalizer, which may run on one)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.items.put(None)
+        if join_s and self.threads:
+            self.threads[0].join(timeout=join_s)
+        self.running.put(None)         # after the last collective the synchronization thread could start
+        if join_s and self.threads:
+            self.threads[1].join(timeout=join_s)
+        group, self.group = self.group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+        if self.offload is not None:
+            self.offload.shutdown(wait=False, cancel_futures=True)
+
+
+def _each_item(wrapper_ref: weakref.ref, items: queue.SimpleQueue, work: Callable) -> None:
+    """A DataParallel thread: work(wrapper, item) for each item until None, holding the wrapper only
+    while it works on one, so that a wrapper dropped without close() is collected (its finalizer's
+    None then ends the loop)."""
+    while True:
+        item = items.get()
+        wrapper = wrapper_ref()
+        if item is None or wrapper is None:
+            return
+        work(wrapper, item)
+        wrapper = item = None       # (an item may hold the wrapper too)
 
 
 def _linear_input(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -239,6 +284,13 @@ class DataParallel(nn.Module):
         for name, p in module.named_parameters():
             if name in self._unit:
                 self._unit_bytes[self._unit[name]] += p.numel() * p.element_size()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._running: queue.SimpleQueue = queue.SimpleQueue()     # Started, in the order they started
+        self._resources = Resources(self._queue, self._running)
+        # A wrapper dropped without close() lets go of the module and stops its threads when it is
+        # collected: its hooks on the module and its threads kept it (and them, and SFB's group) alive
+        # for good, and re-wrapping the module made both wrappers synchronize in one backward.
+        weakref.finalize(self, self._resources.release).atexit = False
         self._offload: concurrent.futures.ThreadPoolExecutor | None = None
         wanted = self._explicit.values() if isinstance(self._explicit, dict) else [self._explicit]
         if hybrid.SPARSE in wanted and comm is None:
@@ -246,7 +298,7 @@ class DataParallel(nn.Module):
         if hybrid.SFB in wanted and find_unused_parameters:
             raise ValueError("the sfb strategy needs every rank to call the layer each step: it "
                              "cannot serve a model with find_unused_parameters=True")
-        self._handles: list = []
+        self._handles = self._resources.handles
         self._names = {id(p): name for name, p in module.named_parameters()}
         # each parameter's tag on sparcoll's collectives (Communicator.allreduce; a unit's, its first
         # parameter's): a rank whose collective is another parameter's than its peers' (a skipped
@@ -289,9 +341,9 @@ class DataParallel(nn.Module):
             if not self._may_take_sfb(layer):
                 continue
             state = LinearState(layer, self._names.get(id(layer.weight), "?"))
-            self._handles.append(layer.register_forward_pre_hook(functools.partial(self._before_linear, state),
+            self._handles.append(layer.register_forward_pre_hook(weak_method(self._before_linear, state),
                                                                  with_kwargs=True))
-            self._handles.append(layer.register_forward_hook(functools.partial(self._after_linear, state),
+            self._handles.append(layer.register_forward_hook(weak_method(self._after_linear, state),
                                                              with_kwargs=True, always_call=True))
             self._linear[id(layer.weight)] = state
         # SFB's gathers on a group of their own, each labelled with its call (sfb.gather_factors): ranks
@@ -303,6 +355,7 @@ class DataParallel(nn.Module):
         self._sfb_channel = None if not self._linear or self.world == 1 else Channel(dist.new_group(
             dist.get_process_group_ranks(group or dist.group.WORLD), timeout=timedelta(seconds=timeout),
             backend="gloo", use_local_synchronization=self.world < dist.get_world_size()), timeout=timeout)
+        self._resources.group = self._sfb_channel.group if self._sfb_channel is not None else None
         self._density: dict[int, float] = {}
         # the tensors whose block density the hybrid choice reads (_learn_density): chosen by it, with
         # a communicator, and sent through the sparse AllReduce at some density
@@ -340,14 +393,15 @@ class DataParallel(nn.Module):
         self._broken: BaseException | None = None      # why no later step may run (_breaking)
         self.trace: list[Event] = []
         self.backward_end = float("nan")
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._running: queue.SimpleQueue = queue.SimpleQueue()     # Started, in the order they started
-        self._thread = threading.Thread(target=self._serve, name="sparcoll-dataparallel", daemon=True)
-        self._thread.start()
-        self._completer = threading.Thread(target=self._complete, name="sparcoll-dataparallel-done", daemon=True)
-        self._completer.start()
+        me = weakref.ref(self)
+        self._resources.threads = [threading.Thread(target=_each_item, args=(me, self._queue, DataParallel._serve),
+                                               name="sparcoll-dataparallel", daemon=True),
+                              threading.Thread(target=_each_item, args=(me, self._running, DataParallel._complete),
+                                               name="sparcoll-dataparallel-done", daemon=True)]
+        for thread in self._resources.threads:
+            thread.start()
         self._broadcast_from_rank0()
-        self._handles += [p.register_post_accumulate_grad_hook(self._ready) for p in self._params]
+        self._handles += [p.register_post_accumulate_grad_hook(weak_method(self._ready)) for p in self._params]
 
     # ---- the user's side --------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -396,20 +450,11 @@ class DataParallel(nn.Module):
         return out
 
     def close(self) -> None:
-        """Remove the hooks and stop the synchronization thread (the communicator stays the
+        """Remove the hooks and stop the synchronization threads (the communicator stays the
         caller's)."""
-        for handle in self._handles:
-            handle.remove()
         self._release_channels()
-        self._queue.put(None)
-        self._thread.join(timeout=5)
-        self._running.put(None)         # after the last collective the thread could have started
-        self._completer.join(timeout=5)
-        if self._sfb_channel is not None and dist.is_initialized():
-            dist.destroy_process_group(self._sfb_channel.group)
-            self._sfb_channel = None
-        if self._offload is not None:
-            self._offload.shutdown(wait=False, cancel_futures=True)
+        self._resources.release(join_s=5)
+        self._sfb_channel = None
 
     # ---- decisions --------------------------------------------------------------------------------
     def _rows_of(self, p: torch.Tensor, rows: float | None) -> float:
@@ -691,6 +736,7 @@ class DataParallel(nn.Module):
         if placement == OFFLOAD:
             if self._offload is None:
                 self._offload = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparcoll-offload")
+                self._resources.offload = self._offload
             return self._offload.submit(reducer.compress, p.grad, id(p))
         return reducer.compress(p.grad, id(p))
 
@@ -1098,52 +1144,45 @@ class DataParallel(nn.Module):
         return (f" ({which})" if which else "") + cause
 
     # ---- the synchronization thread ----------------------------------------------------------------
-    def _serve(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            p, chosen, extra, events = item
-            start, started = time.perf_counter(), None
-            try:
-                if self._skipping is None:     # after a failure, later tensors are moot
-                    self._ran += 1
-                    started = self._synchronize(p, chosen, extra)
-            except BaseException as exc:       # every error reaches backward, none kills the thread; the
-                self._error = self._error or exc   # first is the step's (the completion thread's may come first)
-                self._skipping = self._skipping or exc
-            end = time.perf_counter()
-            for event in events:
-                event.start, event.end = start, end
-            if started is not None:      # the completion thread counts it done
-                self._running.put(Started(*started, events))
-                continue
-            with self._idle:
-                self._pending -= 1
-                self._idle.notify_all()
+    def _serve(self, item: tuple) -> None:
+        """The synchronization thread's work on one queued item (_each_item)."""
+        p, chosen, extra, events = item
+        start, started = time.perf_counter(), None
+        try:
+            if self._skipping is None:     # after a failure, later tensors are moot
+                self._ran += 1
+                started = self._synchronize(p, chosen, extra)
+        except BaseException as exc:       # every error reaches backward, none kills the thread; the
+            self._error = self._error or exc   # first is the step's (the completion thread's may come first)
+            self._skipping = self._skipping or exc
+        end = time.perf_counter()
+        for event in events:
+            event.start, event.end = start, end
+        if started is not None:      # the completion thread counts it done
+            self._running.put(Started(*started, events))
+            return
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
 
-    def _complete(self) -> None:
-        """The completion thread: waits for each collective the synchronization thread left running,
-        in the order they started, and puts its result in place (after an error, only waits: nothing
-        of the step may run after backward has returned)."""
-        while True:
-            started = self._running.get()
-            if started is None:
-                return
-            try:
-                self._wait_for(started.work)
-                if self._error is None:
-                    started.finish()
-            except BaseException as exc:       # every error reaches backward, none kills the thread
-                self._error = self._error or exc
-                if _ends_the_job(exc):      # else the rest of the step still runs, as on every rank
-                    self._skipping = self._skipping or exc
-            end = time.perf_counter()
-            for event in started.events:
-                event.end = end
-            with self._idle:
-                self._pending -= 1
-                self._idle.notify_all()
+    def _complete(self, started: Started) -> None:
+        """The completion thread's work on one collective the synchronization thread left running,
+        in the order they started: waits for it and puts its result in place (after an error, only
+        waits: nothing of the step may run after backward has returned)."""
+        try:
+            self._wait_for(started.work)
+            if self._error is None:
+                started.finish()
+        except BaseException as exc:       # every error reaches backward, none kills the thread
+            self._error = self._error or exc
+            if _ends_the_job(exc):      # else the rest of the step still runs, as on every rank
+                self._skipping = self._skipping or exc
+        end = time.perf_counter()
+        for event in started.events:
+            event.end = end
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
 
     def _wait_for(self, work) -> None:
         """gloo's wait for a collective left running, within the timeout; gloo's own timeout error
