@@ -523,5 +523,8 @@ def test_a_refusal_longer_than_a_challenge_is_read_whole_and_a_wrong_secret_stil
     server = server_module.AggregatorServer("127.0.0.1", 0, b"k" * 16)
     try:
         assert "wrong secret" in refused(server.address, hello_for(44), b"w" * 16)
+        # a worker without one (dedicated aggregators, $SPARCOLL_SECRET unset) is told so (a review)
+        assert "(this rank has no secret: set $SPARCOLL_SECRET to the aggregator's)" in refused(
+            server.address, hello_for(45), b"")
     finally:
         server.close()

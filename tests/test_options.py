@@ -62,11 +62,19 @@ def test_bad_environment_values_name_the_variable(monkeypatch):
     options = Options.resolve()
     assert options.credits == 3 and options.aggregators == ("a:1", "b:2")
     assert Options.resolve(credits=5).credits == 5        # an argument beats the environment
-    for variable, value in (("SPARCOLL_CREDITS", "0"), ("SPARCOLL_STREAMS", "65"), ("SPARCOLL_MESSAGE_BLOCKS", "0")):
+    monkeypatch.delenv("SPARCOLL_AGGREGATORS")
+    for variable, value in (("SPARCOLL_CREDITS", "0"), ("SPARCOLL_STREAMS", "65"), ("SPARCOLL_MESSAGE_BLOCKS", "0"),
+                            ("SPARCOLL_BLOCK_SIZE", "-5")):
         monkeypatch.setenv(variable, value)
         with pytest.raises(ValueError, match=rf"^\${variable}={value} outside \[1, "):   # before: unnamed
             Options.resolve()
         monkeypatch.delenv(variable)
+    monkeypatch.setenv("SPARCOLL_AGGREGATORS", ",")     # before: "pass None for colocated aggregators"
+    with pytest.raises(ValueError, match=r"^\$SPARCOLL_AGGREGATORS lists no address"):
+        Options.resolve()
+    monkeypatch.delenv("SPARCOLL_AGGREGATORS")
+    monkeypatch.setenv("SPARCOLL_HOST", " 10.1.2.3 ")
+    assert Options.resolve().host == "10.1.2.3" and Options.resolve(host="h").host == "h"
 
 
 def test_the_same_values_from_a_peer_are_protocol_errors():
@@ -105,10 +113,15 @@ def test_workers_refuse_a_blank_or_short_secret_for_dedicated_aggregators(monkey
 
 
 @pytest.mark.parametrize("host", ["nonexistent.invalid", "192.0.2.1"])    # no such name; not this host's
-def test_a_host_this_rank_cannot_listen_on_is_named(host):
+@pytest.mark.parametrize("given", ["argument", "environment"])
+def test_a_host_this_rank_cannot_listen_on_is_named(monkeypatch, host, given):
+    """From $SPARCOLL_HOST it used to be a bare gaierror or "Cannot assign requested address" (a review)."""
     import torch.distributed as dist
+    options = dict(host=host) if given == "argument" else {}
+    if given == "environment":
+        monkeypatch.setenv("SPARCOLL_HOST", host)
     with pytest.raises(ValueError, match=f"host '{host}' \\(host= or \\$SPARCOLL_HOST\\): this rank cannot listen"):
-        Communicator(dist.HashStore(), 0, 1, host=host, timeout=5.0)
+        Communicator(dist.HashStore(), 0, 1, timeout=5.0, **options)
 
 
 def test_a_second_close_returns_once_the_first_has_finished():

@@ -28,10 +28,9 @@ from .star import Credentials, wait_in_store
 
 
 def local_host() -> str:
-    """The address peers can reach this process at: SPARCOLL_HOST, else the interface that routes
-    to MASTER_ADDR (no packet is sent; an IPv6 one where MASTER_ADDR is IPv6), else loopback."""
-    if os.environ.get("SPARCOLL_HOST"):
-        return os.environ["SPARCOLL_HOST"]
+    """The address peers can reach this process at, where host= and $SPARCOLL_HOST say none: the
+    interface that routes to MASTER_ADDR (no packet is sent; an IPv6 one where MASTER_ADDR is IPv6),
+    else loopback."""
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
     try:
         family, _, _, _, address = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]

@@ -39,7 +39,7 @@ class Options:
                 streams: int | None = None, message_blocks: int | None = None,
                 credits: int | None = None, timeout: float = DEFAULT_TIMEOUT,
                 host: str | None = None, algorithm: str | None = None) -> "Options":
-        block_size = _given_or_env("block_size", block_size, _integer, DEFAULT_BLOCK_SIZE)
+        block_size = _given_or_env("block_size", block_size, _block_size, DEFAULT_BLOCK_SIZE)
         options = cls(
             block_size=block_size,
             aggregators=_given_or_env("aggregators", aggregators, _addresses, None),
@@ -47,7 +47,7 @@ class Options:
             message_blocks=_given_or_env("message_blocks", message_blocks, _up_to("message_blocks"),
                                          default_message_blocks(block_size)),
             credits=_given_or_env("credits", credits, _up_to("credits"), DEFAULT_CREDITS),
-            timeout=timeout, host=host,
+            timeout=timeout, host=_given_or_env("host", host, _host, None),
             algorithm=_given_or_env("algorithm", algorithm, Algorithm.parse, Algorithm.AUTO))
         if options.aggregators:
             options = replace(options, secret=shared_secret())
@@ -55,16 +55,12 @@ class Options:
         return options
 
     def _check(self) -> None:
-        if not 1 <= self.block_size <= wire.MAX_BLOCK_SIZE:
-            raise ValueError(f"block_size {self.block_size} outside [1, {wire.MAX_BLOCK_SIZE}]")
         if self.message_blocks * self.block_size * 8 > wire.MAX_MESSAGE_BYTES:
             raise ValueError(f"message_blocks {self.message_blocks} x block_size {self.block_size} "
                              f"x 8 bytes exceeds the {wire.MAX_MESSAGE_BYTES}-byte message limit; "
                              f"at most {wire.MAX_MESSAGE_BYTES // (self.block_size * 8)} blocks "
                              f"per message fit")
         check_timeout(self.timeout)
-        if self.aggregators is not None and not self.aggregators:
-            raise ValueError("aggregators is an empty list; pass None for colocated aggregators")
 
     def job_config(self, world: int) -> wire.JobConfig:
         """What every rank and aggregator of the job must agree on (ValueError if out of range)."""
@@ -117,6 +113,19 @@ def _integer(value, name: str) -> int:
     raise ValueError(f"{name} must be an integer, got {value!r}")
 
 
+def _block_size(value, name: str) -> int:
+    number = _integer(value, name)
+    if not 1 <= number <= wire.MAX_BLOCK_SIZE:
+        raise ValueError(f"{name}={number} outside [1, {wire.MAX_BLOCK_SIZE}]")
+    return number
+
+
+def _host(value, name: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name} must be a host name or address, got {value!r}")
+    return value.strip()
+
+
 def _up_to(option: str) -> Callable:
     """A parser of an integer from 1 to the job's limit for `option` (wire.JobConfig.LIMITS), whose
     error names it as the caller gave it: `credits`, or `$SPARCOLL_CREDITS` from the environment."""
@@ -133,6 +142,8 @@ def _up_to(option: str) -> Callable:
 def _addresses(value, name: str) -> tuple[str, ...]:
     items = value.split(",") if isinstance(value, str) else list(value)
     addresses = tuple(a.strip() for a in items if a.strip())
+    if not addresses:
+        raise ValueError(f"{name} lists no address; leave it unset (None) for colocated aggregators")
     endpoints = [transport.parse_address(a) for a in addresses]     # "[::1]:7000" is "::1:7000"
     twice = list(dict.fromkeys(a for a, e in zip(addresses, endpoints) if endpoints.count(e) > 1))
     if twice:

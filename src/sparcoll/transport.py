@@ -24,6 +24,7 @@ from . import wire
 from .errors import (AuthenticationError, CollectiveTimeout, MismatchError, PeerError,
                      ProtocolError)
 from .lease import Lease, give_back
+from .secret import ENV as SECRET_ENV
 
 SENDER_JOIN_S = 5.0      # close() waits this long for the sender to write what was queued
 RECV_SLICE = 256 * 1024   # recv_into in slices: measured faster than one huge recv_into here
@@ -460,7 +461,9 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
         server_nonce, server_mac = wire.decode_challenge(buf)
         if not hmac.compare_digest(server_mac, wire.mac(secret, b"server", hello, server_nonce)):
             _raise_refusal(_longer_refusal(sock, bytes(buf), handshake_deadline), peer)
-            raise AuthenticationError(f"{peer} failed authentication (wrong secret?)")
+            raise AuthenticationError(f"{peer} failed authentication (" + (
+                "wrong secret?)" if secret else f"this rank has no secret: set ${SECRET_ENV} to the "
+                f"aggregator's)"))
         _send_before(sock, wire.encode_proof(wire.mac(secret, b"client", hello, server_nonce),
                                              job_token), handshake_deadline)
         buf = bytearray(wire.VERDICT_BYTES)
