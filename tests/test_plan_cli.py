@@ -28,8 +28,11 @@ MODELS = (
     "    def forward(self, x):\n        return self.a(x), x\n\n"
     "def plain():\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), torch.randn(4, 8)\n\n"
     "def unused():\n    torch.manual_seed(0)\n    return Unused(), torch.randn(4, 8)\n\n"
-    "def tupled():\n    return Pair(), torch.randn(4, 8)\n\n"
-    "def keyed():\n    return nn.Linear(8, 2), {'x': torch.randn(4, 8)}\n\n"
+    "class Indices(nn.Module):\n"
+    "    def __init__(self):\n        super().__init__()\n        self.a = nn.Linear(8, 2)\n"
+    "    def forward(self, x):\n        return {'classes': self.a(x).argmax(1)}\n\n"
+    "def indices():\n    return Indices(), torch.randn(4, 8)\n\n"
+    "def listed():\n    return nn.Linear(8, 2), {'input': [torch.randn(4, 8)]}\n\n"
     "def double():\n    return nn.Linear(8, 2).double(), torch.randn(4, 8, dtype=torch.float64)\n\n"
     "def broken():\n    return nn.Linear(8, 2), torch.randn(4, 3)\n\n"
     "class Argmax(nn.Module):\n"
@@ -135,9 +138,10 @@ def test_an_edited_model_under_the_same_spec_is_profiled_again(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("function, says", [
-    ("tupled", "the model must return a tensor (a scalar loss or an output whose sum is the loss), got tuple"),
-    ("keyed", "the example input must be a tensor or a tuple of tensors (the model's positional arguments), "
-              "got dict"),
+    ("indices", "the model must return a scalar loss, or tensors whose sum is the loss (in a tuple, list or "
+                "dict), got a dict of classes: Tensor with no floating-point tensor"),
+    ("listed", "the example input must be a tensor, a tuple of tensors (the model's positional arguments) or a "
+               "dict of tensors by name (its keyword arguments), got a dict of input: list"),
     ("double", "parameter weight is torch.float64"),
     ("broken", "failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
     ("missing", "has no function missing"),

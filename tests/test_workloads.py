@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from sparcoll.workloads import WORKLOADS, get_workload, gpt, vgg
 from sparcoll.workloads.data import zipf
@@ -420,7 +421,20 @@ def test_a_users_model_trains_on_its_example_input(tmp_path, monkeypatch):
         "    def forward(self, x, y):\n        return (self.a(x) * self.b(y)).mean()\n\n"
         "def pair():\n    torch.manual_seed(1)\n    return Pair(), (torch.randn(5, 3), torch.randn(5, 4))\n\n"
         "def linear():\n    torch.manual_seed(2)\n    return nn.Linear(3, 2), torch.randn(6, 3)\n\n"
-        "def wrong():\n    return 'not a model'\n")
+        "def wrong():\n    return 'not a model'\n\n"
+        "class Keyed(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.a = nn.Linear(3, 4)\n"
+        "    def forward(self, x, labels):\n"
+        "        logits = self.a(x)\n"
+        "        return {'loss': nn.functional.cross_entropy(logits, labels), 'logits': logits}\n\n"
+        "def keyed():\n    torch.manual_seed(3)\n"
+        "    return Keyed(), {'labels': torch.tensor([0, 3, 1]), 'x': torch.randn(3, 3)}\n\n"
+        "class Nested(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.a = nn.Linear(3, 2)\n"
+        "    def forward(self, x):\n"
+        "        h = self.a(x)\n"
+        "        return h, [h.argmax(1), {'r': h.relu(), 's': (h.relu(),)}]\n\n"
+        "def nested():\n    torch.manual_seed(4)\n    return Nested(), torch.randn(5, 3)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     wl = UserModel("users_models:pair")
     x, y = wl.batch
@@ -431,6 +445,18 @@ def test_a_users_model_trains_on_its_example_input(tmp_path, monkeypatch):
     (x,) = wl.batch
     assert wl.loss(wl.model, wl.batch).item() == pytest.approx((x @ wl.model.weight.T + wl.model.bias).sum().item(),
                                                               rel=1e-6)
+    # keyword arguments (a dict, as a tokenizer gives them); a dict with a scalar "loss" (as Hugging Face
+    # models return given labels); else the sum of every floating-point tensor returned, at any depth
+    wl = UserModel("users_models:keyed")
+    x, labels = wl.batch[0]["x"], wl.batch[0]["labels"]
+    model = wl.model
+    assert wl.loss(model, wl.batch).item() == pytest.approx(
+        nn.functional.cross_entropy(model.a(x), labels).item(), abs=0)
+    wl = UserModel("users_models:nested")
+    (x,) = wl.batch
+    assert wl.loss(wl.model, wl.batch).item() == pytest.approx(
+        (wl.model.a(x).sum() + 2 * wl.model.a(x).relu().sum()).item(), rel=1e-6)
+    assert UserModel("users_models:nested").loss(wl.model, wl.batch).requires_grad
     with pytest.raises(ValueError, match="expected MODULE:FUNCTION"):
         UserModel("users_models")
     with pytest.raises(ValueError, match="has no function nope"):

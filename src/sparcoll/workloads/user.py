@@ -1,15 +1,17 @@
 """A user's own model as a workload: what `sparcoll plan --model MODULE:FUNCTION` profiles and its trial
 trains.
 
-FUNCTION() returns ``(model, batch)``: an ``nn.Module`` and an example input of one worker (a tensor, or
-a tuple of tensors, the model's positional arguments). Every step trains on that same input; the model
-returns a tensor, and the loss is that output itself when it is a scalar, else the output's sum. That is
-enough to time a step (what the planner needs), not to learn anything. `sparcoll plan` calls FUNCTION
-first in its own process (checked_here, fingerprint), then each worker calls it itself (the module must
-be importable where the workers start: the current directory or PYTHONPATH); DataParallel and DDP
-broadcast rank 0's parameters, so a FUNCTION that does not seed its model still trains one model.
-The planner prices float32 gradients (4 bytes an element, as its collectives were timed): a model with
-a trainable parameter of another dtype is refused, naming it.
+FUNCTION() returns ``(model, batch)``: an ``nn.Module`` and an example input of one worker (a tensor, a
+tuple of tensors, the model's positional arguments, or a dict of tensors, its keyword arguments, as a
+tokenizer gives them). Every step trains on that same input. The loss is the model's output itself when it
+is a scalar tensor; else a scalar "loss" of a dict it returns (as Hugging Face models do when given labels);
+else the sum of every floating-point tensor it returns, in a tensor, tuple, list or dict, nested or not.
+That is enough to time a step (what the planner needs), not to learn anything. `sparcoll plan` calls
+FUNCTION first in its own process (checked_here, fingerprint), then each worker calls it itself (the module
+must be importable where the workers start: the current directory or PYTHONPATH); DataParallel and DDP
+broadcast rank 0's parameters, so a FUNCTION that does not seed its model still trains one model. The
+planner prices float32 gradients (4 bytes an element, as its collectives were timed): a model with a
+trainable parameter of another dtype is refused, naming it.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import itertools
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,14 +44,21 @@ class UserModel(Workload):
     def __init__(self, spec: str):
         model, batch = build(spec)
         super().__init__(model, Config(spec), ())
+        self.keywords = isinstance(batch, dict)     # then self.batch is (the dict,)
         self.batch: Batch = batch if isinstance(batch, tuple) else (batch,)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        out = model(*batch)
-        if not isinstance(out, torch.Tensor):
-            raise ValueError(f"--model {self.config.spec!r}: the model must return a tensor (a scalar loss or an "
-                             f"output whose sum is the loss), got {type(out).__name__}")
-        return out if out.dim() == 0 else out.sum()
+        out = model(**batch[0]) if self.keywords else model(*batch)
+        if isinstance(out, torch.Tensor) and out.dim() == 0:
+            return out
+        if isinstance(out, Mapping) and isinstance(out.get("loss"), torch.Tensor) and out["loss"].dim() == 0:
+            return out["loss"]
+        summed = [t.sum() for t in _tensors_in(out) if t.is_floating_point()]
+        if not summed:
+            raise ValueError(f"--model {self.config.spec!r}: the model must return a scalar loss, or tensors whose "
+                             f"sum is the loss (in a tuple, list or dict), got {_kinds(out)} with no "
+                             f"floating-point tensor")
+        return torch.stack(summed).sum()
 
     def batches(self, batch_size: int = 0, rank: int = 0, world_size: int = 1, seed: int = 0,
                 start_step: int = 0) -> Iterator[Batch]:
@@ -82,10 +91,14 @@ def build(spec: str) -> tuple[nn.Module, object]:
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
         raise ValueError(f"--model {spec!r}: {function_name}() must return (nn.Module, example input), "
                          f"got {type(built).__name__}")
-    example = built[1] if isinstance(built[1], tuple) else (built[1],)
-    if not all(isinstance(x, torch.Tensor) for x in example):
-        raise ValueError(f"--model {spec!r}: the example input must be a tensor or a tuple of tensors (the model's "
-                         f"positional arguments), got {_kinds(built[1])}")
+    example = built[1]
+    tensors = (example if isinstance(example, tuple) else example.values() if isinstance(example, dict)
+               else (example,))
+    if not all(isinstance(x, torch.Tensor) for x in tensors) \
+            or isinstance(example, dict) and not all(isinstance(k, str) for k in example):
+        raise ValueError(f"--model {spec!r}: the example input must be a tensor, a tuple of tensors (the model's "
+                         f"positional arguments) or a dict of tensors by name (its keyword arguments), got "
+                         f"{_kinds(example)}")
     other = [(name, p.dtype) for name, p in built[0].named_parameters() if p.requires_grad and p.dtype != torch.float32]
     if other:
         name, dtype = other[0]
@@ -94,11 +107,21 @@ def build(spec: str) -> tuple[nn.Module, object]:
     return built
 
 
-def _kinds(example) -> str:
-    """The type of an example input, and of each item of a tuple."""
-    if isinstance(example, tuple):
-        return f"a tuple of {', '.join(type(x).__name__ for x in example)}"
-    return type(example).__name__
+def _kinds(value) -> str:
+    """The type of an example input or an output, and of each item of a tuple, list or dict."""
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {', '.join(type(x).__name__ for x in value)}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} of {', '.join(f'{k}: {type(x).__name__}' for k, x in value.items())}"
+    return type(value).__name__
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in an output: itself, or those in its tuples, lists and dicts, at any depth."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+    return [t for item in items for t in _tensors_in(item)]
 
 
 def checked_here(spec: str) -> UserModel:
@@ -140,5 +163,8 @@ def fingerprint(workload: UserModel) -> str:
     sparse = sparse_weights(workload.model)
     described = [[name, list(p.shape), str(p.dtype), p.requires_grad, *(["sparse"] if id(p) in sparse else [])]
                  for name, p in workload.model.named_parameters()]
-    described.append([[list(x.shape), str(x.dtype)] for x in workload.batch])
+    if workload.keywords:
+        described.append([[name, list(x.shape), str(x.dtype)] for name, x in sorted(workload.batch[0].items())])
+    else:
+        described.append([[list(x.shape), str(x.dtype)] for x in workload.batch])
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
