@@ -102,8 +102,8 @@ class CompressionState:
         # One thread, so buckets are reduced one after another in the order DDP hands them over,
         # the same on every rank.
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sparcoll-compress") if overlap else None
-        self._release = weakref.finalize(self, _release, self._worker, group if self._own else None)
-        self._release.atexit = False
+        self._finalizer = weakref.finalize(self, _release, self._worker, group if self._own else None)
+        self._finalizer.atexit = False
         self.closed = False
         self.failed: BaseException | None = None    # the first bucket that failed: no later one runs
 
@@ -115,7 +115,7 @@ class CompressionState:
         self.closed = True
         if self._worker is not None:
             self._worker.shutdown(wait=True)
-        self._release()
+        self._finalizer()
 
     def spec_for(self, param: torch.Tensor) -> Spec:
         if id(param) in self._overrides:

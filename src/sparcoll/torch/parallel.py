@@ -394,10 +394,11 @@ class DataParallel(nn.Module):
         self.trace: list[Event] = []
         self.backward_end = float("nan")
         me = weakref.ref(self)
-        self._resources.threads = [threading.Thread(target=_each_item, args=(me, self._queue, DataParallel._serve),
-                                               name="sparcoll-dataparallel", daemon=True),
-                              threading.Thread(target=_each_item, args=(me, self._running, DataParallel._complete),
-                                               name="sparcoll-dataparallel-done", daemon=True)]
+        self._resources.threads = [
+            threading.Thread(target=_each_item, args=(me, self._queue, DataParallel._serve),
+                             name="sparcoll-dataparallel", daemon=True),
+            threading.Thread(target=_each_item, args=(me, self._running, DataParallel._complete),
+                             name="sparcoll-dataparallel-done", daemon=True)]
         for thread in self._resources.threads:
             thread.start()
         self._broadcast_from_rank0()
