@@ -852,9 +852,9 @@ def test_a_rank_whose_options_are_refused_tells_its_peers_at_once(store):
         t.start()
     for t in threads:
         t.join(30)
-    assert results[1][0] == "ValueError" and "block_size 0" in results[1][1], results
+    assert results[1][0] == "ValueError" and "block_size=0" in results[1][1], results
     assert results[0][0] == "PeerError" and "rank 1 gave up init" in results[0][1] \
-        and "block_size 0" in results[0][1], results
+        and "block_size=0" in results[0][1], results
     assert results[0][2] < 5.0, results
 
 

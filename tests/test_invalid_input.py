@@ -113,6 +113,43 @@ def test_overlapping_memory_is_refused_on_its_rank_and_reported_to_the_peer(stor
         close(comms)
 
 
+def test_a_refused_input_behind_queued_calls_leaves_them_to_run_and_tells_the_peer_at_once(store):
+    """Rank 1 queues four valid async calls, then one of a dtype sparcoll refuses, then a valid one;
+    rank 0 makes six valid calls. The communicator was poisoned at the refusal: rank 1's queued
+    calls failed with PoisonedError, unannounced, and rank 0 waited for them until its timeout (a
+    review). Now they run and are exact on both ranks, the refusal reaches rank 0 when its turn
+    comes, and the call after it fails on both."""
+    comms = pair(store, "queued-refusal/")
+    tensors = [torch.randn(1 << 20, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def calls(rank, comm):
+        works = [comm.allreduce(t.clone(), async_op=True) for t in tensors]
+        outcomes = []
+        try:
+            comm.allreduce(torch.ones(8, dtype=torch.int64) if rank == 1 else torch.ones(8), async_op=True).wait()
+        except Exception as exc:
+            outcomes.append(exc)
+        try:
+            comm.allreduce(torch.ones(8))
+        except Exception as exc:
+            outcomes.append(exc)
+        return [w.wait() for w in works], outcomes
+    try:
+        out = on_both(comms, calls)
+    finally:
+        close(comms)
+    for rank in (0, 1):
+        (results, (refused, after)), seconds = out[rank]
+        assert all(torch.equal(r, 2 * t) for r, t in zip(results, tensors)), rank
+        if rank == 1:
+            assert isinstance(refused, TypeError) and "dtype torch.int64" in str(refused), refused
+        else:
+            assert isinstance(refused, sparcoll.SparcollError) and "rank 1" in str(refused) \
+                and "rejected its input" in str(refused), refused
+        assert isinstance(after, sparcoll.PoisonedError), after
+        assert seconds < PROMPT, (rank, seconds)
+
+
 def test_a_non_contiguous_tensor_without_overlap_is_reduced(store):
     comms = pair(store, "strided/")
     try:

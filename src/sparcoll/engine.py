@@ -156,9 +156,11 @@ class Run:
 
 @dataclass(frozen=True)
 class Abort:
-    """Tell every aggregator that this rank gives up collective `cid` (its input was refused)."""
+    """Tell every aggregator that this rank gives up collective `cid` (its input was refused), then
+    poison the communicator with `error`."""
     cid: int
     text: str
+    error: BaseException
 
 
 class Engine:
@@ -196,9 +198,11 @@ class Engine:
                 self.state.move(CommunicatorState.POISONED)
 
     def reject(self, cid: int, exc: BaseException) -> None:
-        """This rank refused its own input for collective `cid`: peers must not wait for it."""
-        self._put(Abort(cid, f"rejected its input: {exc}"))
-        self.set_poison(exc)
+        """This rank refused its own input for collective `cid`: peers must not wait for it. The
+        communicator is poisoned at the refusal's turn, after the collectives queued before it: poisoned
+        at once, those failed here with PoisonedError, unannounced, and the peers waited for them
+        until their timeout (a review: 20 s)."""
+        self._put(Abort(cid, f"rejected its input: {exc}", exc))
 
     def check_poison(self, cid: int) -> None:
         """PoisonedError if an earlier collective failed (unless a peer's own report of this
@@ -269,6 +273,7 @@ class Engine:
                 except BaseException:   # any: the peers then learn it from this rank's poison
                     log.exception("rank %d could not announce its abort of allreduce %d",
                                   self.rank, request.cid)
+                self.set_poison(request.error)
                 return True
             try:
                 error = self._execute(request.coll)
