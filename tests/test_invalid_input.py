@@ -3,6 +3,7 @@ with a clear error on the rank that made the mistake and, at once, on its peers;
 accepts it, reduced as gloo does. Two colocated ranks on threads of this process."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -147,6 +148,43 @@ def test_a_refused_input_behind_queued_calls_leaves_them_to_run_and_tells_the_pe
             assert isinstance(refused, sparcoll.SparcollError) and "rank 1" in str(refused) \
                 and "rejected its input" in str(refused), refused
         assert isinstance(after, sparcoll.PoisonedError), after
+        assert seconds < PROMPT, (rank, seconds)
+
+
+def test_two_threads_of_a_rank_calling_at_once_run_in_the_order_of_their_ids(store):
+    """Rank 0's calls come from two threads: the first takes its id and is slow to put it in line
+    (here its poison check takes 0.5 s), the second calls meanwhile. The second ran first, on its own
+    thread, while rank 1 ran the first: each waited for the other until the timeout (a review). Now
+    the ids go in line in order and both sums are exact."""
+    comms = pair(store, "two-threads/")
+    check_poison = comms[0]._engine.check_poison
+    slow = threading.Event()
+
+    def slow_for_the_first(cid):
+        if not slow.is_set():
+            slow.set()
+            time.sleep(0.5)
+        check_poison(cid)
+    comms[0]._engine.check_poison = slow_for_the_first
+    first, second = torch.randn(4096), torch.randn(4096)
+
+    def calls(rank, comm):
+        if rank == 1:
+            return [comm.allreduce(first.clone(), tag=1), comm.allreduce(second.clone(), tag=2)]
+        got = {}
+        other = threading.Thread(target=lambda: got.__setitem__(2, comm.allreduce(second.clone(), tag=2)))
+        threading.Timer(0.1, other.start).start()
+        got[1] = comm.allreduce(first.clone(), tag=1)
+        other.join(3 * TIMEOUT)
+        return [got[1], got.get(2)]
+    try:
+        out = on_both(comms, calls)
+    finally:
+        close(comms)
+    for rank in (0, 1):
+        results, seconds = out[rank]
+        assert not isinstance(results, Exception), (rank, results)
+        assert torch.equal(results[0], 2 * first) and torch.equal(results[1], 2 * second), rank
         assert seconds < PROMPT, (rank, seconds)
 
 

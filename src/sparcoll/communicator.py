@@ -153,6 +153,20 @@ class Communicator:
     def _submit(self, tensor, layout, op, async_op, timeout, tag):
         if self._engine is None:
             raise SparcollError("communicator is closed")
+        with self._engine.order:
+            coll, work, here = self._place(tensor, layout, op, async_op, timeout, tag)
+        # Outside inference mode: the views a blocking call makes on its own thread would be
+        # inference tensors, which the threads that write results may not update.
+        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+            if here:
+                self._engine.run_here(coll, work)
+            elif not async_op and self._engine.on_its_thread():
+                self._engine.serve_until(coll, work)
+            return work if async_op else work.wait()
+
+    def _place(self, tensor, layout, op, async_op, timeout, tag):
+        """The call's collective and Work, and whether the caller runs it (Engine.place), from its id on:
+        under the engine's order."""
         cid = self._engine.next_id()
         try:    # a bad input is reported as such, poisoned communicator or not
             if timeout is not None:
@@ -177,11 +191,7 @@ class Communicator:
             tensor = torch.empty(0, dtype=tensor.dtype)
         coll = WorkerCollective(cid, _writable(tensor), kind, self.timeout if timeout is None else timeout, tag)
         work = self._engine.new_work(coll, result)
-        # Outside inference mode: the views a blocking call makes on its own thread would be
-        # inference tensors, which the threads that write results may not update.
-        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
-            self._engine.submit(coll, work, async_op)
-            return work if async_op else work.wait()
+        return coll, work, self._engine.place(coll, work, async_op)
 
     def _describe(self, tensor, layout, op) -> tuple[int, int, int]:
         """The call's kind, (numel, dtype code, op code), once its input is checked."""

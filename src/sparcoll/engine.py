@@ -180,6 +180,11 @@ class Engine:
         self._queued = 0                        # requests put and not yet started
         self._ahead_s = 0.0     # the timeouts (plus GRACE) of the collectives submitted, not yet done
         self._running = threading.Lock()        # held by whichever thread runs a collective
+        # Held from taking a call's id to its place in line (place): collectives run in id order, as
+        # the aggregators pair them. Two threads of one rank calling at once (a metrics thread beside
+        # training) ran the later id first on the caller's thread, and the ranks waited for each
+        # other until the timeout (a review).
+        self.order = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="sparcoll-engine", daemon=True)
         self._thread.start()
 
@@ -226,26 +231,32 @@ class Engine:
     def on_its_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def submit(self, coll: WorkerCollective, work: Work, async_op: bool) -> None:
-        """Run `coll` in order: here if the caller blocks and nothing is queued, else queued."""
+    def place(self, coll: WorkerCollective, work: Work, async_op: bool) -> bool:
+        """Put `coll` in line, under `order`: True if the caller blocks and nothing is queued, so that
+        it runs `coll` on its own thread (run_here, after letting go of `order`); else it is queued."""
         if not async_op and self._running.acquire(blocking=False):
-            try:
-                with self._lock:
-                    idle = self._queued == 0
-                if idle:
-                    self._complete(coll, work, self._execute(coll))
-            finally:
-                self._running.release()
-        if work.is_completed():
-            return
+            with self._lock:
+                idle = self._queued == 0
+            if idle:
+                return True
+            self._running.release()
         self._put(Run(coll, work))
-        if not async_op and self.on_its_thread():
-            # Called from a done-callback on the engine thread: nobody else would serve the
-            # queue, so this thread serves it (in order) up to and including this collective.
-            while not work.is_completed():
-                if not self._serve(self._requests.get()):
-                    self._requests.put(None)      # closing: the engine loop stops on it
-                    self._complete(coll, work, SparcollError("the communicator was closed"))
+        return False
+
+    def run_here(self, coll: WorkerCollective, work: Work) -> None:
+        """Run `coll`, which place() let this blocking caller run on its own thread."""
+        try:
+            self._complete(coll, work, self._execute(coll))
+        finally:
+            self._running.release()
+
+    def serve_until(self, coll: WorkerCollective, work: Work) -> None:
+        """A blocking call from a done-callback on the engine thread, queued: nobody else would serve
+        the queue, so this thread serves it (in order) up to and including this collective."""
+        while not work.is_completed():
+            if not self._serve(self._requests.get()):
+                self._requests.put(None)      # closing: the engine loop stops on it
+                self._complete(coll, work, SparcollError("the communicator was closed"))
 
     def _put(self, request: Run | Abort) -> None:
         with self._lock:
