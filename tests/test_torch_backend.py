@@ -537,6 +537,36 @@ def one_rank_int64_the_other_float32(rank: int, world: int) -> dict:
     return out
 
 
+def gloo_after_a_call_that_went_to_gloo_against_sparcoll(rank: int, world: int) -> dict:
+    """As one_rank_int64_the_other_float32, then a broadcast, an all_gather and a barrier on the same
+    group: what each raised and how long it took."""
+    pg = sparcoll_group(timeout=30)
+    out = {"all_reduce": outcome_of(lambda: dist.all_reduce(
+        torch.ones(1000) if rank == 0 else torch.ones(1000, dtype=torch.int64), group=pg), expected=(Exception,))}
+    out["broadcast"] = outcome_of(lambda: dist.broadcast(torch.ones(10), src=0, group=pg), expected=(Exception,))
+    out["all_gather"] = outcome_of(lambda: dist.all_gather([torch.empty(3)] * world, torch.ones(3), group=pg),
+                                   expected=(Exception,))
+    out["barrier"] = outcome_of(lambda: dist.barrier(group=pg), expected=(Exception,))
+    dist.destroy_process_group(pg)
+    return out
+
+
+def test_after_a_call_that_went_to_gloo_against_sparcoll_the_groups_gloo_collectives_fail_at_once():
+    """Rank 1's int64 all_reduce went to gloo, rank 0's float32 one to sparcoll: both got MismatchError
+    at once, but rank 1's gloo all_reduce stayed pending, and the group's next broadcast waited on both
+    ranks for the group's timeout (a review; 30 minutes by default). Now the rank whose gloo part is
+    out of step says so at once, and its peer's gloo collectives fail at once too."""
+    outcomes = run_ranks(gloo_after_a_call_that_went_to_gloo_against_sparcoll, WORLD, timeout=TIMEOUT)
+    for rank, out in enumerate(outcomes):
+        assert out["all_reduce"][0] == "MismatchError", out
+        for call in ("broadcast", "all_gather", "barrier"):
+            kind, text, seconds = out[call]
+            assert kind != "NO ERROR" and seconds < 10, (rank, call, out)
+    for call in ("broadcast", "all_gather", "barrier"):
+        assert outcomes[1][call][0] == "PoisonedError" and "gloo part is out of step" in outcomes[1][call][1], \
+            outcomes[1]
+
+
 def calls_that_both_go_to_gloo_but_differ(rank: int, world: int) -> dict:
     """Rank 0 all_reduces int64 with MIN, rank 1 with MAX: both calls go to gloo, which mixes them
     silently; then the same group sums int64 (both gloo's) and float32 (sparcoll's); last, the ranks

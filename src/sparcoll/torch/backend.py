@@ -20,7 +20,10 @@ Errors: a failed sparcoll collective raises its own exception (e.g. MismatchErro
 fails the work's future as a real error, so DDP's backward raises a RuntimeError instead of crashing.
 The sparcoll and gloo parts each keep their own order; as with any backend, a tensor must not be passed
 to another collective before the work that writes it has completed. After a sparcoll failure the
-communicator is poisoned: later sparcoll collectives of the group fail too (recreate the group).
+communicator is poisoned: later sparcoll collectives of the group fail too (recreate the group); where
+the failure left the gloo part out of step (a rank's all_reduce went to gloo, its peer's to sparcoll),
+the group's gloo collectives fail at once too (PoisonedError on that rank, gloo's closed connection on
+its peers), not after the group's timeout.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import torch.distributed as dist
 
 from sparcoll.blocks import may_overlap
 from sparcoll.communicator import Communicator
-from sparcoll.errors import CollectiveTimeout, MismatchError
+from sparcoll.errors import CollectiveTimeout, MismatchError, PoisonedError
 from sparcoll.wire import BARRIER_TAG, DELEGATED_TAG, DTYPE_CODES, OPS as SPARCOLL_OPS
 
 from . import sparse
@@ -110,6 +113,7 @@ class SparcollWork(dist.Work):
 
 def _delegate(gloo_name: str):
     def method(self, *args):
+        self._gloo_in_step()
         return getattr(self.gloo, gloo_name)(*args)
     method.__name__ = gloo_name
     method.__doc__ = f"Delegated to the inner gloo group's {gloo_name}."
@@ -135,6 +139,7 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
         super().__init__(rank, world)
         self._group_name = self._group_desc = ""
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world, timeout)
+        self._gloo_left: MismatchError | None = None    # why the gloo part is out of step (_out_of_step)
         self.comm = Communicator(dist.PrefixStore("sparcoll", store), rank, world,
                                  timeout=timeout.total_seconds())
         # Collectives that torch's C++ calls on the group's backend for a device, not through these
@@ -202,10 +207,11 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
         op = opts.reduceOp.op
 
         def issue() -> list:
+            self._gloo_in_step()
             gloo_part = self.gloo.allreduce(tensors, opts)
             h, world = _call_number(op, tensors), self.size()
             sums = torch.tensor([h, h * h], dtype=torch.float64)
-            checking = self._issue(sums, "sum", _seconds(opts.timeout), DELEGATED_TAG)
+            checking = self._beside_gloo(self._issue(sums, "sum", _seconds(opts.timeout), DELEGATED_TAG))
             verdict = torch.futures.Future()
 
             def judge(error: BaseException | None) -> None:
@@ -232,9 +238,34 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
         opts = dist.BarrierOptions() if opts is None else opts
 
         def issue() -> list:
+            self._gloo_in_step()
             gloo_part = self.gloo.barrier(opts)
-            return self._issue(torch.ones(1), "sum", _seconds(opts.timeout), BARRIER_TAG) + [gloo_part]
+            return self._beside_gloo(self._issue(torch.ones(1), "sum", _seconds(opts.timeout), BARRIER_TAG)) \
+                + [gloo_part]
         return SparcollWork(Completion.start([], issue))
+
+    def _beside_gloo(self, checking: list) -> list:
+        """`checking`, the sparcoll round issued beside a gloo part, watched: if it fails with
+        MismatchError, a peer called something else (a float all_reduce that went to sparcoll where
+        this rank's int64 one went to gloo), and this rank's gloo part waits for a partner that never
+        comes: gloo would pair it with the group's next gloo collective, or wait for the group's
+        timeout (30 minutes by default; a review). Later calls that reach gloo then raise at once, and
+        the inner gloo group is aborted, so that a peer's next gloo collective fails at once too."""
+        def out_of_step(error: BaseException | None) -> None:
+            if isinstance(error, MismatchError) and self._gloo_left is None:
+                self._gloo_left = error
+                try:
+                    self.gloo.abort()
+                except Exception:   # best effort: this rank's own calls raise anyway
+                    pass
+        for work in checking:
+            when_done(work, out_of_step)
+        return checking
+
+    def _gloo_in_step(self) -> None:
+        if self._gloo_left is not None:
+            raise PoisonedError(f"this group's gloo part is out of step since a collective beside it failed "
+                                f"({self._gloo_left}); create a new group")
 
     def shutdown(self) -> None:
         self.comm.close()
