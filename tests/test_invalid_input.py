@@ -188,6 +188,36 @@ def test_two_threads_of_a_rank_calling_at_once_run_in_the_order_of_their_ids(sto
         assert seconds < PROMPT, (rank, seconds)
 
 
+def test_a_communicator_dropped_while_its_work_is_pending_lives_until_the_work_is_done(store):
+    """A helper that starts an async allreduce and returns only its Work: the communicator, dropped,
+    was collected and closed, and the Work failed with "the communicator was closed before the
+    collective ran" on a rank that never closed it (a review). torch's Work keeps its group alive; so
+    does sparcoll's now, until it is done."""
+    import gc
+    import weakref
+    comms = pair(store, "dropped-pending/")
+    tensor = torch.randn(4096)
+
+    def calls(rank, comm):
+        if rank == 1:
+            time.sleep(0.3)         # rank 0's communicator is dropped meanwhile
+            return comm.allreduce(tensor.clone())
+        work, dropped = comm.allreduce(tensor.clone(), async_op=True), weakref.ref(comm)
+        del comm, comms[0]
+        gc.collect()
+        result = work.wait()
+        del work
+        gc.collect()
+        return result, dropped() is None
+    try:
+        out = on_both(comms, calls)
+    finally:
+        close(comms)
+    (result, collected), _ = out[0]
+    assert torch.equal(result, 2 * tensor) and torch.equal(out[1][0], 2 * tensor)
+    assert collected        # and once its Work is done, the communicator goes
+
+
 def test_a_non_contiguous_tensor_without_overlap_is_reduced(store):
     comms = pair(store, "strided/")
     try:

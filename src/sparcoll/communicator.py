@@ -190,7 +190,7 @@ class Communicator:
                                              tensor.shape, is_coalesced=True, check_invariants=True)
             tensor = torch.empty(0, dtype=tensor.dtype)
         coll = WorkerCollective(cid, _writable(tensor), kind, self.timeout if timeout is None else timeout, tag)
-        work = self._engine.new_work(coll, result)
+        work = self._engine.new_work(coll, result, owner=self)
         return coll, work, self._engine.place(coll, work, async_op)
 
     def _describe(self, tensor, layout, op) -> tuple[int, int, int]:

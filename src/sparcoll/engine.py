@@ -49,11 +49,14 @@ GRACE = 5.0     # seconds a Work may take beyond the deadlines of the collective
 
 class Work:
     """Handle of an asynchronous allreduce. `deadline` (time.monotonic()) bounds wait() without a
-    timeout: the collective and every one queued before it must have ended by then."""
+    timeout: the collective and every one queued before it must have ended by then. `owner` (its
+    Communicator) is kept alive until it is done, as torch's Work keeps its group: a communicator
+    dropped with only its Work kept failed it ("closed before the collective ran"; a review)."""
 
     def __init__(self, tensor: torch.Tensor, cid: int, deadline: float,
-                 expired: Callable[[BaseException], None] = lambda error: None):
+                 expired: Callable[[BaseException], None] = lambda error: None, owner: object = None):
         self.tensor = tensor
+        self._owner = owner
         self.id = cid
         self.deadline = deadline
         self._expired = expired     # told when wait() gives up at the deadline
@@ -116,6 +119,7 @@ class Work:
                 callbacks, self._callbacks = self._callbacks, []
                 if not callbacks:
                     self._event.set()
+                    self._owner = None
                     break
             for fn in callbacks:
                 try:
@@ -219,14 +223,14 @@ class Engine:
             raise PoisonedError(f"an earlier collective failed ({poison}); create a new "
                                 f"communicator") from poison
 
-    def new_work(self, coll: WorkerCollective, tensor: torch.Tensor) -> Work:
+    def new_work(self, coll: WorkerCollective, tensor: torch.Tensor, owner: object = None) -> Work:
         """The caller's handle of `coll`, with a deadline for every collective submitted before it
         and for itself (each ends by its own timeout). A wait that gives up at that deadline
         poisons the communicator: the collective must not run after the caller got its error."""
         with self._lock:
             self._ahead_s += coll.timeout + GRACE
             deadline = time.monotonic() + self._ahead_s
-        return Work(tensor, coll.id, deadline, expired=self.set_poison)
+        return Work(tensor, coll.id, deadline, expired=self.set_poison, owner=owner)
 
     def on_its_thread(self) -> bool:
         return threading.current_thread() is self._thread
