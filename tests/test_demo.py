@@ -18,7 +18,10 @@ def test_auto_picks_the_emulated_network_only_where_it_can_be_built(monkeypatch)
     monkeypatch.setattr("sparcoll.bench.netns.netem_problems", lambda: ["not running as root"])
     network, why = demo.choose_network("auto")
     assert network == "none" and "not running as root" in why and "CPU-bound" in why
-    assert demo.choose_network("10gbit") == ("10gbit", "as requested")
+    # an explicit network is named, as the automatic choice is (it said "as requested": a review)
+    assert demo.choose_network("10gbit") == ("10gbit", "an emulated 10gbit network, as asked (--network 10gbit)")
+    network, why = demo.choose_network("none")
+    assert network == "none" and why.startswith("loopback, as asked")
 
 
 def test_a_small_demo_on_loopback(tmp_path, capfd):
@@ -61,3 +64,13 @@ def test_the_verdicts_show_a_small_density_as_it_is(tmp_path):
     (tmp_path / "demo.json").write_text(json.dumps(records))
     assert demo.verdicts(str(tmp_path / "demo.json")) == [
         "  block density  0.4%: sparcoll 20.00x as fast as gloo's ring all_reduce (its sparse AllReduce alone: 21.00x)"]
+
+
+def test_bad_arguments_leave_no_folder_and_are_said_under_the_demos_name(tmp_path, capsys):
+    """A density the bench refuses was reported as `sparcoll bench: error`, after --out was made
+    (an empty folder left behind; a review)."""
+    from sparcoll.cli import main
+    out = tmp_path / "out"
+    assert main(["demo", "--density", "2", "--network", "none", "--out", str(out)]) == 2
+    assert "sparcoll demo: error: --density values must be in (0, 1]" in capsys.readouterr().err
+    assert not out.exists()

@@ -227,7 +227,8 @@ def test_progress_bars_and_endless_lines_are_passed_on_while_the_rank_runs(capsy
 
 @pytest.mark.parametrize("options, problem", [
     (["--hosts", "0"], "--hosts 0: between 1 and"),
-    (["--timeout", "0"], "--timeout 0 must be positive"),
+    (["--timeout", "0"], "--timeout 0 must be a positive number of seconds"),
+    (["--timeout", "nan"], "--timeout nan must be a positive number of seconds"),   # before: ran, stopped at once
 ])
 def test_bad_options_are_refused_with_the_reason(tmp_path, options, problem):
     result, _, _ = emulate(tmp_path, "print('never')", *options)

@@ -247,6 +247,14 @@ def test_bad_arguments_exit_with_2(capsys):
     assert "--interleave needs --compare with two modes" in capsys.readouterr().err
     assert main(["train", "--compare", "ddp,sparcoll", "--interleave", "--network", "none"]) == 2
     assert "--interleave cannot run the sparcoll mode" in capsys.readouterr().err
+    # before: a traceback after running no job (an empty --compare); each worker's torch error, or
+    # a run to a nan loss that exited 0 (--lr) (a review)
+    for empty in ("", ","):
+        assert main(["train", "--compare", empty, "--network", "none"]) == 2
+        assert "no mode given" in capsys.readouterr().err
+    for lr in ("-1", "0", "nan"):
+        assert main(["train", "--lr", lr, "--network", "none"]) == 2
+        assert "--lr must be a positive number" in capsys.readouterr().err
     # the links' token bucket shapes an emulated network, of at least one 64 KiB packet (plan alike)
     for command in ("train", "plan"):
         assert main([command, "--link-burst", "128K", "--network", "none"]) == 2

@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 
 from .bench.sizes import comma_list, count_argument
+
+BLOCK = 256     # the bench's default block size, which the demo runs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: an emulated 1gbit network where root and tc allow it, else loopback "
                              "(default); or a link rate such as 1gbit, or none (loopback)")
     parser.add_argument("--workers", default=4, type=_at_least(2), help="worker processes (default 4)")
-    parser.add_argument("--numel", default="4M", type=count_argument, help="float32 elements per tensor (default 4M)")
+    parser.add_argument("--numel", default="4M", type=_whole_blocks,
+                        help="float32 elements per tensor, a multiple of 256 (default 4M)")
     parser.add_argument("--density", default="0.01,0.1,1", type=comma_list(float),
                         help="block densities (default 0.01,0.1,1)")
     parser.add_argument("--repeat", default=5, type=_at_least(1), help="timed repetitions per point (default 5)")
@@ -31,6 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ncf training steps per run; 0 skips training (default 30)")
     parser.add_argument("--out", default="out", help="folder for demo.json, demo.png and "
                                                      "demo-train.json (default out)")
+
+
+def _whole_blocks(text: str) -> int:
+    """An argparse type: a count (4M, 65536) of whole blocks of the demo's 256 elements."""
+    value = count_argument(text)
+    if value % BLOCK:
+        raise argparse.ArgumentTypeError(f"{value}: a multiple of {BLOCK} (the demo's block size)")
+    return value
 
 
 def _at_least(least: int):
@@ -50,8 +62,10 @@ def choose_network(requested: str) -> tuple[str, str]:
     """(network, why): the emulated 1 Gbit/s network when `auto` and the machine allows it."""
     from .bench.netns import netem_problems
 
+    if requested == "none":
+        return requested, "loopback, as asked (--network none): the workers share this machine's cores"
     if requested != "auto":
-        return requested, "as requested"
+        return requested, f"an emulated {requested} network, as asked (--network {requested})"
     problems = netem_problems()
     if not problems:
         return "1gbit", ("4 emulated hosts, each behind a 1 Gbit/s link (network namespaces, tc "
@@ -77,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from .bench import command as bench_command
     from .train import command as train_command
 
+    made = not os.path.isdir(args.out)
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as exc:      # a file of that name, a directory it cannot write in
@@ -91,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
     status = bench_command.run(bench.parse_args([
         "--workers", str(args.workers), "--numel", str(args.numel), "--density", ",".join(map(str, args.density)),
         "--algos", "sparcoll,sparse,ring", "--network", network, "--repeat", str(args.repeat),
-        "--json", result_path, "--plot", os.path.join(args.out, "demo.png")]))
+        "--json", result_path, "--plot", os.path.join(args.out, "demo.png")]), prog="sparcoll demo")
+    if status == 2 and made:        # bad arguments: no empty folder left behind
+        shutil.rmtree(args.out, ignore_errors=True)
     if status != 0:
         return status
     print("\n".join(["", "At a glance:", *verdicts(result_path)]), flush=True)

@@ -19,6 +19,7 @@ the namespaces it left.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import selectors
@@ -76,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(f"--hosts {args.hosts}: between 1 and {MAX_HOSTS}")
     if not os.path.isfile(args.script):
         return _refuse(f"no script {args.script!r}")
-    if args.timeout <= 0:
-        return _refuse(f"--timeout {args.timeout:g} must be positive")
+    if not 0 < args.timeout < math.inf:     # (nan stopped every rank at once, "after the timeout")
+        return _refuse(f"--timeout {args.timeout:g} must be a positive number of seconds")
     available, reason = netem_available()
     if not available:
         return _refuse(f"cannot build an emulated network here: {reason}")

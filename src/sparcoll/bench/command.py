@@ -138,12 +138,13 @@ def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int 
     return records
 
 
-def run(args) -> int:
-    """Run the benchmark described by parsed `args`; 0 on success, 1 if it failed, 2 on bad arguments."""
+def run(args, prog: str = "sparcoll bench") -> int:
+    """Run the benchmark described by parsed `args`; 0 on success, 1 if it failed, 2 on bad arguments
+    (said under `prog`, the command the user ran)."""
     try:
         algos, rate_bps = _validate(args)
     except ValueError as exc:
-        print(f"sparcoll bench: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     steps = len(args.workers) * len(args.density) * sum(a.warmup(args.warmup) + args.repeat for a in algos)
     records = []

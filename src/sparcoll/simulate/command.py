@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="from: " + ", ".join(ALGOS) + " (sparcoll: as users get it, its chooser settled; "
                              "sparse: its sparse AllReduce forced)")
     parser.add_argument("--aggregators", type=comma_list(str), default=["colocated"],
-                        help="sparcoll's aggregators: colocated, dedicated or both (comma separated)")
+                        help="sparcoll's aggregators: colocated, dedicated, or colocated,dedicated for both")
     parser.add_argument("--num-aggregators", type=int, default=None,
                         help="dedicated aggregators (default: as many as workers)")
     parser.add_argument("--block-size", type=int, default=256, help="elements per block (default 256)")

@@ -222,6 +222,8 @@ def _split_modes(text: str) -> list[tuple[str, str | None]]:
             parts[-1] += f",{piece}"
         else:
             parts.append(piece)
+    if not parts:
+        raise ValueError(f"--compare {text!r}: no mode given; e.g. --compare ddp,sparcoll")
     return [parse_mode(p) for p in parts]
 
 
@@ -248,6 +250,8 @@ def _validate(args) -> None:
         args.warmup = min(1, args.steps - 1)
     if args.warmup < 0 or not 0 < args.timeout < math.inf:
         raise ValueError("--warmup must be >= 0 and --timeout a positive number of seconds")
+    if not 0 < args.lr < math.inf:
+        raise ValueError(f"--lr must be a positive number, got {args.lr}")
     if args.data is not None and not os.path.isfile(args.data):
         raise ValueError(f"--data {args.data}: no such file")
     if args.warmup >= args.steps:
