@@ -252,6 +252,10 @@ def test_bad_arguments_exit_with_2(capsys):
     for empty in ("", ","):
         assert main(["train", "--compare", empty, "--network", "none"]) == 2
         assert "no mode given" in capsys.readouterr().err
+    for option, says in (("num_users=-5", "negative dimension -5"), ("dropout=2", "dropout must be in [0, 1)")):
+        workload = "ncf" if "users" in option else "vgg"
+        assert main(["train", "--workload", workload, "--workload-option", option, "--network", "none"]) == 2
+        assert f"--workload-option {option}" in (err := capsys.readouterr().err) and says in err, err
     for lr in ("-1", "0", "nan"):
         assert main(["train", "--lr", lr, "--network", "none"]) == 2
         assert "--lr must be a positive number" in capsys.readouterr().err

@@ -32,7 +32,7 @@ from sparcoll.bench.netem import add_link_burst_argument, check_network, parse_r
 from sparcoll.compress import parse
 from sparcoll.outputs import check_output_path
 from sparcoll.train import command as train_command
-from sparcoll.train.command import BATCH_SIZES, _option, workload_options
+from sparcoll.train.command import BATCH_SIZES, _option, check_builds, workload_options
 from sparcoll.workloads import WORKLOADS, user
 
 from . import decide, fusion, trial
@@ -175,6 +175,8 @@ def identity(args) -> dict:
     """What a profile was measured for: a stored profile is reused only for the same. A --model is
     built here (user.checked_here: a model the workers would refuse is a ValueError) and known by its
     fingerprint too: edited under the same MODULE:FUNCTION, it is measured again."""
+    if not args.model:
+        check_builds(args.workload, workload_options(args.workload, args.workload_option), args.workload_option)
     model = {"model_spec": args.model, "fingerprint": user.fingerprint(user.checked_here(args.model))} \
         if args.model else {
         "workload": args.workload, "options": workload_options(args.workload, args.workload_option),

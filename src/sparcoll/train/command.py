@@ -148,6 +148,28 @@ def workload_options(name: str, given: list[tuple[str, object]]) -> dict:
     return {**COMMON_OPTIONS.get(name, {}), **({} if user.get("tiny") else SMALLER.get(name, {})), **user}
 
 
+def check_builds(name: str, options: dict, given: list[tuple[str, object]]) -> None:
+    """Where the user gave workload options (`given`), build the workload once here, on the meta device
+    (no memory, no data: milliseconds), so that a value it refuses (num_users=-5, dropout=2) is named
+    before any worker starts, not in every worker's traceback after it started (a review). Where the
+    meta build alone fails, a real one decides."""
+    import torch
+    if not given:
+        return
+    try:
+        with torch.device("meta"):
+            workloads.get_workload(name, **options)
+        return
+    except Exception:
+        pass
+    try:
+        workloads.get_workload(name, **options)
+    except Exception as exc:
+        shown = " ".join(f"{key}={value!r}" for key, value in given)
+        raise ValueError(f"--workload-option {shown}: {name} cannot be built so ({type(exc).__name__}: {exc})") \
+            from None
+
+
 def _typed(value: object, kind) -> object:
     """`value` as _option parsed it, as a config field of type `kind` holds it; ValueError if it is not
     one (a workload would take a string for a true bool, or fail in every worker)."""
@@ -529,6 +551,7 @@ def run(args) -> int:
         check_interleave(args, modes)
         options = workload_options(args.workload, args.workload_option)
         check_sparse_embeddings(args.workload, modes, options)
+        check_builds(args.workload, options, args.workload_option)
         plan = load_plan(args, modes, options)
     except ValueError as exc:
         print(f"sparcoll train: error: {exc}", file=sys.stderr)
