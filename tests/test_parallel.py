@@ -519,6 +519,24 @@ def wrapped_again(rank: int, world: int, strategy: str) -> dict:
             "groups": len(c10d._world.pg_map) - groups}
 
 
+def loss_from_a_dropped_wrapper(rank: int, world: int, strategy: str) -> dict:
+    """A helper wraps the model and returns only the loss; backward runs after the wrapper's last
+    reference went. Returns the error against the reference and whether the wrapper went after it."""
+    import weakref
+    comm = sparcoll.init()
+    model = mlp()
+
+    def loss_of_a_step():
+        dp = sparcoll.torch.DataParallel(model, comm=comm, strategy=strategy, timeout=20)
+        x, y = batch(rank, 6, (12,))
+        return nn.functional.mse_loss(dp(x), y), weakref.ref(dp)
+    loss, wrapper = loss_of_a_step()
+    loss.backward()
+    error = relative_error([p.grad for p in model.parameters()], reference_grads(mlp, 6, (12,), world))
+    del loss
+    return {"error": error, "gone": wait_for(lambda: wrapper() is None, 10)}
+
+
 @pytest.mark.parametrize("strategy", ["auto", "sfb"])
 def test_a_wrapper_dropped_without_close_lets_go_of_the_model(strategy):
     """A wrapper dropped without close() (a notebook wrapping the model again, one per experiment)
@@ -530,6 +548,10 @@ def test_a_wrapper_dropped_without_close_lets_go_of_the_model(strategy):
         assert max(out["errors"]) <= 1e-5, out
         assert out["alive"] == [False, False], out
         assert out["threads"] == [] and out["groups"] == 0, out
+    # dropped between forward and backward, it lives until its backward is over: collected before it,
+    # its hooks went with it, and backward left each rank's own gradients (a review of the change)
+    for out in run_ranks(loss_from_a_dropped_wrapper, 2, timeout=90, strategy=strategy):
+        assert out["error"] <= 1e-5 and out["gone"], out
 
 
 def test_without_wait_free_everything_waits_for_backward_and_stays_exact(outcome):

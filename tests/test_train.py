@@ -402,6 +402,19 @@ def test_a_diverged_run_is_not_reported_level_with_the_baseline():
     assert json.loads(json.dumps(_finite({"loss": diverged["loss"]}), allow_nan=False)) == {"loss": [0.69, 0.7, None]}
 
 
+def test_workload_options_are_checked_with_the_users_data(tmp_path):
+    """The check built gpt without --data, on its fallback corpus: a seq_len that the user's file
+    allows was refused (a review of the change)."""
+    from sparcoll.train.command import check_builds, workload_options
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"word{i % 997} line {i % 13}" for i in range(200000)))
+    given = [("seq_len", 2048), ("eval_fraction", 0.01)]
+    options = workload_options("gpt", given)
+    with pytest.raises(ValueError, match="held-out split has"):
+        check_builds("gpt", options, given)         # the fallback corpus is too short for it
+    check_builds("gpt", options, given, data=str(text))
+
+
 def test_sparse_embeddings_on_a_tied_softmax_are_refused_before_any_worker(capsys):
     """gpt ties its softmax to its embedding by default: each worker of the agsparse mode raised in a
     traceback, and the modes that had run were lost."""

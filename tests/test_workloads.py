@@ -434,7 +434,9 @@ def test_a_users_model_trains_on_its_example_input(tmp_path, monkeypatch):
         "    def forward(self, x):\n"
         "        h = self.a(x)\n"
         "        return h, [h.argmax(1), {'r': h.relu(), 's': (h.relu(),)}]\n\n"
-        "def nested():\n    torch.manual_seed(4)\n    return Nested(), torch.randn(5, 3)\n")
+        "def nested():\n    torch.manual_seed(4)\n    return Nested(), torch.randn(5, 3)\n\n"
+        "from collections import UserDict\n\n"
+        "def encoded():\n    model, batch = keyed()\n    return model, UserDict(batch)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     wl = UserModel("users_models:pair")
     x, y = wl.batch
@@ -457,6 +459,9 @@ def test_a_users_model_trains_on_its_example_input(tmp_path, monkeypatch):
     assert wl.loss(wl.model, wl.batch).item() == pytest.approx(
         (wl.model.a(x).sum() + 2 * wl.model.a(x).relu().sum()).item(), rel=1e-6)
     assert UserModel("users_models:nested").loss(wl.model, wl.batch).requires_grad
+    wl = UserModel("users_models:encoded")      # a mapping that is no dict, as a tokenizer's BatchEncoding
+    assert wl.keywords and wl.loss(wl.model, wl.batch).item() == pytest.approx(
+        nn.functional.cross_entropy(wl.model.a(wl.batch[0]["x"]), wl.batch[0]["labels"]).item(), abs=0)
     with pytest.raises(ValueError, match="expected MODULE:FUNCTION"):
         UserModel("users_models")
     with pytest.raises(ValueError, match="has no function nope"):

@@ -176,6 +176,14 @@ def _each_item(wrapper_ref: weakref.ref, items: queue.SimpleQueue, work: Callabl
         wrapper = item = None       # (an item may hold the wrapper too)
 
 
+def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in a module's output: itself, or those in its tuples, lists and dicts, at any depth."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+    return [t for item in items for t in tensors_in(item)]
+
+
 def _linear_input(args: tuple, kwargs: dict) -> torch.Tensor:
     """nn.Linear's input, passed by position or as `input=`."""
     return args[0] if args else kwargs["input"]
@@ -416,7 +424,15 @@ class DataParallel(nn.Module):
         if self.broadcast_buffers and self._buffers_due and self.world > 1:
             self._broadcast_buffers()
         self._buffers_due = self._sync and torch.is_grad_enabled()
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        # The graph keeps the wrapper alive until its backward (or until the graph is dropped): its
+        # hooks hold it weakly, and a wrapper dropped between forward and backward (a helper that
+        # returns only the loss) was collected, its hooks removed, and backward returned each rank's
+        # own gradients without a word (a review).
+        node = next((t.grad_fn for t in tensors_in(out) if t.grad_fn is not None), None)
+        if node is not None:
+            node.metadata["sparcoll.DataParallel"] = self
+        return out
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -148,22 +148,23 @@ def workload_options(name: str, given: list[tuple[str, object]]) -> dict:
     return {**COMMON_OPTIONS.get(name, {}), **({} if user.get("tiny") else SMALLER.get(name, {})), **user}
 
 
-def check_builds(name: str, options: dict, given: list[tuple[str, object]]) -> None:
+def check_builds(name: str, options: dict, given: list[tuple[str, object]], data: str | None = None) -> None:
     """Where the user gave workload options (`given`), build the workload once here, on the meta device
-    (no memory, no data: milliseconds), so that a value it refuses (num_users=-5, dropout=2) is named
-    before any worker starts, not in every worker's traceback after it started (a review). Where the
-    meta build alone fails, a real one decides."""
+    (no memory: milliseconds, plus reading `data` as the workers do, which decides some sizes), so that
+    a value it refuses (num_users=-5, dropout=2) is named before any worker starts, not in every
+    worker's traceback after it started (a review). Where the meta build alone fails, a real one
+    decides."""
     import torch
     if not given:
         return
     try:
         with torch.device("meta"):
-            workloads.get_workload(name, **options)
+            workloads.get_workload(name, data=data, **options)
         return
     except Exception:
         pass
     try:
-        workloads.get_workload(name, **options)
+        workloads.get_workload(name, data=data, **options)
     except Exception as exc:
         shown = " ".join(f"{key}={value!r}" for key, value in given)
         raise ValueError(f"--workload-option {shown}: {name} cannot be built so ({type(exc).__name__}: {exc})") \
@@ -551,7 +552,7 @@ def run(args) -> int:
         check_interleave(args, modes)
         options = workload_options(args.workload, args.workload_option)
         check_sparse_embeddings(args.workload, modes, options)
-        check_builds(args.workload, options, args.workload_option)
+        check_builds(args.workload, options, args.workload_option, args.data)
         plan = load_plan(args, modes, options)
     except ValueError as exc:
         print(f"sparcoll train: error: {exc}", file=sys.stderr)

@@ -2,15 +2,15 @@
 trains.
 
 FUNCTION() returns ``(model, batch)``: an ``nn.Module`` and an example input of one worker (a tensor, a
-tuple of tensors, the model's positional arguments, or a dict of tensors, its keyword arguments, as a
-tokenizer gives them). Every step trains on that same input. The loss is the model's output itself when it
-is a scalar tensor; else a scalar "loss" of a dict it returns (as Hugging Face models do when given labels);
-else the sum of every floating-point tensor it returns, in a tensor, tuple, list or dict, nested or not.
-That is enough to time a step (what the planner needs), not to learn anything. `sparcoll plan` calls
-FUNCTION first in its own process (checked_here, fingerprint), then each worker calls it itself (the module
-must be importable where the workers start: the current directory or PYTHONPATH); DataParallel and DDP
-broadcast rank 0's parameters, so a FUNCTION that does not seed its model still trains one model. The
-planner prices float32 gradients (4 bytes an element, as its collectives were timed): a model with a
+tuple of tensors, the model's positional arguments, or a dict or other mapping of tensors, its keyword
+arguments, as a tokenizer gives them). Every step trains on that same input. The loss is the model's output
+itself when it is a scalar tensor; else a scalar "loss" of a dict it returns (as Hugging Face models do when
+given labels); else the sum of every floating-point tensor it returns, in a tensor, tuple, list or dict,
+nested or not. That is enough to time a step (what the planner needs), not to learn anything. `sparcoll
+plan` calls FUNCTION first in its own process (checked_here, fingerprint), then each worker calls it itself
+(the module must be importable where the workers start: the current directory or PYTHONPATH); DataParallel
+and DDP broadcast rank 0's parameters, so a FUNCTION that does not seed its model still trains one model.
+The planner prices float32 gradients (4 bytes an element, as its collectives were timed): a model with a
 trainable parameter of another dtype is refused, naming it.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sparcoll.torch.parallel import tensors_in
 from sparcoll.torch.sparse import sparse_weights
 
 from .base import Batch, Workload
@@ -44,7 +45,7 @@ class UserModel(Workload):
     def __init__(self, spec: str):
         model, batch = build(spec)
         super().__init__(model, Config(spec), ())
-        self.keywords = isinstance(batch, dict)     # then self.batch is (the dict,)
+        self.keywords = isinstance(batch, Mapping)     # then self.batch is (the mapping,)
         self.batch: Batch = batch if isinstance(batch, tuple) else (batch,)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -53,7 +54,7 @@ class UserModel(Workload):
             return out
         if isinstance(out, Mapping) and isinstance(out.get("loss"), torch.Tensor) and out["loss"].dim() == 0:
             return out["loss"]
-        summed = [t.sum() for t in _tensors_in(out) if t.is_floating_point()]
+        summed = [t.sum() for t in tensors_in(out) if t.is_floating_point()]
         if not summed:
             raise ValueError(f"--model {self.config.spec!r}: the model must return a scalar loss, or tensors whose "
                              f"sum is the loss (in a tuple, list or dict), got {_kinds(out)} with no "
@@ -92,10 +93,10 @@ def build(spec: str) -> tuple[nn.Module, object]:
         raise ValueError(f"--model {spec!r}: {function_name}() must return (nn.Module, example input), "
                          f"got {type(built).__name__}")
     example = built[1]
-    tensors = (example if isinstance(example, tuple) else example.values() if isinstance(example, dict)
+    tensors = (example if isinstance(example, tuple) else example.values() if isinstance(example, Mapping)
                else (example,))
     if not all(isinstance(x, torch.Tensor) for x in tensors) \
-            or isinstance(example, dict) and not all(isinstance(k, str) for k in example):
+            or isinstance(example, Mapping) and not all(isinstance(k, str) for k in example):
         raise ValueError(f"--model {spec!r}: the example input must be a tensor, a tuple of tensors (the model's "
                          f"positional arguments) or a dict of tensors by name (its keyword arguments), got "
                          f"{_kinds(example)}")
@@ -115,13 +116,6 @@ def _kinds(value) -> str:
         return f"a {type(value).__name__} of {', '.join(f'{k}: {type(x).__name__}' for k, x in value.items())}"
     return type(value).__name__
 
-
-def _tensors_in(value) -> list[torch.Tensor]:
-    """The tensors in an output: itself, or those in its tuples, lists and dicts, at any depth."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
-    return [t for item in items for t in _tensors_in(item)]
 
 
 def checked_here(spec: str) -> UserModel:
