@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 import zlib
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -211,7 +212,7 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
             gloo_part = self.gloo.allreduce(tensors, opts)
             h, world = _call_number(op, tensors), self.size()
             sums = torch.tensor([h, h * h], dtype=torch.float64)
-            checking = self._beside_gloo(self._issue(sums, "sum", _seconds(opts.timeout), DELEGATED_TAG))
+            checking = self._beside_gloo(lambda: self._issue(sums, "sum", _seconds(opts.timeout), DELEGATED_TAG))
             verdict = torch.futures.Future()
 
             def judge(error: BaseException | None) -> None:
@@ -240,27 +241,34 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
         def issue() -> list:
             self._gloo_in_step()
             gloo_part = self.gloo.barrier(opts)
-            return self._beside_gloo(self._issue(torch.ones(1), "sum", _seconds(opts.timeout), BARRIER_TAG)) \
-                + [gloo_part]
+            return self._beside_gloo(lambda: self._issue(torch.ones(1), "sum", _seconds(opts.timeout),
+                                                         BARRIER_TAG)) + [gloo_part]
         return SparcollWork(Completion.start([], issue))
 
-    def _beside_gloo(self, checking: list) -> list:
-        """`checking`, the sparcoll round issued beside a gloo part, watched: if it fails with
-        MismatchError, a peer called something else (a float all_reduce that went to sparcoll where
-        this rank's int64 one went to gloo), and this rank's gloo part waits for a partner that never
-        comes: gloo would pair it with the group's next gloo collective, or wait for the group's
-        timeout (30 minutes by default; a review). Later calls that reach gloo then raise at once, and
-        the inner gloo group is aborted, so that a peer's next gloo collective fails at once too."""
-        def out_of_step(error: BaseException | None) -> None:
-            if isinstance(error, MismatchError) and self._gloo_left is None:
-                self._gloo_left = error
-                try:
-                    self.gloo.abort()
-                except Exception:   # best effort: this rank's own calls raise anyway
-                    pass
+    def _beside_gloo(self, issue_check: Callable[[], list]) -> list:
+        """The sparcoll round issued beside a gloo part (issue_check's Works; none where it ran at once,
+        from a callback), watched: if it fails with MismatchError, a peer called something else (a
+        float all_reduce that went to sparcoll where this rank's int64 one went to gloo), and this
+        rank's gloo part waits for a partner that never comes: gloo would pair it with the group's
+        next gloo collective, or wait for the group's timeout (30 minutes by default; a review). Later
+        calls that reach gloo then raise at once, and the inner gloo group is aborted, so that a
+        peer's next gloo collective fails at once too."""
+        try:
+            checking = issue_check()
+        except MismatchError as exc:
+            self._out_of_step(exc)
+            raise
         for work in checking:
-            when_done(work, out_of_step)
+            when_done(work, self._out_of_step)
         return checking
+
+    def _out_of_step(self, error: BaseException | None) -> None:
+        if isinstance(error, MismatchError) and self._gloo_left is None:
+            self._gloo_left = error
+            try:
+                self.gloo.abort()
+            except Exception:   # best effort: this rank's own calls raise anyway
+                pass
 
     def _gloo_in_step(self) -> None:
         if self._gloo_left is not None:
