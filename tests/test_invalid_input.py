@@ -158,11 +158,11 @@ def test_two_threads_of_a_rank_calling_at_once_run_in_the_order_of_their_ids(sto
     the ids go in line in order and both sums are exact."""
     comms = pair(store, "two-threads/")
     check_poison = comms[0]._engine.check_poison
-    slow = threading.Event()
+    taken = threading.Event()       # the first call has its id
 
     def slow_for_the_first(cid):
-        if not slow.is_set():
-            slow.set()
+        if not taken.is_set():
+            taken.set()
             time.sleep(0.5)
         check_poison(cid)
     comms[0]._engine.check_poison = slow_for_the_first
@@ -172,8 +172,12 @@ def test_two_threads_of_a_rank_calling_at_once_run_in_the_order_of_their_ids(sto
         if rank == 1:
             return [comm.allreduce(first.clone(), tag=1), comm.allreduce(second.clone(), tag=2)]
         got = {}
-        other = threading.Thread(target=lambda: got.__setitem__(2, comm.allreduce(second.clone(), tag=2)))
-        threading.Timer(0.1, other.start).start()
+
+        def second_call():
+            taken.wait(TIMEOUT)
+            got[2] = comm.allreduce(second.clone(), tag=2)
+        other = threading.Thread(target=second_call)
+        other.start()
         got[1] = comm.allreduce(first.clone(), tag=1)
         other.join(3 * TIMEOUT)
         return [got[1], got.get(2)]
