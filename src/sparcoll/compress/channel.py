@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 import time
+import warnings
 from datetime import timedelta
 
 import torch
@@ -176,6 +177,19 @@ def wait_within(work, timeout: float | None) -> None:
         if time.monotonic() - began < TIMED_OUT * timeout and not gloo_timed_out(exc):
             raise
         raise CollectiveTimeout(f"a collective did not finish within {timeout:g} s ({exc})") from exc
+
+
+def destroy_group(group) -> None:
+    """Destroy a group made for sparcoll's own collectives, from a finalizer too (a dropped wrapper or
+    state, collected on whichever thread let go of it last): an error, such as torch's tables changing
+    meanwhile on another thread, is a warning, not an exception escaping the finalizer."""
+    if group is None or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group(group)
+    except Exception as exc:
+        warnings.warn(f"sparcoll could not destroy a process group it made ({type(exc).__name__}: {exc})",
+                      RuntimeWarning, stacklevel=2)
 
 
 def gloo_timed_out(error: BaseException) -> bool:

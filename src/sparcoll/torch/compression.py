@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, Spec, parse
+from sparcoll.compress.channel import destroy_group
 from sparcoll.errors import MismatchError
 
 from .backend import _backend_of
@@ -51,8 +52,7 @@ def _release(worker: ThreadPoolExecutor | None, group) -> None:
     destroy the group made for it (once: a weakref.finalize)."""
     if worker is not None:
         worker.shutdown(wait=False)
-    if group is not None and dist.is_initialized():
-        dist.destroy_process_group(group)
+    destroy_group(group)
 
 
 class CompressionState:

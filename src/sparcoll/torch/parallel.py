@@ -94,7 +94,8 @@ from sparcoll.algorithm import entry_block_size
 from sparcoll.blocks import BlockTensor, entries_of
 from sparcoll.communicator import Communicator
 from sparcoll.compress import Reducer, parse
-from sparcoll.compress.channel import Channel, LabelMismatch, gloo_lost_a_peer, gloo_timed_out, wait_within
+from sparcoll.compress.channel import (Channel, LabelMismatch, destroy_group, gloo_lost_a_peer, gloo_timed_out,
+                                       wait_within)
 from sparcoll.errors import CollectiveTimeout, DivergedError, MismatchError, PeerError
 from sparcoll.weak import weak_method
 
@@ -157,8 +158,7 @@ class Resources:
         if join_s and self.threads:
             self.threads[1].join(timeout=join_s)
         group, self.group = self.group, None
-        if group is not None and dist.is_initialized():
-            dist.destroy_process_group(group)
+        destroy_group(group)
         if self.offload is not None:
             self.offload.shutdown(wait=False, cancel_futures=True)
 
