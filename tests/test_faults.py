@@ -762,10 +762,9 @@ def test_mismatched_descriptor_raises_on_every_rank(what):
         store = dist.HashStore()
         results = [None, None]
 
-        def run(rank):
-            with Communicator(dist.PrefixStore("b/", store), rank, 2, timeout=5.0,
-                              block_size=256 if rank == 0 else 128) as comm:
-                results[rank] = target(comm, rank)
+        def run(rank):      # refused at init since a review (test_ranks_whose_block_sizes_differ_fail_init_at_once)
+            results[rank] = outcome_of(lambda: Communicator(dist.PrefixStore("b/", store), rank, 2, timeout=5.0,
+                                                            block_size=256 if rank == 0 else 128).close())
         threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
         for t in threads:
             t.start()
@@ -947,6 +946,21 @@ def test_ranks_that_disagree_on_their_aggregators_fail_init_at_once(store):
         server.close()
     assert results[1][0] == "MismatchError" and "1 dedicated, rank 0's are colocated" in results[1][1], results
     assert "rank 1 gave up init" in results[0][1] and "colocated" in results[0][1], results
+    assert max(r[2] for r in results) < 5.0, results
+
+
+def test_ranks_whose_block_sizes_differ_fail_init_at_once(store):
+    """A host with another $SPARCOLL_BLOCK_SIZE: small tensors (the ring's, gathered) summed alike, and
+    the first MismatchError came at the first large sparse collective (a review). Now init refuses it
+    on that rank, and its peer hears the reason at once."""
+    results = [None, None]
+
+    def run(rank):
+        results[rank] = outcome_of(lambda: Communicator(dist.PrefixStore("block-size/", store), rank, 2,
+                                                        timeout=20.0, block_size=128 if rank == 1 else 256).close())
+    on_threads(run, 2, timeout=40)
+    assert results[1][0] == "MismatchError" and "its block size is 128, rank 0's 256" in results[1][1], results
+    assert "rank 1 gave up init" in results[0][1] and "block size" in results[0][1], results
     assert max(r[2] for r in results) < 5.0, results
 
 

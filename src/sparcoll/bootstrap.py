@@ -61,18 +61,23 @@ class Rendezvous:
         blob = self.store.get("job")
         return int.from_bytes(blob[:8], "little"), blob[8:]
 
-    def same_layout(self, aggregators: list[str] | None) -> None:
+    def same_layout(self, aggregators: list[str] | None, block_size: int) -> None:
         """MismatchError unless this rank's aggregators are colocated where rank 0's are, or as many
         dedicated ones (a host without $SPARCOLL_AGGREGATORS would wait for the others' colocated
-        aggregators until the timeout; the addresses themselves may differ by host: names, routes)."""
+        aggregators until the timeout; the addresses themselves may differ by host: names, routes),
+        and its block size is rank 0's (a host with another $SPARCOLL_BLOCK_SIZE met its first
+        MismatchError only at its first large sparse collective; a review)."""
         layout = "colocated" if aggregators is None else f"{len(aggregators)} dedicated"
         if self.rank == 0:
-            self.store.set("layout", layout)
+            self.store.set("layout", f"{layout}\n{block_size}")
         self._wait(["layout"])
-        first = self.store.get("layout").decode()
+        first, first_block_size = self.store.get("layout").decode().split("\n")
         if first != layout:
             raise errors.MismatchError(f"rank {self.rank}: its aggregators are {layout}, rank 0's are "
                                        f"{first} (aggregators= or $SPARCOLL_AGGREGATORS must agree)")
+        if int(first_block_size) != block_size:
+            raise errors.MismatchError(f"rank {self.rank}: its block size is {block_size}, rank 0's "
+                                       f"{first_block_size} (block_size= or $SPARCOLL_BLOCK_SIZE must agree)")
 
     def colocated_addresses(self, own: str) -> list[str]:
         """Publish this rank's aggregator address; every rank's, once all are published."""

@@ -77,7 +77,7 @@ class Communicator:
 
     def _bootstrap(self, rendezvous: Rendezvous) -> None:
         self.job, job_secret = rendezvous.job()
-        rendezvous.same_layout(self.aggregators)
+        rendezvous.same_layout(self.aggregators, self.block_size)
         job_token = wire.job_token(job_secret)
         server = local_job = None
         if self.aggregators is None:
