@@ -119,6 +119,29 @@ def test_aggregator_bad_options_give_one_line_and_exit_code_2(args, problem, bus
     assert len(cp.stderr.strip().splitlines()) == 1 and "Traceback" not in cp.stderr, cp.stderr
 
 
+def test_an_aggregator_told_to_admit_more_than_its_descriptors_allow_warns():
+    """--max-connections far above `ulimit -n` was taken silently: past the descriptors, accept()
+    fails and a worker hears no reason (a review)."""
+    import resource
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        pytest.skip("no descriptor limit here")
+    env = {k: v for k, v in _env().items() if k != "SPARCOLL_SECRET"}
+    proc = subprocess.Popen([sys.executable, "-m", "sparcoll", "aggregator", "--port", "0",
+                             "--max-connections", str(10 * soft)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(TIMEOUT)
+        assert line and "listening on" in line[0], line
+    finally:
+        stop(proc)
+    err = proc.stderr.read()
+    assert f"--max-connections {10 * soft} is more than the descriptor limit {soft} leaves" in err, err
+
+
 def test_an_aggregator_address_that_cannot_be_encoded_gives_one_line(tmp_path):
     """A host name with a label over 63 characters: the IDNA codec's UnicodeError was a traceback."""
     secret = tmp_path / "secret"

@@ -63,9 +63,14 @@ def run_aggregator(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"sparcoll aggregator listening on {server.address}", flush=True)
     limit = server.connection_limit()
+    log = logging.getLogger("sparcoll.aggregator")
     if limit is not None:
-        logging.getLogger("sparcoll.aggregator").info("serving at most %d worker connections at once "
-                                                      "(%s)", *limit)
+        log.info("serving at most %d worker connections at once (%s)", *limit)
+    soft, left = server.descriptors_left()
+    if args.max_connections is not None and left is not None and args.max_connections > left:
+        log.warning("--max-connections %d is more than the descriptor limit %d leaves for connections (%d): "
+                    "past it accept() fails without a reason to the worker; raise `ulimit -n` or give fewer",
+                    args.max_connections, soft, left)
     stop.wait()
     server.close()
     return 0

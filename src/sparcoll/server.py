@@ -214,14 +214,21 @@ class AggregatorServer:
             return self.max_connections, "max_connections"
         if self.only_job is not None:
             return None
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        if soft == resource.RLIM_INFINITY:
+        soft, left = self.descriptors_left()
+        if soft is None:
             return None
-        left = soft - self.max_handshakes - SPARE_DESCRIPTORS
         if left >= soft // 2:
             return left, (f"the descriptor limit {soft} less {self.max_handshakes} for handshakes "
                           f"and {SPARE_DESCRIPTORS} spare")
         return max(1, soft // 2), f"half the descriptor limit {soft}"
+
+    def descriptors_left(self) -> tuple[int | None, int | None]:
+        """(the process's descriptor limit, what it leaves for admitted connections beside the
+        handshakes' and SPARE_DESCRIPTORS); (None, None) where it is unlimited."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return None, None
+        return soft, soft - self.max_handshakes - SPARE_DESCRIPTORS
 
     def _admit(self, hello: wire.Hello, job_token: bytes) -> None:
         if self.only_job is not None and hello.job != self.only_job:
