@@ -35,6 +35,15 @@ def test_aggregator_parsing_loads_no_other_subcommand():
     assert cp.stdout.strip() == "[]"
 
 
+def until_listening(proc: subprocess.Popen) -> None:
+    """Wait (at most TIMEOUT) for an aggregator's first line, which says where it listens."""
+    line = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(TIMEOUT)
+    assert line and "listening on" in line[0], line
+
+
 def test_running_aggregator_loads_no_other_subcommand(tmp_path):
     """The whole command, until it listens: -X importtime lists every module it imported."""
     imports = tmp_path / "imports.txt"
@@ -42,11 +51,7 @@ def test_running_aggregator_loads_no_other_subcommand(tmp_path):
         proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "sparcoll", "aggregator", "--port", "0"],
                                 env=_env(), stdout=subprocess.PIPE, stderr=err, text=True)
     try:
-        line = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(TIMEOUT)
-        assert line and "listening on" in line[0], line
+        until_listening(proc)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -131,11 +136,7 @@ def test_an_aggregator_told_to_admit_more_than_its_descriptors_allow_warns():
                              "--max-connections", str(10 * soft)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        line = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(TIMEOUT)
-        assert line and "listening on" in line[0], line
+        until_listening(proc)
     finally:
         stop(proc)
     err = proc.stderr.read()
