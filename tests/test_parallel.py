@@ -1648,7 +1648,7 @@ def test_waiting_for_the_offload_thread_of_a_wrapper_closed_meanwhile_returns(cl
         threading.Timer(0.2, offload.shutdown, kwargs={"wait": False, "cancel_futures": True}).start()
     try:
         start = time.monotonic()
-        DataParallel._settle_offloaded(SimpleNamespace(_offload=offload, timeout=5.0))
+        DataParallel._settle_offloaded(SimpleNamespace(_resources=SimpleNamespace(offload=offload), timeout=5.0))
         assert time.monotonic() - start < 4.0
     finally:
         busy.set()

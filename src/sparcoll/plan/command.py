@@ -175,12 +175,13 @@ def identity(args) -> dict:
     """What a profile was measured for: a stored profile is reused only for the same. A --model is
     built here (user.checked_here: a model the workers would refuse is a ValueError) and known by its
     fingerprint too: edited under the same MODULE:FUNCTION, it is measured again."""
-    if not args.model:
-        check_builds(args.workload, workload_options(args.workload, args.workload_option), args.workload_option)
-    model = {"model_spec": args.model, "fingerprint": user.fingerprint(user.checked_here(args.model))} \
-        if args.model else {
-        "workload": args.workload, "options": workload_options(args.workload, args.workload_option),
-        "batch_size": args.batch_size or BATCH_SIZES.get(args.workload, 256), "seed": args.seed}
+    if args.model:
+        model = {"model_spec": args.model, "fingerprint": user.fingerprint(user.checked_here(args.model))}
+    else:
+        options = workload_options(args.workload, args.workload_option)
+        check_builds(args.workload, options, args.workload_option)
+        model = {"workload": args.workload, "options": options,
+                 "batch_size": args.batch_size or BATCH_SIZES.get(args.workload, 256), "seed": args.seed}
     return {"version": PROFILE_VERSION, "workers": args.workers, "network": args.network,
             "link_burst": args.link_burst, "compressors": sorted(args.compressors), **model}
 

@@ -299,7 +299,6 @@ class DataParallel(nn.Module):
         # collected: its hooks on the module and its threads kept it (and them, and SFB's group) alive
         # for good, and re-wrapping the module made both wrappers synchronize in one backward.
         weakref.finalize(self, self._resources.release).atexit = False
-        self._offload: concurrent.futures.ThreadPoolExecutor | None = None
         wanted = self._explicit.values() if isinstance(self._explicit, dict) else [self._explicit]
         if hybrid.SPARSE in wanted and comm is None:
             raise ValueError("the sparse strategy needs a sparcoll Communicator (comm=)")
@@ -751,10 +750,10 @@ class DataParallel(nn.Module):
             return None
         reducer = self._reducer(spec, placement)
         if placement == OFFLOAD:
-            if self._offload is None:
-                self._offload = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparcoll-offload")
-                self._resources.offload = self._offload
-            return self._offload.submit(reducer.compress, p.grad, id(p))
+            if self._resources.offload is None:
+                self._resources.offload = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="sparcoll-offload")
+            return self._resources.offload.submit(reducer.compress, p.grad, id(p))
         return reducer.compress(p.grad, id(p))
 
     def _fail_in_order(self, error: BaseException) -> None:
@@ -1138,9 +1137,9 @@ class DataParallel(nn.Module):
         """Wait, within the timeout, until the offload thread ran every compression submitted so far:
         after a failed step none may still write a gradient's error-feedback memory (the step's
         synchronization skipped those tensors once it failed)."""
-        if self._offload is not None:
+        if self._resources.offload is not None:
             try:
-                self._offload.submit(lambda: None).result(timeout=self.timeout)   # one thread: in order
+                self._resources.offload.submit(lambda: None).result(timeout=self.timeout)   # one thread: in order
             except (RuntimeError, concurrent.futures.CancelledError):
                 pass    # closed before or during the wait: nothing more runs there
             except concurrent.futures.TimeoutError:

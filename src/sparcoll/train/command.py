@@ -36,6 +36,7 @@ import types
 import typing
 
 import numpy as np
+import torch
 
 from sparcoll.bench.launch import BenchError, Job, run_job, run_jobs
 from sparcoll.bench.memory import FAULTING_PAGES, took_fresh_memory
@@ -154,7 +155,6 @@ def check_builds(name: str, options: dict, given: list[tuple[str, object]], data
     a value it refuses (num_users=-5, dropout=2) is named before any worker starts, not in every
     worker's traceback after it started (a review). Where the meta build alone fails, a real one
     decides."""
-    import torch
     if not given:
         return
     try:
