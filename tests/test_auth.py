@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from sparcoll import cli, server as server_module, transport, wire
 from sparcoll.communicator import Communicator
-from sparcoll.errors import AuthenticationError, CollectiveTimeout, MismatchError
+from sparcoll.errors import AuthenticationError, CollectiveTimeout, MismatchError, ProtocolError
 from sparcoll.secret import shared_secret
 from support import on_threads, sparcoll_here, start_aggregator, stop, wait_for
 
@@ -70,6 +70,14 @@ def job_pair(store):
 
 def hello_for(job: int, rank: int = 1, config=CFG, agg_index: int = 0) -> wire.Hello:
     return wire.Hello(job, rank, agg_index, config, os.urandom(wire.NONCE_BYTES))
+
+
+@pytest.mark.parametrize("rank, agg_index", [(2, 0), (0, 2), (7, 0)])
+def test_a_hello_naming_a_rank_or_aggregator_outside_its_job_is_refused(rank, agg_index):
+    """rank == world and agg_index == num_aggs are the boundaries random bytes never hit."""
+    with pytest.raises(ProtocolError, match=f"rank {rank} of 2, aggregator {agg_index} of 2"):
+        wire.Hello.decode(hello_for(5, rank, agg_index=agg_index).encode())
+    assert wire.Hello.decode(hello_for(5, 1, agg_index=1).encode()).rank == 1
 
 
 def refused(address: str, hello: wire.Hello, secret: bytes, error=AuthenticationError) -> str:

@@ -211,6 +211,25 @@ def test_sparse_blocks_list_no_row_whose_sum_is_zero(dtype):
         assert torch.equal(out.to_dense(), (coo.to_dense() * scale).index_fill(0, torch.tensor([2]), 0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_sparse_blocks_list_rows_that_hold_nan_or_inf(dtype):
+    """A row whose sum is NaN or infinite holds something, as in gloo's sum: it is listed, with its
+    values, beside the ordinary rows (a filter on positive abs-sums dropped them silently: a
+    mutation review)."""
+    coo = torch.sparse_coo_tensor(torch.tensor([[1, 2, 5, 9]]), torch.arange(1, 17).view(4, 4).to(dtype),
+                                  (12, 4), check_invariants=True)
+    sb = SparseBlocks(coo, 16)
+    sums = sb.data.clone()
+    sums[0, 8] = float("nan")           # row 2
+    sums[1, 4] = float("-inf")          # row 5
+    sb.scatter(sb.indices, sums)
+    out = sb.finish()
+    assert out.indices()[0].tolist() == [1, 2, 5, 9]
+    expected = coo.to_dense()
+    expected[2, 0], expected[5, 0] = float("nan"), float("-inf")
+    torch.testing.assert_close(out.to_dense(), expected, equal_nan=True, rtol=0, atol=0)
+
+
 def _shares_memory(t: torch.Tensor) -> bool:
     """The truth by enumeration: whether two of t's elements sit at the same storage offset."""
     offsets = np.tensordot(np.indices(t.shape).reshape(t.dim(), -1).T, np.array(t.stride()), axes=1) \

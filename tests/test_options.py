@@ -33,6 +33,8 @@ def refused_and_announced(options: dict) -> str:
     (dict(block_size=wire.MAX_BLOCK_SIZE + 1), "block_size"),
     (dict(block_size="wide"), "block_size"),
     (dict(message_blocks=1 << 20), "message_blocks"),
+    (dict(block_size=wire.MAX_BLOCK_SIZE, message_blocks=wire.MAX_MESSAGE_BYTES // (wire.MAX_BLOCK_SIZE * 8) + 1),
+     r"exceeds the \d+-byte message limit; at most 128 blocks per message fit"),
     (dict(streams=65), "streams"),
     (dict(credits=0), "credits"),
     (dict(timeout=0), "timeout"),
@@ -51,6 +53,12 @@ def refused_and_announced(options: dict) -> str:
 ])
 def test_bad_options_are_value_errors_before_anything_is_built_and_told_to_the_peers(options, named):
     assert re.search(named, refused_and_announced(options))
+
+
+def test_the_largest_message_that_fits_in_float64_is_taken():
+    """The boundary of the message-size check: 128 blocks of 65536 float64 fill the 64 MiB limit."""
+    options = Options.resolve(block_size=wire.MAX_BLOCK_SIZE, message_blocks=128)
+    assert options.message_blocks * options.block_size * 8 == wire.MAX_MESSAGE_BYTES
 
 
 def test_bad_environment_values_name_the_variable(monkeypatch):

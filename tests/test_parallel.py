@@ -380,11 +380,11 @@ def outcome():
 
 def test_sfb_gradients_equal_the_dense_average(outcome):
     for out in outcome:
-        for key, value in out.items():
-            if key.startswith("sfb ") and not key.startswith("sfb used") and not key.startswith("sfb after"):
-                assert value <= 1e-5, (key, value)
-            if key.startswith("sfb used"):
-                assert value == ["sfb"], key        # the biases travel with their weights' factors
+        errors = {k: v for k, v in out.items() if k.startswith("sfb ") and not k.startswith(("sfb used", "sfb after"))}
+        used = {k: v for k, v in out.items() if k.startswith("sfb used")}
+        assert errors and used and len(errors) == len(used), out.keys()     # every SFB case ran
+        assert all(value <= 1e-5 for value in errors.values()), errors
+        assert all(value == ["sfb"] for value in used.values()), used       # biases travel with their factors
 
 
 def test_a_parametrized_layer_takes_another_strategy_and_gives_the_average(outcome):

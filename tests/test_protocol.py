@@ -1,4 +1,5 @@
 """The sans-IO protocol driven in memory: random workers, ranges, sparsity and delivery orders."""
+import functools
 import random
 from collections import deque
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
+from sparcoll import wire
 from sparcoll.errors import MismatchError, ProtocolError
 from sparcoll.protocol import AggregatorStream, Geometry, WorkerStream
 from support import block_sparse
@@ -157,16 +159,32 @@ def test_union_zero_blocks_are_never_in_results():
     assert got == union
 
 
-def test_half_precision_accumulates_in_float32():
-    # 2048 copies of 1.0 in float16 summed pairwise-in-float16 would stall at 2048; float32 does not.
-    workers = 4
-    x = torch.full((1, 4), 1000.0, dtype=torch.float16)
-    inputs = [x.clone() for _ in range(workers)]
-    inputs[0][0, 0] = 0.25
-    nonzero = [np.array([0])] * workers
-    outputs, _, _ = run_allreduce(inputs, nonzero, 1, 1, 4, 2, 0, dtype=torch.float16, acc=torch.float32)
-    expected = torch.stack([i.float() for i in inputs]).sum(0).half()
-    assert torch.equal(outputs[0], expected)
+@pytest.mark.parametrize("code", [1, 2])         # float16, bfloat16
+@pytest.mark.parametrize("contributions", ["same blocks", "cut at different points", "different blocks"])
+def test_half_precision_sums_accumulate_in_the_wire_tables_dtype(code, contributions):
+    """Each of the aggregator's three ways to sum (plain adds, slices of a gapless span, index_add)
+    accumulates in wire.DTYPES's accumulation dtype. Integers up to the half type's exact range sum
+    exactly in float32, while half-precision partial sums above it round: the result must be the
+    exact sum rounded once. (Only the plain adds were covered, with the dtype handed in; summing a
+    gapless span in float16 gave 2048 for 2048 + 1 + 1 + 1: a mutation review.)"""
+    dtype, acc = wire.DTYPES[code]
+    top = 2048 if dtype == torch.float16 else 256
+    g = torch.Generator().manual_seed(code)
+    workers, nblocks, block = 4, 6, 8
+    inputs = [torch.randint(0, top + 1, (nblocks, block), generator=g).to(dtype) for _ in range(workers)]
+    nonzero = [np.arange(nblocks)] * workers
+    if contributions == "different blocks":
+        nonzero = [np.arange(nblocks)] + [np.arange(w % 2, nblocks, 2) for w in range(1, workers)]
+        for x, listed in zip(inputs, nonzero):
+            x[np.setdiff1d(np.arange(nblocks), listed)] = 0
+    worker_blocks = [1, 3, 2, 3] if contributions == "cut at different points" else None
+    expected = torch.stack([x.double() for x in inputs]).sum(0).to(dtype)
+    assert not torch.equal(expected, functools.reduce(torch.add, inputs))     # half sums would round
+    for seed in range(3):
+        outputs, _, _ = run_allreduce(inputs, nonzero, 1, 1, 3, 4, seed, dtype=dtype, acc=acc,
+                                      worker_blocks=worker_blocks)
+        for out in outputs:
+            assert torch.equal(out, expected), (seed, (out.double() - expected.double()).abs().max())
 
 
 def test_nan_and_inf_propagate_like_a_dense_sum():
