@@ -101,6 +101,26 @@ def test_topk_keeps_the_k_largest_exactly():
     assert x[kept].abs().min() >= x[~kept].abs().max()
 
 
+@pytest.mark.parametrize("ratio, numel, k", [(0.1, 15, 2), (0.01, 15, 1), (0.34, 3, 2), (1.0, 7, 7)])
+def test_topk_keeps_ratio_times_numel_rounded_up(ratio, numel, k):
+    x = data(numel)
+    y = round_trip(f"topk:{ratio}", x)
+    kept = y != 0
+    assert int(kept.sum()) == k and torch.equal(y[kept], x[kept])
+    assert x[kept].abs().min() >= torch.cat([x[~kept].abs(), torch.zeros(1)]).max()
+
+
+@pytest.mark.parametrize("spec", ["blocktopk:0.25", "topk:0.1", "dgc:0.1", "threshold:0.5"])
+@pytest.mark.parametrize("special", [float("nan"), float("inf")])
+def test_a_nan_or_inf_in_a_gradient_is_sent(spec, special):
+    """As in gloo's sum, a non-finite gradient reaches the result (NaN checks and GradScaler see it);
+    blocktopk dropped a NaN block's norm with the empty ones and kept it in its residual for good."""
+    x = data(64 * 16)
+    x[100] = special
+    y = sc.Reducer(spec).reduce(x, key="t")
+    assert y[100].isnan() if special != special else y[100] == special
+
+
 def test_topk_on_large_tensors_is_exact():
     """Above 100k elements topk searches among the elements over a sampled threshold."""
     n = 300_000

@@ -36,7 +36,7 @@ class BlockTopK(Compressor):
 
     def _top(self, norms: torch.Tensor, nblocks: int) -> torch.Tensor:
         values, top = norms.topk(min(self._keep(nblocks), norms.numel()), sorted=False)
-        return top[values > 0]
+        return top[~(values <= 0)]     # a NaN norm ranks first and is sent: as in a dense sum, it shows
 
     def compress(self, x: torch.Tensor) -> Payload:
         flat, bs = x.reshape(-1), self.block_size

@@ -67,7 +67,7 @@ def _above_sampled(values: torch.Tensor, k: int, margin: float, rng) -> torch.Te
     sample = values[torch.from_numpy(rng.integers(0, n, max(1, n // 100)))].abs()
     expected = min(sample.numel(), max(1, math.ceil(margin * k * sample.numel() / n)))
     floor = sample.topk(expected, sorted=False).values.min()
-    return (values >= floor).logical_or_(values <= -floor).nonzero().squeeze(1)
+    return (values < floor).logical_and_(values > -floor).logical_not_().nonzero().squeeze(1)   # NaN passes
 
 
 def _largest(values: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
@@ -94,12 +94,12 @@ class TopK(Sparsifier):
 
 
 class Threshold(Sparsifier):
-    """Every element with |x| > VALUE: the size depends on the data (0 to numel elements, so
+    """Every element with |x| > VALUE (and every NaN): the size depends on the data (0 to numel elements, so
     payload_bytes is the upper bound, numel * 8); the error is at most VALUE per element."""
 
     def select(self, values: torch.Tensor, numel: int) -> torch.Tensor:
-        # two comparisons into bool tensors: 2x faster than a float temporary for values.abs()
-        above = (values > self.spec.arg).logical_or_(values < -self.spec.arg)
+        # comparisons into bool tensors: 2x faster than a float temporary for values.abs(); NaN passes
+        above = (values <= self.spec.arg).logical_and_(values >= -self.spec.arg).logical_not_()
         return above.nonzero().squeeze(1)
 
     def _bound(self, numel: int) -> int:
