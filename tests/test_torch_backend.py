@@ -169,6 +169,11 @@ def collectives(rank: int, world: int) -> dict:
     t = torch.full((3,), rank + 1)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)                      # delegated to gloo
     out["max_int"] = t.tolist()
+    table = torch.arange(12).view(3, 4) + 100 * rank
+    column, every_other = table[:, 1], torch.arange(8.0) - rank
+    dist.all_reduce(column, op=dist.ReduceOp.MIN, group=pg)                 # views delegated to gloo
+    dist.all_reduce(every_other[::2], op=dist.ReduceOp.MAX, group=pg)
+    out["views"] = [table.tolist(), every_other.tolist()]
     s = torch.sparse_coo_tensor([[rank, 2]], [1.0, 2.0], (4,))
     dist.all_reduce(s, group=pg)
     out["sparse_sum"] = s.to_dense().tolist()
@@ -330,6 +335,11 @@ def test_collectives_against_expected_values():
     for rank, out in enumerate(outcomes):
         assert out["sum"] and out["avg"] and out["sparse_int64"] and out["sparse_huge"], out
         assert out["max_int"] == [2, 2, 2]
+        table = (torch.arange(12).view(3, 4) + 100 * rank).tolist()
+        for row, value in zip(table, (1, 5, 9)):
+            row[1] = value                  # the column's minimum, rank 0's; the rest untouched
+        every_other = [float(i) if i % 2 == 0 else float(i - rank) for i in range(8)]
+        assert out["views"] == [table, every_other], out["views"]
         assert out["sparse_sum"] == out["sparse_sum_requires_grad"] == [1.0, 1.0, 4.0, 0.0]
         assert out["sparse_avg"] == [0.5, 0.5, 2.0, 0.0]
         assert out["broadcast"] == [1.0, 1.0, 1.0]

@@ -204,12 +204,22 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
         once on both ranks, where each would wait in its own library for the group's timeout (30
         minutes by default). The small allreduce sums each rank's fingerprint of the call (op, dtype,
         size), so ranks that all delegate but disagree (MIN against MAX, which gloo mixes silently)
-        get MismatchError too. They pay one small sparcoll round beside gloo's."""
+        get MismatchError too. They pay one small sparcoll round beside gloo's. A non-contiguous dense
+        tensor goes to gloo as a contiguous copy, written back when gloo is done: gloo itself reduces
+        the first elements of the view's storage instead, silently (torch 2.13; a review)."""
         op = opts.reduceOp.op
 
         def issue() -> list:
             self._gloo_in_step()
-            gloo_part = self.gloo.allreduce(tensors, opts)
+            staged = [t.contiguous() if t.layout == torch.strided else t for t in tensors]
+            gloo_part = self.gloo.allreduce(staged, opts)
+            if any(s is not t for s, t in zip(staged, tensors)):
+                def write_back(done: torch.futures.Future) -> None:
+                    done.value()        # gloo's error fails this future too
+                    for copy, t in zip(staged, tensors):
+                        if copy is not t:
+                            t.copy_(copy)
+                gloo_part = gloo_part.get_future().then(write_back)
             h, world = _call_number(op, tensors), self.size()
             sums = torch.tensor([h, h * h], dtype=torch.float64)
             checking = self._beside_gloo(lambda: self._issue(sums, "sum", _seconds(opts.timeout), DELEGATED_TAG))
