@@ -239,17 +239,22 @@ def groups(n: int, cores: int | None) -> tuple[int, int]:
 
 def ring_step(point: Point, costs: Costs, nbytes: float, add: bool) -> float:
     """One step of a ring: every rank sends `nbytes` to the next (and, in a reduce-scatter, adds
-    what it received)."""
+    what it received). Every host does the same, so hosts with cores of their own act as lockstep
+    groups, as in `groups` (agsparse's steps carry a whole tensor each: one by one, 256 hosts took
+    a minute)."""
     n = point.workers
-    cluster = Cluster([1] * n, costs, point.rate_bps, point.cores)   # back to back: no burst
+    fitting = [g for g in range(MIN_GROUPS, MAX_GROUPS + 1) if n % g == 0] if point.cores is None else []
+    count = max(fitting) if n > MAX_GROUPS and fitting else n
+    width = n // count
+    cluster = Cluster([width] * count, costs, point.rate_bps, point.cores)   # back to back: no burst
 
     def rank(r: int) -> Iterator:
-        yield from cluster.python(r, costs.gloo_step_s)
-        yield from cluster.send(r, (r + 1) % n, nbytes)
+        yield from cluster.python(r, costs.gloo_step_s * width)
+        yield from cluster.send(r, (r + 1) % count, nbytes * width, transfers=width)
         if add:
-            yield from cluster.native((r + 1) % n, nbytes * costs.add_s_per_byte)
+            yield from cluster.native((r + 1) % count, nbytes * width * costs.add_s_per_byte)
 
-    return cluster.run([rank(r) for r in range(n)])
+    return cluster.run([rank(r) for r in range(count)])
 
 
 def predict_ring(point: Point, costs: Costs) -> float:
