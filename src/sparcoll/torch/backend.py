@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from sparcoll.blocks import may_overlap
+from sparcoll.bootstrap import elastic_attempt
 from sparcoll.communicator import Communicator
 from sparcoll.errors import CollectiveTimeout, MismatchError, PoisonedError
 from sparcoll.wire import BARRIER_TAG, DELEGATED_TAG, DTYPE_CODES, OPS as SPARCOLL_OPS
@@ -139,7 +140,7 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, world: int, timeout: timedelta):
         super().__init__(rank, world)
         self._group_name = self._group_desc = ""
-        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world, timeout)
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"gloo/{elastic_attempt()}", store), rank, world, timeout)
         self._gloo_left: MismatchError | None = None    # why the gloo part is out of step (_out_of_step)
         self.comm = Communicator(dist.PrefixStore("sparcoll", store), rank, world,
                                  timeout=timeout.total_seconds())
@@ -206,12 +207,13 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
         size), so ranks that all delegate but disagree (MIN against MAX, which gloo mixes silently)
         get MismatchError too. They pay one small sparcoll round beside gloo's. A non-contiguous dense
         tensor goes to gloo as a contiguous copy, written back when gloo is done: gloo itself reduces
-        the first elements of the view's storage instead, silently (torch 2.13; a review)."""
+        the first elements of the view's storage instead, silently (torch 2.13; a review). One whose
+        elements share memory (expand()) goes as it is, as gloo takes it: no copy can be written back."""
         op = opts.reduceOp.op
 
         def issue() -> list:
             self._gloo_in_step()
-            staged = [t.contiguous() if t.layout == torch.strided else t for t in tensors]
+            staged = [t.contiguous() if t.layout == torch.strided and not may_overlap(t) else t for t in tensors]
             gloo_part = self.gloo.allreduce(staged, opts)
             if any(s is not t for s, t in zip(staged, tensors)):
                 def write_back(done: torch.futures.Future) -> None:
