@@ -3,6 +3,8 @@ with a clear error on the rank that made the mistake and, at once, on its peers;
 accepts it, reduced as gloo does. Two colocated ranks on threads of this process."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -383,5 +385,36 @@ def test_a_bad_wait_timeout_or_async_op_is_refused(store):
         assert isinstance(out[0][0], TypeError) and "async_op must be True or False" in str(out[0][0])
         assert isinstance(out[1][0], sparcoll.SparcollError) and "rank 0" in str(out[1][0]), out[1]
         assert out[1][1] < PROMPT
+    finally:
+        close(comms)
+
+
+def test_a_forked_child_can_neither_use_nor_close_its_parents_communicator(store):
+    """A DataLoader worker (forked) inherits the communicator: its calls went out on the parent's
+    sockets, and a child's alone poisoned both parents with an error blaming the other rank. Now the
+    child is told, and its close() leaves the parent's connections alone."""
+    comms = pair(store, "fork/")
+    try:
+        pid = os.fork()
+        if pid == 0:        # the child: reports by its exit status only, never returns into pytest
+            code = 3
+            try:
+                comms[0].allreduce(torch.ones(10), timeout=2.0)
+            except sparcoll.SparcollError as exc:
+                code = 0 if "is a fork of it" in str(exc) else 2
+            finally:
+                for comm in comms.values():
+                    comm.close()
+                os._exit(code)
+        deadline, status = time.monotonic() + 30, None
+        while status is None and time.monotonic() < deadline:
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            status = os.waitstatus_to_exitcode(raw) if done else time.sleep(0.05)
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert status == 0, status
+        out = on_both(comms, lambda rank, comm: comm.allreduce(torch.full((1000,), rank + 1.0)).tolist())
+        assert out[0][0] == out[1][0] == [3.0] * 1000, out
     finally:
         close(comms)

@@ -56,6 +56,7 @@ class Communicator:
 
     def __init__(self, store, rank: int, world: int, **options):
         self.rank, self.world = rank, world
+        self._pid = os.getpid()                 # a forked child shares its sockets: see _submit
         self._closed = threading.Event()      # the first close() has finished
         self._worker: WorkerJob | None = None
         self._engine: Engine | None = None
@@ -106,7 +107,7 @@ class Communicator:
         # One dropped without close() is closed when it is collected: its threads held it (through
         # the poison callback, now weak) and kept it, its sockets and its port until the process
         # exited. Not at interpreter exit, where a process leaves as it did.
-        weakref.finalize(self, _shut, self._engine, self._worker, self._closed).atexit = False
+        weakref.finalize(self, _shut, self._engine, self._worker, self._closed, self._pid).atexit = False
         if local_job is not None:
             local_job.attach(self.rank, LocalWorker(self._worker.local_inbox()))
         for index, address in enumerate(addresses):
@@ -153,6 +154,7 @@ class Communicator:
     def _submit(self, tensor, layout, op, async_op, timeout, tag):
         if self._engine is None:
             raise SparcollError("communicator is closed")
+        self._check_process()
         with self._engine.order:
             coll, work, here = self._place(tensor, layout, op, async_op, timeout, tag)
         # Outside inference mode: the views a blocking call makes on its own thread would be
@@ -259,8 +261,17 @@ class Communicator:
     def close(self) -> None:
         """Leave the job and stop every thread; always returns. A second call (another thread, an
         exit hook) returns once the first has finished, within CLOSE_WAIT_S: it returned at once,
-        while the first still tore the threads and sockets down."""
-        _shut(self._engine, self._worker, self._closed)
+        while the first still tore the threads and sockets down. In a forked child it does nothing:
+        the connections are the parent's."""
+        _shut(self._engine, self._worker, self._closed, self._pid)
+
+    def _check_process(self) -> None:
+        """A forked child (a DataLoader worker, say) has the parent's sockets but none of its
+        threads: its collectives went out on the parent's connections, and a child's alone poisoned
+        both parents with an error that blamed the other rank (a review)."""
+        if os.getpid() != self._pid:
+            raise SparcollError(f"this communicator belongs to process {self._pid}; process {os.getpid()} "
+                                f"is a fork of it and cannot use its connections: call sparcoll.init() there")
 
     def __enter__(self) -> "Communicator":
         return self
@@ -279,9 +290,12 @@ def _usable_timeout(timeout) -> float:
     return float(timeout)
 
 
-def _shut(engine: Engine | None, worker: WorkerJob | None, closed: threading.Event) -> None:
+def _shut(engine: Engine | None, worker: WorkerJob | None, closed: threading.Event, pid: int) -> None:
     """Leave the job and stop every thread (close(), or the finalizer of a Communicator dropped
-    without it); a second call returns once the first has finished."""
+    without it); a second call returns once the first has finished. Nothing in a process forked
+    from `pid`, the one that made them: the connections are the parent's."""
+    if os.getpid() != pid:
+        return
     if engine is not None and not engine.close():
         closed.wait(CLOSE_WAIT_S)
         return
