@@ -186,3 +186,13 @@ def test_aggregator_max_handshakes_closes_connections_over_it():
                 first.recv(1)        # still open, waiting for its HELLO
     finally:
         stop(proc)
+
+
+@pytest.mark.parametrize("argv, named", [(["simulate", "--workers", "8"], "sparcoll simulate"), ([], "sparcoll")])
+def test_ctrl_c_while_a_command_is_imported_is_reported_as_an_interrupt(monkeypatch, capsys, argv, named):
+    """Building the parser imports the command and torch, seconds in which Ctrl-C gave a traceback."""
+    def interrupted(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("sparcoll.cli.build_parser", interrupted)
+    assert main(argv) == 130
+    assert capsys.readouterr().err == f"{named}: interrupted\n"

@@ -161,15 +161,15 @@ def main(argv: list[str] | None = None) -> int:
         # Its fork server (bench/forked.py) imports torch on another core while this process does.
         from .bench.forked import fork_context
         fork_context()
-    args = build_parser(argv).parse_args(argv)
-    if args.command != "aggregator":
-        # Terminated like interrupted: the launcher's clean-up (children, network, temporary
-        # files) runs as it does on Ctrl-C.
-        signal.signal(signal.SIGTERM, _interrupt)
-    try:
+    try:    # building the parser imports the command (torch: seconds), where Ctrl-C may land too
+        args = build_parser(argv).parse_args(argv)
+        if args.command != "aggregator":
+            # Terminated like interrupted: the launcher's clean-up (children, network, temporary
+            # files) runs as it does on Ctrl-C.
+            signal.signal(signal.SIGTERM, _interrupt)
         return args.func(args)
     except KeyboardInterrupt:   # outside a launcher's own handling (an import, a report being written)
-        print(f"sparcoll {args.command}: interrupted", file=sys.stderr)
+        print(" ".join(filter(None, ["sparcoll", _chosen(argv)])) + ": interrupted", file=sys.stderr)
         return 130
 
 
