@@ -15,6 +15,7 @@ import torch
 from sparcoll import Communicator, MismatchError, SparcollError, wire
 from sparcoll.algorithm import (LOOK_EVERY, RETRY_EVERY, SAMPLE_BLOCKS, SMALL_TRIALS, TINY_NUMEL, TRIALS,
                                 Algorithm, Chooser, candidate_block_sizes, entry_block_size)
+from sparcoll.blocks import entries_share_blocks
 from support import block_sparse, on_threads
 
 pytestmark = pytest.mark.auto_algorithm
@@ -256,8 +257,9 @@ def rows_touched(rows: int, width: int, touched: int, seed: int = 0) -> torch.Te
 def test_block_sizes_follow_entries_and_rows():
     assert candidate_block_sizes(256) == [256, 128, 64, 32, 16]
     assert candidate_block_sizes(48) == [48, 24]
-    assert [entry_block_size(w, 256) for w in (1, 5, 16, 32, 64, 256, 300, 1024)] == \
-        [16, 20, 16, 32, 64, 256, 256, 256]
+    # blocks and rows tile, so that a stored row whose sum is zero is listed; a prime width cannot
+    assert [entry_block_size(w, 256) for w in (1, 5, 16, 32, 64, 256, 300, 384, 1024, 1009)] == \
+        [1, 5, 16, 32, 64, 256, 150, 192, 256, 256]
     assert entry_block_size(32, 16) == 16
     chooser = Chooser(Algorithm.AUTO, 256, WORLD)
     coo = torch.sparse_coo_tensor(torch.tensor([[3, 9]]), torch.ones(2, 32), (100, 32),
@@ -375,15 +377,15 @@ def small_coo(rank: int, call: int, rows: int, width: int, dtype) -> torch.Tenso
                                    (rows, width), check_invariants=True).coalesce()
 
 
-@pytest.mark.parametrize("rows, width", [(1000, 64), (1000, 8), (20, 8)])
+@pytest.mark.parametrize("rows, width", [(1000, 64), (1000, 8), (20, 8), (40, 257)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_small_coo_tensor_sums_like_glooss_sparse_sum_on_every_path(store, rows, width, dtype):
     """A COO tensor small enough to gather is timed on the sparse path, the ring and gathered, as
     one dense buffer of its values and a mark per entry on gloo's paths (densified.py): on each the
-    result lists the entries some rank stored and their sums (a stored row of zeros too); where
-    rows are narrower than a block (8 floats: two rows a block), not a row whose sum is zero, as
-    the sparse path cannot tell it from one nobody stored. A tiny one (20 rows of 8: 180 elements
-    with the marks) goes to the ring in one round, untimed."""
+    result lists the entries some rank stored and their sums (a stored row of zeros too, 8 floats
+    wide as well: its blocks are its rows); where rows share blocks (257 floats, prime, in blocks of
+    256), not a row whose sum is zero, as the sparse path cannot tell it from one nobody stored. A
+    tiny one (20 rows of 8: 180 elements with the marks) goes to the ring in one round, untimed."""
     world, calls = 2, 3 * SMALL_TRIALS + 3
 
     def body(rank, comm):
@@ -395,7 +397,7 @@ def test_a_small_coo_tensor_sums_like_glooss_sparse_sum_on_every_path(store, row
             inputs = [small_coo(r, call % 4, rows, width, dtype) for r in range(world)]
             reference = functools.reduce(torch.add, (t.double() for t in inputs)).coalesce()
             listed = sorted(set().union(*(t.indices()[0].tolist() for t in inputs)))
-            if width < 16:          # rows narrower than a block: those whose sum is zero are not listed
+            if entries_share_blocks(width, entry_block_size(width, 256)):   # those whose sum is zero: not listed
                 dense = reference.to_dense()
                 listed = [i for i in listed if bool(dense[i].ne(0).any())]    # NaN holds something
             assert total.is_coalesced() and total.dtype == dtype and total.shape == (rows, width)

@@ -45,7 +45,7 @@ never forced (it is the ring's variant for small kinds).
 The sparse path's block size is chosen per collective too, at most the communicator's (256 by
 default): a block whose one row is touched ships all its rows, so an embedding table of 32-wide rows
 sent in 256-element blocks moves up to 8 times what it must. A COO tensor's blocks are its entries
-(`entry_block_size`: its rows, when narrower than a block). A dense tensor's kind takes the block size
+(`entry_block_size`: its rows, or a divisor of a row wider than a block). A dense tensor's kind takes the block size
 that would have cost the least for its last result, looked at in 16, 32, ... element pieces of the
 same sample (of every LOOK_EVERY results once it is clearly sparse): its non-zero blocks' data plus
 BLOCK_COST bytes a block (the index, and the work of handling one more block); the largest within
@@ -56,6 +56,7 @@ choices here too.
 from __future__ import annotations
 
 import enum
+import functools
 import statistics
 from dataclasses import dataclass, field
 
@@ -308,9 +309,15 @@ def candidate_block_sizes(largest: int) -> list[int]:
     return sizes
 
 
+@functools.lru_cache(maxsize=256)
 def entry_block_size(width: int, largest: int) -> int:
-    """Block size for a COO tensor whose entries (rows) have `width` elements: whole entries per
-    block, one when it is at least MIN_BLOCK wide, as long as that fits in `largest`."""
-    if width >= largest:
-        return largest
-    return min(largest, width * -(-MIN_BLOCK // width))
+    """Block size for a COO tensor whose entries (rows) have `width` elements: blocks and entries
+    tile, so that the result lists every entry some rank stored, as gloo's sum does. A block shared
+    by entries cannot tell a stored entry whose sum is zero (a masked loss's row) from one nobody
+    stored: it was not listed, and SparseAdam, which moves every listed row, trained apart from gloo
+    (a review). The width itself, even below MIN_BLOCK (rows as blocks ran level with two rows to a
+    block of 16 on ncf and deeplight); a wider entry in blocks of its largest divisor of at least
+    MIN_BLOCK that fits in `largest`; `largest` where none does (those entries share blocks)."""
+    if width <= largest:
+        return max(width, 1)
+    return next((b for b in range(largest, MIN_BLOCK - 1, -1) if width % b == 0), largest)

@@ -147,8 +147,9 @@ class Communicator:
         its trials: algorithm.py, densified.py; the result is the same). Returns a new
         coalesced COO tensor (or a Work whose wait() returns it); ranks may store different entries.
         The result lists the entries some rank stored, as gloo's sum does (an optimizer such as
-        SparseAdam updates every listed row); where entries are narrower than a block, which then
-        carries several, an entry whose sum is exactly zero is not listed. `tag`: as allreduce's."""
+        SparseAdam updates every listed row); only where entries share blocks (wider than the block
+        size, which no divisor from 16 up tiles: algorithm.entry_block_size), an entry whose sum is
+        exactly zero is not listed. `tag`: as allreduce's."""
         return self._submit(tensor, torch.sparse_coo, op, async_op, timeout, tag)
 
     def _submit(self, tensor, layout, op, async_op, timeout, tag):
