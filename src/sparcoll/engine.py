@@ -220,8 +220,7 @@ class Engine:
         with self._lock:
             poison = self.poison
         if poison is not None and not self.worker.early_error_soon(cid):
-            raise PoisonedError(f"an earlier collective failed ({poison}); create a new "
-                                f"communicator") from poison
+            raise _poisoned(poison) from poison
 
     def new_work(self, coll: WorkerCollective, tensor: torch.Tensor, owner: object = None) -> Work:
         """The caller's handle of `coll`, with a deadline for every collective submitted before it
@@ -314,7 +313,7 @@ class Engine:
             self.worker.early_error_soon(coll.id)
         error = self.worker.take_early_error(coll.id)
         if error is None and self.poison is not None:
-            error = PoisonedError(f"an earlier collective failed ({self.poison})")
+            error = _poisoned(self.poison)
         if error is None and self.state.is_(CommunicatorState.CLOSED):
             error = SparcollError("the communicator was closed before the collective ran")
         if error is None:
@@ -405,3 +404,9 @@ class Engine:
         if self.ring is not None:
             self.ring.close()
         return True
+
+
+def _poisoned(poison: BaseException) -> PoisonedError:
+    """The error of a call on a failed communicator: a collective failed, or a connection or peer
+    was lost between collectives (it said "an earlier collective failed" then too: a review)."""
+    return PoisonedError(f"this communicator failed earlier ({poison}); create a new communicator")
