@@ -315,8 +315,8 @@ def entry_block_size(width: int, largest: int) -> int:
     tile, so that the result lists every entry some rank stored, as gloo's sum does. A block shared
     by entries cannot tell a stored entry whose sum is zero (a masked loss's row) from one nobody
     stored: it was not listed, and SparseAdam, which moves every listed row, trained apart from gloo
-    (a review). The width itself, even below MIN_BLOCK (rows as blocks ran level with two rows to a
-    block of 16 on ncf and deeplight); a wider entry in blocks of its largest divisor of at least
+    (a review). The width itself, even below MIN_BLOCK (rows as blocks ran level with rows sharing
+    blocks of 16, on ncf and deeplight); a wider entry in blocks of its largest divisor of at least
     MIN_BLOCK that fits in `largest`; `largest` where none does (those entries share blocks)."""
     if width <= largest:
         return max(width, 1)
