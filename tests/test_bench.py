@@ -83,6 +83,11 @@ def test_link_bytes_dispatch():
     assert bounds.link_bytes("sparcoll", aggregators="colocated", **common) == pytest.approx(2.4e6)
     assert bounds.link_bytes("sparcoll", aggregators="dedicated", num_aggregators=2, **common) \
         == pytest.approx(5.12e6)
+    # sparcoll as users get it may take the ring: one dedicated aggregator for 4 dense workers carries 4 N
+    dense = dict(common, density=1.0, union_density=1.0)
+    one = dict(aggregators="dedicated", num_aggregators=1)
+    assert bounds.link_bytes("sparse", **one, **dense) == pytest.approx(256e6)
+    assert bounds.link_bytes("sparcoll", **one, **dense) == bounds.link_bytes("ring", **dense) == 96e6
     with pytest.raises(ValueError):
         bounds.link_bytes("nccl", **common)
 
