@@ -475,6 +475,21 @@ def test_error_feedback_on_sparse_coo_keeps_a_sparse_residual():
     assert torch.allclose(applied + residual.to_dense(), grads, atol=1e-5)
 
 
+@pytest.mark.parametrize("spec", ["threshold:0.5", "blocktopk:0.25", "topk:0.1", "fp16,ef=on"])
+def test_an_infinity_in_a_coo_gradient_is_sent_once_then_forgotten(spec):
+    """One overflow step (GradScaler skips it), then finite ones: what was sent of the inf left NaN in
+    the COO residual, which went out again every step (a review)."""
+    reducer = sc.Reducer(spec)
+    finite = []
+    for step in range(5):
+        values = torch.ones(4, 8)
+        values[1, 3] = float("inf") if step == 0 else 1.0
+        g = torch.sparse_coo_tensor(torch.tensor([[1, 5, 9, 30]]), values, (40, 8), check_invariants=True)
+        finite.append(bool(reducer.reduce(g, key="emb").to_dense().isfinite().all()))
+    assert finite == [False, True, True, True, True], finite
+    assert reducer.memory.residual("emb").to_dense().isfinite().all()
+
+
 def random_coo(shape, sparse_dims, nnz, seed):
     """A coalesced COO tensor of `nnz` random entries (0: none, as an embedding no row looked up)."""
     g = torch.Generator().manual_seed(seed)

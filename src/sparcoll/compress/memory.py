@@ -14,10 +14,13 @@ from .base import Entries
 from .spec import OPTION_DEFAULTS
 
 
-def _sparse_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a + b without the entries that cancel to zero, so the residual does not grow."""
+def _sparse_sum(a: torch.Tensor, b: torch.Tensor, finite: bool = False) -> torch.Tensor:
+    """a + b without the entries that cancel to zero, so the residual does not grow; `finite`: NaN
+    and infinities count as zero too."""
     total = (a + b).coalesce()
     values = total.values()     # the row width is spelled out: -1 cannot be inferred with no entries
+    if finite:
+        values = values.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     keep = values.reshape(values.shape[0], math.prod(values.shape[1:])).ne(0).any(dim=1)
     return torch.sparse_coo_tensor(total.indices()[:, keep], values[keep], total.shape,
                                    is_coalesced=True, check_invariants=False)
@@ -80,7 +83,10 @@ class Residual(NoMemory):
     def _update(self, compensated: torch.Tensor, sent, key) -> None:
         owned = compensated is self.residuals.get(key)     # else the caller's tensor: not in place
         if compensated.is_sparse:
-            self.residuals[key] = _sparse_sum(compensated, -sent)
+            # A NaN or an infinity sent leaves NaN behind (inf - inf), which was then sent again every
+            # step (a review: GradScaler would skip them all). Every COO entry compressor sends them
+            # (a sparsifier picks them first, a cast keeps every entry): none is left to keep.
+            self.residuals[key] = _sparse_sum(compensated, -sent, finite=True)
         elif isinstance(sent, Entries):
             # the sent entries are the compensated values themselves: their residual is 0 (zeroed,
             # not subtracted: an infinity sent would leave inf - inf = NaN behind for good)
