@@ -173,7 +173,12 @@ def collectives(rank: int, world: int) -> dict:
     column, every_other = table[:, 1], torch.arange(8.0) - rank
     dist.all_reduce(column, op=dist.ReduceOp.MIN, group=pg)                 # views delegated to gloo
     dist.all_reduce(every_other[::2], op=dist.ReduceOp.MAX, group=pg)
-    out["views"] = [table.tolist(), every_other.tolist()]
+    weight = torch.nn.Parameter(torch.arange(6.0).view(2, 3) - rank)     # written back as gloo writes
+    dist.all_reduce(weight.t(), op=dist.ReduceOp.MAX, group=pg)
+    with torch.inference_mode():
+        metric = torch.arange(6).view(2, 3) + rank
+    dist.all_reduce(metric[:, 1], op=dist.ReduceOp.MIN, group=pg)
+    out["views"] = [table.tolist(), every_other.tolist(), weight.tolist(), metric.tolist()]
     s = torch.sparse_coo_tensor([[rank, 2]], [1.0, 2.0], (4,))
     dist.all_reduce(s, group=pg)
     out["sparse_sum"] = s.to_dense().tolist()
@@ -339,7 +344,9 @@ def test_collectives_against_expected_values():
         for row, value in zip(table, (1, 5, 9)):
             row[1] = value                  # the column's minimum, rank 0's; the rest untouched
         every_other = [float(i) if i % 2 == 0 else float(i - rank) for i in range(8)]
-        assert out["views"] == [table, every_other], out["views"]
+        metric = (torch.arange(6).view(2, 3) + rank).tolist()
+        metric[0][1], metric[1][1] = 1, 4
+        assert out["views"] == [table, every_other, torch.arange(6.0).view(2, 3).tolist(), metric], out["views"]
         assert out["sparse_sum"] == out["sparse_sum_requires_grad"] == [1.0, 1.0, 4.0, 0.0]
         assert out["sparse_avg"] == [0.5, 0.5, 2.0, 0.0]
         assert out["broadcast"] == [1.0, 1.0, 1.0]

@@ -219,8 +219,9 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
                 def write_back(done: torch.futures.Future) -> None:
                     done.value()        # gloo's error fails this future too
                     for copy, t in zip(staged, tensors):
-                        if copy is not t:
-                            t.copy_(copy)
+                        if copy is not t:   # as gloo writes: a Parameter's or an inference tensor's view too
+                            with torch.inference_mode() if t.is_inference() else torch.no_grad():
+                                t.copy_(copy)
                 gloo_part = gloo_part.get_future().then(write_back)
             h, world = _call_number(op, tensors), self.size()
             sums = torch.tensor([h, h * h], dtype=torch.float64)
