@@ -19,6 +19,7 @@ import time
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from sparcoll.bootstrap import elastic_attempt
 from sparcoll.errors import DivergedError
 
 RESTART = "; restart the job (from a checkpoint)"
@@ -34,7 +35,8 @@ class DroppedSteps:
     def __init__(self, group, rank: int, world: int):
         name = c10d._get_process_group_name(group if group is not None else dist.group.WORLD)
         _instances[name] += 1          # every rank builds its wrappers in the same order
-        self.store = dist.PrefixStore(f"sparcoll/dataparallel/{name}/{_instances[name]}/",
+        # under torchrun's attempt too: a give-up just before a restart read as a peer's in the next
+        self.store = dist.PrefixStore(f"sparcoll/dataparallel/{elastic_attempt()}/{name}/{_instances[name]}/",
                                       c10d._get_default_store())
         self.rank, self.world = rank, world
         self.last = -1                  # the last step this rank dropped
