@@ -257,10 +257,14 @@ def rows_touched(rows: int, width: int, touched: int, seed: int = 0) -> torch.Te
 def test_block_sizes_follow_entries_and_rows():
     assert candidate_block_sizes(256) == [256, 128, 64, 32, 16]
     assert candidate_block_sizes(48) == [48, 24]
-    # blocks and rows tile, so that a stored row whose sum is zero is listed; a prime width cannot
-    assert [entry_block_size(w, 256) for w in (1, 5, 16, 32, 64, 256, 300, 384, 1024, 1009)] == \
-        [1, 5, 16, 32, 64, 256, 150, 192, 256, 256]
+    # blocks and rows tile, so that a stored row whose sum is zero is listed (a prime width: blocks of 1)
+    assert [entry_block_size(w, 256) for w in (1, 5, 16, 32, 64, 256, 300, 384, 1024, 1009, 514)] == \
+        [1, 5, 16, 32, 64, 256, 150, 192, 256, 1, 2]
     assert entry_block_size(32, 16) == 16
+    # rows of a table taller than the wire's block indices number share blocks, as few as fit
+    tall = (wire.MAX_BLOCKS, wire.MAX_BLOCKS + 1, 16 * wire.MAX_BLOCKS)
+    assert [entry_block_size(1, 256, numel) for numel in tall] == [1, 2, 16]
+    assert entry_block_size(8, 256, 8 * wire.MAX_BLOCKS + 8) == 16
     chooser = Chooser(Algorithm.AUTO, 256, WORLD)
     coo = torch.sparse_coo_tensor(torch.tensor([[3, 9]]), torch.ones(2, 32), (100, 32),
                                   check_invariants=True)
@@ -382,10 +386,10 @@ def small_coo(rank: int, call: int, rows: int, width: int, dtype) -> torch.Tenso
 def test_a_small_coo_tensor_sums_like_glooss_sparse_sum_on_every_path(store, rows, width, dtype):
     """A COO tensor small enough to gather is timed on the sparse path, the ring and gathered, as
     one dense buffer of its values and a mark per entry on gloo's paths (densified.py): on each the
-    result lists the entries some rank stored and their sums (a stored row of zeros too, 8 floats
-    wide as well: its blocks are its rows); where rows share blocks (257 floats, prime, in blocks of
-    256), not a row whose sum is zero, as the sparse path cannot tell it from one nobody stored. A
-    tiny one (20 rows of 8: 180 elements with the marks) goes to the ring in one round, untimed."""
+    result lists the entries some rank stored and their sums, a stored row of zeros too (rows of 8
+    are blocks of 8, rows of 257, prime, blocks of 1: none shares a block, which could not tell such
+    a row from one nobody stored). A tiny one (20 rows of 8: 180 elements with the marks) goes to
+    the ring in one round, untimed."""
     world, calls = 2, 3 * SMALL_TRIALS + 3
 
     def body(rank, comm):

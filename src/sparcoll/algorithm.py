@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import wire
 from .blocks import entry_width, nonzero_mask
 
 TINY_NUMEL = 1024       # at most this many elements: one ring round (ring.py), no trials
@@ -83,7 +84,7 @@ LOOK_EVERY = 8          # a kind settled on gloo, or clearly sparse, has its den
 CLEARLY_SPARSE = 0.2    # a kind whose last looked-at result had less than this share of non-zero
                         # blocks is clearly sparse: half the share that would have it try the ring
 SAMPLE_BLOCKS = 256     # blocks of a result looked at to estimate its density
-MIN_BLOCK = 16          # the smallest block size chosen: below it, indices outweigh the data
+MIN_BLOCK = 16          # a dense tensor's smallest block: below it, indices outweigh the data
 SLACK = 0.1             # a smaller block size must save more than this share of the cost
 BLOCK_COST = 64         # bytes a block costs besides its data: its 4-byte index, and the CPU of
                         # scanning, sending, summing and placing one more block. narrowrec on
@@ -178,7 +179,7 @@ class Chooser:
     def block_size(self, kind: Kind, tensor: torch.Tensor) -> int:
         """Elements per block for the next sparse-path collective of `kind` on `tensor`."""
         if tensor.layout == torch.sparse_coo:
-            return entry_block_size(entry_width(tensor), self.largest_block)
+            return entry_block_size(entry_width(tensor), self.largest_block, tensor.numel())
         state = self._kinds.get(kind)
         return self.largest_block if state is None else state.block
 
@@ -310,14 +311,16 @@ def candidate_block_sizes(largest: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=256)
-def entry_block_size(width: int, largest: int) -> int:
-    """Block size for a COO tensor whose entries (rows) have `width` elements: blocks and entries
-    tile, so that the result lists every entry some rank stored, as gloo's sum does. A block shared
-    by entries cannot tell a stored entry whose sum is zero (a masked loss's row) from one nobody
-    stored: it was not listed, and SparseAdam, which moves every listed row, trained apart from gloo
-    (a review). The width itself, even below MIN_BLOCK (rows as blocks ran level with rows sharing
-    blocks of 16, on ncf and deeplight); a wider entry in blocks of its largest divisor of at least
-    MIN_BLOCK that fits in `largest`; `largest` where none does (those entries share blocks)."""
-    if width <= largest:
-        return max(width, 1)
-    return next((b for b in range(largest, MIN_BLOCK - 1, -1) if width % b == 0), largest)
+def entry_block_size(width: int, largest: int, numel: int = 0) -> int:
+    """Block size for a COO tensor of `numel` elements whose entries (rows) have `width`: blocks and
+    entries tile, so that the result lists every entry some rank stored, as gloo's sum does. A block
+    shared by entries cannot tell a stored entry whose sum is zero (a masked loss's row) from one
+    nobody stored: it was not listed, and SparseAdam, which moves every listed row, trained apart from
+    gloo (a review). The width itself, even below MIN_BLOCK (rows as blocks ran level with rows
+    sharing blocks of 16, on ncf and deeplight); a wider entry in blocks of its largest divisor that
+    fits in `largest` (down to 1: a prime width). Only a table of more rows than the wire's block
+    indices number has its rows share blocks, as few as fit (before, 2^35 one-wide rows were summed)."""
+    block = max(width, 1) if width <= largest else next(b for b in range(largest, 0, -1) if width % b == 0)
+    if width < largest and -(-numel // block) > wire.MAX_BLOCKS:
+        block = min(largest // width, -(-numel // (width * wire.MAX_BLOCKS))) * width
+    return block

@@ -320,10 +320,12 @@ def coo_of(entries: np.ndarray, values: torch.Tensor, shape, sparse_dim: int) ->
 
 
 def holding(entries: np.ndarray, values: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-    """The entries that hold something. A block of narrow entries comes back whole, and the entries
+    """The entries that hold something. A block of several entries comes back whole, and the entries
     in it that no rank sent are zeros: kept, they would make the result list rows nobody touched
-    (deeplight's 1-wide rows: 12x the union's rows, each one more for the optimizer, and a row that
-    SparseAdam updates where gloo's sum has none). An entry whose sum is exactly zero goes too."""
+    (deeplight's 1-wide rows in blocks of 16: 12x the union's rows, each one more for the optimizer,
+    and a row that SparseAdam updates where gloo's sum has none). An entry whose sum is exactly zero
+    goes too. Entries share blocks only in a table too tall for the wire's block indices
+    (algorithm.entry_block_size)."""
     sums = values.abs().sum(dim=1) if values.is_floating_point() else values.ne(0).sum(dim=1)
     keep = sums.ne(0).numpy()           # NaN is kept; an abs-sum that overflows is inf, kept too
     if not keep.any():

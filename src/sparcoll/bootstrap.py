@@ -4,14 +4,14 @@ Keys under the communicator's Store prefix, then under torchrun's attempt A and 
 rank's n-th communicator on the same prefix in attempt A has G = n: a re-created communicator never
 reads the keys of an earlier one):
   A/generation/<rank> how many communicators the rank created on this prefix in attempt A (G)
-  G/job               rank 0's random 64-bit job id and 32-byte job secret
-  G/aggregator/<rank> host:port of a rank's colocated aggregator
-  G/init-failed/<rank>  why a rank gave up init (its aggregator is going away)
-  G/init-failures     how many ranks gave up init (one key every waiting rank can poll)
-  G/layout            rank 0's aggregators: "colocated", or how many dedicated ones
-  G/ready/<rank>      the rank connected to every aggregator
-  G/ring/star         host:port of rank 0's end of the star (star.py)
-  G/ring/data/...     gloo's own keys, for the communicator's ring (ring.py)
+  A/G/job               rank 0's random 64-bit job id and 32-byte job secret
+  A/G/aggregator/<rank> host:port of a rank's colocated aggregator
+  A/G/init-failed/<rank>  why a rank gave up init (its aggregator is going away)
+  A/G/init-failures     how many ranks gave up init (one key every waiting rank can poll)
+  A/G/layout            rank 0's aggregators: "colocated", or how many dedicated ones
+  A/G/ready/<stage>/<rank>  the rank got past that stage of init (connected, ring)
+  A/G/ring/star         host:port of rank 0's end of the star (star.py)
+  A/G/ring/data/...     gloo's own keys, for the communicator's ring (ring.py)
 """
 from __future__ import annotations
 

@@ -147,8 +147,8 @@ class Communicator:
         its trials: algorithm.py, densified.py; the result is the same). Returns a new
         coalesced COO tensor (or a Work whose wait() returns it); ranks may store different entries.
         The result lists the entries some rank stored, as gloo's sum does (an optimizer such as
-        SparseAdam updates every listed row); only where entries share blocks (wider than the block
-        size, which no divisor from 16 up tiles: algorithm.entry_block_size), an entry whose sum is
+        SparseAdam updates every listed row); only where entries share blocks (a table of more rows
+        than the wire's block indices number: algorithm.entry_block_size), an entry whose sum is
         exactly zero is not listed. `tag`: as allreduce's."""
         return self._submit(tensor, torch.sparse_coo, op, async_op, timeout, tag)
 
@@ -222,12 +222,12 @@ class Communicator:
 
     def too_many_blocks(self, tensor: torch.Tensor) -> str | None:
         """Why `tensor` may need more blocks than the wire's block indices number, or None. The fewest
-        elements a block of it can hold: a COO tensor's whole entries; a dense one's MIN_BLOCK (narrow
+        elements a block of it can hold: a COO tensor's entry_block_size; a dense one's MIN_BLOCK (narrow
         rows). A sparse tensor of 2^40 rows once had its indices wrap: one rank's sum right, another's
         an error."""
         if tensor.numel() == 0:         # no block at all (and a COO tensor's entries may be 0 wide)
             return None
-        smallest = entry_block_size(entry_width(tensor), self.block_size) \
+        smallest = entry_block_size(entry_width(tensor), self.block_size, tensor.numel()) \
             if tensor.layout == torch.sparse_coo else min(MIN_BLOCK, self.block_size)
         blocks = -(-tensor.numel() // smallest)
         if blocks <= wire.MAX_BLOCKS:
@@ -272,7 +272,7 @@ class Communicator:
         both parents with an error that blamed the other rank (a review)."""
         if os.getpid() != self._pid:
             raise SparcollError(f"this communicator belongs to process {self._pid}; process {os.getpid()} "
-                                f"is a fork of it and cannot use its connections: call sparcoll.init() there")
+                                f"is a fork of it and cannot use its connections (make the child's own, or call from the parent)")
 
     def __enter__(self) -> "Communicator":
         return self

@@ -6,7 +6,7 @@ sparse all_reduce took 1.4-2.6 in the same runs. A COO tensor small enough to ga
 may go through gloo's ring or the gathered round instead, as one dense buffer: its values, then a
 mark per entry (1 where this rank stored it). The summed marks tell which entries some rank stored,
 so the result lists those, as the sparse path does: every stored entry, except where entries share
-the sparse path's blocks (wider than a block, which no divisor tiles); there it cannot tell a
+the sparse path's blocks (a table taller than its block indices number); there it cannot tell a
 stored entry whose sum is exactly zero from one nobody stored and lists neither, and so does this,
 so that a kind's result is the same whichever path it takes.
 """

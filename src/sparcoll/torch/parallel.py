@@ -460,7 +460,7 @@ class DataParallel(nn.Module):
             if chosen in STRATEGIES:
                 # a COO gradient's blocks are its rows (a row's share is its density, _note_rows)
                 as_rows = id(p) in self._coo or (id(p) in self._lookups and id(p) in self._density)
-                block = entry_block_size(p[0].numel(), self._block_size()) if as_rows else self._block_size()
+                block = entry_block_size(p[0].numel(), self._block_size(), p.numel()) if as_rows else self._block_size()
                 entry["predicted_bytes"] = hybrid.sent_bytes(chosen, self._model_of(p), self.world, k, block)
             out[self._names.get(id(p), str(id(p)))] = entry
         return out
