@@ -15,6 +15,7 @@ def test_auto_picks_the_emulated_network_only_where_it_can_be_built(monkeypatch)
     monkeypatch.setattr("sparcoll.bench.netns.netem_problems", lambda: [])
     network, why = demo.choose_network("auto")
     assert network == "1gbit" and "1 Gbit/s" in why
+    assert demo.choose_network("auto", workers=2)[1].startswith("2 emulated hosts")    # it said 4 for any
     monkeypatch.setattr("sparcoll.bench.netns.netem_problems", lambda: ["not running as root"])
     network, why = demo.choose_network("auto")
     assert network == "none" and "not running as root" in why and "CPU-bound" in why

@@ -58,7 +58,7 @@ def _at_least(least: int):
     return parse
 
 
-def choose_network(requested: str) -> tuple[str, str]:
+def choose_network(requested: str, workers: int = 4) -> tuple[str, str]:
     """(network, why): the emulated 1 Gbit/s network when `auto` and the machine allows it."""
     from .bench.netns import netem_problems
 
@@ -68,7 +68,7 @@ def choose_network(requested: str) -> tuple[str, str]:
         return requested, f"an emulated {requested} network, as asked (--network {requested})"
     problems = netem_problems()
     if not problems:
-        return "1gbit", ("4 emulated hosts, each behind a 1 Gbit/s link (network namespaces, tc "
+        return "1gbit", (f"{workers} emulated hosts, each behind a 1 Gbit/s link (network namespaces, tc "
                          "tbf): the network is the bottleneck, the setting sparcoll is built for")
     return "none", (f"loopback (an emulated network needs root and iproute2: "
                     f"{'; '.join(problems)}). On loopback the network is never the bottleneck and "
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sparcoll demo: error: --out {args.out}: cannot make that directory ({exc.strerror})",
               file=sys.stderr)
         return 2
-    network, why = choose_network(args.network)
+    network, why = choose_network(args.network, args.workers)
     print(f"sparcoll demo: {why}.", flush=True)
     bench = argparse.ArgumentParser(prog="sparcoll demo")
     bench_command.add_arguments(bench)

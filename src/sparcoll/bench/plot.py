@@ -20,7 +20,7 @@ def _lines(ax, records: list[dict], x: str) -> None:
         spread = [[r["median_s"] - r["p10_s"] for r in points], [r["p90_s"] - r["median_s"] for r in points]]
         ax.errorbar([r[x] for r in points], medians, yerr=spread, marker="o", capsize=3, label=name)
     ax.set_yscale("log")
-    ax.set_ylabel("time per allreduce (s), median")
+    ax.set_ylabel("time per allreduce (s), median; bars p10-p90")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
 
