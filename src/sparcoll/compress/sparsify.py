@@ -64,7 +64,8 @@ def _above_sampled(values: torch.Tensor, k: int, margin: float, rng) -> torch.Te
     estimated on a 1% random sample: one pass over the data instead of a full top-k, by two
     comparisons into bool tensors (no float temporary for |values|)."""
     n = values.numel()
-    sample = values[torch.from_numpy(rng.integers(0, n, max(1, n // 100)))].abs()
+    # a NaN sampled counts as 0: as the floor it would pass every element to the full top-k after
+    sample = values[torch.from_numpy(rng.integers(0, n, max(1, n // 100)))].abs().nan_to_num_(nan=0.0)
     expected = min(sample.numel(), max(1, math.ceil(margin * k * sample.numel() / n)))
     floor = sample.topk(expected, sorted=False).values.min()
     return (values < floor).logical_and_(values > -floor).logical_not_().nonzero().squeeze(1)   # NaN passes
