@@ -42,7 +42,7 @@ class ColocatedJob:
             self.comms[rank] = Communicator(dist.PrefixStore(prefix, self.store), rank, 2,
                                             timeout=10.0, **options)
         on_threads(make, 2)
-        blob = dist.PrefixStore(prefix, self.store).get("0/1/job")     # the first communicator there (attempt 0)
+        blob = dist.PrefixStore(prefix, self.store).get("1/job")     # the first communicator there
         self.job, self.secret = int.from_bytes(blob[:8], "little"), blob[8:]
         self.server = self.comms[0]._worker.server
         self.address = self.server.address

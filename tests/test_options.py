@@ -23,8 +23,8 @@ def refused_and_announced(options: dict) -> str:
     with pytest.raises(ValueError) as info:
         Communicator(store, 0, 2, **options)
     assert set(threading.enumerate()) <= threads    # (a thread of an earlier test may have ended)
-    assert store.check(["0/1/init-failed/0"])
-    assert store.get("0/1/init-failed/0").decode() == f"ValueError\n{info.value}"
+    assert store.check(["1/init-failed/0"])
+    assert store.get("1/init-failed/0").decode() == f"ValueError\n{info.value}"
     return str(info.value)
 
 

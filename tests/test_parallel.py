@@ -2123,21 +2123,3 @@ def test_a_gradient_sfb_cannot_carry_is_said_not_lost_silently():
     for plain, penalized in run_ranks(outside_gradient_warnings, WORLD, timeout=60):
         assert plain == [] and len(penalized) == 1 and "0.weight" in penalized[0], (plain, penalized)
 
-
-def steps_dropped_before_a_restart(rank: int, world: int) -> dict:
-    """Attempt 0's rank 1 gives up at step 2; attempt 1 (the same Store, as torchrun's agent keeps it)
-    starts its wrappers again from the first."""
-    import os
-    from sparcoll.torch import dropped
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"
-    dropped.DroppedSteps(None, 1, 2).give_up(2)
-    dropped._instances.clear()           # the restarted processes build their wrappers again
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
-    fresh = dropped.DroppedSteps(None, 0, 2)
-    return {"dropped": fresh.dropped_by_a_peer(2), "finished": fresh.finished_by_a_peer(2)}
-
-
-def test_a_step_dropped_before_a_torchrun_restart_is_not_read_by_the_next_attempt():
-    """A give-up usually comes just before a restart: the next attempt read it as its own peer's
-    ("a peer dropped step 2 ... the ranks no longer agree"; a review)."""
-    assert run_ranks(steps_dropped_before_a_restart, 1, timeout=60) == [{"dropped": None, "finished": None}]

@@ -1,17 +1,16 @@
 """Rendezvous through the torch.distributed Store: job identity, aggregator addresses, connections.
 
-Keys under the communicator's Store prefix, then under torchrun's attempt A and the generation G (a
-rank's n-th communicator on the same prefix in attempt A has G = n: a re-created communicator never
-reads the keys of an earlier one):
-  A/generation/<rank> how many communicators the rank created on this prefix in attempt A (G)
-  A/G/job               rank 0's random 64-bit job id and 32-byte job secret
-  A/G/aggregator/<rank> host:port of a rank's colocated aggregator
-  A/G/init-failed/<rank>  why a rank gave up init (its aggregator is going away)
-  A/G/init-failures     how many ranks gave up init (one key every waiting rank can poll)
-  A/G/layout            rank 0's aggregators: "colocated", or how many dedicated ones
-  A/G/ready/<stage>/<rank>  the rank got past that stage of init (connected, ring)
-  A/G/ring/star         host:port of rank 0's end of the star (star.py)
-  A/G/ring/data/...     gloo's own keys, for the communicator's ring (ring.py)
+Keys under the communicator's Store prefix, then under its generation G (a rank's n-th communicator
+on the same prefix has G = n: a re-created communicator never reads the keys of an earlier one):
+  generation/<rank>   how many communicators the rank created on this prefix (G)
+  G/job               rank 0's random 64-bit job id and 32-byte job secret
+  G/aggregator/<rank> host:port of a rank's colocated aggregator
+  G/init-failed/<rank>  why a rank gave up init (its aggregator is going away)
+  G/init-failures     how many ranks gave up init (one key every waiting rank can poll)
+  G/layout            rank 0's aggregators: "colocated", or how many dedicated ones
+  G/ready/<stage>/<rank>  the rank got past that stage of init (connected, ring)
+  G/ring/star         host:port of rank 0's end of the star (star.py)
+  G/ring/data/...     gloo's own keys, for the communicator's ring (ring.py)
 """
 from __future__ import annotations
 
@@ -45,23 +44,14 @@ def local_host() -> str:
 FAILURE_POLL = 0.25     # seconds between looks for a peer that gave up init while waiting for keys
 
 
-def elastic_attempt() -> str:
-    """torchrun's restart count (0 outside torchrun). Its agent's Store outlives the attempts: in one,
-    a rank that died before init left its peers' generation counts ahead of its own, and every later
-    attempt waited on keys of different generations until its timeout (a review). Each attempt's
-    keys are its own, as torch once kept its own workers' ("/worker/attempt_N")."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-
-
 class Rendezvous:
     """One rank's steps of init, each bounded by one deadline."""
 
     def __init__(self, store, rank: int, world: int, timeout: float):
         self.rank, self.world, self.timeout = rank, world, timeout
         self.deadline = time.monotonic() + timeout
-        attempt = elastic_attempt()
-        generation = store.add(f"{attempt}/generation/{rank}", 1)
-        self.store = dist.PrefixStore(f"{attempt}/{generation}", store)    # keys "<A>/<G>/..."
+        generation = store.add(f"generation/{rank}", 1)
+        self.store = dist.PrefixStore(str(generation), store)    # keys "<G>/..."
 
     def job(self) -> tuple[int, bytes]:
         """(job id, job secret), chosen by rank 0."""

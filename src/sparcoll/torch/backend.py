@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 
 from sparcoll.blocks import may_overlap
-from sparcoll.bootstrap import elastic_attempt
 from sparcoll.communicator import Communicator
 from sparcoll.errors import CollectiveTimeout, MismatchError, PoisonedError
 from sparcoll.wire import BARRIER_TAG, DELEGATED_TAG, DTYPE_CODES, OPS as SPARCOLL_OPS
@@ -140,7 +139,7 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, world: int, timeout: timedelta):
         super().__init__(rank, world)
         self._group_name = self._group_desc = ""
-        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"gloo/{elastic_attempt()}", store), rank, world, timeout)
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world, timeout)
         self._gloo_left: MismatchError | None = None    # why the gloo part is out of step (_out_of_step)
         self.comm = Communicator(dist.PrefixStore("sparcoll", store), rank, world,
                                  timeout=timeout.total_seconds())

@@ -19,7 +19,6 @@ import time
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from sparcoll.bootstrap import elastic_attempt
 from sparcoll.errors import DivergedError
 
 RESTART = "; restart the job (from a checkpoint)"
@@ -35,8 +34,7 @@ class DroppedSteps:
     def __init__(self, group, rank: int, world: int):
         name = c10d._get_process_group_name(group if group is not None else dist.group.WORLD)
         _instances[name] += 1          # every rank builds its wrappers in the same order
-        # under torchrun's attempt too: a give-up just before a restart read as a peer's in the next
-        self.store = dist.PrefixStore(f"sparcoll/dataparallel/{elastic_attempt()}/{name}/{_instances[name]}/",
+        self.store = dist.PrefixStore(f"sparcoll/dataparallel/{name}/{_instances[name]}/",
                                       c10d._get_default_store())
         self.rank, self.world = rank, world
         self.last = -1                  # the last step this rank dropped
