@@ -272,7 +272,8 @@ class Communicator:
         both parents with an error that blamed the other rank (a review)."""
         if os.getpid() != self._pid:
             raise SparcollError(f"this communicator belongs to process {self._pid}; process {os.getpid()} "
-                                f"is a fork of it and cannot use its connections (make the child's own, or call from the parent)")
+                                f"is a fork of it and cannot use its connections (make the child's own, or "
+                                f"call from the parent)")
 
     def __enter__(self) -> "Communicator":
         return self
