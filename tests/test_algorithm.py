@@ -265,6 +265,7 @@ def test_block_sizes_follow_entries_and_rows():
     tall = (wire.MAX_BLOCKS, wire.MAX_BLOCKS + 1, 16 * wire.MAX_BLOCKS)
     assert [entry_block_size(1, 256, numel) for numel in tall] == [1, 2, 16]
     assert entry_block_size(8, 256, 8 * wire.MAX_BLOCKS + 8) == 16
+    assert entry_block_size(1009, 256, 1009 * (wire.MAX_BLOCKS // 512)) == 256      # blocks of 1: too many
     chooser = Chooser(Algorithm.AUTO, 256, WORLD)
     coo = torch.sparse_coo_tensor(torch.tensor([[3, 9]]), torch.ones(2, 32), (100, 32),
                                   check_invariants=True)

@@ -318,9 +318,12 @@ def entry_block_size(width: int, largest: int, numel: int = 0) -> int:
     nobody stored: it was not listed, and SparseAdam, which moves every listed row, trained apart from
     gloo (a review). The width itself, even below MIN_BLOCK (rows as blocks ran level with rows
     sharing blocks of 16, on ncf and deeplight); a wider entry in blocks of its largest divisor that
-    fits in `largest` (down to 1: a prime width). Only a table of more rows than the wire's block
-    indices number has its rows share blocks, as few as fit (before, 2^35 one-wide rows were summed)."""
+    fits in `largest` (down to 1: a prime width). Only a table that would take more blocks than the
+    wire's block indices number has its rows share blocks: as few as fit, or blocks of `largest` for
+    a wide row (2^35 one-wide rows were summed before, and must still be)."""
     block = max(width, 1) if width <= largest else next(b for b in range(largest, 0, -1) if width % b == 0)
-    if width < largest and -(-numel // block) > wire.MAX_BLOCKS:
-        block = min(largest // width, -(-numel // (width * wire.MAX_BLOCKS))) * width
-    return block
+    if -(-numel // block) <= wire.MAX_BLOCKS:
+        return block
+    if width >= largest:        # a wide row's small divisor (a prime width's 1) in a tall table
+        return largest
+    return min(largest // width, -(-numel // (width * wire.MAX_BLOCKS))) * width
