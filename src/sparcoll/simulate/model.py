@@ -239,13 +239,9 @@ def groups(n: int, cores: int | None) -> tuple[int, int]:
 
 def ring_step(point: Point, costs: Costs, nbytes: float, add: bool) -> float:
     """One step of a ring: every rank sends `nbytes` to the next (and, in a reduce-scatter, adds
-    what it received). Every host does the same, so hosts with cores of their own act as lockstep
-    groups, as in `groups` (agsparse's steps carry a whole tensor each: one by one, 256 hosts took
-    a minute)."""
-    n = point.workers
-    fitting = [g for g in range(MIN_GROUPS, MAX_GROUPS + 1) if n % g == 0] if point.cores is None else []
-    count = max(fitting) if n > MAX_GROUPS and fitting else n
-    width = n // count
+    what it received). Every host does the same, so they act as the lockstep `groups` (agsparse's
+    steps carry a whole tensor each: one by one, 256 hosts took a minute)."""
+    count, width = groups(point.workers, point.cores)
     cluster = Cluster([width] * count, costs, point.rate_bps, point.cores)   # back to back: no burst
 
     def rank(r: int) -> Iterator:
