@@ -215,13 +215,7 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
             staged = [t.contiguous() if t.layout == torch.strided and not may_overlap(t) else t for t in tensors]
             gloo_part = self.gloo.allreduce(staged, opts)
             if any(s is not t for s, t in zip(staged, tensors)):
-                def write_back(done: torch.futures.Future) -> None:
-                    done.value()        # gloo's error fails this future too
-                    for copy, t in zip(staged, tensors):
-                        if copy is not t:   # as gloo writes: a Parameter's or an inference tensor's view too
-                            with torch.inference_mode() if t.is_inference() else torch.no_grad():
-                                t.copy_(copy)
-                gloo_part = gloo_part.get_future().then(write_back)
+                gloo_part = _written_back(gloo_part, staged, tensors)
             h, world = _call_number(op, tensors), self.size()
             sums = torch.tensor([h, h * h], dtype=torch.float64)
             checking = self._beside_gloo(lambda: self._issue(sums, "sum", _seconds(opts.timeout), DELEGATED_TAG))
@@ -296,6 +290,18 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
 
 for _name, _target in DELEGATED.items():
     setattr(ProcessGroupSparcoll, _name, _delegate(_target))
+
+
+def _written_back(work: dist.Work, staged: list[torch.Tensor], tensors: list[torch.Tensor]) -> torch.futures.Future:
+    """gloo's `work` on `staged`, then each copy among them written into the tensor it stands for, as
+    gloo writes (a Parameter's or an inference tensor's view too); gloo's error fails it too."""
+    def write_back(done: torch.futures.Future) -> None:
+        done.value()
+        for copy, t in zip(staged, tensors):
+            if copy is not t:
+                with torch.inference_mode() if t.is_inference() else torch.no_grad():
+                    t.copy_(copy)
+    return work.get_future().then(write_back)
 
 
 def _call_number(op, tensors: list[torch.Tensor]) -> float:
