@@ -198,6 +198,16 @@ def test_record_schema_and_arithmetic():
     assert "agsparse (coo)" in text and "4.00" in text
 
 
+def test_the_table_shows_the_density_that_ran_where_whole_blocks_moved_it():
+    setup = Setup("none", None, "colocated", 2)
+    small = make_record(_result("ring"), InputSpec(65536, 256, 2, 0.01, 0.0, seed=0), setup, union_density=0.02)
+    large = make_record(_result("ring"), InputSpec(16 * MIB, 256, 2, 0.01, 0.0, seed=0), setup, union_density=0.02)
+    assert small["density_actual"] == 3 / 256
+    small_row, large_row = table([small, large]).splitlines()[-2:]
+    assert "0.01 (ran 0.0117)" in small_row
+    assert " 0.01 " in large_row and "ran" not in large_row
+
+
 def test_plot_writes_png_for_density_and_worker_sweeps(tmp_path):
     from sparcoll.bench.plot import plot
     setup = Setup("none", None, "colocated", 2)
