@@ -516,11 +516,11 @@ def report(runs: list[dict], args) -> str:
     lines = [f"sparcoll train: {args.workload}, {args.workers} workers, network {args.network}, "
              f"{args.steps} steps of {args.batch_size} samples per worker",
              f"{'mode':<24} {'samples/s':>10} {'step ms':>8} {'compute ms':>10} {'comm ms':>8} "
-             f"{'CPU ms':>7} {'MB/step':>8} {'density local/union':>20}  loss first -> last"]
+             f"{'CPU ms':>7} {'MB/step/wkr':>11} {'density local/union':>20}  loss first -> last"]
     for r in runs:
         sent = "-" if r["bytes_sent_per_step"] is None else f"{r['bytes_sent_per_step'] / 1e6:.2f}"
         lines.append(f"{r['label']:<24} {r['samples_per_s']:>10.1f} {1e3 * r['step_s']:>8.1f} "
-                     f"{1e3 * r['compute_s']:>10.1f} {1e3 * r['comm_s']:>8.1f} {1e3 * r['cpu_s']:>7.1f} {sent:>8} "
+                     f"{1e3 * r['compute_s']:>10.1f} {1e3 * r['comm_s']:>8.1f} {1e3 * r['cpu_s']:>7.1f} {sent:>11} "
                      f"{r['density_local']:>11.4f} / {r['density_union']:.4f}  "
                      f"{r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}")
     for r in runs:
