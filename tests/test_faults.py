@@ -964,27 +964,37 @@ def test_ranks_whose_block_sizes_differ_fail_init_at_once(store):
     assert max(r[2] for r in results) < 5.0, results
 
 
-def test_missing_call_times_out_naming_the_peer_then_poisons():
-    done = threading.Event()
+@pytest.mark.parametrize("numel", [1000, 256 * 1024])
+def test_missing_call_times_out_naming_the_peer_then_poisons(numel):
+    """Rank 2 never makes the call: the others' timeouts name it (their own aggregators have
+    nothing of it from rank 2), on the single round of a small tensor and the sparse path alike."""
+    done = threading.Semaphore(0)
 
     def target(comm, rank):
-        if rank == 1:                       # rank 1 stays in the job but never calls the collective
-            done.wait(20)
+        if rank == 2:                       # rank 2 stays in the job until both others are done,
+            for _ in range(2):              # but never calls the collective
+                done.acquire(timeout=20)
             return None
         try:
-            first = outcome_of(lambda: comm.allreduce(torch.ones(1000)))
-            second = outcome_of(lambda: comm.allreduce(torch.ones(1000)))
+            first = outcome_of(lambda: comm.allreduce(torch.ones(numel)))
+            second = outcome_of(lambda: comm.allreduce(torch.ones(numel)))
         finally:
-            done.set()
+            done.release()
         return first, second
 
     deadline = 1.5
-    (first, second), _ = in_threads(2, target, timeout=deadline)
-    assert first[0] == "CollectiveTimeout" and "aggregator 1" in first[1], first
+    (first, second), (other, _), _ = in_threads(3, target, timeout=deadline, algorithm="sparse")
+    # The first to time out leaves the job, and the other may learn of that first: it then reports
+    # the first one's error.
+    assert "CollectiveTimeout" in (first[0], other[0]), (first, other)
+    for outcome in (first, other):
+        assert outcome[0] in ("CollectiveTimeout", "PeerError") and "aggregator 2" in outcome[1], outcome
+        assert "rank 2 has sent nothing of it to this rank's aggregator" in outcome[1], outcome
     # Not before the deadline (it starts after `first` began timing; 0.05 s for clock rounding),
     # and not at some much later time; the upper bound is loose so that a loaded machine cannot
     # fail it.
-    assert deadline - 0.05 <= first[2] < 10 * deadline, first
+    timed_out = first if first[0] == "CollectiveTimeout" else other
+    assert deadline - 0.05 <= timed_out[2] < 10 * deadline, timed_out
     assert second[0] == "PoisonedError" and second[2] < 1.0, second
 
 

@@ -229,6 +229,22 @@ def test_aggregator_rejects_bad_messages():
         a.on_contribution(0, 1, 5, desc, np.array([2, 4]), rows)
 
 
+def test_a_stream_names_the_workers_its_next_result_waits_for():
+    """What a stalled collective's timeout names: the workers at the lowest progress, and whether
+    each has sent nothing yet; none once the range is done."""
+    desc, rows = (40, 4, 0, 0), torch.ones(1, 4)
+    a = make_stream(workers=3)
+    assert a.holding_back() == {0: True, 1: True, 2: True}
+    a.on_contribution(0, 0, 10, desc, np.array([1]), rows)
+    a.on_contribution(1, 0, 4, desc, np.array([1]), rows)
+    assert a.holding_back() == {2: True}
+    a.on_contribution(2, 0, 4, desc, np.array([3]), rows)
+    assert a.holding_back() == {1: False, 2: False}
+    a.on_contribution(1, 1, 10, desc, np.array([5]), rows)
+    a.on_contribution(2, 1, 10, desc, np.array([], dtype=np.int64), torch.ones(0, 4))
+    assert a.done and a.holding_back() == {}
+
+
 def test_a_released_worker_s_contributions_are_copies_and_the_sum_is_theirs():
     """Worker 0 lends its rows in place (reuse 2) and gives up the collective: release returns their
     leases and the stream keeps copies, so worker 0 may overwrite its rows and the sum worker 1

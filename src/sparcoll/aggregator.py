@@ -62,6 +62,7 @@ class Failed:
     code: wire.ErrorCode
     text: str
     told: set[int] = field(default_factory=set)
+    holding_back: dict[int, bool] = field(default_factory=dict)   # CollectiveShard.holding_back's
 
 
 class CollectiveShard:
@@ -80,6 +81,14 @@ class CollectiveShard:
                                          config.credits)
                         for s in range(config.streams)]
         self.finished = 0
+
+    def holding_back(self) -> dict[int, bool]:
+        """The ranks some stream waits for; whether each has sent nothing to any of them."""
+        late: dict[int, bool] = {}
+        for stream in self.streams:
+            for rank, nothing in stream.holding_back().items():
+                late[rank] = late.get(rank, True) and nothing
+        return late
 
 
 class AggregatorJob:
@@ -189,6 +198,17 @@ class AggregatorJob:
             state = self._collectives.get(cid)
         return None if state is None else state.descriptor
 
+    def holding_back(self, cid: int) -> dict[int, bool]:
+        """The ranks collective `cid`'s shard here waits for (or waited for when it failed), each
+        with whether it has sent nothing here; none if the collective is neither in progress nor
+        remembered as failed here."""
+        with self._lock:
+            state, failed = self._collectives.get(cid), self._failed.get(cid)
+        if state is not None:
+            with state.lock:
+                return state.holding_back()
+        return {} if failed is None else failed.holding_back
+
     def _state(self, rank: int, header: wire.Header) -> CollectiveShard | None:
         """The shard of `rank`'s contribution, made by the collective's first one; None if the
         collective failed (the rank is told why, if it never was)."""
@@ -234,13 +254,15 @@ class AggregatorJob:
             if collective in self._failed:
                 return
             # kept as long as a refusal carries (a reason may be 64 KiB, and 64 are kept a job)
-            self._failed[collective] = Failed(code, text[:wire.MAX_REASON_BYTES], set(self.workers))
+            record = self._failed[collective] = Failed(code, text[:wire.MAX_REASON_BYTES], set(self.workers))
             while len(self._failed) > FAILED_MEMORY:
                 self._failed.popitem(last=False)
             state = self._collectives.pop(collective, None)
             workers = list(self.workers.values())
         if state is not None:
             with state.lock:    # a contribution being summed into a worker's memory ends first
+                # a rank timing out as a peer's failure lands here still names who was late
+                record.holding_back = state.holding_back()
                 state.dropped = True
                 released = [lease for stream in state.streams for lease in stream.drop()]
             for lease in released:

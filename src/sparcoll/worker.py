@@ -182,9 +182,18 @@ class WorkerJob:
             return (None, None) if coll is None else (coll, coll.writes.lend())
 
     def _describe_stall(self, coll: WorkerCollective) -> str:
+        """What the collective waits for; with colocated aggregators also the ranks it waits for,
+        as this rank's own aggregator knows them (every rank sends a part of every collective to
+        every aggregator, so a rank that never made the call is missing here too)."""
         who = ", ".join(f"aggregator {a} at {self.addresses[a]}" for a in coll.waiting_for())
+        late = self.local_job.holding_back(coll.id) if self.local_job is not None else {}
+        silent = sorted(rank for rank, nothing in late.items() if nothing)
+        partial = sorted(rank for rank, nothing in late.items() if not nothing)
+        ranks = "; ".join(f"{_ranks(group)} {verb} to this rank's aggregator" for group, verb in
+                          ((silent, "sent nothing of it"), (partial, "sent only part of it")) if group)
         return (f"rank {self.rank}: allreduce {coll.id} not finished after {coll.timeout:g} s; "
-                f"still waiting for {who} (a peer may be dead, stuck, or calling other collectives)")
+                + (f"{ranks}; " if ranks else "")
+                + f"still waiting for {who} (a peer may be dead, stuck, or calling other collectives)")
 
     def _advance(self, coll: WorkerCollective, agg: int, stream: int, result=None) -> None:
         """Accept a result's metadata (if any), then send what the credits allow. Serialized per
@@ -485,3 +494,7 @@ class _ResultPlacement:
         """Nothing more of this message is written into the tensor."""
         writing, self._writing = self._writing, None
         give_back(writing)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} have"
