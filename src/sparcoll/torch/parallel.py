@@ -1176,10 +1176,8 @@ class DataParallel(nn.Module):
             event.start, event.end = start, end
         if started is not None:      # the completion thread counts it done
             self._running.put(Started(*started, events))
-            return
-        with self._idle:
-            self._pending -= 1
-            self._idle.notify_all()
+        else:
+            self._one_done()
 
     def _complete(self, started: Started) -> None:
         """The completion thread's work on one collective the synchronization thread left running,
@@ -1196,6 +1194,10 @@ class DataParallel(nn.Module):
         end = time.perf_counter()
         for event in started.events:
             event.end = end
+        self._one_done()
+
+    def _one_done(self) -> None:
+        """One item of the step is over: backward's wait for the step counts it."""
         with self._idle:
             self._pending -= 1
             self._idle.notify_all()
