@@ -35,7 +35,7 @@ from sparcoll import aggregator as aggregator_module, server as server_module, w
 from sparcoll.communicator import Communicator
 from sparcoll.errors import REPORT_GRACE
 from ranks import fork_context, fork_process, run_ranks
-from support import error_chain, join_all, on_threads, outcome_of, wait_for
+from support import error_chain, join_all, on_threads, outcome_of, start_aggregator, stop, wait_for
 
 NUMEL = 1 << 19            # 2048 blocks of 256 floats
 TIMEOUT = 5.0              # init(timeout=...) of every worker
@@ -962,6 +962,63 @@ def test_ranks_whose_block_sizes_differ_fail_init_at_once(store):
     assert results[1][0] == "MismatchError" and "its block size is 128, rank 0's 256" in results[1][1], results
     assert "rank 1 gave up init" in results[0][1] and "block size" in results[0][1], results
     assert max(r[2] for r in results) < 5.0, results
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_dedicated_aggregator_stopped_by_a_signal_tells_every_worker_why(sig):
+    """Its workers' communicators fail with the reason, not "closed the connection" (before; and
+    SIGHUP killed it without a word), and it exits cleanly."""
+    proc, address = start_aggregator()
+    try:
+        first_done, stopped = threading.Barrier(2, timeout=30), threading.Event()
+
+        def target(comm, rank):
+            tensor = torch.ones(1000)
+            comm.allreduce(tensor)
+            assert torch.equal(tensor, torch.full((1000,), 2.0))
+            if first_done.wait() == 0:
+                proc.send_signal(sig)
+                proc.wait(timeout=20)
+                stopped.set()
+            assert stopped.wait(30)
+            return outcome_of(lambda: comm.allreduce(torch.ones(1000)))
+
+        results = in_threads(2, target, aggregators=[address])
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, proc.returncode
+    for outcome in results:
+        assert outcome[0] in ("PeerError", "PoisonedError"), outcome
+        assert f"the aggregator at {address} was stopped ({sig.name})" in outcome[1], outcome
+
+
+def test_an_aggregator_stopped_while_a_rank_waits_in_init_fails_that_init_and_tells_the_peers():
+    """Rank 0 is connected and waits in init for rank 1 when its dedicated aggregator is stopped:
+    its init fails at once with the reason, and rank 1, coming later, hears it at once. Before,
+    rank 0 waited out init's timeout, then blamed rank 1 for not coming that far (a review)."""
+    proc, address = start_aggregator()
+    store = dist.PrefixStore("m/", dist.HashStore())
+    outcomes: dict[int, tuple] = {}
+
+    def init(rank):
+        start = time.monotonic()
+        outcomes[rank] = (*outcome_of(lambda: Communicator(store, rank, 2, aggregators=[address],
+                                                           timeout=30.0).close()), start)
+    try:
+        first = threading.Thread(target=init, args=(0,), daemon=True)
+        first.start()
+        assert wait_for(lambda: store.check(["1/ready/connected/0"]), 30), "rank 0 never connected"
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        first.join(30)
+        init(1)
+    finally:
+        stop(proc)
+    (kind, text, _, _), (late_kind, late_text, late_s, _) = outcomes[0], outcomes[1]
+    assert kind == "PeerError" and f"the aggregator at {address} was stopped (SIGTERM)" in text, outcomes
+    assert outcomes[0][3] + outcomes[0][2] - stopped < 10, outcomes     # not init's 30 s
+    assert late_kind == "PeerError" and "rank 0 gave up init" in late_text and "was stopped" in late_text, outcomes
+    assert late_s < 10, outcomes
 
 
 @pytest.mark.parametrize("numel", [1000, 256 * 1024])

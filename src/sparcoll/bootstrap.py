@@ -18,6 +18,7 @@ import os
 import secrets
 import socket
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -89,21 +90,29 @@ class Rendezvous:
     def connect(self, index: int, address: str, hello: wire.Hello, secret: bytes,
                 job_token: bytes, colocated: bool) -> socket.socket:
         """An authenticated connection to aggregator `index`. With colocated aggregators, a rank
-        that gave up init is reported with its own reason, not as a refused connection."""
-        abandon = (lambda: self._failure_of(index)) if colocated else None
+        that gave up init is reported with its own reason, not as a refused connection; with
+        dedicated ones, any rank that did ends the retries (a stopped aggregator refused them until
+        init's timeout, though the rank that had found it stopped had said so)."""
+        abandon = (lambda: self._failure_of(index)) if colocated else self._first_failure
         try:
             return transport.connect(address, hello, secret, self.remaining(), job_token,
                                      abandon=abandon)
         except (PeerError, CollectiveTimeout) as exc:
-            raise (abandon() if abandon else None) or exc
+            raise abandon() or exc
 
-    def ready(self, stage: str = "connected") -> None:
+    def ready(self, stage: str = "connected", lost: Callable[[], BaseException | None] = lambda: None) -> None:
         """No rank goes past `stage` of init before every rank got there: none leaves init (and so
         can close its aggregator, or abort its gloo group) while a peer still connects to it. gloo's
         group is up on one rank while its peer still finishes connecting; closed then, the peer's
-        fails with gloo's "Connection closed by peer"."""
+        fails with gloo's "Connection closed by peer". `lost()`: the error of a connection of this
+        rank's that broke meanwhile (an aggregator stopped), which ends the wait; before, init
+        waited out its timeout, then blamed the peers that had not come this far (a review)."""
         self.store.set(f"ready/{stage}/{self.rank}", b"1")
-        self._wait([f"ready/{stage}/{r}" for r in range(self.world)])
+
+        def abandon() -> SparcollError | None:
+            broken = lost()     # read first: a peer that gave up announced why before its aggregator closed
+            return self._first_failure() or broken
+        self._wait([f"ready/{stage}/{r}" for r in range(self.world)], abandon)
 
     def ring(self, host: str, credentials: Credentials) -> Ring:
         """The communicator's ring (gloo's group and the star), reached at `host` (peers wait for
@@ -152,9 +161,10 @@ class Rendezvous:
             return None
         return next((f for f in map(self._failure_of, range(self.world)) if f is not None), None)
 
-    def _wait(self, keys: list[str]) -> None:
+    def _wait(self, keys: list[str], abandon: Callable[[], BaseException | None] | None = None) -> None:
         """Wait for `keys` until the deadline; a peer that gave up init (a rank refused by its
-        aggregator, with another secret) ends the wait with its reason."""
-        wait_in_store(self.store, keys, self.deadline, FAILURE_POLL, self._first_failure, lambda missing: (
+        aggregator, with another secret) ends the wait with its reason; `abandon()`, where given,
+        decides instead (returning the error that ends the wait, if any)."""
+        wait_in_store(self.store, keys, self.deadline, FAILURE_POLL, abandon or self._first_failure, lambda missing: (
             f"rank {self.rank}: {', '.join(missing)} not in the store within {self.timeout:g} s: the ranks "
             f"they are of did not come this far in init (never called it, or stuck before it)"))

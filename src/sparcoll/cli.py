@@ -8,7 +8,6 @@ import ipaddress
 import logging
 import signal
 import sys
-import threading
 from typing import Callable
 
 
@@ -20,7 +19,8 @@ def _is_loopback(host: str) -> bool:
 
 
 def run_aggregator(args: argparse.Namespace) -> int:
-    """Serve jobs until SIGINT/SIGTERM. Prints its address once listening (port 0 picks one). A bad
+    """Serve jobs until SIGINT, SIGTERM or SIGHUP, then tell every worker why its connection
+    closes. Prints its address once listening (port 0 picks one). A bad
     option, an unusable secret or an address it cannot listen on ends it with one line on stderr
     (exit code 2): these are the operator's to fix, a traceback would only hide the reason. The
     options are checked before torch is imported, so a mistyped one is refused at once."""
@@ -44,23 +44,37 @@ def run_aggregator(args: argparse.Namespace) -> int:
                       f"or pass --secret-file (only loopback may run without one)")
     import torch
 
-    from .server import MAX_HANDSHAKES, AggregatorServer
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     # One torch thread: each message's sum is small (at most a few MiB) and the receiver threads
     # (one per worker connection) already add in parallel, with the GIL released. An OpenMP team per
     # add costs more than it saves: measured on 2 cores, 2 workers, 2 aggregators, 256 KiB messages,
     # aggregator CPU over 23 allreduces of 16M float32 2.8 -> 1.8 s.
     torch.set_num_threads(1)
+    # Blocked from before the server's threads start (they inherit it) and taken by sigwait below:
+    # a handler that set an Event deadlocked when a second signal landed inside the first (the
+    # Event's lock held by the handler it interrupted), and the aggregator served on (a review:
+    # SIGTERM then SIGINT, 6 of 11).
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        return _serve_until_stopped(args, secret, refuse)
+    finally:
+        while STOP_SIGNALS & signal.sigpending():     # more stop signals: the same request, answered
+            signal.sigwait(STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def _serve_until_stopped(args: argparse.Namespace, secret: bytes | None, refuse: Callable[[str], int]) -> int:
+    from .server import MAX_HANDSHAKES, AggregatorServer
+
     try:
         server = AggregatorServer(args.host, args.port, secret,
                                   max_handshakes=args.max_handshakes or MAX_HANDSHAKES,
                                   max_connections=args.max_connections)
     except (OSError, UnicodeError, ValueError) as exc:     # an address that cannot be encoded, too
         return refuse(f"cannot listen on {args.host}:{args.port}: {exc}")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     print(f"sparcoll aggregator listening on {server.address}", flush=True)
     limit = server.connection_limit()
     log = logging.getLogger("sparcoll.aggregator")
@@ -71,8 +85,9 @@ def run_aggregator(args: argparse.Namespace) -> int:
         log.warning("--max-connections %d is more than the descriptor limit %d leaves for connections (%d): "
                     "past it accept() fails without a reason to the worker; raise `ulimit -n` or give fewer",
                     args.max_connections, soft, left)
-    stop.wait()
-    server.close()
+    name = signal.Signals(signal.sigwait(STOP_SIGNALS)).name
+    log.info("stopping on %s: telling the workers of %d connections", name, server.connections())
+    server.close(reason=f"the aggregator at {server.address} was stopped ({name})")
     return 0
 
 

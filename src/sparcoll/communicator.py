@@ -117,12 +117,12 @@ class Communicator:
                 sock = rendezvous.connect(index, address, hello, secret, job_token,
                                           colocated=local_job is not None)
                 self._worker.add_connection(index, sock)
-        rendezvous.ready()
+        rendezvous.ready(lost=self._worker.lost)
         if self.options.algorithm is not Algorithm.SPARSE:
             # After ready(): every rank is alive and connected, so every rank builds it too.
             self._engine.ring = rendezvous.ring(self.options.host or local_host(),
                                                 Credentials(self.job, self.config, job_secret))
-            rendezvous.ready("ring")
+            rendezvous.ready("ring", lost=self._worker.lost)
 
     def _poisoned(self, error: BaseException) -> None:
         self._engine.set_poison(error)

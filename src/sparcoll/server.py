@@ -110,7 +110,7 @@ class AggregatorServer:
         self.only_job = only_job
         self.jobs: dict[int, AggregatorJob] = {}
         self._lock = threading.Lock()
-        self._connections: set[transport.Connection] = set()
+        self._connections: dict[transport.Connection, int] = {}    # each worker's, with its job
         self._ended: OrderedDict[int, str] = OrderedDict()     # job id -> why it ended
         self._serving: dict[threading.Thread, socket.socket] = {}   # each connection's thread
         self._closed = False
@@ -315,14 +315,14 @@ class AggregatorServer:
         # Admission reserved this rank in its job, which is kept until it is attached: the others
         # may have failed and left meanwhile, and this worker then learns why from the job.
         with self._lock:
-            self._connections.add(conn)
+            self._connections[conn] = job.job
             job.attach(hello.rank, _RemoteWorker(conn))
         try:
             job.detach(hello.rank, self._receive(conn, job, hello.rank))
         finally:
             conn.close()
             with self._lock:
-                self._connections.discard(conn)
+                self._connections.pop(conn, None)
                 self.stats.add(conn.stats)
             self._forget_if_empty(job.job)
 
@@ -405,12 +405,18 @@ class AggregatorServer:
             log.exception("could not tell %s why its connection closes", conn.peer)
         return wire.ErrorCode.PEER, why
 
-    def close(self) -> None:
+    def connections(self) -> int:
+        """Worker connections being served."""
+        with self._lock:
+            return len(self._connections)
+
+    def close(self, reason: str | None = None) -> None:
         """Stop accepting, end every connection, and wait (at most CLOSE_JOIN) for the threads: one
         still ending when the interpreter exits is stopped inside its clean-up, and where that frees
         a tensor, torch's destructor cannot unwind and the process aborts ("terminate called
         without an active exception": 7 of 129 runs of a 4-rank DataParallel script that closed and
-        exited at once, before this wait; 0 of 40 after)."""
+        exited at once, before this wait; 0 of 40 after). `reason`: told to every worker first, as
+        the error its communicator fails with (else it reads only that the connection closed)."""
         self._closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -418,7 +424,12 @@ class AggregatorServer:
             pass
         self.sock.close()
         with self._lock:
-            connections, serving = list(self._connections), dict(self._serving)
+            connections, serving = dict(self._connections), dict(self._serving)
+        for conn, job in connections.items() if reason else ():
+            try:
+                conn.send(wire.error_message(job, wire.CONNECTION, reason, wire.ErrorCode.PEER))
+            except Exception:   # a connection already broken closes without it
+                pass
         transport.close_all(connections)
         for sock in serving.values():      # wakes a handshake that is still reading
             try:

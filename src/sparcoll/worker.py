@@ -68,6 +68,10 @@ class WorkerJob:
         self._lost: BaseException | None = None     # the first connection to an aggregator that broke
         self._closed = False
 
+    def lost(self) -> BaseException | None:
+        """The error of the first connection to an aggregator that broke, if one did."""
+        return self._lost
+
     def local_inbox(self) -> Callable[[wire.LocalResult | wire.Failure], None]:
         """Where the own aggregator delivers; starts the thread that reads it."""
         self._spawn(self._local_loop, "sparcoll-local")
