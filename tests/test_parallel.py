@@ -859,6 +859,31 @@ def test_a_plan_for_another_model_is_refused_naming_what_differs():
         check_names(model, _load({"tensors": [{"name": "0.weight", "strategy": "ring", "numel": 16}]}))
 
 
+def test_a_plan_that_leaves_out_a_trainable_parameter_it_did_not_find_unused_is_refused():
+    """From a review: a layer added after planning, or a plan of no tensors, ran as "planned" with
+    those parameters on "auto", without a word. Frozen parameters and those the plan lists as unused
+    may be left out; a plan written before plans listed their unused ones is not checked for it."""
+    from sparcoll.torch.parallel import _load, check_names
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    model[2].bias.requires_grad_(False)
+    listed = [{"name": n, "strategy": "ring"} for n in ("0.weight", "0.bias")]
+    check_names(model, _load({"tensors": listed + [{"name": "2.weight", "strategy": "ring"}], "unused": []}))
+    check_names(model, _load({"tensors": listed, "unused": ["2.weight"]}))
+    check_names(model, _load({"tensors": listed}))          # an older plan
+    for plan, left in (({"tensors": listed, "unused": []}, "1 trainable parameter(s) of the model: 2.weight;"),
+                       ({"tensors": [], "unused": []}, "3 trainable parameter(s) of the model: 0.weight, 0.bias, "
+                                                           "2.weight;")):
+        with pytest.raises(ValueError, match=re.escape(f"the plan has no strategy for {left}")):
+            check_names(model, _load(plan))
+    for plan, says in (({"tensors": listed, "workers": "2"}, "the plan's workers is '2', not an integer"),
+                       ({"tensors": [{"name": "w", "strategy": "ring", "numel": "10"}]},
+                        "the plan's w's numel is '10', not an integer"),
+                       ({"tensors": listed, "unused": "2.weight"}, "the plan's unused is '2.weight', not a list")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            _load(plan)
+
+
 @pytest.mark.parametrize("workload, batch", [("ncf", "8"), ("vgg", "8")])
 def test_training_with_the_wrapper_follows_ddps_loss_curve(tmp_path, capfd, workload, batch):
     """`sparcoll train --compare ddp,poseidon` (hybrid choice: the sparse AllReduce for ncf's

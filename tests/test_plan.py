@@ -772,7 +772,7 @@ def test_the_trial_says_when_ddp_was_faster_than_every_candidate():
         plan["trial"]["ddp"] = {"steps": 3, "step_s": ddp_s, "comm_share": 0.5}
         text = table(plan)
         assert f"measured {1e3 * ddp_s:>10.1f} ms, 50% of it communicating" in text
-        assert f"{ddp_s / 0.050:.2f}x as fast" in text
+        assert f"{ddp_s / 0.050:.3f}x as fast" in text
         assert ("keep DDP" in text) == keep_ddp
     plan["trial"]["ddp"] = {"steps": 3, "failed": "it reported 1 of 4 steps"}
     text = table(plan)

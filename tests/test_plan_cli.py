@@ -192,6 +192,11 @@ def test_a_file_in_a_missing_directory_is_refused_before_the_work(tmp_path, caps
     (["--without", "collective", "--uniform", "sparse"], "--uniform sparse is not the ring"),
     # before the profile (before: refused by the plan's making, after minutes of profiling)
     (["--uniform", "topk:0.01"], "no uniform strategy 'topk:0.01': not among --compressors (none, fp16"),
+    # a review: ignored without a word (and not part of the stored profile's identity either)
+    (["--model", "mymodel:build", "--batch-size", "7"], "--batch-size, --workload-option and --seed are --workload's"),
+    (["--model", "mymodel:build", "--workload-option", "bogus=1"], "--workload-option and --seed are --workload's"),
+    # a review: the plan overwrote the profile it was made from
+    (["--json", "same.json", "--profile", "./same.json"], "--json and --profile both name same.json"),
 ])
 def test_contradictory_or_invalid_arguments_are_refused(capsys, argv, says):
     """Refused before anything runs (--network fast: before netem's check for root, which would say
@@ -257,6 +262,12 @@ def test_a_stored_profile_is_reused_whatever_the_order_of_compressors_and_else_s
     (lambda p: p["model"]["tensors"].update(a={**TENSOR, "numel": -5}), "model.tensors.a.numel is -5"),
     (lambda p: p["model"].update(order=["b", "b"]), "model.order lists 2 tensors and model.tensors 2, not each once"),
     (lambda p: p["fits"]["collectives"].update(ring=[[1.0, 2.0], [1e-4]]), "fits.collectives.ring is not a curve"),
+    # a review: these went into the decision, or the plan, without a word
+    (lambda p: p["model"]["tensors"].update(a={**TENSOR, "density": 7.5}),
+     "model.tensors.a.density is 7.5, not a share between 0 and 1"),
+    (lambda p: p["model"]["tensors"].update(a={**TENSOR, "numel": 1000}),
+     "model.tensors.a.numel is 1000, its shape [64, 64] holds 4096"),
+    (lambda p: p["model"].update(cores_per_worker=0), "model.cores_per_worker is 0, not a share of the cores above 0"),
 ])
 def test_a_damaged_stored_profile_is_refused_naming_what_is_wrong(tmp_path, monkeypatch, capsys, damage, says):
     """A stored profile of the right identity edited by hand or damaged: before, NaN ready times made a
@@ -280,6 +291,58 @@ def test_a_damaged_stored_profile_is_refused_naming_what_is_wrong(tmp_path, monk
     monkeypatch.setattr(command, "measure", lambda ident, timeout: measured(ident))
     assert plan(capsys, *argv, "--reprofile")[0] == 0
     assert json.loads((tmp_path / "p.json").read_text()) == measured(ident)
+
+
+def test_a_stored_profile_without_a_collective_the_plan_prices_is_refused_naming_it(tmp_path, monkeypatch, capsys):
+    """From a review: a TypeError's traceback from the cost model."""
+    argv = ["--workload", "ncf", "--compressors", "fp16", "--trial", "0", "--profile", str(tmp_path / "p.json")]
+    profile = measured(command.identity(args_of("--workers", "2", "--network", "none", *argv)))
+    del profile["fits"]["collectives"]["ring"]
+    (tmp_path / "p.json").write_text(json.dumps(profile))
+    monkeypatch.setattr(command, "measure", lambda ident, timeout: pytest.fail("measured again"))
+    status, err = plan(capsys, *argv)
+    assert status == 2 and "sparcoll plan: error: the profile has no measurement of the ring collective " \
+                           "(fits.collectives.ring): edited or damaged? run with --reprofile" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_profile_measured_at_another_block_size_is_measured_again(tmp_path, monkeypatch, capsys):
+    """From a review: one measured with $SPARCOLL_BLOCK_SIZE=512 was reused without it, and its plan
+    then refused by `sparcoll train` ("made for block_size 512") though nobody had asked for 512. One
+    stored before the block size was part of its identity is known by its model's."""
+    args = args_of("--workers", "2", "--network", "none", "--profile", str(tmp_path / "p.json"))
+    monkeypatch.delenv("SPARCOLL_BLOCK_SIZE", raising=False)
+    ident = command.identity(args)
+    stored = measured(ident, block_size=256)
+    older = {k: v for k, v in stored.items() if k != "block_size"}
+    (tmp_path / "p.json").write_text(json.dumps(older))
+    monkeypatch.setattr(command, "measure", lambda ident, timeout: pytest.fail("measured again"))
+    assert command.load_or_measure(args, ident) == older
+    monkeypatch.setenv("SPARCOLL_BLOCK_SIZE", "512")
+    monkeypatch.setattr(command, "measure", lambda ident, timeout: measured(ident))
+    assert command.load_or_measure(args, command.identity(args))["block_size"] == 512
+    assert "was measured for block_size 256 (this run: 512); measuring again" in capsys.readouterr().err
+
+
+def test_a_profile_reused_on_a_machine_with_other_cores_per_worker_says_so(tmp_path, monkeypatch, capsys):
+    """From a review: a profile from another machine (a shared home directory's default path) was
+    reused without a word, its CPU bound another machine's."""
+    args = args_of("--workers", "2", "--network", "none", "--profile", str(tmp_path / "p.json"))
+    ident = command.identity(args)
+    here = len(os.sched_getaffinity(0)) / 2
+    monkeypatch.setattr(command, "measure", lambda ident, timeout: pytest.fail("measured again"))
+    for cores, noted in ((here, False), (here * 3, True)):
+        (tmp_path / "p.json").write_text(json.dumps(measured(ident, cores_per_worker=cores)))
+        assert command.load_or_measure(args, ident)["model"]["cores_per_worker"] == cores
+        err = capsys.readouterr().err
+        assert (f"was measured with {cores:g} cores per worker, this machine has {here:g}" in err) == noted, err
+
+
+def test_a_repeated_without_and_a_collective_in_capitals_are_read_as_meant():
+    args = args_of("--workers", "2", "--network", "none", "--trial", "0", "--uniform", " Ring", "--without", "offload",
+                   "--without", "offload")
+    command.check(args)
+    assert args.uniform == "ring" and args.without == ["offload"]
 
 
 def test_uniform_none_is_refused_before_the_profile_naming_the_uncompressed_uniform_strategies(
@@ -339,3 +402,6 @@ def test_a_plan_records_the_network_burst_and_block_size_it_was_priced_at_and_tr
             load(made, *argv)
     old = {k: v for k, v in made.items() if k not in ("network", "link_burst", "block_size")}
     assert load(old, "--network", "none")["tensors"] == made["tensors"]
+    # a review: the run's results overwrote the plan
+    with pytest.raises(ValueError, match=re.escape(f"--json and --plan both name {path}: the results would overwrite")):
+        load(made, "--network", "1gbit", "--link-burst", "128K", "--block-size", "512", "--json", str(path))

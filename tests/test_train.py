@@ -303,7 +303,7 @@ def test_a_plan_is_refused_for_other_workload_options_or_for_a_users_model(tmp_p
     plan's JSON holds them (tuples as lists); a plan of `sparcoll plan --model` is not a workload's."""
     from argparse import Namespace
 
-    args = Namespace(plan=str(tmp_path / "plan.json"), workload="ncf", workers=2, batch_size=8)
+    args = Namespace(plan=str(tmp_path / "plan.json"), workload="ncf", workers=2, batch_size=8, json=None)
     planned = [("planned", None)]
 
     def plan_for(**made) -> None:

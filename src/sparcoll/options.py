@@ -71,6 +71,11 @@ class Options:
         return config
 
 
+def env_block_size() -> int:
+    """The block size of a communicator whose init names none: $SPARCOLL_BLOCK_SIZE's, else the default."""
+    return _given_or_env("block_size", None, _block_size, DEFAULT_BLOCK_SIZE)
+
+
 def default_message_blocks(block_size: int) -> int:
     """DEFAULT_MESSAGE_BLOCKS, or for large blocks the largest power of two whose message of
     float64 blocks fits the message limit."""

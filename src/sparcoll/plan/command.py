@@ -6,8 +6,8 @@
 
 The profile (profiler.py: the model's backward timeline under load, compressors' and collectives' times,
 measured by a job of --workers processes on the --network, emulated or loopback) is written to
---profile and reused by later runs that ask for the same model, workers, network, link burst and
-compressors (--reprofile measures again; a stored profile the plan cannot read is refused, naming
+--profile and reused by later runs that ask for the same model, workers, network, link burst, block
+size and compressors (--reprofile measures again; a stored profile the plan cannot read is refused, naming
 why). The decision (decide.plan) then prints a per-tensor table and the predicted step time F against
 every uniform strategy and a free-communication bound, and writes the plan as JSON (what it holds
 for, which `sparcoll train --comm planned` checks: `workers`, `network`, `link_burst`, `block_size`,
@@ -15,13 +15,15 @@ the workload's or --model's; `decision_ms`, `predicted_step_s`: forward, backwar
 optimizer, as `sparcoll train` measures a step; `cpu_bound_s`, the least the workers' CPU allows, and
 `idle_s`, how long the cores stand idle in the step while every worker waits; `uniform`, `dense_only`
 (dense_only_of), `bound_s`, `tensors`: one entry per tensor in backward order, with the strategy
-sparcoll.torch.DataParallel executes and its unit's predicted times from backward's start).
+sparcoll.torch.DataParallel executes and its unit's predicted times from backward's start; `unused`:
+the parameters left out, as backward gives them no gradient, which DataParallel lets stay out).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import replace
@@ -30,6 +32,7 @@ from pathlib import Path
 from sparcoll.bench.launch import Job, run_job, run_jobs
 from sparcoll.bench.netem import add_link_burst_argument, check_network, parse_rate
 from sparcoll.compress import parse
+from sparcoll.options import env_block_size
 from sparcoll.outputs import check_output_path
 from sparcoll.train import command as train_command
 from sparcoll.train.command import BATCH_SIZES, _option, check_builds, workload_options
@@ -110,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--workload", choices=list(WORKLOADS), default="ncf", help="default ncf")
     what.add_argument("--model", metavar="MODULE:FUNCTION",
                       help="your own model: FUNCTION() returns (nn.Module, example input of one worker); "
-                           "the loss is the output's sum unless it is a scalar")
+                           "the loss is the output if it is a scalar, else a returned dict's scalar 'loss', "
+                           "else the sum of the output's floating-point tensors")
     parser.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     parser.add_argument("--network", default="1gbit", type=lambda text: text.strip().lower(),
                         help="link rate of the emulated network (needs root), or none: loopback "
@@ -183,7 +187,8 @@ def identity(args) -> dict:
         model = {"workload": args.workload, "options": options,
                  "batch_size": args.batch_size or BATCH_SIZES.get(args.workload, 256), "seed": args.seed}
     return {"version": PROFILE_VERSION, "workers": args.workers, "network": args.network,
-            "link_burst": args.link_burst, "compressors": sorted(args.compressors), **model}
+            "link_burst": args.link_burst, "block_size": env_block_size(), "compressors": sorted(args.compressors),
+            **model}
 
 
 def measure(ident: dict, timeout: float) -> dict:
@@ -223,6 +228,11 @@ def load_or_measure(args, ident: dict) -> dict:
             problem = invalid(stored)
             if problem:
                 raise ValueError(f"{path} is not a valid sparcoll profile: {problem}; run with --reprofile")
+            cores = len(os.sched_getaffinity(0)) / ident["workers"]     # its workers run on this host
+            if not math.isclose(stored["model"]["cores_per_worker"], cores):
+                print(f"sparcoll plan: {path} was measured with {stored['model']['cores_per_worker']:g} cores per "
+                      f"worker, this machine has {cores:g}: another machine's? its times may not hold here "
+                      f"(--reprofile measures them again)", file=sys.stderr)
             return stored
         print(f"sparcoll plan: {path} was measured for {', '.join(differ)}; measuring again", file=sys.stderr)
     profile = measure(ident, args.timeout)
@@ -511,6 +521,7 @@ def make_plan(profile: dict, compressors: list[str], dimensions=(), fixed: str |
             "idle_s": timeline.idle,
             "cores_per_worker": profile["model"]["cores_per_worker"],
             "reference_cpu_s": profile["model"].get("reference_cpu_s"),
+            "unused": profile["model"].get("unused", []),
             "uniform": {name: forward + predicted(fused(strategy)) for name, strategy in uniforms.items()},
             "dense_only": {name: forward + predicted(fused(strategy))
                            for name, strategy in dense_onlies.items()},
@@ -562,7 +573,7 @@ def table(plan: dict) -> str:
             kept = tr["step_s"][tr["kept"]]
             lines.append(f"  {'DDP on gloo (the reference)':<29} measured {1e3 * reference['step_s']:>10.1f} ms, "
                          f"{100 * reference['comm_share']:.0f}% of it communicating: the plan kept is "
-                         f"{reference['step_s'] / kept:.2f}x as fast")
+                         f"{reference['step_s'] / kept:.3f}x as fast")
             if reference["step_s"] < kept / (1 + trial.MARGIN):
                 lines.append("  DDP on gloo was faster than the plan kept, beyond the trial's margin: keep DDP "
                              "for this model on this network")
@@ -643,7 +654,16 @@ def argparse_defaults(add_arguments) -> argparse.Namespace:
 
 
 def check(args) -> None:
-    """A ValueError naming the first problem with the arguments, before any work starts."""
+    """A ValueError naming the first problem with the arguments, before any work starts (it also
+    drops a repeated --without and reads a collective's --uniform in any case, as DataParallel does)."""
+    args.without = list(dict.fromkeys(args.without))
+    if args.uniform is not None and args.uniform.strip().lower() in (*UNIFORM_COLLECTIVES, "none"):
+        args.uniform = args.uniform.strip().lower()
+    if args.model and (args.batch_size is not None or args.workload_option or args.seed != 0):
+        raise ValueError("--batch-size, --workload-option and --seed are --workload's: with --model, FUNCTION() "
+                         "builds the model and one worker's batch")
+    if args.json and os.path.realpath(args.json) == os.path.realpath(args.profile):
+        raise ValueError(f"--json and --profile both name {args.json}: the plan would overwrite the profile")
     if args.batch_size is not None and args.batch_size < 1 or args.workers < 2 or args.trial < 0 \
             or args.trial_passes < 1 or not 0 < args.timeout < math.inf:
         raise ValueError("--workers must be >= 2, --batch-size >= 1, --trial >= 0, --trial-passes >= 1 and "

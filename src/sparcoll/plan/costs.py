@@ -230,6 +230,9 @@ class Costing:
             comm_cpu_loaded = self._measured("cpu_loaded", kind, x, numel, name)
         cpu_loaded = None if comm_cpu_loaded is None else cpu + comm_cpu_loaded
         cpu += comm_cpu
+        if measured is None and comm is None:
+            raise ValueError(f"the profile has no measurement of the {kind} collective (fits.collectives.{kind}): "
+                             f"edited or damaged? run with --reprofile")
         alone = measured if comm is None else comm
         hold = None     # a collective that needs the link for all its time: the same as on the channel
         if beside and self.link_rate:

@@ -33,6 +33,8 @@ def differing(stored: dict, ident: dict) -> list[str]:
     stored value and ours (compressors in any order: a profile stored before they were sorted too)."""
     wanted = json.loads(json.dumps(ident))      # as stored: tuples are lists
     had = {k: stored.get(k) for k in wanted}
+    if had.get("block_size") is None and isinstance(stored.get("model"), dict):    # stored before it was identity
+        had["block_size"] = stored["model"].get("block_size")
     if isinstance(had["compressors"], list):
         had["compressors"] = sorted(had["compressors"], key=str)
     return [f"{k} {json.dumps(had[k])} (this run: {json.dumps(wanted[k])})" for k in wanted if had[k] != wanted[k]]
@@ -93,6 +95,16 @@ def _bad_number(value, where: str) -> str | None:
     return None
 
 
+def _inconsistent(name: str, tensor: dict) -> str | None:
+    """A tensor whose elements are not its shape's, or whose densities are no shares (a review: a
+    density of 7.5 changed the decision, a numel unlike the shape's went into the plan)."""
+    held = math.prod(tensor["shape"])
+    if tensor["numel"] != held:
+        return f"model.tensors.{name}.numel is {tensor['numel']}, its shape {tensor['shape']} holds {held}"
+    wrong = next((k for k in ("density", "union") if not 0 <= tensor[k] <= 1), None)
+    return None if wrong is None else f"model.tensors.{name}.{wrong} is {tensor[wrong]}, not a share between 0 and 1"
+
+
 def invalid(profile: dict) -> str | None:
     """What makes a stored profile of the right identity unusable (edited by hand, or damaged), None
     if nothing: the plan would otherwise fail in a traceback, or predict NaN without a word."""
@@ -105,10 +117,12 @@ def invalid(profile: dict) -> str | None:
         return f"model.order lists {len(order)} tensors and model.tensors {len(tensors)}, not each once"
     if len(model["ready"]) != len(order):
         return f"model.ready has {len(model['ready'])} times for {len(order)} tensors"
-    problem = next(filter(None, (_wrong(f"model.tensors.{name}", t, TENSOR_KEYS) for name, t in tensors.items())),
-                   None)
+    problem = next(filter(None, (_wrong(f"model.tensors.{name}", t, TENSOR_KEYS) or _inconsistent(name, t)
+                                 for name, t in tensors.items())), None)
     if problem:
         return problem
+    if not model["cores_per_worker"] > 0:
+        return f"model.cores_per_worker is {model['cores_per_worker']}, not a share of the cores above 0"
     for key in (k for k in CURVES if k in fits):
         for name, curve in fits[key].items():
             if not (_is(curve, [[NUMBER]]) and len(curve) == 2 and len(curve[0]) == len(curve[1]) > 0):

@@ -1480,6 +1480,8 @@ class Loaded(NamedTuple):
     units: dict
     numels: dict
     workers: int | None = None      # a plan's: the job size it was made for
+    unused: frozenset | None = None     # a plan's parameters left out as unused (None: not a plan, or an
+    # older plan that did not list them): every other trainable parameter must be in the plan
 
 
 def _load(strategy) -> Loaded:
@@ -1495,7 +1497,7 @@ def _load(strategy) -> Loaded:
     if isinstance(strategy, (str, Path)):
         strategy = _read(Path(strategy))
     if isinstance(strategy, Mapping) and isinstance(strategy.get("tensors"), list):     # a plan
-        return _plan(strategy["tensors"])._replace(workers=strategy.get("workers"))
+        return _plan(strategy)
     if isinstance(strategy, Mapping):
         return Loaded({str(name): _checked(s, name) for name, s in strategy.items()}, {}, {}, {})
     if not isinstance(strategy, str):
@@ -1514,18 +1516,28 @@ def _read(path: Path):
     return loaded
 
 
-def _plan(tensors: list) -> Loaded:
+def _plan(plan: Mapping) -> Loaded:
+    tensors, workers, unused = plan["tensors"], plan.get("workers"), plan.get("unused")
     bad = next((t for t in tensors if not (isinstance(t, Mapping) and {"name", "strategy"} <= t.keys())), None)
     if bad is not None:
         raise ValueError(f"a tensor of the plan is {bad!r}; `sparcoll plan` writes each with its 'name' "
                          f"and 'strategy'")
+    numbers = {f"{t['name']}'s numel": t["numel"] for t in tensors if "numel" in t}
+    if workers is not None:
+        numbers["workers"] = workers
+    wrong = next((what for what, n in numbers.items() if not isinstance(n, int) or isinstance(n, bool)), None)
+    if wrong is not None:       # (a hand-edited "2" read "made for 2 workers, this job has 2")
+        raise ValueError(f"the plan's {wrong} is {numbers[wrong]!r}, not an integer")
+    if unused is not None and not (isinstance(unused, list) and all(isinstance(n, str) for n in unused)):
+        raise ValueError(f"the plan's unused is {unused!r}, not a list of parameter names")
     placement = {str(t["name"]): str(t.get("placement", CHANNEL)) for t in tensors}
     wrong = sorted(set(placement.values()) - {CHANNEL, THREAD, OFFLOAD})
     if wrong:
         raise ValueError(f"unknown placement {wrong[0]!r} in the plan; expected {THREAD} or {OFFLOAD}")
     return Loaded({str(t["name"]): _checked(t["strategy"], t["name"]) for t in tensors}, placement,
                   {str(t["name"]): t["unit"] for t in tensors if "unit" in t},
-                  {str(t["name"]): t["numel"] for t in tensors if "numel" in t})
+                  {str(t["name"]): t["numel"] for t in tensors if "numel" in t}, workers,
+                  None if unused is None else frozenset(unused))
 
 
 def _checked(strategy, name=None) -> str:
@@ -1550,7 +1562,9 @@ def check_strategy(strategy: str) -> None:
 
 def check_names(module: nn.Module, loaded: Loaded) -> None:
     """ValueError if the strategy names a parameter the module does not have, or a plan gives one
-    another size: a plan made for another model would otherwise leave every tensor on "auto"."""
+    another size, or leaves out a trainable one it did not find unused: a plan made for another model
+    would otherwise leave every tensor on "auto", and one made before a layer was added that layer
+    (a review: an empty plan ran as "planned")."""
     if not isinstance(loaded.strategy, dict):
         return
     sizes = {name: p.numel() for name, p in module.named_parameters()}
@@ -1563,6 +1577,13 @@ def check_names(module: nn.Module, loaded: Loaded) -> None:
         name = resized[0]
         raise ValueError(f"the plan gives {name} {loaded.numels[name]} elements, the model {sizes[name]}: "
                          f"a plan made for another model or workload options?")
+    if loaded.unused is not None:
+        left = [name for name, p in module.named_parameters()
+                if p.requires_grad and name not in loaded.strategy and name not in loaded.unused]
+        if left:
+            raise ValueError(f"the plan has no strategy for {len(left)} trainable parameter(s) of the model: "
+                             f"{_some(left)}; a plan made for another model, or before these were added? "
+                             f"plan again")
 
 
 def _some(names: list) -> str:

@@ -308,6 +308,8 @@ def load_plan(args, modes, options: dict) -> dict | None:
         return None
     if not args.plan:
         raise ValueError("the planned mode needs --plan FILE (written by `sparcoll plan --json FILE`)")
+    if args.json and os.path.realpath(args.json) == os.path.realpath(args.plan):
+        raise ValueError(f"--json and --plan both name {args.plan}: the results would overwrite the plan")
     try:
         with open(args.plan) as f:
             plan = json.load(f)
