@@ -193,6 +193,8 @@ def scenario(rank: int, world: int) -> dict:
             out[f"strategy {strategy}"] = relative_error(got, reference_grads(mlp, 6, (12,), world))
             out[f"strategy {strategy} used"] = sorted({e.strategy for e in dp.trace})
             out[f"strategy {strategy} collectives"] = len({e.start for e in dp.trace})
+            if isinstance(strategy, dict):
+                out["explicit strategy table"] = dp.strategy()
             dp.close()
         # a parametrized layer (weight_norm) is not SFB's: its weight is no parameter (before: a
         # KeyError at construction); asked for SFB, it takes the ring and the last layer SFB
@@ -430,6 +432,10 @@ def test_strategy_table_reports_choice_and_bytes(outcome):
     assert table["0.weight"]["predicted_bytes"] == (WORLD - 1) * (6 * (500 + 300) * 4 + 2 * 8)
     assert table["2.weight"]["strategy"] in ("ring", "sparse")
     assert table["2.weight"]["predicted_bytes"] <= 2 * 2500 * 2 / 3 * 4
+    # SFB asked for (as a plan asks; mlp(), 12 in, 16 out): the batch's 6 rows are this rank's own (a
+    # review: it counted no rows, 32 bytes)
+    explicit = outcome[0]["explicit strategy table"]
+    assert explicit["0.weight"]["predicted_bytes"] == (WORLD - 1) * (6 * (12 + 16) * 4 + 2 * 8), explicit
 
 
 def test_no_sync_accumulates_and_takes_the_ring_for_sfb_layers(outcome):

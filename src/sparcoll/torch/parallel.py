@@ -374,6 +374,7 @@ class DataParallel(nn.Module):
         self._sync = True
         self._accumulated = False
         self._rows: dict[int, float] = {}     # weight id -> the ranks' mean rows last step (ROWS)
+        self._own_rows: dict[int, int] = {}   # weight id -> this rank's rows last step (strategy() reports by it)
         # what this step learns for the hybrid choice (rows, densities), kept only if the step succeeds:
         # after a failed step, which of its collectives finished differs by rank, and ranks that
         # learned different facts would choose different collectives in the next step
@@ -474,7 +475,11 @@ class DataParallel(nn.Module):
 
     # ---- decisions --------------------------------------------------------------------------------
     def _rows_of(self, p: torch.Tensor, rows: float | None) -> float:
-        return rows if rows is not None else self._rows.get(id(p), 0)
+        """`rows`, else the ranks' mean of the rows weight `p`'s layer saw last step where they share
+        them (its strategy auto: _share_rows), else this rank's own (SFB asked for, as by a plan)."""
+        if rows is not None:
+            return rows
+        return self._rows.get(id(p), self._own_rows.get(id(p), 0))
 
     def _may_take_sfb(self, layer: nn.Linear) -> bool:
         """Whether SFB may serve this layer: asked for, or chosen by the hybrid model at some batch
@@ -1001,8 +1006,9 @@ class DataParallel(nn.Module):
                 p.grad = None
         if error is None and counts is not None and len(counts) > len(self._order):
             self._rebuild_order(counts[len(self._order):].tolist())
-        for state in self._linear.values():
+        for key, state in self._linear.items():
             started, weight, bias, bias_sum = state.started, state.weight_sum, state.bias, state.bias_sum
+            self._own_rows[key] = state.rows
             state.reset()
             if error is None and started:       # SFB's averages replace the local gradients
                 state.layer.weight.grad = weight
