@@ -5,11 +5,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from sparcoll.cli import COMMANDS, main
-from support import start_aggregator, stop
+from support import sparcoll_here, start_aggregator, stop
 
 TIMEOUT = 120
 # What `sparcoll aggregator` must not load: the training workloads, the benchmark workers and the torch
@@ -211,3 +212,15 @@ def test_an_aggregator_stops_cleanly_however_its_stop_signals_come():
             assert proc.wait(timeout=20) == 0, (first, second, proc.returncode)
         finally:
             stop(proc)
+
+
+def test_an_aggregator_served_in_process_yields_to_its_callers_alarm(capsys):
+    """Its wait for a stop signal lets other signals' handlers run: a plain sigwait held off the
+    caller's SIGALRM (sparcoll_here's deadline here, pytest-timeout's in any test) until a stop
+    signal came (a review), so a test whose aggregator served by mistake would hang the suite. Its
+    stop signals are unblocked again afterwards."""
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="did not finish within 2 s"):
+        sparcoll_here(capsys, ["aggregator", "--port", "0"], 2)
+    assert time.monotonic() - started < 15
+    assert not {signal.SIGINT, signal.SIGTERM, signal.SIGHUP} & signal.pthread_sigmask(signal.SIG_BLOCK, [])

@@ -161,6 +161,35 @@ def test_a_failed_collective_gives_back_what_the_aggregator_held_of_it():
     assert all(isinstance(inbox[-1], wire.Failure) for inbox in inboxes)
 
 
+def test_a_shard_names_the_ranks_it_waits_for_and_still_does_while_and_after_it_fails():
+    """What a collective's timeout names (worker._describe_stall): rank 1 finished stream 1 and sent
+    nothing of stream 0, so it sent part of it (it read "sent nothing": a review); rank 2 nothing.
+    While a failure waits for the shard's lock, and after it, the same (a review: in that window
+    the shard was gone and its record not yet written, and the timeout named nobody)."""
+    from sparcoll import wire
+    from sparcoll.aggregator import AggregatorJob, LocalWorker
+    job = AggregatorJob(1, 0, wire.JobConfig(3, 1, 2, 2, 4), b"t" * 32)      # 8 blocks: streams [0, 4), [4, 8)
+    for rank in range(3):
+        job.attach(rank, LocalWorker(lambda message: None))
+
+    def finish(rank, stream):
+        header = wire.Header(wire.Kind.CONTRIBUTE, stream, 1, 7, 0, 0, 4 * (stream + 1), 32, 4, 0, 0, 0)
+        job.contribute(rank, header, np.array([], dtype=np.int64), torch.ones(0, 4))
+    for rank, stream in ((0, 0), (0, 1), (1, 1)):
+        finish(rank, stream)
+    expected = {1: False, 2: True}
+    assert job.holding_back(7) == expected
+    shard = job._collectives[7]
+    with shard.lock:        # as a contribution being summed holds it
+        failing = threading.Thread(target=job.fail, args=(7, wire.ErrorCode.PEER, "rank 0 left"), daemon=True)
+        failing.start()
+        time.sleep(0.2)
+        assert job.holding_back(7) == expected
+    failing.join(10)
+    assert not failing.is_alive() and 7 not in job._collectives
+    assert job.holding_back(7) == expected
+
+
 def test_a_rank_attached_after_its_collective_failed_is_told_why_at_its_first_message():
     """A dedicated aggregator may attach a rank's connection after the rank's handshake ended: a
     failure sent meanwhile missed it, and its contribution to the failed collective must bring the

@@ -397,7 +397,7 @@ def test_a_plan_records_the_network_burst_and_block_size_it_was_priced_at_and_tr
     assert load(made, "--network", "1gbit", "--link-burst", "128K", "--block-size", "512") is not None
     for argv, says in ((["--network", "none", "--block-size", "512"], "made for network 1gbit, this run has none"),
                        (["--block-size", "512"], "made for link_burst 131072, this run has the default"),
-                       (["--link-burst", "128K"], "made for block_size 512, this run has 256")):
+                       (["--link-burst", "128K", "--block-size", "256"], "made for block_size 512, this run has 256")):
         with pytest.raises(ValueError, match=f"^{re.escape(f'{path} was {says}')}$"):
             load(made, *argv)
     old = {k: v for k, v in made.items() if k not in ("network", "link_burst", "block_size")}

@@ -231,18 +231,18 @@ def test_aggregator_rejects_bad_messages():
 
 def test_a_stream_names_the_workers_its_next_result_waits_for():
     """What a stalled collective's timeout names: the workers at the lowest progress, and whether
-    each has sent nothing yet; none once the range is done."""
+    each has sent anything yet; none once the range is done."""
     desc, rows = (40, 4, 0, 0), torch.ones(1, 4)
     a = make_stream(workers=3)
-    assert a.holding_back() == {0: True, 1: True, 2: True}
+    assert a.holding_back() == [0, 1, 2] and not any(map(a.heard_from, range(3)))
     a.on_contribution(0, 0, 10, desc, np.array([1]), rows)
     a.on_contribution(1, 0, 4, desc, np.array([1]), rows)
-    assert a.holding_back() == {2: True}
+    assert a.holding_back() == [2] and a.heard_from(1) and not a.heard_from(2)
     a.on_contribution(2, 0, 4, desc, np.array([3]), rows)
-    assert a.holding_back() == {1: False, 2: False}
+    assert a.holding_back() == [1, 2] and a.heard_from(2)
     a.on_contribution(1, 1, 10, desc, np.array([5]), rows)
     a.on_contribution(2, 1, 10, desc, np.array([], dtype=np.int64), torch.ones(0, 4))
-    assert a.done and a.holding_back() == {}
+    assert a.done and a.holding_back() == []
 
 
 def test_a_released_worker_s_contributions_are_copies_and_the_sum_is_theirs():

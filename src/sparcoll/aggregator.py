@@ -83,12 +83,9 @@ class CollectiveShard:
         self.finished = 0
 
     def holding_back(self) -> dict[int, bool]:
-        """The ranks some stream waits for; whether each has sent nothing to any of them."""
-        late: dict[int, bool] = {}
-        for stream in self.streams:
-            for rank, nothing in stream.holding_back().items():
-                late[rank] = late.get(rank, True) and nothing
-        return late
+        """The ranks some stream waits for, each with whether it has sent nothing to any stream."""
+        late = {rank for stream in self.streams for rank in stream.holding_back()}
+        return {rank: not any(stream.heard_from(rank) for stream in self.streams) for rank in sorted(late)}
 
 
 class AggregatorJob:
@@ -253,16 +250,25 @@ class AggregatorJob:
         with self._lock:
             if collective in self._failed:
                 return
+            state = self._collectives.get(collective)
+        # Who it waits for, kept with the failure: a rank timing out as a peer's failure lands here
+        # still names them. Taken before the shard goes (state.lock before self._lock, as contribute
+        # takes them), so that holding_back always finds them in one or the other.
+        late = {}
+        if state is not None:
+            with state.lock:
+                late = state.holding_back()
+        with self._lock:
+            if collective in self._failed:
+                return
             # kept as long as a refusal carries (a reason may be 64 KiB, and 64 are kept a job)
-            record = self._failed[collective] = Failed(code, text[:wire.MAX_REASON_BYTES], set(self.workers))
+            self._failed[collective] = Failed(code, text[:wire.MAX_REASON_BYTES], set(self.workers), late)
             while len(self._failed) > FAILED_MEMORY:
                 self._failed.popitem(last=False)
             state = self._collectives.pop(collective, None)
             workers = list(self.workers.values())
         if state is not None:
             with state.lock:    # a contribution being summed into a worker's memory ends first
-                # a rank timing out as a peer's failure lands here still names who was late
-                record.holding_back = state.holding_back()
                 state.dropped = True
                 released = [lease for stream in state.streams for lease in stream.drop()]
             for lease in released:

@@ -14,6 +14,7 @@ on the same prefix has G = n: a re-created communicator never reads the keys of 
 """
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import socket
@@ -43,6 +44,20 @@ def local_host() -> str:
 
 
 FAILURE_POLL = 0.25     # seconds between looks for a peer that gave up init while waiting for keys
+
+
+def _at_most_every(seconds: float, check: Callable[[], SparcollError | None]) -> Callable[[], SparcollError | None]:
+    """`check`, run at most once in `seconds` (None between): a thousand ranks retrying refused
+    connections every 50 ms would ask rank 0's Store 20,000 times a second."""
+    last = -math.inf
+
+    def throttled() -> SparcollError | None:
+        nonlocal last
+        if time.monotonic() - last < seconds:
+            return None
+        last = time.monotonic()
+        return check()
+    return throttled
 
 
 class Rendezvous:
@@ -96,7 +111,7 @@ class Rendezvous:
         abandon = (lambda: self._failure_of(index)) if colocated else self._first_failure
         try:
             return transport.connect(address, hello, secret, self.remaining(), job_token,
-                                     abandon=abandon)
+                                     abandon=abandon if colocated else _at_most_every(FAILURE_POLL, abandon))
         except (PeerError, CollectiveTimeout) as exc:
             raise abandon() or exc
 

@@ -50,7 +50,7 @@ def run_aggregator(args: argparse.Namespace) -> int:
     # add costs more than it saves: measured on 2 cores, 2 workers, 2 aggregators, 256 KiB messages,
     # aggregator CPU over 23 allreduces of 16M float32 2.8 -> 1.8 s.
     torch.set_num_threads(1)
-    # Blocked from before the server's threads start (they inherit it) and taken by sigwait below:
+    # Blocked from before the server's threads start (they inherit it) and taken by sigtimedwait below:
     # a handler that set an Event deadlocked when a second signal landed inside the first (the
     # Event's lock held by the handler it interrupted), and the aggregator served on (a review:
     # SIGTERM then SIGINT, 6 of 11).
@@ -64,6 +64,15 @@ def run_aggregator(args: argparse.Namespace) -> int:
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def _stop_signal() -> int:
+    """Wait for a stop signal, in slices: between them the handlers of other signals run (sigwait
+    alone held off a caller's SIGALRM, and so pytest-timeout's, until a stop signal came)."""
+    while True:
+        received = signal.sigtimedwait(STOP_SIGNALS, 1.0)
+        if received is not None:
+            return received.si_signo
 
 
 def _serve_until_stopped(args: argparse.Namespace, secret: bytes | None, refuse: Callable[[str], int]) -> int:
@@ -85,7 +94,11 @@ def _serve_until_stopped(args: argparse.Namespace, secret: bytes | None, refuse:
         log.warning("--max-connections %d is more than the descriptor limit %d leaves for connections (%d): "
                     "past it accept() fails without a reason to the worker; raise `ulimit -n` or give fewer",
                     args.max_connections, soft, left)
-    name = signal.Signals(signal.sigwait(STOP_SIGNALS)).name
+    try:
+        name = signal.Signals(_stop_signal()).name
+    except BaseException:   # another signal's handler raised (a caller's alarm): the server goes with it
+        server.close(reason=f"the aggregator at {server.address} was interrupted")
+        raise
     log.info("stopping on %s: telling the workers of %d connections", name, server.connections())
     server.close(reason=f"the aggregator at {server.address} was stopped ({name})")
     return 0

@@ -186,12 +186,14 @@ class AggregatorStream:
     def pending_blocks(self) -> int:
         return sum(p.indices.size for q in self._pending if q for p in q)
 
-    def holding_back(self) -> dict[int, bool]:
-        """The workers whose next message this range's next result waits for (the lowest progress),
-        each with whether it has sent nothing here yet: who a stalled collective waits for."""
-        if self.done:
-            return {}
-        return {w: p < self.lo for w, p in enumerate(self._reported) if p == self.progress}
+    def holding_back(self) -> list[int]:
+        """The workers whose next message this range's next result waits for (the lowest progress):
+        who a stalled collective waits for."""
+        return [] if self.done else [w for w, p in enumerate(self._reported) if p == self.progress]
+
+    def heard_from(self, worker: int) -> bool:
+        """Whether `worker` has sent any message for this range."""
+        return self._reported[worker] >= self.lo
 
     def on_contribution(self, worker: int, seq: int, progress: int, descriptor: tuple,
                         indices: np.ndarray, rows: torch.Tensor, lease: Lease | None = None,

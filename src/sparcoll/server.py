@@ -306,10 +306,15 @@ class AggregatorServer:
                                         lambda exc: None, job.backlog)
         except BaseException as exc:    # its sender thread could not start (out of threads): the
             # rank's reservation goes, and its peers' collectives fail now, not at their deadline
+            why = f"rank {hello.rank}: the aggregator could not serve its connection ({exc})"
+            try:    # the rank is told too, on the socket itself (there is no sender to queue it to)
+                sock.settimeout(1.0)
+                sock.sendall(b"".join(wire.error_message(job.job, wire.CONNECTION, why, wire.ErrorCode.PEER)))
+            except OSError:
+                pass
             with self._lock:
                 job.arriving.discard(hello.rank)
-            job.detach(hello.rank, (wire.ErrorCode.PEER, f"rank {hello.rank}: the aggregator could "
-                                                         f"not serve its connection ({exc})"))
+            job.detach(hello.rank, (wire.ErrorCode.PEER, why))
             self._forget_if_empty(job.job)
             raise
         # Admission reserved this rank in its job, which is kept until it is attached: the others

@@ -104,7 +104,7 @@ def label(record: dict) -> str:
 
 def density_cell(record: dict) -> str:
     """The density asked for, and beside it the one that ran where whole blocks made it differ by more
-    than a percent (a 64K tensor has 256 blocks: "0.01" runs 3 of them, 0.0117)."""
+    than 1% of it (a 64K tensor has 256 blocks: "0.01" runs 3 of them, 0.0117)."""
     asked, ran = record["density"], record["density_actual"]
     return f"{asked:g}" if abs(ran - asked) <= 0.01 * asked else f"{asked:g} (ran {ran:.3g})"
 

@@ -613,9 +613,8 @@ def tried(plan: dict, profile: dict, args) -> tuple[int, dict]:
               # DDP, the trial's reference, fails a model whose forward leaves a parameter unused without it
               "find_unused_parameters": bool(profile["model"].get("unused"))}
              if "model_spec" in profile else {k: profile[k] for k in ("workload", "options", "batch_size", "seed")})
-    config = {**{k: defaults[k] for k in ("lr", "block_size", "data")}, "timeout": args.timeout,
-              "link_burst": args.link_burst, **model}
-    config["block_size"] = plan.get("block_size", config["block_size"])     # as the profile priced it
+    config = {**{k: defaults[k] for k in ("lr", "data")}, "timeout": args.timeout, "link_burst": args.link_burst,
+              "block_size": plan.get("block_size", env_block_size()), **model}     # as the profile priced it
     steps_each = {name: trial.steps_of(p, args.trial) for name, p in plans.items()}
     ddp_steps = max(steps_each.values())
     parameters = sum(t["numel"] for t in profile["model"]["tensors"].values())

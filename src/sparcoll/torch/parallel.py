@@ -1588,8 +1588,8 @@ def check_names(module: nn.Module, loaded: Loaded) -> None:
                 if p.requires_grad and name not in loaded.strategy and name not in loaded.unused]
         if left:
             raise ValueError(f"the plan has no strategy for {len(left)} trainable parameter(s) of the model: "
-                             f"{_some(left)}; a plan made for another model, or before these were added? "
-                             f"plan again")
+                             f"{_some(left)}; a plan made for another model, or before these were added "
+                             f"or unfrozen? plan again")
 
 
 def _some(names: list) -> str:

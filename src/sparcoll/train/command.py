@@ -42,6 +42,7 @@ from sparcoll.bench.launch import BenchError, Job, run_job, run_jobs
 from sparcoll.bench.memory import FAULTING_PAGES, took_fresh_memory
 from sparcoll.bench.netem import add_link_burst_argument, check_network
 from sparcoll.outputs import check_output_path
+from sparcoll.options import env_block_size
 from sparcoll.train.worker import MODES, plain_ddp_on_sparse_gradients
 from sparcoll.wire import MAX_BLOCK_SIZE
 from sparcoll import workloads
@@ -116,8 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "VGG19-22K; gpt 1 sequence, so that its step stays communication-bound)")
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the batches (default 0)")
-    parser.add_argument("--block-size", type=int, default=256,
-                        help="sparcoll's block size, also used to measure gradient density (default 256)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="sparcoll's block size, also used to measure gradient density (default: "
+                             "$SPARCOLL_BLOCK_SIZE's, as for a communicator, else 256)")
     parser.add_argument("--data", metavar="PATH", help="the workload's data file (default: synthetic)")
     parser.add_argument("--workload-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                         help="set a field of the workload's config, e.g. num_users=1000 (ncf), hidden=64,32 "
@@ -265,6 +267,8 @@ def check_interleave(args, modes: list[tuple[str, str | None]]) -> None:
 def _validate(args) -> None:
     if args.batch_size is None:
         args.batch_size = BATCH_SIZES.get(args.workload, 256)
+    if args.block_size is None:     # (a plan made under $SPARCOLL_BLOCK_SIZE was refused without it: a review)
+        args.block_size = env_block_size()
     if args.workers < 1 or args.steps < 1 or args.batch_size < 1 or args.block_size < 1:
         raise ValueError("--workers, --steps, --batch-size and --block-size must be >= 1")
     if args.block_size > MAX_BLOCK_SIZE:
