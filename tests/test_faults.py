@@ -1021,6 +1021,23 @@ def test_an_aggregator_stopped_while_a_rank_waits_in_init_fails_that_init_and_te
     assert late_s < 10, outcomes
 
 
+def test_a_rank_retrying_a_refused_dedicated_aggregator_asks_the_store_a_few_times_a_second(monkeypatch):
+    """It looks whether a peer gave up init between retries, at most every FAILURE_POLL (0.25 s): at
+    every 50 ms retry, a thousand ranks waiting for a late aggregator would ask rank 0's Store
+    20,000 times a second (a review)."""
+    from sparcoll import bootstrap
+    looks = []
+    original = bootstrap.Rendezvous._first_failure
+    monkeypatch.setattr(bootstrap.Rendezvous, "_first_failure", lambda self: looks.append(1) or original(self))
+    with socket.socket() as bound:      # bound, never listening: refused
+        bound.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{bound.getsockname()[1]}"
+        kind, text, seconds = outcome_of(lambda: Communicator(dist.PrefixStore("r/", dist.HashStore()), 0, 1,
+                                                              aggregators=[address], timeout=2.0))
+    assert kind == "CollectiveTimeout" and address in text, (kind, text)
+    assert 2 <= len(looks) <= seconds / bootstrap.FAILURE_POLL + 3, (len(looks), seconds)
+
+
 @pytest.mark.parametrize("numel", [1000, 256 * 1024])
 def test_missing_call_times_out_naming_the_peer_then_poisons(numel):
     """Rank 2 never makes the call: the others' timeouts name it (their own aggregators have
