@@ -1021,6 +1021,36 @@ def test_an_aggregator_stopped_while_a_rank_waits_in_init_fails_that_init_and_te
     assert late_s < 10, outcomes
 
 
+def test_a_job_of_more_ranks_than_the_aggregators_handshake_limit_starts(monkeypatch):
+    """Its ranks connect at once, and connections over the limit are closed unanswered: they are
+    tried again after a pause with jitter. Before, those ranks' init failed ("Connection reset by
+    peer") and so did the job's: any job of more ranks than the limit (256 by default) connecting
+    at the same moment, to a dedicated aggregator or to colocated ones."""
+    from sparcoll.server import AggregatorServer
+    server = AggregatorServer("127.0.0.1", 0, b"", max_handshakes=1)
+    try:
+        def exact(comm, rank):
+            x = make_input(0, rank, 5000)
+            comm.allreduce(x)
+            return torch.equal(x, expected(0, 8, 5000))
+        assert in_threads(8, exact, aggregators=[server.address], timeout=30.0) == [True] * 8
+        assert server.over_cap.count > 0       # (else the limit was never met, and nothing was shown)
+    finally:
+        server.close()
+
+
+def test_a_rank_that_gave_up_init_for_a_peers_reason_passes_the_reason_on_as_it_is():
+    """Ranks that give up because a peer did announce that peer's reason, not their own wrapping
+    of it: "rank 2 gave up init: rank 3 gave up init: rank 4 gave up init: handshake ... failed"."""
+    from sparcoll.bootstrap import Rendezvous
+    store = dist.HashStore()
+    rendezvous = Rendezvous(store, 0, 4, 5.0)
+    rendezvous.store.set("init-failed/2", "PeerError\nrank 4 gave up init: handshake failed")
+    rendezvous.store.set("init-failed/3", "ValueError\nblock_size=0")
+    assert str(rendezvous._failure_of(2)) == "rank 4 gave up init: handshake failed"
+    assert str(rendezvous._failure_of(3)) == "rank 3 gave up init: block_size=0"
+
+
 def test_a_rank_retrying_a_refused_dedicated_aggregator_asks_the_store_a_few_times_a_second(monkeypatch):
     """It looks whether a peer gave up init between retries, at most every FAILURE_POLL (0.25 s): at
     every 50 ms retry, a thousand ranks waiting for a late aggregator would ask rank 0's Store

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import secrets
 import socket
 import time
@@ -43,6 +44,7 @@ def local_host() -> str:
         return "127.0.0.1"
 
 
+GAVE_UP = re.compile(r"rank \d+ gave up init: ")
 FAILURE_POLL = 0.25     # seconds between looks for a peer that gave up init while waiting for keys
 
 
@@ -165,7 +167,9 @@ class Rendezvous:
         cls = getattr(errors, kind, None)
         if not (isinstance(cls, type) and issubclass(cls, SparcollError)):
             cls = PeerError
-        return cls(f"rank {index} gave up init: {text}")
+        # a rank that gave up for another's reason passes it on as it is: "rank 2 gave up init: rank 3
+        # gave up init: rank 4 gave up init: ..." named the rank that started it last
+        return cls(text if GAVE_UP.match(text) else f"rank {index} gave up init: {text}")
 
     def _first_failure(self) -> SparcollError | None:
         """The reason of a peer that gave up init, if one did (one Store call while none has)."""

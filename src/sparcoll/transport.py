@@ -13,6 +13,7 @@ import hmac
 import logging
 import os
 import queue
+import random
 import select
 import socket
 import threading
@@ -427,19 +428,46 @@ def _configure(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
 
 
+class Unanswered(Exception):
+    """The server ended the connection before it said anything: an aggregator over its handshake
+    limit closes a connection at once, unread (server.MAX_HANDSHAKES)."""
+
+
 def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
             job_token: bytes = bytes(wire.MAC_BYTES),
             abandon: Callable[[], BaseException | None] | None = None,
             peer: str = "aggregator") -> socket.socket:
-    """Connect and authenticate both ways (and show the job token); retries refused connections
-    until the deadline, or until `abandon()` returns an error to raise instead. `peer` names the
+    """Connect and authenticate both ways (and show the job token); retries refused connections, and
+    connections the server ended before it said anything, until the deadline, or until `abandon()`
+    returns an error to raise instead. The latter after a pause with jitter that doubles, up to
+    0.5 s: a job's ranks that connect all at once to an aggregator over its handshake limit then
+    come back spread out (a job of more ranks than the limit failed its init). `peer` names the
     other end in errors."""
-    host, port = parse_address(address)
     deadline = time.monotonic() + timeout
+    pause = 0.05
+    while True:
+        sock = _connected(address, timeout, deadline, abandon, peer)
+        try:
+            return _handshake(sock, hello, secret, job_token, f"{peer} {address}",
+                              max(deadline, time.monotonic() + 0.05))
+        except Unanswered as exc:
+            if time.monotonic() + pause >= deadline:
+                raise PeerError(f"handshake with {peer} {address} failed: {exc}, at every try for {timeout:g} s "
+                                f"(an aggregator over its handshake limit closes connections at once)") from None
+        reason = abandon() if abandon is not None else None
+        if reason is not None:
+            raise reason
+        time.sleep(pause * random.uniform(0.5, 1.5))
+        pause = min(2 * pause, 0.5)
+
+
+def _connected(address: str, timeout: float, deadline: float, abandon: Callable[[], BaseException | None] | None,
+               peer: str) -> socket.socket:
+    """A TCP connection to `address`, retried while it is refused, until the deadline or `abandon()`."""
+    host, port = parse_address(address)
     while True:
         try:
-            sock = socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
-            break
+            return socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
         except (ConnectionRefusedError, socket.timeout, OSError) as exc:
             if time.monotonic() >= deadline:
                 raise CollectiveTimeout(f"could not connect to {peer} {address} within "
@@ -448,14 +476,23 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
             if reason is not None:
                 raise reason from None
             time.sleep(0.05)
-    handshake_deadline = max(deadline, time.monotonic() + 0.05)
-    peer = f"{peer} {address}"
+
+
+def _handshake(sock: socket.socket, hello: wire.Hello, secret: bytes, job_token: bytes, peer: str,
+               handshake_deadline: float) -> socket.socket:
+    """The client's side of the handshake on `sock`, closed if it fails; Unanswered if the server
+    ended the connection before it said anything."""
     try:
         _configure(sock)
-        _send_before(sock, hello.encode(), handshake_deadline)
         buf = bytearray(wire.CHALLENGE_BYTES)
-        got = _recv_until_closed(sock, memoryview(buf), handshake_deadline)
-        if got < len(buf):              # closed early: a refusal of the HELLO, or nothing
+        try:
+            _send_before(sock, hello.encode(), handshake_deadline)
+            got = _recv_until_closed(sock, memoryview(buf), handshake_deadline)
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            raise Unanswered(str(exc)) from None
+        if got == 0:
+            raise Unanswered("it closed the connection")
+        if got < len(buf):              # closed early: a refusal of the HELLO
             _raise_refusal(bytes(buf[:got]), peer)
             raise PeerError(f"{peer} closed the connection")
         server_nonce, server_mac = wire.decode_challenge(buf)
