@@ -1021,6 +1021,30 @@ def test_an_aggregator_stopped_while_a_rank_waits_in_init_fails_that_init_and_te
     assert late_s < 10, outcomes
 
 
+@pytest.mark.parametrize("mode", ["colocated", "dedicated"])
+def test_a_rank_late_for_a_small_call_is_named_by_every_rank(mode, request):
+    """A small tensor's single round goes through rank 0, which waits for every rank's row: rank 0
+    named the late rank 3, the others blamed rank 0 ("rank 1: rank 0 did not take part in the
+    ring's check"; a review, at 32 ranks). Now they wait a moment past their deadline for rank
+    0's report."""
+    options = {"aggregators": request.getfixturevalue("dedicated_in_process")} if mode == "dedicated" else {}
+    done = threading.Semaphore(0)
+
+    def target(comm, rank):
+        if rank == 3:
+            for _ in range(3):
+                done.acquire(timeout=20)
+            return None
+        try:
+            return outcome_of(lambda: comm.allreduce(torch.ones(8)))
+        finally:
+            done.release()
+
+    outcomes = in_threads(4, target, timeout=1.5, algorithm="auto", **options)[:3]
+    for rank, (kind, text, _) in enumerate(outcomes):     # (its own timeout, or rank 0's report of it)
+        assert not kind.startswith(("NO ERROR", "UNEXPECTED")) and "rank 3 did not take part" in text, (rank, outcomes)
+
+
 def test_a_job_of_more_ranks_than_the_aggregators_handshake_limit_starts(monkeypatch):
     """Its ranks connect at once, and connections over the limit are closed unanswered: they are
     tried again after a pause with jitter. Before, those ranks' init failed ("Connection reset by

@@ -202,3 +202,22 @@ def test_a_read_against_a_deadline_on_a_connection_closed_here_is_a_peer_error(c
     finally:
         conn.close()
         b.close()
+
+
+def test_a_process_out_of_descriptors_fails_its_connect_at_once_saying_what_to_do(monkeypatch):
+    """EMFILE does not pass by retrying: init retried it until its timeout (a review: 120 s, at 16
+    colocated ranks under `ulimit -n 400`, then "could not connect ... Too many open files")."""
+    import errno
+
+    from sparcoll import wire
+    from sparcoll.errors import SparcollError
+
+    def out_of_descriptors(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr(transport.socket, "create_connection", out_of_descriptors)
+    hello = wire.Hello(1, 0, 0, wire.JobConfig(2, 2, 1, 2, 4), bytes(wire.NONCE_BYTES))
+    start = time.monotonic()
+    with pytest.raises(SparcollError, match=r"Too many open files: this process may open \d+ descriptors "
+                                            r"\(ulimit -n\); .* raise the limit, or use dedicated aggregators"):
+        transport.connect("127.0.0.1:9", hello, b"", 30.0)
+    assert time.monotonic() - start < 5

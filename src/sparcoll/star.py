@@ -184,6 +184,12 @@ class Star:
         return inbox[_HEADER:size]
 
     def _still_waiting(self, peer: int, deadline: float, peer_report) -> None:
+        if peer == 0 and self.world > 2 and time.monotonic() >= deadline:
+            # Rank 0 waits for every rank's row, and at the same deadline reports the rank it waited
+            # for: named here too (every rank but the late one blamed rank 0, a review).
+            report = report_soon(peer_report)
+            if report is not None:
+                raise report
         still_waiting(peer_report, deadline, f"rank {self.rank}: rank {peer} did not take part in "
                       f"the ring's check within the timeout")
 

@@ -9,11 +9,13 @@ receiver thread straight into memory it chooses (often the user's tensor).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hmac
 import logging
 import os
 import queue
 import random
+import resource
 import select
 import socket
 import threading
@@ -23,7 +25,7 @@ from typing import Callable
 
 from . import wire
 from .errors import (AuthenticationError, CollectiveTimeout, MismatchError, PeerError,
-                     ProtocolError)
+                     ProtocolError, SparcollError)
 from .lease import Lease, give_back
 from .secret import ENV as SECRET_ENV
 
@@ -469,6 +471,11 @@ def _connected(address: str, timeout: float, deadline: float, abandon: Callable[
         try:
             return socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
         except (ConnectionRefusedError, socket.timeout, OSError) as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):   # no retry frees them: they retried until the timeout
+                raise SparcollError(f"could not connect to {peer} {address}: {exc}: this process may open "
+                                    f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} descriptors (ulimit -n); a rank "
+                                    f"holds about 3 per rank of the job with colocated aggregators, 1 with "
+                                    f"dedicated ones: raise the limit, or use dedicated aggregators") from None
             if time.monotonic() >= deadline:
                 raise CollectiveTimeout(f"could not connect to {peer} {address} within "
                                         f"{timeout:g} s: {exc}") from None
