@@ -173,14 +173,20 @@ def test_help_and_a_bad_aggregator_option_need_no_torch():
 
 
 def test_aggregator_max_handshakes_closes_connections_over_it():
-    """--max-handshakes 1: while one connection is in its handshake, the next is closed at once."""
+    """--max-handshakes 1: while one connection is in its handshake, the next is closed at once,
+    refused as busy (its client tries again later)."""
+    from sparcoll import transport, wire
     proc, address = start_aggregator("--max-handshakes", "1")
     try:
         host, port = address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as first, \
                 socket.create_connection((host, int(port)), timeout=10) as second:
             second.settimeout(5)     # a handshake would last 10 s: "at once" is well before
-            assert second.recv(1) == b""
+            said = b""
+            while chunk := second.recv(4096):
+                said += chunk
+            refusal = wire.decode_refusal(said)
+            assert refusal is not None and refusal[1].startswith(transport.BUSY), said
             first.setblocking(False)
             with pytest.raises(BlockingIOError):
                 first.recv(1)        # still open, waiting for its HELLO

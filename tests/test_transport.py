@@ -221,3 +221,29 @@ def test_a_process_out_of_descriptors_fails_its_connect_at_once_saying_what_to_d
                                             r"\(ulimit -n\); .* raise the limit, or use dedicated aggregators"):
         transport.connect("127.0.0.1:9", hello, b"", 30.0)
     assert time.monotonic() - start < 5
+
+
+def test_only_a_busy_refusal_is_tried_again():
+    """A server that reads the HELLO and closes without a word (not an aggregator, or one of another
+    version) fails the connect at once: retried, it cost init's whole timeout and was blamed on a
+    handshake limit (a review). An aggregator over its handshake limit says "busy", and only that is
+    tried again (test_faults.py::test_a_job_of_more_ranks_than_the_aggregators_handshake_limit_starts)."""
+    from sparcoll import wire
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = "127.0.0.1:%d" % listener.getsockname()[1]
+
+    def serve_once():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(wire.HELLO_BYTES)
+    server = threading.Thread(target=serve_once, daemon=True)
+    server.start()
+    hello = wire.Hello(1, 0, 0, wire.JobConfig(2, 2, 1, 2, 4), bytes(wire.NONCE_BYTES))
+    start = time.monotonic()
+    try:
+        with pytest.raises(PeerError, match="closed the connection"):
+            transport.connect(address, hello, b"", 30.0)
+        assert time.monotonic() - start < 5
+    finally:
+        server.join(10)
+        listener.close()

@@ -15,7 +15,7 @@ import resource
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ HANDSHAKE_TIMEOUT = 10.0      # for the whole handshake, however slowly the clie
 # Connections still in their handshake at once. Each holds a thread and a descriptor for at most
 # HANDSHAKE_TIMEOUT; without a cap, anyone who can reach the port could exhaust both.
 MAX_HANDSHAKES = 256
+REFUSAL_LINGER = 1.0    # seconds a connection refused as busy stays half closed (BusyRefusals)
 # Descriptors a dedicated aggregator keeps beside its handshakes' (the listening socket, its logs,
 # what the process opens itself); admitted connections may take the rest of its descriptor limit.
 SPARE_DESCRIPTORS = 64
@@ -92,6 +93,42 @@ class _RemoteWorker:
         self.conn.send(wire.error_message(job, collective, text, code))
 
 
+class BusyRefusals:
+    """Connections over the handshake limit, refused as busy (the client tries again later,
+    transport.connect) without waiting for anything: the reason is sent and the connection half
+    closed, and it is closed for good REFUSAL_LINGER seconds later. Closed at once with the client's
+    HELLO unread, it was reset, and the client lost the reason with it. At most `limit` linger;
+    one more closes the oldest."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._lingering: deque[tuple[float, socket.socket]] = deque()
+        self._lock = threading.Lock()
+
+    def refuse(self, sock: socket.socket) -> None:
+        try:
+            sock.setblocking(False)
+            sock.send(wire.encode_verdict(f"{transport.BUSY}{self.limit} handshakes in progress, its limit",
+                                          wire.ErrorCode.PEER))
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            sock.close()
+            return
+        with self._lock:
+            self._lingering.append((time.monotonic() + REFUSAL_LINGER, sock))
+            done = [self._lingering.popleft()[1] for _ in range(len(self._lingering) - self.limit)]
+            while self._lingering and self._lingering[0][0] <= time.monotonic():
+                done.append(self._lingering.popleft()[1])
+        for old in done:
+            old.close()
+
+    def close(self) -> None:
+        with self._lock:
+            done, self._lingering = [sock for _, sock in self._lingering], deque()
+        for sock in done:
+            sock.close()
+
+
 class AggregatorServer:
     """Accepts authenticated connections and serves each on its own receiver thread.
 
@@ -121,6 +158,7 @@ class AggregatorServer:
         # Flood warnings, rate-limited; each counts its occurrences.
         self.accept_failures = Throttled(log)
         self.over_cap = Throttled(log)        # connections closed at once: too many handshakes
+        self.busy = BusyRefusals(max_handshakes)
         self.refused = Throttled(log)         # connections that failed their handshake
         self.sock = transport.listen(host, port, backlog=256)
         self.address = transport.format_address(host, self.sock.getsockname()[1])
@@ -164,7 +202,7 @@ class AggregatorServer:
             # Counted before the close: whoever sees the connection closed sees it counted.
             self.over_cap.warn(f"closed a connection from {peer[0]}:{peer[1]} at once: "
                                f"{self.max_handshakes} handshakes are in progress, the limit")
-            sock.close()
+            self.busy.refuse(sock)
             return True
         thread = threading.Thread(target=self._serve, args=(sock,), name="sparcoll-agg-recv", daemon=True)
         with self._lock:    # close() sets _closed, then takes its list of threads here
@@ -445,3 +483,4 @@ class AggregatorServer:
         for thread in (self._accepter, *serving):
             if thread is not threading.current_thread():
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.busy.close()       # (after the accept loop, which refuses)

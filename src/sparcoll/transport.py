@@ -165,10 +165,13 @@ def _longer_refusal(sock: socket.socket, head: bytes, deadline: float) -> bytes:
 
 
 def _raise_refusal(data: bytes, peer: str) -> None:
-    """If `data` is a whole refusal verdict, the error it names, with its reason."""
+    """If `data` is a whole refusal verdict, the error it names, with its reason (Busy for one the
+    client may try again)."""
     refusal = wire.decode_refusal(data)
     if refusal is not None:
         code, reason = refusal
+        if reason.startswith(BUSY):
+            raise Busy(reason)
         raise wire.Failure(0, code, f"{peer} refused the connection: {reason}").exception()
 
 
@@ -430,9 +433,12 @@ def _configure(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
 
 
-class Unanswered(Exception):
-    """The server ended the connection before it said anything: an aggregator over its handshake
-    limit closes a connection at once, unread (server.MAX_HANDSHAKES)."""
+BUSY = "busy: "     # how a refusal the client may try again begins (an aggregator over its handshake limit)
+
+
+class Busy(Exception):
+    """The aggregator refused the connection for now: it has as many handshakes in progress as its
+    limit (server.MAX_HANDSHAKES)."""
 
 
 def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
@@ -440,11 +446,10 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
             abandon: Callable[[], BaseException | None] | None = None,
             peer: str = "aggregator") -> socket.socket:
     """Connect and authenticate both ways (and show the job token); retries refused connections, and
-    connections the server ended before it said anything, until the deadline, or until `abandon()`
-    returns an error to raise instead. The latter after a pause with jitter that doubles, up to
-    0.5 s: a job's ranks that connect all at once to an aggregator over its handshake limit then
-    come back spread out (a job of more ranks than the limit failed its init). `peer` names the
-    other end in errors."""
+    connections an aggregator over its handshake limit refused as busy, until the deadline, or
+    until `abandon()` returns an error to raise instead. The latter after a pause with jitter that
+    doubles, up to 0.5 s: a job's ranks that connect all at once then come back spread out (a job of
+    more ranks than the limit failed its init). `peer` names the other end in errors."""
     deadline = time.monotonic() + timeout
     pause = 0.05
     while True:
@@ -452,10 +457,10 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
         try:
             return _handshake(sock, hello, secret, job_token, f"{peer} {address}",
                               max(deadline, time.monotonic() + 0.05))
-        except Unanswered as exc:
+        except Busy as exc:
             if time.monotonic() + pause >= deadline:
-                raise PeerError(f"handshake with {peer} {address} failed: {exc}, at every try for {timeout:g} s "
-                                f"(an aggregator over its handshake limit closes connections at once)") from None
+                raise PeerError(f"{peer} {address} refused the connection at every try for {timeout:g} s: "
+                                f"{exc}") from None
         reason = abandon() if abandon is not None else None
         if reason is not None:
             raise reason
@@ -487,19 +492,14 @@ def _connected(address: str, timeout: float, deadline: float, abandon: Callable[
 
 def _handshake(sock: socket.socket, hello: wire.Hello, secret: bytes, job_token: bytes, peer: str,
                handshake_deadline: float) -> socket.socket:
-    """The client's side of the handshake on `sock`, closed if it fails; Unanswered if the server
-    ended the connection before it said anything."""
+    """The client's side of the handshake on `sock`, closed if it fails; Busy if the server refused
+    it for now."""
     try:
         _configure(sock)
+        _send_before(sock, hello.encode(), handshake_deadline)
         buf = bytearray(wire.CHALLENGE_BYTES)
-        try:
-            _send_before(sock, hello.encode(), handshake_deadline)
-            got = _recv_until_closed(sock, memoryview(buf), handshake_deadline)
-        except (ConnectionResetError, BrokenPipeError) as exc:
-            raise Unanswered(str(exc)) from None
-        if got == 0:
-            raise Unanswered("it closed the connection")
-        if got < len(buf):              # closed early: a refusal of the HELLO
+        got = _recv_until_closed(sock, memoryview(buf), handshake_deadline)
+        if got < len(buf):              # closed early: a refusal of the HELLO, or nothing
             _raise_refusal(bytes(buf[:got]), peer)
             raise PeerError(f"{peer} closed the connection")
         server_nonce, server_mac = wire.decode_challenge(buf)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .blocks import block_count
-from .errors import (AuthenticationError, MismatchError, PeerError, ProtocolError,
+from .errors import (AuthenticationError, CollectiveTimeout, MismatchError, PeerError, ProtocolError,
                      SparcollError)
 
 MAGIC = b"SPCL"
@@ -85,11 +85,13 @@ class ErrorCode(enum.IntEnum):
     PEER = 2
     PROTOCOL = 3
     AUTHENTICATION = 4
+    TIMEOUT = 5         # a peer's collective timed out: a CollectiveTimeout here too (it was a bare
+                        # SparcollError, which DataParallel did not take for one that ends the job)
 
 
 _ERROR_TYPES = {ErrorCode.GENERIC: SparcollError, ErrorCode.MISMATCH: MismatchError,
                 ErrorCode.PEER: PeerError, ErrorCode.PROTOCOL: ProtocolError,
-                ErrorCode.AUTHENTICATION: AuthenticationError}
+                ErrorCode.AUTHENTICATION: AuthenticationError, ErrorCode.TIMEOUT: CollectiveTimeout}
 
 
 def error_code(raw: int) -> ErrorCode:
