@@ -450,31 +450,12 @@ def connect(address: str, hello: wire.Hello, secret: bytes, timeout: float,
     until `abandon()` returns an error to raise instead. The latter after a pause with jitter that
     doubles, up to 0.5 s: a job's ranks that connect all at once then come back spread out (a job of
     more ranks than the limit failed its init). `peer` names the other end in errors."""
-    deadline = time.monotonic() + timeout
-    pause = 0.05
-    while True:
-        sock = _connected(address, timeout, deadline, abandon, peer)
-        try:
-            return _handshake(sock, hello, secret, job_token, f"{peer} {address}",
-                              max(deadline, time.monotonic() + 0.05))
-        except Busy as exc:
-            if time.monotonic() + pause >= deadline:
-                raise PeerError(f"{peer} {address} refused the connection at every try for {timeout:g} s: "
-                                f"{exc}") from None
-        reason = abandon() if abandon is not None else None
-        if reason is not None:
-            raise reason
-        time.sleep(pause * random.uniform(0.5, 1.5))
-        pause = min(2 * pause, 0.5)
-
-
-def _connected(address: str, timeout: float, deadline: float, abandon: Callable[[], BaseException | None] | None,
-               peer: str) -> socket.socket:
-    """A TCP connection to `address`, retried while it is refused, until the deadline or `abandon()`."""
     host, port = parse_address(address)
+    deadline = time.monotonic() + timeout
+    pause = 0.05        # after a busy refusal
     while True:
         try:
-            return socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
+            sock = socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
         except (ConnectionRefusedError, socket.timeout, OSError) as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE):   # no retry frees them: they retried until the timeout
                 raise SparcollError(f"could not connect to {peer} {address}: {exc}: this process may open "
@@ -484,10 +465,20 @@ def _connected(address: str, timeout: float, deadline: float, abandon: Callable[
             if time.monotonic() >= deadline:
                 raise CollectiveTimeout(f"could not connect to {peer} {address} within "
                                         f"{timeout:g} s: {exc}") from None
-            reason = abandon() if abandon is not None else None
-            if reason is not None:
-                raise reason from None
-            time.sleep(0.05)
+            wait = 0.05
+        else:
+            try:
+                return _handshake(sock, hello, secret, job_token, f"{peer} {address}",
+                                  max(deadline, time.monotonic() + 0.05))
+            except Busy as exc:
+                if time.monotonic() + pause >= deadline:
+                    raise PeerError(f"{peer} {address} refused the connection at every try for {timeout:g} s: "
+                                    f"{exc}") from None
+            wait, pause = pause * random.uniform(0.5, 1.5), min(2 * pause, 0.5)
+        reason = abandon() if abandon is not None else None
+        if reason is not None:
+            raise reason from None
+        time.sleep(wait)
 
 
 def _handshake(sock: socket.socket, hello: wire.Hello, secret: bytes, job_token: bytes, peer: str,
