@@ -243,6 +243,9 @@ def test_bad_arguments_exit_with_2(capsys):
     assert "--data /nonexistent/sparcoll-data.txt: no such file" in capsys.readouterr().err
     assert main(["train", "--compress", "topk:0.01", "--network", "none"]) == 2
     assert "--comm hook" in capsys.readouterr().err
+    # a review: the run's results overwrote the plan it ran
+    assert main(["train", "--comm", "planned", "--plan", "p.json", "--json", "./p.json", "--network", "none"]) == 2
+    assert "--json and --plan both name ./p.json: --json would overwrite --plan" in capsys.readouterr().err
     assert main(["train", "--interleave", "--network", "none"]) == 2
     assert "--interleave needs --compare with two modes" in capsys.readouterr().err
     assert main(["train", "--compare", "ddp,sparcoll", "--interleave", "--network", "none"]) == 2

@@ -111,11 +111,12 @@ class Rendezvous:
         """An authenticated connection to aggregator `index`. With colocated aggregators, a rank
         that gave up init is reported with its own reason, not as a refused connection; with
         dedicated ones, any rank that did ends the retries (a stopped aggregator refused them until
-        init's timeout, though the rank that had found it stopped had said so)."""
+        init's timeout, though the rank that had found it stopped had said so). The retries look at
+        the Store at most every FAILURE_POLL."""
         abandon = (lambda: self._failure_of(index)) if colocated else self._first_failure
         try:
             return transport.connect(address, hello, secret, self.remaining(), job_token,
-                                     abandon=abandon if colocated else _at_most_every(FAILURE_POLL, abandon))
+                                     abandon=_at_most_every(FAILURE_POLL, abandon))
         except (PeerError, CollectiveTimeout) as exc:
             raise abandon() or exc
 

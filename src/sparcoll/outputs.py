@@ -5,10 +5,15 @@ from __future__ import annotations
 import os
 
 
-def check_output_path(path: str | None, option: str) -> None:
-    """A ValueError naming `option` if `path` cannot be written (None: no such output)."""
+def check_output_path(path: str | None, option: str, keeps: dict[str, str | None] | None = None) -> None:
+    """A ValueError naming `option` if `path` cannot be written (None: no such output), or names a
+    file the command needs kept: `keeps` maps options to their files (a plan written over its
+    profile lost the profile)."""
     if path is None:
         return
+    for kept_option, kept in (keeps or {}).items():
+        if kept is not None and os.path.realpath(path) == os.path.realpath(kept):
+            raise ValueError(f"{option} and {kept_option} both name {path}: {option} would overwrite {kept_option}")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"{option} {path}: is a directory; give a file name")

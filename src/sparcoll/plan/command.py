@@ -110,7 +110,8 @@ def _compressors(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group()
-    what.add_argument("--workload", choices=list(WORKLOADS), default="ncf", help="default ncf")
+    # no default here: argparse lets a value equal to the default pass beside --model (identity() has it)
+    what.add_argument("--workload", choices=list(WORKLOADS), help="default ncf")
     what.add_argument("--model", metavar="MODULE:FUNCTION",
                       help="your own model: FUNCTION() returns (nn.Module, example input of one worker); "
                            "the loss is the output if it is a scalar, else a returned dict's scalar 'loss', "
@@ -182,10 +183,11 @@ def identity(args) -> dict:
     if args.model:
         model = {"model_spec": args.model, "fingerprint": user.fingerprint(user.checked_here(args.model))}
     else:
-        options = workload_options(args.workload, args.workload_option)
-        check_builds(args.workload, options, args.workload_option)
-        model = {"workload": args.workload, "options": options,
-                 "batch_size": args.batch_size or BATCH_SIZES.get(args.workload, 256), "seed": args.seed}
+        workload = args.workload or "ncf"
+        options = workload_options(workload, args.workload_option)
+        check_builds(workload, options, args.workload_option)
+        model = {"workload": workload, "options": options,
+                 "batch_size": args.batch_size or BATCH_SIZES.get(workload, 256), "seed": args.seed}
     return {"version": PROFILE_VERSION, "workers": args.workers, "network": args.network,
             "link_burst": args.link_burst, "block_size": env_block_size(), "compressors": sorted(args.compressors),
             **model}
@@ -661,8 +663,6 @@ def check(args) -> None:
     if args.model and (args.batch_size is not None or args.workload_option or args.seed != 0):
         raise ValueError("--batch-size, --workload-option and --seed are --workload's: with --model, FUNCTION() "
                          "builds the model and one worker's batch")
-    if args.json and os.path.realpath(args.json) == os.path.realpath(args.profile):
-        raise ValueError(f"--json and --profile both name {args.json}: the plan would overwrite the profile")
     if args.batch_size is not None and args.batch_size < 1 or args.workers < 2 or args.trial < 0 \
             or args.trial_passes < 1 or not 0 < args.timeout < math.inf:
         raise ValueError("--workers must be >= 2, --batch-size >= 1, --trial >= 0, --trial-passes >= 1 and "
@@ -682,8 +682,8 @@ def check(args) -> None:
             raise ValueError(f"--uniform {args.uniform} compresses: --without compression rules it out")
         if "collective" in args.without and not compresses and args.uniform != RING:
             raise ValueError(f"--uniform {args.uniform} is not the ring: --without collective rules it out")
-    for option, path in (("--profile", args.profile), ("--json", args.json)):
-        check_output_path(path, option)
+    check_output_path(args.profile, "--profile")
+    check_output_path(args.json, "--json", keeps={"--profile": args.profile})
     check_network(args.network, args.link_burst, args.workers)
 
 

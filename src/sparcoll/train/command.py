@@ -284,7 +284,7 @@ def _validate(args) -> None:
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup {args.warmup} leaves none of the --steps {args.steps} to time; "
                          f"give more steps or a smaller --warmup")
-    check_output_path(args.json, "--json")
+    check_output_path(args.json, "--json", keeps={"--plan": args.plan})
     check_network(args.network, args.link_burst, args.workers)
 
 
@@ -312,8 +312,6 @@ def load_plan(args, modes, options: dict) -> dict | None:
         return None
     if not args.plan:
         raise ValueError("the planned mode needs --plan FILE (written by `sparcoll plan --json FILE`)")
-    if args.json and os.path.realpath(args.json) == os.path.realpath(args.plan):
-        raise ValueError(f"--json and --plan both name {args.plan}: the results would overwrite the plan")
     try:
         with open(args.plan) as f:
             plan = json.load(f)
