@@ -5,10 +5,12 @@ gloo aborts the whole process when ranks pass buffers of different sizes to one 
 byte counts agree. So every ring collective comes with a check: a round through the star (star.py:
 every rank's frame to rank 0, rank 0's verdict back, frames of any length) carrying the call (id,
 numel, dtype, op, gathered or not, the caller's tag), the call this rank expects next, and _SHARED
-numbers. The verdict (rank 0's; with 2 ranks the rows cross and each rank makes it) holds every
-rank's fields: each rank compares the calls itself (and names the ranks whose call differs), so
-every rank sees a disagreement and raises MismatchError; none aborts. The shared numbers are the
-ranks' averages of what each put there (the chooser's times, algorithm.py), the same on every rank.
+numbers. The verdict (rank 0's; with 2 ranks the rows cross and each rank makes it) holds, where
+every rank made the same call, one row: that call, the next call if every rank expects the same one,
+and the ranks' averages of the shared numbers (the chooser's times, algorithm.py), the same on every
+rank. Where the calls differ it holds every rank's fields, so that each rank names the ranks whose
+call differs: every rank sees a disagreement and raises MismatchError; none aborts. (It held every
+rank's fields always: 136 x world bytes to each rank, 551 KB from rank 0 a small call at 64 ranks.)
 The star rather than gloo: its round is written and read by the calling thread, 58 us median on 2
 ranks on loopback and 236 us on 4 where gloo's allgather of the fixed-size buffer this check used to
 be took 266 and 3070 us (star.py).
@@ -52,6 +54,7 @@ _CALL = slice(0, _FIELDS)                   # in a rank's fields: this call,
 _NEXT = slice(_FIELDS, 2 * _FIELDS)         # the call it expects next,
 _SHARE = slice(2 * _FIELDS, 2 * _FIELDS + _SHARED)     # and the numbers to average
 _HEAD = _SHARE.stop         # float64 fields in front of the data a call carries
+_ROWS = 8                   # bytes in front of a verdict's fields: how many rows of them it holds
 
 Call = tuple[int, int, int, int, int, int, int]  # (id, numel, dtype code, op, gathered, tag, COO elements)
 _NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64}   # dtypes read and written
@@ -140,7 +143,7 @@ class Ring:
         payload = 8 * max(TINY_NUMEL, self.gather_limit)
         self.star = Star.connect(dist.PrefixStore("star", store), rank, world, host, credentials,
                                  timeout, row_limit=_HEAD * 8 + payload,
-                                 verdict_limit=world * _HEAD * 8 + payload, abandon=abandon)
+                                 verdict_limit=_ROWS + world * _HEAD * 8 + payload, abandon=abandon)
         try:
             self.data_group = self._group(dist.PrefixStore("data", store), timeout, host)
         except BaseException:
@@ -149,8 +152,10 @@ class Ring:
         self._row = torch.zeros(_HEAD * 8 + payload, dtype=torch.uint8)  # fields, then data
         self._row_np = self._row.numpy()
         self._row_fields = self._row_np[:_HEAD * 8].view(np.float64)
-        self._verdict = torch.zeros(world * _HEAD * 8 + payload, dtype=torch.uint8)  # _decide's
+        self._verdict = torch.zeros(_ROWS + world * _HEAD * 8 + payload, dtype=torch.uint8)  # _decide's
         self._verdict_np = self._verdict.numpy()
+        self._table = np.zeros(world * _HEAD * 8, dtype=np.uint8)    # _decide's: every rank's fields
+        self._table_fields = self._table.view(np.float64).reshape(world, _HEAD)
         self._expected: Call | None = None  # the next call every rank expected, if they agreed
         self._previous: tuple | None = None     # (id, kind) of the last call
         self._after: dict[tuple, tuple] = {}    # kind -> (kind, id distance) of the call after it
@@ -198,6 +203,9 @@ class Ring:
         heads, total = self._round(contiguous, call, fields, deadline,
                                    lambda: peer_report() or lost())
         if not _same(heads, _CALL, fields):
+            if len(heads) != self.world * _HEAD * 8:
+                raise ProtocolError(f"rank {self.rank}: rank 0's verdict of the check says every rank made "
+                                    f"this rank's call, but it holds another")
             fields_of = _fields_of(heads)
             agree = (fields_of[:, _CALL] == fields[_CALL]).all(axis=1)
             if started is None and expected is not None and not _carried(expected):
@@ -236,14 +244,14 @@ class Ring:
             data.copy_(torch.as_tensor(total).view(data.shape))
         self.collectives += 1
         self.bytes += numel * data.element_size()
-        return None if share is None else _fields_of(heads)[:, _SHARE].mean(axis=0).tolist()
+        return None if share is None else _fields_of(heads)[0, _SHARE].tolist()    # (averaged by _decide)
 
     def _round(self, data: torch.Tensor, call: Call, fields: np.ndarray, deadline: float,
                peer_report):
         """One round through the star: this rank's fields, and its data if the call carries it (a
-        tiny call's in float64, a gathered one's in its dtype). Returns (every rank's fields as the
-        bytes of the verdict, the sum of the ranks' data (numpy, in the verdict) if every rank made
-        this call and it carries data, else None)."""
+        tiny call's in float64, a gathered one's in its dtype). Returns (the verdict's fields as
+        bytes: one row if every rank made the same call, else every rank's; the sum of the ranks'
+        data (numpy, in the verdict) if every rank made this call and it carries data, else None)."""
         payload = _payload(call)
         self._row_fields[:] = fields
         if payload:
@@ -255,41 +263,53 @@ class Ring:
                 np.copyto(carried.view(np.float64), source.reshape(-1))
         verdict = self.star.round(self._row_np[:_HEAD * 8 + payload], self._decide, deadline,
                                   peer_report)
-        heads = self.world * _HEAD * 8
-        if len(verdict) < heads:
-            raise ProtocolError(f"rank {self.rank}: rank 0's verdict of the check holds "
-                                f"{len(verdict)} bytes, fewer than every rank's fields")
-        every = verdict[:heads].tobytes()
-        if not payload or not _same(every, _CALL, fields):
-            return every, None
+        rows = verdict[:_ROWS].view(np.float64)[0] if len(verdict) >= _ROWS else None
+        if rows not in (1, self.world) or len(verdict) < _ROWS + rows * _HEAD * 8:
+            raise ProtocolError(f"rank {self.rank}: rank 0's verdict of the check ({len(verdict)} bytes) does "
+                                f"not hold the fields of one rank or of all {self.world}")
+        end = _ROWS + int(rows) * _HEAD * 8
+        heads = verdict[_ROWS:end].tobytes()
+        if not payload or not _same(heads, _CALL, fields):
+            return heads, None
         total_dtype = _total_dtype(_carrier(call))
-        if len(verdict) != heads + call[1] * total_dtype.itemsize:
-            raise ProtocolError(f"rank {self.rank}: rank 0's verdict holds {len(verdict) - heads} "
+        if len(verdict) != end + call[1] * total_dtype.itemsize:
+            raise ProtocolError(f"rank {self.rank}: rank 0's verdict holds {len(verdict) - end} "
                                 f"bytes of sums for a call of {call[1]} elements")
-        return every, verdict[heads:].view(_NUMPY_OF[total_dtype])
+        return heads, verdict[end:].view(_NUMPY_OF[total_dtype])
 
     def _decide(self, rows: list[np.ndarray]) -> np.ndarray:
-        """The verdict of a round (rank 0's; with 2 ranks each rank's own): every rank's fields,
-        then, if every rank made the same call and it carries data, the sum of their data in rank
-        order (a tiny call's in float64, a gathered one's in its dtype, halves in float32)."""
-        heads = self.world * _HEAD * 8
+        """The verdict of a round (rank 0's; with 2 ranks each rank's own), behind the count of its
+        rows of fields: if every rank made the same call, one row (the call, the next call if every
+        rank expects the same one, else zeros: none, and the ranks' averages of the shared numbers),
+        then, if the call carries data, the sum of their data in rank order (a tiny call's in
+        float64, a gathered one's in its dtype, halves in float32); else every rank's fields."""
+        verdict, head, table = self._verdict_np, _HEAD * 8, self._table
         for r, row in enumerate(rows):
-            if len(row) < _HEAD * 8:
+            if len(row) < head:
                 raise ProtocolError(f"rank {self.rank}: rank {r}'s check holds {len(row)} "
                                     f"bytes, fewer than its fields")
-            self._verdict_np[r * _HEAD * 8:(r + 1) * _HEAD * 8] = row[:_HEAD * 8]
-        fields = self._verdict_np[:heads].view(np.float64).reshape(self.world, _HEAD)
-        if not _same(self._verdict_np[:heads].tobytes(), _CALL, fields[0]):
-            return self._verdict_np[:heads]
-        call = _call_of(fields[0, _CALL])
-        size = _HEAD * 8 + (_payload(call) if call is not None else -1)
+            table[r * head:(r + 1) * head] = row[:head]
+        every, first = table.tobytes(), table[:head].view(np.float64)
+        if not _same(every, _CALL, first):
+            verdict[:_ROWS].view(np.float64)[0] = self.world
+            verdict[_ROWS:_ROWS + len(table)] = table
+            return verdict[:_ROWS + len(table)]
+        verdict[:_ROWS].view(np.float64)[0] = 1
+        fields = verdict[_ROWS:_ROWS + head].view(np.float64)
+        fields[:] = first
+        if not _same(every, _NEXT, first):
+            fields[_NEXT] = 0
+        np.add.reduce(self._table_fields[:, _SHARE], axis=0, out=fields[_SHARE])
+        fields[_SHARE] /= self.world
+        call = _call_of(fields[_CALL])
+        size = head + (_payload(call) if call is not None else -1)
         for r, row in enumerate(rows):
             if len(row) != size:
                 raise ProtocolError(f"rank {self.rank}: rank {r}'s check holds {len(row)} bytes, "
-                                    f"not what its call needs "
-                                    f"({_describe(fields[r, _CALL].tolist())})")
-        if size == _HEAD * 8:
-            return self._verdict_np[:heads]
+                                    f"not what its call needs ({_describe(fields[_CALL].tolist())})")
+        heads = _ROWS + head
+        if size == head:
+            return verdict[:heads]
         carrier = _carrier(call)
         total_dtype = _total_dtype(carrier)
         end = heads + call[1] * total_dtype.itemsize
