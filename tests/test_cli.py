@@ -91,6 +91,14 @@ def test_subcommand_help(name, capsys):
     assert out.startswith(f"usage: sparcoll {name} [-h]") and "--" in out.split("options:", 1)[1]
 
 
+def test_version(capsys):
+    """`sparcoll --version` was refused for want of a command (an install review)."""
+    from sparcoll import __version__
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out == f"sparcoll {__version__}\n"
+
+
 def test_top_level_help_lists_every_subcommand(capsys):
     with pytest.raises(SystemExit) as exit:
         main(["--help"])

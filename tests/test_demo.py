@@ -37,6 +37,7 @@ def test_a_small_demo_on_loopback(tmp_path, capfd):
     assert any(line.startswith("DDP on gloo spent ") and "% of each step communicating" in line
                for line in lines), done.stdout
     assert {p.name for p in out.iterdir()} == {"demo.json", "demo.png", "demo-train.json"}
+    assert lines[-1] == f"Results in {out}/: demo.json, demo.png (the plot), demo-train.json.", done.stdout
 
 
 def test_an_out_that_cannot_be_a_directory_is_refused_in_one_line(tmp_path, capsys):

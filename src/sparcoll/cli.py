@@ -173,6 +173,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     by name only)."""
     chosen = _chosen(argv)
     parser = argparse.ArgumentParser(prog="sparcoll", description=__doc__)
+    from . import __version__
+    parser.add_argument("--version", action="version", version=f"sparcoll {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (summary, load) in COMMANDS.items():
         command = sub.add_parser(name, help=summary)

@@ -73,7 +73,7 @@ def choose_network(requested: str, workers: int = 4) -> tuple[str, str]:
     return "none", (f"loopback (an emulated network needs root and iproute2: "
                     f"{'; '.join(problems)}). On loopback the network is never the bottleneck and "
                     f"all workers share this machine's cores, so dense data is CPU-bound; "
-                    f"docs/benchmarks.md has the figures at 1 Gbit/s")
+                    f"sparcoll's docs/benchmarks.md has the figures at 1 Gbit/s")
 
 
 def verdicts(path: str) -> list[str]:
@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         "--network", network, "--json", train_path]))
     if status == 0:
         print(communication_share(train_path), flush=True)
+        print(f"Results in {args.out}/: demo.json, demo.png (the plot), demo-train.json.", flush=True)
     return status
 
 
