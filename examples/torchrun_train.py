@@ -44,8 +44,8 @@ def main() -> None:
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))  # sparcoll
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    print(f"rank {rank}/{world} on {os.environ.get('LOCAL_ADDR', os.uname().nodename)}, attempt {attempt}",
-          flush=True)
+    print(f"rank {rank}/{world} (host {os.environ.get('GROUP_RANK', '?')} of torchrun's rendezvous, local rank "
+          f"{os.environ.get('LOCAL_RANK', '?')}), attempt {attempt}", flush=True)
 
     workload = get_workload(args.workload, tiny=args.tiny, seed=0)
     model = DistributedDataParallel(workload.model)
@@ -69,7 +69,8 @@ def main() -> None:
     if args.backend == "sparcoll":  # proof that the gradients went through sparcoll, and what they cost
         traffic = sparcoll.torch.stats()
         print(f"rank {rank}: {traffic.collectives} sparcoll collectives (the gradients' and each step's loss "
-              f"mean; {traffic.ring_collectives} through gloo's ring), {traffic.bytes_sent / 1e6:.2f} MB sent", flush=True)
+              f"mean), {traffic.bytes_sent / 1e6:.2f} MB sent by the sparse path; {traffic.ring_collectives} of "
+              f"them, {traffic.ring_bytes / 1e6:.2f} MB of tensors, through gloo's ring", flush=True)
     if rank == 0 and args.out:
         params = {name: p.detach().clone() for name, p in workload.model.named_parameters()}
         torch.save({"losses": losses, "params": params, "world": world, "attempt": attempt}, args.out)

@@ -1075,6 +1075,25 @@ def test_a_rank_that_gave_up_init_for_a_peers_reason_passes_the_reason_on_as_it_
     assert str(rendezvous._failure_of(3)) == "rank 3 gave up init: block_size=0"
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "192.0.2.1"])       # loopback; not this host's (TEST-NET-1)
+def test_a_peers_aggregator_at_a_loopback_address_it_cannot_reach_is_named_with_what_to_do(host):
+    """A rank of another host whose aggregator listens on loopback (its hostname resolved there, say)
+    cost init's timeout with "could not connect to aggregator 127.0.0.2:42621 ... Connection
+    refused": neither the rank nor what was wrong (a review of docs/cluster.md)."""
+    import os
+    from sparcoll.bootstrap import Rendezvous
+    rendezvous = Rendezvous(dist.HashStore(), 0, 2, 0.5)
+    hello = wire.Hello(1, 0, 1, wire.JobConfig(2, 2, 1, 1, 1), os.urandom(wire.NONCE_BYTES))
+    with socket.socket() as bound:      # bound, never listening: refused
+        bound.bind(("127.0.0.1", 0))
+        address = f"{host}:{bound.getsockname()[1]}"
+        kind, text, _ = outcome_of(lambda: rendezvous.connect(1, address, hello, b"s" * 32, bytes(wire.MAC_BYTES),
+                                                              colocated=True))
+    assert kind == "CollectiveTimeout" and f"could not connect to rank 1's aggregator {address}" in text, text
+    hint = "that is a loopback address: if rank 1 runs on another host, it listens where only its own host reaches"
+    assert (hint in text) == (host == "127.0.0.1"), text
+
+
 def test_a_rank_retrying_a_refused_dedicated_aggregator_asks_the_store_a_few_times_a_second(monkeypatch):
     """It looks whether a peer gave up init between retries, at most every FAILURE_POLL (0.25 s): at
     every 50 ms retry, a thousand ranks waiting for a late aggregator would ask rank 0's Store

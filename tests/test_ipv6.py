@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import scenarios
 from ranks import run_ranks
 from scenarios import check_outcome
-from sparcoll import bootstrap, transport
+from sparcoll import hosts, transport
 from support import start_aggregator, stop
 
 
@@ -46,7 +46,7 @@ def test_a_malformed_bracketed_address_is_named(text):
 def test_a_ranks_own_address_is_the_ipv6_one_that_routes_to_an_ipv6_master(monkeypatch):
     monkeypatch.delenv("SPARCOLL_HOST", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "::1")
-    assert bootstrap.local_host() == "::1"
+    assert hosts.local_host() == "::1"
     with transport.listen("::1", 0, backlog=1) as listener:
         assert listener.family == socket.AF_INET6
 

@@ -119,7 +119,7 @@ def test_three_hosts_colocated_one_joining_late(tmp_path):
     assert codes == [0, 0, 0], tails(logs)
     assert check_against_reference(out, 3, logs)["attempt"] == 0
     for rank, log in enumerate(logs):       # the gradients went through sparcoll (sparcoll.torch.stats)
-        traffic = re.search(rf"rank {rank}: (\d+) sparcoll collectives .* ([\d.]+) MB sent", log.read_text())
+        traffic = re.search(r"rank \d+: (\d+) sparcoll collectives .* ([\d.]+) MB sent", log.read_text())
         assert traffic and int(traffic[1]) >= STEPS and float(traffic[2]) > 0, tails([log])
 
 

@@ -132,6 +132,30 @@ def test_a_host_this_rank_cannot_listen_on_is_named(monkeypatch, host, given):
         Communicator(dist.HashStore(), 0, 1, timeout=5.0, **options)
 
 
+def test_without_a_host_a_rank_listens_on_gloo_socket_ifnames_interface(monkeypatch):
+    """$GLOO_SOCKET_IFNAME chose the interface of torch's gloo groups, while the aggregators and the
+    ring went over the one that routes to MASTER_ADDR (a review of docs/cluster.md, two networks:
+    5.8 MB sent on eth0, 13 KB on eth1, where it named eth1). The reference: `ip -4 -o addr`."""
+    import subprocess
+    from sparcoll.hosts import local_host
+    listed = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, timeout=10, check=True)
+    addresses = {}
+    for line in listed.stdout.splitlines():         # "2: eth0    inet 192.0.2.2/24 brd ..."
+        device, _, cidr = line.split()[1:4]
+        addresses.setdefault(device, cidr.split("/")[0])
+    assert addresses.get("lo") == "127.0.0.1", listed.stdout
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")     # routed through lo
+    for device, address in addresses.items():
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", f"{device},other")
+        assert local_host() == address, (device, listed.stdout)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch9")
+    with pytest.raises(ValueError, match=re.escape("$GLOO_SOCKET_IFNAME=nosuch9: no IPv4 address on that "
+                                                   "interface of this host")):
+        Communicator(dist.HashStore(), 0, 1, timeout=5.0)
+    monkeypatch.setenv("SPARCOLL_HOST", "127.0.0.1")    # which says where, whatever gloo's interface
+    Communicator(dist.HashStore(), 0, 1, timeout=5.0).close()
+
+
 def test_a_second_close_returns_once_the_first_has_finished():
     """close() from two threads (an exit hook beside the script's own): the second returned at once
     while the first still tore the threads down (a review)."""

@@ -15,7 +15,6 @@ on the same prefix has G = n: a re-created communicator never reads the keys of 
 from __future__ import annotations
 
 import math
-import os
 import re
 import secrets
 import socket
@@ -26,22 +25,9 @@ import torch.distributed as dist
 
 from . import errors, transport, wire
 from .errors import CollectiveTimeout, PeerError, SparcollError
+from .hosts import is_loopback
 from .ring import Ring
 from .star import Credentials, wait_in_store
-
-
-def local_host() -> str:
-    """The address peers can reach this process at, where host= and $SPARCOLL_HOST say none: the
-    interface that routes to MASTER_ADDR (no packet is sent; an IPv6 one where MASTER_ADDR is IPv6),
-    else loopback."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        family, _, _, _, address = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(address)
-            return probe.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
 
 
 GAVE_UP = re.compile(r"rank \d+ gave up init: ")
@@ -116,8 +102,15 @@ class Rendezvous:
         abandon = (lambda: self._failure_of(index)) if colocated else self._first_failure
         try:
             return transport.connect(address, hello, secret, self.remaining(), job_token,
-                                     abandon=_at_most_every(FAILURE_POLL, abandon))
-        except (PeerError, CollectiveTimeout) as exc:
+                                     abandon=_at_most_every(FAILURE_POLL, abandon),
+                                     peer=f"rank {index}'s aggregator" if colocated else "aggregator")
+        except CollectiveTimeout as exc:
+            if colocated and is_loopback(transport.parse_address(address)[0]):     # (a review of docs/cluster.md)
+                exc = CollectiveTimeout(f"{exc}; that is a loopback address: if rank {index} runs on another host, "
+                                        f"it listens where only its own host reaches it: set $SPARCOLL_HOST or "
+                                        f"$GLOO_SOCKET_IFNAME there to its training network's")
+            raise abandon() or exc
+        except PeerError as exc:
             raise abandon() or exc
 
     def ready(self, stage: str = "connected", lost: Callable[[], BaseException | None] = lambda: None) -> None:

@@ -4,26 +4,20 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import ipaddress
 import logging
 import signal
 import sys
 from typing import Callable
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def run_aggregator(args: argparse.Namespace) -> int:
     """Serve jobs until SIGINT, SIGTERM or SIGHUP, then tell every worker why its connection
-    closes. Prints its address once listening (port 0 picks one). A bad
+    closes; the stop signals are ignored from then on (the caller's handlers are not restored).
+    Prints its address once listening (port 0 picks one). A bad
     option, an unusable secret or an address it cannot listen on ends it with one line on stderr
     (exit code 2): these are the operator's to fix, a traceback would only hide the reason. The
     options are checked before torch is imported, so a mistyped one is refused at once."""
+    from .hosts import is_loopback
     from .secret import shared_secret
 
     def refuse(problem: str) -> int:
@@ -39,7 +33,7 @@ def run_aggregator(args: argparse.Namespace) -> int:
         secret = shared_secret(args.secret_file)
     except ValueError as exc:
         return refuse(str(exc))
-    if not secret and not _is_loopback(args.host):
+    if not secret and not is_loopback(args.host):
         return refuse(f"refusing to listen on {args.host} without a secret; set SPARCOLL_SECRET "
                       f"or pass --secret-file (only loopback may run without one)")
     import torch
@@ -58,8 +52,11 @@ def run_aggregator(args: argparse.Namespace) -> int:
     try:
         return _serve_until_stopped(args, secret, refuse)
     finally:
-        while STOP_SIGNALS & signal.sigpending():     # more stop signals: the same request, answered
-            signal.sigwait(STOP_SIGNALS)
+        # More stop signals are the same request, answered: ignored (those pending discarded) from
+        # here to the exit. Unblocked with their default action, one that came while the process
+        # exited ended it with 143 (a review: 10 of 12 pairs of SIGTERMs), not 0.
+        for stop in STOP_SIGNALS:
+            signal.signal(stop, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
@@ -99,7 +96,7 @@ def _serve_until_stopped(args: argparse.Namespace, secret: bytes | None, refuse:
     except BaseException:   # another signal's handler raised (a caller's alarm): the server goes with it
         server.close(reason=f"the aggregator at {server.address} was interrupted")
         raise
-    log.info("stopping on %s: telling the workers of %d connections", name, server.connections())
+    log.info("stopping on %s: telling each of %d worker connections why", name, server.connections())
     server.close(reason=f"the aggregator at {server.address} was stopped ({name})")
     return 0
 

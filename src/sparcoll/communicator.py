@@ -19,7 +19,8 @@ from . import transport, wire
 from .aggregator import LocalWorker
 from .algorithm import MIN_BLOCK, Algorithm, Chooser, entry_block_size
 from .blocks import entry_width, may_overlap
-from .bootstrap import Rendezvous, local_host
+from .bootstrap import Rendezvous
+from .hosts import local_host
 from .collective import WorkerCollective
 from .engine import Engine, Work
 from .errors import SparcollError
