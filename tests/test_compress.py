@@ -1,6 +1,7 @@
 """sparcoll.compress in one process (a world of 1): specs, each compressor's round trip against its
 documented error bound, unbiasedness, the error-feedback invariant, empty and sparse input."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -76,7 +77,10 @@ def test_usage_names_every_form():
     ("dgc:0.1,momentum=1", r"momentum must be a number in \[0, 1\)"),
     ("dgc:0.1,momentum=inf", r"momentum must be a number in \[0, 1\)"),
     ("dgc:0.1,momentum=fast", "bad momentum 'fast'"),
-    ("dgc:0.1,ef=off,momentum=0.5", "momentum needs error feedback"),   # was parsed, then dropped
+    ("dgc:0.1,ef=off,momentum=0.5", "dgc's momentum correction is its error feedback"),   # was parsed, then dropped
+    ("dgc:0.1,ef=off", "with ef=off it would be topk without momentum anywhere"),    # a review
+    ("topk:0.01,ef=off,ef=on", "option 'ef' is given twice"),      # the last won (a review)
+    ("randomk:0.1,seed=1,seed=2", "option 'seed' is given twice"),
     (3, "a compressor spec is a string"),
 ])
 def test_bad_specs_raise_value_errors_naming_the_problem(spec, message):
@@ -145,7 +149,7 @@ def test_threshold_error_is_at_most_the_threshold():
 
 def test_dgc_sends_at_most_k_exact_values_near_the_top():
     x = data(10000)
-    y = round_trip("dgc:0.01", x)
+    y = sc.Reducer("dgc:0.01").reduce(x, key="t")      # a first step: its velocity and residual are x
     kept = y != 0
     assert 0 < kept.sum() <= 100 and torch.equal(y[kept], x[kept])
     assert x[kept].abs().min() >= x.abs().quantile(0.95)       # a sampled threshold, near the top 1%
@@ -203,6 +207,56 @@ def test_powersgd_is_a_contraction_and_exact_on_low_rank():
     assert torch.allclose(round_trip("powersgd:4", low), low, atol=1e-4)
     flat = low.reshape(-1)[:3000]              # 1-D: a padded square matrix
     assert round_trip("powersgd:4", flat).shape == flat.shape
+
+
+def test_powersgd_warm_start_is_power_iteration_across_steps():
+    """One power-iteration step a call, warm-started with the last Q: on the same matrix step after
+    step (ef=off), the approximation's error falls to the best rank-r one (the SVD's); from a fresh
+    Q each step it would stay at the first step's (a review's mutation, the start kept for good,
+    passed every test)."""
+    x = data(64, 48)
+    reducer = sc.Reducer("powersgd:2,ef=off")
+    errors = [(reducer.reduce(x, key="w") - x).norm().item() for _ in range(30)]
+    singular = torch.linalg.svdvals(x.double())
+    best = singular[2:].square().sum().sqrt().item()     # Eckart-Young: the best rank-2 error
+    assert errors[0] > 1.005 * best, (errors[0], best)
+    assert errors[-1] == pytest.approx(best, rel=2e-3), (errors[-1], best)
+
+
+def test_a_nan_or_inf_gradient_does_not_spoil_powersgds_later_steps():
+    """Its averaged Q is the next step's start: a NaN in one gradient (a loss scaler's overflow
+    step, which it skips) made Q NaN, and every later step's approximation NaN, with ef=off too (a
+    review: 256 NaN elements in each of the next 5 clean steps)."""
+    for bad in (math.nan, math.inf):
+        reducer = sc.Reducer("powersgd:2,ef=off")
+        reducer.reduce(data(16, 16), key="w")
+        spoiled = data(16, 16, seed=1)
+        spoiled[3, 4] = bad
+        reducer.reduce(spoiled, key="w")
+        for step in range(3):
+            assert reducer.reduce(data(16, 16, seed=2 + step), key="w").isfinite().all(), (bad, step)
+
+
+def test_a_key_given_a_tensor_of_another_size_is_refused_before_its_state_changes():
+    """A broadcasting add changed the residual before the call failed with torch's "The size of tensor
+    a (64) must match ..." (a review)."""
+    for spec in ("topk:0.25", "dgc:0.25", "efsignsgd"):
+        reducer = sc.Reducer(spec)
+        reducer.reduce(data(8, 8), key="w")
+        held = reducer.memory.residual("w").clone()
+        for other in (data(4, 4), data(1)):
+            with pytest.raises(ValueError, match=re.escape("key 'w' holds the error feedback of a tensor of "
+                                                           "shape (64,) (flattened), now given one of")):
+                reducer.reduce(other, key="w")
+            assert torch.equal(reducer.memory.residual("w"), held), spec
+        reducer.reduce(data(64), key="w")          # the same elements, flattened alike: its own
+
+
+def test_an_integer_tensor_is_refused():
+    """It was averaged in float32 and truncated back without a word ([0, 0, 2, 3, 4], a review)."""
+    for spec in ("none", "topk:0.5"):
+        with pytest.raises(TypeError, match="a Reducer averages floating-point tensors, got torch.int64"):
+            sc.Reducer(spec).reduce(torch.arange(5), key="i")
 
 
 def test_blocktopk_keeps_whole_blocks_of_largest_norm():

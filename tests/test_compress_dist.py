@@ -225,3 +225,32 @@ def test_ranks_that_compress_with_different_settings_get_a_mismatch_error():
         for (mine, theirs), message in zip([pair for pair in DIFFERING for _ in range(2)], raised):
             assert message is not None and "different settings" in message, (mine, message)
             assert str(sc.parse(mine)) in message and str(sc.parse(theirs)) in message
+
+
+def differing_sizes(rank: int, world: int) -> list:
+    """Every scheme, rank 0 reducing 100 elements where rank 1 reduces 200 (then the same counts and
+    totals in another order, then agreeing sizes, which go through): what each call raised, and the
+    agreeing call's average."""
+    outcomes = []
+    for spec in ("topk:0.5", "qsgd:127", "signsgd", "fp16", "randomk:0.5", "powersgd:2"):
+        reducer = sc.Reducer(spec, timeout=30)
+        for sizes in ([100] if rank == 0 else [200], [10, 20] if rank == 0 else [20, 10]):
+            tensors = [torch.ones(n) for n in sizes]
+            try:
+                reducer.reduce_many(tensors, [f"w{i}" for i in range(len(tensors))])
+                outcomes.append(None)
+            except sparcoll.MismatchError as exc:
+                outcomes.append(str(exc))
+        outcomes.append(reducer.reduce(torch.full((64,), float(rank + 1)), key="same").mean().item())
+    return outcomes
+
+
+def test_ranks_that_reduce_tensors_of_different_sizes_get_a_mismatch_error():
+    """A Reducer's allreduce of other sizes ended rank 0's process inside gloo, and a gather read
+    rank 0's 100 values as the start of 200 on rank 1, without a word (a review)."""
+    for outcomes in run_ranks(differing_sizes, 2, timeout=120):
+        for first, second, average in zip(outcomes[0::3], outcomes[1::3], outcomes[2::3]):
+            assert "ranks reduce tensors of different sizes in one call: rank 0 1 of 100 elements, rank 1 1 of " \
+                   "200 elements" == first, first
+            assert second is not None and second.endswith("(the same counts and totals: other sizes or order)")
+            assert 0 < average < 3     # the reducer goes on: of (1 + 2) / 2, what each compressor keeps

@@ -54,6 +54,11 @@ class Residual(NoMemory):
         self._idle: set = set()     # keys compensated without their residual: no update follows
 
     def compensate(self, x: torch.Tensor, key) -> torch.Tensor:
+        held = self.residuals.get(key)
+        if held is not None and held.shape != x.shape:
+            # before any state changes: a broadcasting add changed the residual, then failed (a review)
+            raise ValueError(f"key {key!r} holds the error feedback of a tensor of shape {tuple(held.shape)} "
+                             f"(flattened), now given one of {tuple(x.shape)}: give each tensor its own key")
         if not (x._nnz() if x.is_sparse else x.any()):
             self._idle.add(key)
             return x

@@ -6,7 +6,7 @@ communication scheme of its own, so the compressor drives the two allreduces its
 
 Q starts from a generator seeded by the spec's seed and a counter of Qs created, identical on every
 rank; after each step every rank holds the same averaged Q, the next step's start (unless it is 0:
-the start is kept). A tensor of
+the start is kept, and so it is where Q is not finite). A tensor of
 shape (d0, d1, ...) is the matrix d0 x (d1 * ...); a 1-D one of n elements is padded to the nearest
 square ceil(n / c) x c, c = ceil(sqrt(n)). A tensor whose factors would hold at least as many
 elements as it does (a thin matrix such as (n, 1), a small one such as 3 x 3) is averaged as it is
@@ -73,9 +73,12 @@ class PowerSGD(Compressor):
         qs = allreduce_mean_many([torch.mm(p.t(), m).t().contiguous() for m, p in zip(mats, ps)]) if mats else []
         compressed = [key for key, alone in zip(keys, whole) if not alone]
         # A zero gradient (a parameter unused this step) gives Q = 0, and a warm start from 0 would
-        # lose most of the next gradient: such a tensor keeps its start. Every rank holds the same
-        # averaged Q, so every rank decides alike.
-        self.q.update((key, q if q.any() else start) for key, q, start in zip(compressed, qs, starts))
+        # lose most of the next gradient; a NaN or infinity in one (a loss scaler's overflow step,
+        # which it skips) gives a NaN Q, which made every later approximation NaN, with ef=off too
+        # (a review): such a tensor keeps its start. Every rank holds the same averaged Q, so every
+        # rank decides alike.
+        self.q.update((key, q if q.any() and q.isfinite().all() else start)
+                      for key, q, start in zip(compressed, qs, starts))
         products = iter(zip(ps, qs, mats))
         targets = into if into is not None else [None] * len(xs)
         return [_copied(next(averages), target) if alone else _product(*next(products), x.numel(), target)

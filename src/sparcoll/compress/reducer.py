@@ -14,7 +14,10 @@ docs/reliability.md, "Known gaps"). Every rank must reduce the same tensors
 on it. `key` names the tensor's error-feedback and warm-start state; a compressor that keeps state
 needs one. Before its first collective a Reducer checks that every rank has the same spec and block
 size (one small allgather): a seed or a level that differed would give each rank its own average, or
-end the process inside gloo.
+end the process inside gloo. Before each call's collective it checks that every rank reduces tensors
+of the same sizes (one allgather of three integers; `check_sizes=False` skips it where the caller
+knows, as DDP's hook and DataParallel do, whose models' shapes are checked across ranks when they are
+wrapped): other sizes ended a process inside gloo, or read one rank's values into another's shape.
 
 `sent_bytes` counts the payload bytes this rank contributed (parts, or kept blocks and their indices
 for the sparse AllReduce; not the collective's own traffic: a ring allreduce moves about twice its
@@ -34,8 +37,9 @@ from .spec import parse
 
 
 class Reducer:
-    def __init__(self, spec, group=None, comm=None, timeout: float | None = None):
+    def __init__(self, spec, group=None, comm=None, timeout: float | None = None, check_sizes: bool = True):
         self.spec = parse(spec)
+        self.check_sizes = check_sizes
         self.compressor = make(self.spec)
         self.memory = make_memory(self.spec)
         self.channel = Channel(group, comm, timeout)
@@ -67,6 +71,9 @@ class Reducer:
         if other is not None:
             raise TypeError(f"a Reducer takes dense or sparse COO tensors, got {other}: convert it with .to_dense() "
                             f"or .to_sparse_coo()")
+        whole = next((t.dtype for t in [*tensors, *exact] if not t.is_floating_point()), None)
+        if whole is not None:   # averaged in float32, then truncated back without a word (a review)
+            raise TypeError(f"a Reducer averages floating-point tensors, got {whole}")
         stateful = self._stateful()
         if len(keys) != len(tensors) or (stateful and len(set(keys)) < len(keys)):
             raise ValueError(f"reduce_many takes one key per tensor{', each its own' if stateful else ''} (a key "
@@ -81,6 +88,7 @@ class Reducer:
             raise ValueError(f"`into` holds tensors of {[t.numel() for t in into]} elements for inputs of "
                              f"{[t.numel() for t in [*tensors, *exact]]}")
         self.agree()
+        self._same_sizes([t.numel() for t in [*tensors, *exact]])
         c, results, dense = self.compressor, [None] * len(tensors), []
         for i, (tensor, key) in enumerate(zip(tensors, keys)):
             if tensor.is_sparse and c.entries:
@@ -135,6 +143,7 @@ class Reducer:
         float32 tensors the averages are decompressed into (as `reduce_many`'s); `tag` as
         `reduce_many`'s."""
         self.agree()
+        self._same_sizes([like.numel() for like in likes])
         outs = self._communicate(payloads, into, tag)
         return [out.view(like.shape).to(like.dtype) for out, like in zip(outs, likes)]
 
@@ -163,6 +172,21 @@ class Reducer:
             self._mismatch = "ranks compress with different settings: " + ", ".join(
                 f"rank {rank} {mine}" for rank, mine in enumerate(every))
             raise MismatchError(self._mismatch)
+
+    def _same_sizes(self, numels: list) -> None:
+        """Every rank reduces tensors of these sizes in this call, else MismatchError on every rank,
+        before any state changes (where `check_sizes`)."""
+        if not self.check_sizes or self.channel.world == 1:
+            return
+        digest = 0          # of the sizes in order, the same on every rank for the same sizes
+        for numel in numels:
+            digest = (digest * 1_000_003 + numel) % (1 << 61)
+        mine = torch.tensor([len(numels), sum(numels), digest], dtype=torch.long)
+        every = [tuple(t.tolist()) for (t,) in self.channel.allgather((mine,), variable=False)]
+        if len(set(every)) > 1:
+            raise MismatchError("ranks reduce tensors of different sizes in one call: " + ", ".join(
+                f"rank {rank} {count} of {total} elements" for rank, (count, total, _) in enumerate(every))
+                + ("" if len({e[:2] for e in every}) > 1 else " (the same counts and totals: other sizes or order)"))
 
     def _compress(self, comp: torch.Tensor, key) -> Payload:
         payload = self.compressor.compress(comp)

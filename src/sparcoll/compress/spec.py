@@ -118,12 +118,15 @@ def parse(spec: str | Spec) -> Spec:
         arg = arg_parser(arg_text) if arg_parser else None
     except ValueError as exc:
         raise ValueError(f"bad {arg_name} {arg_text!r} for {name!r} in spec {spec!r}: {exc}") from None
-    ef, options = ef_default, {}
+    ef, options, given = ef_default, {}, set()
     for extra in extras:
         key, eq, value = extra.partition("=")
         key = key.strip().lower()
         if not eq:
             raise ValueError(f"expected KEY=VALUE after the argument in spec {spec!r}, got {extra!r}")
+        if key in given:    # the last one won without a word (a review: 'topk:0.01,ef=off,ef=on')
+            raise ValueError(f"option {key!r} is given twice in spec {spec!r}")
+        given.add(key)
         if key == "ef":
             if value.strip().lower() not in ("on", "off"):
                 raise ValueError(f"ef must be 'on' or 'off', got {value!r} in spec {spec!r}")
@@ -137,8 +140,10 @@ def parse(spec: str | Spec) -> Spec:
             known = ", ".join(("ef",) + allowed)
             raise ValueError(f"option {key!r} does not apply to {name!r} (it takes: {known}) "
                              f"in spec {spec!r}")
-    if "momentum" in options and not ef:    # dgc's momentum lives in its error-feedback memory
-        raise ValueError(f"momentum needs error feedback: drop ef=off or momentum= in spec {spec!r}")
+    if name == "dgc" and not ef:    # its momentum correction lives in its error-feedback memory
+        raise ValueError(f"dgc's momentum correction is its error feedback: with ef=off it would be topk "
+                         f"without momentum anywhere (the optimizer runs without it under dgc); drop ef=off, "
+                         f"or use topk:{arg},ef=off, in spec {spec!r}")
     return Spec(name, arg, ef, {k: v for k, v in options.items() if v != OPTION_DEFAULTS[k]})
 
 

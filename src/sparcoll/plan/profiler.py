@@ -490,7 +490,7 @@ def profile_compressors(specs: list[str], world: int, gradients: dict, numels: t
     samples = [(None, torch.randn(numel)) for numel in numels] + list(gradients.items())
     for spec in specs:
         release_freed_memory()      # the last compressor's (its memory, its scratch)
-        reducer = Reducer(spec)
+        reducer = Reducer(spec, check_sizes=False)     # (every rank times the same sizes)
         c = reducer.compressor
         for name, x in samples:
             if c.scheme == "powersgd":      # computes between its allreduces: timed whole, with them,
@@ -545,7 +545,7 @@ def compress_in_backward(specs: list[str], world: int, model: nn.Module, loss_of
     try:
         for spec in in_backward(specs):
             release_freed_memory()      # the last compressor's
-            reducer = Reducer(spec)
+            reducer = Reducer(spec, check_sizes=False)
             # per step and gradient: (the compression's, the decompression's) time, then thread CPU
             times = torch.zeros(2, 2, 1 + MOST_IN_BACKWARD_STEPS, len(names), dtype=torch.float64)
             step, pending = 0, []
@@ -609,7 +609,8 @@ def profile_coo(comm, specs: list[str], coo_gradients: dict, train_step, timeout
     uncompressed = {RING: group.sparse_mean, SPARSE: lambda t: comm.allreduce_coo(t, op="avg")}
     for name, g in coo_gradients.items():
         for label in coo_labels(specs):
-            reduce = uncompressed.get(label) or functools.partial(Reducer(label, None, comm).reduce, key=name)
+            reduce = uncompressed.get(label) or functools.partial(
+                Reducer(label, None, comm, check_sizes=False).reduce, key=name)
             run = lambda _, g=g, reduce=reduce: reduce(g.coalesce())      # noqa: E731
             yield label, name, *alone_and_loaded(run, lambda: None, train_step, alone_step, timeout)
     for names in coo_units(order, set(coo_gradients)):

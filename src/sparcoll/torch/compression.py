@@ -128,7 +128,8 @@ class CompressionState:
     def reducer(self, spec: Spec) -> Reducer:
         key = str(spec)
         if key not in self._reducers:
-            self._reducers[key] = Reducer(spec, self.group, self.comm)
+            # DDP checks its parameters' shapes across ranks, and its buckets follow them
+            self._reducers[key] = Reducer(spec, self.group, self.comm, check_sizes=False)
         return self._reducers[key]
 
     @property

@@ -1413,7 +1413,8 @@ class DataParallel(nn.Module):
         timeout."""
         with self._reducers_lock:
             if (spec, placement) not in self._reducers:
-                self._reducers[spec, placement] = Reducer(spec, self.group, self.comm, self.timeout)
+                self._reducers[spec, placement] = Reducer(spec, self.group, self.comm, self.timeout,
+                                                          check_sizes=False)     # (_check_alike_on_every_rank)
             return self._reducers[spec, placement]
 
     def _check_alike_on_every_rank(self, refused: BaseException | None = None) -> None:
