@@ -153,9 +153,9 @@ def test_two_per_host_dedicated_aggregator_survives_a_dead_worker(tmp_path):
     # between rank 3's death and rank 2's error (a window of milliseconds every 5 s), and ranks 0 and
     # 1's, whose agent hears of the failure only through the rendezvous (both, in 4 runs of 4).
     assert "PeerError: rank 3 disconnected" in second + logs[0].read_text()
-    assert "rank 3/4 on" in second and "attempt 1" in second
+    assert "rank 3/4 (host" in second and "attempt 1" in second
     # Host 0's agent restarts its workers for the new round without counting a failure of its own.
-    assert logs[0].read_text().count("rank 0/4 on") == 2
+    assert logs[0].read_text().count("rank 0/4 (host") == 2
     check_against_reference(out, 4, logs)
 
 
@@ -214,7 +214,7 @@ def test_a_host_that_dies_is_replaced_and_the_job_restarts(tmp_path):
                     p.wait(timeout=10)
     assert codes == [0, 0], tails(logs)
     survivor = logs[0].read_text()
-    assert "PeerError" in survivor and survivor.count("rank 0/2 on") == 2, tails(logs[:1])
+    assert "PeerError" in survivor and survivor.count("rank 0/2 (host") == 2, tails(logs[:1])
     result = torch.load(out)
     losses, params = reference(2, steps)
     assert result["losses"] == pytest.approx(losses, rel=1e-4)
