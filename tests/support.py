@@ -114,8 +114,7 @@ def sparcoll_here(capture, argv: list[str], timeout: float) -> subprocess.Comple
         expired.append(True)
         raise KeyboardInterrupt
 
-    stops = {stop: signal.getsignal(stop) for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    alarm = signal.signal(signal.SIGALRM, expire)
+    terminate, alarm = signal.getsignal(signal.SIGTERM), signal.signal(signal.SIGALRM, expire)
     outer, started = signal.setitimer(signal.ITIMER_REAL, timeout)[0], time.monotonic()   # pytest-timeout's
     try:
         status = main([str(arg) for arg in argv])
@@ -130,8 +129,7 @@ def sparcoll_here(capture, argv: list[str], timeout: float) -> subprocess.Comple
         signal.signal(signal.SIGALRM, alarm)
         if outer:                           # the test's own deadline runs on
             signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - started), 0.001))
-        for stop, handler in stops.items():     # main() turns SIGTERM into an interrupt; a served
-            signal.signal(stop, handler)        # aggregator ignores the stop signals once stopped
+        signal.signal(signal.SIGTERM, terminate)    # main() turns SIGTERM into an interrupt
     out = capture.readouterr()
     assert not expired, f"sparcoll {' '.join(map(str, argv))} did not finish within {timeout:g} s\n{out.err[-3000:]}"
     return subprocess.CompletedProcess(argv, status, out.out, out.err)

@@ -943,7 +943,7 @@ def test_ranks_that_all_leave_a_gathered_call_they_expected_for_the_same_call_su
         assert torch.equal(results[r], results[0])
 
 
-@pytest.mark.parametrize("world", [3, 6])
+@pytest.mark.parametrize("world", [3, 4])
 def test_a_check_round_whose_calls_agree_sends_one_row_of_fields_at_any_world(store, world):
     """Where every rank made the same call, rank 0's verdict holds one row of fields (the call, the
     next call expected, the ranks' averages of the shared numbers), whatever the world: it held every

@@ -236,9 +236,13 @@ def test_an_aggregator_served_in_process_yields_to_its_callers_alarm(capsys):
     """Its wait for a stop signal lets other signals' handlers run: a plain sigwait held off the
     caller's SIGALRM (sparcoll_here's deadline here, pytest-timeout's in any test) until a stop
     signal came (a review), so a test whose aggregator served by mistake would hang the suite. Its
-    stop signals are unblocked again afterwards."""
+    stop signals are unblocked again afterwards, with their handlers as they were (a version that
+    ignored them once stopped left its caller, and the children it started, deaf to Ctrl-C)."""
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    handlers = [signal.getsignal(stop) for stop in stops]
     started = time.monotonic()
     with pytest.raises(AssertionError, match="did not finish within 2 s"):
         sparcoll_here(capsys, ["aggregator", "--port", "0"], 2)
     assert time.monotonic() - started < 15
-    assert not {signal.SIGINT, signal.SIGTERM, signal.SIGHUP} & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert not set(stops) & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert [signal.getsignal(stop) for stop in stops] == handlers

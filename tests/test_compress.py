@@ -250,6 +250,14 @@ def test_a_key_given_a_tensor_of_another_size_is_refused_before_its_state_change
                 reducer.reduce(other, key="w")
             assert torch.equal(reducer.memory.residual("w"), held), spec
         reducer.reduce(data(64), key="w")          # the same elements, flattened alike: its own
+    # in one call, every key is looked at before any tensor is compensated: a refusal of the second
+    # left the first's residual changed, and a caller that tried again counted its gradient twice
+    reducer = sc.Reducer("topk:0.5")
+    reducer.reduce_many([data(8), data(6, seed=1)], ["a", "b"])
+    held = reducer.memory.residual("a").clone()
+    with pytest.raises(ValueError, match="key 'b' holds the error feedback of a tensor of shape \\(6,\\)"):
+        reducer.reduce_many([data(8, seed=2), data(10)], ["a", "b"])
+    assert torch.equal(reducer.memory.residual("a"), held)
 
 
 def test_an_integer_tensor_is_refused():

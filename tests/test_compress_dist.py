@@ -1,6 +1,8 @@
 """sparcoll.compress on 3 processes over gloo (and sparcoll for blocktopk): every compressor's
 distributed result equals the reference computed here from all ranks' inputs, on every rank; seeds
 and PowerSGD's Q agree across ranks; empty payloads (one rank, then all) do not hang anyone."""
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -242,13 +244,23 @@ def differing_sizes(rank: int, world: int) -> list:
             except sparcoll.MismatchError as exc:
                 outcomes.append(str(exc))
         outcomes.append(reducer.reduce(torch.full((64,), float(rank + 1)), key="same").mean().item())
+    reducer, started = sc.Reducer("topk:0.5", timeout=30), time.monotonic()
+    try:                    # rank 1 alone refuses its input: rank 0 waited for it until its timeout
+        reducer.reduce(torch.ones(8, dtype=torch.int64 if rank == 1 else torch.float32), key="w")
+    except (sparcoll.MismatchError, TypeError) as exc:
+        outcomes.append((type(exc).__name__, str(exc), time.monotonic() - started))
     return outcomes
 
 
 def test_ranks_that_reduce_tensors_of_different_sizes_get_a_mismatch_error():
     """A Reducer's allreduce of other sizes ended rank 0's process inside gloo, and a gather read
     rank 0's 100 values as the start of 200 on rank 1, without a word (a review)."""
-    for outcomes in run_ranks(differing_sizes, 2, timeout=120):
+    for rank, outcomes in enumerate(run_ranks(differing_sizes, 2, timeout=120)):
+        kind, text, seconds = outcomes.pop()
+        assert (kind, text) == (("MismatchError", "rank 1 refused its input to this call (a tensor not "
+                                 "floating-point, or a key of another size)") if rank == 0 else
+                                ("TypeError", "a Reducer averages floating-point tensors, got torch.int64"))
+        assert seconds < 10, seconds
         for first, second, average in zip(outcomes[0::3], outcomes[1::3], outcomes[2::3]):
             assert "ranks reduce tensors of different sizes in one call: rank 0 1 of 100 elements, rank 1 1 of " \
                    "200 elements" == first, first

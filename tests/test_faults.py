@@ -1082,16 +1082,19 @@ def test_a_peers_aggregator_at_a_loopback_address_it_cannot_reach_is_named_with_
     refused": neither the rank nor what was wrong (a review of docs/cluster.md)."""
     import os
     from sparcoll.bootstrap import Rendezvous
-    rendezvous = Rendezvous(dist.HashStore(), 0, 2, 0.5)
     hello = wire.Hello(1, 0, 1, wire.JobConfig(2, 2, 1, 1, 1), os.urandom(wire.NONCE_BYTES))
-    with socket.socket() as bound:      # bound, never listening: refused
-        bound.bind(("127.0.0.1", 0))
-        address = f"{host}:{bound.getsockname()[1]}"
-        kind, text, _ = outcome_of(lambda: rendezvous.connect(1, address, hello, b"s" * 32, bytes(wire.MAC_BYTES),
-                                                              colocated=True))
-    assert kind == "CollectiveTimeout" and f"could not connect to rank 1's aggregator {address}" in text, text
     hint = "that is a loopback address: if rank 1 runs on another host, it listens where only its own host reaches"
-    assert (hint in text) == (host == "127.0.0.1"), text
+    for own in ("192.0.2.2:7000", "127.0.0.1:7000"):    # where this rank's own aggregator listens
+        rendezvous = Rendezvous(dist.HashStore(), 0, 2, 0.5)
+        rendezvous.own_address = own
+        with socket.socket() as bound:      # bound, never listening: refused
+            bound.bind(("127.0.0.1", 0))
+            address = f"{host}:{bound.getsockname()[1]}"
+            kind, text, _ = outcome_of(lambda: rendezvous.connect(1, address, hello, b"s" * 32,
+                                                                  bytes(wire.MAC_BYTES), colocated=True))
+        assert kind == "CollectiveTimeout" and f"could not connect to rank 1's aggregator {address}" in text, text
+        # (a job on loopback alone is on one host: no hint there)
+        assert (hint in text) == (host == "127.0.0.1" and own.startswith("192.")), (own, text)
 
 
 def test_a_rank_retrying_a_refused_dedicated_aggregator_asks_the_store_a_few_times_a_second(monkeypatch):

@@ -2,6 +2,7 @@
 a rank's own address found toward an IPv6 MASTER_ADDR; every sum against the independent references of
 test_allreduce.py. Skipped on a machine without an IPv6 loopback (a container started without IPv6)."""
 import socket
+import subprocess
 
 import pytest
 from hypothesis import given, settings
@@ -45,8 +46,21 @@ def test_a_malformed_bracketed_address_is_named(text):
 @needs_ipv6
 def test_a_ranks_own_address_is_the_ipv6_one_that_routes_to_an_ipv6_master(monkeypatch):
     monkeypatch.delenv("SPARCOLL_HOST", raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "::1")
     assert hosts.local_host() == "::1"
+    # GLOO_SOCKET_IFNAME's interface, of MASTER_ADDR's family where it has one, else of the other
+    # (gloo takes either): an interface without an IPv6 address failed init (a review)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert hosts.local_host() == "::1"
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert hosts.local_host() == "127.0.0.1"
+    listed = subprocess.run(["ip", "-6", "-o", "addr", "show", "scope", "global"], capture_output=True, text=True,
+                            timeout=10, check=True).stdout.split()      # "2: eth0 inet6 fd00::2/64 scope global ..."
+    if listed:                  # an interface with a global IPv6 address: that one, never its link-local one
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", listed[1])
+        monkeypatch.setenv("MASTER_ADDR", "::1")
+        assert hosts.local_host() == listed[3].split("/")[0], listed
     with transport.listen("::1", 0, backlog=1) as listener:
         assert listener.family == socket.AF_INET6
 

@@ -53,6 +53,7 @@ class Rendezvous:
 
     def __init__(self, store, rank: int, world: int, timeout: float):
         self.rank, self.world, self.timeout = rank, world, timeout
+        self.own_address: str | None = None     # this rank's colocated aggregator's, once published
         self.deadline = time.monotonic() + timeout
         generation = store.add(f"generation/{rank}", 1)
         self.store = dist.PrefixStore(str(generation), store)    # keys "<G>/..."
@@ -85,6 +86,7 @@ class Rendezvous:
 
     def colocated_addresses(self, own: str) -> list[str]:
         """Publish this rank's aggregator address; every rank's, once all are published."""
+        self.own_address = own
         self.store.set(f"aggregator/{self.rank}", own)
         keys = [f"aggregator/{r}" for r in range(self.world)]
         self._wait(keys)
@@ -105,7 +107,10 @@ class Rendezvous:
                                      abandon=_at_most_every(FAILURE_POLL, abandon),
                                      peer=f"rank {index}'s aggregator" if colocated else "aggregator")
         except CollectiveTimeout as exc:
-            if colocated and is_loopback(transport.parse_address(address)[0]):     # (a review of docs/cluster.md)
+            # (a review of docs/cluster.md; not where this rank's own aggregator is on loopback too)
+            own = self.own_address
+            if colocated and is_loopback(transport.parse_address(address)[0]) and \
+                    not (own and is_loopback(transport.parse_address(own)[0])):
                 exc = CollectiveTimeout(f"{exc}; that is a loopback address: if rank {index} runs on another host, "
                                         f"it listens where only its own host reaches it: set $SPARCOLL_HOST or "
                                         f"$GLOO_SOCKET_IFNAME there to its training network's")

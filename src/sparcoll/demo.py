@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         "--network", network, "--json", train_path]))
     if status == 0:
         print(communication_share(train_path), flush=True)
-        print(f"Results in {args.out}/: demo.json, demo.png (the plot), demo-train.json.", flush=True)
+        print(f"Results in {os.path.join(args.out, '')}: demo.json, demo.png (the plot), demo-train.json.",
+              flush=True)
     return status
 
 

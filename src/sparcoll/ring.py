@@ -270,6 +270,9 @@ class Ring:
         end = _ROWS + int(rows) * _HEAD * 8
         heads = verdict[_ROWS:end].tobytes()
         if not payload or not _same(heads, _CALL, fields):
+            if len(verdict) != end:
+                raise ProtocolError(f"rank {self.rank}: rank 0's verdict holds {len(verdict) - end} bytes "
+                                    f"after its fields, where the call carries no data")
             return heads, None
         total_dtype = _total_dtype(_carrier(call))
         if len(verdict) != end + call[1] * total_dtype.itemsize:

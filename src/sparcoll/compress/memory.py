@@ -39,6 +39,10 @@ class NoMemory:
     def residual(self, key):
         return None
 
+    def refusal(self, shape: tuple, key) -> ValueError | None:
+        """Why a tensor of `shape` cannot be compensated under `key`, if it cannot."""
+        return None
+
 
 class Residual(NoMemory):
     """Residual error feedback: next step's input is the gradient plus what was not sent.
@@ -53,12 +57,17 @@ class Residual(NoMemory):
         self.residuals: dict = {}
         self._idle: set = set()     # keys compensated without their residual: no update follows
 
-    def compensate(self, x: torch.Tensor, key) -> torch.Tensor:
+    def refusal(self, shape: tuple, key) -> ValueError | None:
         held = self.residuals.get(key)
-        if held is not None and held.shape != x.shape:
-            # before any state changes: a broadcasting add changed the residual, then failed (a review)
-            raise ValueError(f"key {key!r} holds the error feedback of a tensor of shape {tuple(held.shape)} "
-                             f"(flattened), now given one of {tuple(x.shape)}: give each tensor its own key")
+        if held is None or tuple(held.shape) == tuple(shape):
+            return None
+        return ValueError(f"key {key!r} holds the error feedback of a tensor of shape {tuple(held.shape)} "
+                          f"(flattened), now given one of {tuple(shape)}: give each tensor its own key")
+
+    def compensate(self, x: torch.Tensor, key) -> torch.Tensor:
+        refused = self.refusal(x.shape, key)    # before any state changes: a broadcasting add
+        if refused is not None:                 # changed the residual, then failed (a review)
+            raise refused
         if not (x._nnz() if x.is_sparse else x.any()):
             self._idle.add(key)
             return x
