@@ -15,7 +15,7 @@ on it. `key` names the tensor's error-feedback and warm-start state; a compresso
 needs one. Before its first collective a Reducer checks that every rank has the same spec and block
 size (one small allgather): a seed or a level that differed would give each rank its own average, or
 end the process inside gloo. Before each call's collective it checks that every rank reduces tensors
-of the same sizes, and that none refused its input (one allgather of four integers, 0.3-0.7 ms a call on
+of the same sizes, and that none refused its input (one allgather of four integers, 0.4-0.7 ms a call on
 2 processes on loopback, which doubles a small tensor's call; `check_sizes=False` skips it where the
 caller knows, as DDP's hook and DataParallel do, whose models' shapes are checked across ranks when
 they are wrapped): other sizes ended a process inside gloo, or read one rank's values into another's
@@ -188,7 +188,7 @@ class Reducer:
 
     def _same_sizes(self, numels: list, refused: Exception | None = None) -> None:
         """Every rank reduces tensors of these sizes in this call, else MismatchError on every rank,
-        before any state changes (where `check_sizes`: one allgather of four integers, 0.3-0.7 ms on
+        before any state changes (where `check_sizes`: one allgather of four integers, 0.4-0.7 ms on
         2 processes on loopback, a review). `refused`: this rank's own reason not to reduce them,
         raised here; its peers raise a MismatchError naming it (they waited for this rank until
         their timeout)."""
