@@ -106,16 +106,14 @@ class Rendezvous:
             return transport.connect(address, hello, secret, self.remaining(), job_token,
                                      abandon=_at_most_every(FAILURE_POLL, abandon),
                                      peer=f"rank {index}'s aggregator" if colocated else "aggregator")
-        except CollectiveTimeout as exc:
+        except (PeerError, CollectiveTimeout) as exc:
             # (a review of docs/cluster.md; not where this rank's own aggregator is on loopback too)
             own = self.own_address
-            if colocated and is_loopback(transport.parse_address(address)[0]) and \
-                    not (own and is_loopback(transport.parse_address(own)[0])):
+            if isinstance(exc, CollectiveTimeout) and colocated and is_loopback(transport.parse_address(address)[0]) \
+                    and not (own and is_loopback(transport.parse_address(own)[0])):
                 exc = CollectiveTimeout(f"{exc}; that is a loopback address: if rank {index} runs on another host, "
                                         f"it listens where only its own host reaches it: set $SPARCOLL_HOST or "
                                         f"$GLOO_SOCKET_IFNAME there to its training network's")
-            raise abandon() or exc
-        except PeerError as exc:
             raise abandon() or exc
 
     def ready(self, stage: str = "connected", lost: Callable[[], BaseException | None] = lambda: None) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import replace
@@ -43,7 +42,7 @@ from sparcoll.torch.parallel import BUCKET_BYTES, SMALL_BYTES
 
 from .costs import ITEMSIZE, Costing, Measured, in_sequence
 from .options import ALL_COMPRESSORS, COMPRESSORS, DEDICATED, PS, RING, SFB, SPARSE, JobFacts, Option, TensorFacts, options
-from .profiler import averaged_windows, events_after_model, fit
+from .profiler import averaged_windows, cores_each, events_after_model, fit
 from .stored import differing, invalid, stored_profile
 from .timeline import Cost, Step, simulate
 
@@ -230,7 +229,7 @@ def load_or_measure(args, ident: dict) -> dict:
             problem = invalid(stored)
             if problem:
                 raise ValueError(f"{path} is not a valid sparcoll profile: {problem}; run with --reprofile")
-            cores = len(os.sched_getaffinity(0)) / ident["workers"]     # its workers run on this host
+            cores = cores_each(ident["workers"])     # its workers run on this host
             if not math.isclose(stored["model"]["cores_per_worker"], cores):
                 print(f"sparcoll plan: {path} was measured with {stored['model']['cores_per_worker']:g} cores per "
                       f"worker, this machine has {cores:g}: another machine's? its times may not hold here "

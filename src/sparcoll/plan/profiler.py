@@ -363,7 +363,12 @@ def cores_per_worker(world: int) -> float:
     job's workers on the same host)."""
     hosts: list = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
-    return len(os.sched_getaffinity(0)) / hosts.count(socket.gethostname())
+    return cores_each(hosts.count(socket.gethostname()))
+
+
+def cores_each(workers_here: int) -> float:
+    """The cores this process may use, shared by `workers_here` workers on this host."""
+    return len(os.sched_getaffinity(0)) / workers_here
 
 
 def layer_backward(timeline: BackwardProfile) -> dict:
