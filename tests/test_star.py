@@ -223,6 +223,41 @@ def test_malformed_frames_are_a_protocol_error_not_a_hang(store, frame):
     assert isinstance(results[0], expected), results[0]
 
 
+@pytest.mark.parametrize("sent", ["in pieces", "two frames at once"])
+def test_with_more_than_2_ranks_a_frame_is_read_whole_and_bytes_after_it_are_a_protocol_error(sent):
+    """With 3 ranks or more a connection carries one frame at a time each way, so a rank reads what
+    is there at once, not the length first: rank 0's end (played here) sends its verdict split
+    inside its length and inside its bytes (it is still read whole), or two verdicts at once (a
+    peer that did not wait for this rank's next row: a ProtocolError naming the extra bytes)."""
+    mine, theirs = socket.socketpair()
+    star = Star(1, 3, {0: mine}, row_limit=64, verdict_limit=4096)
+    verdict = np.random.default_rng(0).integers(0, 256, size=300, dtype=np.uint8)
+    frame = np.int64(len(verdict)).tobytes() + verdict.tobytes()
+
+    def rank_0():
+        theirs.recv(4096)                          # rank 1's row
+        if sent == "in pieces":
+            for piece in (frame[:3], frame[3:100], frame[100:]):
+                theirs.sendall(piece)
+                time.sleep(0.05)
+        else:
+            theirs.sendall(frame + frame)
+    thread = threading.Thread(target=rank_0, daemon=True)
+    thread.start()
+    try:
+        if sent == "in pieces":
+            got = star.round(np.zeros(8, dtype=np.uint8), None, time.monotonic() + 5, no_report)
+            assert np.array_equal(got, verdict)
+        else:
+            thread.join(5)
+            with pytest.raises(ProtocolError, match="308 bytes after its frame of 300"):
+                star.round(np.zeros(8, dtype=np.uint8), None, time.monotonic() + 5, no_report)
+    finally:
+        thread.join(5)
+        mine.close()
+        theirs.close()
+
+
 def test_two_ranks_rows_larger_than_the_sockets_buffers_cross_without_a_stall(store):
     """With 2 ranks both write their row before reading the other's: a row larger than what the
     two sockets' buffers hold (here 1 MiB against buffers of 64 KiB, as on a kernel whose

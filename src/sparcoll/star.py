@@ -41,7 +41,8 @@ POLL = 0.05         # seconds between looks for a peer's report while waiting fo
 HANDSHAKE = 10.0    # seconds rank 0 gives one connection to authenticate: a stranger that
                     # stalls cannot hold up init to its deadline
 EXTRA_HANDSHAKES = 16   # handshakes at once at rank 0 beyond one per rank (strangers' among them)
-_HEADER = 8         # a frame: its length in bytes (int64), then that many bytes
+_LENGTH = struct.Struct("=q")   # a frame: its length in bytes, then that many bytes
+_HEADER = _LENGTH.size
 
 log = logging.getLogger("sparcoll.star")
 
@@ -65,7 +66,8 @@ class Star:
         self.row_limit, self.verdict_limit = row_limit, verdict_limit
         limit = row_limit if rank == 0 or world == 2 else verdict_limit
         self._inbox = {r: np.zeros(_HEADER + limit, dtype=np.uint8) for r in links}
-        self._length = np.zeros(1, dtype=np.int64)      # a frame's header, being sent
+        self._length = bytearray(_HEADER)       # a frame's header, being sent
+        self._length_view = memoryview(self._length)
         for sock in links.values():
             _wait_in_slices(sock)
 
@@ -119,8 +121,8 @@ class Star:
 
     def _framed(self, frame: np.ndarray) -> list[memoryview]:
         """`frame` behind its length, as the views to write."""
-        self._length[0] = len(frame)
-        return [memoryview(self._length).cast("B"), memoryview(frame)]
+        _LENGTH.pack_into(self._length, 0, len(frame))
+        return [self._length_view, memoryview(frame)]
 
     def _write(self, peer: int, views: list, flags: int, peer_report, deadline: float | None = None) -> list:
         """Write `views` to `peer`; what is left unwritten (no room within a slice, at once with
@@ -141,12 +143,17 @@ class Star:
     def _receive(self, peer: int, limit: int, deadline: float, peer_report,
                  unsent: list = ()) -> np.ndarray:
         """The next frame from `peer`, as a view of its inbox: its length, then exactly that many
-        bytes (with 2 ranks the peer's next frame may follow it at once). `unsent`: the rest of
-        this rank's own frame to `peer`, written as the socket takes it meanwhile (the peer, too,
-        writes before it reads)."""
+        bytes. With 2 ranks the peer's next frame may follow it at once, so the length is read
+        first; with more, a connection carries one frame at a time each way (a rank's next row
+        waits for the verdict, the next verdict for every row), so one read takes what is there:
+        a receive less a frame (rank 0's three of a 4-rank call), and bytes beyond the frame are a
+        ProtocolError. `unsent`: the rest of this rank's own frame to `peer`, written as the
+        socket takes it meanwhile (the peer, too, writes before it reads)."""
         inbox = self._inbox[peer]
         view = memoryview(inbox)
-        sock, got, size = self.links[peer], 0, _HEADER
+        sock, got = self.links[peer], 0
+        size = _HEADER if self.world == 2 else len(inbox)     # until the length is known
+        length = None
         while got < size or unsent:
             if time.monotonic() >= deadline:    # a peer trickling bytes never leaves a slice empty
                 self._still_waiting(peer, deadline, peer_report)
@@ -175,12 +182,16 @@ class Star:
                     f"rank {self.rank}: rank {peer} closed its connection (it died, failed or "
                     f"closed its communicator)")
             got += n
-            if got == _HEADER:
-                length = int(inbox[:_HEADER].view(np.int64)[0])
+            if length is None and got >= _HEADER:
+                length = _LENGTH.unpack_from(inbox)[0]
                 if not 0 <= length <= limit:
                     raise ProtocolError(f"rank {self.rank}: rank {peer} sent a frame of {length} "
                                         f"bytes (at most {limit})")
                 size = _HEADER + length
+                if got > size:
+                    raise ProtocolError(f"rank {self.rank}: rank {peer} sent {got - size} bytes "
+                                        f"after its frame of {length}, where it had to wait for "
+                                        f"an answer")
         return inbox[_HEADER:size]
 
     def _still_waiting(self, peer: int, deadline: float, peer_report) -> None:
