@@ -188,9 +188,10 @@ class Chooser:
         the sparse path, the ring and gather (0 where not timed), to be averaged over the ranks;
         else None."""
         state = self._kinds.get(kind)
+        if state is None or not self._timed(kind, state) or state.chosen is not None:
+            return None
         paths, trials = self.paths(kind)
-        if state is None or not self._timed(kind, state) or state.chosen is not None \
-                or any(len(state.times.get(p, ())) < trials for p in paths):
+        if any(len(state.times.get(p, ())) < trials for p in paths):
             return None
         typical = statistics.median if self.gatherable(kind) else min
         return [typical(state.times[p]) if p in paths else 0.0

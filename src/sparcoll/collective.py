@@ -56,14 +56,15 @@ class WorkerCollective:
         self.state = Lifecycle(f"allreduce {cid}", CollectiveState.QUEUED, _MOVES)
         self.remaining = 0              # ranges still waiting for results
         self._finished: set[tuple[int, int]] = set()  # ranges whose last result's data is in
-        self.settled = threading.Event()    # left STREAMING
+        self.settled: threading.Event | None = None    # left STREAMING; made by start()
         self.error: BaseException | None = None
         # The tensor lent to the own aggregator (it may read or sum into it, and send peers sums
         # from it) and to messages queued from it: the collective is DONE only once every lease is
         # back. And the tensor lent to the threads that place results in it (only waited for
-        # after a failure: WorkerJob._take_back).
-        self.loans = Loans()
-        self.writes = Loans()
+        # after a failure: WorkerJob._take_back). Made by start(), as `settled`: only the sparse
+        # path lends the tensor or waits, and a tiny call on gloo's paths paid for making them.
+        self.loans: Loans | None = None
+        self.writes: Loans | None = None
 
     def start(self, block_size: int, ranges: list) -> None:
         """QUEUED -> STREAMING with blocks of `block_size` (chosen for this collective): find the
@@ -71,6 +72,7 @@ class WorkerCollective:
         tensor; a scan where it lives, then a copy of the non-zero blocks, otherwise) and make room
         for every range's stream."""
         numel, dtype, op = self.kind
+        self.loans, self.writes, self.settled = Loans(), Loans(), threading.Event()
         with self.lock:
             self.descriptor = (numel, block_size, dtype, op | (wire.COO_OP if self.sparse else 0), self.tag)
             self.state.move(CollectiveState.STREAMING)
@@ -95,7 +97,8 @@ class WorkerCollective:
             if self.state.is_(CollectiveState.QUEUED, CollectiveState.STREAMING):
                 self.error = error
                 self.state.move(CollectiveState.FAILED)
-        self.settled.set()
+        if self.settled is not None:
+            self.settled.set()
 
     def stream_done(self, key: tuple[int, int]) -> None:
         """Range `key` (aggregator, stream) has all its results, data included; after the last,

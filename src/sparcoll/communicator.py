@@ -158,19 +158,22 @@ class Communicator:
             raise SparcollError("communicator is closed")
         self._check_process()
         with self._engine.order:
-            coll, work, here = self._place(tensor, layout, op, async_op, timeout, tag)
+            coll, result, work = self._place(tensor, layout, op, async_op, timeout, tag)
         # Outside inference mode: the views a blocking call makes on its own thread would be
         # inference tensors, which the threads that write results may not update.
         with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
-            if here:
-                self._engine.run_here(coll, work)
-            elif not async_op and self._engine.on_its_thread():
+            if work is None:        # a blocking call, run here
+                error = self._engine.run_here(coll)
+                if error is not None:
+                    raise error
+                return coll.tensor if coll.sparse else result   # (a COO collective's is a new tensor)
+            if not async_op and self._engine.on_its_thread():
                 self._engine.serve_until(coll, work)
             return work if async_op else work.wait()
 
     def _place(self, tensor, layout, op, async_op, timeout, tag):
-        """The call's collective and Work, and whether the caller runs it (Engine.place), from its id on:
-        under the engine's order."""
+        """The call's collective, its result tensor and its Work (None: the caller runs it, see
+        Engine.place), from its id on: under the engine's order."""
         cid = self._engine.next_id()
         try:    # a bad input is reported as such, poisoned communicator or not
             if timeout is not None:
@@ -194,8 +197,7 @@ class Communicator:
                                              tensor.shape, is_coalesced=True, check_invariants=True)
             tensor = torch.empty(0, dtype=tensor.dtype)
         coll = WorkerCollective(cid, _writable(tensor), kind, self.timeout if timeout is None else timeout, tag)
-        work = self._engine.new_work(coll, result, owner=self)
-        return coll, work, self._engine.place(coll, work, async_op)
+        return coll, result, self._engine.place(coll, result, async_op, owner=self)
 
     def _describe(self, tensor, layout, op) -> tuple[int, int, int]:
         """The call's kind, (numel, dtype code, op code), once its input is checked."""
@@ -226,8 +228,8 @@ class Communicator:
         elements a block of it can hold: a COO tensor's entry_block_size; a dense one's MIN_BLOCK (narrow
         rows). A sparse tensor of 2^40 rows once had its indices wrap: one rank's sum right, another's
         an error."""
-        if tensor.numel() == 0:         # no block at all (and a COO tensor's entries may be 0 wide)
-            return None
+        if tensor.numel() <= wire.MAX_BLOCKS:   # no more blocks than elements (and a COO tensor's
+            return None                         # entries may be 0 wide)
         smallest = entry_block_size(entry_width(tensor), self.block_size, tensor.numel()) \
             if tensor.layout == torch.sparse_coo else min(MIN_BLOCK, self.block_size)
         blocks = -(-tensor.numel() // smallest)

@@ -222,36 +222,38 @@ class Engine:
         if poison is not None and not self.worker.early_error_soon(cid):
             raise _poisoned(poison) from poison
 
-    def new_work(self, coll: WorkerCollective, tensor: torch.Tensor, owner: object = None) -> Work:
-        """The caller's handle of `coll`, with a deadline for every collective submitted before it
-        and for itself (each ends by its own timeout). A wait that gives up at that deadline
-        poisons the communicator: the collective must not run after the caller got its error."""
-        with self._lock:
-            self._ahead_s += coll.timeout + GRACE
-            deadline = time.monotonic() + self._ahead_s
-        return Work(tensor, coll.id, deadline, expired=self.set_poison, owner=owner)
-
     def on_its_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def place(self, coll: WorkerCollective, work: Work, async_op: bool) -> bool:
-        """Put `coll` in line, under `order`: True if the caller blocks and nothing is queued, so that
-        it runs `coll` on its own thread (run_here, after letting go of `order`); else it is queued."""
+    def place(self, coll: WorkerCollective, tensor: torch.Tensor, async_op: bool,
+              owner: object = None) -> Work | None:
+        """Put `coll` in line, under `order`: None if the caller blocks and nothing is queued, so that
+        it runs `coll` on its own thread (run_here, after letting go of `order`; no Work to make and
+        complete, a fifth of a tiny call's own work); else its Work (the caller's handle, `tensor`
+        its result), queued. Either counts `coll`'s timeout in the deadline of every Work placed
+        after it, until it ends: each waits for those before it too (a wait that gives up at its
+        deadline poisons the communicator: the collective must not run after the caller got its
+        error)."""
+        with self._lock:
+            self._ahead_s += coll.timeout + GRACE
         if not async_op and self._running.acquire(blocking=False):
             with self._lock:
                 idle = self._queued == 0
             if idle:
-                return True
+                return None
             self._running.release()
+        work = Work(tensor, coll.id, time.monotonic() + self._ahead_s, expired=self.set_poison, owner=owner)
         self._put(Run(coll, work))
-        return False
+        return work
 
-    def run_here(self, coll: WorkerCollective, work: Work) -> None:
-        """Run `coll`, which place() let this blocking caller run on its own thread."""
+    def run_here(self, coll: WorkerCollective) -> BaseException | None:
+        """Run `coll`, which place() let this blocking caller run on its own thread; its error, if
+        it failed."""
         try:
-            self._complete(coll, work, self._execute(coll))
+            return self._execute(coll)
         finally:
             self._running.release()
+            self._ended(coll)
 
     def serve_until(self, coll: WorkerCollective, work: Work) -> None:
         """A blocking call from a done-callback on the engine thread, queued: nobody else would serve
@@ -303,9 +305,13 @@ class Engine:
     def _complete(self, coll: WorkerCollective, work: Work, error: BaseException | None) -> None:
         if error is None and coll.sparse:
             work.tensor = coll.tensor      # a COO collective's result is a new tensor
+        self._ended(coll)
+        work._finish(error)
+
+    def _ended(self, coll: WorkerCollective) -> None:
+        """`coll` no longer delays the Works placed after it."""
         with self._lock:
             self._ahead_s -= coll.timeout + GRACE
-        work._finish(error)
 
     def _execute(self, coll: WorkerCollective) -> BaseException | None:
         """Run one collective, in submission order, on the engine or a blocking caller's thread."""
@@ -347,7 +353,6 @@ class Engine:
         if densifies:
             kind = dense_kind
         algorithm = self.chooser.choose(kind, coll.sparse and not densifies)
-        block_size = self.chooser.block_size(kind, coll.tensor)
         start = time.monotonic()
         if algorithm.on_gloo:
             def peer_report():      # looked at between slices of gloo's and the star's waits
@@ -367,9 +372,9 @@ class Engine:
                 self.worker.abort(coll.id, str(exc), wire.code_of(exc))
                 error = exc
             if densifies and error is None:
-                coll.tensor = densified.from_buffer(data, coll.tensor, block_size)
+                coll.tensor = densified.from_buffer(data, coll.tensor, self.chooser.block_size(kind, coll.tensor))
         else:
-            error = self.worker.run(coll, block_size)
+            error = self.worker.run(coll, self.chooser.block_size(kind, coll.tensor))
         if error is None and densifies:
             self.chooser.learn_time(kind, algorithm, time.monotonic() - start)
         elif error is None:

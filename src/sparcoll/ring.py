@@ -35,6 +35,7 @@ that refused its input tells the aggregators; see WorkerJob.abort), whichever co
 """
 from __future__ import annotations
 
+import struct
 import time
 from datetime import timedelta
 
@@ -55,14 +56,19 @@ _NEXT = slice(_FIELDS, 2 * _FIELDS)         # the call it expects next,
 _SHARE = slice(2 * _FIELDS, 2 * _FIELDS + _SHARED)     # and the numbers to average
 _HEAD = _SHARE.stop         # float64 fields in front of the data a call carries
 _ROWS = 8                   # bytes in front of a verdict's fields: how many rows of them it holds
+_PACKED = struct.Struct(f"={_HEAD}d")       # a rank's fields as bytes, float64 as numpy's (the
+_SHARES = struct.Struct(f"={_SHARED}d")     # ranks share a byte order), and the shared numbers:
+_COUNT = struct.Struct("=d")                # struct's calls cost a tiny call less than numpy's
+_NO_CALL = (0,) * _FIELDS                   # (ids start at 1: zeros are no call)
+_NO_SHARE = (0.0,) * _SHARED
 
 Call = tuple[int, int, int, int, int, int, int]  # (id, numel, dtype code, op, gathered, tag, COO elements)
 _NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64}   # dtypes read and written
                         # through numpy as they are: a tiny call's numpy calls cost less than torch's
 
 
-def _describe(call: list[float]) -> str:
-    """A call's fields as a rank put them in its check, in words."""
+def _describe(call) -> str:
+    """A call's fields (a sequence of floats) as a rank put them in its check, in words."""
     if not np.isfinite(call).all():
         return f"unreadable fields {call}"
     cid, numel, dtype, op, gathered, tag, coo = (int(f) for f in call)
@@ -77,12 +83,12 @@ def _total_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype.itemsize < 4 else dtype
 
 
-def _call_of(fields: np.ndarray) -> Call | None:
-    """A rank's call from its fields; None if they cannot be one (not whole numbers, an unknown
-    dtype code)."""
-    values = fields.tolist()
+def _call_of(fields) -> Call | None:
+    """A rank's call from its fields (a sequence of floats); None if they cannot be one (not whole
+    numbers, an unknown dtype code)."""
+    values = list(fields)
     try:
-        call = tuple(int(v) for v in values)
+        call = tuple(map(int, values))
     except (ValueError, OverflowError):     # NaN, infinity
         return None
     return call if list(call) == values and call[1] >= 0 and call[2] in wire.DTYPES else None
@@ -99,15 +105,21 @@ def _carrier(call: Call) -> torch.dtype:
     return torch.float64 if call[1] <= TINY_NUMEL else wire.DTYPES[call[2]][0]
 
 
-def _payload(call: Call) -> int:
-    """Bytes of data a call carries in its check round."""
-    return call[1] * _carrier(call).itemsize if _carried(call) else 0
+def _payload(call: Call) -> tuple[torch.dtype | None, int]:
+    """The dtype a call's data travels in in its check round (None: it does not) and its bytes."""
+    if not _carried(call):
+        return None, 0
+    carrier = _carrier(call)
+    return carrier, call[1] * carrier.itemsize
 
 
-def _same(heads: bytes, part: slice, fields: np.ndarray) -> bool:
+def _same(heads: bytes, part: slice, fields: bytes) -> bool:
     """Whether every rank's `part` of its fields (`heads`: every rank's, as the verdict holds them)
-    is this rank's (`fields`). Compared as bytes: numpy's comparisons cost a tiny call more."""
-    mine, start, stop = fields[part].tobytes(), part.start * 8, part.stop * 8
+    is this rank's (`fields`, packed). Compared as bytes: numpy's comparisons cost a tiny call more."""
+    start, stop = part.start * 8, part.stop * 8
+    mine = fields[start:stop]
+    if len(heads) == _HEAD * 8:     # one row: the verdict of calls that agree
+        return heads[start:stop] == mine
     return all(heads[o + start:o + stop] == mine for o in range(0, len(heads), _HEAD * 8))
 
 
@@ -151,12 +163,11 @@ class Ring:
             raise
         self._row = torch.zeros(_HEAD * 8 + payload, dtype=torch.uint8)  # fields, then data
         self._row_np = self._row.numpy()
-        self._row_fields = self._row_np[:_HEAD * 8].view(np.float64)
+        self._row_bytes = memoryview(self._row_np)
         self._verdict = torch.zeros(_ROWS + world * _HEAD * 8 + payload, dtype=torch.uint8)  # _decide's
         self._verdict_np = self._verdict.numpy()
-        self._table = np.zeros(world * _HEAD * 8, dtype=np.uint8)    # _decide's: every rank's fields
-        self._table_fields = self._table.view(np.float64).reshape(world, _HEAD)
-        self._count_of = {n: np.frombuffer(np.float64(n).tobytes(), dtype=np.uint8) for n in {1, world}}
+        self._verdict_bytes = memoryview(self._verdict_np)
+        self._one_row, self._every_row = _COUNT.pack(1), _COUNT.pack(world)
         self._expected: Call | None = None  # the next call every rank expected, if they agreed
         self._previous: tuple | None = None     # (id, kind) of the last call
         self._after: dict[tuple, tuple] = {}    # kind -> (kind, id distance) of the call after it
@@ -191,24 +202,26 @@ class Ring:
         call = (cid, numel, wire.DTYPE_CODES[data.dtype], op, int(gather), tag, coo)
         deadline = time.monotonic() + timeout
         expected_next = self._next(call)
-        fields = np.array((*call, *(expected_next or (0,) * _FIELDS), *(share or (0.0,) * _SHARED)),
-                          dtype=np.float64)     # ids start at 1: zeros are no call expected
+        fields = _PACKED.pack(*call, *(expected_next or _NO_CALL), *(share or _NO_SHARE))
         expected, self._expected = self._expected, None
         contiguous = data if data.is_contiguous() else data.contiguous()
+        carrier, payload = _payload(call)
+        carried = carrier is not None
+        array = _numpy(data) if carried else None     # (a tiny call's data goes in and out here)
         # gloo sums float16 in float16: an average's shares, divided first, do not overflow where the
         # average would not (the sparse and gathered paths sum in float32)
-        shares = op == wire.Op.AVG and data.dtype == torch.float16 and not _carried(call)
+        shares = op == wire.Op.AVG and data.dtype == torch.float16 and not carried
         started = None
-        if call == expected and not _carried(call):
+        if call == expected and not carried:
             started = self._allreduce_data(contiguous, timeout, shares)     # beside its check
-        heads, total = self._round(contiguous, call, fields, deadline,
-                                   lambda: peer_report() or lost())
-        if not _same(heads, _CALL, fields):
+        heads, agreed, total = self._round(contiguous, array, call, carrier, payload, fields, deadline,
+                                           lambda: peer_report() or lost())
+        if not agreed:
             if len(heads) != self.world * _HEAD * 8:
                 raise ProtocolError(f"rank {self.rank}: rank 0's verdict of the check says every rank made "
                                     f"this rank's call, but it holds another")
             fields_of = _fields_of(heads)
-            agree = (fields_of[:, _CALL] == fields[_CALL]).all(axis=1)
+            agree = (fields_of[:, _CALL] == np.frombuffer(fields, dtype=np.float64)[_CALL]).all(axis=1)
             if started is None and expected is not None and not _carried(expected):
                 # peers whose call was the expected one (an allreduce) have started its data: a
                 # partner of its size lets it end (gloo cannot cancel it; its groups would wait
@@ -224,7 +237,7 @@ class Ring:
                                for r in range(self.world) if not agree[r])
             raise MismatchError(
                 f"rank {self.rank}: ranks called allreduce {cid} with different tensors or ops "
-                f"(this rank: {_describe(fields[_CALL].tolist())}; {others})")
+                f"(this rank: {_describe(call)}; {others})")
         if expected_next is not None and _same(heads, _NEXT, fields):
             self._expected = expected_next      # every rank expects the same next call
         if total is None:
@@ -237,49 +250,49 @@ class Ring:
             self.gathered += 1
         if op == wire.Op.AVG and not shares:
             total /= self.world
-        into = _numpy(data) if isinstance(total, np.ndarray) else None  # a carried call's sum
-        if into is not None:
+        if array is not None and isinstance(total, np.ndarray):    # a carried call's sum
             with np.errstate(over="ignore"):    # a sum beyond the dtype: infinity, as gloo's, unannounced
-                np.copyto(into, total.reshape(into.shape), casting="unsafe")
+                np.copyto(array, total.reshape(array.shape), casting="unsafe")
         elif total is not data:
             data.copy_(torch.as_tensor(total).view(data.shape))
         self.collectives += 1
         self.bytes += numel * data.element_size()
-        return None if share is None else _fields_of(heads)[0, _SHARE].tolist()    # (averaged by _decide)
+        return None if share is None else list(_SHARES.unpack_from(heads, _SHARE.start * 8))  # (averaged by _decide)
 
-    def _round(self, data: torch.Tensor, call: Call, fields: np.ndarray, deadline: float,
-               peer_report):
-        """One round through the star: this rank's fields, and its data if the call carries it (a
-        tiny call's in float64, a gathered one's in its dtype). Returns (the verdict's fields as
-        bytes: one row if every rank made the same call, else every rank's; the sum of the ranks'
-        data (numpy, in the verdict) if every rank made this call and it carries data, else None)."""
-        payload = _payload(call)
-        self._row_fields[:] = fields
+    def _round(self, data: torch.Tensor, array: np.ndarray | None, call: Call,
+               carrier: torch.dtype | None, payload: int, fields: bytes, deadline: float, peer_report):
+        """One round through the star: this rank's fields (packed), and its data if the call carries
+        it (`payload` bytes in `carrier`: a tiny call's in float64, a gathered one's in its dtype;
+        `array`: the data as numpy, if numpy reads it). Returns (the verdict's fields as bytes: one
+        row if every rank made the same call, else every rank's; whether every rank made this
+        rank's call; the sum of the ranks' data (numpy, in the verdict) if they did and the call
+        carries data, else None)."""
+        self._row_bytes[:_HEAD * 8] = fields
         if payload:
-            carried, carrier = self._row_np[_HEAD * 8:_HEAD * 8 + payload], _carrier(call)
-            source = _numpy(data) if carrier is torch.float64 else None
-            if source is None:
+            carried = self._row_np[_HEAD * 8:_HEAD * 8 + payload]
+            if array is None or carrier is not torch.float64:
                 torch.from_numpy(carried).view(carrier).copy_(data.reshape(-1))
             else:
-                np.copyto(carried.view(np.float64), source.reshape(-1))
+                np.copyto(carried.view(np.float64), array.reshape(-1))
         verdict = self.star.round(self._row_np[:_HEAD * 8 + payload], self._decide, deadline,
                                   peer_report)
-        rows = verdict[:_ROWS].view(np.float64)[0] if len(verdict) >= _ROWS else None
+        rows = _COUNT.unpack_from(verdict)[0] if len(verdict) >= _ROWS else None
         if rows not in (1, self.world) or len(verdict) < _ROWS + rows * _HEAD * 8:
             raise ProtocolError(f"rank {self.rank}: rank 0's verdict of the check ({len(verdict)} bytes) does "
                                 f"not hold the fields of one rank or of all {self.world}")
         end = _ROWS + int(rows) * _HEAD * 8
         heads = verdict[_ROWS:end].tobytes()
-        if not payload or not _same(heads, _CALL, fields):
+        agreed = _same(heads, _CALL, fields)
+        if not payload or not agreed:
             if len(verdict) != end:
                 raise ProtocolError(f"rank {self.rank}: rank 0's verdict holds {len(verdict) - end} bytes "
                                     f"after its fields, where the call carries no data")
-            return heads, None
-        total_dtype = _total_dtype(_carrier(call))
+            return heads, agreed, None
+        total_dtype = _total_dtype(carrier)
         if len(verdict) != end + call[1] * total_dtype.itemsize:
             raise ProtocolError(f"rank {self.rank}: rank 0's verdict holds {len(verdict) - end} "
                                 f"bytes of sums for a call of {call[1]} elements")
-        return heads, verdict[end:].view(_NUMPY_OF[total_dtype])
+        return heads, agreed, verdict[end:].view(_NUMPY_OF[total_dtype])
 
     def _decide(self, rows: list[np.ndarray]) -> np.ndarray:
         """The verdict of a round (rank 0's; with 2 ranks each rank's own), behind the count of its
@@ -287,34 +300,34 @@ class Ring:
         rank expects the same one, else zeros: none, and the ranks' averages of the shared numbers),
         then, if the call carries data, the sum of their data in rank order (a tiny call's in
         float64, a gathered one's in its dtype, halves in float32); else every rank's fields."""
-        verdict, head, table = self._verdict_np, _HEAD * 8, self._table
-        for r, row in enumerate(rows):
+        head = _HEAD * 8
+        lengths = {len(row) for row in rows}
+        for r, row in enumerate(rows if min(lengths) < head else ()):
             if len(row) < head:
                 raise ProtocolError(f"rank {self.rank}: rank {r}'s check holds {len(row)} "
                                     f"bytes, fewer than its fields")
-            table[r * head:(r + 1) * head] = row[:head]
-        every = table.tobytes()     # compared as bytes, summed as Python floats: numpy's small calls
-        first = self._table_fields[0]   # cost more (about 5 us a round, measured alone)
-        if not _same(every, _CALL, first):
-            verdict[:_ROWS] = self._count_of[self.world]
-            verdict[_ROWS:_ROWS + len(table)] = table
-            return verdict[:_ROWS + len(table)]
-        verdict[:_ROWS] = self._count_of[1]
-        verdict[_ROWS:_ROWS + head] = table[:head]
-        fields = verdict[_ROWS:_ROWS + head].view(np.float64)
-        if not _same(every, _NEXT, first):
-            fields[_NEXT] = 0
-        fields[_SHARE] = [sum(column) / self.world for column in zip(*self._table_fields[:, _SHARE].tolist())]
-        call = _call_of(fields[_CALL])
-        size = head + (_payload(call) if call is not None else -1)
-        for r, row in enumerate(rows):
+        fields_of = [row[:head].tobytes() for row in rows]
+        if len({f[:_NEXT.start * 8] for f in fields_of}) > 1:     # calls that differ
+            every = b"".join(fields_of)
+            heads = _ROWS + len(every)
+            self._verdict_bytes[:heads] = self._every_row + every
+            return self._verdict_np[:heads]
+        values = _PACKED.unpack(fields_of[0])
+        next_agrees = len({f[_NEXT.start * 8:_SHARE.start * 8] for f in fields_of}) == 1
+        shares = zip(*(_SHARES.unpack_from(f, _SHARE.start * 8) for f in fields_of))
+        fields = _PACKED.pack(*values[_CALL], *(values[_NEXT] if next_agrees else _NO_CALL),
+                              *(sum(column) / self.world for column in shares))
+        heads = _ROWS + head
+        self._verdict_bytes[:heads] = self._one_row + fields
+        call = _call_of(values[_CALL])
+        carrier, payload = _payload(call) if call is not None else (None, -1)
+        size = head + payload
+        for r, row in enumerate(rows if lengths != {size} else ()):
             if len(row) != size:
                 raise ProtocolError(f"rank {self.rank}: rank {r}'s check holds {len(row)} bytes, "
-                                    f"not what its call needs ({_describe(fields[_CALL].tolist())})")
-        heads = _ROWS + head
+                                    f"not what its call needs ({_describe(values[_CALL])})")
         if size == head:
-            return verdict[:heads]
-        carrier = _carrier(call)
+            return self._verdict_np[:heads]
         total_dtype = _total_dtype(carrier)
         end = heads + call[1] * total_dtype.itemsize
         if carrier is torch.float64:    # a tiny call: numpy's calls cost less than torch's

@@ -87,6 +87,7 @@ def sendmsg_all(sock: socket.socket, views: list, flags: int = 0, deadline: floa
     buffer filled up with `flags` holding MSG_DONTWAIT, or for longer than its SO_SNDTIMEO, or the
     `deadline` (monotonic) passed: a peer that reads a byte at a time keeps every write making
     progress, and would otherwise hold the loop for as long as the frame takes."""
+    left = sum(map(len, views))
     while views:
         if deadline is not None and time.monotonic() >= deadline:
             return views
@@ -94,6 +95,9 @@ def sendmsg_all(sock: socket.socket, views: list, flags: int = 0, deadline: floa
             sent = sock.sendmsg(views[:IOV_MAX], (), flags)
         except BlockingIOError:
             return views
+        if sent == left:        # all of it: the usual case
+            return []
+        left -= sent
         while sent:
             if sent >= len(views[0]):
                 sent -= len(views.pop(0))

@@ -337,8 +337,9 @@ class WorkerJob:
         earlier one can no longer be used."""
         with self._lock:
             self._finished_through = max(self._finished_through, cid)
-            for stale in [c for c in self._early_errors if c <= cid]:
-                del self._early_errors[stale]
+            if self._early_errors:
+                for stale in [c for c in self._early_errors if c <= cid]:
+                    del self._early_errors[stale]
 
     def broken(self, agg: int, exc: BaseException) -> None:
         """A connection to an aggregator failed: every later collective fails, and so does the
