@@ -229,7 +229,7 @@ class Engine:
               owner: object = None) -> Work | None:
         """Put `coll` in line, under `order`: None if the caller blocks and nothing is queued, so that
         it runs `coll` on its own thread (run_here, after letting go of `order`; no Work to make and
-        complete, a fifth of a tiny call's own work); else its Work (the caller's handle, `tensor`
+        complete, a sixth of a tiny call's own work); else its Work (the caller's handle, `tensor`
         its result), queued. Either counts `coll`'s timeout in the deadline of every Work placed
         after it, until it ends: each waits for those before it too (a wait that gives up at its
         deadline poisons the communicator: the collective must not run after the caller got its
