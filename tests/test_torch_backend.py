@@ -45,6 +45,10 @@ def ddp_on_default_sparcoll_group(rank: int, world: int) -> dict:
     from torch.distributed import distributed_c10d as c10d
 
     store = dist.PrefixStore("again", c10d._get_default_store())
+    # every rank's gloo group connected before any closes its own: a rank that destroyed its group
+    # while a slower peer's full mesh still connected to it failed that peer's init ("Connection
+    # closed by peer", once in a loaded run)
+    dist.barrier()
     dist.destroy_process_group()
     dist.init_process_group("sparcoll", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
