@@ -92,6 +92,29 @@ def test_link_bytes_dispatch():
         bounds.link_bytes("nccl", **common)
 
 
+def test_sparcolls_bound_follows_the_path_its_input_takes():
+    """A COO tensor too large to gather always takes the sparse path: its bound is the sparse one even
+    where the ring's is lower (2 workers, 1 dedicated aggregator, 1M floats at density 1: 67.11 ms at
+    1 Gbit/s, where the review saw the ring's 33.55). A dense one may take the ring; a tiny one only
+    takes the tiny round (float64 data to rank 0); a COO tensor small enough to gather, its dense
+    buffer (values and a mark per row) on the dense paths too."""
+    setup = Setup("1gbit", 10**9, "dedicated", 1)
+    big = InputSpec(MIB, 256, 2, 1.0, 0.0, seed=0)
+    coo = make_record(_result("sparcoll", "coo"), big, setup, union_density=1.0)
+    assert coo["lower_bound_bytes"] == 2 * 4 * MIB                   # the aggregator's link: both tensors
+    assert coo["lower_bound_s"] * 1e3 == pytest.approx(67.11, abs=0.01)
+    dense = make_record(_result("sparcoll"), big, setup, union_density=1.0)
+    assert dense["lower_bound_bytes"] == bounds.ring(2, 4 * MIB)
+    small = InputSpec(1 << 16, 256, 2, 1.0, 0.0, seed=0)             # 2 x (64K + 256 marks) <= 256K: gathered
+    small_coo = make_record(_result("sparcoll", "coo"), small, setup, union_density=1.0)
+    assert small_coo["lower_bound_bytes"] == bounds.ring(2, ((1 << 16) + 256) * 4)
+    tiny = make_record(_result("sparcoll"), InputSpec(1024, 256, 4, 1.0, 0.0, seed=0),
+                       Setup("1gbit", 10**9, "colocated", 4), union_density=1.0)
+    assert tiny["lower_bound_bytes"] == 3 * 1024 * 8                 # rank 0 takes 3 tensors in float64
+    forced = make_record(_result("sparse", "coo"), small, setup, union_density=1.0)
+    assert forced["lower_bound_bytes"] == 2 * 4 * (1 << 16)          # forced sparse: never the ring
+
+
 # ---- inputs -------------------------------------------------------------------------------------
 
 @settings(max_examples=30, deadline=None)
@@ -263,6 +286,15 @@ def test_bad_arguments_return_2(argv, capsys):
      "--network 1gbit: 400 emulated hosts \\(workers and dedicated aggregators\\), at most 254"),
     (["--row-width", "0"], "--row-width must be >= 1, got 0"),
     (["--row-width", "-4"], "--row-width must be >= 1, got -4"),
+    # a figure's format is its extension's: refused up front, not matplotlib's traceback after the work
+    (["--plot", "{tmp}/x.json"], r"--plot .*/x.json: matplotlib writes no .json figure; end the name with one of "
+                                 r".*\.pdf.*\.png"),
+    (["--plot", "{tmp}/noext"], r"--plot .*/noext: no extension to tell the figure's format"),
+    (["--json", "{tmp}/r.png", "--plot", "{tmp}/r.png"], r"--plot and --json both name .*/r.png: --plot would "
+                                                         r"overwrite --json"),
+    # options simulate shares (tests/test_simulate.py checks it refuses them alike)
+    (["--num-aggregators", "2"], "--num-aggregators counts dedicated aggregators: give --aggregators dedicated"),
+    (["--aggregators", "dedicated", "--algos", "ring"], "--aggregators dedicated: only sparcoll's algorithms"),
 ])
 def test_bad_arguments_are_refused_by_name_before_any_work(argv, message, tmp_path, monkeypatch, capsys):
     """Checked up front: not a traceback from deep inside, nor a failure once the whole run is done."""
@@ -271,6 +303,66 @@ def test_bad_arguments_are_refused_by_name_before_any_work(argv, message, tmp_pa
     assert command.run(_args("--numel", "4096", "--network", "none", *argv)) == 2
     err = capsys.readouterr().err
     assert re.search(message, err) and "Traceback" not in err
+
+
+def test_more_workers_than_the_machine_has_threads_for_are_refused_saying_why(monkeypatch, capsys):
+    """300 workers on loopback failed part way with "can't start new thread": every process of a job
+    runs here, and each connection between a worker and an aggregator takes threads at both ends."""
+    from sparcoll.bench import launch
+    monkeypatch.setattr(launch, "thread_limit", lambda: (10_000, "ulimit -u"), raising=False)
+    monkeypatch.setattr(command, "run_jobs", lambda *a, **k: pytest.fail("the benchmark started"))
+    assert command.run(_args("--numel", "4096", "--network", "none", "--workers", "2,300")) == 2
+    err = capsys.readouterr().err
+    assert "--workers 300: a job of 300 workers runs all its processes on this machine, about 361,800 threads" in err
+    assert "this machine lets a user run 10,000 (ulimit -u): at most 49 workers here" in err
+    assert launch.job_threads(49, 0) <= 10_000 < launch.job_threads(50, 0)
+    assert launch.job_threads(3, 0) == 3 * (4 * 2 + 10)     # measured: 18 threads a worker with 3 workers
+    monkeypatch.setattr(command, "run_jobs", lambda *a, **k: 7)
+    assert command.run(_args("--numel", "4096", "--network", "none", "--workers", "49")) == 7
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "2,4,2"], "argument --workers: invalid list '2,4,2': 2 given twice"),
+    (["--density", "0.1,1,1.0"], "argument --density: invalid list '0.1,1,1.0': 1.0 given twice (the same as 1)"),
+    (["--algos", "ring,ring"], "argument --algos: invalid list 'ring,ring': ring given twice"),
+])
+def test_a_value_given_twice_in_a_sweep_is_refused(argv, message, capsys):
+    """It ran and was reported twice."""
+    with pytest.raises(SystemExit) as exit_:
+        _args(*argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def _fake_jobs(fail_at: int, failure: BaseException):
+    """A run_job that reports a result for every density and algorithm of each job, but the job of
+    `fail_at` workers, which reports one result and then fails with `failure`."""
+    def run_job(job, on_event):
+        for density in job.config["densities"]:
+            for name, input in job.config["algos"]:
+                if job.workers == fail_at and (density, name) != (job.config["densities"][0], "ring"):
+                    raise failure
+                on_event({**_result(name, input), "density": density})
+    return run_job
+
+
+@pytest.mark.parametrize("failure, status", [(BenchError("worker 1 exited with status 1"), 1),
+                                             (KeyboardInterrupt(), 130)])
+def test_a_sweep_that_fails_or_is_interrupted_keeps_what_finished(failure, status, tmp_path, monkeypatch, capsys):
+    """A failed or interrupted job of a sweep threw away the worker counts that had finished: now
+    they are shown and written, the missing ones named, and the status is still the failure's."""
+    monkeypatch.setattr(command, "run_job", _fake_jobs(3, failure))
+    out = tmp_path / "sweep.json"
+    assert command.run(_args("--numel", "4096", "--network", "none", "--workers", "2,3,4", "--density", "0.1,1",
+                             "--algos", "ring,ps", "--json", str(out))) == status
+    captured = capsys.readouterr()
+    records = json.loads(out.read_text())
+    assert sorted((r["workers"], r["algo"], r["density"]) for r in records) == \
+        [(2, "ps", 0.1), (2, "ps", 1.0), (2, "ring", 0.1), (2, "ring", 1.0), (3, "ring", 0.1)]
+    rows = [line.split()[:3] for line in captured.out.splitlines() if line.startswith(("ring", "ps"))]
+    assert sorted(rows) == [["ps", "2", "0.1"], ["ps", "2", "1"], ["ring", "2", "0.1"], ["ring", "2", "1"],
+                            ["ring", "3", "0.1"]]
+    assert ("sparcoll bench: the sweep is incomplete: the table and the outputs hold what finished; missing: "
+            "3 workers (ring at density 1, ps at densities 0.1 and 1); 4 workers") in captured.err
 
 
 def test_output_paths_in_existing_directories_are_taken(tmp_path, monkeypatch):

@@ -313,7 +313,7 @@ def test_command_passes_credits_and_the_link_burst_to_the_model():
     command.add_arguments(parser)
     args = parser.parse_args(["--workers", "4", "--network", "1gbit", "--density", "1", "--algos", "sparse,ring",
                               "--aggregators", "dedicated", "--credits", "1", "--link-burst", "1M"])
-    (point,) = command.points(args)
+    point, _ = command.points(args)
     assert (point.credits, point.burst_bytes) == (1, 1 << 20)
     row = command.record(point, 0.5)
     assert (row["credits"], row["link_burst_bytes"]) == (1, 1 << 20)
@@ -326,7 +326,7 @@ def test_command_refuses_a_bad_layout(capfd):
 
 @pytest.mark.parametrize("argv, message", [
     (["--workers", ","], "--workers: empty list"),
-    (["--aggregators", "dedicated", "--algos", "ring"], "no point to simulate"),
+    (["--aggregators", "dedicated", "--algos", "ring"], "--aggregators dedicated: only sparcoll's algorithms"),
     (["--workers", "17,67"], "none divides 67")])
 def test_command_refuses_lists_that_name_no_point_it_can_price(capfd, argv, message):
     """Before: an empty table (or a matplotlib traceback with --plot) and exit status 0."""
@@ -373,3 +373,117 @@ def test_a_mistyped_network_is_refused_by_the_parser_offering_none_too(capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--network: invalid list '1gbit,10gbt': invalid rate '10gbt'" in err, err
     assert "or none (unshaped)" in err and "usage:" in err, err
+
+
+def _parse(*argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sparcoll simulate")
+    command.add_arguments(parser)
+    return parser.parse_args(["--workers", "2", "--network", "1gbit", "--density", "1", *argv])
+
+
+def test_the_ring_stays_the_baseline_of_dedicated_aggregators():
+    """With --aggregators dedicated alone the ring was dropped, and every "vs ring" with it."""
+    args = _parse("--workers", "2,4", "--algos", "ring,sparse", "--aggregators", "dedicated")
+    wanted = command.points(args)
+    assert sorted((p.algo, p.aggregators, p.workers) for p in wanted) == [
+        ("ring", "colocated", 2), ("ring", "colocated", 4), ("sparse", "dedicated", 2), ("sparse", "dedicated", 4)]
+    records = [command.record(point, 0.1 if point.algo == "ring" else 0.05) for point in wanted]
+    command.add_speedups(records)
+    assert [r["speedup_vs_ring"] for r in records if r["algo"] == "sparse"] == [2.0, 2.0]
+    assert {r["aggregators"] for r in records if r["algo"] == "ring"} == {None}
+    both = command.points(_parse("--algos", "ring,sparse", "--aggregators", "dedicated,colocated"))
+    assert sorted((p.algo, p.aggregators) for p in both) == [
+        ("ring", "colocated"), ("sparse", "colocated"), ("sparse", "dedicated")]
+
+
+def test_network_names_keep_their_unit():
+    assert [command.network_name(rate) for rate in (1e3, 5e5, 1e9, 1e12, 1500.0, None)] == \
+        ["1kbit", "500kbit", "1gbit", "1tbit", "1500bit", "none"]
+
+
+def test_a_link_burst_applies_to_shaped_links_only():
+    args = _parse("--network", "none,1gbit", "--link-burst", "1M", "--algos", "ring")
+    assert [(p.rate_bps, p.burst_bytes) for p in command.points(args)] == [(None, None), (GBIT, 1 << 20)]
+
+
+#: Options simulate shares with sparcoll bench, refused by both with the same words (before, simulate took
+#: them all: a 1-byte bucket, a bucket on no link, aggregators it does not have, 1000 elements it
+#: simulated as 768).
+SHARED_REFUSALS = [
+    (["--link-burst", "1"], "--link-burst 1: at least 65536 bytes (64K)"),
+    (["--network", "none", "--link-burst", "1M"], "--link-burst shapes the emulated links: give --network"),
+    (["--aggregators", "dedicated", "--num-aggregators", "0"], "--num-aggregators must be >= 1"),
+    (["--num-aggregators", "3"], "--num-aggregators counts dedicated aggregators: give --aggregators dedicated"),
+    (["--numel", "1000"], "--numel 1000 must be a multiple of --block-size 256"),
+    (["--density", "0"], "--density values must be in (0, 1]"),
+    (["--overlap", "2"], "--overlap must be in [0, 1]"),
+]
+
+
+@pytest.mark.parametrize("argv, message", SHARED_REFUSALS)
+def test_options_shared_with_bench_are_refused_alike(argv, message, monkeypatch, capsys):
+    from sparcoll.bench import command as bench
+    monkeypatch.setattr(command, "predict", lambda *a: pytest.fail("predicted"))
+    assert _run(*argv) == 2
+    assert message in capsys.readouterr().err
+    monkeypatch.setattr(bench, "run_jobs", lambda *a, **k: pytest.fail("the benchmark started"))
+    parser = argparse.ArgumentParser(prog="sparcoll bench")
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(["--workers", "2", "--numel", "4096", *argv])) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "2,2"], "argument --workers: invalid list '2,2': 2 given twice"),
+    (["--network", "none,none"], "argument --network: invalid list 'none,none': none given twice"),
+    (["--network", "1gbit,1000mbit"], "invalid list '1gbit,1000mbit': 1000mbit given twice (the same as 1gbit)"),
+    (["--density", "1,1"], "argument --density: invalid list '1,1': 1 given twice"),
+    (["--algos", "ring,ring"], "argument --algos: invalid list 'ring,ring': ring given twice"),
+    (["--aggregators", "dedicated,dedicated"], "invalid list 'dedicated,dedicated': dedicated given twice"),
+])
+def test_a_value_given_twice_is_refused_not_simulated_twice(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _parse(*argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--plot", "{tmp}/x.json"], r"--plot .*/x.json: matplotlib writes no .json figure; end the name with one of "
+                                 r".*\.pdf.*\.png"),
+    (["--plot", "{tmp}/noext"], r"--plot .*/noext: no extension to tell the figure's format"),
+    (["--json", "{tmp}/r.png", "--plot", "{tmp}/r.png"], r"--plot and --json both name .*/r.png: --plot would "
+                                                         r"overwrite --json"),
+    (["--costs", "{tmp}/mine.json", "--json", "{tmp}/mine.json"], r"--json and --costs both name .*/mine.json: "
+                                                                  r"--json would overwrite --costs"),
+    (["--costs", "{tmp}/mine.json", "--plot", "{tmp}/mine.json"], r"--plot and --costs both name .*/mine.json"),
+])
+def test_outputs_are_refused_before_any_work_where_they_would_be_lost(argv, message, tmp_path, monkeypatch, capsys):
+    """An unsupported figure format failed with matplotlib's traceback after the work; an output over
+    another output, or over the calibration read, replaced it."""
+    MEASURED.save(tmp_path / "mine.json")
+    monkeypatch.setattr(command, "predict", lambda *a: pytest.fail("predicted before checking the outputs"))
+    assert _run(*[a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err, err
+    assert Costs.load(tmp_path / "mine.json") == MEASURED
+
+
+def test_plot_formats_follow_the_extension(tmp_path):
+    args = _parse("--algos", "ring", "--plot", str(tmp_path / "p.pdf"))
+    records = [command.record(point, 0.1) for point in command.points(args)]
+    command.plot(records, args.plot, "title")
+    assert (tmp_path / "p.pdf").read_bytes()[:5] == b"%PDF-"
+
+
+@pytest.mark.parametrize("content", [None, "not json"])
+def test_calibrating_from_costs_that_cannot_be_read_is_refused_naming_them(content, tmp_path, monkeypatch, capsys):
+    """Calibration takes the link's goodput from --costs where it cannot measure one; an unreadable file
+    was skipped without a word and its goodput replaced by 0.96."""
+    monkeypatch.setattr(calibrate, "calibrate_median", lambda *a, **k: pytest.fail("calibrated"))
+    costs = tmp_path / "costs.json"
+    if content is not None:
+        costs.write_text(content)
+    assert _run("--costs", str(costs), "--calibrate", str(tmp_path / "new.json")) == 2
+    err = capsys.readouterr().err
+    assert f"sparcoll simulate: --costs {costs}: " in err and "leave --costs out" in err, err
+    assert not (tmp_path / "new.json").exists()

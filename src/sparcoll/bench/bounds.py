@@ -17,15 +17,24 @@ links' token bucket: 1 MB, a 1%-dense 16M tensor's whole bound over 2 workers).
   (n-1)/n * (d + d_u) * N.
 - sparcoll dedicated (A aggregators on their own hosts): a worker link carries d*N up and d_u*N down:
   max(d, d_u) * N; an aggregator link n/A times that. The busiest is max(1, n/A) * max(d, d_u) * N.
-- sparcoll as users get it ("auto") may take gloo's ring among the workers: the lower of the two. With
-  colocated aggregators that is always the sparse one; with fewer dedicated aggregators than workers a
-  dense tensor's ring is lower (4 workers, 1 aggregator: 1.5 N against 4 N), and a run that took the ring
-  was reported at 0.4x its bound (a review).
+- gather (ring.py: every rank's data to rank 0 in one round through the star, the sum back): rank 0's
+  link carries the n-1 other ranks' data, (n-1) * N; a tiny tensor's travels so too, in float64 (2 N).
+- sparcoll as users get it ("auto"): the lowest bound among the paths its chooser may take for the
+  input (algorithm.py). A tiny tensor (at most TINY_NUMEL elements) takes only the tiny round; a dense
+  one the sparse path or gloo's ring, and gather too where small enough to gather (never lower than the
+  ring: (n-1) >= 2(n-1)/n). With colocated aggregators the sparse bound is the lowest; with fewer
+  dedicated aggregators than workers a dense tensor's ring is lower (4 workers, 1 aggregator: 1.5 N
+  against 4 N), and a run that took the ring was reported at 0.4x its bound (a review). A COO tensor
+  takes the sparse path, unless its dense buffer (densified.py: its values and a mark per entry) is
+  small enough to gather: then that buffer takes the dense paths too (a COO run had been given the
+  ring's bound, half of what the sparse path it took must move: 3.27x "its bound" (a review)).
 
 For the gloo baselines these are also their actual traffic per worker (their traffic is symmetric), which
 is what the benchmark reports as bytes sent when it cannot read interface counters.
 """
 from __future__ import annotations
+
+from sparcoll.algorithm import GATHER_ELEMENTS, TINY_NUMEL
 
 SPARCOLL_ALGOS = ("sparcoll", "sparse")   # sparcoll as users get it ("auto"), and forced sparse
 GLOO_INDEX_BYTES = 8  # gloo's sparse all_reduce sends int64 row indices (sparcoll's are wire.INDEX_BYTES)
@@ -52,20 +61,44 @@ def sparcoll_dedicated(n: int, nbytes: float, density: float, union_density: flo
     return max(1.0, n / aggregators) * max(density, union_density) * nbytes
 
 
+def gather(n: int, nbytes: float) -> float:
+    return (n - 1) * nbytes
+
+
+def sparcoll_auto(n: int, nbytes: float, sparse: float, input: str, entries: int, itemsize: int) -> float:
+    """The lowest bound among the paths sparcoll's chooser may take for this input, the sparse one's
+    being `sparse` (see the module docstring; algorithm.Chooser.choose and engine.Engine._run)."""
+    numel = nbytes / itemsize
+    if input == "coo":
+        numel += entries                    # its dense buffer: the values, then a mark per entry
+        if numel * n > GATHER_ELEMENTS:
+            return sparse                   # too large to gather: always the sparse path
+        nbytes = numel * itemsize
+    if numel <= TINY_NUMEL:
+        return gather(n, 2 * nbytes)        # only the tiny round, in float64
+    paths = [sparse, ring(n, nbytes)]
+    if numel * n <= GATHER_ELEMENTS:
+        paths.append(gather(n, nbytes))
+    return min(paths)
+
+
 def link_bytes(algo: str, *, workers: int, nbytes: float, density: float, union_density: float,
-               nblocks: int, aggregators: str | None = None, num_aggregators: int | None = None) -> float:
-    """Bytes on the busiest link direction for `algo` (ring, agsparse, ps, sparcoll, sparse)."""
+               nblocks: int, aggregators: str | None = None, num_aggregators: int | None = None,
+               input: str = "dense", itemsize: int = 4) -> float:
+    """Bytes on the busiest link direction for `algo` (ring, agsparse, ps, sparcoll, sparse) from an
+    `input` "dense" or "coo" tensor (`nblocks` its entries) of `itemsize`-byte elements."""
     if algo == "ring":
         return ring(workers, nbytes)
     if algo == "agsparse":
         return agsparse(workers, nbytes, density, nblocks)
     if algo == "ps":
         return ps(workers, nbytes)
-    if algo in SPARCOLL_ALGOS and aggregators == "dedicated":
-        sparse = sparcoll_dedicated(workers, nbytes, density, union_density, num_aggregators)
-        return sparse if algo == "sparse" else min(sparse, ring(workers, nbytes))
-    if algo in SPARCOLL_ALGOS:   # "auto" may take the ring, whose bound is never lower here
-        return sparcoll_colocated(workers, nbytes, density, union_density)
+    if algo in SPARCOLL_ALGOS:
+        if aggregators == "dedicated":
+            sparse = sparcoll_dedicated(workers, nbytes, density, union_density, num_aggregators)
+        else:
+            sparse = sparcoll_colocated(workers, nbytes, density, union_density)
+        return sparse if algo == "sparse" else sparcoll_auto(workers, nbytes, sparse, input, nblocks, itemsize)
     raise ValueError(f"no lower bound for algorithm {algo!r}")
 
 

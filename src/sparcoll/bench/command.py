@@ -6,8 +6,9 @@
 One job per worker count (`--workers 2,4,8` sweeps): a process per worker, each on its own host of an
 emulated network whose links are shaped to `--network` in both directions (root and iproute2 needed), or
 all on 127.0.0.1 with `--network none`. Every repetition of every algorithm is checked against the exact
-sum; a wrong sum fails the run. See worker.py for how time and traffic are measured, bounds.py for the
-lower bounds, report.py for the reported quantities.
+sum; a wrong sum fails the run, and a run that fails or is interrupted still reports (and writes) the
+results that finished, naming those missing. See worker.py for how time and traffic are measured,
+bounds.py for the lower bounds, report.py for the reported quantities.
 """
 from __future__ import annotations
 
@@ -19,18 +20,18 @@ from typing import Callable
 
 from sparcoll.algorithm import GATHER_ELEMENTS
 from sparcoll.bench import algorithms
-from sparcoll.bench.launch import Job, run_job, run_jobs
+from sparcoll.bench.arguments import check_shared
+from sparcoll.bench.launch import Job, check_job_threads, run_job, run_jobs
 from sparcoll.bench.netem import add_link_burst_argument, check_network
 from sparcoll.bench.patterns import InputSpec
-from sparcoll.bench.report import Setup, add_speedups, make_record, table, title, write_json
+from sparcoll.bench.report import Setup, add_speedups, make_record, missing, table, title, write_json
 from sparcoll.bench.sizes import comma_list, count_argument, parse_count
-from sparcoll.outputs import check_output_path
-from sparcoll.wire import MAX_BLOCK_SIZE
+from sparcoll.outputs import check_figure_path, check_output_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `bench` options to `parser` (the project CLI's subcommand)."""
-    parser.add_argument("--workers", type=comma_list(int), default=[4],
+    parser.add_argument("--workers", type=comma_list(int, unique=True), default=[4],
                         help="number of workers, or a comma list to sweep (e.g. 2,4,8); default 4")
     parser.add_argument("--numel", type=count_argument, default=parse_count("16M"),
                         help="elements of the float32 tensor: 16M, 1M, 65536 ... (default 16M)")
@@ -39,9 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--row-width", type=int, default=None,
                         help="elements per non-zero unit of the inputs, e.g. 32 for embedding rows of 32 "
                              "(default: the block size); densities are then shares of rows")
-    parser.add_argument("--density", type=comma_list(float), default=[0.01, 0.1, 1.0],
+    parser.add_argument("--density", type=comma_list(float, unique=True), default=[0.01, 0.1, 1.0],
                         help="block densities in (0, 1], comma separated (default 0.01,0.1,1)")
-    parser.add_argument("--algos", type=comma_list(str),
+    parser.add_argument("--algos", type=comma_list(str, unique=True),
                         default=["sparcoll", "sparse", "ring", "agsparse", "ps"],
                         help="algorithms, comma separated (sparcoll: as users get it; sparse: sparcoll "
                              "forced onto its sparse AllReduce), from: " + ", ".join(
@@ -65,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "workers (default 0: independent patterns)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the input patterns and values")
     parser.add_argument("--json", metavar="PATH", help="write one record per result row to PATH")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG figure to PATH")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="write a figure to PATH, in the format its extension names (.png, .pdf, .svg ...)")
     parser.add_argument("--launcher", choices=["direct", "torchrun"], default="direct",
                         help="how workers start: direct (this command starts each one) or torchrun (an "
                              "agent per emulated host, c10d rendezvous, as multi-host jobs launch; needs "
@@ -76,13 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
     """The selected algorithm variants and the link rate (None on loopback); ValueError if invalid."""
-    algos = algorithms.select(list(dict.fromkeys(args.algos)))
-    if min(args.workers) < 2:
-        raise ValueError("--workers: an allreduce needs 2 workers at least")
-    if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"--block-size must be 1 to {MAX_BLOCK_SIZE}, got {args.block_size}")
-    if args.numel % args.block_size:
-        raise ValueError(f"--numel {args.numel} must be a multiple of --block-size {args.block_size}")
+    algos = algorithms.select(args.algos)
+    check_shared(args, [args.aggregators], any(a.needs_communicator for a in algos), args.network)
     if args.row_width is None:
         args.row_width = args.block_size
     if args.row_width < 1:
@@ -91,28 +88,24 @@ def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
         raise ValueError(f"--numel {args.numel} must be a multiple of --row-width {args.row_width}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
-    if not all(0 < d <= 1 for d in args.density):
-        raise ValueError("--density values must be in (0, 1]")
-    if not 0 <= args.overlap <= 1:
-        raise ValueError("--overlap must be in [0, 1]")
     if args.repeat < 1 or (args.warmup is not None and args.warmup < 0) or not 0 < args.timeout < math.inf:
         raise ValueError("--repeat must be >= 1, --warmup >= 0, --timeout a positive number of seconds")
-    if args.num_aggregators is not None and args.num_aggregators < 1:
-        raise ValueError("--num-aggregators must be >= 1")
     check_output_path(args.json, "--json")
-    check_output_path(args.plot, "--plot")
+    check_figure_path(args.plot, "--plot", keeps={"--json": args.json})
     if args.network == "none" and args.launcher == "torchrun":
         raise ValueError("--launcher torchrun runs one agent per emulated host: give --network")
     most = max(args.workers)
     dedicated = args.aggregators == "dedicated" and any(a.needs_communicator for a in algos)
-    return algos, check_network(args.network, args.link_burst,
-                                most + ((args.num_aggregators or most) if dedicated else 0))
+    rate = check_network(args.network, args.link_burst, most + ((args.num_aggregators or most) if dedicated else 0))
+    check_job_threads(most, dedicated, args.num_aggregators)
+    return algos, rate
 
 
 def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int | None,
-                 advance: Callable[[str], None]) -> list[dict]:
-    """One job with `n` workers: every density and algorithm; returns its records. advance(what)
-    counts each finished repetition."""
+                 advance: Callable[[str], None], records: list[dict]) -> None:
+    """One job with `n` workers: every density and algorithm, each result's record added to `records`
+    as it comes (those of a job that fails later are kept). advance(what) counts each finished
+    repetition."""
     num_aggregators = args.num_aggregators or n
     dedicated = args.aggregators == "dedicated" and any(a.needs_communicator for a in algos)
     setup = Setup(args.network, rate_bps, args.aggregators, num_aggregators, args.launcher, args.link_burst,
@@ -123,7 +116,6 @@ def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int 
               "densities": args.density,
               "overlap": args.overlap, "seed": args.seed, "algos": [[a.name, a.input] for a in algos],
               "warmup": args.warmup, "repeat": args.repeat, "timeout": args.timeout}
-    records = []
 
     def on_event(event: dict) -> None:
         if event["event"] == "rep":
@@ -135,7 +127,6 @@ def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int 
 
     run_job(Job(n, args.network, num_aggregators if dedicated else 0, config, args.timeout,
                 launcher=args.launcher, link_burst=args.link_burst), on_event)
-    return records
 
 
 def run(args, prog: str = "sparcoll bench") -> int:
@@ -151,17 +142,23 @@ def run(args, prog: str = "sparcoll bench") -> int:
 
     def body(advance: Callable[[str], None]) -> None:
         for n in args.workers:
-            records.extend(_run_workers(n, args, algos, rate_bps, advance))
+            _run_workers(n, args, algos, rate_bps, advance, records)
 
     status = run_jobs("bench", steps, body)
-    if status:
+    if not records:
         return status
+    # What finished is kept, even when a later job failed or was interrupted (a 3-worker job's
+    # Ctrl-C once threw a finished 2-worker sweep away).
     add_speedups(records)
     print(title(records))
     print(table(records))
+    lacking = missing(records, args.workers, [(a.name, a.input) for a in algos], args.density)
+    if lacking:
+        print(f"{prog}: the sweep is incomplete: the table" + (" and the outputs" if args.json or args.plot else "")
+              + f" hold what finished; missing: {'; '.join(lacking)}", file=sys.stderr)
     if args.json:
         write_json(records, args.json)
     if args.plot:
         from sparcoll.bench.plot import plot  # matplotlib only when a figure is asked for
         plot(records, args.plot)
-    return 0
+    return status

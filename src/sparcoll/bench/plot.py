@@ -26,7 +26,7 @@ def _lines(ax, records: list[dict], x: str) -> None:
 
 
 def plot(records: list[dict], path: str) -> None:
-    """Write the PNG figure of `records` to `path`."""
+    """Write the figure of `records` to `path`, in the format its extension names."""
     workers = sorted({r["workers"] for r in records})
     if len(workers) == 1:
         fig, ax = plt.subplots(figsize=(7, 5))

@@ -57,7 +57,8 @@ def make_record(result: dict, spec: InputSpec, setup: Setup, union_density: floa
         num_aggregators = n if aggregators else None
     density = spec.blocks_per_worker / spec.nblocks
     bound = bounds.link_bytes(algo, workers=n, nbytes=nbytes, density=density, union_density=union_density,
-                              nblocks=spec.nblocks, aggregators=aggregators, num_aggregators=num_aggregators)
+                              nblocks=spec.nblocks, aggregators=aggregators, num_aggregators=num_aggregators,
+                              input=result["input"], itemsize=ITEMSIZE)
     if result["bytes_source"]:
         source = result["bytes_source"]
         sent = statistics.mean(result["bytes_sent"])
@@ -96,6 +97,28 @@ def add_speedups(records: list[dict]) -> None:
     for r in records:
         base = ring.get((r["workers"], r["density"]))
         r["speedup_vs_ring"] = None if base is None else base / r["median_s"]
+
+
+def missing(records: list[dict], workers: list[int], variants: list[tuple[str, str]],
+            densities: list[float]) -> list[str]:
+    """The configurations of a sweep that have no record, one item per worker count: "3 workers" when
+    none of its records is there, else "3 workers (ring at density 1, ps at densities 0.1 and 1)"."""
+    done = {(r["workers"], r["algo"], r["input"], r["density"]) for r in records}
+    out = []
+    for n in workers:
+        lacking = {(name, input): [d for d in densities if (n, name, input, d) not in done] for name, input in variants}
+        if all(len(ds) == len(densities) for ds in lacking.values()):
+            out.append(f"{n} workers")
+            continue
+        parts = []
+        for (name, input), ds in lacking.items():
+            if ds:
+                listed = f"density {ds[0]:g}" if len(ds) == 1 else \
+                    f"densities {', '.join(f'{d:g}' for d in ds[:-1])} and {ds[-1]:g}"
+                parts.append(f"{label({'algo': name, 'input': input})} at {listed}")
+        if parts:
+            out.append(f"{n} workers ({', '.join(parts)})")
+    return out
 
 
 def label(record: dict) -> str:

@@ -34,14 +34,22 @@ def format_count(n: int) -> str:
     return str(n)
 
 
-def comma_list(convert: Callable) -> Callable[[str], list]:
-    """An argparse type: a comma list of `convert`'s values (items stripped; an empty list refused)."""
+def comma_list(convert: Callable, unique: bool = False) -> Callable[[str], list]:
+    """An argparse type: a comma list of `convert`'s values (items stripped; an empty list refused;
+    with `unique`, a value given twice refused: a sweep would run and report it twice)."""
     def parse(text: str) -> list:
         try:
-            items = [convert(item.strip()) for item in text.split(",") if item.strip()]
+            items = [(item.strip(), convert(item.strip())) for item in text.split(",") if item.strip()]
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"invalid list {text!r}: {exc}") from None
         if not items:
             raise argparse.ArgumentTypeError("empty list")
-        return items
+        if unique:
+            first: dict = {}
+            for item, value in items:
+                if value in first:
+                    same = "" if item == first[value] else f" (the same as {first[value]})"
+                    raise argparse.ArgumentTypeError(f"invalid list {text!r}: {item} given twice{same}")
+                first[value] = item
+        return [value for _, value in items]
     return parse

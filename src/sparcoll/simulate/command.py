@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
 from ..bench import bounds
+from ..bench.arguments import check_shared
 from ..bench.netem import parse_rate
+from ..bench.report import write_json
 from ..bench.sizes import comma_list, count_argument, format_count, parse_count
 from ..options import DEFAULT_CREDITS
-from ..outputs import check_output_path
+from ..outputs import check_figure_path, check_output_path
 from .costs import DEFAULT_PATH, Costs
 from .model import ALGOS, Point, predict
 
@@ -32,21 +33,21 @@ def _rate(text: str) -> float | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=comma_list(int), default=DEFAULT_WORKERS,
+    parser.add_argument("--workers", type=comma_list(int, unique=True), default=DEFAULT_WORKERS,
                         help="worker counts, comma separated (default 2,4,...,256)")
-    parser.add_argument("--network", type=comma_list(_rate), default=[1e9, 1e10, 1e11],
+    parser.add_argument("--network", type=comma_list(_rate, unique=True), default=[1e9, 1e10, 1e11],
                         help="link rates, comma separated (none: loopback, unshaped); default 1gbit,10gbit,100gbit")
     parser.add_argument("--numel", type=count_argument, default=parse_count("16M"),
                         help="float32 elements (default 16M)")
-    parser.add_argument("--density", type=comma_list(float), default=[0.01, 0.1, 1.0],
+    parser.add_argument("--density", type=comma_list(float, unique=True), default=[0.01, 0.1, 1.0],
                         help="block densities of every worker, independent patterns (default 0.01,0.1,1)")
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="share of each worker's blocks common to all workers, as sparcoll bench's "
                              "(default 0: independent patterns)")
-    parser.add_argument("--algos", type=comma_list(str), default=["sparse", "ring", "ps", "agsparse"],
+    parser.add_argument("--algos", type=comma_list(str, unique=True), default=["sparse", "ring", "ps", "agsparse"],
                         help="from: " + ", ".join(ALGOS) + " (sparcoll: as users get it, its chooser settled; "
                              "sparse: its sparse AllReduce forced)")
-    parser.add_argument("--aggregators", type=comma_list(str), default=["colocated"],
+    parser.add_argument("--aggregators", type=comma_list(str, unique=True), default=["colocated"],
                         help="sparcoll's aggregators: colocated, dedicated, or colocated,dedicated for both")
     parser.add_argument("--num-aggregators", type=int, default=None,
                         help="dedicated aggregators (default: as many as workers)")
@@ -54,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--credits", type=int, default=DEFAULT_CREDITS,
                         help=f"sparcoll's messages in flight per stream, as SPARCOLL_CREDITS (default {DEFAULT_CREDITS})")
     parser.add_argument("--link-burst", type=count_argument, default=None, metavar="BYTES",
-                        help="a token bucket on every link, as sparcoll bench --link-burst's (e.g. 1M, the "
-                             "emulated network's at 1gbit); default none: links that never send above their rate")
+                        help="a token bucket on every shaped link, as sparcoll bench --link-burst's (e.g. 1M, "
+                             "the emulated network's at 1gbit); default none: links that never send above their "
+                             "rate")
     parser.add_argument("--cores", type=int, default=None,
                         help="all hosts share this many cores, as the emulated hosts of one machine do "
                              "(default: every host has its own)")
@@ -65,29 +67,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the costs on this machine, write them to PATH and stop (about 3 minutes; "
                              "the link's goodput needs root)")
     parser.add_argument("--json", metavar="PATH", help="write one record per predicted point to PATH")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG: time against workers, per network and density")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="write a figure (its format from PATH's extension: .png, .pdf, .svg ...): time "
+                             "against workers, per network and density")
+
+
+def check(args: argparse.Namespace) -> None:
+    """A ValueError naming a wrong option, checked as sparcoll bench checks it where both have it."""
+    shaped = [rate for rate in args.network if rate is not None]
+    check_shared(args, args.aggregators, any(algo in bounds.SPARCOLL_ALGOS for algo in args.algos),
+                 network_name(shaped[0]) if shaped else "none")
 
 
 def points(args: argparse.Namespace) -> list[Point]:
-    """Every point the arguments name, checked (a bad one raises ValueError naming it)."""
+    """Every point the arguments name, checked (a bad one raises ValueError naming it). The algorithms
+    without aggregators of their own (all but sparse and sparcoll) are simulated once, whatever the
+    layouts: the ring stays the baseline of dedicated aggregators too."""
     out = []
-    for rate, layout, density, workers, algo in itertools.product(
-            args.network, args.aggregators, args.density, args.workers, args.algos):
-        if layout == "dedicated" and algo not in ("sparse", "sparcoll"):
-            continue          # only sparcoll has aggregators of its own
-        out.append(Point(algo, workers, args.numel, density, rate, aggregators=layout,
-                         num_aggregators=args.num_aggregators if layout == "dedicated" else None,
+    for rate, (i, layout), density, workers, algo in itertools.product(
+            args.network, enumerate(args.aggregators), args.density, args.workers, args.algos):
+        ours = algo in bounds.SPARCOLL_ALGOS
+        if not ours and i:
+            continue          # simulated with the first layout
+        out.append(Point(algo, workers, args.numel, density, rate, aggregators=layout if ours else "colocated",
+                         num_aggregators=args.num_aggregators if ours and layout == "dedicated" else None,
                          overlap=args.overlap, cores=args.cores, block_size=args.block_size,
-                         credits=args.credits, burst_bytes=args.link_burst))
-    if not out:
-        raise ValueError("no point to simulate: dedicated aggregators serve only the algorithms sparse and sparcoll")
+                         credits=args.credits, burst_bytes=None if rate is None else args.link_burst))
     return out
 
 
 def network_name(rate_bps: float | None) -> str:
     if rate_bps is None:
         return "none"
-    for unit, scale in (("gbit", 1e9), ("mbit", 1e6)):
+    for unit, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
         if rate_bps >= scale and rate_bps % scale == 0:
             return f"{int(rate_bps // scale)}{unit}"
     return f"{int(rate_bps)}bit"
@@ -164,19 +176,22 @@ def plot(records: list[dict], path: str, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        for path, option in ((args.calibrate, "--calibrate"), (args.json, "--json"), (args.plot, "--plot")):
-            check_output_path(path, option)
+        check_output_path(args.calibrate, "--calibrate")
+        check_output_path(args.json, "--json", keeps={"--costs": args.costs})
+        check_figure_path(args.plot, "--plot", keeps={"--costs": args.costs, "--json": args.json})
     except ValueError as exc:
         print(f"sparcoll simulate: {exc}", file=sys.stderr)
         return 2
     if args.calibrate:
         from .calibrate import calibrate_median
-        try:
+        try:    # its goodput stands in where the link's cannot be measured (no root)
             current = Costs.load(args.costs)
-        except (OSError, ValueError):
-            current = None
+        except (OSError, ValueError) as exc:
+            print(f"sparcoll simulate: --costs {args.costs}: {exc}; --calibrate takes the link's goodput from "
+                  f"it where it cannot measure one (without root): fix it, or leave --costs out", file=sys.stderr)
+            return 2
         try:
-            costs = calibrate_median(CALIBRATION_ROUNDS, default_goodput=current.goodput if current else 0.96,
+            costs = calibrate_median(CALIBRATION_ROUNDS, default_goodput=current.goodput,
                                      cores=os.cpu_count() or 1, log=lambda line: print(line, file=sys.stderr))
         except RuntimeError as exc:       # a bench run that failed or did not finish
             print(f"sparcoll simulate: calibration failed: {exc}", file=sys.stderr)
@@ -185,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.calibrate}")
         return 0
     try:
+        check(args)
         costs = Costs.load(args.costs)
         wanted = points(args)
     except (OSError, ValueError) as exc:
@@ -194,8 +210,7 @@ def run(args: argparse.Namespace) -> int:
     add_speedups(records)
     print(table(records))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+        write_json(records, args.json)
     if args.plot:
         cores = "every host its own cores" if args.cores is None else f"{args.cores} cores shared"
         plot(records, args.plot, f"sparcoll simulate: {format_count(args.numel)} float32, {cores}")
