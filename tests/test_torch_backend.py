@@ -588,12 +588,17 @@ def one_rank_int64_the_other_float32(rank: int, world: int) -> dict:
     return out
 
 
-def gloo_after_a_call_that_went_to_gloo_against_sparcoll(rank: int, world: int) -> dict:
-    """As one_rank_int64_the_other_float32, then a broadcast, an all_gather and a barrier on the same
-    group: what each raised and how long it took."""
+def gloo_after_a_call_that_went_to_gloo_against_sparcoll(rank: int, world: int, async_op: bool) -> dict:
+    """As one_rank_int64_the_other_float32 (rank 1's int64 call blocking or async), then a broadcast, an
+    all_gather and a barrier on the same group: what each raised and how long it took."""
     pg = sparcoll_group(timeout=30)
-    out = {"all_reduce": outcome_of(lambda: dist.all_reduce(
-        torch.ones(1000) if rank == 0 else torch.ones(1000, dtype=torch.int64), group=pg), expected=(Exception,))}
+
+    def all_reduce():
+        work = dist.all_reduce(torch.ones(1000) if rank == 0 else torch.ones(1000, dtype=torch.int64), group=pg,
+                               async_op=async_op and rank == 1)
+        if work is not None:
+            work.wait()
+    out = {"all_reduce": outcome_of(all_reduce, expected=(Exception,))}
     out["broadcast"] = outcome_of(lambda: dist.broadcast(torch.ones(10), src=0, group=pg), expected=(Exception,))
     out["all_gather"] = outcome_of(lambda: dist.all_gather([torch.empty(3)] * world, torch.ones(3), group=pg),
                                    expected=(Exception,))
@@ -602,12 +607,13 @@ def gloo_after_a_call_that_went_to_gloo_against_sparcoll(rank: int, world: int) 
     return out
 
 
-def test_after_a_call_that_went_to_gloo_against_sparcoll_the_groups_gloo_collectives_fail_at_once():
+def test_after_an_async_call_that_went_to_gloo_against_sparcoll_the_groups_gloo_collectives_fail_at_once():
     """Rank 1's int64 all_reduce went to gloo, rank 0's float32 one to sparcoll: both got MismatchError
     at once, but rank 1's gloo all_reduce stayed pending, and the group's next broadcast waited on both
-    ranks for the group's timeout (a review; 30 minutes by default). Now the rank whose gloo part is
-    out of step says so at once, and its peer's gloo collectives fail at once too."""
-    outcomes = run_ranks(gloo_after_a_call_that_went_to_gloo_against_sparcoll, WORLD, timeout=TIMEOUT)
+    ranks for the group's timeout (a review; 30 minutes by default). An async call starts its gloo part
+    before its check: the rank whose gloo part is out of step says so at once, and its peer's gloo
+    collectives fail at once too."""
+    outcomes = run_ranks(gloo_after_a_call_that_went_to_gloo_against_sparcoll, WORLD, timeout=TIMEOUT, async_op=True)
     for rank, out in enumerate(outcomes):
         assert out["all_reduce"][0] == "MismatchError", out
         for call in ("broadcast", "all_gather", "barrier"):
@@ -616,6 +622,18 @@ def test_after_a_call_that_went_to_gloo_against_sparcoll_the_groups_gloo_collect
     for call in ("broadcast", "all_gather", "barrier"):
         assert outcomes[1][call][0] == "PoisonedError" and "gloo part is out of step" in outcomes[1][call][1], \
             outcomes[1]
+
+
+def test_after_a_blocking_call_that_went_to_gloo_against_sparcoll_the_groups_gloo_part_still_works():
+    """A blocking call checks before its gloo part starts: after the MismatchError no gloo call is
+    pending, so the group's broadcast and all_gather still pair and work; what needs sparcoll (the
+    barrier's round) says the communicator failed, at once."""
+    outcomes = run_ranks(gloo_after_a_call_that_went_to_gloo_against_sparcoll, WORLD, timeout=TIMEOUT, async_op=False)
+    for rank, out in enumerate(outcomes):
+        assert out["all_reduce"][0] == "MismatchError", out
+        assert out["broadcast"][0] == "NO ERROR" and out["all_gather"][0] == "NO ERROR", (rank, out)
+        kind, text, seconds = out["barrier"]
+        assert kind == "PoisonedError" and seconds < 10, (rank, out)
 
 
 def calls_that_both_go_to_gloo_but_differ(rank: int, world: int) -> dict:
@@ -632,13 +650,23 @@ def calls_that_both_go_to_gloo_but_differ(rank: int, world: int) -> dict:
     out["after"] = counts.tolist() + values.tolist()
     out["sizes"] = outcome_of(lambda: dist.all_reduce(torch.ones(3 + rank, dtype=torch.int64),
                                                       op=dist.ReduceOp.MAX, group=pg))
+    # sizes for which gloo's own check ends the process that meets them first (a review: 3 against 5
+    # and 1000 against 2000 int64, 3 against 5 float32 under MAX), and the group after them
+    out["sizes gloo aborts on"] = [outcome_of(lambda: dist.all_reduce(
+        torch.ones(n * (1 + rank), dtype=dtype), op=dist.ReduceOp.MAX, group=pg))[0]
+        for n, dtype in ((3, torch.int64), (1000, torch.int64), (3, torch.float32))]
+    counts = torch.full((3,), rank + 1)
+    dist.all_reduce(counts, group=pg)
+    out["after sizes"] = counts.tolist()
     dist.destroy_process_group(pg)
     return out
 
 
 def test_ranks_whose_calls_both_go_to_gloo_but_differ_get_a_mismatch():
     """Before, rank 0 got the MIN of the two and rank 1 the MAX, with no error (as on a gloo group);
-    with sizes 3 and 4, rank 0 got no error and rank 1 gloo's "Connection closed by peer"."""
+    with sizes 3 and 4, rank 0 got no error and rank 1 gloo's "Connection closed by peer"; with sizes
+    3 and 6 one process ended in gloo ("Received data size doesn't match expected size"). Blocking
+    calls check first: none reaches gloo, and the group's gloo part still works after them."""
     outcomes = run_ranks(calls_that_both_go_to_gloo_but_differ, WORLD, timeout=TIMEOUT)
     for rank, out in enumerate(outcomes):
         for case, named in (("ops", "MIN" if rank == 0 else "MAX"), ("sizes", f"{3 + rank} elements")):
@@ -646,6 +674,7 @@ def test_ranks_whose_calls_both_go_to_gloo_but_differ_get_a_mismatch():
             assert error == "MismatchError" and elapsed < 10, (case, out)
             assert "different arguments" in text and named in text, (case, out)
         assert out["after"] == [3, 3, 3, 3.0, 3.0, 3.0, 3.0], out
+        assert out["sizes gloo aborts on"] == ["MismatchError"] * 3 and out["after sizes"] == [3, 3, 3], out
 
 
 def test_a_call_that_goes_to_gloo_against_one_that_goes_to_sparcoll_is_a_mismatch_at_once():

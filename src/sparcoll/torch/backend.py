@@ -204,31 +204,44 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
         return [self.comm.allreduce(tensor, op=op, async_op=True, timeout=timeout, tag=tag)]
 
     def _delegated_allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
-        """gloo's all_reduce, beside a small sparcoll allreduce of a tag of its own: a peer whose call
-        went to sparcoll (a float tensor where this rank's is int64, say) then gets MismatchError at
-        once on both ranks, where each would wait in its own library for the group's timeout (30
+        """gloo's all_reduce, checked by a small sparcoll allreduce of a tag of its own: a peer whose
+        call went to sparcoll (a float tensor where this rank's is int64, say) then gets MismatchError
+        at once on both ranks, where each would wait in its own library for the group's timeout (30
         minutes by default). The small allreduce sums each rank's fingerprint of the call (op, dtype,
-        size), so ranks that all delegate but disagree (MIN against MAX, which gloo mixes silently)
-        get MismatchError too. They pay one small sparcoll round beside gloo's. A non-contiguous dense
-        tensor goes to gloo as a contiguous copy, written back when gloo is done: gloo itself reduces
-        the first elements of the view's storage instead, silently (torch 2.13; a review). One whose
-        elements share memory (expand()) goes as it is, as gloo takes it: no copy can be written back."""
+        size, async or not), so ranks that all delegate but disagree (MIN against MAX, which gloo mixes
+        silently) get MismatchError too. A blocking call (torch's options say when the caller waits at
+        once) checks first and starts gloo's call only where every rank's is the same: gloo ends the
+        process whose call's size differs (int64 of 3 against 5 elements, a review), and the group's
+        gloo part stays in step. An async call checks beside gloo's call, so as not to wait for the
+        peers before it returns; where the check fails, its gloo part is out of step (_out_of_step).
+        A non-contiguous dense tensor goes to gloo as a contiguous copy, written back when gloo is
+        done: gloo itself reduces the first elements of the view's storage instead, silently (torch
+        2.13; a review). One whose elements share memory (expand()) goes as it is, as gloo takes it:
+        no copy can be written back."""
         op = opts.reduceOp.op
+
+        def gloo_part() -> dist.Work | torch.futures.Future:
+            staged = [t.contiguous() if t.layout == torch.strided and not may_overlap(t) else t for t in tensors]
+            work = self.gloo.allreduce(staged, opts)
+            return _written_back(work, staged, tensors) if any(s is not t for s, t in zip(staged, tensors)) else work
 
         def issue() -> list:
             self._gloo_in_step()
-            staged = [t.contiguous() if t.layout == torch.strided and not may_overlap(t) else t for t in tensors]
-            gloo_part = self.gloo.allreduce(staged, opts)
-            if any(s is not t for s, t in zip(staged, tensors)):
-                gloo_part = _written_back(gloo_part, staged, tensors)
-            h, world = _call_number(op, tensors), self.size()
+            h, world = _call_number(op, tensors, opts.asyncOp), self.size()
             sums = torch.tensor([h, h * h], dtype=torch.float64)
+            if not opts.asyncOp:
+                self._issue(sums, "sum", _seconds(opts.timeout), DELEGATED_TAG, at_once=True)
+                if sums.tolist() != [world * h, world * h * h]:
+                    raise _mismatched_call(op, tensors)
+                return [gloo_part()]
+            started = gloo_part()
             checking = self._beside_gloo(lambda: self._issue(sums, "sum", _seconds(opts.timeout), DELEGATED_TAG))
             verdict = torch.futures.Future()
 
             def judge(error: BaseException | None) -> None:
                 if error is None and sums.tolist() != [world * h, world * h * h]:
                     error = _mismatched_call(op, tensors)
+                    self._out_of_step(error)    # a peer's call may not have started its gloo part
                 if error is None:
                     verdict.set_result(None)
                 else:
@@ -237,7 +250,7 @@ class ProcessGroupSparcoll(dist.ProcessGroup):
                 when_done(checking[0], judge)
             else:
                 judge(None)
-            return checking + [verdict, gloo_part]
+            return checking + [verdict, started]
         return SparcollWork(Completion.start(tensors, issue))
 
     def barrier(self, opts=None) -> dist.Work:
@@ -309,17 +322,18 @@ def _written_back(work: dist.Work, staged: list[torch.Tensor], tensors: list[tor
     return work.get_future().then(write_back)
 
 
-def _call_number(op, tensors: list[torch.Tensor]) -> float:
-    """A number h in [1, 2^20] that names a call's op, dtypes, layouts and sizes. Summed over the
-    ranks, h and h^2 add up to world * h and world * h^2 exactly (float64, up to 8,192 ranks) only
-    if every rank's h is this one."""
-    described = repr((str(op), [(str(t.dtype), str(t.layout), t.numel()) for t in tensors]))
+def _call_number(op, tensors: list[torch.Tensor], async_op: bool) -> float:
+    """A number h in [1, 2^20] that names a call's op, dtypes, layouts and sizes, and whether it is
+    async (which decides whether its gloo part starts before its check). Summed over the ranks, h and
+    h^2 add up to world * h and world * h^2 exactly (float64, up to 8,192 ranks) only if every rank's
+    h is this one."""
+    described = repr((str(op), [(str(t.dtype), str(t.layout), t.numel()) for t in tensors], async_op))
     return float(zlib.crc32(described.encode()) % (1 << 20) + 1)
 
 
 def _mismatched_call(op, tensors: list[torch.Tensor]) -> MismatchError:
     sizes = ", ".join(f"{t.numel()} elements of {t.dtype}" for t in tensors)
-    return MismatchError(f"ranks called all_reduce with different arguments (op, dtype or size) on a "
+    return MismatchError(f"ranks called all_reduce with different arguments (op, dtype, size or async_op) on a "
                          f"sparcoll group; this rank's: {str(op).split('.')[-1]} of {sizes}")
 
 
