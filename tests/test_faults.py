@@ -1235,6 +1235,45 @@ def test_a_blocking_call_behind_a_longer_one_waits_for_that_ones_timeout(monkeyp
     assert in_threads(2, target) == [True, True]
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "sparse"])
+def test_a_works_deadline_counts_the_blocking_call_running_ahead_of_it_and_no_call_that_ended(algorithm):
+    """A blocking call run on the caller's thread makes no Work, but the Works placed while it runs
+    wait for it: their deadline counts its timeout (plus GRACE). Once calls end they count for
+    nothing: a review's mutation that left each blocking call counted put an async call's deadline
+    231 s away after 20 calls of 6 s, where it is 11 s (no test saw it)."""
+    from sparcoll import engine
+
+    def target(comm, rank):
+        for _ in range(20):
+            comm.allreduce(torch.ones(1000), timeout=6.0)
+        after = comm.allreduce(torch.ones(1000), async_op=True, timeout=6.0)
+        alone = after.deadline - time.monotonic()
+        after.wait()
+        if rank == 1:
+            time.sleep(1.0)         # rank 0's blocking call below waits for it, on rank 0's thread
+        placed = {}
+
+        def place_behind():
+            time.sleep(0.3)         # the blocking call has its id and runs
+            placed["work"] = comm.allreduce(torch.ones(1000), async_op=True, timeout=6.0)
+            placed["left"] = placed["work"].deadline - time.monotonic()
+        behind = threading.Thread(target=place_behind, daemon=True)
+        if rank == 0:
+            behind.start()
+        comm.allreduce(torch.ones(1000), timeout=4.0)
+        if rank == 0:
+            behind.join(20)
+        else:
+            placed["work"] = comm.allreduce(torch.ones(1000), async_op=True, timeout=6.0)
+        placed["work"].wait()
+        return alone, placed.get("left"), comm._engine._ahead_s
+    (alone, left, ahead), (alone_1, _, ahead_1) = in_threads(2, target, algorithm=algorithm)
+    assert 6.0 + engine.GRACE - 1 < alone <= 6.0 + engine.GRACE and alone_1 <= 6.0 + engine.GRACE, (alone, alone_1)
+    # rank 0's async call was placed 0.3 s into its blocking call of 4 s: it waits for that one too
+    assert 4.0 + 6.0 + 2 * engine.GRACE - 1.3 < left <= 4.0 + 6.0 + 2 * engine.GRACE, left
+    assert abs(ahead) < 1e-6 and abs(ahead_1) < 1e-6, (ahead, ahead_1)
+
+
 def test_a_wait_that_gives_up_at_the_deadline_keeps_its_collective_from_running_later(monkeypatch):
     """A done-callback that holds the engine thread (2 s) past the deadline of the blocking call
     queued behind it: that call raises CollectiveTimeout, and the communicator is poisoned, so the
