@@ -113,6 +113,14 @@ def test_sparcolls_bound_follows_the_path_its_input_takes():
     assert tiny["lower_bound_bytes"] == 3 * 1024 * 8                 # rank 0 takes 3 tensors in float64
     forced = make_record(_result("sparse", "coo"), small, setup, union_density=1.0)
     assert forced["lower_bound_bytes"] == 2 * 4 * (1 << 16)          # forced sparse: never the ring
+    # a dense tensor too large to gather whose result is sparser than CANDIDATE_DENSITY never tries the
+    # ring: the sparse bound (8 workers, 1 aggregator, 16M at 5%: 1.61x "its bound" read the ring's)
+    sparse = InputSpec(16 * MIB, 256, 8, 0.05, 0.0, seed=0)
+    eight = Setup("1gbit", 10**9, "dedicated", 1)
+    union = 1 - (1 - 0.05) ** 8
+    thin = make_record(_result("sparcoll"), sparse, eight, union_density=union)
+    assert thin["lower_bound_bytes"] == bounds.sparcoll_dedicated(8, 64 * MIB, 0.05, union, 1)
+    assert thin["lower_bound_bytes"] > bounds.ring(8, 64 * MIB)
 
 
 # ---- inputs -------------------------------------------------------------------------------------

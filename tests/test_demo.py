@@ -76,3 +76,16 @@ def test_bad_arguments_leave_no_folder_and_are_said_under_the_demos_name(tmp_pat
     assert main(["demo", "--density", "2", "--network", "none", "--out", str(out)]) == 2
     assert "sparcoll demo: error: --density values must be in (0, 1]" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_density_given_twice_is_refused_by_the_demos_own_parser(tmp_path, capsys):
+    """Once bench refused repeated densities, the demo passed them on: bench's usage came out under
+    the demo's name, listing bench's options, and an empty --out folder was left (a review)."""
+    import pytest
+    from sparcoll.cli import main
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--density", "0.1,0.1", "--network", "none", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "0.1 given twice" in err and "--launcher" not in err, err
+    assert not out.exists()

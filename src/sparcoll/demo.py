@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default=4, type=_at_least(2), help="worker processes (default 4)")
     parser.add_argument("--numel", default="4M", type=_whole_blocks,
                         help="float32 elements per tensor, a multiple of 256 (default 4M)")
-    parser.add_argument("--density", default="0.01,0.1,1", type=comma_list(float),
+    parser.add_argument("--density", default="0.01,0.1,1", type=comma_list(float, unique=True),
                         help="block densities (default 0.01,0.1,1)")
     parser.add_argument("--repeat", default=5, type=_at_least(1), help="timed repetitions per point (default 5)")
     parser.add_argument("--steps", type=int, default=30,

@@ -21,7 +21,9 @@ links' token bucket: 1 MB, a 1%-dense 16M tensor's whole bound over 2 workers).
   link carries the n-1 other ranks' data, (n-1) * N; a tiny tensor's travels so too, in float64 (2 N).
 - sparcoll as users get it ("auto"): the lowest bound among the paths its chooser may take for the
   input (algorithm.py). A tiny tensor (at most TINY_NUMEL elements) takes only the tiny round; a dense
-  one the sparse path or gloo's ring, and gather too where small enough to gather (never lower than the
+  one the sparse path, gloo's ring where its result is at least CANDIDATE_DENSITY dense (a sparser one
+  never tries the ring: its bound was the ring's, 1.61x where the sparse path it took ran at 1.05x, a
+  review) or small enough to gather, and gather too where small enough to gather (never lower than the
   ring: (n-1) >= 2(n-1)/n). With colocated aggregators the sparse bound is the lowest; with fewer
   dedicated aggregators than workers a dense tensor's ring is lower (4 workers, 1 aggregator: 1.5 N
   against 4 N), and a run that took the ring was reported at 0.4x its bound (a review). A COO tensor
@@ -34,7 +36,7 @@ is what the benchmark reports as bytes sent when it cannot read interface counte
 """
 from __future__ import annotations
 
-from sparcoll.algorithm import GATHER_ELEMENTS, TINY_NUMEL
+from sparcoll.algorithm import CANDIDATE_DENSITY, GATHER_ELEMENTS, TINY_NUMEL
 
 SPARCOLL_ALGOS = ("sparcoll", "sparse")   # sparcoll as users get it ("auto"), and forced sparse
 GLOO_INDEX_BYTES = 8  # gloo's sparse all_reduce sends int64 row indices (sparcoll's are wire.INDEX_BYTES)
@@ -65,9 +67,12 @@ def gather(n: int, nbytes: float) -> float:
     return (n - 1) * nbytes
 
 
-def sparcoll_auto(n: int, nbytes: float, sparse: float, input: str, entries: int, itemsize: int) -> float:
+def sparcoll_auto(n: int, nbytes: float, sparse: float, input: str, entries: int, itemsize: int,
+                  union_density: float = 1.0) -> float:
     """The lowest bound among the paths sparcoll's chooser may take for this input, the sparse one's
-    being `sparse` (see the module docstring; algorithm.Chooser.choose and engine.Engine._run)."""
+    being `sparse` (see the module docstring; algorithm.Chooser.choose and engine.Engine._run): the
+    ring only where the result is dense enough for the chooser to try it (CANDIDATE_DENSITY, at the
+    blocks' granularity: `union_density`, an approximation of its sample) or small enough to gather."""
     numel = nbytes / itemsize
     if input == "coo":
         numel += entries                    # its dense buffer: the values, then a mark per entry
@@ -76,9 +81,11 @@ def sparcoll_auto(n: int, nbytes: float, sparse: float, input: str, entries: int
         nbytes = numel * itemsize
     if numel <= TINY_NUMEL:
         return gather(n, 2 * nbytes)        # only the tiny round, in float64
-    paths = [sparse, ring(n, nbytes)]
+    paths = [sparse]
     if numel * n <= GATHER_ELEMENTS:
-        paths.append(gather(n, nbytes))
+        paths += [ring(n, nbytes), gather(n, nbytes)]
+    elif union_density >= CANDIDATE_DENSITY:
+        paths.append(ring(n, nbytes))
     return min(paths)
 
 
@@ -98,7 +105,8 @@ def link_bytes(algo: str, *, workers: int, nbytes: float, density: float, union_
             sparse = sparcoll_dedicated(workers, nbytes, density, union_density, num_aggregators)
         else:
             sparse = sparcoll_colocated(workers, nbytes, density, union_density)
-        return sparse if algo == "sparse" else sparcoll_auto(workers, nbytes, sparse, input, nblocks, itemsize)
+        return sparse if algo == "sparse" else sparcoll_auto(workers, nbytes, sparse, input, nblocks, itemsize,
+                                                             union_density)
     raise ValueError(f"no lower bound for algorithm {algo!r}")
 
 
