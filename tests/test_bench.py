@@ -329,6 +329,19 @@ def test_more_workers_than_the_machine_has_threads_for_are_refused_saying_why(mo
     assert command.run(_args("--numel", "4096", "--network", "none", "--workers", "49")) == 7
 
 
+@pytest.mark.parametrize("uid", [0, 1000])
+def test_the_thread_limit_of_root_is_the_kernels_alone(uid, monkeypatch):
+    """The kernel does not hold root to `ulimit -u` (a review: root's refusal named it, at half the
+    threads the kernel allows)."""
+    from sparcoll.bench import launch
+    monkeypatch.setattr(launch.os, "geteuid", lambda: uid)
+    monkeypatch.setattr(launch.resource, "getrlimit", lambda which: (5, 5))
+    limit = launch.thread_limit()
+    with open("/proc/sys/kernel/threads-max") as f:
+        kernel = int(f.read())
+    assert limit == ((kernel, "kernel.threads-max") if uid == 0 else (5, "ulimit -u")), limit
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workers", "2,4,2"], "argument --workers: invalid list '2,4,2': 2 given twice"),
     (["--density", "0.1,1,1.0"], "argument --density: invalid list '0.1,1,1.0': 1.0 given twice (the same as 1)"),

@@ -68,10 +68,11 @@ def job_threads(workers: int, dedicated_aggregators: int) -> int:
 
 
 def thread_limit() -> tuple[int, str] | None:
-    """The most threads this machine lets one user run, and where that limit is set (None: none known)."""
+    """The most threads this machine lets one user run, and where that limit is set (None: none known).
+    `ulimit -u` does not hold for root (the kernel exempts it), kernel.threads-max for everyone."""
     limits = []
     soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
-    if soft != resource.RLIM_INFINITY:
+    if soft != resource.RLIM_INFINITY and os.geteuid() != 0:
         limits.append((soft, "ulimit -u"))
     try:
         with open("/proc/sys/kernel/threads-max") as f:
