@@ -386,6 +386,14 @@ def test_a_sweep_that_fails_or_is_interrupted_keeps_what_finished(failure, statu
             "3 workers (ring at density 1, ps at densities 0.1 and 1); 4 workers") in captured.err
 
 
+def test_a_failed_job_is_said_under_the_command_the_user_ran(monkeypatch, capsys):
+    """The demo runs the bench: its failure said "sparcoll bench: ..." (a review)."""
+    monkeypatch.setattr(command, "run_job", _fake_jobs(2, BenchError("worker 1 exited with status 1")))
+    assert command.run(_args("--numel", "4096", "--network", "none", "--workers", "2"), prog="sparcoll demo") == 1
+    err = capsys.readouterr().err
+    assert "sparcoll demo: worker 1 exited with status 1" in err and "sparcoll bench" not in err, err
+
+
 def test_output_paths_in_existing_directories_are_taken(tmp_path, monkeypatch):
     monkeypatch.setattr(command, "run_jobs", lambda *a, **k: 7)
     assert command.run(_args("--numel", "4096", "--network", "none", "--seed", "0",

@@ -144,7 +144,7 @@ def run(args, prog: str = "sparcoll bench") -> int:
         for n in args.workers:
             _run_workers(n, args, algos, rate_bps, advance, records)
 
-    status = run_jobs("bench", steps, body)
+    status = run_jobs(prog.removeprefix("sparcoll "), steps, body)   # its failure said under `prog` too
     if not records:
         return status
     # What finished is kept, even when a later job failed or was interrupted (a 3-worker job's
