@@ -184,11 +184,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.calibrate:
         from .calibrate import calibrate_median
-        try:    # its goodput stands in where the link's cannot be measured (no root)
+        try:    # its goodput stands in where the link's cannot be measured (no network emulation)
             current = Costs.load(args.costs)
         except (OSError, ValueError) as exc:
             print(f"sparcoll simulate: --costs {args.costs}: {exc}; --calibrate takes the link's goodput from "
-                  f"it where it cannot measure one (without root): fix it, or leave --costs out", file=sys.stderr)
+                  f"it where it cannot measure one (no network emulation here); a file you name must be readable: "
+                  f"fix it, or leave --costs out", file=sys.stderr)
             return 2
         try:
             costs = calibrate_median(CALIBRATION_ROUNDS, default_goodput=current.goodput,
