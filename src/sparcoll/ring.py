@@ -55,10 +55,10 @@ _CALL = slice(0, _FIELDS)                   # in a rank's fields: this call,
 _NEXT = slice(_FIELDS, 2 * _FIELDS)         # the call it expects next,
 _SHARE = slice(2 * _FIELDS, 2 * _FIELDS + _SHARED)     # and the numbers to average
 _HEAD = _SHARE.stop         # float64 fields in front of the data a call carries
-_ROWS = 8                   # bytes in front of a verdict's fields: how many rows of them it holds
 _PACKED = struct.Struct(f"={_HEAD}d")       # a rank's fields as bytes, float64 as numpy's (the
-_SHARES = struct.Struct(f"={_SHARED}d")     # ranks share a byte order), and the shared numbers:
-_COUNT = struct.Struct("=d")                # struct's calls cost a tiny call less than numpy's
+_SHARES = struct.Struct(f"={_SHARED}d")     # ranks share a byte order), the shared numbers, and
+_COUNT = struct.Struct("=d")                # a verdict's count of rows: struct's calls cost a tiny
+_ROWS = _COUNT.size                         # call less than numpy's; the count's bytes
 _NO_CALL = (0,) * _FIELDS                   # (ids start at 1: zeros are no call)
 _NO_SHARE = (0.0,) * _SHARED
 
@@ -307,13 +307,13 @@ class Ring:
                 raise ProtocolError(f"rank {self.rank}: rank {r}'s check holds {len(row)} "
                                     f"bytes, fewer than its fields")
         fields_of = [row[:head].tobytes() for row in rows]
-        if len({f[:_NEXT.start * 8] for f in fields_of}) > 1:     # calls that differ
+        if len({f[:_CALL.stop * 8] for f in fields_of}) > 1:      # calls that differ
             every = b"".join(fields_of)
             heads = _ROWS + len(every)
             self._verdict_bytes[:heads] = self._every_row + every
             return self._verdict_np[:heads]
         values = _PACKED.unpack(fields_of[0])
-        next_agrees = len({f[_NEXT.start * 8:_SHARE.start * 8] for f in fields_of}) == 1
+        next_agrees = len({f[_NEXT.start * 8:_NEXT.stop * 8] for f in fields_of}) == 1
         shares = zip(*(_SHARES.unpack_from(f, _SHARE.start * 8) for f in fields_of))
         fields = _PACKED.pack(*values[_CALL], *(values[_NEXT] if next_agrees else _NO_CALL),
                               *(sum(column) / self.world for column in shares))
