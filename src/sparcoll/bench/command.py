@@ -95,7 +95,7 @@ def _validate(args) -> tuple[list[algorithms.Algorithm], int | None]:
     if args.network == "none" and args.launcher == "torchrun":
         raise ValueError("--launcher torchrun runs one agent per emulated host: give --network")
     most = max(args.workers)
-    dedicated = args.aggregators == "dedicated" and any(a.needs_communicator for a in algos)
+    dedicated = args.aggregators == "dedicated"     # (check_shared refused it without sparcoll's algorithms)
     rate = check_network(args.network, args.link_burst, most + ((args.num_aggregators or most) if dedicated else 0))
     check_job_threads(most, dedicated, args.num_aggregators)
     return algos, rate
@@ -107,7 +107,7 @@ def _run_workers(n: int, args, algos: list[algorithms.Algorithm], rate_bps: int 
     as it comes (those of a job that fails later are kept). advance(what) counts each finished
     repetition."""
     num_aggregators = args.num_aggregators or n
-    dedicated = args.aggregators == "dedicated" and any(a.needs_communicator for a in algos)
+    dedicated = args.aggregators == "dedicated"
     setup = Setup(args.network, rate_bps, args.aggregators, num_aggregators, args.launcher, args.link_burst,
                   cores=len(os.sched_getaffinity(0)))
     specs = {d: InputSpec(args.numel, args.row_width, n, d, args.overlap, args.seed) for d in args.density}
